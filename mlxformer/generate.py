@@ -1,0 +1,183 @@
+"""The KV-cached generation loop: chunked ``prefill``, pipelined ``decode``, and the
+``stream_generate``/``generate`` API that orchestrates them."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+import mlx.core as mx
+
+from .cache import Cache, CacheSettings, make_cache
+from .errors import MlxformerError
+from .model import Model
+from .sampling import LogitsProcessor, Sampler, make_logits_processors, make_sampler
+from .stop import StopMatcher
+from .tokenizer import StreamingDetokenizer, Tokenizer
+
+DEFAULT_PREFILL_STEP = 512
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    """How each next token is chosen."""
+
+    temp: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float | None = None
+    seed: int | None = None
+
+
+@dataclass
+class GenerationResponse:
+    """One streamed step: the new text piece, its token, and running statistics."""
+
+    text: str
+    token: int | None
+    prompt_tokens: int
+    prompt_tps: float
+    generation_tokens: int
+    generation_tps: float
+    peak_memory_gb: float
+    finish_reason: str | None = None  # "stop" (eos or stop string), "length", or None while running
+
+
+def prefill(model: Model, tokens: mx.array, cache: Sequence[Cache], step_size: int = DEFAULT_PREFILL_STEP) -> mx.array:
+    """Run ``tokens`` (T,) through the model in chunks of ``step_size``; return the last logits (1, vocab)."""
+    if tokens.size == 0:
+        raise MlxformerError("empty prompt: nothing to generate from")
+    while tokens.size > step_size:
+        model(tokens[None, :step_size], cache)
+        mx.eval([c.state for c in cache])
+        tokens = tokens[step_size:]
+    return model(tokens[None], cache)[:, -1, :]
+
+
+def decode_step(model: Model, token: mx.array, cache: Sequence[Cache]) -> mx.array:
+    """One token (1,) in, next-token logits (1, vocab) out."""
+    return model(token[None], cache)[:, -1, :]
+
+
+def _choose(
+    logits: mx.array, history: mx.array, sampler: Sampler, processors: Sequence[LogitsProcessor]
+) -> tuple[mx.array, mx.array]:
+    for process in processors:
+        logits = process(history, logits)
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    return sampler(logprobs), logprobs
+
+
+def generate_tokens(
+    model: Model,
+    prompt: mx.array,
+    cache: Sequence[Cache],
+    sampler: Sampler,
+    processors: Sequence[LogitsProcessor] = (),
+    max_tokens: int = 256,
+    prefill_step_size: int = DEFAULT_PREFILL_STEP,
+) -> Iterator[int]:
+    """Yield up to ``max_tokens`` token ids; the next step is queued with ``mx.async_eval``
+    before the current token is handed to the caller, so the device never waits on Python."""
+    history = prompt
+    token, _ = _choose(prefill(model, prompt, cache, prefill_step_size), history, sampler, processors)
+    mx.async_eval(token)
+    for n in range(max_tokens):
+        if n + 1 < max_tokens:
+            if processors:
+                history = mx.concatenate([history, token])
+            next_token, _ = _choose(decode_step(model, token, cache), history, sampler, processors)
+            mx.async_eval(next_token)
+        yield int(token.item())
+        if n + 1 < max_tokens:
+            token = next_token
+
+
+def _peak_memory_gb() -> float:
+    return mx.get_peak_memory() / 1e9
+
+
+def stream_generate(
+    model: Model,
+    tokenizer: Tokenizer,
+    prompt: str | Sequence[int],
+    max_tokens: int = 256,
+    *,
+    sampling: SamplingSettings = SamplingSettings(),
+    stop: Sequence[str] = (),
+    cache: Sequence[Cache] | None = None,
+    cache_settings: CacheSettings | None = None,
+    prefill_step_size: int = DEFAULT_PREFILL_STEP,
+    **sampling_kwargs: float | int | None,
+) -> Iterator[GenerationResponse]:
+    """Stream a completion of ``prompt`` (raw text or token ids; no chat template is applied).
+
+    Sampling may be given as ``sampling=SamplingSettings(...)`` or as keywords
+    (``temp``, ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty``, ``seed``). Pass a
+    ``cache`` to continue from earlier turns; otherwise a new one is made from ``cache_settings``.
+    Each response carries the new text piece and token; the last one has ``finish_reason`` set.
+    """
+    if sampling_kwargs:
+        sampling = SamplingSettings(**{**sampling.__dict__, **sampling_kwargs})  # type: ignore[arg-type]
+    ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    if not ids:
+        raise MlxformerError("empty prompt: nothing to generate from")
+    if max_tokens < 1:
+        raise MlxformerError("max_tokens must be at least 1")
+    if sampling.seed is not None:
+        mx.random.seed(sampling.seed)
+    if cache is None:
+        cache = make_cache(model, cache_settings)
+    sampler = make_sampler(sampling.temp, sampling.top_p, sampling.top_k, sampling.min_p)
+    processors = make_logits_processors(sampling.repetition_penalty)
+    eos = set(tokenizer.eos_token_ids)
+    detokenizer = tokenizer.detokenizer()
+    stops = StopMatcher(stop)
+
+    mx.reset_peak_memory()
+    start = time.perf_counter()
+    prompt_tps = generation_tps = 0.0
+    decode_start = start
+    n = 0
+    tokens = generate_tokens(model, mx.array(ids), cache, sampler, processors, max_tokens, prefill_step_size)
+    for n, token in enumerate(tokens, start=1):
+        now = time.perf_counter()
+        if n == 1:
+            prompt_tps = len(ids) / max(now - start, 1e-9)
+            decode_start = now
+        else:
+            generation_tps = (n - 1) / max(now - decode_start, 1e-9)
+        stats = dict(
+            prompt_tokens=len(ids), prompt_tps=prompt_tps, generation_tokens=n,
+            generation_tps=generation_tps, peak_memory_gb=_peak_memory_gb(),
+        )
+        if token in eos:
+            yield GenerationResponse(_final(detokenizer, stops), token, finish_reason="stop", **stats)
+            return
+        piece, stopped = stops.feed(detokenizer.add_token(token))
+        if stopped:
+            yield GenerationResponse(piece, token, finish_reason="stop", **stats)
+            return
+        if n == max_tokens:
+            yield GenerationResponse(piece + _final(detokenizer, stops), token, finish_reason="length", **stats)
+            return
+        yield GenerationResponse(piece, token, **stats)
+
+
+def _final(detokenizer: StreamingDetokenizer, stops: StopMatcher) -> str:
+    """Text still held back at the end: the detokenizer's tail, then the stop matcher's."""
+    piece, _ = stops.feed(detokenizer.finalize())
+    return piece + stops.flush()
+
+
+def generate(
+    model: Model,
+    tokenizer: Tokenizer,
+    prompt: str | Sequence[int],
+    max_tokens: int = 256,
+    **kwargs,  # type: ignore[no-untyped-def]
+) -> str:
+    """The whole completion of ``prompt`` as one string (see ``stream_generate`` for options)."""
+    return "".join(response.text for response in stream_generate(model, tokenizer, prompt, max_tokens, **kwargs))

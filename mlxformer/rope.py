@@ -1,0 +1,59 @@
+"""Rotary position embedding on ``mx.fast.rope`` for every supported scaling type."""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .config import RopeConfig
+
+
+def _llama3_inv_freq(inv_freq: mx.array, rope: RopeConfig) -> mx.array:
+    """Llama 3.1 frequency-dependent scaling: long wavelengths slowed by ``factor``, a smooth band between."""
+    old_context = rope.original_max_position_embeddings
+    low_freq_wavelen = old_context / rope.low_freq_factor
+    high_freq_wavelen = old_context / rope.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = mx.where(wavelen > low_freq_wavelen, inv_freq / rope.factor, inv_freq)
+    smooth = (old_context / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return mx.where(is_medium, smoothed, scaled)
+
+
+class RoPE(nn.Module):
+    """Applies non-interleaved (HF ``rotate_half``) rotary embedding to ``(B, heads, T, head_dim)``."""
+
+    def __init__(self, dims: int, rope: RopeConfig, max_position_embeddings: int):
+        super().__init__()
+        self.dims = dims
+        self.config = rope
+        self.max_position_embeddings = max_position_embeddings
+        self.scale = 1.0 / rope.factor if rope.type == "linear" else 1.0
+        # ``mx.fast.rope`` takes periods (1 / inverse frequency) through ``freqs``.
+        self._periods: mx.array | None = None
+        if rope.type in ("llama3", "freq_factors"):
+            inv_freq = 1.0 / (rope.theta ** (mx.arange(0, dims, 2, dtype=mx.float32) / dims))
+            if rope.type == "llama3":
+                inv_freq = _llama3_inv_freq(inv_freq, rope)
+            else:
+                inv_freq = inv_freq / mx.array(rope.freq_factors, dtype=mx.float32)
+            self._periods = 1.0 / inv_freq
+
+    def _base(self, seq_len: int) -> float:
+        """The rotary base; dynamic NTK scaling grows it once the sequence passes the trained length."""
+        rope = self.config
+        if rope.type != "dynamic" or seq_len <= self.max_position_embeddings:
+            return rope.theta
+        growth = rope.factor * seq_len / self.max_position_embeddings - (rope.factor - 1)
+        return rope.theta * growth ** (self.dims / (self.dims - 2))
+
+    def __call__(self, x: mx.array, offset: int) -> mx.array:
+        if self._periods is not None:
+            return mx.fast.rope(
+                x, self.dims, traditional=False, base=None, scale=self.scale, offset=offset, freqs=self._periods
+            )
+        base = self._base(offset + x.shape[-2])
+        return mx.fast.rope(x, self.dims, traditional=False, base=base, scale=self.scale, offset=offset)

@@ -1,0 +1,88 @@
+"""Sampling as small pure functions, composed once by ``make_sampler``.
+
+A sampler maps log-probabilities ``(B, vocab)`` to token ids ``(B,)``; a logits processor
+maps ``(history, logits)`` to new logits.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import mlx.core as mx
+
+Sampler = Callable[[mx.array], mx.array]
+LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
+
+REPETITION_CONTEXT = 64  # how many recent tokens the repetition penalty looks at (llama.cpp's repeat_last_n)
+
+
+def greedy(logprobs: mx.array) -> mx.array:
+    """The most likely token."""
+    return mx.argmax(logprobs, axis=-1)
+
+
+def keep_top_k(logprobs: mx.array, k: int) -> mx.array:
+    """Mask all but the ``k`` most likely tokens."""
+    if k <= 0 or k >= logprobs.shape[-1]:
+        return logprobs
+    dropped = mx.argpartition(-logprobs, kth=k - 1, axis=-1)[..., k:]
+    return mx.put_along_axis(logprobs, dropped, mx.array(-float("inf"), logprobs.dtype), axis=-1)
+
+
+def keep_top_p(logprobs: mx.array, top_p: float) -> mx.array:
+    """Nucleus filtering: keep the smallest set of most likely tokens whose mass reaches ``top_p``."""
+    if top_p >= 1.0:
+        return logprobs
+    order = mx.argsort(logprobs, axis=-1)  # ascending
+    sorted_probs = mx.exp(mx.take_along_axis(logprobs, order, axis=-1))
+    # A token is kept when the mass strictly above it is below top_p.
+    mass_above = 1.0 - mx.cumsum(sorted_probs, axis=-1)
+    keep_sorted = mass_above < top_p
+    keep = mx.put_along_axis(mx.zeros_like(keep_sorted), order, keep_sorted, axis=-1)
+    return mx.where(keep, logprobs, -float("inf"))
+
+
+def keep_min_p(logprobs: mx.array, min_p: float) -> mx.array:
+    """Keep tokens whose probability is at least ``min_p`` times the top token's."""
+    if min_p <= 0.0:
+        return logprobs
+    threshold = mx.max(logprobs, axis=-1, keepdims=True) + mx.log(mx.array(min_p, logprobs.dtype))
+    return mx.where(logprobs >= threshold, logprobs, -float("inf"))
+
+
+def make_sampler(temp: float = 0.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0) -> Sampler:
+    """Greedy at ``temp == 0``; otherwise top-k, top-p and min-p filtering, then temperature sampling."""
+    if temp < 0 or not 0.0 < top_p <= 1.0 or top_k < 0 or not 0.0 <= min_p < 1.0:
+        raise ValueError("need temp >= 0, 0 < top_p <= 1, top_k >= 0 and 0 <= min_p < 1")
+    if temp == 0:
+        return greedy
+
+    def sample(logprobs: mx.array) -> mx.array:
+        logprobs = keep_min_p(keep_top_p(keep_top_k(logprobs, top_k), top_p), min_p)
+        return mx.random.categorical(logprobs * (1.0 / temp), axis=-1)
+
+    return sample
+
+
+def repetition_penalty_processor(penalty: float, context: int = REPETITION_CONTEXT) -> LogitsProcessor:
+    """CTRL-style penalty on the last ``context`` tokens: positive logits divided, negative multiplied."""
+    if penalty <= 0:
+        raise ValueError("repetition penalty must be positive")
+
+    def process(history: mx.array, logits: mx.array) -> mx.array:
+        recent = history[-context:]
+        if recent.size == 0:
+            return logits
+        selected = logits[:, recent]
+        penalized = mx.where(selected > 0, selected / penalty, selected * penalty)
+        logits[:, recent] = penalized
+        return logits
+
+    return process
+
+
+def make_logits_processors(repetition_penalty: float | None = None) -> list[LogitsProcessor]:
+    """The processors implied by the generation flags (none for default settings)."""
+    if repetition_penalty is None or repetition_penalty == 1.0:
+        return []
+    return [repetition_penalty_processor(repetition_penalty)]
