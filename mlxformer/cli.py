@@ -82,10 +82,10 @@ def load_for_cli(args: argparse.Namespace):  # type: ignore[no-untyped-def]
 
 
 def _command_modules() -> list[Callable[[argparse._SubParsersAction], None]]:
-    from . import bench, chat, cli_generate, convert, perplexity
+    from . import bench, chat, cli_generate, converter, perplexity
 
     return [
-        cli_generate.register, chat.register, convert.register,
+        cli_generate.register, chat.register, converter.register,
         perplexity.register, bench.register,
     ]
 

@@ -3,3 +3,7 @@
 
 def register(subparsers) -> None:
     pass
+
+
+def convert(*args, **kwargs):
+    raise NotImplementedError
