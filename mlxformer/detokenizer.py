@@ -63,10 +63,12 @@ class StreamingDetokenizer:
         """Shrink the window so each step decodes O(1) tokens."""
         n = len(self.tokens)
         if self._emitted == len(window_text):
-            # Everything is final: keep the last token as context (it carries any leading-space state).
-            self._start = n - 1
-            self._emitted = len(self._decode(self.tokens[self._start :]))
-            return
+            # Everything is final: keep the last token as context, unless it is blank (decoders
+            # may strip leading whitespace at the start of the text, e.g. sentencepiece).
+            last = self._decode(self.tokens[n - 1 :])
+            if last and not last.isspace():
+                self._start, self._emitted = n - 1, len(last)
+                return
         if n - self._start <= MAX_WINDOW:
             return
         # Held text at the end for a long time (undecodable bytes): move the window start forward

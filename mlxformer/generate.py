@@ -50,15 +50,15 @@ def prefill(model: Model, tokens: mx.array, cache: Sequence[Cache], step_size: i
     if tokens.size == 0:
         raise MlxformerError("empty prompt: nothing to generate from")
     while tokens.size > step_size:
-        model(tokens[None, :step_size], cache)
+        model.hidden_states(tokens[None, :step_size], cache)
         mx.eval([c.state for c in cache])
         tokens = tokens[step_size:]
-    return model(tokens[None], cache)[:, -1, :]
+    return model.last_logits(tokens[None], cache)
 
 
 def decode_step(model: Model, token: mx.array, cache: Sequence[Cache]) -> mx.array:
     """One token (1,) in, next-token logits (1, vocab) out."""
-    return model(token[None], cache)[:, -1, :]
+    return model.last_logits(token[None], cache)
 
 
 def _choose(

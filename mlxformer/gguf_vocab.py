@@ -47,6 +47,17 @@ _SPLIT_REGEX: dict[str, str] = {
 _DIGIT_SPLIT = frozenset(("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"))
 
 
+_SPECIAL_IDS = {
+    "bos_token": "bos_token_id",
+    "eos_token": "eos_token_id",
+    "unk_token": "unknown_token_id",
+    "pad_token": "padding_token_id",
+    "eot_token": "eot_token_id",
+    "eom_token": "eom_token_id",
+}
+_SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
+
+
 @dataclass(frozen=True)
 class GGUFVocab:
     """A tokenizer built from GGUF metadata plus the settings that live outside `tokenizer.json`."""
@@ -218,13 +229,3 @@ def build_gguf_vocab(metadata: dict[str, Any]) -> GGUFVocab:
         chat_template=_scalar(metadata, "tokenizer.chat_template"),
     )
 
-
-_SPECIAL_IDS = {
-    "bos_token": "bos_token_id",
-    "eos_token": "eos_token_id",
-    "unk_token": "unknown_token_id",
-    "pad_token": "padding_token_id",
-    "eot_token": "eot_token_id",
-    "eom_token": "eom_token_id",
-}
-_SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")

@@ -109,7 +109,8 @@ class Model(nn.Module):
     def layers(self) -> list[DecoderLayer]:
         return self.model.layers
 
-    def __call__(self, inputs: mx.array, cache: Sequence[Cache] | None = None) -> mx.array:
+    def hidden_states(self, inputs: mx.array, cache: Sequence[Cache] | None = None) -> mx.array:
+        """Final-norm hidden states ``(B, T, hidden)`` for token ids ``(B, T)``."""
         h = self.model.embed_tokens(inputs)  # (B, T, hidden)
         query_len = inputs.shape[1]
         if cache is None:
@@ -120,10 +121,21 @@ class Model(nn.Module):
             layer_caches = cache
         for layer, layer_cache in zip(self.layers, layer_caches):
             h = layer(h, mask, layer_cache)
-        h = self.model.norm(h)
+        return self.model.norm(h)
+
+    def logits(self, hidden: mx.array) -> mx.array:
+        """Project hidden states ``(B, T, hidden)`` to vocabulary logits ``(B, T, vocab)``."""
         if self.args.tie_word_embeddings:
-            return self.model.embed_tokens.as_linear(h)
-        return self.lm_head(h)
+            return self.model.embed_tokens.as_linear(hidden)
+        return self.lm_head(hidden)
+
+    def __call__(self, inputs: mx.array, cache: Sequence[Cache] | None = None) -> mx.array:
+        return self.logits(self.hidden_states(inputs, cache))
+
+    def last_logits(self, inputs: mx.array, cache: Sequence[Cache] | None = None) -> mx.array:
+        """Logits ``(B, vocab)`` of the last position only: the vocabulary projection, the
+        largest matmul of a small model, is skipped for every other position."""
+        return self.logits(self.hidden_states(inputs, cache)[:, -1, :])
 
     def set_dtype(self, dtype: mx.Dtype) -> None:
         """Cast every floating-point parameter (quantized weights stay packed) to ``dtype``."""

@@ -87,6 +87,17 @@ class SPMBackend:
         self.add_eos_token = add_eos_token
         n = self.sp.get_piece_size()
         self._control = frozenset(i for i in range(n) if self.sp.is_control(i))
+        # A one-character piece that decodes to itself: decoding `[sentinel] + run` and dropping the
+        # sentinel keeps the spaces sentencepiece would strip at the very start of the text.
+        self._sentinel = next(
+            (i for i in range(n) if self._is_plain(i) and len(p := self.sp.id_to_piece(i)) == 1
+             and not p.isspace() and self.sp.decode([i]) == p),
+            None,
+        )
+
+    def _is_plain(self, i: int) -> bool:
+        sp = self.sp
+        return not (sp.is_control(i) or sp.is_unknown(i) or sp.is_unused(i) or sp.is_byte(i))
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         ids = self.sp.encode(text)
@@ -102,20 +113,21 @@ class SPMBackend:
         run: list[int] = []
         for i in ids:
             if i in self._control:
-                parts.append(self._decode_run(run, first=not parts))
+                parts.append(self._decode_run(run, first=not any(parts)))
                 run = []
                 parts.append("" if skip_special_tokens else self.sp.id_to_piece(i))
             else:
                 run.append(i)
-        parts.append(self._decode_run(run, first=not parts))
+        parts.append(self._decode_run(run, first=not any(parts)))
         return "".join(parts)
 
     def _decode_run(self, run: list[int], first: bool) -> str:
-        text = self.sp.decode(run) if run else ""
-        # sentencepiece strips the dummy-prefix space only at the very start of the text.
-        if not first and run and self.sp.id_to_piece(run[0]).startswith("▁") and not text.startswith(" "):
-            text = " " + text
-        return text
+        if not run:
+            return ""
+        if first or self._sentinel is None:
+            return self.sp.decode(run)
+        # Not the start of the text: keep leading spaces that sentencepiece strips at the start.
+        return self.sp.decode([self._sentinel] + run)[1:]
 
     def token_to_id(self, token: str) -> int | None:
         i = self.sp.piece_to_id(token)
@@ -163,11 +175,17 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids for `text`; BOS is added only if the tokenizer is configured to add it."""
+        if not isinstance(text, str):
+            raise MlxformerError(f"encode expects a str, got {type(text).__name__}")
         return self.backend.encode(text, add_special_tokens)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         """Text for `ids`."""
-        return self.backend.decode([int(i) for i in ids], skip_special_tokens)
+        ids = [int(i) for i in ids]
+        vocab = self.backend.vocab_size()
+        if bad := [i for i in ids if not 0 <= i < vocab]:
+            raise MlxformerError(f"token id {bad[0]} is outside the vocabulary (size {vocab})")
+        return self.backend.decode(ids, skip_special_tokens)
 
     def token_to_id(self, token: str) -> int | None:
         """The id of a single token string, or None."""

@@ -10,6 +10,7 @@ import mlx.core as mx
 import pytest
 
 from mlxformer.errors import MlxformerError
+from mlxformer.detokenizer import StreamingDetokenizer
 from mlxformer.tokenizer import Tokenizer, load_tokenizer_from_dir, load_tokenizer_from_gguf
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -77,7 +78,8 @@ def ref_original(ref):
 @pytest.mark.parametrize("add_special", [True, False])
 def test_gguf_ids_match_transformers(ours, ref, add_special):
     for text in CORPUS:
-        assert ours.encode(text, add_special_tokens=add_special) == ref.encode(text, add_special_tokens=add_special), text
+        expected = ref.encode(text, add_special_tokens=add_special)
+        assert ours.encode(text, add_special_tokens=add_special) == expected, text
 
 
 def test_gguf_digit_split_follows_llama_cpp(ours, ref, ref_original):
@@ -138,6 +140,15 @@ def test_saved_dir_roundtrip(ours, tmp_path):
     assert mine.apply_chat_template(MESSAGES_SYSTEM) == ours.apply_chat_template(MESSAGES_SYSTEM)
 
 
+def test_load_transformers_saved_dir(ours, ref, tmp_path):
+    ref.save_pretrained(str(tmp_path))
+    mine = load_tokenizer_from_dir(tmp_path)
+    for text in CORPUS:
+        for add in (True, False):
+            assert mine.encode(text, add_special_tokens=add) == ref.encode(text, add_special_tokens=add), text
+    assert mine.chat_template == ours.chat_template and ref.eos_token_id in mine.eos_token_ids
+
+
 def test_dir_bos_and_template_file(ours, tmp_path):
     ours.save(tmp_path)
     config = json.loads((tmp_path / "tokenizer_config.json").read_text())
@@ -161,7 +172,8 @@ def test_unknown_gguf_model():
 
 
 def test_chat_template_sandbox(ours):
-    evil = Tokenizer(ours.backend, ours.bos_token_id, ours.eos_token_ids, "{{ ''.__class__.__mro__[1].__subclasses__() }}")
+    escape = "{{ ''.__class__.__mro__[1].__subclasses__() }}"
+    evil = Tokenizer(ours.backend, ours.bos_token_id, ours.eos_token_ids, escape)
     with pytest.raises(MlxformerError):
         evil.apply_chat_template(MESSAGES_NO_SYSTEM)
     missing = Tokenizer(ours.backend, ours.bos_token_id, ours.eos_token_ids, None)
@@ -190,19 +202,35 @@ def test_detokenizer_stream(ours):
     pieces = _stream(ours, ids)
     assert all("\ufffd" not in p for p in pieces)
     assert "".join(pieces) == ours.decode(ids)
-    rng = random.Random(1)
-    garbage = [rng.randrange(ours.vocab_size) for _ in range(400)]
-    assert "".join(_stream(ours, garbage)) == ours.decode(garbage)
+    _check_invariant(ours, range(20))
 
 
 def test_detokenizer_window_is_bounded(ours):
-    calls: list[int] = []
-    detok = ours.detokenizer()
-    decode = detok._decode
-    detok._decode = lambda ids: calls.append(len(ids)) or decode(ids)
-    for i in ours.encode(_long_text()):
-        detok.add_token(i)
-    assert max(calls) <= 8
+    sizes: list[int] = []
+
+    def decode(ids: list[int]) -> str:
+        sizes.append(len(ids))
+        return ours.decode(ids)
+
+    detok = StreamingDetokenizer(decode, ours.backend.holds)
+    ids = ours.encode(_long_text())
+    pieces = [detok.add_token(i) for i in ids] + [detok.finalize()]
+    assert "".join(pieces) == ours.decode(ids)
+    assert len(ids) > 500 and max(sizes) <= 8
+
+
+def _random_ids(tok: Tokenizer, seed: int, n: int = 80) -> list[int]:
+    """Random ids, half of them byte-fallback tokens when the vocabulary has them."""
+    rng = random.Random(seed)
+    byte_ids = [i for i in range(tok.vocab_size) if tok.backend.id_to_token(i).startswith("<0x")]
+    vocab = tok.vocab_size
+    return [rng.choice(byte_ids) if byte_ids and rng.random() < 0.5 else rng.randrange(vocab) for _ in range(n)]
+
+
+def _check_invariant(tok: Tokenizer, seeds: range) -> None:
+    for seed in seeds:
+        ids = _random_ids(tok, seed)
+        assert "".join(_stream(tok, ids)) == tok.decode(ids), ids
 
 
 # ---- SentencePiece -------------------------------------------------------------------------------
@@ -227,10 +255,12 @@ def spm_dir(request, tmp_path_factory) -> pathlib.Path:
     return out
 
 
-SPM_TEXTS = ["the café is über naïve", "Emoji 😀 and 👨‍👩‍👧 here", "中文 日本 数字 X9 Ωmega", "  two  spaces ", "tab\there"]
+SPM_TEXTS = [
+    "the café is über naïve", "Emoji 😀 and 👨‍👩‍👧 here", "中文 日本 数字 X9 Ωmega", "  two  spaces ", "tab\there"
+]
 
 
-def test_spm_matches_sentencepiece(spm_dir):
+def test_spm_matches_sentencepiece(spm_dir, tmp_path):
     import sentencepiece as spm
 
     sp = spm.SentencePieceProcessor(model_file=str(spm_dir / "tokenizer.model"))
@@ -241,8 +271,13 @@ def test_spm_matches_sentencepiece(spm_dir):
         assert tok.encode(text, add_special_tokens=False) == ids
         assert tok.encode(text) == [sp.bos_id()] + ids
         assert tok.decode(ids) == sp.decode(ids)
-    assert tok.decode([sp.bos_id()] + sp.encode("a b")) == "<s>" + sp.decode(sp.encode("a b"))
+    # Control tokens are shown like transformers' LlamaTokenizer shows them: "<s> a b".
+    assert tok.decode([sp.bos_id()] + sp.encode("a b")) == "<s> " + sp.decode(sp.encode("a b"))
     assert tok.decode([sp.bos_id()] + sp.encode("a b"), skip_special_tokens=True) == sp.decode(sp.encode("a b"))
+    tok.save(tmp_path)
+    again = load_tokenizer_from_dir(tmp_path)
+    assert [again.encode(t) for t in SPM_TEXTS] == [tok.encode(t) for t in SPM_TEXTS]
+    assert again.apply_chat_template([{"role": "user", "content": "hey"}]) == "hey"
 
 
 def test_spm_detokenizer(spm_dir):
@@ -252,6 +287,11 @@ def test_spm_detokenizer(spm_dir):
     pieces = _stream(tok, ids)
     assert all("\ufffd" not in p for p in pieces)
     assert "".join(pieces) == tok.decode(ids)
+    _check_invariant(tok, range(100))
+    # Blank pieces after visible text: sentencepiece strips leading blanks only at the start of the text.
+    blanks = [tok.token_to_id("▁")] * 3
+    ids = tok.encode("x", add_special_tokens=False) + blanks + tok.encode("and", add_special_tokens=False)
+    assert "".join(_stream(tok, ids)) == tok.decode(ids) == "x    and"
 
 
 def test_spm_gguf_matches_transformers(spm_dir, tmp_path):
@@ -285,4 +325,13 @@ def test_spm_gguf_matches_transformers(spm_dir, tmp_path):
         ids = tok.encode(text)
         assert tok.decode(ids) == ref.decode(ids)
     ids = tok.encode(" ".join(SPM_TEXTS * 3))
-    assert "".join(_stream(tok, ids)) == tok.decode(ids)
+    pieces = _stream(tok, ids)
+    assert "".join(pieces) == tok.decode(ids) and all("\ufffd" not in p for p in pieces)
+    _check_invariant(tok, range(100))  # ByteFallback decodes <0xNN> runs as one group
+
+
+def test_bad_input_errors(ours):
+    with pytest.raises(MlxformerError, match="outside the vocabulary"):
+        ours.decode([ours.vocab_size])
+    with pytest.raises(MlxformerError, match="expects a str"):
+        ours.encode([1, 2])  # type: ignore[arg-type]

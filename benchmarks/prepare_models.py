@@ -1,0 +1,109 @@
+"""Write the benchmark model files into .bench/models (not committed).
+
+- smollm2-f32, smollm2-bf16: SmolLM2-135M-Instruct in HF layout, dequantized from the
+  offline GGUF by transformers (the reference implementation) and saved as safetensors.
+- smollm2-8bit, smollm2-4bit: mlx-lm's own conversions of smollm2-bf16 (its default settings).
+- llama-1b-bf16: a random checkpoint of the Llama-3.2-1B shape (1.24B parameters, bf16).
+
+Usage: python benchmarks/prepare_models.py [--out .bench/models] [--skip-1b]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+LLAMA_1B = {
+    "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 2048,
+    "num_hidden_layers": 16, "intermediate_size": 8192, "num_attention_heads": 32,
+    "num_key_value_heads": 8, "head_dim": 64, "vocab_size": 128256, "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0, "max_position_embeddings": 131072, "tie_word_embeddings": True,
+    "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    "hidden_act": "silu", "torch_dtype": "bfloat16",
+}
+
+
+def write_smollm(out: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from mlxformer.default_model import default_model_path
+
+    gguf = default_model_path()
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # A GGUF-loaded model is marked quantized and refuses save_pretrained: copy it into a plain one.
+    config_dict = loaded.config.to_dict()
+    config_dict.pop("quantization_config", None)
+    model = AutoModelForCausalLM.from_config(type(loaded.config).from_dict(config_dict), dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict())
+    for name, dtype in (("smollm2-f32", torch.float32), ("smollm2-bf16", torch.bfloat16)):
+        target = out / name
+        if not target.exists():
+            model.to(dtype).save_pretrained(target)
+            tokenizer.save_pretrained(target)
+
+
+def write_mlx_lm_quantized(out: Path) -> None:
+    from mlx_lm.convert import convert
+
+    for bits in (8, 4):
+        target = out / f"smollm2-{bits}bit"
+        if not target.exists():
+            convert(hf_path=str(out / "smollm2-bf16"), mlx_path=str(target), quantize=True, q_bits=bits)
+
+
+def write_llama_1b(out: Path) -> None:
+    import mlx.core as mx
+
+    target = out / "llama-1b-bf16"
+    if target.exists():
+        return
+    target.mkdir(parents=True)
+    c = LLAMA_1B
+    hidden, inter, head_dim = c["hidden_size"], c["intermediate_size"], c["head_dim"]
+    q_dim, kv_dim = c["num_attention_heads"] * head_dim, c["num_key_value_heads"] * head_dim
+    rng = np.random.default_rng(0)
+
+    def rand(*shape: int) -> mx.array:
+        return mx.array((rng.standard_normal(shape, dtype=np.float32) * 0.02)).astype(mx.bfloat16)
+
+    weights = {"model.embed_tokens.weight": rand(c["vocab_size"], hidden), "model.norm.weight": mx.ones((hidden,), mx.bfloat16)}
+    for i in range(c["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        weights.update({
+            p + "self_attn.q_proj.weight": rand(q_dim, hidden), p + "self_attn.k_proj.weight": rand(kv_dim, hidden),
+            p + "self_attn.v_proj.weight": rand(kv_dim, hidden), p + "self_attn.o_proj.weight": rand(hidden, q_dim),
+            p + "mlp.gate_proj.weight": rand(inter, hidden), p + "mlp.up_proj.weight": rand(inter, hidden),
+            p + "mlp.down_proj.weight": rand(hidden, inter),
+            p + "input_layernorm.weight": mx.ones((hidden,), mx.bfloat16),
+            p + "post_attention_layernorm.weight": mx.ones((hidden,), mx.bfloat16),
+        })
+    mx.save_safetensors(str(target / "model.safetensors"), weights, metadata={"format": "pt"})
+    (target / "config.json").write_text(json.dumps(c, indent=2))
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        source = out / "smollm2-bf16" / name
+        if source.exists():
+            shutil.copy(source, target / name)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path(".bench/models"))
+    parser.add_argument("--skip-1b", action="store_true", help="do not write the 2.5 GB random 1B checkpoint")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    write_smollm(args.out)
+    write_mlx_lm_quantized(args.out)
+    if not args.skip_1b:
+        write_llama_1b(args.out)
+    print(f"models in {args.out}: {', '.join(sorted(p.name for p in args.out.iterdir()))}")
+
+
+if __name__ == "__main__":
+    main()
