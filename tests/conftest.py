@@ -1,0 +1,122 @@
+"""Shared fixtures: the real SmolLM2 GGUF, its transformers reference, an HF-layout copy of it,
+and a writer of tiny random checkpoints saved by transformers itself."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never touch the hub from tests
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+TINY_SHAPE = dict(
+    vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
+)
+
+
+@pytest.fixture(scope="session")
+def smollm_gguf() -> Path:
+    """The real SmolLM2-135M-Instruct Q4_1 GGUF (the offline default model)."""
+    from mlxformer.default_model import default_model_path
+
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def hf_smollm(smollm_gguf: Path):
+    """transformers' float32 model from the GGUF (weights dequantized by transformers)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        str(smollm_gguf.parent), gguf_file=smollm_gguf.name, dtype=torch.float32
+    )
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def hf_smollm_tokenizer(smollm_gguf: Path):
+    """transformers' tokenizer from the GGUF."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(smollm_gguf.parent), gguf_file=smollm_gguf.name)
+
+
+@pytest.fixture(scope="session")
+def smollm_hf_dir(hf_smollm, hf_smollm_tokenizer, tmp_path_factory) -> Path:
+    """The GGUF model in HF layout: bfloat16 safetensors + tokenizer files, written by transformers."""
+    import torch
+
+    directory = tmp_path_factory.mktemp("smollm_hf")
+    model = copy.deepcopy(hf_smollm).to(torch.bfloat16)
+    # Weights are plain dequantized tensors now; drop the GGUF "quantizer" so transformers saves them.
+    model.hf_quantizer = None
+    del model.config.quantization_config
+    model.save_pretrained(directory)
+    hf_smollm_tokenizer.save_pretrained(directory)
+    return directory
+
+
+def perturb_(model, seed: int = 0) -> None:
+    """Give every parameter O(1)-scale random values in place, so the logits are far from uniform
+    and every weight (norm scales, biases) visibly changes the output. transformers' default
+    init (std 0.02, unit norms, zero biases) would make a wrong mapping hard to see."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=generator)
+            if name.endswith("norm.weight"):
+                param.copy_(1.0 + 0.3 * noise)
+            elif name.endswith(".bias"):
+                param.copy_(0.5 * noise)
+            elif "embed_tokens" in name:
+                param.copy_(0.3 * noise)  # also the tied lm_head: logits of O(1-3)
+            else:  # (out, in) projections: unit-variance outputs, times a bit more for peaked softmaxes
+                param.copy_(1.5 * noise / param.shape[-1] ** 0.5)
+
+
+def write_tiny_checkpoint(
+    directory: Path, model_type: str, seed: int = 0, **config: Any
+) -> tuple[Path, Any]:
+    """Save a tiny random transformers model of ``model_type`` (``TINY_SHAPE`` plus ``config``)
+    with ``save_pretrained`` into ``directory``; returns ``(directory, float32 eager HF model)``."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hf_config = AutoConfig.for_model(model_type, **{**TINY_SHAPE, **config})
+    hf_config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    perturb_(model, seed)
+    model.eval()
+    model.save_pretrained(directory)
+    return directory, model
+
+
+def edit_config(directory: Path, **changes: Any) -> dict[str, Any]:
+    """Rewrite ``directory/config.json`` with ``changes`` (a ``None`` value deletes the key)."""
+    path = directory / "config.json"
+    config = json.loads(path.read_text())
+    for key, value in changes.items():
+        if value is None:
+            config.pop(key, None)
+        else:
+            config[key] = value
+    path.write_text(json.dumps(config, indent=2))
+    return config
+
+
+@pytest.fixture(scope="session")
+def smollm(smollm_gguf: Path):
+    """mlxformer's ``load`` of the real GGUF: (model, tokenizer), float32 compute (CPU policy)."""
+    from mlxformer import load
+
+    return load(smollm_gguf)

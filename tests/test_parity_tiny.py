@@ -1,0 +1,179 @@
+"""Parity with transformers on tiny random checkpoints written by transformers' ``save_pretrained``.
+
+Every family/feature combination is read back through mlxformer's own loading path
+(``read_checkpoint`` + ``build_model``) and compared in float32 against the transformers
+model that wrote it: full forward, prefill + token-by-token decode through the KV cache,
+and chunked prefill.
+"""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import torch
+
+from conftest import edit_config, write_tiny_checkpoint
+from mlxformer.cache import make_cache
+from mlxformer.errors import MlxformerError
+from mlxformer.generate import decode_step, prefill
+from mlxformer.loader import build_model, read_checkpoint
+
+SEQ_LEN = 64
+PREFILL_LEN = 40
+# Both sides compute the same fp32 math; only summation order differs (measured <= 3e-5 with the
+# O(1)-scale perturbed weights of conftest.perturb_). 1e-4 is far below what any wrong rope, bias,
+# norm or window does: dropping Mistral's window or Qwen2's biases moves log-probs by 6-8.
+BOUND = 1e-4
+
+LLAMA3_ROPE = {
+    "rope_type": "llama3", "rope_theta": 1000.0, "factor": 8.0, "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0, "original_max_position_embeddings": 32,
+}
+# name -> (model_type, transformers config overrides)
+CASES = {
+    "llama-llama3-rope": ("llama", dict(rope_parameters=LLAMA3_ROPE, max_position_embeddings=128)),
+    "llama-tied-head_dim32": ("llama", dict(tie_word_embeddings=True, head_dim=32)),
+    "llama-attention-bias": ("llama", dict(attention_bias=True)),
+    "mistral-sliding16": ("mistral", dict(sliding_window=16, rope_parameters={"rope_type": "default", "rope_theta": 5e4})),
+    "qwen2-bias": ("qwen2", dict(rope_parameters={"rope_type": "default", "rope_theta": 5e4})),
+    "qwen3-qk-norm": ("qwen3", dict(head_dim=32)),
+    "llama-linear-rope": ("llama", dict(rope_parameters={"rope_type": "linear", "rope_theta": 1e4, "factor": 4.0})),
+}
+# Classic (transformers 4) spellings of the same rope settings: top-level rope_theta + rope_scaling.
+CLASSIC = {
+    "llama-llama3-rope": dict(
+        rope_theta=1000.0,
+        rope_scaling={k: v for k, v in LLAMA3_ROPE.items() if k != "rope_theta"},
+    ),
+    "qwen2-bias": dict(rope_theta=5e4, rope_scaling=None),
+}
+
+
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64)
+    m = x.max(-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
+
+
+def max_diff(ours: np.ndarray, ref: np.ndarray) -> float:
+    return float(np.abs(log_softmax(ours) - log_softmax(ref)).max())
+
+
+def hf_logits(hf_model, ids: np.ndarray) -> np.ndarray:
+    with torch.no_grad():
+        return hf_model(torch.tensor(ids[None], dtype=torch.long)).logits[0].float().numpy()
+
+
+def tokens(n: int = SEQ_LEN, seed: int = 1) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, size=n)
+
+
+def load_ours(directory):
+    config, weights, metadata = read_checkpoint(directory)
+    assert metadata is None
+    model = build_model(config, weights)
+    model.set_dtype(mx.float32)
+    return model
+
+
+@pytest.fixture(scope="module", params=list(CASES) + [f"{name}-classic" for name in CLASSIC])
+def case(request, tmp_path_factory):
+    """(our model, transformers model) for one checkpoint."""
+    name = request.param.removesuffix("-classic")
+    model_type, overrides = CASES[name]
+    directory, hf_model = write_tiny_checkpoint(tmp_path_factory.mktemp(request.param), model_type, **overrides)
+    if request.param.endswith("-classic"):
+        original = hf_model.config.rope_parameters
+        edit_config(directory, rope_parameters=None, **CLASSIC[name])
+        written = json.loads((directory / "config.json").read_text())
+        assert "rope_parameters" not in written and written["rope_theta"] == original["rope_theta"]
+        # transformers itself reads the classic form back to the same rope settings.
+        from transformers import AutoConfig
+
+        assert AutoConfig.from_pretrained(directory).rope_parameters == original
+    return load_ours(directory), hf_model
+
+
+def test_biases_and_norms_are_nontrivial(case):
+    """Guard the fixture: transformers inits biases to 0 and norms to 1; ours were perturbed."""
+    _, hf_model = case
+    for name, param in hf_model.named_parameters():
+        if name.endswith(".bias") or "norm" in name:
+            assert float(param.detach().std()) > 0.1, name
+
+
+def test_full_forward(case):
+    ours, hf_model = case
+    ids = tokens()
+    ref = hf_logits(hf_model, ids)
+    got = np.array(ours(mx.array(ids[None]))[0])
+    assert got.shape == ref.shape == (SEQ_LEN, 256)
+    assert max_diff(got, ref) <= BOUND
+    # The bound is meaningful: the next-token distributions are far from uniform.
+    assert float(log_softmax(ref).max(-1).mean()) > np.log(1 / 256) + 1.0
+
+
+def test_prefill_then_decode_matches_full_forward(case):
+    ours, hf_model = case
+    ids = tokens(seed=2)
+    ref = hf_logits(hf_model, ids)
+    cache = make_cache(ours)
+    first = prefill(ours, mx.array(ids[:PREFILL_LEN]), cache, step_size=PREFILL_LEN)
+    steps = [np.array(first[0])]
+    for t in range(PREFILL_LEN, SEQ_LEN):
+        steps.append(np.array(decode_step(ours, mx.array(ids[t : t + 1]), cache)[0]))
+    got = np.stack(steps)  # predictions for positions PREFILL_LEN-1 .. SEQ_LEN-1
+    assert cache[0].offset == SEQ_LEN
+    assert max_diff(got, ref[PREFILL_LEN - 1 :]) <= BOUND
+
+
+@pytest.mark.parametrize("step_size", [7, 16])
+def test_chunked_prefill_last_logits(case, step_size):
+    ours, hf_model = case
+    ids = tokens(seed=3)
+    ref = hf_logits(hf_model, ids)
+    last = prefill(ours, mx.array(ids), make_cache(ours), step_size=step_size)
+    assert last.shape == (1, 256)
+    assert max_diff(np.array(last[0]), ref[-1]) <= BOUND
+
+
+def test_dynamic_rope_full_forward(tmp_path):
+    # Dynamic NTK: transformers' full forward uses one base for the whole sequence (64 > 32 trained).
+    directory, hf_model = write_tiny_checkpoint(
+        tmp_path, "llama", max_position_embeddings=32,
+        rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0},
+    )
+    ids = tokens(seed=4)
+    got = np.array(load_ours(directory)(mx.array(ids[None]))[0])
+    assert max_diff(got, hf_logits(hf_model, ids)) <= BOUND
+
+
+def test_wrong_rope_setting_is_detected(tmp_path):
+    """The comparison can fail: the same weights with the llama3 scaling dropped disagree."""
+    directory, hf_model = write_tiny_checkpoint(
+        tmp_path, "llama", rope_parameters=LLAMA3_ROPE, max_position_embeddings=128
+    )
+    edit_config(directory, rope_parameters={"rope_type": "default", "rope_theta": 1000.0})
+    ids = tokens()
+    got = np.array(load_ours(directory)(mx.array(ids[None]))[0])
+    assert max_diff(got, hf_logits(hf_model, ids)) > 100 * BOUND
+
+
+def test_unsupported_rope_type_is_named(tmp_path):
+    directory, _ = write_tiny_checkpoint(tmp_path, "llama")
+    edit_config(directory, rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0})
+    with pytest.raises(MlxformerError, match="yarn"):
+        read_checkpoint(directory)
+    edit_config(directory, rope_parameters=None, rope_theta=1e4, rope_scaling={"type": "yarn", "factor": 4.0})
+    with pytest.raises(MlxformerError, match="yarn"):
+        read_checkpoint(directory)
+
+
+def test_unsupported_model_type_is_named(tmp_path):
+    directory, _ = write_tiny_checkpoint(tmp_path, "llama")
+    edit_config(directory, model_type="gpt_neox")
+    with pytest.raises(MlxformerError, match="gpt_neox"):
+        read_checkpoint(directory)
