@@ -11,6 +11,8 @@ from typing import Any, Literal, Protocol, Sequence, Union
 
 import mlx.core as mx
 
+from .errors import MlxformerError
+
 # The attention mask handed to ``mx.fast.scaled_dot_product_attention``: ``None`` lets every
 # query see every key, ``"causal"`` is the lower-right aligned causal mask, an array is explicit.
 Mask = Union[None, Literal["causal"], mx.array]
@@ -118,6 +120,10 @@ class KVCache:
 
     @state.setter
     def state(self, arrays: tuple[mx.array, ...]) -> None:
+        if not arrays:
+            self.keys = self.values = None
+            self.offset = 0
+            return
         self.keys, self.values = arrays
         self.offset = self.keys.shape[2]
 
@@ -143,7 +149,12 @@ class KVCache:
 
 @dataclass(frozen=True)
 class CacheSettings:
-    """How to build a model's per-layer caches (the defaults give a plain float cache)."""
+    """How to build a model's per-layer caches (the defaults give a plain float cache).
+
+    ``kv_bits`` (4 or 8) quantizes keys/values in groups of ``kv_group_size`` once the cache
+    holds ``quantized_kv_start`` tokens; ``max_kv_size`` bounds the cache to a rotating window
+    that always keeps the first ``keep`` tokens.
+    """
 
     kv_bits: int | None = None
     kv_group_size: int = 64
@@ -153,6 +164,21 @@ class CacheSettings:
 
 
 def make_cache(model: "HasLayers", settings: CacheSettings | None = None) -> list[Cache]:
-    """One cache per decoder layer."""
+    """One cache per decoder layer, as ``settings`` asks."""
+    from .cache_quantized import QuantizedKVCache, check_kv_quantization
+    from .cache_rotating import RotatingKVCache
+
     settings = settings or CacheSettings()
+    bits, group, start = settings.kv_bits, settings.kv_group_size, settings.quantized_kv_start
+    if bits is not None:
+        check_kv_quantization(bits, group)
+    if start < 0:
+        raise MlxformerError("quantized_kv_start must be >= 0")
+    if settings.max_kv_size is not None:
+        if settings.max_kv_size < 1:
+            raise MlxformerError("max_kv_size must be positive")
+        keep = min(settings.keep, settings.max_kv_size - 1)
+        return [RotatingKVCache(settings.max_kv_size, keep, bits, group, start) for _ in model.layers]
+    if bits is not None:
+        return [QuantizedKVCache(bits, group, start) for _ in model.layers]
     return [KVCache() for _ in model.layers]

@@ -82,11 +82,11 @@ def load_for_cli(args: argparse.Namespace):  # type: ignore[no-untyped-def]
 
 
 def _command_modules() -> list[Callable[[argparse._SubParsersAction], None]]:
-    from . import bench, chat, cli_generate, converter, perplexity
+    from . import bench, chat, cli_generate, converter, perplexity, prompt_cache
 
     return [
         cli_generate.register, chat.register, converter.register,
-        perplexity.register, bench.register,
+        perplexity.register, bench.register, prompt_cache.register,
     ]
 
 

@@ -1,9 +1,318 @@
-"""placeholder"""
+"""``mlxformer convert``: an HF/MLX dir, hub repo or GGUF file -> an mlx-lm compatible MLX dir.
+
+The output is ``config.json`` (with mlx-lm's ``quantization`` entry when quantized),
+``model.safetensors`` or shards plus ``model.safetensors.index.json``, the tokenizer files
+and a short README.md. Tensors are read lazily and written shard by shard into a temporary
+sibling dir that replaces the destination only when complete.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .calibration import CALIBRATION_TEXT, activation_importance
+from .checkpoint_stream import MAX_SHARD_BYTES, SourceCheckpoint, open_source, plan_shards, staged_output, write_shards
+from .config import ModelArgs
+from .errors import MlxformerError
+from .loader import build_model, check_weights, quantization_of, quantize_like_checkpoint, resolve_source
+from .model import Model
+from .quantize import (
+    DEFAULT_RECIPE, QuantSpec, Recipe, bits_per_weight, check_spec, dequantize_matrix, get_recipe, layer_spec,
+    quantization_entry, quantize_matrix,
+)
+from .tokenizer import load_tokenizer_from_dir, load_tokenizer_from_gguf
+
+DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json", "added_tokens.json",
+    "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json", "generation_config.json",
+)
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                 "qwen3": "Qwen3ForCausalLM"}
 
 
-def register(subparsers) -> None:
-    pass
+@dataclass(frozen=True)
+class ConvertSettings:
+    """What the conversion should produce (validated)."""
+
+    quantize: bool
+    base: QuantSpec | None
+    recipe: Recipe | None
+    dtype: mx.Dtype | None
+    dequantize: bool
+    force: bool
 
 
-def convert(*args, **kwargs):
-    raise NotImplementedError
+def _settings(quantize: bool, q_bits: int | None, q_group_size: int | None, dtype: str | None,
+              quant_recipe: str | None, dequantize: bool, force: bool) -> ConvertSettings:
+    if not quantize and (q_bits is not None or q_group_size is not None or quant_recipe is not None):
+        raise MlxformerError("--q-bits, --q-group-size and --quant-recipe need -q/--quantize")
+    if dtype is not None and dtype not in DTYPES:
+        raise MlxformerError(f"unsupported --dtype {dtype!r} (choose from {', '.join(DTYPES)})")
+    base = check_spec(4 if q_bits is None else q_bits, 64 if q_group_size is None else q_group_size) if quantize else None
+    recipe = get_recipe(quant_recipe or DEFAULT_RECIPE) if quantize else None
+    return ConvertSettings(quantize, base, recipe, DTYPES[dtype] if dtype else None, dequantize, force)
+
+
+def convert(
+    hf_path: str | Path,
+    mlx_path: str | Path = "mlx_model",
+    quantize: bool = False,
+    q_bits: int | None = None,
+    q_group_size: int | None = None,
+    dtype: str | None = None,
+    quant_recipe: str | None = None,
+    dequantize: bool = False,
+    force: bool = False,
+    *,
+    max_shard_size: int = MAX_SHARD_BYTES,
+    progress: bool = True,
+) -> Path:
+    """Convert a checkpoint to an MLX model dir (mlx-lm/mlx-community layout); returns its path.
+
+    Args:
+        hf_path: HF repo id, local HF or MLX dir, or ``.gguf`` file.
+        mlx_path: output dir; must not exist unless ``force``.
+        quantize: quantize the matrices (default recipe unless ``quant_recipe``).
+        q_bits, q_group_size: base bits (default 4) and group size (default 64).
+        dtype: float16/bfloat16/float32 for float tensors and scales (default: keep the source's
+            dtypes when not quantizing, float16 when quantizing).
+        quant_recipe: a name from ``mlxformer.quantize.RECIPES``.
+        dequantize: turn a quantized source float (before ``quantize``, if both).
+        force: replace an existing ``mlx_path`` once the new one is complete.
+        max_shard_size: largest output shard in bytes (a single bigger tensor gets its own).
+        progress: show a progress bar.
+    """
+    settings = _settings(quantize, q_bits, q_group_size, dtype, quant_recipe, dequantize, force)
+    destination = Path(mlx_path).expanduser().absolute()
+    if destination.exists() and not force:
+        raise MlxformerError(f"{destination} already exists (pass --force to replace it)")
+    source_path = resolve_source(hf_path)
+    source = open_source(source_path)
+    job = _Job(source, settings)
+    with staged_output(destination, force) as staging:
+        units = job.units()
+        groups = plan_shards([(name, job.output_bytes(name)) for name in units], max_shard_size)
+        write_shards(staging, groups, job.produce, progress=progress)
+        job.write_metadata(staging, source_path)
+    return destination
+
+
+class _Job:
+    """One conversion: the source, the per-matrix plan and the tensor producers."""
+
+    def __init__(self, source: SourceCheckpoint, settings: ConvertSettings):
+        self.source, self.settings = source, settings
+        self.args = ModelArgs.from_dict(source.config)
+        self.source_quant = quantization_of(source.config)
+        model = Model(self.args)  # parameters stay lazy: never evaluated
+        self.weights = model.sanitize(source.tensors)
+        if self.source_quant:
+            quantize_like_checkpoint(model, self.source_quant, self.weights)
+        check_weights(model, self.weights)
+        if self.source_quant and settings.quantize and not settings.dequantize and source.gguf_metadata is None:
+            raise MlxformerError("the source is already quantized; add --dequantize to requantize from its float values")
+        self.modules = {path: m for path, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Embedding,
+                        nn.QuantizedLinear, nn.QuantizedEmbedding))}
+        # quantized outputs default to float16 scales/floats (more precise than bfloat16 for scales)
+        self.float_dtype = settings.dtype or (mx.float16 if settings.quantize else None)
+        self.specs = self._plan() if settings.quantize else {}
+        self.importance: dict[str, mx.array] = {}
+        if settings.quantize and settings.recipe is not None and settings.recipe.calibrate:
+            self.importance = self._calibrate()
+
+    def _is_source_quantized(self, path: str) -> bool:
+        return isinstance(self.modules[path], (nn.QuantizedLinear, nn.QuantizedEmbedding))
+
+    def _matrix_shape(self, path: str) -> tuple[int, int]:
+        module = self.modules[path]
+        if self._is_source_quantized(path):
+            rows, packed_cols = module.weight.shape
+            return rows, packed_cols * 32 // module.bits
+        return tuple(module.weight.shape)  # type: ignore[return-value]
+
+    def _plan(self) -> dict[str, QuantSpec | None]:
+        assert self.settings.base is not None and self.settings.recipe is not None
+        return {path: layer_spec(self.settings.recipe, path, self._matrix_shape(path)[1], self.settings.base,
+                                 self.args.num_hidden_layers) for path in self.modules}
+
+    def _float_matrix(self, path: str) -> mx.array:
+        """A matrix in float (dequantized from the exact packed values if the source is quantized)."""
+        if not self._is_source_quantized(path):
+            return self.weights[f"{path}.weight"]
+        module = self.modules[path]
+        spec = QuantSpec(module.bits, module.group_size)
+        w = self.weights
+        return dequantize_matrix(w[f"{path}.weight"], w[f"{path}.scales"], w[f"{path}.biases"], spec)
+
+    def _calibrate(self) -> dict[str, mx.array]:
+        """Activation importance from the float model on the calibration text."""
+        config = {k: v for k, v in self.source.config.items() if k not in ("quantization", "quantization_config")}
+        weights = {k: v for k, v in self.weights.items() if k.rsplit(".", 1)[0] not in self.modules}
+        weights.update({f"{p}.weight": self._float_matrix(p).astype(mx.float32) for p in self.modules})
+        model = build_model(config, weights)
+        model.set_dtype(mx.float32)
+        meta, directory = self.source.gguf_metadata, self.source.directory
+        tokenizer = load_tokenizer_from_gguf(meta) if meta is not None else load_tokenizer_from_dir(directory)
+        importance = activation_importance(model, tokenizer.encode(CALIBRATION_TEXT))
+        del model, weights
+        mx.clear_cache()
+        return importance
+
+    # ---- units: one per matrix (all its output tensors) or per other parameter
+
+    def units(self) -> list[str]:
+        """Output units in source order: a module path for matrices, a key for other tensors."""
+        seen: list[str] = []
+        for key in self.weights:
+            path = key.rsplit(".", 1)[0]
+            unit = path if path in self.modules and key.rsplit(".", 1)[1] in ("weight", "scales", "biases") else key
+            if unit not in seen:
+                seen.append(unit)
+        return seen
+
+    def _output_spec(self, path: str) -> QuantSpec | None:
+        """The packed spec of a matrix in the output, or ``None`` if it is written float."""
+        if self.settings.quantize:
+            return self.specs[path]
+        if self._is_source_quantized(path) and not self.settings.dequantize:
+            module = self.modules[path]
+            return QuantSpec(module.bits, module.group_size)
+        return None
+
+    def output_bytes(self, unit: str) -> int:
+        """Size of a unit's output tensors, known without evaluating them."""
+        if unit not in self.modules:
+            return self.weights[unit].size * (self.float_dtype or self.weights[unit].dtype).size
+        rows, cols = self._matrix_shape(unit)
+        spec = self._output_spec(unit)
+        if spec is None:
+            dtype = self.float_dtype or (self.weights[f"{unit}.scales"] if self._is_source_quantized(unit)
+                                         else self.weights[f"{unit}.weight"]).dtype
+            return rows * cols * dtype.size
+        scale_dtype = self.float_dtype or self.weights.get(f"{unit}.scales", self.weights[f"{unit}.weight"]).dtype
+        return rows * cols * spec.bits // 8 + 2 * rows * (cols // spec.group_size) * scale_dtype.size
+
+    def produce(self, units: list[str]) -> dict[str, mx.array]:
+        """The output tensors of ``units``."""
+        out: dict[str, mx.array] = {}
+        for unit in units:
+            if unit not in self.modules:
+                out[unit] = self._cast(self.weights[unit])
+            else:
+                out.update(self._matrix_outputs(unit))
+        return out
+
+    def _cast(self, array: mx.array) -> mx.array:
+        return array.astype(self.float_dtype) if self.float_dtype is not None else array
+
+    def _matrix_outputs(self, path: str) -> dict[str, mx.array]:
+        w = self.weights
+        keys = (f"{path}.weight", f"{path}.scales", f"{path}.biases")
+        spec = self._output_spec(path)
+        if self.settings.quantize and spec is not None:
+            scale_dtype = self.float_dtype or mx.float16
+            packed = quantize_matrix(self._float_matrix(path), spec, self.importance.get(path), dtype=scale_dtype,
+                                     search=self.settings.recipe.search if self.settings.recipe else True)
+            return dict(zip(keys, packed))
+        if spec is not None:  # packed source kept exactly as it is
+            return {keys[0]: w[keys[0]], keys[1]: self._cast(w[keys[1]]), keys[2]: self._cast(w[keys[2]])}
+        if self._is_source_quantized(path):
+            return {keys[0]: self._float_matrix(path).astype(self.float_dtype or w[keys[1]].dtype)}
+        return {keys[0]: self._cast(w[keys[0]])}
+
+    # ---- config, tokenizer, model card
+
+    def quantization(self) -> dict[str, Any] | None:
+        """The output's ``quantization`` entry, or ``None`` for a float output."""
+        if self.settings.quantize and self.settings.base is not None:
+            return quantization_entry(self.settings.base, self.specs)
+        if self.source_quant and not self.settings.dequantize:
+            return {"mode": "affine", **self.source_quant}
+        return None
+
+    def bits_per_weight(self) -> float | None:
+        """Average bits per matrix weight of a quantized output (see ``quantize.bits_per_weight``)."""
+        specs = {p: self._output_spec(p) for p in self.modules}
+        if all(s is None for s in specs.values()):
+            return None
+        return bits_per_weight(specs, {p: self._matrix_shape(p) for p in self.modules})
+
+    def write_metadata(self, directory: Path, source_path: Path) -> None:
+        """config.json, tokenizer files and README.md."""
+        config = {k: v for k, v in self.source.config.items() if k not in ("quantization", "quantization_config")}
+        config.setdefault("architectures", [ARCHITECTURES[self.args.model_type]])
+        if self.float_dtype is not None:
+            name = next(k for k, v in DTYPES.items() if v == self.float_dtype)
+            config["torch_dtype"] = name
+            if "dtype" in config:
+                config["dtype"] = name
+        quantization = self.quantization()
+        if quantization:
+            config["quantization"] = quantization
+            config["quantization_config"] = dict(quantization)
+        (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+        if self.source.gguf_metadata is not None:
+            load_tokenizer_from_gguf(self.source.gguf_metadata).save(directory)
+        elif self.source.directory is not None:
+            for name in TOKENIZER_FILES:
+                if (self.source.directory / name).is_file():
+                    shutil.copyfile(self.source.directory / name, directory / name)
+        (directory / "README.md").write_text(self._model_card(source_path, quantization), encoding="utf-8")
+
+    def _model_card(self, source_path: Path, quantization: dict[str, Any] | None) -> str:
+        lines = ["---", "library_name: mlx", "tags: [mlx, mlxformer]", "---", "",
+                 f"# {source_path.name} (MLX)", "",
+                 f"Converted with `mlxformer convert` from `{source_path}`.", ""]
+        if self.settings.quantize and self.settings.recipe and self.settings.base:
+            lines.append(f"- quantization: recipe `{self.settings.recipe.name}` ({self.settings.recipe.description}), "
+                         f"base {self.settings.base.bits} bits, group size {self.settings.base.group_size}")
+        elif quantization:
+            lines.append(f"- quantization: kept from the source ({quantization['bits']} bits, group "
+                         f"{quantization['group_size']})")
+        else:
+            lines.append("- quantization: none" + (" (dequantized)" if self.settings.dequantize else ""))
+        bpw = self.bits_per_weight()
+        if bpw is not None:
+            lines.append(f"- average bits per matrix weight: {bpw:.3f} (bits + 32/group_size, float matrices 16)")
+        if self.float_dtype is not None:
+            lines.append(f"- float dtype: {next(k for k, v in DTYPES.items() if v == self.float_dtype)}")
+        lines += ["", "Load with `mlxformer.load(path)` or `mlx_lm.load(path)`.", ""]
+        return "\n".join(lines)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the ``convert`` subcommand."""
+    parser = subparsers.add_parser(
+        "convert", help="convert an HF/MLX/GGUF checkpoint to an MLX dir (optionally quantized)",
+        description="Convert a Hugging Face repo or dir, an MLX dir or a GGUF file to an mlx-lm compatible MLX dir.",
+    )
+    parser.add_argument("--hf-path", required=True, help="HF repo id, local HF/MLX dir or .gguf file")
+    parser.add_argument("--mlx-path", default="mlx_model", help="output dir (default: mlx_model)")
+    parser.add_argument("-q", "--quantize", action="store_true", help=f"quantize (default recipe: {DEFAULT_RECIPE})")
+    parser.add_argument("--q-bits", type=int, default=None, help="bits per weight: 2, 3, 4, 5, 6 or 8 (default 4)")
+    parser.add_argument("--q-group-size", type=int, default=None, help="group size: 32, 64 or 128 (default 64)")
+    parser.add_argument("--quant-recipe", default=None, help=f"quantization recipe (default {DEFAULT_RECIPE})")
+    parser.add_argument("--dtype", default=None, help="float16, bfloat16 or float32 for float tensors and scales")
+    parser.add_argument("--dequantize", action="store_true", help="write a quantized source as float")
+    parser.add_argument("--force", action="store_true", help="replace an existing --mlx-path")
+    parser.add_argument("--verbose", "-v", action="store_true", dest="verbose_sub", help="show tracebacks")
+    parser.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Handler of ``mlxformer convert``."""
+    out = convert(
+        args.hf_path, args.mlx_path, quantize=args.quantize, q_bits=args.q_bits, q_group_size=args.q_group_size,
+        dtype=args.dtype, quant_recipe=args.quant_recipe, dequantize=args.dequantize, force=args.force,
+    )
+    print(f"wrote {out}")
+    return 0

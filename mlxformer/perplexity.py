@@ -1,5 +1,86 @@
-"""placeholder"""
+"""``mlxformer perplexity``: sliding-window perplexity of a model on a text file.
+
+The standard (Hugging Face) strided evaluation: windows of ``context`` tokens start every
+``stride`` tokens; each window scores only the tokens no earlier window scored, so every
+token after the first is scored exactly once, with up to ``context - 1`` tokens of history.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .errors import MlxformerError
 
 
-def register(subparsers) -> None:
-    pass
+def window_negative_log_likelihood(model: nn.Module, window: list[int], n_scored: int) -> float:
+    """Sum of ``-log p(token | prefix)`` over the last ``n_scored`` tokens of ``window``."""
+    tokens = mx.array(window)[None]  # (1, T)
+    logits = model(tokens[:, :-1]).astype(mx.float32)  # (1, T-1, vocab): predicts tokens[1:]
+    targets = tokens[:, 1:]
+    losses = nn.losses.cross_entropy(logits[:, -n_scored:], targets[:, -n_scored:], reduction="sum")
+    return float(losses.item())
+
+
+def perplexity(model: nn.Module, token_ids: list[int], context: int = 256, stride: int = 128) -> float:
+    """Sliding-window perplexity of ``token_ids``: windows of ``context`` tokens every ``stride``.
+
+    Token 0 is never scored (it has no history); every later token is scored once.
+    """
+    if context < 2 or not 1 <= stride <= context:
+        raise MlxformerError("need --context >= 2 and 1 <= --stride <= --context")
+    if len(token_ids) < 2:
+        raise MlxformerError("the text has fewer than 2 tokens")
+    total_nll, n_scored, scored_until = 0.0, 0, 1  # tokens [1, scored_until) are scored
+    start = 0
+    while scored_until < len(token_ids):
+        end = min(start + context, len(token_ids))
+        window = token_ids[start:end]
+        new = min(end - scored_until, len(window) - 1)  # a window's first token has no history
+        total_nll += window_negative_log_likelihood(model, window, new)
+        n_scored += new
+        scored_until = end
+        start += stride
+    return math.exp(total_nll / n_scored)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the ``perplexity`` subcommand."""
+    from .cli import add_model_args
+
+    parser = subparsers.add_parser(
+        "perplexity", help="sliding-window perplexity of a model on a text file",
+        description="Sliding-window perplexity: windows of --context tokens advancing by --stride; "
+                    "each token is scored once.",
+    )
+    add_model_args(parser)
+    parser.add_argument("--text", required=True, help="UTF-8 text file to evaluate on")
+    parser.add_argument("--context", type=int, default=256, help="window length in tokens (default 256)")
+    parser.add_argument("--stride", type=int, default=128, help="window step in tokens (default 128)")
+    parser.add_argument("--verbose", "-v", action="store_true", dest="verbose_sub", help="show tracebacks")
+    parser.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Handler of ``mlxformer perplexity``."""
+    from .cli import load_for_cli
+
+    path = Path(args.text)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise MlxformerError(f"{path}: cannot read text ({exc})") from None
+    model, tokenizer = load_for_cli(args)
+    ids = tokenizer.encode(text)
+    start = time.perf_counter()
+    ppl = perplexity(model, ids, args.context, args.stride)
+    elapsed = time.perf_counter() - start
+    print(f"tokens: {len(ids)}")
+    print(f"perplexity: {ppl:.4f}")
+    print(f"time: {elapsed:.2f} s ({len(ids) / elapsed:.1f} tokens/s)")
+    return 0

@@ -1,0 +1,276 @@
+"""The quantized KV cache: keys/values packed with ``mx.quantize`` and attended without unpacking.
+
+Stored tensors are "packs": a tuple of arrays whose axis 2 is the sequence axis, either
+``(data,)`` for float storage or ``(weights, scales, biases)`` for quantized storage. The
+helpers here slice, concatenate and write packs so the caches never look at their contents.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import mlx.core as mx
+import numpy as np
+
+from .cache import Mask, causal_mask_for
+from .errors import MlxformerError
+
+Pack = tuple[mx.array, ...]  # each (B, n_kv, S, ...), sequence on axis 2
+
+KV_BITS = (4, 8)
+KV_GROUP_SIZES = (32, 64, 128)
+
+
+# --- packs -----------------------------------------------------------------------------
+
+
+def pack_slice(pack: Pack, start: int, stop: int) -> Pack:
+    """Tokens ``start:stop`` of every array in ``pack``."""
+    return tuple(x[..., start:stop, :] for x in pack)
+
+
+def pack_concat(packs: list[Pack]) -> Pack:
+    """Join packs along the sequence axis."""
+    return tuple(mx.concatenate(parts, axis=2) for parts in zip(*packs))
+
+
+def pack_write(buffer: Pack, start: int, pack: Pack) -> None:
+    """Write ``pack`` into ``buffer`` in place at sequence position ``start``."""
+    stop = start + pack[0].shape[2]
+    for target, source in zip(buffer, pack):
+        target[..., start:stop, :] = source
+
+
+def pack_zeros_like(pack: Pack, length: int) -> Pack:
+    """Zero buffers shaped like ``pack`` but ``length`` tokens long."""
+    return tuple(mx.zeros((*x.shape[:2], length, x.shape[3]), x.dtype) for x in pack)
+
+
+def pack_nbytes(pack: Pack | None) -> int:
+    """Bytes held by a pack."""
+    return sum(x.nbytes for x in pack) if pack is not None else 0
+
+
+def check_kv_quantization(bits: int, group_size: int) -> None:
+    """Raise on KV quantization settings the kernels do not support."""
+    if bits not in KV_BITS:
+        raise MlxformerError(f"kv bits must be one of {KV_BITS}, got {bits}")
+    if group_size not in KV_GROUP_SIZES:
+        raise MlxformerError(f"kv group size must be one of {KV_GROUP_SIZES}, got {group_size}")
+
+
+# --- the rotation that spreads outlier channels before quantization ----------------------
+
+
+@lru_cache(maxsize=None)
+def _rotation_np(dim: int) -> np.ndarray:
+    if dim & (dim - 1) == 0:  # Sylvester construction of the Hadamard matrix
+        h = np.ones((1, 1))
+        while h.shape[0] < dim:
+            h = np.block([[h, h], [h, -h]])
+        return h / np.sqrt(dim)
+    q, r = np.linalg.qr(np.random.default_rng(dim).standard_normal((dim, dim)))
+    return q * np.sign(np.diag(r))
+
+
+def rotation(dim: int, dtype: mx.Dtype) -> mx.array:
+    """A fixed orthogonal ``(dim, dim)`` matrix R (normalized Hadamard when ``dim`` is a power of 2).
+
+    Keys and values are stored as ``x @ R``: attention is unchanged because
+    ``(q R)(k R)^T = q k^T`` and ``softmax(.) (v R) R^T = softmax(.) v``, while a few
+    large-magnitude channels (common in post-RoPE keys) are spread over the whole head, so
+    each quantization group's range is set by typical values rather than by the outliers.
+    """
+    return mx.array(_rotation_np(dim).astype(np.float32)).astype(dtype)
+
+
+# --- the codec: float or quantized storage, and attention over it -------------------------
+
+
+@dataclass(frozen=True)
+class KVCodec:
+    """How one cache stores keys/values: ``bits=None`` is float, else ``mx.quantize``d.
+
+    Quantized keys are stored centered, ``(k - key_center) @ R``: softmax is unchanged by a
+    shift common to all keys (``q . (k - c) = q . k - q . c``, the same for every key of a
+    query), and removing each channel's offset keeps it from widening every group's range.
+    ``key_center`` is fixed once (the mean of the first keys quantized) and saved with the cache.
+    """
+
+    bits: int | None = None
+    group_size: int = 64
+    key_center: mx.array | None = None  # (B, n_kv, 1, D)
+
+    def with_key_center(self, keys: mx.array) -> "KVCodec":
+        """This codec centered on the mean of ``keys`` (B, n_kv, S, D); unchanged if already set."""
+        if self.bits is None or self.key_center is not None:
+            return self
+        return KVCodec(self.bits, self.group_size, mx.mean(keys, axis=2, keepdims=True))
+
+    def encode(self, x: mx.array) -> Pack:
+        """``(B, n_kv, L, D)`` values to a pack."""
+        if self.bits is None:
+            return (x,)
+        if x.shape[-1] % self.group_size:
+            raise MlxformerError(f"head_dim {x.shape[-1]} is not a multiple of the kv group size {self.group_size}")
+        rotated = x @ rotation(x.shape[-1], x.dtype)
+        return tuple(mx.quantize(rotated, group_size=self.group_size, bits=self.bits))
+
+    def encode_keys(self, keys: mx.array) -> Pack:
+        """``(B, n_kv, L, D)`` keys to a pack, centered when quantized (call ``with_key_center`` first)."""
+        if self.bits is None or self.key_center is None:
+            return self.encode(keys)
+        return self.encode(keys - self.key_center.astype(keys.dtype))
+
+    def decode(self, pack: Pack) -> mx.array:
+        """A pack back to a float ``(B, n_kv, S, D)`` array (keys come back centered)."""
+        if self.bits is None:
+            return pack[0]
+        rotated = mx.dequantize(*pack, group_size=self.group_size, bits=self.bits)
+        return rotated @ rotation(rotated.shape[-1], rotated.dtype).T
+
+    @property
+    def state(self) -> tuple[mx.array, ...]:
+        """Arrays to save beside the packs (the key center, once set)."""
+        return () if self.key_center is None else (self.key_center,)
+
+    def attention(self, queries: mx.array, keys: Pack, values: Pack, scale: float, mask: Mask) -> mx.array:
+        """Attend ``(B, n_heads, L, D)`` queries over packed keys/values."""
+        if self.bits is None:
+            return mx.fast.scaled_dot_product_attention(queries, keys[0], values[0], scale=scale, mask=mask)
+        return quantized_attention(queries, keys, values, scale, mask, self.bits, self.group_size)
+
+
+FLOAT_CODEC = KVCodec()
+
+
+def quantized_attention(
+    queries: mx.array, keys: Pack, values: Pack, scale: float, mask: Mask, bits: int, group_size: int
+) -> mx.array:
+    """Softmax attention computed directly on quantized keys/values, GQA heads unrepeated."""
+    B, n_heads, L, D = queries.shape
+    n_kv = keys[0].shape[1]
+    n_rep = n_heads // n_kv
+    rotate = rotation(D, queries.dtype)  # the packs hold rotated keys/values (see ``rotation``)
+    # (B, n_heads, L, D) -> (B, n_kv, n_rep, L, D): each K/V head serves n_rep query heads.
+    queries = ((queries * scale) @ rotate).reshape(B, n_kv, n_rep, L, D)
+    # (B, n_kv, S, ...) -> (B, n_kv, 1, S, ...): broadcast over the n_rep axis.
+    keys = tuple(mx.expand_dims(x, 2) for x in keys)
+    values = tuple(mx.expand_dims(x, 2) for x in values)
+    scores = mx.quantized_matmul(queries, *keys, transpose=True, group_size=group_size, bits=bits)  # (B, n_kv, n_rep, L, S)
+    scores = scores.astype(mx.float32)
+    S = scores.shape[-1]
+    if isinstance(mask, str):  # "causal", aligned to the last keys
+        mask = mx.arange(S - L, S)[:, None] >= mx.arange(S)[None]  # (L, S)
+    if mask is not None:
+        if mask.dtype == mx.bool_:
+            scores = mx.where(mask, scores, mx.array(-mx.inf, mx.float32))
+        else:
+            scores = scores + mask.astype(mx.float32)
+    probs = mx.softmax(scores, axis=-1).astype(queries.dtype)
+    out = mx.quantized_matmul(probs, *values, transpose=False, group_size=group_size, bits=bits)  # (B, n_kv, n_rep, L, D)
+    out = out @ rotate.T  # back from the rotated basis
+    return out.reshape(B, n_heads, L, D)  # (B, n_kv, n_rep, L, D) -> (B, n_heads, L, D)
+
+
+# --- the cache ----------------------------------------------------------------------------
+
+
+class QuantizedKVCache:
+    """A growing KV cache stored at ``bits`` bits per value, quantized in groups of ``group_size``.
+
+    With ``start > 0`` it stores float keys/values until it holds ``start`` tokens, then
+    quantizes what it has at the beginning of the next ``update_and_fetch`` and stays quantized.
+    """
+
+    step = 256
+
+    def __init__(self, bits: int = 8, group_size: int = 64, start: int = 0) -> None:
+        self._configure(bits, group_size, start, quantized=start <= 0)
+
+    def _configure(self, bits: int, group_size: int, start: int, quantized: bool) -> None:
+        check_kv_quantization(bits, group_size)
+        self.bits, self.group_size, self.start = bits, group_size, start
+        self.codec = KVCodec(bits, group_size) if quantized else FLOAT_CODEC
+        self.keys: Pack | None = None
+        self.values: Pack | None = None
+        self.offset = 0
+
+    @property
+    def quantized(self) -> bool:
+        """Whether the stored keys/values are quantized yet."""
+        return self.codec.bits is not None
+
+    def _quantize_storage(self) -> None:
+        self.codec, float_codec = KVCodec(self.bits, self.group_size), self.codec
+        if self.keys is not None and self.values is not None:
+            keys = float_codec.decode(pack_slice(self.keys, 0, self.offset))
+            values = float_codec.decode(pack_slice(self.values, 0, self.offset))
+            self.codec = self.codec.with_key_center(keys)
+            self.keys, self.values = self.codec.encode_keys(keys), self.codec.encode(values)
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Pack, Pack]:
+        if not self.quantized and self.offset >= self.start:
+            self._quantize_storage()
+        self.codec = self.codec.with_key_center(keys)
+        new_keys, new_values = self.codec.encode_keys(keys), self.codec.encode(values)
+        start, length = self.offset, keys.shape[2]
+        if self.keys is None or self.values is None or start + length > self.keys[0].shape[2]:
+            n_new = ((length + self.step - 1) // self.step) * self.step
+            grown_keys, grown_values = pack_zeros_like(new_keys, n_new), pack_zeros_like(new_values, n_new)
+            if self.keys is None or self.values is None:
+                self.keys, self.values = grown_keys, grown_values
+            else:
+                self.keys = pack_concat([pack_slice(self.keys, 0, start), grown_keys])
+                self.values = pack_concat([pack_slice(self.values, 0, start), grown_values])
+        pack_write(self.keys, start, new_keys)
+        pack_write(self.values, start, new_values)
+        self.offset += length
+        return pack_slice(self.keys, 0, self.offset), pack_slice(self.values, 0, self.offset)
+
+    def attention(self, queries: mx.array, keys: Pack, values: Pack, scale: float, mask: Mask) -> mx.array:
+        return self.codec.attention(queries, keys, values, scale, mask)
+
+    def make_mask(self, query_len: int, window: int | None) -> Mask:
+        return causal_mask_for(query_len, self.offset + query_len, window)
+
+    @property
+    def state(self) -> tuple[mx.array, ...]:
+        if self.keys is None or self.values is None:
+            return ()
+        return pack_slice(self.keys, 0, self.offset) + pack_slice(self.values, 0, self.offset) + self.codec.state
+
+    @state.setter
+    def state(self, arrays: tuple[mx.array, ...]) -> None:
+        """Set after ``meta_state`` (which says whether the arrays are quantized)."""
+        if not arrays:
+            self.keys = self.values = None
+            self.offset = 0
+            return
+        if self.quantized:  # the key center follows the two packs
+            *packs, center = arrays
+            self.codec, arrays = KVCodec(self.bits, self.group_size, center), tuple(packs)
+        half = len(arrays) // 2
+        self.keys, self.values = tuple(arrays[:half]), tuple(arrays[half:])
+        self.offset = self.keys[0].shape[2]
+
+    @property
+    def meta_state(self) -> dict[str, str]:
+        return {
+            "bits": str(self.bits), "group_size": str(self.group_size),
+            "start": str(self.start), "quantized": str(int(self.quantized)),
+        }
+
+    @meta_state.setter
+    def meta_state(self, meta: dict[str, str]) -> None:
+        self._configure(int(meta["bits"]), int(meta["group_size"]), int(meta["start"]), meta["quantized"] == "1")
+
+    def trim(self, n: int) -> int:
+        n = min(self.offset, n)
+        self.offset -= n
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return pack_nbytes(self.keys) + pack_nbytes(self.values)

@@ -1,0 +1,210 @@
+"""The rotating KV cache: a bounded window that keeps the first ``keep`` tokens (attention sinks).
+
+Semantics: the query at position ``p`` sees the ``keep`` sink tokens and the last
+``max_size - keep`` tokens up to ``p`` — exactly what token-by-token decoding through a
+ring buffer of ``max_size`` slots would see, also for multi-token chunks larger than the window.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from .cache import Mask, causal_mask_for
+from .cache_quantized import (
+    FLOAT_CODEC, KVCodec, Pack, check_kv_quantization, pack_concat, pack_nbytes, pack_slice, pack_write,
+    pack_zeros_like,
+)
+from .errors import MlxformerError
+
+
+class RotatingKVCache:
+    """At most ``max_size`` tokens of keys/values, float or (with ``bits``) quantized.
+
+    Single-token updates write in place into a ring over slots ``keep..max_size-1``;
+    multi-token updates return the stored window plus the chunk in time order (attended with
+    an explicit mask) and then keep the sinks and the newest tokens. ``offset`` counts every
+    token seen, so RoPE positions keep growing past the window.
+    """
+
+    step = 256
+
+    def __init__(
+        self, max_size: int = 4096, keep: int = 4, bits: int | None = None, group_size: int = 64, start: int = 0
+    ) -> None:
+        self._configure(max_size, keep, bits, group_size, start, quantized=bits is not None and start <= 0)
+
+    def _configure(
+        self, max_size: int, keep: int, bits: int | None, group_size: int, start: int, quantized: bool
+    ) -> None:
+        if not 0 <= keep < max_size:
+            raise MlxformerError(f"the rotating cache needs 0 <= keep < max_kv_size, got keep={keep}, max_kv_size={max_size}")
+        if bits is not None:
+            check_kv_quantization(bits, group_size)
+        self.max_size, self.keep, self.bits, self.group_size, self.start = max_size, keep, bits, group_size, start
+        self.codec = KVCodec(bits, group_size) if quantized else FLOAT_CODEC
+        self.keys: Pack | None = None  # (B, n_kv, capacity, ...) slots
+        self.values: Pack | None = None
+        self.positions: list[int] = []  # absolute token position held by each used slot
+        self.idx = 0  # next slot to write once the ring is full
+        self.offset = 0
+
+    @property
+    def size(self) -> int:
+        """Slots in use."""
+        return len(self.positions)
+
+    # --- storage -----------------------------------------------------------------------
+
+    def _time_order(self) -> tuple[Pack, Pack, list[int]]:
+        """Stored keys, values and positions, oldest first (sinks, then the rotated tail)."""
+        assert self.keys is not None and self.values is not None
+        size, keep, idx = self.size, self.keep, self.idx
+        if size < self.max_size or idx == keep:
+            return pack_slice(self.keys, 0, size), pack_slice(self.values, 0, size), list(self.positions)
+        spans = [(0, keep), (idx, size), (keep, idx)]
+        keys = pack_concat([pack_slice(self.keys, a, b) for a, b in spans])
+        values = pack_concat([pack_slice(self.values, a, b) for a, b in spans])
+        positions = [p for a, b in spans for p in self.positions[a:b]]
+        return keys, values, positions
+
+    def _quantize_storage(self) -> None:
+        assert self.bits is not None
+        self.codec, float_codec = KVCodec(self.bits, self.group_size), self.codec
+        if self.keys is not None and self.values is not None:
+            keys = float_codec.decode(pack_slice(self.keys, 0, self.size))
+            self.codec = self.codec.with_key_center(keys)
+            self.keys = self.codec.encode_keys(keys)
+            self.values = self.codec.encode(float_codec.decode(pack_slice(self.values, 0, self.size)))
+
+    def _append_one(self, keys: Pack, values: Pack) -> None:
+        assert self.keys is not None and self.values is not None
+        capacity = self.keys[0].shape[2]
+        if self.size == capacity:  # grow by a step, never past max_size
+            extra = min(self.step, self.max_size - capacity)
+            self.keys = pack_concat([self.keys, pack_zeros_like(keys, extra)])
+            self.values = pack_concat([self.values, pack_zeros_like(values, extra)])
+        pack_write(self.keys, self.size, keys)
+        pack_write(self.values, self.size, values)
+        self.positions.append(self.offset)
+        self.idx = self.size if self.size < self.max_size else self.keep
+
+    def _write_ring(self, keys: Pack, values: Pack) -> None:
+        assert self.keys is not None and self.values is not None
+        pack_write(self.keys, self.idx, keys)
+        pack_write(self.values, self.idx, values)
+        self.positions[self.idx] = self.offset
+        self.idx = self.idx + 1 if self.idx + 1 < self.max_size else self.keep
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Pack, Pack]:
+        if self.bits is not None and self.codec.bits is None and self.offset >= self.start:
+            self._quantize_storage()
+        self.codec = self.codec.with_key_center(keys)
+        new_keys, new_values = self.codec.encode_keys(keys), self.codec.encode(values)
+        length = keys.shape[2]
+        if self.keys is None or self.values is None:
+            self.keys, self.values = pack_zeros_like(new_keys, 0), pack_zeros_like(new_values, 0)
+        if length == 1:
+            if self.size < self.max_size:
+                self._append_one(new_keys, new_values)
+            else:
+                self._write_ring(new_keys, new_values)
+            self.offset += 1
+            return pack_slice(self.keys, 0, self.size), pack_slice(self.values, 0, self.size)
+        old_keys, old_values, positions = self._time_order()
+        all_keys, all_values = pack_concat([old_keys, new_keys]), pack_concat([old_values, new_values])
+        positions += range(self.offset, self.offset + length)
+        self.offset += length
+        total, keep = len(positions), self.keep
+        if total <= self.max_size:
+            self.keys, self.values, self.positions = all_keys, all_values, positions
+        else:  # the sinks and the newest max_size - keep tokens
+            tail = total - (self.max_size - keep)
+            self.keys = pack_concat([pack_slice(all_keys, 0, keep), pack_slice(all_keys, tail, total)])
+            self.values = pack_concat([pack_slice(all_values, 0, keep), pack_slice(all_values, tail, total)])
+            self.positions = positions[:keep] + positions[tail:]
+        self.idx = self.size if self.size < self.max_size else keep
+        return all_keys, all_values
+
+    # --- attention -----------------------------------------------------------------------
+
+    def attention(self, queries: mx.array, keys: Pack, values: Pack, scale: float, mask: Mask) -> mx.array:
+        return self.codec.attention(queries, keys, values, scale, mask)
+
+    def make_mask(self, query_len: int, window: int | None) -> Mask:
+        if self.offset + query_len <= self.max_size:  # nothing evicted: same as the plain cache
+            return causal_mask_for(query_len, self.offset + query_len, window)
+        if query_len == 1:
+            if window is None:
+                return None
+            key_positions = list(self.positions)
+            key_positions[self.idx] = self.offset
+        else:
+            key_positions = self._time_positions() + list(range(self.offset, self.offset + query_len))
+        query_pos = mx.arange(self.offset, self.offset + query_len)[:, None]  # (L, 1)
+        key_pos = mx.array(key_positions)[None]  # (1, S)
+        visible = (key_pos <= query_pos) & ((key_pos < self.keep) | (key_pos > query_pos - (self.max_size - self.keep)))
+        if window is not None:
+            visible = visible & (key_pos > query_pos - window)
+        return visible
+
+    def _time_positions(self) -> list[int]:
+        size, keep, idx = self.size, self.keep, self.idx
+        if size < self.max_size or idx == keep:
+            return list(self.positions)
+        return self.positions[:keep] + self.positions[idx:] + self.positions[keep:idx]
+
+    # --- save / load / trim ---------------------------------------------------------------
+
+    @property
+    def state(self) -> tuple[mx.array, ...]:
+        if self.keys is None or self.values is None:
+            return ()
+        keys, values = pack_slice(self.keys, 0, self.size), pack_slice(self.values, 0, self.size)
+        return keys + values + self.codec.state + (mx.array(self.positions, dtype=mx.int32),)
+
+    @state.setter
+    def state(self, arrays: tuple[mx.array, ...]) -> None:
+        """Set after ``meta_state`` (which holds the offset and ring index)."""
+        if not arrays:
+            self.keys = self.values = None
+            self.positions = []
+            return
+        *packs, positions = arrays
+        if self.codec.bits is not None:  # the key center follows the two packs
+            *packs, center = packs
+            self.codec = KVCodec(self.codec.bits, self.codec.group_size, center)
+        half = len(packs) // 2
+        self.keys, self.values = tuple(packs[:half]), tuple(packs[half:])
+        self.positions = [int(p) for p in positions.tolist()]
+
+    @property
+    def meta_state(self) -> dict[str, str]:
+        return {
+            "max_size": str(self.max_size), "keep": str(self.keep),
+            "bits": "" if self.bits is None else str(self.bits), "group_size": str(self.group_size),
+            "start": str(self.start), "quantized": str(int(self.codec.bits is not None)),
+            "offset": str(self.offset), "idx": str(self.idx),
+        }
+
+    @meta_state.setter
+    def meta_state(self, meta: dict[str, str]) -> None:
+        bits = int(meta["bits"]) if meta["bits"] else None
+        self._configure(
+            int(meta["max_size"]), int(meta["keep"]), bits, int(meta["group_size"]), int(meta["start"]),
+            meta["quantized"] == "1",
+        )
+        self.offset, self.idx = int(meta["offset"]), int(meta["idx"])
+
+    def trim(self, n: int) -> int:
+        """Forget the last ``n`` tokens; impossible (returns 0) once tokens have been evicted."""
+        if self.offset > self.size:
+            return 0
+        n = min(self.size, n)
+        self.positions = self.positions[: self.size - n]
+        self.offset -= n
+        self.idx = self.size if self.size < self.max_size else self.keep
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return pack_nbytes(self.keys) + pack_nbytes(self.values)

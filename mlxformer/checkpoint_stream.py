@@ -1,0 +1,152 @@
+"""Lazy checkpoint reading and sharded safetensors writing, for conversion.
+
+Reading: each safetensors file is validated, then opened with ``mx.load``, which maps
+tensors lazily, so nothing is read until a tensor is evaluated. Writing: output tensors are
+planned into shards by their (computable) sizes, and each shard is evaluated, written and
+freed before the next, so peak memory stays near one shard rather than the model size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import mlx.core as mx
+from tqdm import tqdm
+
+from .errors import MlxformerError
+from .gguf import load_gguf
+from .loader import read_config, safetensors_files
+from .safetensors_check import read_safetensors_header
+
+MAX_SHARD_BYTES = 5 * 1024**3
+INDEX_NAME = "model.safetensors.index.json"
+
+
+@dataclass
+class SourceCheckpoint:
+    """A checkpoint opened lazily: its config, its tensors in file order, GGUF metadata if any."""
+
+    config: dict[str, Any]
+    tensors: dict[str, mx.array]
+    gguf_metadata: dict[str, Any] | None
+    directory: Path | None  # the model dir (tokenizer files live here); None for GGUF
+
+
+def open_source(source: Path) -> SourceCheckpoint:
+    """Open a resolved local HF/MLX dir or ``.gguf`` file without reading tensor data (GGUF: one read)."""
+    if source.is_file():
+        if source.suffix.lower() != ".gguf":
+            raise MlxformerError(f"{source}: not a model dir or .gguf file")
+        config, weights, metadata = load_gguf(source)
+        return SourceCheckpoint(config, weights, metadata, None)
+    config = read_config(source)
+    tensors: dict[str, mx.array] = {}
+    for file in safetensors_files(source):
+        read_safetensors_header(file)
+        try:
+            tensors.update(mx.load(str(file)))
+        except (RuntimeError, ValueError) as exc:
+            raise MlxformerError(f"{file}: cannot read safetensors ({exc})") from None
+    return SourceCheckpoint(config, tensors, None, source)
+
+
+def plan_shards(sizes: list[tuple[str, int]], max_bytes: int) -> list[list[str]]:
+    """Split ``(name, nbytes)`` pairs, in order, into shards of at most ``max_bytes`` (a bigger
+    tensor gets a shard of its own)."""
+    shards: list[list[str]] = []
+    current: list[str] = []
+    current_bytes = 0
+    for name, size in sizes:
+        if current and current_bytes + size > max_bytes:
+            shards.append(current)
+            current, current_bytes = [], 0
+        current.append(name)
+        current_bytes += size
+    if current:
+        shards.append(current)
+    return shards
+
+
+def shard_file_names(count: int) -> list[str]:
+    """``model.safetensors`` for one shard, ``model-0000i-of-0000n.safetensors`` otherwise."""
+    if count == 1:
+        return ["model.safetensors"]
+    return [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+
+
+def write_shards(
+    directory: Path,
+    groups: list[list[str]],
+    produce: Callable[[list[str]], dict[str, mx.array]],
+    progress: bool = True,
+) -> None:
+    """Write each group of output tensors (made by ``produce``) as one safetensors file, plus
+    the index when there are several; each shard is evaluated and freed before the next."""
+    names = shard_file_names(len(groups))
+    weight_map: dict[str, str] = {}
+    total_size = 0
+    bar = tqdm(total=sum(len(g) for g in groups), unit="tensor", desc="Converting", disable=not progress)
+    try:
+        for file_name, group in zip(names, groups):
+            arrays = produce(group)
+            mx.eval(arrays)
+            mx.save_safetensors(str(directory / file_name), arrays, metadata={"format": "mlx"})
+            for key, array in arrays.items():
+                weight_map[key] = file_name
+                total_size += array.nbytes
+            bar.update(len(group))
+            del arrays
+            mx.clear_cache()
+    finally:
+        bar.close()
+    if len(groups) > 1:
+        index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
+        (directory / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
+
+
+@contextlib.contextmanager
+def staged_output(destination: Path, force: bool) -> Iterator[Path]:
+    """A temporary sibling dir that replaces ``destination`` only if the body succeeds.
+
+    An existing ``destination`` is refused unless ``force``; on any failure the temporary
+    dir is removed and ``destination`` is untouched.
+    """
+    if destination.exists() and not force:
+        raise MlxformerError(f"{destination} already exists (pass --force to replace it)")
+    if not destination.parent.is_dir():
+        raise MlxformerError(f"{destination.parent}: no such directory")
+    staging = Path(tempfile.mkdtemp(prefix=f".{destination.name}.tmp-", dir=destination.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(staging, 0o777 & ~umask)  # mkdtemp makes it private; the result should not be
+    try:
+        yield staging
+        _swap_into_place(staging, destination)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def _swap_into_place(staging: Path, destination: Path) -> None:
+    if not destination.exists():
+        os.replace(staging, destination)
+        return
+    old = Path(tempfile.mkdtemp(prefix=f".{destination.name}.old-", dir=destination.parent))
+    os.rmdir(old)
+    os.replace(destination, old)
+    try:
+        os.replace(staging, destination)
+    except OSError:
+        os.replace(old, destination)
+        raise
+    if old.is_dir():
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        old.unlink(missing_ok=True)

@@ -1,0 +1,193 @@
+"""Prompt cache files: a prefilled KV cache saved to safetensors, and ``mlxformer cache-prompt``.
+
+A file holds, per layer, the cache's ``state`` arrays (``layer.{i}.{j}``) and, as string
+metadata, its class name, ``meta_state``, the cached token ids, an optional chat conversation
+and the model config it was made with. Classes are rebuilt only from ``CACHE_CLASSES``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import mlx.core as mx
+
+from .cache import Cache, KVCache, make_cache
+from .cache_quantized import QuantizedKVCache
+from .cache_rotating import RotatingKVCache
+from .cli import add_cache_args, add_model_args, cache_settings, load_for_cli
+from .cli_generate import read_prompt
+from .errors import MlxformerError
+from .generate import prefill
+from .model import Model
+
+FORMAT = "mlxformer-prompt-cache"
+VERSION = "1"
+
+CACHE_CLASSES: dict[str, type] = {
+    "KVCache": KVCache,
+    "QuantizedKVCache": QuantizedKVCache,
+    "RotatingKVCache": RotatingKVCache,
+}
+
+
+@dataclass
+class PromptCacheFile:
+    """What a prompt cache file restores."""
+
+    cache: list[Cache]
+    token_ids: list[int]
+    messages: list[dict[str, str]] = field(default_factory=list)
+
+
+def model_fingerprint(model: Model) -> str:
+    """The model config as canonical JSON; a cache only fits a model with the same one."""
+    return json.dumps(dataclasses.asdict(model.args), sort_keys=True)
+
+
+def save_prompt_cache(
+    path: str | Path,
+    cache: Sequence[Cache],
+    token_ids: Sequence[int],
+    model: Model,
+    *,
+    messages: Sequence[dict[str, str]] = (),
+    overwrite: bool = True,
+) -> None:
+    """Write ``cache`` and the ``token_ids`` it holds to ``path`` atomically (temp file, then rename)."""
+    path = Path(path)
+    if not overwrite and path.exists():
+        raise MlxformerError(f"{path} already exists (use --force to overwrite)")
+    if not cache or cache[0].offset == 0:
+        raise MlxformerError("the cache is empty: nothing to save")
+    if len(token_ids) != cache[0].offset:
+        raise MlxformerError(f"{len(token_ids)} token ids given for a cache holding {cache[0].offset} tokens")
+    unknown = {type(c).__name__ for c in cache} - set(CACHE_CLASSES)
+    if unknown:
+        raise MlxformerError(f"cannot save cache class {sorted(unknown)[0]}")
+    arrays = {f"layer.{i}.{j}": array for i, c in enumerate(cache) for j, array in enumerate(c.state)}
+    metadata = {
+        "format": FORMAT,
+        "version": VERSION,
+        "model_config": model_fingerprint(model),
+        "classes": json.dumps([type(c).__name__ for c in cache]),
+        "meta_states": json.dumps([c.meta_state for c in cache]),
+        "token_ids": json.dumps([int(t) for t in token_ids]),
+        "messages": json.dumps(list(messages)),
+    }
+    mx.eval(list(arrays.values()))
+    directory = path.parent if str(path.parent) else Path(".")
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{path.name}.", suffix=".safetensors")
+    os.close(fd)
+    try:
+        mx.save_safetensors(tmp, arrays, metadata)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def load_prompt_cache_file(path: str | Path, model: Model) -> PromptCacheFile:
+    """Rebuild the cache, token ids and conversation saved in ``path`` for ``model``."""
+    path = Path(path)
+    if not path.is_file():
+        raise MlxformerError(f"prompt cache file not found: {path}")
+    try:
+        arrays, metadata = mx.load(str(path), return_metadata=True)
+    except Exception:
+        raise MlxformerError(f"cannot read prompt cache file {path}: corrupt or not a safetensors file") from None
+    if metadata.get("format") != FORMAT:
+        raise MlxformerError(f"{path} is not an mlxformer prompt cache file")
+    if metadata.get("model_config") != model_fingerprint(model):
+        raise MlxformerError(f"prompt cache file {path} was made for a different model config")
+    try:
+        classes = json.loads(metadata["classes"])
+        meta_states = json.loads(metadata["meta_states"])
+        token_ids = [int(t) for t in json.loads(metadata["token_ids"])]
+        messages = json.loads(metadata.get("messages", "[]"))
+        if len(classes) != len(model.layers) or len(meta_states) != len(classes):
+            raise ValueError("layer count")
+        cache = [_rebuild(i, name, meta, arrays) for i, (name, meta) in enumerate(zip(classes, meta_states))]
+    except (KeyError, ValueError, TypeError):
+        raise MlxformerError(f"prompt cache file {path} is corrupt") from None
+    if cache[0].offset != len(token_ids):
+        raise MlxformerError(f"prompt cache file {path} is corrupt")
+    return PromptCacheFile(cache, token_ids, messages)
+
+
+def _rebuild(layer: int, name: str, meta: dict[str, str], arrays: dict[str, mx.array]) -> Cache:
+    cls = CACHE_CLASSES.get(name)
+    if cls is None:
+        raise MlxformerError(f"unknown cache class {name!r} in prompt cache file")
+    count = 0
+    while f"layer.{layer}.{count}" in arrays:
+        count += 1
+    cache: Cache = cls()
+    cache.meta_state = meta  # type: ignore[misc]
+    cache.state = tuple(arrays[f"layer.{layer}.{j}"] for j in range(count))  # type: ignore[misc]
+    return cache
+
+
+def load_prompt_cache(path: str | Path, model: Model) -> tuple[list[Cache], list[int]]:
+    """The saved cache and the token ids it holds."""
+    loaded = load_prompt_cache_file(path, model)
+    return loaded.cache, loaded.token_ids
+
+
+def strip_cached_prefix(ids: Sequence[int], cached_ids: Sequence[int]) -> list[int]:
+    """The ids still to prefill: ``ids`` minus the cached prefix, or all of them to append after it."""
+    ids, cached_ids = list(ids), list(cached_ids)
+    if ids[: len(cached_ids)] != cached_ids:
+        return ids
+    if len(ids) == len(cached_ids):
+        raise MlxformerError("the prompt is entirely in the prompt cache; add text after the cached prompt")
+    return ids[len(cached_ids):]
+
+
+# --- mlxformer cache-prompt ---------------------------------------------------------------------
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the ``cache-prompt`` subcommand."""
+    parser = subparsers.add_parser("cache-prompt", help="prefill a prompt once and save its KV cache to a file")
+    add_model_args(parser)
+    parser.add_argument("--prompt", "-p", required=True, help="the prompt to cache; '-' reads it from stdin")
+    parser.add_argument("--system", help="system message (with a chat template)")
+    parser.add_argument("--ignore-chat-template", action="store_true", help="cache the prompt raw, without the chat template")
+    parser.add_argument("--prompt-cache-file", required=True, help="the .safetensors file to write")
+    parser.add_argument("--force", action="store_true", help="overwrite an existing file")
+    add_cache_args(parser)
+    parser.add_argument("--verbose", "-v", action="store_true", dest="verbose_sub", help="show tracebacks")
+    parser.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    out = Path(args.prompt_cache_file)
+    if out.exists() and not args.force:
+        raise MlxformerError(f"{out} already exists (use --force to overwrite)")
+    prompt = read_prompt(args.prompt)
+    settings = cache_settings(args)
+    model, tokenizer = load_for_cli(args)
+    if not args.ignore_chat_template and tokenizer.chat_template:
+        # The user turn without the assistant header, so that `generate` with the same prompt
+        # (which adds the header) finds these ids as its prefix.
+        messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
+            {"role": "user", "content": prompt}
+        ]
+        ids = tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=False), add_special_tokens=False)
+    else:
+        ids = tokenizer.encode(prompt)
+    cache = make_cache(model, settings)
+    prefill(model, mx.array(ids), cache)
+    mx.eval([c.state for c in cache])
+    save_prompt_cache(out, cache, ids, model, overwrite=args.force)
+    megabytes = sum(c.nbytes for c in cache) / 1e6
+    print(f"cached {len(ids)} tokens ({megabytes:.2f} MB) to {out}", file=sys.stderr)
+    return 0

@@ -1,0 +1,367 @@
+"""KV cache family: quantized, rotating, deferred quantization, prompt cache files and cache-prompt.
+
+Tiny random models cover breadth; the real SmolLM2 is used where quality is the claim.
+References: ``mx.dequantize`` + ``mx.fast.scaled_dot_product_attention``, the plain float
+``KVCache``, the uncached forward pass of a sliding-window model, and uninterrupted runs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from mlxformer.cache import CacheSettings, make_cache  # noqa: E402
+from mlxformer.cache_quantized import KVCodec, QuantizedKVCache  # noqa: E402
+from mlxformer.cache_rotating import RotatingKVCache  # noqa: E402
+from mlxformer.cli import main  # noqa: E402
+from mlxformer.config import ModelArgs  # noqa: E402
+from mlxformer.errors import MlxformerError  # noqa: E402
+from mlxformer.generate import stream_generate  # noqa: E402
+from mlxformer.model import Model  # noqa: E402
+from mlxformer.prompt_cache import load_prompt_cache, save_prompt_cache, strip_cached_prefix  # noqa: E402
+
+EVAL_TEXT = Path(__file__).parent / "data" / "eval.txt"
+
+TINY = dict(
+    model_type="llama", hidden_size=128, num_hidden_layers=2, intermediate_size=256,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=256,
+    max_position_embeddings=8192, rope_theta=10000.0,
+)
+
+
+def tiny_model(seed: int = 0, **overrides: object) -> Model:
+    mx.random.seed(seed)
+    model = Model(ModelArgs.from_dict({**TINY, **overrides}))
+    mx.eval(model.parameters())
+    return model
+
+
+def tokens(n: int, seed: int = 1, vocab: int = 256) -> list[int]:
+    return np.random.default_rng(seed).integers(0, vocab, n).tolist()
+
+
+def run_chunks(model: Model, ids: list[int], cache: list, chunks: list[int]) -> list[mx.array]:
+    """Feed ``ids`` through ``cache`` in chunks of the given sizes; the logits (L, V) of each chunk."""
+    out, start = [], 0
+    for size in chunks:
+        logits = model(mx.array(ids[start : start + size])[None], cache)[0]
+        mx.eval(logits)
+        out.append(logits)
+        start += size
+    return out
+
+
+def max_rel_error(a: mx.array, b: mx.array) -> float:
+    return float(mx.max(mx.abs(a - b))) / float(mx.max(mx.abs(b)))
+
+
+# --- quantized attention and cache on tiny models ------------------------------------------------
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("mask_kind", [None, "causal", "array"])
+def test_quantized_attention_matches_dequantized_sdpa(bits: int, mask_kind: str | None) -> None:
+    """GQA (8 query heads over 2 kv heads) on packed (centered, rotated) K/V equals fused SDPA
+    on the dequantized K/V, and the packs decode back to the original keys/values."""
+    mx.random.seed(3)
+    B, n_heads, n_kv, L, S, D = 2, 8, 2, 5, 37, 64
+    q = mx.random.normal((B, n_heads, L, D))
+    k = mx.random.normal((B, n_kv, S, D))
+    v = mx.random.normal((B, n_kv, S, D))
+    k = k + mx.random.normal((1, n_kv, 1, D)) * 3  # a per-channel offset, as real keys have
+    codec = KVCodec(bits, 64).with_key_center(k)
+    kq, vq = codec.encode_keys(k), codec.encode(v)
+    k_ref, v_ref = codec.decode(kq), codec.decode(vq)  # keys come back centered
+    tolerance = {8: 0.03, 4: 0.5}[bits]
+    assert float(mx.abs(k_ref + codec.key_center - k).max()) < tolerance
+    assert float(mx.abs(v_ref - v).max()) < tolerance
+    mask = mx.random.uniform(shape=(L, S)) > 0.3 if mask_kind == "array" else mask_kind
+    if mask_kind == "array":
+        mask[:, 0] = True  # every query sees at least one key
+    got = codec.attention(q, kq, vq, 0.125, mask)
+    ref = mx.fast.scaled_dot_product_attention(q, k_ref, v_ref, scale=0.125, mask=mask)
+    assert got.shape == (B, n_heads, L, D)
+    assert mx.allclose(got, ref, atol=2e-4, rtol=2e-4)
+
+
+@pytest.mark.parametrize("bits,bound", [(8, 0.02), (4, 0.15)])
+def test_quantized_cache_logits_close_to_float(bits: int, bound: float) -> None:
+    model = tiny_model()  # 4 query heads over 2 kv heads: the GQA path
+    ids = tokens(80)
+    chunks = [33, 31] + [1] * 16  # two prefill chunks, then decode
+    ref = mx.concatenate(run_chunks(model, ids, make_cache(model), chunks))
+    got = mx.concatenate(run_chunks(model, ids, make_cache(model, CacheSettings(kv_bits=bits)), chunks))
+    err = max_rel_error(got, ref)
+    print(f"\n{bits}-bit tiny-model max relative logit error {err:.4f}")
+    assert 0 < err < bound
+
+
+def test_quantized_kv_start_switches_between_steps() -> None:
+    model = tiny_model()
+    ids = tokens(40)
+    cache = make_cache(model, CacheSettings(kv_bits=8, quantized_kv_start=20))
+    plain = make_cache(model)
+    assert all(isinstance(c, QuantizedKVCache) and not c.quantized for c in cache)
+    before = run_chunks(model, ids[:20], cache, [12, 8])
+    assert not cache[0].quantized
+    assert mx.array_equal(mx.concatenate(before), mx.concatenate(run_chunks(model, ids[:20], plain, [12, 8])))
+    float_bytes = cache[0].nbytes
+    after = run_chunks(model, ids[20:], cache, [1] * 20)
+    assert all(c.quantized for c in cache) and cache[0].offset == 40
+    assert cache[0].nbytes < 0.6 * float_bytes
+    ref = run_chunks(model, ids[20:], plain, [1] * 20)
+    assert max_rel_error(mx.concatenate(after), mx.concatenate(ref)) < 0.02
+
+
+def test_quantized_cache_memory_at_4k_tokens() -> None:
+    model = tiny_model()
+    B, n_kv, T, D = 1, model.args.num_key_value_heads, 4096, model.args.head_dim
+    keys = mx.random.normal((B, n_kv, T, D)).astype(mx.float16)
+    values = mx.random.normal((B, n_kv, T, D)).astype(mx.float16)
+
+    def filled(settings: CacheSettings) -> int:
+        cache = make_cache(model, settings)
+        for c in cache:
+            c.update_and_fetch(keys, values)
+        mx.eval([c.state for c in cache])
+        return sum(c.nbytes for c in cache)
+
+    float16 = filled(CacheSettings())
+    assert float16 == 2 * len(model.layers) * B * n_kv * T * D * 2  # bytes of fp16 keys + values
+    ratio8, ratio4 = filled(CacheSettings(kv_bits=8)) / float16, filled(CacheSettings(kv_bits=4)) / float16
+    print(f"\n4k-token cache size vs float16: 8-bit {ratio8:.3f}x, 4-bit {ratio4:.3f}x")
+    assert ratio8 <= 0.55 and ratio4 <= 0.30
+
+
+def test_bad_kv_settings_raise() -> None:
+    model = tiny_model()
+    with pytest.raises(MlxformerError):
+        make_cache(model, CacheSettings(kv_bits=3))
+    with pytest.raises(MlxformerError):
+        make_cache(model, CacheSettings(kv_bits=4, kv_group_size=128))[0].update_and_fetch(
+            mx.zeros((1, 2, 1, 64)), mx.zeros((1, 2, 1, 64))
+        )
+
+
+# --- rotating cache --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bits", [None, 4])
+def test_rotating_cache_equals_unbounded_cache_while_it_fits(bits: int | None) -> None:
+    model = tiny_model()
+    ids = tokens(60)
+    chunks = [25, 20] + [1] * 15
+    rotating = make_cache(model, CacheSettings(kv_bits=bits, max_kv_size=64))
+    assert isinstance(rotating[0], RotatingKVCache)
+    got = mx.concatenate(run_chunks(model, ids, rotating, chunks))
+    ref = mx.concatenate(run_chunks(model, ids, make_cache(model, CacheSettings(kv_bits=bits)), chunks))
+    assert mx.allclose(got, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("bits", [None, 8])
+def test_rotating_cache_without_sinks_is_a_sliding_window(bits: int | None) -> None:
+    """keep=0: chunked prefill larger than the window, then decode, equals the uncached forward
+    of the same weights as a Mistral sliding-window model (explicit window mask, no cache)."""
+    window, n = 16, 70
+    model = tiny_model()
+    windowed = Model(ModelArgs.from_dict({**TINY, "model_type": "mistral", "sliding_window": window}))
+    windowed.update(model.parameters())
+    ids = tokens(n)
+    ref = windowed(mx.array(ids)[None])[0]  # (n, V)
+    cache = make_cache(model, CacheSettings(kv_bits=bits, max_kv_size=window, keep=0))
+    got = mx.concatenate(run_chunks(model, ids, cache, [5, 30, 7] + [1] * 20 + [8]))
+    if bits is None:
+        assert mx.allclose(got, ref, atol=1e-4, rtol=1e-4)
+    else:
+        assert max_rel_error(got, ref) < 0.02
+    assert cache[0].offset == n and cache[0].size == window
+
+
+@pytest.mark.parametrize("bits", [None, 4])
+def test_rotating_cache_chunked_prefill_equals_token_by_token(bits: int | None) -> None:
+    """With attention sinks, a multi-token chunk that overflows the window sees exactly what
+    one-token decoding through the ring buffer sees."""
+    model = tiny_model()
+    ids = tokens(50)
+    settings = CacheSettings(kv_bits=bits, max_kv_size=20, keep=4)
+    one_by_one = mx.concatenate(run_chunks(model, ids, make_cache(model, settings), [1] * 50))
+    # The first chunk is one token in both runs: a quantized cache centers its keys on the
+    # first chunk it stores, so equal first chunks make the two runs quantize identically.
+    chunked = mx.concatenate(run_chunks(model, ids, make_cache(model, settings), [1, 8, 1, 1, 26, 1, 12]))
+    assert mx.allclose(chunked, one_by_one, atol=1e-4, rtol=1e-4)
+    # and the sinks matter: without them the logits after the window differ
+    no_sinks = mx.concatenate(run_chunks(model, ids, make_cache(model, CacheSettings(kv_bits=bits, max_kv_size=20, keep=0)), [1] * 50))
+    assert not mx.allclose(no_sinks[25:], one_by_one[25:], atol=1e-3)
+
+
+def test_rotating_cache_generates_past_its_size_with_bounded_memory() -> None:
+    model = tiny_model()
+    cache = make_cache(model, CacheSettings(kv_bits=4, max_kv_size=48))
+    sizes = []
+    ids = tokens(20)
+    run_chunks(model, ids, cache, [20])
+    token = mx.array([ids[-1]])
+    for _ in range(100):
+        logits = model(token[None], cache)[0, -1]
+        token = mx.argmax(logits)[None]
+        mx.eval(token)
+        sizes.append(sum(c.nbytes for c in cache))
+    assert cache[0].offset == 120 and cache[0].size == 48
+    assert max(sizes) == sizes[-1] and sizes[40] == sizes[-1]  # stops growing once full
+    assert cache[0].trim(1) == 0  # evicted tokens cannot be trimmed back
+
+
+# --- prompt cache files ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [CacheSettings(), CacheSettings(kv_bits=8, quantized_kv_start=10), CacheSettings(kv_bits=4, max_kv_size=24)],
+    ids=["float", "8bit-deferred", "4bit-rotating"],
+)
+def test_prompt_cache_save_load_continue(tmp_path: Path, settings: CacheSettings) -> None:
+    model = tiny_model()
+    ids = tokens(45)
+    uninterrupted = run_chunks(model, ids, make_cache(model, settings), [30, 1, 1, 13])
+    cache = make_cache(model, settings)
+    run_chunks(model, ids[:30], cache, [30])
+    path = tmp_path / "prompt.safetensors"
+    save_prompt_cache(path, cache, ids[:30], model)
+    loaded, cached_ids = load_prompt_cache(path, model)
+    assert cached_ids == ids[:30] and [type(c) for c in loaded] == [type(c) for c in cache]
+    resumed = run_chunks(model, ids[30:], loaded, [1, 1, 13])
+    for a, b in zip(resumed, uninterrupted[1:]):
+        assert mx.allclose(a, b, atol=1e-5, rtol=1e-5)
+    assert not list(tmp_path.glob(".*"))  # no temp file left behind
+
+
+def test_prompt_cache_refuses_other_models_and_bad_files(tmp_path: Path) -> None:
+    model = tiny_model()
+    cache = make_cache(model)
+    run_chunks(model, tokens(10), cache, [10])
+    path = tmp_path / "c.safetensors"
+    save_prompt_cache(path, cache, tokens(10), model)
+    with pytest.raises(MlxformerError, match="different model"):
+        load_prompt_cache(path, tiny_model(num_hidden_layers=3))
+    with pytest.raises(MlxformerError, match="different model"):
+        load_prompt_cache(path, tiny_model(rope_theta=500000.0))
+    with pytest.raises(MlxformerError, match="exists"):
+        save_prompt_cache(path, cache, tokens(10), model, overwrite=False)
+    with pytest.raises(MlxformerError, match="not found"):
+        load_prompt_cache(tmp_path / "missing.safetensors", model)
+    corrupt = tmp_path / "corrupt.safetensors"
+    corrupt.write_bytes(path.read_bytes()[:100])
+    with pytest.raises(MlxformerError):
+        load_prompt_cache(corrupt, model)
+    arrays, metadata = mx.load(str(path), return_metadata=True)
+    metadata["classes"] = json.dumps(["EvilCache"] * len(model.layers))
+    mx.save_safetensors(str(tmp_path / "evil.safetensors"), arrays, metadata)
+    with pytest.raises(MlxformerError, match="unknown cache class"):
+        load_prompt_cache(tmp_path / "evil.safetensors", model)
+
+
+def test_strip_cached_prefix() -> None:
+    assert strip_cached_prefix([1, 2, 3, 4], [1, 2]) == [3, 4]
+    assert strip_cached_prefix([5, 6], [1, 2]) == [5, 6]
+    with pytest.raises(MlxformerError):
+        strip_cached_prefix([1, 2], [1, 2])
+
+
+# --- the real SmolLM2 -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def smollm():
+    from mlxformer.default_model import default_model_path
+    from mlxformer.loader import load
+
+    return load(default_model_path())
+
+
+def chunked_perplexity(model: Model, ids: list[int], settings: CacheSettings, chunk: int = 64) -> float:
+    """exp(mean NLL) of ``ids`` fed through a cache in ``chunk``-token pieces."""
+    cache = make_cache(model, settings)
+    total, count = 0.0, 0
+    for start in range(0, len(ids) - 1, chunk):
+        piece = ids[start : start + chunk]
+        targets = mx.array(ids[start + 1 : start + 1 + len(piece)])
+        logits = model(mx.array(piece)[None], cache)[0, : targets.size].astype(mx.float32)
+        nll = mx.logsumexp(logits, axis=-1) - mx.take_along_axis(logits, targets[:, None], axis=-1)[:, 0]
+        total += float(nll.sum())
+        count += targets.size
+    return math.exp(total / count)
+
+
+def test_quantized_cache_perplexity_on_smollm(smollm) -> None:
+    """256 scored tokens of tests/data/eval.txt (the cost is ~0.2 s per token on a 2-core CPU).
+
+    Bounds are the issue's: 8-bit within 0.5%, 4-bit (group 64) within 3% of the float cache.
+    (mlx-lm's plain min/max 4-bit cache loses +13.2% here; ours centers and rotates keys.)
+    """
+    model, tokenizer = smollm
+    ids = tokenizer.encode(EVAL_TEXT.read_text())[:257]
+    assert len(ids) == 257
+    ppl = {
+        "float": chunked_perplexity(model, ids, CacheSettings()),
+        "8-bit": chunked_perplexity(model, ids, CacheSettings(kv_bits=8, kv_group_size=64)),
+        "4-bit": chunked_perplexity(model, ids, CacheSettings(kv_bits=4, kv_group_size=64)),
+    }
+    print(f"\nSmolLM2-135M perplexity over {len(ids) - 1} tokens (64-token chunks): "
+          + ", ".join(f"{k} {v:.4f}" for k, v in ppl.items())
+          + f" | 8-bit {100 * (ppl['8-bit'] / ppl['float'] - 1):+.3f}%, 4-bit {100 * (ppl['4-bit'] / ppl['float'] - 1):+.3f}%")
+    assert ppl["8-bit"] != ppl["float"]  # the quantized cache is really in use
+    assert abs(ppl["8-bit"] / ppl["float"] - 1) < 0.005
+    assert abs(ppl["4-bit"] / ppl["float"] - 1) < 0.03
+
+
+def test_8bit_cache_greedy_matches_float_on_smollm(smollm) -> None:
+    """32 greedy tokens per prompt agree; a divergence is tolerated only where the float
+    model itself is at a near-tie (top-2 logit gap < 0.1 in an uncached forward).
+    (On "def fibonacci(n):" token 25 has a 0.07 gap, and mlx-lm's 8-bit cache flips it too.)"""
+    model, tokenizer = smollm
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
+    near_ties = []
+    for prompt in prompts:
+        ref, got = (
+            [r.token for r in stream_generate(model, tokenizer, prompt, 32, cache_settings=settings)]
+            for settings in (CacheSettings(), CacheSettings(kv_bits=8))
+        )
+        assert len(ref) >= 8
+        if got == ref:
+            continue
+        d = next(i for i, (a, b) in enumerate(zip(ref, got)) if a != b)
+        logits = model(mx.array(tokenizer.encode(prompt) + ref[:d])[None])[0, -1]
+        top2 = mx.sort(logits)[-2:]
+        gap = float(top2[1] - top2[0])
+        near_ties.append((prompt, d, gap))
+        assert gap < 0.1, f"{prompt!r}: 8-bit cache diverged at token {d} where the float top-2 gap is {gap:.3f}"
+    print(f"\n8-bit greedy divergences, all at float near-ties (prompt, token, gap): {near_ties}")
+
+
+def test_cli_cache_prompt_then_generate(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "sys.safetensors"
+    prompt = "Name three primary colors."
+    base = ["--max-tokens", "6", "--prompt", prompt]
+    assert main(["cache-prompt", "--prompt", prompt, "--prompt-cache-file", str(out), "--kv-bits", "8"]) == 0
+    assert out.is_file()
+    capsys.readouterr()
+    assert main(["cache-prompt", "--prompt", prompt, "--prompt-cache-file", str(out)]) == 1
+    assert "exists" in capsys.readouterr().err
+    assert main(["cache-prompt", "--prompt", prompt, "--prompt-cache-file", str(out), "--force"]) == 0
+    capsys.readouterr()
+    assert main(["generate", *base, "--prompt-cache-file", str(out)]) == 0
+    cached = capsys.readouterr()
+    assert main(["generate", *base]) == 0
+    fresh = capsys.readouterr()
+    assert cached.out == fresh.out and cached.out.strip()
+    # only the assistant header was prefilled on top of the cached user turn
+    prompt_tokens = [int(s.split()[1]) for s in (cached.err, fresh.err)]
+    assert 0 < prompt_tokens[0] < 6 < prompt_tokens[1]

@@ -1,0 +1,131 @@
+"""``mlxformer chat``: cache reuse between turns, trimming, /save and /load, the REPL.
+
+A tiny random model with SmolLM2's vocabulary pairs with the real tokenizer and chat
+template, so turns are cheap; references are fresh uncached-prefix generations.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from mlxformer.cache import CacheSettings  # noqa: E402
+from mlxformer.chat import ChatSession, run_repl  # noqa: E402
+from mlxformer.cli import main  # noqa: E402
+from mlxformer.config import ModelArgs  # noqa: E402
+from mlxformer.generate import stream_generate  # noqa: E402
+from mlxformer.model import Model  # noqa: E402
+
+MAX_TOKENS = 10
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from mlxformer.default_model import default_model_path
+    from mlxformer.loader import load
+
+    return load(default_model_path())[1]
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer) -> Model:
+    mx.random.seed(7)
+    model = Model(ModelArgs.from_dict(dict(
+        model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=49152,
+        tie_word_embeddings=True,
+    )))
+    mx.eval(model.parameters())
+    return model
+
+
+def render_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
+    return tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=True), add_special_tokens=False)
+
+
+def shared_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def fresh_reply(model, tokenizer, ids: list[int]) -> list[int]:
+    return [r.token for r in stream_generate(model, tokenizer, ids, MAX_TOKENS)]
+
+
+@pytest.mark.parametrize("settings", [None, CacheSettings(kv_bits=8)], ids=["float", "8bit"])
+def test_second_turn_prefills_only_new_tokens(model, tokenizer, settings) -> None:
+    system = {"role": "system", "content": "You answer briefly."}
+    session = ChatSession(model, tokenizer, system=system["content"], max_tokens=MAX_TOKENS, cache_settings=settings)
+    first = list(session.send("Hello there"))
+    ids1 = render_ids(tokenizer, [system, {"role": "user", "content": "Hello there"}])
+    assert session.last_prefill_tokens == len(ids1)
+    cached = list(session.cached_ids)
+    assert len(cached) == session.cache[0].offset > len(ids1)
+    assert cached == (ids1 + [r.token for r in first])[: len(cached)]
+
+    second = list(session.send("Tell me more."))
+    reply1 = "".join(r.text for r in first)
+    ids2 = render_ids(tokenizer, [
+        system, {"role": "user", "content": "Hello there"},
+        {"role": "assistant", "content": reply1}, {"role": "user", "content": "Tell me more."},
+    ])
+    common = shared_prefix(ids2, cached)
+    print(f"\nturn 2: {len(ids2)} tokens, {common} reused, {session.last_prefill_tokens} prefilled")
+    assert common >= len(ids1)
+    assert session.last_prefill_tokens == len(ids2) - common
+    if settings is None:  # float cache: the reply equals generating from scratch
+        assert [r.token for r in second] == fresh_reply(model, tokenizer, ids2)
+
+
+def test_edited_history_trims_cache_to_common_prefix(model, tokenizer) -> None:
+    session = ChatSession(model, tokenizer, max_tokens=MAX_TOKENS)
+    list(session.send("What is the tallest mountain?"))
+    cached = list(session.cached_ids)
+    session.messages[0]["content"] = "What is the longest river?"  # the user rewrites history
+    reply = [r.token for r in session.send("Why?")]
+    ids = render_ids(tokenizer, session.messages[:-1])
+    common = shared_prefix(ids, cached)
+    assert common < len(cached) - MAX_TOKENS  # really trimmed back into the first prompt
+    assert session.last_prefill_tokens == len(ids) - common
+    assert reply == fresh_reply(model, tokenizer, ids)
+
+
+def test_rotating_cache_that_evicted_restarts_the_prefill(model, tokenizer) -> None:
+    session = ChatSession(model, tokenizer, max_tokens=MAX_TOKENS, cache_settings=CacheSettings(max_kv_size=24))
+    list(session.send("Hello"))  # the default system prompt alone overflows 24 tokens
+    session.messages[0]["content"] = "Hi"
+    list(session.send("Again"))
+    assert session.last_prefill_tokens == len(render_ids(tokenizer, session.messages[:-1]))
+
+
+def test_repl_save_reset_load_round_trip(model, tokenizer, tmp_path: Path) -> None:
+    path = tmp_path / "chat.safetensors"
+    saved = ChatSession(model, tokenizer, max_tokens=MAX_TOKENS)
+    out = io.StringIO()
+    run_repl(saved, io.StringIO(f"Hello there\n/save {path}\n/reset\n/stats\n/load {path}\n/stats\nWhat next?\n/exit\nnever\n"), out)
+    straight = ChatSession(model, tokenizer, max_tokens=MAX_TOKENS)
+    run_repl(straight, io.StringIO("Hello there\nWhat next?\n"), io.StringIO())
+    lines = out.getvalue().splitlines()
+    n_saved = int(next(line for line in lines if line.startswith("[saved")).split()[1])
+    contexts = [int(line.split()[1]) for line in lines if line.startswith("context:")]
+    assert contexts == [0, n_saved] and n_saved > 20
+    assert saved.messages == straight.messages and len(saved.messages) == 4  # 2 user turns, 2 replies
+    assert saved.cached_ids == straight.cached_ids
+    assert saved.last_prefill_tokens == straight.last_prefill_tokens < n_saved  # the loaded cache was reused
+    assert not any("never" in m["content"] for m in saved.messages)  # /exit stopped the loop
+
+
+def test_cli_chat_with_piped_stdin(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Hi\n/stats\n/exit\n"))
+    assert main(["chat", "--max-tokens", "3", "--kv-bits", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "context:" in out and "cache:" in out

@@ -1,0 +1,310 @@
+"""``mlxformer convert``: round trips with mlx-lm and GGUF, quality of the quantization recipes
+on the real SmolLM2, streaming/sharding memory, and refusals.
+
+References are independent: mlx-lm (loading our output, converting for us), the GGUF loaded
+directly, and transformers' float32 forward for perplexity (see ``TorchLogits`` in
+scripts/measure_recipes.py: MLX's CPU matmul uses reference BLAS here and is ~30x slower).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from conftest import write_tiny_checkpoint
+from mlxformer import convert, load
+from mlxformer.cli import main as cli_main
+from mlxformer.perplexity import perplexity
+
+REPO = Path(__file__).resolve().parents[1]
+EVAL_TEXT = REPO / "tests/data/eval.txt"
+TOKENS = mx.array([[1, 17, 42, 99, 3, 250, 7, 64]])
+
+
+def _measure_module():
+    spec = importlib.util.spec_from_file_location("measure_recipes", REPO / "scripts/measure_recipes.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _logits(model) -> np.ndarray:
+    model.set_dtype(mx.float32)
+    return np.array(model(TOKENS).astype(mx.float32))
+
+
+@pytest.fixture(scope="module")
+def tiny_hf(tmp_path_factory, smollm_hf_dir) -> Path:
+    """A tiny random llama saved by transformers, with SmolLM2's tokenizer files (for mlx-lm)."""
+    directory, _ = write_tiny_checkpoint(tmp_path_factory.mktemp("tiny_hf"), "llama", seed=3, vocab_size=256)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (directory / name).write_bytes((smollm_hf_dir / name).read_bytes())
+    return directory
+
+
+# ---------------------------------------------------------------------------- round trips
+
+
+@pytest.mark.parametrize("kwargs", [{"dtype": "float16"}, {"quantize": True}, {"quantize": True, "q_bits": 3,
+                                    "quant_recipe": "mixed_6"}])
+def test_our_output_loads_in_mlx_lm_with_the_same_logits(tiny_hf, tmp_path, kwargs):
+    import mlx_lm
+
+    out = convert(tiny_hf, tmp_path / "out", progress=False, **kwargs)
+    config = json.loads((out / "config.json").read_text())
+    if kwargs.get("quantize"):
+        assert config["quantization"] == config["quantization_config"]
+        assert config["quantization"]["bits"] == kwargs.get("q_bits", 4)
+    else:
+        assert "quantization" not in config
+    theirs, _ = mlx_lm.load(str(out))
+    ours, _ = load(out)
+    np.testing.assert_allclose(_logits(ours), _logits(theirs), atol=2e-4, rtol=1e-4)
+    with open(out / "model.safetensors", "rb") as f:
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    assert header["__metadata__"] == {"format": "mlx"}
+    assert (out / "tokenizer.json").exists() and (out / "README.md").exists()
+
+
+def test_mlx_lm_conversion_loads_in_mlxformer(tiny_hf, tmp_path):
+    import mlx_lm
+
+    out = tmp_path / "mlx_lm_q"
+    mlx_lm.convert(str(tiny_hf), str(out), quantize=True)
+    theirs, _ = mlx_lm.load(str(out))
+    ours, _ = load(out)
+    np.testing.assert_allclose(_logits(ours), _logits(theirs), atol=2e-4, rtol=1e-4)
+
+
+def test_gguf_converts_exactly_and_dequantizes(smollm_gguf, tmp_path):
+    direct, _ = load(smollm_gguf, dtype=mx.float32)
+    expected = _logits(direct)
+    out = convert(smollm_gguf, tmp_path / "gguf_mlx", progress=False)
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization"]["group_size"] == 32 and config["quantization"]["bits"] == 4
+    assert config["quantization"]["model.embed_tokens"] == {"group_size": 32, "bits": 8}  # Q8_0 token_embd
+    assert (out / "tokenizer.json").exists() and (out / "tokenizer_config.json").exists()
+    converted, tokenizer = load(out, dtype=mx.float32)
+    np.testing.assert_array_equal(_logits(converted), expected)  # packed values kept as they are
+    assert tokenizer.encode("The capital of France") == load(smollm_gguf)[1].encode("The capital of France")
+
+    floats = convert(out, tmp_path / "dequantized", dequantize=True, dtype="float32", progress=False)
+    assert "quantization" not in json.loads((floats / "config.json").read_text())
+    np.testing.assert_allclose(_logits(load(floats)[0]), expected, atol=1e-3, rtol=1e-3)
+
+
+# ---------------------------------------------------------------------------- quality (real model)
+
+
+@pytest.fixture(scope="module")
+def quality(smollm_hf_dir, tmp_path_factory):
+    """Perplexities of the float source and of 8-bit, default -q and mlx-lm default -q outputs.
+
+    Float source: conftest's ``smollm_hf_dir`` (GGUF dequantized by transformers, bfloat16).
+    Context 256, stride 256 (3 windows over the eval text) to fit the suite's time budget.
+    """
+    import mlx_lm
+
+    measure = _measure_module()
+    from mlxformer.tokenizer import load_tokenizer_from_dir
+
+    work = tmp_path_factory.mktemp("quality")
+    ids = load_tokenizer_from_dir(smollm_hf_dir).encode(EVAL_TEXT.read_text(encoding="utf-8"))
+    assert len(ids) >= 256
+    float_state = {k: np.array(v.astype(mx.float32)) for k, v in mx.load(str(smollm_hf_dir / "model.safetensors")).items()}
+    evaluator = measure.TorchLogits(smollm_hf_dir, float_state)
+
+    def ppl(state) -> float:
+        import torch
+
+        evaluator.model.load_state_dict({k: torch.from_numpy(v) for k, v in state.items()}, strict=False)
+        evaluator.model.tie_weights()
+        return perplexity(evaluator, ids, context=256, stride=256)
+
+    dirs = {
+        "8bit": convert(smollm_hf_dir, work / "q8", quantize=True, q_bits=8, quant_recipe="rtn", progress=False),
+        "default": convert(smollm_hf_dir, work / "q", quantize=True, progress=False),
+    }
+    mlx_lm.convert(str(smollm_hf_dir), str(work / "mlx_lm_q"), quantize=True)
+    dirs["mlx_lm"] = work / "mlx_lm_q"
+    result = {"float": ppl(float_state)}
+    result.update({name: ppl(measure.dequantized_state(d)) for name, d in dirs.items()})
+    result["default_bpw"] = measure.matrix_bits_per_weight(dirs["default"])
+    result["default_dir"] = dirs["default"]
+    return result
+
+
+def test_8bit_is_within_half_a_percent_of_float(quality):
+    assert quality["8bit"] / quality["float"] - 1 < 0.005, quality
+
+
+def test_default_q_halves_mlx_lm_perplexity_increase_within_budget(quality):
+    assert quality["default_bpw"] <= 4.6
+    ours, theirs = quality["default"] - quality["float"], quality["mlx_lm"] - quality["float"]
+    assert theirs > 0
+    assert ours <= theirs / 2, quality
+
+
+def test_default_q_still_answers_paris(quality):
+    from mlxformer import generate
+
+    model, tokenizer = load(quality["default_dir"])  # float32 compute on CPU (loader policy)
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+    assert "Paris" in generate(model, tokenizer, prompt, max_tokens=12)
+
+
+# ---------------------------------------------------------------------------- streaming and sharding
+
+SHARD_SCRIPT = textwrap.dedent("""
+    import json, resource, sys
+    import mlx.core as mx
+    import mlxformer
+    from mlxformer import convert
+    if sys.argv[3] == "convert":
+        convert(sys.argv[1], sys.argv[2], max_shard_size=int(sys.argv[4]), progress=False)
+    print(json.dumps({"maxrss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}))
+""")
+
+
+def _write_synthetic_sharded(directory: Path, n_shards: int = 4) -> int:
+    """A tiny-vocab llama with big layers, saved as ``n_shards`` safetensors shards + index;
+    returns the largest shard's size in bytes."""
+    from safetensors.numpy import save_file
+
+    hidden, inter, layers = 1024, 5632, n_shards
+    config = {"model_type": "llama", "hidden_size": hidden, "intermediate_size": inter, "num_hidden_layers": layers,
+              "num_attention_heads": 8, "num_key_value_heads": 8, "vocab_size": 128, "rms_norm_eps": 1e-5,
+              "tie_word_embeddings": True, "torch_dtype": "float16"}
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps(config))
+    rng = np.random.default_rng(0)
+    weight_map = {}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        tensors = {p + "input_layernorm.weight": np.ones(hidden), p + "post_attention_layernorm.weight": np.ones(hidden)}
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            tensors[p + f"self_attn.{name}.weight"] = rng.standard_normal((hidden, hidden))
+        for name, shape in (("gate_proj", (inter, hidden)), ("up_proj", (inter, hidden)), ("down_proj", (hidden, inter))):
+            tensors[p + f"mlp.{name}.weight"] = rng.standard_normal(shape)
+        if i == 0:
+            tensors["model.embed_tokens.weight"] = rng.standard_normal((128, hidden))
+            tensors["model.norm.weight"] = np.ones(hidden)
+        name = f"model-{i + 1:05d}-of-{layers:05d}.safetensors"
+        save_file({k: v.astype(np.float16) for k, v in tensors.items()}, str(directory / name))
+        weight_map.update({k: name for k in tensors})
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return max(f.stat().st_size for f in directory.glob("*.safetensors"))
+
+
+def test_sharded_conversion_streams_with_bounded_memory(tmp_path):
+    source = tmp_path / "sharded"
+    largest = _write_synthetic_sharded(source)  # 4 shards of ~42 MB
+    out, limit = tmp_path / "out", 25 * 1024**2
+
+    def run(mode: str) -> int:
+        proc = subprocess.run([sys.executable, "-c", SHARD_SCRIPT, str(source), str(out), mode, str(limit)],
+                              capture_output=True, text=True, check=True, cwd=tmp_path)
+        return json.loads(proc.stdout.strip().splitlines()[-1])["maxrss_kb"] * 1024
+
+    baseline = run("baseline")  # a process that only imports mlxformer + mlx
+    peak = run("convert")
+    # Peak RSS of the conversion minus the import-only baseline stays under 2x the largest input shard
+    # (the model is ~170 MB, so loading it whole would exceed this).
+    assert peak - baseline < 2 * largest, (peak - baseline, largest)
+
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    files = sorted(out.glob("*.safetensors"))
+    assert len(files) >= 6 and set(index["weight_map"].values()) == {f.name for f in files}
+    assert all(f.stat().st_size <= limit + 4096 for f in files)
+    loaded = {}
+    for f in files:
+        loaded.update(mx.load(str(f)))
+    assert index["metadata"]["total_size"] == sum(v.nbytes for v in loaded.values())
+    source_tensors = {}
+    for f in source.glob("*.safetensors"):
+        source_tensors.update(mx.load(str(f)))
+    assert set(loaded) == set(source_tensors)
+    name = "model.layers.2.mlp.down_proj.weight"
+    assert mx.array_equal(loaded[name], source_tensors[name])
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.tmp-")]
+
+
+# ---------------------------------------------------------------------------- refusals
+
+
+def _write_unsupported_gguf(path: Path) -> None:
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(1)
+    raw = np.zeros((4, 210), dtype=np.uint8)  # 4 rows of one 256-weight Q6_K block (210 bytes) each
+    writer.add_tensor("blk.0.ffn_down.weight", raw, raw_dtype=gguf.GGMLQuantizationType.Q6_K)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("case", ["exists", "pickle", "gguf_q6k", "bits7", "group48", "requantize"])
+def test_refusals_are_one_line_and_write_nothing(case, tiny_hf, tmp_path, capsys):
+    src, dst = str(tiny_hf), tmp_path / "dst"
+    extra: list[str] = []
+    if case == "exists":
+        dst.mkdir()
+        (dst / "keep.txt").write_text("old")
+    elif case == "pickle":
+        src_dir = tmp_path / "pickled"
+        src_dir.mkdir()
+        (src_dir / "config.json").write_text((tiny_hf / "config.json").read_text())
+        (src_dir / "pytorch_model.bin").write_bytes(b"\x80\x04not really a pickle")
+        src = str(src_dir)
+    elif case == "gguf_q6k":
+        src = str(tmp_path / "q6k.gguf")
+        _write_unsupported_gguf(Path(src))
+    elif case == "bits7":
+        extra = ["-q", "--q-bits", "7"]
+    elif case == "group48":
+        extra = ["-q", "--q-group-size", "48"]
+    elif case == "requantize":
+        src = str(convert(tiny_hf, tmp_path / "already_q", quantize=True, progress=False))
+        extra = ["-q"]
+    before = sorted(p.name for p in tmp_path.iterdir())
+    code = cli_main(["convert", "--hf-path", src, "--mlx-path", str(dst), *extra])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code != 0 and len(err) == 1 and err[0].startswith("mlxformer: error: "), err
+    expected = {"exists": "already exists", "pickle": "pickle", "gguf_q6k": "Q6_K", "bits7": "--q-bits 7",
+                "group48": "--q-group-size 48", "requantize": "already quantized"}[case]
+    assert expected in err[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # no output, no temp dir
+    if case == "exists":
+        assert (dst / "keep.txt").read_text() == "old"
+
+
+def test_force_replaces_existing_output(tiny_hf, tmp_path):
+    dst = tmp_path / "dst"
+    dst.mkdir()
+    (dst / "stale.txt").write_text("old")
+    assert cli_main(["convert", "--hf-path", str(tiny_hf), "--mlx-path", str(dst), "--force"]) == 0
+    assert not (dst / "stale.txt").exists() and (dst / "config.json").exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["dst"]
+
+
+def test_failure_mid_conversion_leaves_nothing(tiny_hf, tmp_path, monkeypatch):
+    from mlxformer import checkpoint_stream
+
+    def boom(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(checkpoint_stream.mx, "save_safetensors", boom)
+    with pytest.raises(OSError):
+        convert(tiny_hf, tmp_path / "dst", progress=False)
+    assert list(tmp_path.iterdir()) == []
