@@ -13,7 +13,7 @@ from functools import lru_cache
 import mlx.core as mx
 import numpy as np
 
-from .cache import Mask, causal_mask_for
+from .attention_mask import Mask, causal_mask_for
 from .errors import MlxformerError
 
 Pack = tuple[mx.array, ...]  # each (B, n_kv, S, ...), sequence on axis 2
@@ -177,20 +177,22 @@ def quantized_attention(
 # --- the cache ----------------------------------------------------------------------------
 
 
-class QuantizedKVCache:
-    """A growing KV cache stored at ``bits`` bits per value, quantized in groups of ``group_size``.
+class KVCache:
+    """A growing KV cache, written in place in buffers grown ``step`` tokens at a time.
 
-    With ``start > 0`` it stores float keys/values until it holds ``start`` tokens, then
-    quantizes what it has at the beginning of the next ``update_and_fetch`` and stays quantized.
+    ``bits=None`` stores float keys/values. With ``bits`` (4 or 8) it stores them quantized in
+    groups of ``group_size``; with ``start > 0`` it stores float until it holds ``start``
+    tokens, then quantizes what it has at the beginning of the next ``update_and_fetch``.
     """
 
     step = 256
 
-    def __init__(self, bits: int = 8, group_size: int = 64, start: int = 0) -> None:
-        self._configure(bits, group_size, start, quantized=start <= 0)
+    def __init__(self, bits: int | None = None, group_size: int = 64, start: int = 0) -> None:
+        self._configure(bits, group_size, start, quantized=bits is not None and start <= 0)
 
-    def _configure(self, bits: int, group_size: int, start: int, quantized: bool) -> None:
-        check_kv_quantization(bits, group_size)
+    def _configure(self, bits: int | None, group_size: int, start: int, quantized: bool) -> None:
+        if bits is not None:
+            check_kv_quantization(bits, group_size)
         self.bits, self.group_size, self.start = bits, group_size, start
         self.codec = KVCodec(bits, group_size) if quantized else FLOAT_CODEC
         self.keys: Pack | None = None
@@ -203,6 +205,7 @@ class QuantizedKVCache:
         return self.codec.bits is not None
 
     def _quantize_storage(self) -> None:
+        assert self.bits is not None
         self.codec, float_codec = KVCodec(self.bits, self.group_size), self.codec
         if self.keys is not None and self.values is not None:
             keys = float_codec.decode(pack_slice(self.keys, 0, self.offset))
@@ -211,7 +214,7 @@ class QuantizedKVCache:
             self.keys, self.values = self.codec.encode_keys(keys), self.codec.encode(values)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Pack, Pack]:
-        if not self.quantized and self.offset >= self.start:
+        if self.bits is not None and not self.quantized and self.offset >= self.start:
             self._quantize_storage()
         self.codec = self.codec.with_key_center(keys)
         new_keys, new_values = self.codec.encode_keys(keys), self.codec.encode(values)
@@ -258,13 +261,14 @@ class QuantizedKVCache:
     @property
     def meta_state(self) -> dict[str, str]:
         return {
-            "bits": str(self.bits), "group_size": str(self.group_size),
+            "bits": "" if self.bits is None else str(self.bits), "group_size": str(self.group_size),
             "start": str(self.start), "quantized": str(int(self.quantized)),
         }
 
     @meta_state.setter
     def meta_state(self, meta: dict[str, str]) -> None:
-        self._configure(int(meta["bits"]), int(meta["group_size"]), int(meta["start"]), meta["quantized"] == "1")
+        bits = int(meta["bits"]) if meta["bits"] else None
+        self._configure(bits, int(meta["group_size"]), int(meta["start"]), meta["quantized"] == "1")
 
     def trim(self, n: int) -> int:
         n = min(self.offset, n)
@@ -274,3 +278,10 @@ class QuantizedKVCache:
     @property
     def nbytes(self) -> int:
         return pack_nbytes(self.keys) + pack_nbytes(self.values)
+
+
+class QuantizedKVCache(KVCache):
+    """A ``KVCache`` that stores keys/values at ``bits`` bits (from ``start`` tokens on)."""
+
+    def __init__(self, bits: int = 8, group_size: int = 64, start: int = 0) -> None:
+        super().__init__(bits, group_size, start)

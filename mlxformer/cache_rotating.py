@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .cache import Mask, causal_mask_for
+from .attention_mask import Mask, causal_mask_for
 from .cache_quantized import (
     FLOAT_CODEC, KVCodec, Pack, check_kv_quantization, pack_concat, pack_nbytes, pack_slice, pack_write,
     pack_zeros_like,

@@ -14,7 +14,7 @@ from typing import Callable
 import mlx.core as mx
 import mlx.nn as nn
 
-from .cache import causal_mask_for
+from .attention_mask import causal_mask_for
 from .model import Model
 
 CALIBRATION_TEXT = """\

@@ -15,14 +15,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the ``generate`` subcommand."""
     parser = subparsers.add_parser("generate", help="generate text from a prompt")
     add_model_args(parser)
-    parser.add_argument("--prompt", "-p", required=True, help="the prompt; '-' reads it from stdin")
-    parser.add_argument("--system", help="system message (with a chat template)")
-    parser.add_argument("--ignore-chat-template", action="store_true", help="feed the prompt raw, without the chat template")
+    add_prompt_args(parser)
     add_sampling_args(parser)
     add_cache_args(parser)
     parser.add_argument("--prompt-cache-file", help="continue from a cache saved by 'mlxformer cache-prompt'")
     parser.add_argument("--verbose", "-v", action="store_true", dest="verbose_sub", help="show tracebacks")
     parser.set_defaults(handler=run)
+
+
+def add_prompt_args(parser: argparse.ArgumentParser) -> None:
+    """``--prompt``, ``--system`` and ``--ignore-chat-template``."""
+    parser.add_argument("--prompt", "-p", required=True, help="the prompt; '-' reads it from stdin")
+    parser.add_argument("--system", help="system message (with a chat template)")
+    parser.add_argument("--ignore-chat-template", action="store_true", help="use the prompt raw, without the chat template")
 
 
 def read_prompt(value: str) -> str:
@@ -33,11 +38,14 @@ def read_prompt(value: str) -> str:
     return text
 
 
-def prompt_ids(tokenizer: Tokenizer, prompt: str, system: str | None, use_template: bool) -> list[int]:
+def prompt_ids(
+    tokenizer: Tokenizer, prompt: str, system: str | None, use_template: bool, add_generation_prompt: bool = True
+) -> list[int]:
     """Token ids for a user prompt, through the chat template when there is one and it is wanted."""
     if use_template and tokenizer.chat_template:
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-        return tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=True), add_special_tokens=False)
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        return tokenizer.encode(text, add_special_tokens=False)
     if system:
         print("mlxformer: note: --system is ignored without a chat template", file=sys.stderr)
     return tokenizer.encode(prompt)

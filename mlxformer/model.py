@@ -11,7 +11,8 @@ from typing import Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
-from .cache import Cache, Mask, causal_mask_for
+from .attention_mask import Mask, causal_mask_for
+from .cache import Cache
 from .config import ModelArgs
 from .rope import RoPE
 

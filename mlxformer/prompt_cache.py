@@ -19,11 +19,11 @@ from typing import Sequence
 
 import mlx.core as mx
 
-from .cache import Cache, KVCache, make_cache
-from .cache_quantized import QuantizedKVCache
+from .cache import Cache, make_cache
+from .cache_quantized import KVCache, QuantizedKVCache
 from .cache_rotating import RotatingKVCache
 from .cli import add_cache_args, add_model_args, cache_settings, load_for_cli
-from .cli_generate import read_prompt
+from .cli_generate import add_prompt_args, prompt_ids, read_prompt
 from .errors import MlxformerError
 from .generate import prefill
 from .model import Model
@@ -158,9 +158,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the ``cache-prompt`` subcommand."""
     parser = subparsers.add_parser("cache-prompt", help="prefill a prompt once and save its KV cache to a file")
     add_model_args(parser)
-    parser.add_argument("--prompt", "-p", required=True, help="the prompt to cache; '-' reads it from stdin")
-    parser.add_argument("--system", help="system message (with a chat template)")
-    parser.add_argument("--ignore-chat-template", action="store_true", help="cache the prompt raw, without the chat template")
+    add_prompt_args(parser)
     parser.add_argument("--prompt-cache-file", required=True, help="the .safetensors file to write")
     parser.add_argument("--force", action="store_true", help="overwrite an existing file")
     add_cache_args(parser)
@@ -175,15 +173,9 @@ def run(args: argparse.Namespace) -> int:
     prompt = read_prompt(args.prompt)
     settings = cache_settings(args)
     model, tokenizer = load_for_cli(args)
-    if not args.ignore_chat_template and tokenizer.chat_template:
-        # The user turn without the assistant header, so that `generate` with the same prompt
-        # (which adds the header) finds these ids as its prefix.
-        messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
-            {"role": "user", "content": prompt}
-        ]
-        ids = tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=False), add_special_tokens=False)
-    else:
-        ids = tokenizer.encode(prompt)
+    # The user turn without the assistant header, so that `generate` with the same prompt
+    # (which adds the header) finds these ids as its prefix.
+    ids = prompt_ids(tokenizer, prompt, args.system, not args.ignore_chat_template, add_generation_prompt=False)
     cache = make_cache(model, settings)
     prefill(model, mx.array(ids), cache)
     mx.eval([c.state for c in cache])
