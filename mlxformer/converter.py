@@ -35,8 +35,6 @@ TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json", "added_tokens.json",
     "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json", "generation_config.json",
 )
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM"}
 
 
 @dataclass(frozen=True)
@@ -249,7 +247,13 @@ class _Job:
     def write_metadata(self, directory: Path, source_path: Path) -> None:
         """config.json, tokenizer files and README.md."""
         config = {k: v for k, v in self.source.config.items() if k not in ("quantization", "quantization_config")}
-        config.setdefault("architectures", [ARCHITECTURES[self.args.model_type]])
+        normalized = self.args.to_dict()
+        config.setdefault("architectures", normalized["architectures"])
+        # transformers 5 writes only ``rope_parameters``; mlx-lm and older readers need the
+        # classic top-level keys, so the output carries both.
+        config.setdefault("rope_theta", normalized["rope_theta"])
+        if normalized["rope_scaling"] is not None:
+            config.setdefault("rope_scaling", normalized["rope_scaling"])
         if self.float_dtype is not None:
             name = next(k for k, v in DTYPES.items() if v == self.float_dtype)
             config["torch_dtype"] = name

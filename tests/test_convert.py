@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -20,7 +21,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from conftest import write_tiny_checkpoint
+from conftest import edit_config, write_tiny_checkpoint
 from mlxformer import convert, load
 from mlxformer.cli import main as cli_main
 from mlxformer.perplexity import perplexity
@@ -44,8 +45,12 @@ def _logits(model) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def tiny_hf(tmp_path_factory, smollm_hf_dir) -> Path:
-    """A tiny random llama saved by transformers, with SmolLM2's tokenizer files (for mlx-lm)."""
-    directory, _ = write_tiny_checkpoint(tmp_path_factory.mktemp("tiny_hf"), "llama", seed=3, vocab_size=256)
+    """A tiny random llama saved by transformers, with SmolLM2's tokenizer files (for mlx-lm).
+    Its rope base is not the default 10000, and transformers 5 writes it only inside
+    ``rope_parameters``: a reader that misses that key gives different logits."""
+    directory, _ = write_tiny_checkpoint(
+        tmp_path_factory.mktemp("tiny_hf"), "llama", seed=3, vocab_size=256, rope_theta=100000.0
+    )
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (directory / name).write_bytes((smollm_hf_dir / name).read_bytes())
     return directory
@@ -78,8 +83,14 @@ def test_our_output_loads_in_mlx_lm_with_the_same_logits(tiny_hf, tmp_path, kwar
 def test_mlx_lm_conversion_loads_in_mlxformer(tiny_hf, tmp_path):
     import mlx_lm
 
+    # mlx-lm 0.32 reads only the classic top-level rope_theta, not transformers 5's
+    # rope_parameters: give its converter a source it reads correctly.
+    source = tmp_path / "classic"
+    shutil.copytree(tiny_hf, source)
+    config = json.loads((source / "config.json").read_text())
+    edit_config(source, rope_theta=config["rope_parameters"]["rope_theta"])
     out = tmp_path / "mlx_lm_q"
-    mlx_lm.convert(str(tiny_hf), str(out), quantize=True)
+    mlx_lm.convert(str(source), str(out), quantize=True)
     theirs, _ = mlx_lm.load(str(out))
     ours, _ = load(out)
     np.testing.assert_allclose(_logits(ours), _logits(theirs), atol=2e-4, rtol=1e-4)
