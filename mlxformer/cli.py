@@ -6,13 +6,17 @@ import argparse
 import sys
 import traceback
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import mlx.core as mx
 
 from .cache import CacheSettings
 from .errors import MlxformerError
 from .generate import SamplingSettings
+
+if TYPE_CHECKING:
+    from .model import Model
+    from .tokenizer import Tokenizer
 
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 
@@ -72,7 +76,7 @@ def cache_settings(args: argparse.Namespace) -> CacheSettings:
     )
 
 
-def load_for_cli(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+def load_for_cli(args: argparse.Namespace) -> tuple[Model, Tokenizer]:
     """``load`` on ``--model`` (or the default model) with ``--dtype``."""
     from .default_model import default_model_path
     from .loader import load

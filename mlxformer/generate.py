@@ -3,9 +3,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import mlx.core as mx
 
@@ -120,7 +121,7 @@ def stream_generate(
     Each response carries the new text piece and token; the last one has ``finish_reason`` set.
     """
     if sampling_kwargs:
-        sampling = SamplingSettings(**{**sampling.__dict__, **sampling_kwargs})  # type: ignore[arg-type]
+        sampling = dataclasses.replace(sampling, **sampling_kwargs)
     ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
     if not ids:
         raise MlxformerError("empty prompt: nothing to generate from")
@@ -177,7 +178,7 @@ def generate(
     tokenizer: Tokenizer,
     prompt: str | Sequence[int],
     max_tokens: int = 256,
-    **kwargs,  # type: ignore[no-untyped-def]
+    **kwargs: Any,
 ) -> str:
     """The whole completion of ``prompt`` as one string (see ``stream_generate`` for options)."""
     return "".join(response.text for response in stream_generate(model, tokenizer, prompt, max_tokens, **kwargs))
