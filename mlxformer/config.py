@@ -6,7 +6,6 @@ set of field values here, read from an HF ``config.json`` dict or from GGUF meta
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -122,10 +121,6 @@ class ModelArgs:
         if self.sliding_window is not None:
             config["sliding_window"] = self.sliding_window
         return config
-
-    def replace(self, **changes: Any) -> "ModelArgs":
-        """A copy with some fields changed."""
-        return dataclasses.replace(self, **changes)
 
 
 _ARCHITECTURES = {

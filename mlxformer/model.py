@@ -102,6 +102,9 @@ class Model(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
+        # When set, activations are cast to this dtype right after the embedding (the CPU
+        # policy for quantized models: packed weights and their scales stay as stored).
+        self.activation_dtype: mx.Dtype | None = None
         self.model = DecoderStack(args)
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
@@ -113,6 +116,8 @@ class Model(nn.Module):
     def hidden_states(self, inputs: mx.array, cache: Sequence[Cache] | None = None) -> mx.array:
         """Final-norm hidden states ``(B, T, hidden)`` for token ids ``(B, T)``."""
         h = self.model.embed_tokens(inputs)  # (B, T, hidden)
+        if self.activation_dtype is not None:
+            h = h.astype(self.activation_dtype)
         query_len = inputs.shape[1]
         if cache is None:
             mask = causal_mask_for(query_len, query_len, self.args.sliding_window)
@@ -137,10 +142,6 @@ class Model(nn.Module):
         """Logits ``(B, vocab)`` of the last position only: the vocabulary projection, the
         largest matmul of a small model, is skipped for every other position."""
         return self.logits(self.hidden_states(inputs, cache)[:, -1, :])
-
-    def set_dtype(self, dtype: mx.Dtype) -> None:
-        """Cast every floating-point parameter (quantized weights stay packed) to ``dtype``."""
-        super().set_dtype(dtype)
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         """Drop checkpoint keys that carry no weights for this decoder."""
