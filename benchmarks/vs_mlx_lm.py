@@ -1,6 +1,6 @@
 """mlxformer beside mlx-lm on the same model files, trials interleaved A B A B in one run.
 
-Each trial runs in its own subprocess, so peak memory is that runtime's alone. Both runtimes
+Trials alternate A B / B A. Each trial runs in its own subprocess, so peak memory is that runtime's alone. Both runtimes
 get the same random prompt and generate greedily without stopping at eos; prefill speed is
 prompt tokens over the time to the first token, decode speed is the remaining tokens over
 their time. Prints per-model medians and the mlxformer/mlx-lm ratios (higher is better for
@@ -100,8 +100,9 @@ def main() -> None:
             print(f"| {name} | (missing: run benchmarks/prepare_models.py) |||||||")
             continue
         results: dict[str, list[dict[str, float]]] = {r: [] for r in RUNTIMES}
-        for _ in range(args.trials):
-            for runtime in RUNTIMES:  # A B A B ...
+        for trial in range(args.trials):
+            # A B, B A, A B, ...: alternating who goes first cancels any order bias.
+            for runtime in RUNTIMES if trial % 2 == 0 else RUNTIMES[::-1]:
                 results[runtime].append(run_trial(runtime, model_dir, args))
         medians = {
             r: {k: statistics.median(t[k] for t in trials) for k in ("prefill_tps", "decode_tps", "peak_memory_gb")}
