@@ -13,7 +13,7 @@ from typing import Any, Protocol, Sequence
 
 import mlx.core as mx
 
-from .attention_mask import Mask, causal_mask_for
+from .attention_mask import Mask
 
 from .errors import MlxformerError
 

@@ -74,6 +74,7 @@ def _rotation_np(dim: int) -> np.ndarray:
     return q * np.sign(np.diag(r))
 
 
+@lru_cache(maxsize=None)
 def rotation(dim: int, dtype: mx.Dtype) -> mx.array:
     """A fixed orthogonal ``(dim, dim)`` matrix R (normalized Hadamard when ``dim`` is a power of 2).
 

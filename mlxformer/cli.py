@@ -8,9 +8,9 @@ import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Sequence
 
-import mlx.core as mx
 
 from .cache import CacheSettings
+from .config import FLOAT_DTYPES
 from .errors import MlxformerError
 from .generate import SamplingSettings
 
@@ -18,7 +18,6 @@ if TYPE_CHECKING:
     from .model import Model
     from .tokenizer import Tokenizer
 
-DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -28,7 +27,7 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
         help="HF repo id, local HF/MLX dir or .gguf file (default: the offline SmolLM2-135M-Instruct)",
     )
     parser.add_argument(
-        "--dtype", choices=sorted(DTYPES),
+        "--dtype", choices=sorted(FLOAT_DTYPES),
         help="compute dtype for floating parameters (default: the checkpoint's; float32 for quantized models on CPU)",
     )
 
@@ -82,7 +81,7 @@ def load_for_cli(args: argparse.Namespace) -> tuple[Model, Tokenizer]:
     from .loader import load
 
     source: str | Path = args.model if args.model else default_model_path()
-    return load(source, dtype=DTYPES[args.dtype] if args.dtype else None)
+    return load(source, dtype=FLOAT_DTYPES[args.dtype] if args.dtype else None)
 
 
 def _command_modules() -> list[Callable[[argparse._SubParsersAction], None]]:

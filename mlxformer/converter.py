@@ -20,7 +20,7 @@ import mlx.nn as nn
 
 from .calibration import CALIBRATION_TEXT, activation_importance
 from .checkpoint_stream import MAX_SHARD_BYTES, SourceCheckpoint, open_source, plan_shards, staged_output, write_shards
-from .config import ModelArgs
+from .config import FLOAT_DTYPES, ModelArgs
 from .errors import MlxformerError
 from .loader import build_model, check_weights, quantization_of, quantize_like_checkpoint, resolve_source
 from .model import Model
@@ -30,7 +30,6 @@ from .quantize import (
 )
 from .tokenizer import load_tokenizer_from_dir, load_tokenizer_from_gguf
 
-DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json", "added_tokens.json",
     "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json", "generation_config.json",
@@ -53,11 +52,11 @@ def _settings(quantize: bool, q_bits: int | None, q_group_size: int | None, dtyp
               quant_recipe: str | None, dequantize: bool, force: bool) -> ConvertSettings:
     if not quantize and (q_bits is not None or q_group_size is not None or quant_recipe is not None):
         raise MlxformerError("--q-bits, --q-group-size and --quant-recipe need -q/--quantize")
-    if dtype is not None and dtype not in DTYPES:
-        raise MlxformerError(f"unsupported --dtype {dtype!r} (choose from {', '.join(DTYPES)})")
+    if dtype is not None and dtype not in FLOAT_DTYPES:
+        raise MlxformerError(f"unsupported --dtype {dtype!r} (choose from {', '.join(FLOAT_DTYPES)})")
     base = check_spec(4 if q_bits is None else q_bits, 64 if q_group_size is None else q_group_size) if quantize else None
     recipe = get_recipe(quant_recipe or DEFAULT_RECIPE) if quantize else None
-    return ConvertSettings(quantize, base, recipe, DTYPES[dtype] if dtype else None, dequantize, force)
+    return ConvertSettings(quantize, base, recipe, FLOAT_DTYPES[dtype] if dtype else None, dequantize, force)
 
 
 def convert(
@@ -255,7 +254,7 @@ class _Job:
         if normalized["rope_scaling"] is not None:
             config.setdefault("rope_scaling", normalized["rope_scaling"])
         if self.float_dtype is not None:
-            name = next(k for k, v in DTYPES.items() if v == self.float_dtype)
+            name = next(k for k, v in FLOAT_DTYPES.items() if v == self.float_dtype)
             config["torch_dtype"] = name
             if "dtype" in config:
                 config["dtype"] = name
@@ -288,7 +287,7 @@ class _Job:
         if bpw is not None:
             lines.append(f"- average bits per matrix weight: {bpw:.3f} (bits + 32/group_size, float matrices 16)")
         if self.float_dtype is not None:
-            lines.append(f"- float dtype: {next(k for k, v in DTYPES.items() if v == self.float_dtype)}")
+            lines.append(f"- float dtype: {next(k for k, v in FLOAT_DTYPES.items() if v == self.float_dtype)}")
         lines += ["", "Load with `mlxformer.load(path)` or `mlx_lm.load(path)`.", ""]
         return "\n".join(lines)
 

@@ -6,7 +6,6 @@ name the offending key. Only safetensors and GGUF are read: never pickles, never
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ from mlx.utils import tree_flatten
 from .config import ModelArgs
 from .errors import MlxformerError
 from .gguf import load_gguf
+from .jsonio import read_json_object
 from .model import Model
 from .safetensors_check import read_safetensors_header
 from .tokenizer import Tokenizer, load_tokenizer_from_dir, load_tokenizer_from_gguf
@@ -48,7 +48,7 @@ def safetensors_files(directory: Path) -> list[Path]:
     """The weight files of an HF/MLX dir, from the shard index when there is one."""
     index = directory / "model.safetensors.index.json"
     if index.exists():
-        weight_map = _read_json(index).get("weight_map", {})
+        weight_map = read_json_object(index).get("weight_map", {})
         files = sorted({directory / name for name in weight_map.values()})
         missing = [f.name for f in files if not f.exists()]
         if missing:
@@ -63,22 +63,12 @@ def safetensors_files(directory: Path) -> list[Path]:
     return files
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise MlxformerError(f"{path}: cannot read JSON ({exc})") from None
-    if not isinstance(data, dict):
-        raise MlxformerError(f"{path}: expected a JSON object")
-    return data
-
-
 def read_config(directory: Path) -> dict[str, Any]:
     """``config.json`` of a model dir."""
     config_path = directory / "config.json"
     if not config_path.exists():
         raise MlxformerError(f"{directory}: no config.json (not an HF or MLX model dir)")
-    return _read_json(config_path)
+    return read_json_object(config_path)
 
 
 def load_safetensors(files: list[Path]) -> dict[str, mx.array]:

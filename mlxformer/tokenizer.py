@@ -20,6 +20,7 @@ from tokenizers import processors
 from mlxformer.detokenizer import StreamingDetokenizer
 from mlxformer.errors import MlxformerError
 from mlxformer.gguf_vocab import build_gguf_vocab
+from mlxformer.jsonio import read_json_object
 
 _BYTE_TOKEN = re.compile(r"^<0x[0-9A-Fa-f]{2}>$")
 
@@ -252,15 +253,8 @@ def _compile_template(source: str) -> jinja2.Template:
 
 
 def _read_json(path: pathlib.Path) -> dict[str, Any]:
-    if not path.is_file():
-        return {}
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise MlxformerError(f"cannot read {path}: {exc}") from exc
-    if not isinstance(data, dict):
-        raise MlxformerError(f"{path} does not hold a JSON object")
-    return data
+    """The JSON object in an optional file (``{}`` when it is absent)."""
+    return read_json_object(path) if path.is_file() else {}
 
 
 def _token_text(value: Any) -> str | None:
