@@ -3,7 +3,7 @@
 Both runtimes call the same MLX matmul kernels, so the matmul share bounds how much any
 runtime can gain on a model without changing the kernels or the dtype.
 
-Usage: python benchmarks/decode_profile.py --model .bench/models/smollm2-bf16 [--context 256] [--steps 32]
+Usage: python benchmarks/decode_profile.py --model .bench/models/smollm2-bf16 [--context 256] [--steps 32] [--threads N]
 """
 
 from __future__ import annotations
@@ -34,7 +34,11 @@ def time_decode(model, context: int, steps: int) -> float:  # type: ignore[no-un
 
 def time_matmuls(model, steps: int) -> float:  # type: ignore[no-untyped-def]
     """Seconds per step for only the projections (every Linear plus the vocabulary projection) at M=1."""
-    linears = [m for _, m in model.named_modules() if isinstance(m, (nn.Linear, nn.QuantizedLinear))]
+    linears = [
+        m for name, m in model.named_modules()
+        # the layers themselves, not the private shard views of sharded ones
+        if isinstance(m, (nn.Linear, nn.QuantizedLinear)) and not any(p.startswith("_") for p in name.split("."))
+    ]
     dtype = model.model.norm.weight.dtype
     inputs = [mx.random.normal((1, 1, m.weight.shape[1] * (32 // m.bits if isinstance(m, nn.QuantizedLinear) else 1))).astype(dtype) for m in linears]
     head_input = mx.random.normal((1, 1, model.args.hidden_size)).astype(dtype)
@@ -57,8 +61,9 @@ def main() -> None:
     parser.add_argument("--model", required=True)
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=None, help="as mlxformer's --threads (default: the policy)")
     args = parser.parse_args()
-    model, _ = load(args.model)
+    model, _ = load(args.model, threads=args.threads)
     step = time_decode(model, args.context, args.steps)
     matmuls = time_matmuls(model, args.steps)
     print(f"decode step {step * 1e3:.1f} ms | projections alone {matmuls * 1e3:.1f} ms | share {matmuls / step:.0%}")

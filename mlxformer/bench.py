@@ -14,7 +14,7 @@ import mlx.core as mx
 from .cache import CacheSettings, make_cache
 from .cli import add_cache_args, add_model_args, cache_settings, load_for_cli
 from .errors import MlxformerError
-from .generate import DEFAULT_PREFILL_STEP, generate_tokens
+from .generate import generate_tokens
 from .model import Model
 from .sampling import greedy
 
@@ -58,7 +58,7 @@ def mlxformer_loop(model: Model, settings: CacheSettings | None = None) -> Token
 
     def loop(prompt: mx.array, n: int) -> Iterator[int]:
         cache = make_cache(model, settings)
-        return generate_tokens(model, prompt, cache, greedy, (), n, DEFAULT_PREFILL_STEP)
+        return generate_tokens(model, prompt, cache, greedy, (), n)
 
     return loop
 

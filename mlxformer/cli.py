@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
-    """``--model`` and ``--dtype``."""
+    """``--model``, ``--dtype`` and ``--threads``."""
     parser.add_argument(
         "--model", "-m",
         help="HF repo id, local HF/MLX dir or .gguf file (default: the offline SmolLM2-135M-Instruct)",
@@ -29,6 +29,10 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dtype", choices=sorted(FLOAT_DTYPES),
         help="compute dtype for floating parameters (default: the checkpoint's; float32 for quantized models on CPU)",
+    )
+    parser.add_argument(
+        "--threads", "-t", type=int, default=None,
+        help="CPU streams to split each projection over (default: usable cores, at most 4, on CPU; 1 on GPU)",
     )
 
 
@@ -76,12 +80,14 @@ def cache_settings(args: argparse.Namespace) -> CacheSettings:
 
 
 def load_for_cli(args: argparse.Namespace) -> tuple[Model, Tokenizer]:
-    """``load`` on ``--model`` (or the default model) with ``--dtype``."""
+    """``load`` on ``--model`` (or the default model) with ``--dtype`` and ``--threads``."""
     from .default_model import default_model_path
     from .loader import load
 
     source: str | Path = args.model if args.model else default_model_path()
-    return load(source, dtype=FLOAT_DTYPES[args.dtype] if args.dtype else None)
+    if args.threads is not None and args.threads < 1:
+        raise MlxformerError("--threads must be at least 1")
+    return load(source, dtype=FLOAT_DTYPES[args.dtype] if args.dtype else None, threads=args.threads)
 
 
 def _command_modules() -> list[Callable[[argparse._SubParsersAction], None]]:

@@ -17,7 +17,17 @@ from .sampling import LogitsProcessor, Sampler, make_logits_processors, make_sam
 from .stop import StopMatcher
 from .tokenizer import StreamingDetokenizer, Tokenizer
 
-DEFAULT_PREFILL_STEP = 512
+# Prompt tokens per prefill chunk. On the CPU device smaller chunks are as fast or faster
+# (cache-friendly matmuls) and cut the activations' peak memory (measured on SmolLM2, 256
+# tokens: 128-token chunks +19 MB over the weights vs +26 MB at 256, same tok/s); a GPU
+# wants large chunks to fill the device.
+GPU_PREFILL_STEP = 512
+CPU_PREFILL_STEP = 128
+
+
+def default_prefill_step() -> int:
+    """Prefill chunk size for the default device."""
+    return CPU_PREFILL_STEP if mx.default_device().type == mx.DeviceType.cpu else GPU_PREFILL_STEP
 
 
 @dataclass(frozen=True)
@@ -46,8 +56,10 @@ class GenerationResponse:
     finish_reason: str | None = None  # "stop" (eos or stop string), "length", or None while running
 
 
-def prefill(model: Model, tokens: mx.array, cache: Sequence[Cache], step_size: int = DEFAULT_PREFILL_STEP) -> mx.array:
-    """Run ``tokens`` (T,) through the model in chunks of ``step_size``; return the last logits (1, vocab)."""
+def prefill(model: Model, tokens: mx.array, cache: Sequence[Cache], step_size: int | None = None) -> mx.array:
+    """Run ``tokens`` (T,) through the model in chunks of ``step_size`` (default:
+    ``default_prefill_step()``); return the last logits (1, vocab)."""
+    step_size = step_size or default_prefill_step()
     if tokens.size == 0:
         raise MlxformerError("empty prompt: nothing to generate from")
     while tokens.size > step_size:
@@ -78,7 +90,7 @@ def generate_tokens(
     sampler: Sampler,
     processors: Sequence[LogitsProcessor] = (),
     max_tokens: int = 256,
-    prefill_step_size: int = DEFAULT_PREFILL_STEP,
+    prefill_step_size: int | None = None,
 ) -> Iterator[int]:
     """Yield up to ``max_tokens`` token ids; the next step is queued with ``mx.async_eval``
     before the current token is handed to the caller, so the device never waits on Python."""
@@ -110,7 +122,7 @@ def stream_generate(
     stop: Sequence[str] = (),
     cache: Sequence[Cache] | None = None,
     cache_settings: CacheSettings | None = None,
-    prefill_step_size: int = DEFAULT_PREFILL_STEP,
+    prefill_step_size: int | None = None,
     **sampling_kwargs: float | int | None,
 ) -> Iterator[GenerationResponse]:
     """Stream a completion of ``prompt`` (raw text or token ids; no chat template is applied).

@@ -19,6 +19,7 @@ from .errors import MlxformerError
 from .gguf import load_gguf
 from .jsonio import read_json_object
 from .model import Model
+from .parallel import apply_thread_policy
 from .safetensors_check import read_safetensors_header
 from .tokenizer import Tokenizer, load_tokenizer_from_dir, load_tokenizer_from_gguf
 
@@ -167,9 +168,9 @@ def cast_except_quantized_linears(model: Model, dtype: mx.Dtype) -> None:
 def apply_dtype_policy(model: Model, requested: mx.Dtype | None) -> None:
     """An explicit ``requested`` dtype casts every floating parameter. Otherwise, on the CPU
     device, quantized models compute in float32: ``quantized_matmul`` is 9-40x slower and far
-    less accurate with 16-bit activations there, while 16-bit scales cost nothing in float32
-    in quantized linear layers cost nothing in float32 (the kernel widens them exactly), so
-    they stay as stored and everything else is cast.
+    less accurate with 16-bit activations there, while 16-bit scales of quantized linear
+    layers cost nothing in float32 (the kernel widens them exactly), so they stay as stored
+    and everything else is cast.
     Elsewhere the checkpoint's own dtypes are kept."""
     if requested is not None:
         model.set_dtype(requested)
@@ -190,17 +191,22 @@ def read_checkpoint(source: Path) -> tuple[dict[str, Any], dict[str, mx.array], 
     return config, load_safetensors(safetensors_files(source)), None
 
 
-def load(path_or_repo: str | Path, dtype: mx.Dtype | None = None) -> tuple[Model, Tokenizer]:
+def load(
+    path_or_repo: str | Path, dtype: mx.Dtype | None = None, threads: int | None = None
+) -> tuple[Model, Tokenizer]:
     """Load a model and its tokenizer from a local HF/MLX dir, a hub repo id or a ``.gguf`` file.
 
     Args:
         path_or_repo: where the model is.
         dtype: compute dtype for floating parameters; ``None`` applies the backend policy
             (see ``apply_dtype_policy``).
+        threads: CPU streams each projection is split over; ``None`` applies the backend
+            policy (see ``parallel.apply_thread_policy``), 1 turns it off.
     """
     source = resolve_source(path_or_repo)
     config, weights, metadata = read_checkpoint(source)
     model = build_model(config, weights)
     tokenizer = load_tokenizer_from_gguf(metadata) if metadata is not None else load_tokenizer_from_dir(source)
     apply_dtype_policy(model, dtype)
+    apply_thread_policy(model, threads)
     return model, tokenizer

@@ -6,6 +6,7 @@ so safetensors weights load without a renaming table.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Sequence
 
 import mlx.core as mx
@@ -58,6 +59,12 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
+@partial(mx.compile, shapeless=True)
+def swiglu(gate: mx.array, up: mx.array) -> mx.array:
+    """``silu(gate) * up`` as one fused kernel: no temporaries the size of the hidden layer."""
+    return nn.silu(gate) * up
+
+
 class MLP(nn.Module):
     """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))``."""
 
@@ -68,7 +75,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -105,6 +112,8 @@ class Model(nn.Module):
         # When set, activations are cast to this dtype right after the embedding (the CPU
         # policy for quantized models: packed weights and their scales stay as stored).
         self.activation_dtype: mx.Dtype | None = None
+        # Set by ``use_output_projection``; private, so ``parameters()`` skips it.
+        self._output_projection: nn.Module | None = None
         self.model = DecoderStack(args)
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
@@ -131,9 +140,16 @@ class Model(nn.Module):
 
     def logits(self, hidden: mx.array) -> mx.array:
         """Project hidden states ``(B, T, hidden)`` to vocabulary logits ``(B, T, vocab)``."""
+        if self._output_projection is not None:
+            return self._output_projection(hidden)
         if self.args.tie_word_embeddings:
             return self.model.embed_tokens.as_linear(hidden)
         return self.lm_head(hidden)
+
+    def use_output_projection(self, layer: nn.Module) -> None:
+        """Compute logits with ``layer``, a linear layer holding the same weights as the
+        vocabulary projection (for example views of them split across CPU streams)."""
+        self._output_projection = layer
 
     def __call__(self, inputs: mx.array, cache: Sequence[Cache] | None = None) -> mx.array:
         return self.logits(self.hidden_states(inputs, cache))

@@ -116,7 +116,9 @@ def edit_config(directory: Path, **changes: Any) -> dict[str, Any]:
 
 @pytest.fixture(scope="session")
 def smollm(smollm_gguf: Path):
-    """mlxformer's ``load`` of the real GGUF: (model, tokenizer), float32 compute (CPU policy)."""
+    """mlxformer's ``load`` of the real GGUF: (model, tokenizer), float32 compute (CPU policy),
+    projections split over 2 CPU streams whatever the machine's core count, so the sharded
+    quantized path is what the transformers-parity tests check."""
     from mlxformer import load
 
-    return load(smollm_gguf)
+    return load(smollm_gguf, threads=2)

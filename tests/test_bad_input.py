@@ -91,6 +91,10 @@ def test_tensor_shape_mismatch(capsys, tiny_dir, tmp_path):
     assert_one_line_error(code, out, err, "mlp.", "128", "96")
 
 
+def test_zero_threads(capsys, tiny_dir):
+    assert_one_line_error(*run_cli(capsys, *generate_args(tiny_dir), "--threads", "0"), "--threads")
+
+
 def test_not_a_gguf_file(capsys, tmp_path):
     fake = tmp_path / "model.gguf"
     fake.write_text("this is not a GGUF file\n")

@@ -3,7 +3,7 @@
 Every family/feature combination is read back through mlxformer's own loading path
 (``read_checkpoint`` + ``build_model``) and compared in float32 against the transformers
 model that wrote it: full forward, prefill + token-by-token decode through the KV cache,
-and chunked prefill.
+and chunked prefill, with plain and with stream-sharded projections.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from mlxformer.cache import make_cache
 from mlxformer.errors import MlxformerError
 from mlxformer.generate import decode_step, prefill
 from mlxformer.loader import build_model, read_checkpoint
+from mlxformer.parallel import apply_thread_policy
 
 SEQ_LEN = 64
 PREFILL_LEN = 40
@@ -71,21 +72,29 @@ def tokens(n: int = SEQ_LEN, seed: int = 1) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, size=n)
 
 
-def load_ours(directory):
+def load_ours(directory, threads: int = 1):
     config, weights, metadata = read_checkpoint(directory)
     assert metadata is None
     model = build_model(config, weights)
     model.set_dtype(mx.float32)
+    apply_thread_policy(model, threads)
     return model
 
 
-@pytest.fixture(scope="module", params=list(CASES) + [f"{name}-classic" for name in CLASSIC])
+# Every case runs plain (1) and with each projection split over 3 CPU streams (uneven shards).
+THREADS = (1, 3)
+
+
+@pytest.fixture(scope="module", params=[
+    (name, threads) for name in list(CASES) + [f"{name}-classic" for name in CLASSIC] for threads in THREADS
+], ids=lambda p: f"{p[0]}-threads{p[1]}")
 def case(request, tmp_path_factory):
-    """(our model, transformers model) for one checkpoint."""
-    name = request.param.removesuffix("-classic")
+    """(our model, transformers model) for one checkpoint and thread count."""
+    param, threads = request.param
+    name = param.removesuffix("-classic")
     model_type, overrides = CASES[name]
-    directory, hf_model = write_tiny_checkpoint(tmp_path_factory.mktemp(request.param), model_type, **overrides)
-    if request.param.endswith("-classic"):
+    directory, hf_model = write_tiny_checkpoint(tmp_path_factory.mktemp(param), model_type, **overrides)
+    if param.endswith("-classic"):
         original = hf_model.config.rope_parameters
         edit_config(directory, rope_parameters=None, **CLASSIC[name])
         written = json.loads((directory / "config.json").read_text())
@@ -94,7 +103,7 @@ def case(request, tmp_path_factory):
         from transformers import AutoConfig
 
         assert AutoConfig.from_pretrained(directory).rope_parameters == original
-    return load_ours(directory), hf_model
+    return load_ours(directory, threads), hf_model
 
 
 def test_biases_and_norms_are_nontrivial(case):
