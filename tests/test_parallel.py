@@ -18,19 +18,19 @@ from mlxformer.loader import build_model, read_checkpoint
 from mlxformer.parallel import PROJECTIONS, RowSharded, apply_thread_policy, row_bounds
 
 
-@pytest.mark.parametrize(
-    "rows, parts, expected",
-    [
-        (1536, 2, [(0, 768), (768, 1536)]),
-        (576, 4, [(0, 144), (144, 288), (288, 432), (432, 576)]),
-        (192, 3, [(0, 64), (64, 128), (128, 192)]),
-        (100, 3, [(0, 40), (40, 80), (80, 100)]),  # cut at multiples of 8
-        (5, 2, [(0, 3), (3, 5)]),  # too small to align
-        (2, 4, [(0, 1), (1, 2)]),  # fewer rows than parts
-    ],
-)
-def test_row_bounds(rows, parts, expected):
-    assert row_bounds(rows, parts) == expected
+@pytest.mark.parametrize("rows", [2, 5, 100, 192, 576, 1536, 49152])
+@pytest.mark.parametrize("parts", [2, 3, 4])
+def test_row_bounds_partition_the_rows(rows, parts):
+    bounds = row_bounds(rows, parts)
+    assert bounds[0][0] == 0 and bounds[-1][1] == rows
+    assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))  # contiguous, no overlap
+    assert all(stop > start for start, stop in bounds) and len(bounds) <= parts
+    sizes = [stop - start for start, stop in bounds]
+    if rows >= 8 * parts:
+        assert len(bounds) == parts
+        assert all(stop % 8 == 0 for _, stop in bounds[:-1])  # SIMD-friendly cuts
+        assert sizes[0] >= max(sizes[1:])  # the calling stream's shard is the largest
+        assert max(sizes) - min(sizes) <= rows // parts // 2 + 8  # and none is starved
 
 
 def tiny_model(tmp_path, tied: bool, bits: int | None):
