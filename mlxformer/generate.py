@@ -11,6 +11,7 @@ from typing import Any, Iterator, Sequence
 import mlx.core as mx
 
 from .cache import Cache, CacheSettings, make_cache
+from .device import on_cpu
 from .errors import MlxformerError
 from .model import Model
 from .sampling import LogitsProcessor, Sampler, make_logits_processors, make_sampler
@@ -27,7 +28,7 @@ CPU_PREFILL_STEP = 128
 
 def default_prefill_step() -> int:
     """Prefill chunk size for the default device."""
-    return CPU_PREFILL_STEP if mx.default_device().type == mx.DeviceType.cpu else GPU_PREFILL_STEP
+    return CPU_PREFILL_STEP if on_cpu() else GPU_PREFILL_STEP
 
 
 @dataclass(frozen=True)

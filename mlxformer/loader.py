@@ -15,6 +15,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from .config import ModelArgs
+from .device import on_cpu
 from .errors import MlxformerError
 from .gguf import load_gguf
 from .jsonio import read_json_object
@@ -175,7 +176,7 @@ def apply_dtype_policy(model: Model, requested: mx.Dtype | None) -> None:
     if requested is not None:
         model.set_dtype(requested)
         model.activation_dtype = None
-    elif mx.default_device().type == mx.DeviceType.cpu and is_quantized(model):
+    elif on_cpu() and is_quantized(model):
         cast_except_quantized_linears(model, mx.float32)
         model.activation_dtype = mx.float32
 

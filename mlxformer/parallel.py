@@ -10,11 +10,11 @@ feed, so this is a CPU-only policy.
 from __future__ import annotations
 
 import copy
-import os
 
 import mlx.core as mx
 import mlx.nn as nn
 
+from .device import available_cores, on_cpu
 from .errors import MlxformerError
 from .model import MLP, Model, swiglu
 
@@ -25,18 +25,9 @@ LEAD_SHARE = 1.2
 _STREAMS: list[mx.Stream] = []
 
 
-def available_cores() -> int:
-    """Cores this process may run on."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
-
-
 def default_threads() -> int:
     """Streams to split projections over: the usable cores (at most 4) on the CPU device, else 1."""
-    if mx.default_device().type != mx.DeviceType.cpu:
-        return 1
-    return min(available_cores(), MAX_DEFAULT_THREADS)
+    return min(available_cores(), MAX_DEFAULT_THREADS) if on_cpu() else 1
 
 
 def worker_streams(count: int) -> list[mx.Stream]:
@@ -112,11 +103,16 @@ def row_bounds(rows: int, parts: int, align: int = 8) -> list[tuple[int, int]]:
     return [(start, stop) for start, stop in zip(cuts, cuts[1:]) if stop > start]
 
 
+def own_arrays(module: nn.Module) -> dict[str, mx.array]:
+    """The arrays a layer holds directly (weight, bias, scales, biases)."""
+    return {name: value for name, value in module.items() if isinstance(value, mx.array)}
+
+
 def shard_rows(layer: nn.Linear | nn.QuantizedLinear, parts: int) -> nn.Module:
     """A copy of ``layer`` that computes its output rows in ``parts`` shards on separate
     streams. The shards are views of the layer's arrays (a dense weight's view is transposed
     once here rather than on every call)."""
-    arrays = {name: value for name, value in layer.items() if isinstance(value, mx.array)}
+    arrays = own_arrays(layer)
     shards = []
     for start, stop in row_bounds(arrays["weight"].shape[0], parts):
         shard = {name: value[start:stop] for name, value in arrays.items()}
@@ -134,7 +130,7 @@ def output_layer(model: Model) -> nn.Module:
     if not model.args.tie_word_embeddings:
         return model.lm_head
     embedding = model.model.embed_tokens
-    arrays = {name: value for name, value in embedding.items() if isinstance(value, mx.array)}
+    arrays = own_arrays(embedding)
     if isinstance(embedding, nn.QuantizedEmbedding):
         mode = getattr(embedding, "mode", "affine")
         head = nn.QuantizedLinear(
@@ -156,7 +152,7 @@ def apply_thread_policy(model: Model, threads: int | None) -> None:
         raise MlxformerError(f"threads must be at least 1, got {threads}")
     if threads == 1:
         return
-    if mx.default_device().type != mx.DeviceType.cpu:
+    if not on_cpu():
         raise MlxformerError(f"threads > 1 splits work over CPU streams, but the default device is {mx.default_device()}")
     for layer in model.layers:
         for owner in (layer.self_attn, layer.mlp):
