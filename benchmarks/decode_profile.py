@@ -17,7 +17,7 @@ import mlx.nn as nn
 from mlxformer import load
 from mlxformer.bench import random_prompt
 from mlxformer.cache import make_cache
-from mlxformer.generate import decode_step, prefill
+from mlxformer.generation import decode_step, prefill
 
 
 def time_decode(model, context: int, steps: int) -> float:  # type: ignore[no-untyped-def]

@@ -24,7 +24,7 @@ from mlx.utils import tree_flatten
 from mlxformer.cache import CacheSettings, make_cache
 from mlxformer.default_model import default_model_path
 from mlxformer.loader import load
-from mlxformer.model import Model
+from mlxformer.models.decoder import Model
 
 KINDS: dict[str, int | None] = {"float": None, "8-bit": 8, "4-bit": 4}
 GROUP_SIZE = 64

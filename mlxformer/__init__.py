@@ -1,13 +1,38 @@
 """mlxformer: an MLX runtime for LLaMA-family decoder LLMs.
 
-Public API: ``load``, ``generate``, ``stream_generate`` (and ``convert`` for conversion).
+Public API: ``load``, ``generate``, ``stream_generate`` and ``convert``. They are imported on
+first use, so that ``import mlxformer.cli`` (and ``mlxformer --help``) stays light.
 """
 
-from .errors import MlxformerError
-from .generate import GenerationResponse, SamplingSettings, generate, stream_generate
-from .converter import convert
-from .loader import load
+from __future__ import annotations
 
-__all__ = ["load", "generate", "stream_generate", "convert", "GenerationResponse", "SamplingSettings", "MlxformerError"]
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from mlxformer.converter import convert
+    from mlxformer.errors import MlxformerError
+    from mlxformer.generation import GenerationResponse, SamplingSettings, generate, stream_generate
+    from mlxformer.loader import load
+
+# public name -> the module that defines it
+_EXPORTS = {
+    "load": "mlxformer.loader",
+    "generate": "mlxformer.generation",
+    "stream_generate": "mlxformer.generation",
+    "GenerationResponse": "mlxformer.generation",
+    "SamplingSettings": "mlxformer.generation",
+    "convert": "mlxformer.converter",
+    "MlxformerError": "mlxformer.errors",
+}
+
+__all__ = list(_EXPORTS)
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'mlxformer' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value

@@ -1,22 +1,19 @@
-"""``mlxformer bench``: prefill and decode throughput and peak memory on random prompts."""
+"""Benchmarking: prefill and decode throughput and peak memory on random prompts."""
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import mlx.core as mx
 
-from .cache import CacheSettings, make_cache
-from .cli import add_cache_args, add_model_args, cache_settings, load_for_cli
-from .errors import MlxformerError
-from .generate import generate_tokens
-from .model import Model
-from .sampling import greedy
+from mlxformer.cache import CacheSettings, make_cache
+from mlxformer.errors import MlxformerError
+from mlxformer.generation import generate_tokens
+from mlxformer.models.decoder import Model
+from mlxformer.sampling import greedy
 
 # A token stream: given a prompt (T,) and a count, yields that many generated token ids.
 TokenLoop = Callable[[mx.array, int], Iterator[int]]
@@ -79,42 +76,20 @@ def median_trial(trials: list[Trial]) -> Trial:
     )
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add the ``bench`` subcommand."""
-    parser = subparsers.add_parser("bench", help="measure prefill/decode speed and peak memory")
-    add_model_args(parser)
-    parser.add_argument("--prompt-tokens", type=int, default=512, help="random prompt length (default 512)")
-    parser.add_argument("--generation-tokens", type=int, default=128, help="tokens to generate (default 128)")
-    parser.add_argument("--trials", type=int, default=3, help="number of trials (default 3)")
-    parser.add_argument("--json", action="store_true", help="print JSON instead of text")
-    add_cache_args(parser)
-    parser.add_argument("--verbose", "-v", action="store_true", dest="verbose_sub", help="show tracebacks")
-    parser.set_defaults(handler=run)
-
-
-def _line(name: str, trial: Trial) -> str:
-    return (
-        f"{name:>7}: prefill {trial.prefill_tps:8.1f} tok/s | decode {trial.decode_tps:7.2f} tok/s | "
-        f"peak memory {trial.peak_memory_gb:.3f} GB"
-    )
-
-
-def run(args: argparse.Namespace) -> int:
-    if args.prompt_tokens < 1 or args.generation_tokens < 2 or args.trials < 1:
+def run_benchmark(
+    model: Model, settings: CacheSettings | None, prompt_tokens: int, generation_tokens: int, trials: int,
+    on_trial: Callable[[Trial], None] | None = None,
+) -> tuple[list[Trial], Trial]:
+    """Warm up, then ``trials`` greedy generations of ``generation_tokens`` after a random
+    ``prompt_tokens`` prompt; returns every trial and their median."""
+    if prompt_tokens < 1 or generation_tokens < 2 or trials < 1:
         raise MlxformerError("need --prompt-tokens >= 1, --generation-tokens >= 2 and --trials >= 1")
-    settings = cache_settings(args)
-    model, _ = load_for_cli(args)
     loop = mlxformer_loop(model, settings)
-    prompt = random_prompt(model.args.vocab_size, args.prompt_tokens)
+    prompt = random_prompt(model.args.vocab_size, prompt_tokens)
     measure(loop, prompt[:16], 4)  # warm-up
-    trials = []
-    for i in range(args.trials):
-        trials.append(measure(loop, prompt, args.generation_tokens))
-        if not args.json:
-            print(_line(f"trial {i + 1}", trials[-1]), flush=True)
-    median = median_trial(trials)
-    if args.json:
-        print(json.dumps({"trials": [asdict(t) for t in trials], "median": asdict(median)}, indent=2))
-    else:
-        print(_line("median", median))
-    return 0
+    results = []
+    for _ in range(trials):
+        results.append(measure(loop, prompt, generation_tokens))
+        if on_trial is not None:
+            on_trial(results[-1])
+    return results, median_trial(results)

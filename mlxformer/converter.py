@@ -1,4 +1,4 @@
-"""``mlxformer convert``: an HF/MLX dir, hub repo or GGUF file -> an mlx-lm compatible MLX dir.
+"""Conversion: an HF/MLX dir, hub repo or GGUF file -> an mlx-lm compatible MLX dir.
 
 The output is ``config.json`` (with mlx-lm's ``quantization`` entry when quantized),
 ``model.safetensors`` or shards plus ``model.safetensors.index.json``, the tokenizer files
@@ -8,7 +8,6 @@ sibling dir that replaces the destination only when complete.
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 from dataclasses import dataclass
@@ -18,17 +17,18 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from .calibration import CALIBRATION_TEXT, activation_importance
-from .checkpoint_stream import MAX_SHARD_BYTES, SourceCheckpoint, open_source, plan_shards, staged_output, write_shards
-from .config import FLOAT_DTYPES, ModelArgs
-from .errors import MlxformerError
-from .loader import build_model, check_weights, quantization_of, quantize_like_checkpoint, resolve_source
-from .model import Model
-from .quantize import (
+from mlxformer.quant.calibration import CALIBRATION_TEXT, activation_importance
+from mlxformer.formats.checkpoint_stream import MAX_SHARD_BYTES, SourceCheckpoint, open_source, plan_shards, staged_output, write_shards
+from mlxformer.models.config import FLOAT_DTYPES, ModelArgs
+from mlxformer.errors import MlxformerError
+from mlxformer.formats.hub import resolve_source
+from mlxformer.loader import build_model, check_weights, quantization_of, quantize_like_checkpoint
+from mlxformer.models.decoder import Model
+from mlxformer.quant.quantize import (
     DEFAULT_RECIPE, QuantSpec, Recipe, bits_per_weight, check_spec, dequantize_matrix, get_recipe, layer_spec,
     quantization_entry, quantize_matrix,
 )
-from .tokenizer import load_tokenizer_from_dir, load_tokenizer_from_gguf
+from mlxformer.tokenizer import load_tokenizer_from_dir, load_tokenizer_from_gguf
 
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json", "added_tokens.json",
@@ -290,32 +290,3 @@ class _Job:
             lines.append(f"- float dtype: {next(k for k, v in FLOAT_DTYPES.items() if v == self.float_dtype)}")
         lines += ["", "Load with `mlxformer.load(path)` or `mlx_lm.load(path)`.", ""]
         return "\n".join(lines)
-
-
-def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add the ``convert`` subcommand."""
-    parser = subparsers.add_parser(
-        "convert", help="convert an HF/MLX/GGUF checkpoint to an MLX dir (optionally quantized)",
-        description="Convert a Hugging Face repo or dir, an MLX dir or a GGUF file to an mlx-lm compatible MLX dir.",
-    )
-    parser.add_argument("--hf-path", required=True, help="HF repo id, local HF/MLX dir or .gguf file")
-    parser.add_argument("--mlx-path", default="mlx_model", help="output dir (default: mlx_model)")
-    parser.add_argument("-q", "--quantize", action="store_true", help=f"quantize (default recipe: {DEFAULT_RECIPE})")
-    parser.add_argument("--q-bits", type=int, default=None, help="bits per weight: 2, 3, 4, 5, 6 or 8 (default 4)")
-    parser.add_argument("--q-group-size", type=int, default=None, help="group size: 32, 64 or 128 (default 64)")
-    parser.add_argument("--quant-recipe", default=None, help=f"quantization recipe (default {DEFAULT_RECIPE})")
-    parser.add_argument("--dtype", default=None, help="float16, bfloat16 or float32 for float tensors and scales")
-    parser.add_argument("--dequantize", action="store_true", help="write a quantized source as float")
-    parser.add_argument("--force", action="store_true", help="replace an existing --mlx-path")
-    parser.add_argument("--verbose", "-v", action="store_true", dest="verbose_sub", help="show tracebacks")
-    parser.set_defaults(handler=run)
-
-
-def run(args: argparse.Namespace) -> int:
-    """Handler of ``mlxformer convert``."""
-    out = convert(
-        args.hf_path, args.mlx_path, quantize=args.quantize, q_bits=args.q_bits, q_group_size=args.q_group_size,
-        dtype=args.dtype, quant_recipe=args.quant_recipe, dequantize=args.dequantize, force=args.force,
-    )
-    print(f"wrote {out}")
-    return 0

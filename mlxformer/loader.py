@@ -6,7 +6,6 @@ name the offending key. Only safetensors and GGUF are read: never pickles, never
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Any
 
@@ -14,76 +13,15 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from .config import ModelArgs
-from .device import on_cpu
-from .errors import MlxformerError
-from .gguf import load_gguf
-from .jsonio import read_json_object
-from .model import Model
-from .parallel import apply_thread_policy
-from .safetensors_check import read_safetensors_header
-from .tokenizer import Tokenizer, load_tokenizer_from_dir, load_tokenizer_from_gguf
-
-HUB_ALLOW_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "*.jinja", "*.txt"]
-_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-
-
-def resolve_source(path_or_repo: str | Path) -> Path:
-    """A local path as is; otherwise a hub repo id fetched (or found in the HF cache) via huggingface_hub."""
-    path = Path(path_or_repo).expanduser()
-    if path.exists():
-        return path
-    text = str(path_or_repo)
-    if not _REPO_ID.match(text) or text.endswith(".gguf"):
-        raise MlxformerError(f"no such file or directory: {text}")
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
-
-    try:
-        return Path(snapshot_download(text, allow_patterns=HUB_ALLOW_PATTERNS))
-    except (LocalEntryNotFoundError, RepositoryNotFoundError, HfHubHTTPError, OSError) as exc:
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise MlxformerError(f"{text}: not a local path, and the hub repo could not be fetched ({reason})") from None
-
-
-def safetensors_files(directory: Path) -> list[Path]:
-    """The weight files of an HF/MLX dir, from the shard index when there is one."""
-    index = directory / "model.safetensors.index.json"
-    if index.exists():
-        weight_map = read_json_object(index).get("weight_map", {})
-        files = sorted({directory / name for name in weight_map.values()})
-        missing = [f.name for f in files if not f.exists()]
-        if missing:
-            raise MlxformerError(f"{directory}: shard {missing[0]} listed in the index is missing")
-        return files
-    files = sorted(directory.glob("*.safetensors"))
-    if not files:
-        pickles = [p.name for p in directory.glob("*.bin")] + [p.name for p in directory.glob("*.pt*")]
-        if pickles:
-            raise MlxformerError(f"{directory}: only pickle checkpoints ({pickles[0]}); they are never loaded, use safetensors")
-        raise MlxformerError(f"{directory}: no *.safetensors weights found")
-    return files
-
-
-def read_config(directory: Path) -> dict[str, Any]:
-    """``config.json`` of a model dir."""
-    config_path = directory / "config.json"
-    if not config_path.exists():
-        raise MlxformerError(f"{directory}: no config.json (not an HF or MLX model dir)")
-    return read_json_object(config_path)
-
-
-def load_safetensors(files: list[Path]) -> dict[str, mx.array]:
-    """All tensors of validated safetensors files, keyed by name."""
-    weights: dict[str, mx.array] = {}
-    for file in files:
-        read_safetensors_header(file)
-        try:
-            weights.update(mx.load(str(file)))
-        except (RuntimeError, ValueError) as exc:
-            raise MlxformerError(f"{file}: cannot read safetensors ({exc})") from None
-    return weights
-
+from mlxformer.models.config import ModelArgs
+from mlxformer.device import on_cpu
+from mlxformer.errors import MlxformerError
+from mlxformer.formats.gguf import load_gguf
+from mlxformer.models.decoder import Model
+from mlxformer.models.row_sharding import apply_thread_policy
+from mlxformer.formats.hub import resolve_source
+from mlxformer.formats.safetensors import load_safetensors, read_config, safetensors_files
+from mlxformer.tokenizer import Tokenizer, load_tokenizer_from_dir, load_tokenizer_from_gguf
 
 def quantization_of(config: dict[str, Any]) -> dict[str, Any] | None:
     """The mlx-lm ``quantization`` entry of a config (``quantization_config`` as fallback)."""

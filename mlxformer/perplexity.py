@@ -1,4 +1,4 @@
-"""``mlxformer perplexity``: sliding-window perplexity of a model on a text file.
+"""Sliding-window perplexity of a model on a text file.
 
 The standard (Hugging Face) strided evaluation: windows of ``context`` tokens start every
 ``stride`` tokens; each window scores only the tokens no earlier window scored, so every
@@ -7,15 +7,12 @@ token after the first is scored exactly once, with up to ``context - 1`` tokens 
 
 from __future__ import annotations
 
-import argparse
 import math
-import time
-from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from .errors import MlxformerError
+from mlxformer.errors import MlxformerError
 
 
 def window_negative_log_likelihood(model: nn.Module, window: list[int], n_scored: int) -> float:
@@ -47,40 +44,3 @@ def perplexity(model: nn.Module, token_ids: list[int], context: int = 256, strid
         scored_until = end
         start += stride
     return math.exp(total_nll / n_scored)
-
-
-def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add the ``perplexity`` subcommand."""
-    from .cli import add_model_args
-
-    parser = subparsers.add_parser(
-        "perplexity", help="sliding-window perplexity of a model on a text file",
-        description="Sliding-window perplexity: windows of --context tokens advancing by --stride; "
-                    "each token is scored once.",
-    )
-    add_model_args(parser)
-    parser.add_argument("--text", required=True, help="UTF-8 text file to evaluate on")
-    parser.add_argument("--context", type=int, default=256, help="window length in tokens (default 256)")
-    parser.add_argument("--stride", type=int, default=128, help="window step in tokens (default 128)")
-    parser.add_argument("--verbose", "-v", action="store_true", dest="verbose_sub", help="show tracebacks")
-    parser.set_defaults(handler=run)
-
-
-def run(args: argparse.Namespace) -> int:
-    """Handler of ``mlxformer perplexity``."""
-    from .cli import load_for_cli
-
-    path = Path(args.text)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise MlxformerError(f"{path}: cannot read text ({exc})") from None
-    model, tokenizer = load_for_cli(args)
-    ids = tokenizer.encode(text)
-    start = time.perf_counter()
-    ppl = perplexity(model, ids, args.context, args.stride)
-    elapsed = time.perf_counter() - start
-    print(f"tokens: {len(ids)}")
-    print(f"perplexity: {ppl:.4f}")
-    print(f"time: {elapsed:.2f} s ({len(ids) / elapsed:.1f} tokens/s)")
-    return 0

@@ -19,8 +19,8 @@ from tokenizers import processors
 
 from mlxformer.detokenizer import StreamingDetokenizer
 from mlxformer.errors import MlxformerError
-from mlxformer.gguf_vocab import build_gguf_vocab
-from mlxformer.jsonio import read_json_object
+from mlxformer.formats.gguf_vocab import build_gguf_vocab
+from mlxformer.formats.jsonio import read_json_object
 
 _BYTE_TOKEN = re.compile(r"^<0x[0-9A-Fa-f]{2}>$")
 
@@ -209,6 +209,17 @@ class Tokenizer:
             )
         except jinja2.TemplateError as exc:  # includes SecurityError and raise_exception()
             raise MlxformerError(f"chat template error: {exc}") from exc
+
+    def encode_prompt(
+        self, prompt: str, system: str | None = None, use_template: bool = True, add_generation_prompt: bool = True
+    ) -> list[int]:
+        """Token ids for a user prompt: through the chat template when there is one and
+        ``use_template``; otherwise the raw text (``system`` is then ignored)."""
+        if use_template and self.chat_template:
+            messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+            text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+            return self.encode(text, add_special_tokens=False)
+        return self.encode(prompt)
 
     def save(self, directory: pathlib.Path) -> None:
         """Write tokenizer.json (or tokenizer.model) + tokenizer_config.json loadable by transformers and us."""

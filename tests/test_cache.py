@@ -19,14 +19,15 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from mlxformer.cache import CacheSettings, make_cache  # noqa: E402
-from mlxformer.cache_quantized import KVCodec, QuantizedKVCache  # noqa: E402
-from mlxformer.cache_rotating import RotatingKVCache  # noqa: E402
+from mlxformer.cache.codec import KVCodec
+from mlxformer.cache.kv import KVCache  # noqa: E402
+from mlxformer.cache.rotating import RotatingKVCache  # noqa: E402
 from mlxformer.cli import main  # noqa: E402
-from mlxformer.config import ModelArgs  # noqa: E402
+from mlxformer.models.config import ModelArgs  # noqa: E402
 from mlxformer.errors import MlxformerError  # noqa: E402
-from mlxformer.generate import stream_generate  # noqa: E402
-from mlxformer.model import Model  # noqa: E402
-from mlxformer.prompt_cache import load_prompt_cache, save_prompt_cache, strip_cached_prefix  # noqa: E402
+from mlxformer.generation import stream_generate  # noqa: E402
+from mlxformer.models.decoder import Model  # noqa: E402
+from mlxformer.cache.files import load_prompt_cache, save_prompt_cache, strip_cached_prefix  # noqa: E402
 
 EVAL_TEXT = Path(__file__).parent / "data" / "eval.txt"
 
@@ -109,7 +110,7 @@ def test_quantized_kv_start_switches_between_steps() -> None:
     ids = tokens(40)
     cache = make_cache(model, CacheSettings(kv_bits=8, quantized_kv_start=20))
     plain = make_cache(model)
-    assert all(isinstance(c, QuantizedKVCache) and not c.quantized for c in cache)
+    assert all(isinstance(c, KVCache) and not c.quantized for c in cache)
     before = run_chunks(model, ids[:20], cache, [12, 8])
     assert not cache[0].quantized
     assert mx.array_equal(mx.concatenate(before), mx.concatenate(run_chunks(model, ids[:20], plain, [12, 8])))

@@ -310,7 +310,7 @@ def test_force_replaces_existing_output(tiny_hf, tmp_path):
 
 
 def test_failure_mid_conversion_leaves_nothing(tiny_hf, tmp_path, monkeypatch):
-    from mlxformer import checkpoint_stream
+    from mlxformer.formats import checkpoint_stream
 
     def boom(*args, **kwargs):
         raise OSError("disk full")

@@ -15,7 +15,7 @@ from mlx.utils import tree_flatten
 
 from conftest import write_tiny_checkpoint
 from mlxformer.loader import build_model, read_checkpoint
-from mlxformer.parallel import PROJECTIONS, RowSharded, apply_thread_policy, row_bounds
+from mlxformer.models.row_sharding import PROJECTIONS, RowSharded, apply_thread_policy, row_bounds
 
 
 @pytest.mark.parametrize("rows", [2, 5, 100, 192, 576, 1536, 49152])

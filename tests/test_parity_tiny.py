@@ -18,9 +18,9 @@ import torch
 from conftest import edit_config, write_tiny_checkpoint
 from mlxformer.cache import make_cache
 from mlxformer.errors import MlxformerError
-from mlxformer.generate import decode_step, prefill
+from mlxformer.generation import decode_step, prefill
 from mlxformer.loader import build_model, read_checkpoint
-from mlxformer.parallel import apply_thread_policy
+from mlxformer.models.row_sharding import apply_thread_policy
 
 SEQ_LEN = 64
 PREFILL_LEN = 40

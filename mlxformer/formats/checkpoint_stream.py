@@ -20,10 +20,9 @@ from typing import Any, Callable, Iterator
 import mlx.core as mx
 from tqdm import tqdm
 
-from .errors import MlxformerError
-from .gguf import load_gguf
-from .loader import read_config, safetensors_files
-from .safetensors_check import read_safetensors_header
+from mlxformer.errors import MlxformerError
+from mlxformer.formats.gguf import load_gguf
+from mlxformer.formats.safetensors import load_safetensors, read_config, safetensors_files
 
 MAX_SHARD_BYTES = 5 * 1024**3
 INDEX_NAME = "model.safetensors.index.json"
@@ -47,14 +46,7 @@ def open_source(source: Path) -> SourceCheckpoint:
         config, weights, metadata = load_gguf(source)
         return SourceCheckpoint(config, weights, metadata, None)
     config = read_config(source)
-    tensors: dict[str, mx.array] = {}
-    for file in safetensors_files(source):
-        read_safetensors_header(file)
-        try:
-            tensors.update(mx.load(str(file)))
-        except (RuntimeError, ValueError) as exc:
-            raise MlxformerError(f"{file}: cannot read safetensors ({exc})") from None
-    return SourceCheckpoint(config, tensors, None, source)
+    return SourceCheckpoint(config, load_safetensors(safetensors_files(source)), None, source)
 
 
 def plan_shards(sizes: list[tuple[str, int]], max_bytes: int) -> list[list[str]]:

@@ -7,7 +7,7 @@ import math
 import mlx.core as mx
 import mlx.nn as nn
 
-from .config import RopeConfig
+from mlxformer.models.config import RopeConfig
 
 
 def _llama3_inv_freq(inv_freq: mx.array, rope: RopeConfig) -> mx.array:

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .attention_mask import Mask, causal_mask_for
-from .cache_quantized import (
+from mlxformer.models.mask import Mask, causal_mask_for
+from mlxformer.cache.codec import (
     FLOAT_CODEC, KVCodec, Pack, check_kv_quantization, pack_concat, pack_nbytes, pack_slice, pack_write,
     pack_zeros_like,
 )
-from .errors import MlxformerError
+from mlxformer.errors import MlxformerError
 
 
 class RotatingKVCache:

@@ -11,7 +11,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from .errors import MlxformerError
+from mlxformer.errors import MlxformerError
 
 # Floating dtypes users may name on the command line or in the API.
 FLOAT_DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}

@@ -10,13 +10,13 @@ from typing import Any, Iterator, Sequence
 
 import mlx.core as mx
 
-from .cache import Cache, CacheSettings, make_cache
-from .device import on_cpu
-from .errors import MlxformerError
-from .model import Model
-from .sampling import LogitsProcessor, Sampler, make_logits_processors, make_sampler
-from .stop import StopMatcher
-from .tokenizer import StreamingDetokenizer, Tokenizer
+from mlxformer.cache import Cache, CacheSettings, make_cache
+from mlxformer.device import on_cpu
+from mlxformer.errors import MlxformerError
+from mlxformer.models.decoder import Model
+from mlxformer.sampling import LogitsProcessor, Sampler, make_logits_processors, make_sampler
+from mlxformer.stop import StopMatcher
+from mlxformer.tokenizer import StreamingDetokenizer, Tokenizer
 
 # Prompt tokens per prefill chunk. On the CPU device smaller chunks are as fast or faster
 # (cache-friendly matmuls) and cut the activations' peak memory (measured on SmolLM2, 256

@@ -1,4 +1,4 @@
-"""Prompt cache files: a prefilled KV cache saved to safetensors, and ``mlxformer cache-prompt``.
+"""Prompt cache files: a prefilled KV cache saved to safetensors.
 
 A file holds, per layer, the cache's ``state`` arrays (``layer.{i}.{j}``) and, as string
 metadata, its class name, ``meta_state``, the cached token ids, an optional chat conversation
@@ -7,11 +7,9 @@ and the model config it was made with. Classes are rebuilt only from ``CACHE_CLA
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
-import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,21 +17,20 @@ from typing import Sequence
 
 import mlx.core as mx
 
-from .cache import Cache, make_cache
-from .cache_quantized import KVCache, QuantizedKVCache
-from .cache_rotating import RotatingKVCache
-from .cli import add_cache_args, add_model_args, cache_settings, load_for_cli
-from .cli_generate import add_prompt_args, prompt_ids, read_prompt
-from .errors import MlxformerError
-from .generate import prefill
-from .model import Model
+from mlxformer.cache import CacheSettings, make_cache
+from mlxformer.cache.protocol import Cache
+from mlxformer.cache.kv import KVCache
+from mlxformer.cache.rotating import RotatingKVCache
+from mlxformer.errors import MlxformerError
+from mlxformer.generation import prefill
+from mlxformer.models.decoder import Model
 
 FORMAT = "mlxformer-prompt-cache"
 VERSION = "1"
 
 CACHE_CLASSES: dict[str, type] = {
     "KVCache": KVCache,
-    "QuantizedKVCache": QuantizedKVCache,
+    "QuantizedKVCache": KVCache,  # written by version 0.1 files; the same class since
     "RotatingKVCache": RotatingKVCache,
 }
 
@@ -151,35 +148,13 @@ def strip_cached_prefix(ids: Sequence[int], cached_ids: Sequence[int]) -> list[i
     return ids[len(cached_ids):]
 
 
-# --- mlxformer cache-prompt ---------------------------------------------------------------------
-
-
-def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add the ``cache-prompt`` subcommand."""
-    parser = subparsers.add_parser("cache-prompt", help="prefill a prompt once and save its KV cache to a file")
-    add_model_args(parser)
-    add_prompt_args(parser)
-    parser.add_argument("--prompt-cache-file", required=True, help="the .safetensors file to write")
-    parser.add_argument("--force", action="store_true", help="overwrite an existing file")
-    add_cache_args(parser)
-    parser.add_argument("--verbose", "-v", action="store_true", dest="verbose_sub", help="show tracebacks")
-    parser.set_defaults(handler=run)
-
-
-def run(args: argparse.Namespace) -> int:
-    out = Path(args.prompt_cache_file)
-    if out.exists() and not args.force:
-        raise MlxformerError(f"{out} already exists (use --force to overwrite)")
-    prompt = read_prompt(args.prompt)
-    settings = cache_settings(args)
-    model, tokenizer = load_for_cli(args)
-    # The user turn without the assistant header, so that `generate` with the same prompt
-    # (which adds the header) finds these ids as its prefix.
-    ids = prompt_ids(tokenizer, prompt, args.system, not args.ignore_chat_template, add_generation_prompt=False)
+def cache_prompt(
+    path: str | Path, model: Model, token_ids: Sequence[int], settings: CacheSettings | None = None,
+    *, overwrite: bool = False,
+) -> list[Cache]:
+    """Prefill ``token_ids`` into a new cache and save it to ``path``; returns the cache."""
     cache = make_cache(model, settings)
-    prefill(model, mx.array(ids), cache)
+    prefill(model, mx.array(list(token_ids)), cache)
     mx.eval([c.state for c in cache])
-    save_prompt_cache(out, cache, ids, model, overwrite=args.force)
-    megabytes = sum(c.nbytes for c in cache) / 1e6
-    print(f"cached {len(ids)} tokens ({megabytes:.2f} MB) to {out}", file=sys.stderr)
-    return 0
+    save_prompt_cache(path, cache, token_ids, model, overwrite=overwrite)
+    return cache

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from .errors import MlxformerError
+from mlxformer.errors import MlxformerError
 
 SUPPORTED_BITS = (2, 3, 4, 5, 6, 8)
 SUPPORTED_GROUP_SIZES = (32, 64, 128)

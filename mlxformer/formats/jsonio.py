@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .errors import MlxformerError
+from mlxformer.errors import MlxformerError
 
 
 def read_json_object(path: Path) -> dict[str, Any]:

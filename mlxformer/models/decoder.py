@@ -12,10 +12,10 @@ from typing import Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
-from .attention_mask import Mask, causal_mask_for
-from .cache import Cache
-from .config import ModelArgs
-from .rope import RoPE
+from mlxformer.models.mask import Mask, causal_mask_for
+from mlxformer.cache.protocol import Cache
+from mlxformer.models.config import ModelArgs
+from mlxformer.models.rope import RoPE
 
 
 class Attention(nn.Module):

@@ -13,7 +13,10 @@ import struct
 from pathlib import Path
 from typing import Any
 
-from .errors import MlxformerError
+import mlx.core as mx
+
+from mlxformer.errors import MlxformerError
+from mlxformer.formats.jsonio import read_json_object
 
 _DTYPE_BYTES = {
     "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
@@ -56,3 +59,42 @@ def _check_entry(path: Path, name: str, info: Any, data_size: int) -> None:
         raise MlxformerError(f"{path}: truncated file: tensor {name!r} ends past the end of the data")
     if end - start != math.prod(shape) * _DTYPE_BYTES[dtype]:
         raise MlxformerError(f"{path}: tensor {name!r} has {end - start} bytes, its shape {shape} needs more")
+
+
+def safetensors_files(directory: Path) -> list[Path]:
+    """The weight files of an HF/MLX dir, from the shard index when there is one."""
+    index = directory / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = read_json_object(index).get("weight_map", {})
+        files = sorted({directory / name for name in weight_map.values()})
+        missing = [f.name for f in files if not f.exists()]
+        if missing:
+            raise MlxformerError(f"{directory}: shard {missing[0]} listed in the index is missing")
+        return files
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        pickles = [p.name for p in directory.glob("*.bin")] + [p.name for p in directory.glob("*.pt*")]
+        if pickles:
+            raise MlxformerError(f"{directory}: only pickle checkpoints ({pickles[0]}); they are never loaded, use safetensors")
+        raise MlxformerError(f"{directory}: no *.safetensors weights found")
+    return files
+
+
+def read_config(directory: Path) -> dict[str, Any]:
+    """``config.json`` of a model dir."""
+    config_path = directory / "config.json"
+    if not config_path.exists():
+        raise MlxformerError(f"{directory}: no config.json (not an HF or MLX model dir)")
+    return read_json_object(config_path)
+
+
+def load_safetensors(files: list[Path]) -> dict[str, mx.array]:
+    """All tensors of validated safetensors files, keyed by name."""
+    weights: dict[str, mx.array] = {}
+    for file in files:
+        read_safetensors_header(file)
+        try:
+            weights.update(mx.load(str(file)))
+        except (RuntimeError, ValueError) as exc:
+            raise MlxformerError(f"{file}: cannot read safetensors ({exc})") from None
+    return weights

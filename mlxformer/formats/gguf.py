@@ -16,7 +16,7 @@ from typing import Any, BinaryIO
 import mlx.core as mx
 import numpy as np
 
-from .errors import MlxformerError
+from mlxformer.errors import MlxformerError
 
 GGML_TYPE_NAMES = {
     0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 9: "Q8_1",

@@ -14,8 +14,8 @@ from typing import Callable
 import mlx.core as mx
 import mlx.nn as nn
 
-from .attention_mask import causal_mask_for
-from .model import Model
+from mlxformer.models.mask import causal_mask_for
+from mlxformer.models.decoder import Model
 
 CALIBRATION_TEXT = """\
 Recipe notes for a rainy Sunday. Soak two cups of dried beans overnight, then simmer them with a bay leaf, \

@@ -1,23 +1,28 @@
-"""``mlxformer`` command line: subcommands, shared flags, and one-line errors."""
+"""Flags shared by several commands, and their translation into the library's dataclasses.
+
+Only ``argparse`` is imported at module level: building the parser (``mlxformer --help``)
+must not import MLX, the tokenizers or jinja2. The library is imported when a command runs.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
-import traceback
-from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Sequence
-
-
-from .cache import CacheSettings
-from .config import FLOAT_DTYPES
-from .errors import MlxformerError
-from .generate import SamplingSettings
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .model import Model
-    from .tokenizer import Tokenizer
+    from mlxformer.cache import CacheSettings
+    from mlxformer.generation import SamplingSettings
+    from mlxformer.models.decoder import Model
+    from mlxformer.tokenizer import Tokenizer
 
+# The names of ``mlxformer.models.config.FLOAT_DTYPES`` (kept as strings: no MLX import here).
+DTYPE_NAMES = ("bfloat16", "float16", "float32")
+
+
+def add_verbose(parser: argparse.ArgumentParser) -> None:
+    """``--verbose`` on a subcommand (also accepted before the subcommand)."""
+    parser.add_argument("--verbose", "-v", action="store_true", dest="verbose_sub", help="show tracebacks")
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -27,13 +32,20 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
         help="HF repo id, local HF/MLX dir or .gguf file (default: the offline SmolLM2-135M-Instruct)",
     )
     parser.add_argument(
-        "--dtype", choices=sorted(FLOAT_DTYPES),
+        "--dtype", choices=DTYPE_NAMES,
         help="compute dtype for floating parameters (default: the checkpoint's; float32 for quantized models on CPU)",
     )
     parser.add_argument(
         "--threads", "-t", type=int, default=None,
         help="CPU streams to split each projection over (default: usable cores, at most 4, on CPU; 1 on GPU)",
     )
+
+
+def add_prompt_args(parser: argparse.ArgumentParser) -> None:
+    """``--prompt``, ``--system`` and ``--ignore-chat-template``."""
+    parser.add_argument("--prompt", "-p", required=True, help="the prompt; '-' reads it from stdin")
+    parser.add_argument("--system", help="system message (with a chat template)")
+    parser.add_argument("--ignore-chat-template", action="store_true", help="use the prompt raw, without the chat template")
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -49,7 +61,7 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
 
 
 def add_cache_args(parser: argparse.ArgumentParser) -> None:
-    """KV cache flags shared by generate, chat and bench."""
+    """KV cache flags shared by generate, chat, cache-prompt and bench."""
     parser.add_argument("--kv-bits", type=int, choices=(4, 8), default=None, help="quantize the KV cache to 4 or 8 bits")
     parser.add_argument("--kv-group-size", type=int, choices=(32, 64, 128), default=64, help="KV quantization group (default 64)")
     parser.add_argument("--quantized-kv-start", type=int, default=0, help="quantize the cache once it holds this many tokens")
@@ -58,6 +70,9 @@ def add_cache_args(parser: argparse.ArgumentParser) -> None:
 
 def sampling_settings(args: argparse.Namespace) -> SamplingSettings:
     """The sampling dataclass from parsed flags."""
+    from mlxformer.errors import MlxformerError
+    from mlxformer.generation import SamplingSettings
+
     settings = SamplingSettings(
         temp=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
         repetition_penalty=args.repetition_penalty, seed=args.seed,
@@ -71,6 +86,9 @@ def sampling_settings(args: argparse.Namespace) -> SamplingSettings:
 
 def cache_settings(args: argparse.Namespace) -> CacheSettings:
     """The cache dataclass from parsed flags."""
+    from mlxformer.cache import CacheSettings
+    from mlxformer.errors import MlxformerError
+
     if args.max_kv_size is not None and args.max_kv_size < 1:
         raise MlxformerError("--max-kv-size must be positive")
     return CacheSettings(
@@ -81,50 +99,32 @@ def cache_settings(args: argparse.Namespace) -> CacheSettings:
 
 def load_for_cli(args: argparse.Namespace) -> tuple[Model, Tokenizer]:
     """``load`` on ``--model`` (or the default model) with ``--dtype`` and ``--threads``."""
-    from .default_model import default_model_path
-    from .loader import load
+    from mlxformer.default_model import default_model_path
+    from mlxformer.errors import MlxformerError
+    from mlxformer.loader import load
+    from mlxformer.models.config import FLOAT_DTYPES
 
-    source: str | Path = args.model if args.model else default_model_path()
     if args.threads is not None and args.threads < 1:
         raise MlxformerError("--threads must be at least 1")
+    source = args.model if args.model else default_model_path()
     return load(source, dtype=FLOAT_DTYPES[args.dtype] if args.dtype else None, threads=args.threads)
 
 
-def _command_modules() -> list[Callable[[argparse._SubParsersAction], None]]:
-    from . import bench, chat, cli_generate, converter, perplexity, prompt_cache
+def read_prompt(value: str) -> str:
+    """The prompt text; ``-`` reads stdin. An empty prompt is an error."""
+    from mlxformer.errors import MlxformerError
 
-    return [
-        cli_generate.register, chat.register, converter.register,
-        perplexity.register, bench.register, prompt_cache.register,
-    ]
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """The full ``mlxformer`` parser with every subcommand."""
-    parser = argparse.ArgumentParser(prog="mlxformer", description="Run LLaMA-family LLMs with MLX.")
-    parser.add_argument("--verbose", "-v", action="store_true", help="show tracebacks and extra detail")
-    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for register in _command_modules():
-        register(subparsers)
-    return parser
+    text = sys.stdin.read() if value == "-" else value
+    if not text.strip():
+        raise MlxformerError("empty prompt")
+    return text
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``mlxformer`` console script; returns the exit code."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    verbose = bool(getattr(args, "verbose", False) or getattr(args, "verbose_sub", False))
-    try:
-        return int(args.handler(args) or 0)
-    except KeyboardInterrupt:
-        print("", file=sys.stderr)
-        return 130
-    except BrokenPipeError:
-        return 0
-    except Exception as exc:  # every failure is one line unless --verbose
-        if verbose:
-            traceback.print_exc()
-        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        prefix = "" if isinstance(exc, MlxformerError) else f"{type(exc).__name__}: "
-        print(f"mlxformer: error: {prefix}{message}", file=sys.stderr)
-        return 1
+def prompt_ids_for_cli(
+    tokenizer: Tokenizer, prompt: str, args: argparse.Namespace, add_generation_prompt: bool = True
+) -> list[int]:
+    """Token ids of ``prompt`` with ``--system`` and ``--ignore-chat-template`` applied."""
+    use_template = not args.ignore_chat_template
+    if args.system and not (use_template and tokenizer.chat_template):
+        print("mlxformer: note: --system is ignored without a chat template", file=sys.stderr)
+    return tokenizer.encode_prompt(prompt, args.system, use_template, add_generation_prompt)

@@ -14,9 +14,9 @@ import copy
 import mlx.core as mx
 import mlx.nn as nn
 
-from .device import available_cores, on_cpu
-from .errors import MlxformerError
-from .model import MLP, Model, swiglu
+from mlxformer.device import available_cores, on_cpu
+from mlxformer.errors import MlxformerError
+from mlxformer.models.decoder import MLP, Model, swiglu
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 MAX_DEFAULT_THREADS = 4

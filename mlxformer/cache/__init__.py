@@ -1,0 +1,49 @@
+"""KV caches: the protocol (``protocol``), the growing cache (``kv``), the rotating window
+(``rotating``), the float/quantized storage codec (``codec``) and cache files (``files``).
+
+``make_cache`` builds one cache per decoder layer from ``CacheSettings``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mlxformer.cache.codec import check_kv_quantization
+from mlxformer.cache.kv import KVCache
+from mlxformer.cache.protocol import Cache, HasLayers
+from mlxformer.cache.rotating import RotatingKVCache
+from mlxformer.errors import MlxformerError
+
+__all__ = ["Cache", "CacheSettings", "KVCache", "RotatingKVCache", "make_cache"]
+
+
+@dataclass(frozen=True)
+class CacheSettings:
+    """How to build a model's per-layer caches (the defaults give a plain float cache).
+
+    ``kv_bits`` (4 or 8) quantizes keys/values in groups of ``kv_group_size`` once the cache
+    holds ``quantized_kv_start`` tokens; ``max_kv_size`` bounds the cache to a rotating window
+    that always keeps the first ``keep`` tokens.
+    """
+
+    kv_bits: int | None = None
+    kv_group_size: int = 64
+    quantized_kv_start: int = 0
+    max_kv_size: int | None = None
+    keep: int = 4
+
+
+def make_cache(model: HasLayers, settings: CacheSettings | None = None) -> list[Cache]:
+    """One cache per decoder layer, as ``settings`` asks."""
+    settings = settings or CacheSettings()
+    bits, group, start = settings.kv_bits, settings.kv_group_size, settings.quantized_kv_start
+    if bits is not None:
+        check_kv_quantization(bits, group)
+    if start < 0:
+        raise MlxformerError("quantized_kv_start must be >= 0")
+    if settings.max_kv_size is not None:
+        if settings.max_kv_size < 1:
+            raise MlxformerError("max_kv_size must be positive")
+        keep = min(settings.keep, settings.max_kv_size - 1)
+        return [RotatingKVCache(settings.max_kv_size, keep, bits, group, start) for _ in model.layers]
+    return [KVCache(bits, group, start) for _ in model.layers]

@@ -1,0 +1,114 @@
+"""The growing KV cache, float or quantized, written in place in preallocated blocks."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from mlxformer.cache.codec import (
+    FLOAT_CODEC, KVCodec, Pack, check_kv_quantization, pack_concat, pack_nbytes, pack_slice, pack_write,
+    pack_zeros_like,
+)
+from mlxformer.models.mask import Mask, causal_mask_for
+
+
+class KVCache:
+    """A growing KV cache, written in place in buffers grown ``step`` tokens at a time.
+
+    ``bits=None`` stores float keys/values. With ``bits`` (4 or 8) it stores them quantized in
+    groups of ``group_size``; with ``start > 0`` it stores float until it holds ``start``
+    tokens, then quantizes what it has at the beginning of the next ``update_and_fetch``.
+    """
+
+    step = 256
+
+    def __init__(self, bits: int | None = None, group_size: int = 64, start: int = 0) -> None:
+        self._configure(bits, group_size, start, quantized=bits is not None and start <= 0)
+
+    def _configure(self, bits: int | None, group_size: int, start: int, quantized: bool) -> None:
+        if bits is not None:
+            check_kv_quantization(bits, group_size)
+        self.bits, self.group_size, self.start = bits, group_size, start
+        self.codec = KVCodec(bits, group_size) if quantized else FLOAT_CODEC
+        self.keys: Pack | None = None
+        self.values: Pack | None = None
+        self.offset = 0
+
+    @property
+    def quantized(self) -> bool:
+        """Whether the stored keys/values are quantized yet."""
+        return self.codec.bits is not None
+
+    def _quantize_storage(self) -> None:
+        assert self.bits is not None
+        self.codec, float_codec = KVCodec(self.bits, self.group_size), self.codec
+        if self.keys is not None and self.values is not None:
+            keys = float_codec.decode(pack_slice(self.keys, 0, self.offset))
+            values = float_codec.decode(pack_slice(self.values, 0, self.offset))
+            self.codec = self.codec.with_key_center(keys)
+            self.keys, self.values = self.codec.encode_keys(keys), self.codec.encode(values)
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Pack, Pack]:
+        if self.bits is not None and not self.quantized and self.offset >= self.start:
+            self._quantize_storage()
+        self.codec = self.codec.with_key_center(keys)
+        new_keys, new_values = self.codec.encode_keys(keys), self.codec.encode(values)
+        start, length = self.offset, keys.shape[2]
+        if self.keys is None or self.values is None or start + length > self.keys[0].shape[2]:
+            n_new = ((length + self.step - 1) // self.step) * self.step
+            grown_keys, grown_values = pack_zeros_like(new_keys, n_new), pack_zeros_like(new_values, n_new)
+            if self.keys is None or self.values is None:
+                self.keys, self.values = grown_keys, grown_values
+            else:
+                self.keys = pack_concat([pack_slice(self.keys, 0, start), grown_keys])
+                self.values = pack_concat([pack_slice(self.values, 0, start), grown_values])
+        pack_write(self.keys, start, new_keys)
+        pack_write(self.values, start, new_values)
+        self.offset += length
+        return pack_slice(self.keys, 0, self.offset), pack_slice(self.values, 0, self.offset)
+
+    def attention(self, queries: mx.array, keys: Pack, values: Pack, scale: float, mask: Mask) -> mx.array:
+        return self.codec.attention(queries, keys, values, scale, mask)
+
+    def make_mask(self, query_len: int, window: int | None) -> Mask:
+        return causal_mask_for(query_len, self.offset + query_len, window)
+
+    @property
+    def state(self) -> tuple[mx.array, ...]:
+        if self.keys is None or self.values is None:
+            return ()
+        return pack_slice(self.keys, 0, self.offset) + pack_slice(self.values, 0, self.offset) + self.codec.state
+
+    @state.setter
+    def state(self, arrays: tuple[mx.array, ...]) -> None:
+        """Set after ``meta_state`` (which says whether the arrays are quantized)."""
+        if not arrays:
+            self.keys = self.values = None
+            self.offset = 0
+            return
+        if self.quantized:  # the key center follows the two packs
+            *packs, center = arrays
+            self.codec, arrays = KVCodec(self.bits, self.group_size, center), tuple(packs)
+        half = len(arrays) // 2
+        self.keys, self.values = tuple(arrays[:half]), tuple(arrays[half:])
+        self.offset = self.keys[0].shape[2]
+
+    @property
+    def meta_state(self) -> dict[str, str]:
+        return {
+            "bits": "" if self.bits is None else str(self.bits), "group_size": str(self.group_size),
+            "start": str(self.start), "quantized": str(int(self.quantized)),
+        }
+
+    @meta_state.setter
+    def meta_state(self, meta: dict[str, str]) -> None:
+        bits = int(meta["bits"]) if meta["bits"] else None
+        self._configure(bits, int(meta["group_size"]), int(meta["start"]), meta["quantized"] == "1")
+
+    def trim(self, n: int) -> int:
+        n = min(self.offset, n)
+        self.offset -= n
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return pack_nbytes(self.keys) + pack_nbytes(self.values)

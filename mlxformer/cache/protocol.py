@@ -1,0 +1,57 @@
+"""The KV cache protocol: what the decoder needs from one layer's cache.
+
+Every cache stores keys/values of shape ``(B, n_kv_heads, S, head_dim)`` for one layer and
+knows how to attend over what it stores, so the decoder never inspects cache types.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, Sequence
+
+import mlx.core as mx
+
+from mlxformer.models.mask import Mask
+
+
+class HasLayers(Protocol):
+    """Anything with a sequence of decoder layers (the model)."""
+
+    @property
+    def layers(self) -> Sequence[Any]: ...
+
+
+class Cache(Protocol):
+    """What the decoder needs from one layer's cache."""
+
+    offset: int  # number of tokens processed so far (the RoPE position of the next token)
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Any, Any]:
+        """Store new ``(B, n_kv, L, D)`` keys/values; return everything to attend over."""
+        ...
+
+    def attention(self, queries: mx.array, keys: Any, values: Any, scale: float, mask: Mask) -> mx.array:
+        """Attend ``(B, n_heads, L, D)`` queries over what ``update_and_fetch`` returned."""
+        ...
+
+    def make_mask(self, query_len: int, window: int | None) -> Mask:
+        """The mask for the next ``query_len`` queries (called before ``update_and_fetch``)."""
+        ...
+
+    @property
+    def state(self) -> tuple[mx.array, ...]:
+        """Arrays that, with ``meta_state``, restore this cache."""
+        ...
+
+    @property
+    def meta_state(self) -> dict[str, str]:
+        """String settings needed to rebuild this cache."""
+        ...
+
+    def trim(self, n: int) -> int:
+        """Forget the last ``n`` tokens; returns how many were forgotten."""
+        ...
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the cache buffers."""
+        ...

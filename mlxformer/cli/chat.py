@@ -1,0 +1,97 @@
+"""``mlxformer chat``: a multi-turn REPL over ``mlxformer.chat.ChatSession``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import TYPE_CHECKING, TextIO
+
+from mlxformer.cli.common import (
+    add_cache_args, add_model_args, add_sampling_args, add_verbose, cache_settings, load_for_cli, sampling_settings,
+)
+
+if TYPE_CHECKING:
+    from mlxformer.chat import ChatSession
+
+HELP = "commands: /reset, /save FILE, /load FILE, /stats, /help, /exit"
+
+
+def _command(session: ChatSession, line: str, out: TextIO) -> bool:
+    """Run one slash command; False means leave the REPL."""
+    name, _, arg = line.partition(" ")
+    arg = arg.strip()
+    if name in ("/exit", "/quit"):
+        return False
+    if name == "/reset":
+        session.reset()
+        out.write("[conversation reset]\n")
+    elif name in ("/save", "/load") and not arg:
+        out.write(f"usage: {name} FILE\n")
+    elif name == "/save":
+        session.save(arg)
+        out.write(f"[saved {len(session.cached_ids)} tokens to {arg}]\n")
+    elif name == "/load":
+        session.load(arg)
+        out.write(f"[loaded {len(session.cached_ids)} tokens, {len(session.messages)} messages from {arg}]\n")
+    elif name == "/stats":
+        out.write(session.stats() + "\n")
+    else:
+        out.write(HELP + "\n")
+    return True
+
+
+def run_repl(session: ChatSession, stdin: TextIO, stdout: TextIO) -> None:
+    """Read lines from ``stdin`` until EOF or ``/exit``; stream each reply to ``stdout``."""
+    from mlxformer.errors import MlxformerError
+
+    interactive = stdin.isatty()
+    while True:
+        if interactive:
+            stdout.write(">> ")
+            stdout.flush()
+        line = stdin.readline()
+        if not line:
+            break
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            if line.startswith("/"):
+                if not _command(session, line, stdout):
+                    break
+                continue
+            for response in session.send(line):
+                stdout.write(response.text)
+                stdout.flush()
+            stdout.write("\n")
+        except MlxformerError as exc:
+            stdout.write(f"[error: {exc}]\n")
+        stdout.flush()
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the ``chat`` subcommand."""
+    parser = subparsers.add_parser("chat", help="chat interactively, reusing the KV cache between turns")
+    add_model_args(parser)
+    parser.add_argument("--system", help="system message")
+    add_sampling_args(parser)
+    add_cache_args(parser)
+    add_verbose(parser)
+    parser.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Handler of ``mlxformer chat``."""
+    from mlxformer.chat import ChatSession
+
+    sampling = sampling_settings(args)
+    settings = cache_settings(args)
+    model, tokenizer = load_for_cli(args)
+    session = ChatSession(
+        model, tokenizer, system=args.system, sampling=sampling, cache_settings=settings,
+        max_tokens=args.max_tokens, stop=args.stop,
+    )
+    if sys.stdin.isatty():
+        print(HELP, file=sys.stderr)
+    run_repl(session, sys.stdin, sys.stdout)
+    return 0

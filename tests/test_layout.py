@@ -1,0 +1,133 @@
+"""The package's shape: the library never imports the command line, there are no import
+cycles, modules stay small, and building the CLI parser imports no heavy dependency."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PACKAGE_DIR = Path(__file__).resolve().parents[1] / "mlxformer"
+MAX_MODULE_LINES = 500
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE_DIR.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def all_modules() -> dict[str, Path]:
+    return {module_name(p): p for p in sorted(PACKAGE_DIR.rglob("*.py"))}
+
+
+def _is_type_checking_block(node: ast.AST) -> bool:
+    return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+
+
+def imports_of(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """Project modules ``name`` imports anywhere in its body (function-level imports too),
+    except under ``if TYPE_CHECKING:``. ``from pkg import sub`` counts as importing ``pkg.sub``."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    is_package = path.name == "__init__.py"
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if _is_type_checking_block(node):
+            return
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.split(".")[0] == "mlxformer")
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: resolve against this module's package
+                base = name if is_package else name.rpartition(".")[0]
+                for _ in range(node.level - 1):
+                    base = base.rpartition(".")[0]
+                target = f"{base}.{node.module}" if node.module else base
+            else:
+                target = node.module or ""
+            if target.split(".")[0] != "mlxformer":
+                return
+            for alias in node.names:
+                sub = f"{target}.{alias.name}"
+                found.add(sub if sub in modules else target)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    found.discard(name)
+    return {m for m in found if m in modules}
+
+
+@pytest.fixture(scope="module")
+def graph() -> dict[str, set[str]]:
+    modules = all_modules()
+    return {name: imports_of(name, path, modules) for name, path in modules.items()}
+
+
+def test_the_walker_sees_imports(graph):
+    # A known edge of each kind, so that a broken walker cannot pass the checks below.
+    assert "mlxformer.models.decoder" in graph["mlxformer.loader"]  # module-level import
+    assert "mlxformer.generation" in graph["mlxformer.cli.generate"]  # function-level import
+    assert "mlxformer.cli.bench" in graph["mlxformer.cli.main"]  # from package import submodule
+
+
+def test_library_never_imports_the_cli(graph):
+    offenders = sorted(
+        f"{name} -> {target}"
+        for name, targets in graph.items()
+        if not name.startswith("mlxformer.cli") and name != "mlxformer.__main__"  # entry points
+        for target in targets
+        if target == "mlxformer.cli" or target.startswith("mlxformer.cli.")
+    )
+    assert offenders == []
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}  # 1 = on the stack, 2 = done
+    stack: list[str] = []
+
+    def dfs(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state and (cycle := dfs(nxt)):
+                return cycle
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := dfs(node)):
+            return cycle
+    return None
+
+
+def test_find_cycle_finds_one():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_no_import_cycles(graph):
+    assert find_cycle(graph) is None
+
+
+def test_modules_stay_small():
+    long = {name: n for name, path in all_modules().items() if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert long == {}
+
+
+def test_help_imports_no_heavy_dependency():
+    code = (
+        "import sys\n"
+        "from mlxformer.cli.main import build_parser\n"
+        "build_parser().format_help()\n"
+        "heavy = sorted({m.split('.')[0] for m in sys.modules} & {'mlx', 'jinja2', 'sentencepiece', 'tokenizers', "
+        "'numpy', 'huggingface_hub', 'transformers', 'torch'})\n"
+        "print(','.join(heavy))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == ""
