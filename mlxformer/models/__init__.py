@@ -1,0 +1,1 @@
+"""The one LLaMA-style decoder: its frozen config, RoPE, attention masks and the CPU row sharding."""

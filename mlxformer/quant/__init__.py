@@ -1,0 +1,1 @@
+"""Weight quantization for conversion: recipes, the error-minimising group search and calibration."""
