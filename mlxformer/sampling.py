@@ -6,12 +6,34 @@ maps ``(history, logits)`` to new logits.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Protocol
 
 import mlx.core as mx
 
 Sampler = Callable[[mx.array], mx.array]
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
+
+
+class TokenConstraint(Protocol):
+    """A per-sequence constraint on which tokens may come next (structured output).
+
+    The generation loop asks for ``next_mask()`` before sampling each token, masks the
+    disallowed logits to ``-inf``, and reports the chosen token with ``advance``.
+    """
+
+    def next_mask(self) -> mx.array | None:
+        """Bool ``(vocab,)`` of the tokens allowed next (EOS included only where the grammar
+        may end), or ``None`` when nothing is constrained at this step."""
+        ...
+
+    def advance(self, token: int) -> None:
+        """Record that ``token`` was generated."""
+        ...
+
+    @property
+    def done(self) -> bool:
+        """Whether the output is complete: generation must stop here."""
+        ...
 
 REPETITION_CONTEXT = 64  # how many recent tokens the repetition penalty looks at (llama.cpp's repeat_last_n)
 
