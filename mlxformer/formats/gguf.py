@@ -98,7 +98,7 @@ def config_from_metadata(metadata: dict[str, Any], tensor_names: set[str]) -> di
     return config
 
 
-def _hf_name(gguf_name: str) -> str:
+def hf_name(gguf_name: str) -> str:
     """Map ``blk.3.attn_q.weight`` to ``model.layers.3.self_attn.q_proj.weight``; unknown names raise."""
     stem, _, suffix = gguf_name.rpartition(".")
     layer = _LAYER_NAME.match(stem)
@@ -115,9 +115,8 @@ def _unpermute_rows(w: mx.array, n_heads: int) -> mx.array:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def load_gguf(path: Path) -> tuple[dict[str, Any], dict[str, mx.array], dict[str, Any]]:
-    """Read a GGUF file: ``(config with quantization, HF-named weights, raw metadata)``."""
-    types = read_tensor_types(path)
+def check_tensor_types(path: Path, types: dict[str, str]) -> None:
+    """Raise naming the first tensor of a GGUF type this package cannot read."""
     bad = {name: t for name, t in types.items() if t not in FLOAT_TYPES and t not in QUANT_BITS}
     if bad:
         name, type_name = next(iter(bad.items()))
@@ -125,29 +124,46 @@ def load_gguf(path: Path) -> tuple[dict[str, Any], dict[str, mx.array], dict[str
             f"{path}: tensor {name!r} has GGUF type {type_name}, which is not supported "
             f"(supported: F32, F16, BF16, Q4_0, Q4_1, Q8_0)"
         )
-    try:
-        raw, metadata = mx.load(str(path), return_metadata=True)
-    except (RuntimeError, ValueError) as exc:
-        raise MlxformerError(f"{path}: cannot read GGUF file: {str(exc).splitlines()[0]}") from None
+
+
+def gguf_config(metadata: dict[str, Any], types: dict[str, str]) -> dict[str, Any]:
+    """The HF config (with mlx-lm ``quantization`` when quantized) of a GGUF file."""
     config = config_from_metadata(metadata, set(types))
+    quantization = _quantization_config(types)
+    if quantization:
+        config["quantization"] = quantization
+    return config
+
+
+def hf_weights(raw: dict[str, mx.array], config: dict[str, Any]) -> dict[str, mx.array]:
+    """GGUF-named arrays (as ``mx.load`` gives them) -> HF-named weights in HF row order."""
     permute = config["model_type"] == "llama"  # llama.cpp permutes Q/K only for the llama architecture
     heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
     weights: dict[str, mx.array] = {}
     for gguf_name, array in raw.items():
-        name = _hf_name(gguf_name)
+        name = hf_name(gguf_name)
         proj = name.split(".")[-2]
         if permute and proj in heads and name.split(".")[-1] in ("weight", "scales", "biases", "bias"):
             array = _unpermute_rows(array, heads[proj])
         weights[name] = array
-    config["quantization"] = _quantization_config(types)
-    if not config["quantization"]:
-        del config["quantization"]
-    return config, weights, metadata
+    return weights
+
+
+def load_gguf(path: Path) -> tuple[dict[str, Any], dict[str, mx.array], dict[str, Any]]:
+    """Read a GGUF file: ``(config with quantization, HF-named weights, raw metadata)``."""
+    types = read_tensor_types(path)
+    check_tensor_types(path, types)
+    try:
+        raw, metadata = mx.load(str(path), return_metadata=True)
+    except (RuntimeError, ValueError) as exc:
+        raise MlxformerError(f"{path}: cannot read GGUF file: {str(exc).splitlines()[0]}") from None
+    config = gguf_config(metadata, types)
+    return config, hf_weights(raw, config), metadata
 
 
 def _quantization_config(types: dict[str, str]) -> dict[str, Any]:
     """mlx-lm style ``quantization`` entry: the most common bits as default, others per layer."""
-    module_bits = {_hf_name(n).rsplit(".", 1)[0]: QUANT_BITS[t] for n, t in types.items() if t in QUANT_BITS}
+    module_bits = {hf_name(n).rsplit(".", 1)[0]: QUANT_BITS[t] for n, t in types.items() if t in QUANT_BITS}
     if not module_bits:
         return {}
     bits_values = list(module_bits.values())

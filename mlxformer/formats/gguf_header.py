@@ -78,15 +78,15 @@ def _read_string(f: BinaryIO) -> str:
     return data.decode("utf-8")
 
 
-def _read_value(f: BinaryIO, value_type: int) -> Any:
+def _read_value(f: BinaryIO, value_type: int, keep_arrays: bool = False) -> Any:
     if value_type == _STRING:
         return _read_string(f)
     if value_type == _ARRAY:
         item_type, count = _read(f, "<I"), _read(f, "<Q")
-        if count > _MAX_KEPT_ARRAY:
+        if count > _MAX_KEPT_ARRAY and not keep_arrays:
             _skip_items(f, item_type, count)
             return [None] * count
-        return [_read_value(f, item_type) for _ in range(count)]
+        return [_read_value(f, item_type, keep_arrays) for _ in range(count)]
     if value_type not in _SCALAR_FORMATS:
         raise ValueError(f"unknown metadata value type {value_type}")
     value = _read(f, _SCALAR_FORMATS[value_type])
@@ -106,8 +106,9 @@ def _skip_items(f: BinaryIO, item_type: int, count: int) -> None:
             _read_value(f, item_type)
 
 
-def read_gguf_header(path: Path) -> GGUFHeader:
-    """The metadata and tensor entries of ``path``; raises on a bad header."""
+def read_gguf_header(path: Path, keep_arrays: bool = False) -> GGUFHeader:
+    """The metadata and tensor entries of ``path``; raises on a bad header. Metadata arrays
+    longer than 1024 items (the vocabulary) are read only with ``keep_arrays``."""
     try:
         with open(path, "rb") as f:
             if f.read(4) != b"GGUF":
@@ -119,7 +120,7 @@ def read_gguf_header(path: Path) -> GGUFHeader:
             metadata = {}
             for _ in range(n_kv):
                 key = _read_string(f)
-                metadata[key] = _read_value(f, _read(f, "<I"))
+                metadata[key] = _read_value(f, _read(f, "<I"), keep_arrays)
             entries = []
             for _ in range(n_tensors):
                 name = _read_string(f)
