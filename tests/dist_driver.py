@@ -18,12 +18,24 @@ def run_job(job: dict) -> dict:
     from mlxformer.generation import generate_tokens
     from mlxformer.sampling import make_sampler
 
+    mx.clear_cache()
+    base = mx.get_active_memory()
     mx.reset_peak_memory()
+    if job["parallel"] == "single":  # the single-process load, on rank 0 only
+        if mx.distributed.init().rank() == 0:
+            from pathlib import Path
+
+            from mlxformer.loader import build_model, read_checkpoint
+
+            model = build_model(*read_checkpoint(Path(job["model"]))[:2])
+            mx.eval(model.parameters())
+            return {"load_peaks": [mx.get_peak_memory() - base]}
+        return {}
     try:
         dist = load_distributed(job["model"], job["parallel"], timeout=120, with_tokenizer=False)
     except MlxformerError as exc:
         return {"error": str(exc)}
-    load_peak = mx.get_peak_memory()
+    load_peak = mx.get_peak_memory() - base
     peaks = mx.distributed.all_gather(mx.array([load_peak], dtype=mx.float32), group=dist.group).tolist()
     settings = CacheSettings(**job.get("cache", {}))
     if dist.parallel == "pipeline" and not dist.leader:

@@ -123,6 +123,7 @@ class PipelineLink:
 
     def __call__(self, h: mx.array) -> mx.array:
         B, T, _ = h.shape
+        mx.eval(h)  # our own layers, outside the watchdog's countdown
         self._send_header(B, T, h.dtype)
         with self.watchdog.guard("sending hidden states to rank 1"):
             mx.eval(mx.distributed.send(h, 1, group=self.group))
@@ -165,5 +166,6 @@ def serve_stage(
             h = mx.distributed.recv((batch, length, model.args.hidden_size), DTYPES[dtype_index], previous, group=group)
             mx.eval(h)
         h = model.run_layers(h, cache).astype(DTYPES[dtype_index])
+        mx.eval(h)  # our own layers, outside the watchdog's countdown
         with watchdog.guard(f"sending hidden states to rank {following}"):
             mx.eval(mx.distributed.send(h, following, group=group))
