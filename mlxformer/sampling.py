@@ -79,9 +79,10 @@ def make_sampler(temp: float = 0.0, top_p: float = 1.0, top_k: int = 0, min_p: f
     if temp == 0:
         return greedy
 
-    def sample(logprobs: mx.array) -> mx.array:
+    def sample(logprobs: mx.array, key: mx.array | None = None) -> mx.array:
+        # ``key``: a PRNG key for this draw (per-sequence streams); None uses the global one.
         logprobs = keep_min_p(keep_top_p(keep_top_k(logprobs, top_k), top_p), min_p)
-        return mx.random.categorical(logprobs * (1.0 / temp), axis=-1)
+        return mx.random.categorical(logprobs * (1.0 / temp), axis=-1, key=key)
 
     return sample
 
