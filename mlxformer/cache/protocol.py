@@ -13,11 +13,21 @@ import mlx.core as mx
 from mlxformer.models.mask import Mask
 
 
+class HasWindow(Protocol):
+    """Model settings the caches depend on."""
+
+    @property
+    def sliding_window(self) -> int | None: ...
+
+
 class HasLayers(Protocol):
-    """Anything with a sequence of decoder layers (the model)."""
+    """Anything with a sequence of decoder layers and its settings (the model)."""
 
     @property
     def layers(self) -> Sequence[Any]: ...
+
+    @property
+    def args(self) -> HasWindow: ...
 
 
 class Cache(Protocol):
