@@ -27,6 +27,20 @@ FLOAT_TYPES = ("F32", "F16", "BF16")
 # choice (notes/gguf.md), a fraction of the type's own rounding error at ~1.5x its size.
 INEXACT_BITS = 8
 SUPPORTED_TYPES = FLOAT_TYPES + EXACT_TYPES + FLOAT_DECODED_TYPES
+# Bits of the MLX layer each quantized GGUF type becomes (all with groups of 32).
+QUANT_BITS = {"Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5, "Q8_0": 8, "Q4_K": 4, "Q5_K": 5,
+              **dict.fromkeys(FLOAT_DECODED_TYPES, INEXACT_BITS)}
+GGUF_GROUP_SIZE = GROUP_SIZE
+
+
+def loaded_nbytes(type_name: str, size: int) -> int | None:
+    """Bytes a quantized tensor of ``size`` weights takes once loaded (packed codes plus a scale and
+    a bias per group: float16 for the legacy types, float32 for the K types), None for floats."""
+    bits = QUANT_BITS.get(type_name)
+    if bits is None:
+        return None
+    scale_bytes = 2 if type_name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0") else 4
+    return size * bits // 8 + size // GROUP_SIZE * 2 * scale_bytes
 
 SUPPORTED_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 
@@ -204,7 +218,6 @@ def load_gguf(path: Path) -> tuple[dict[str, Any], dict[str, mx.array], dict[str
     permute = config["model_type"] == "llama"  # llama.cpp permutes Q/K only for the llama architecture
     heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
     weights: dict[str, mx.array] = {}
-    module_bits: dict[str, int] = {}
     for gguf_name, info in tensors.items():
         name = _hf_name(gguf_name)
         module, suffix = name.rsplit(".", 1)
@@ -213,11 +226,10 @@ def load_gguf(path: Path) -> tuple[dict[str, Any], dict[str, mx.array], dict[str
         if bits:
             if suffix != "weight":
                 raise MlxformerError(f"{path}: tensor {gguf_name!r} is quantized but is not a weight matrix")
-            module_bits[module] = bits
             weights.update({f"{module}.{key}": value for key, value in arrays.items()})
         else:
             weights[name] = arrays["weight"]
-    quantization = _quantization_config(module_bits)
+    quantization = _quantization_config({name: info.type_name for name, info in tensors.items()})
     if quantization:
         config["quantization"] = quantization
     return config, weights, gguf.metadata
@@ -233,8 +245,11 @@ def _rope_factors(gguf: GGUFFile, info: TensorInfo) -> np.ndarray:
     return factors
 
 
-def _quantization_config(module_bits: dict[str, int]) -> dict[str, Any]:
-    """mlx-lm style ``quantization`` entry: the most common bits as default, others per layer."""
+def _quantization_config(types: dict[str, str]) -> dict[str, Any]:
+    """mlx-lm style ``quantization`` entry from GGUF tensor types: the most common bits as
+    default, others per layer."""
+    module_bits = {_hf_name(n).rsplit(".", 1)[0]: QUANT_BITS[t] for n, t in types.items()
+                   if t in QUANT_BITS and n != "rope_freqs.weight"}
     if not module_bits:
         return {}
     bits_values = list(module_bits.values())
