@@ -3,7 +3,8 @@
 Safetensors (HF or MLX, quantized too) are opened lazily by ``mx.load``: a tensor is read
 when evaluated, and each one is evaluated (and copied out of the full tensor when only a
 slice is kept) before the next, so a rank's peak memory is its share plus at most one full
-tensor. GGUF tensors are read from their byte ranges (``formats.gguf_tensors``).
+tensor. GGUF files are memory-mapped and only the chosen tensors are decoded (``load_gguf``
+with ``wanted``/``piece``).
 """
 
 from __future__ import annotations
@@ -15,9 +16,7 @@ from typing import Any, Callable
 import mlx.core as mx
 
 from mlxformer.errors import MlxformerError
-from mlxformer.formats.gguf import check_tensor_types, gguf_config, hf_name, hf_weights
-from mlxformer.formats.gguf_header import GGUFHeader, read_gguf_header
-from mlxformer.formats.gguf_tensors import read_gguf_tensors
+from mlxformer.formats.gguf import load_gguf
 from mlxformer.formats.hub import resolve_source
 from mlxformer.formats.safetensors import read_config, read_safetensors_header, safetensors_files
 from mlxformer.models.config import ModelArgs
@@ -34,7 +33,7 @@ class CheckpointReader:
     source: Path
     config: dict[str, Any]
     files: dict[str, Path]  # HF tensor name -> safetensors file (empty for GGUF)
-    gguf: GGUFHeader | None = None
+    gguf_metadata: dict[str, Any] | None = None
 
     @property
     def args(self) -> ModelArgs:
@@ -51,12 +50,8 @@ class CheckpointReader:
             mx.eval(array)
             out[name] = array
 
-        if self.gguf is not None:
-            for tensor in self.gguf.tensors:
-                if wanted(hf_name(tensor.name)):
-                    for name, array in hf_weights(read_gguf_tensors(self.source, [tensor]), self.config).items():
-                        keep(name, array)
-            return out
+        if self.gguf_metadata is not None:
+            return load_gguf(self.source, wanted, piece)[1]
         for file in sorted(set(self.files.values())):
             names = [n for n, f in self.files.items() if f == file and wanted(n)]
             if not names:
@@ -72,8 +67,8 @@ class CheckpointReader:
 
     def tokenizer(self) -> Tokenizer:
         """The checkpoint's tokenizer."""
-        if self.gguf is not None:
-            return load_tokenizer_from_gguf(read_gguf_header(self.source, keep_arrays=True).metadata)
+        if self.gguf_metadata is not None:
+            return load_tokenizer_from_gguf(self.gguf_metadata)
         return load_tokenizer_from_dir(self.source)
 
 
@@ -83,10 +78,8 @@ def open_checkpoint(path_or_repo: str | Path) -> CheckpointReader:
     if source.is_file():
         if source.suffix.lower() != ".gguf":
             raise MlxformerError(f"{source}: not a model dir or .gguf file")
-        header = read_gguf_header(source)
-        types = {t.name: t.type_name for t in header.tensors}
-        check_tensor_types(source, types)
-        reader = CheckpointReader(source, gguf_config(header.metadata, types), {}, header)
+        config, _, metadata = load_gguf(source, wanted=lambda name: False)  # checks every tensor, decodes none
+        reader = CheckpointReader(source, config, {}, metadata)
     else:
         files = {}
         for file in safetensors_files(source):
