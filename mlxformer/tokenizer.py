@@ -214,12 +214,13 @@ class Tokenizer:
         return self.backend.encode(text, add_special_tokens)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
-        """Text for `ids`."""
+        """Text for `ids`. Ids past the vocabulary (the padding rows some models' embeddings have
+        beyond the tokenizer, e.g. Qwen2.5) decode to "", as in transformers."""
         ids = [int(i) for i in ids]
+        if bad := [i for i in ids if i < 0]:
+            raise MlxformerError(f"token id {bad[0]} is negative")
         vocab = self.backend.vocab_size()
-        if bad := [i for i in ids if not 0 <= i < vocab]:
-            raise MlxformerError(f"token id {bad[0]} is outside the vocabulary (size {vocab})")
-        return self.backend.decode(ids, skip_special_tokens)
+        return self.backend.decode([i for i in ids if i < vocab], skip_special_tokens)
 
     def token_to_id(self, token: str) -> int | None:
         """The id of a single token string, or None."""

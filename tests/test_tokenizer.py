@@ -381,7 +381,24 @@ def test_spm_gguf_matches_transformers(spm_dir, tmp_path):
 
 
 def test_bad_input_errors(ours):
-    with pytest.raises(MlxformerError, match="outside the vocabulary"):
-        ours.decode([ours.vocab_size])
+    with pytest.raises(MlxformerError, match="negative"):
+        ours.decode([-1])
     with pytest.raises(MlxformerError, match="expects a str"):
         ours.encode([1, 2])  # type: ignore[arg-type]
+
+
+def test_ids_past_the_vocabulary_decode_to_nothing_like_transformers(ours, ref, spm_dir):
+    """Embedding padding rows past the tokenizer (Qwen2.5) may be sampled: transformers decodes
+    them to "", and so do `decode` and the streaming detokenizer, never raising mid-stream."""
+    from transformers import AutoTokenizer
+
+    spm_tok = load_tokenizer_from_dir(spm_dir)
+    spm_tok.save(spm_dir / "saved")
+    spm_ref = AutoTokenizer.from_pretrained(str(spm_dir / "saved"))
+    for tok, reference in ((ours, ref), (spm_tok, spm_ref)):
+        n = tok.vocab_size
+        assert n == len(reference)
+        text = tok.encode("the café is über naïve, 日本", add_special_tokens=False)
+        ids = [n + 3, *text[:3], n, n + 60, *text[3:], n + 1]
+        assert tok.decode(ids) == reference.decode(ids) == tok.decode(text)
+        assert "".join(_stream(tok, ids)) == reference.decode(ids)
