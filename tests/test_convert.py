@@ -257,8 +257,8 @@ def _write_unsupported_gguf(path: Path) -> None:
 
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_block_count(1)
-    raw = np.zeros((4, 210), dtype=np.uint8)  # 4 rows of one 256-weight Q6_K block (210 bytes) each
-    writer.add_tensor("blk.0.ffn_down.weight", raw, raw_dtype=gguf.GGMLQuantizationType.Q6_K)
+    raw = np.zeros((4, 66), dtype=np.uint8)  # 4 rows of one 256-weight IQ2_XXS block (66 bytes) each
+    writer.add_tensor("blk.0.ffn_down.weight", raw, raw_dtype=gguf.GGMLQuantizationType.IQ2_XXS)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -292,7 +292,7 @@ def test_refusals_are_one_line_and_write_nothing(case, tiny_hf, tmp_path, capsys
     code = cli_main(["convert", "--hf-path", src, "--mlx-path", str(dst), *extra])
     err = capsys.readouterr().err.strip().splitlines()
     assert code != 0 and len(err) == 1 and err[0].startswith("mlxformer: error: "), err
-    expected = {"exists": "already exists", "pickle": "pickle", "gguf_q6k": "Q6_K", "bits7": "--q-bits 7",
+    expected = {"exists": "already exists", "pickle": "pickle", "gguf_q6k": "IQ2_XXS", "bits7": "--q-bits 7",
                 "group48": "--q-group-size 48", "requantize": "already quantized"}[case]
     assert expected in err[0]
     assert sorted(p.name for p in tmp_path.iterdir()) == before  # no output, no temp dir
