@@ -255,8 +255,10 @@ class Tokenizer:
             return self.encode(text, add_special_tokens=False)
         return self.encode(prompt)
 
-    def save(self, directory: pathlib.Path) -> None:
-        """Write tokenizer.json (or tokenizer.model) + tokenizer_config.json loadable by transformers and us."""
+    def save(self, directory: pathlib.Path, generation_config: bool = False) -> None:
+        """Write tokenizer.json (or tokenizer.model) + tokenizer_config.json loadable by transformers and us;
+        with ``generation_config``, also generation_config.json with every end-of-sequence id (eos and
+        end-of-turn), which transformers, mlx-lm and our loader read."""
         directory = pathlib.Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         self.backend.save(directory)
@@ -272,6 +274,11 @@ class Tokenizer:
             config["chat_template"] = self.chat_template
         text = json.dumps(config, indent=2, ensure_ascii=False)
         (directory / "tokenizer_config.json").write_text(text + "\n", encoding="utf-8")
+        if generation_config:
+            ids: dict[str, Any] = {"eos_token_id": self.eos_token_ids}
+            if self.bos_token_id is not None:
+                ids = {"bos_token_id": self.bos_token_id, **ids}
+            (directory / "generation_config.json").write_text(json.dumps(ids, indent=2) + "\n", encoding="utf-8")
 
 
 def _raise_exception(message: str) -> None:
