@@ -79,10 +79,10 @@ def test_regex_holds_and_conforming_output_is_unchanged(smollm):
     pattern = r"[0-9]{3}-[0-9]{3}-[0-9]{4}"
     text, finish = _run(model, tokenizer, "Make up a phone number.", 24, regex=pattern)
     assert finish == "stop" and re.fullmatch(pattern, text), text
-    prompt = "What is 6 times 7? Reply with the number only."
-    free, _ = _run(model, tokenizer, prompt, 8)
-    assert re.fullmatch(r"[0-9]+", free), free  # the free answer conforms...
-    assert _run(model, tokenizer, prompt, 8, regex=r"[0-9]+") == (free, "stop")  # ...and is unchanged
+    prompt, sentence = "What is the capital of France? Answer with one word.", r"[A-Z][A-Za-z ]*\."
+    free, _ = _run(model, tokenizer, prompt, 12)
+    assert re.fullmatch(sentence, free), free  # the free answer conforms...
+    assert _run(model, tokenizer, prompt, 12, regex=sentence) == (free, "stop")  # ...and is unchanged
 
 
 def _parse_arithmetic(text: str) -> int:

@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from mlxformer.cli.common import (
     add_cache_args, add_model_args, add_prompt_args, add_sampling_args, add_verbose, cache_settings, load_for_cli,
     prompt_ids_for_cli, read_prompt, sampling_settings,
 )
+from mlxformer.cli.structured import add_structured_args, structured_output_args
 
 if TYPE_CHECKING:
-    from pathlib import Path
-
     from mlxformer.generation import GenerationResponse
 
 
@@ -25,12 +24,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_sampling_args(parser)
     add_cache_args(parser)
     parser.add_argument("--prompt-cache-file", help="continue from a cache saved by 'mlxformer cache-prompt'")
-    structured = parser.add_mutually_exclusive_group()
-    structured.add_argument("--json-schema", metavar="FILE_OR_JSON",
-                            help="constrain the output to JSON valid under this schema (a file, or inline JSON)")
-    structured.add_argument("--regex", metavar="PATTERN", help="constrain the output to match this regular expression")
-    structured.add_argument("--grammar", metavar="FILE",
-                            help="constrain the output to this grammar: Lark (.lark) or llama.cpp GBNF (.gbnf)")
+    parser.add_argument(
+        "--parallel", choices=("pipeline", "tensor"),
+        help="spread the model over the ranks started by mlx.launch: layers (pipeline) or heads and MLP columns (tensor)",
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=60.0,
+        help="with --parallel: longest wait for another rank, in seconds, before giving up (default 60)",
+    )
+    add_structured_args(parser)
     add_verbose(parser)
     parser.set_defaults(handler=run)
 
@@ -46,6 +48,8 @@ def format_stats(response: GenerationResponse) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Handler of ``mlxformer generate``."""
+    if args.parallel:
+        return run_parallel(args)
     from mlxformer.constrained import make_constraint, validate_structured_output
     from mlxformer.generation import stream_generate
 
@@ -61,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
     if args.prompt_cache_file:
         from mlxformer.cache.files import load_prompt_cache, strip_cached_prefix
 
-        cache, cached_ids = load_prompt_cache(args.prompt_cache_file, model)
+        cache, cached_ids = load_prompt_cache(args.prompt_cache_file, model, tokenizer, settings)
         ids = strip_cached_prefix(ids, cached_ids)
     last = None
     for last in stream_generate(
@@ -78,38 +82,31 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def structured_output_args(args: argparse.Namespace) -> dict[str, Any]:
-    """``response_format``/``regex``/``grammar`` keywords from ``--json-schema``, ``--regex``, ``--grammar``."""
-    import json
-    from pathlib import Path
-
-    from mlxformer.constrained import lark_from_gbnf
+def run_parallel(args: argparse.Namespace) -> int:
+    """``generate --parallel``: every rank runs this; rank 0 alone prints."""
+    from mlxformer.default_model import default_model_path
+    from mlxformer.distributed.runner import load_distributed, stream_distributed
     from mlxformer.errors import MlxformerError
+    from mlxformer.models.config import FLOAT_DTYPES
 
-    if args.regex is not None:
-        return {"regex": args.regex}
-    if args.json_schema is not None:
-        text = args.json_schema
-        if not text.lstrip().startswith("{"):
-            text = _read_text(Path(text), "--json-schema")
-        try:
-            schema = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise MlxformerError(f"--json-schema is not valid JSON: {exc}") from exc
-        if not isinstance(schema, dict):
-            raise MlxformerError("--json-schema must be a JSON object")
-        return {"response_format": schema}
-    if args.grammar is not None:
-        path = Path(args.grammar)
-        text = _read_text(path, "--grammar")
-        return {"grammar": lark_from_gbnf(text) if path.suffix.lower() == ".gbnf" else text}
-    return {}
-
-
-def _read_text(path: Path, flag: str) -> str:
-    from mlxformer.errors import MlxformerError
-
-    try:
-        return path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise MlxformerError(f"{flag}: cannot read {path}: {exc.strerror if isinstance(exc, OSError) else exc}") from exc
+    if args.prompt_cache_file:
+        raise MlxformerError("--prompt-cache-file is not supported with --parallel")
+    if structured_output_args(args):
+        raise MlxformerError("--json-schema, --regex and --grammar are not supported with --parallel")
+    if args.threads not in (None, 1):
+        raise MlxformerError("--threads is not supported with --parallel (each rank runs one stream)")
+    prompt = read_prompt(args.prompt)
+    sampling = sampling_settings(args)
+    settings = cache_settings(args)
+    dtype = FLOAT_DTYPES[args.dtype] if args.dtype else None
+    dist = load_distributed(args.model or default_model_path(), args.parallel, dtype, args.timeout)
+    ids = prompt_ids_for_cli(dist.tokenizer, prompt, args) if dist.tokenizer is not None else []
+    last = None
+    for last in stream_distributed(dist, ids, args.max_tokens, sampling=sampling, stop=args.stop, cache_settings=settings):
+        sys.stdout.write(last.text)
+        sys.stdout.flush()
+    if dist.leader:
+        sys.stdout.write("\n")
+        if last is not None:
+            print(format_stats(last), file=sys.stderr)
+    return 0
