@@ -12,6 +12,7 @@ import mlx.core as mx
 
 Sampler = Callable[[mx.array], mx.array]
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
+Distribution = Callable[[mx.array], mx.array]  # logits (B, vocab) -> probabilities (B, vocab)
 
 
 class TokenConstraint(Protocol):
@@ -80,10 +81,26 @@ def make_sampler(temp: float = 0.0, top_p: float = 1.0, top_k: int = 0, min_p: f
         return greedy
 
     def sample(logprobs: mx.array) -> mx.array:
-        logprobs = keep_min_p(keep_top_p(keep_top_k(logprobs, top_k), top_p), min_p)
-        return mx.random.categorical(logprobs * (1.0 / temp), axis=-1)
+        return mx.random.categorical(filtered(logprobs, top_p, top_k, min_p) * (1.0 / temp), axis=-1)
 
     return sample
+
+
+def filtered(logprobs: mx.array, top_p: float, top_k: int, min_p: float) -> mx.array:
+    """``logprobs`` with the tokens that top-k, top-p and min-p drop set to ``-inf``."""
+    return keep_min_p(keep_top_p(keep_top_k(logprobs, top_k), top_p), min_p)
+
+
+def make_distribution(temp: float, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0) -> Distribution:
+    """The probabilities ``make_sampler(temp, ...)`` draws from (``temp > 0``), from logits."""
+    if temp <= 0:
+        raise ValueError("a sampling distribution needs temp > 0")
+
+    def distribution(logits: mx.array) -> mx.array:
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        return mx.softmax(filtered(logprobs, top_p, top_k, min_p) * (1.0 / temp), axis=-1)
+
+    return distribution
 
 
 def repetition_penalty_processor(penalty: float, context: int = REPETITION_CONTEXT) -> LogitsProcessor:
