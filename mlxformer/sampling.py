@@ -80,8 +80,9 @@ def make_sampler(temp: float = 0.0, top_p: float = 1.0, top_k: int = 0, min_p: f
     if temp == 0:
         return greedy
 
-    def sample(logprobs: mx.array) -> mx.array:
-        return mx.random.categorical(filtered(logprobs, top_p, top_k, min_p) * (1.0 / temp), axis=-1)
+    def sample(logprobs: mx.array, key: mx.array | None = None) -> mx.array:
+        # ``key``: a PRNG key for this draw (per-sequence streams); None uses the global one.
+        return mx.random.categorical(filtered(logprobs, top_p, top_k, min_p) * (1.0 / temp), axis=-1, key=key)
 
     return sample
 
