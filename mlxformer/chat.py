@@ -7,6 +7,7 @@ tokenizes differently), and prefills only the rest.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Iterator, Sequence
 
 from mlxformer.cache import Cache, CacheSettings, make_cache
@@ -45,6 +46,8 @@ class ChatSession:
         if not tokenizer.chat_template:
             raise MlxformerError("chat needs a model whose tokenizer has a chat template")
         self.model, self.tokenizer = model, tokenizer
+        if speculative is not None:  # rotating caches keep enough beyond their window to rewind
+            cache_settings = dataclasses.replace(cache_settings or CacheSettings(), rewind=speculative.num_draft_tokens)
         self.system, self.sampling, self.settings = system, sampling, cache_settings
         self.max_tokens, self.stop, self.speculative = max_tokens, tuple(stop), speculative
         self.last_prefill_tokens = 0

@@ -116,6 +116,8 @@ def stream_generate(
         raise MlxformerError("max_tokens must be at least 1")
     if sampling.seed is not None:
         mx.random.seed(sampling.seed)
+    if speculative is not None:  # rotating caches keep enough beyond their window to rewind a round
+        cache_settings = dataclasses.replace(cache_settings or CacheSettings(), rewind=speculative.num_draft_tokens)
     if cache is None:
         cache = make_cache(model, cache_settings)
     sampler = make_sampler(sampling.temp, sampling.top_p, sampling.top_k, sampling.min_p)

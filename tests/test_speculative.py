@@ -35,7 +35,9 @@ def write_word_tokenizer(directory: Path, vocab_size: int) -> None:
 def tiny(directory: Path, model_type: str, seed: int = 0, vocab_size: int = 256, **config):
     write_tiny_checkpoint(directory, model_type, seed=seed, vocab_size=vocab_size, **{**SHAPE, **config})
     write_word_tokenizer(directory, vocab_size)
-    return load(directory, threads=1)
+    model, tokenizer = load(directory, threads=1)
+    tokenizer.eos_token_ids = []  # random weights: never stop early, every run has all its tokens
+    return model, tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -94,11 +96,11 @@ def test_greedy_identity_on_the_real_model(smollm):
     text = ("The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs. "
             "How vexingly quick daft zebras jump!")
     prompt = tokenizer.encode_prompt(f"Repeat this text exactly: {text}")
-    plain, _ = tokens_of(model, tokenizer, max_tokens=32, prompt=prompt)
+    plain, _ = tokens_of(model, tokenizer, max_tokens=24, prompt=prompt)
     got, last = tokens_of(model, tokenizer, SpeculativeSettings(prompt_lookup=True, num_draft_tokens=8),
-                          max_tokens=32, prompt=prompt)
+                          max_tokens=24, prompt=prompt)
     assert got == plain
-    assert last.accepted_tokens >= 10  # copying a text: most proposals hold
+    assert last.accepted_tokens >= 8  # copying a text: most proposals hold
 
 
 def exact_second_token_marginal(model, prompt: list[int], temp: float) -> np.ndarray:
