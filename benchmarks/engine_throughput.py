@@ -85,6 +85,33 @@ def mlx_lm_batch(model, tokenizer, prompts: list[list[int]], tokens: int) -> flo
     return sum(len(t) for t in response.token_ids) / elapsed
 
 
+def matmul_scaling(model, rows: tuple[int, ...] = (1, 4, 8), repeats: int = 20) -> list[str]:
+    """Time one decoder MLP projection for ``rows`` token rows, in MLX and in numpy (its BLAS):
+    batching pays only if a matmul over 8 rows costs well under 8 single-row ones."""
+    import mlx.core as mx
+    import numpy as np
+
+    weight = model.layers[0].mlp.gate_proj.weight.astype(mx.float32)  # (out, in)
+    w_t = mx.contiguous(weight.T)
+    mx.eval(w_t)
+    w_np = np.array(w_t)
+    lines = []
+    for n in rows:
+        x = mx.random.normal((n, w_t.shape[0]))
+        x_np = np.array(x)
+        mx.eval(x @ w_t)
+        start = time.perf_counter()
+        for _ in range(repeats):
+            mx.eval(x @ w_t)
+        t_mlx = (time.perf_counter() - start) / repeats
+        start = time.perf_counter()
+        for _ in range(repeats):
+            x_np @ w_np
+        t_np = (time.perf_counter() - start) / repeats
+        lines.append(f"| {n} | {t_mlx * 1e3:.2f} | {t_np * 1e3:.2f} |")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=Path, default=Path(".bench/models/smollm2-f32"))
@@ -109,21 +136,24 @@ def main() -> None:
 
         lm = mlx_lm.load(str(args.model))
     results: dict[str, list[float]] = {}
+
+    def record(name: str, value: float) -> None:
+        results.setdefault(name, []).append(value)
+        print(f"{name}: {value:.2f} tok/s", flush=True)
+
     engine = Engine(model, tokenizer, max_batch=max(args.clients), cache_settings=settings, prefix_cache_bytes=0)
     with engine:
         for _ in range(args.rounds):
-            results.setdefault("mlxformer generate, 1 stream", []).append(
-                single_stream(model, tokenizer, prompts[0], args.tokens))
+            record("mlxformer generate, 1 stream", single_stream(model, tokenizer, prompts[0], args.tokens))
             if lm is not None:
-                results.setdefault("mlx-lm stream_generate, 1 stream", []).append(
-                    mlx_lm_single(*lm, prompts[0], args.tokens))
+                record("mlx-lm stream_generate, 1 stream", mlx_lm_single(*lm, prompts[0], args.tokens))
             for c in args.clients:
                 aggregate, steady = engine_run(engine, prompts[:c], args.tokens, tokenizer.eos_token_ids)
-                results.setdefault(f"engine, {c} concurrent", []).append(aggregate)
-                results.setdefault(f"engine, {c} concurrent (steady decode)", []).append(steady)
+                record(f"engine, {c} concurrent", aggregate)
+                record(f"engine, {c} concurrent (steady decode)", steady)
                 if lm is not None and c > 1:
-                    results.setdefault(f"mlx-lm batch_generate, {c} prompts", []).append(
-                        mlx_lm_batch(*lm, prompts[:c], args.tokens))
+                    record(f"mlx-lm batch_generate, {c} prompts", mlx_lm_batch(*lm, prompts[:c], args.tokens))
+    scaling = matmul_scaling(model)
     base = statistics.median(results["mlxformer generate, 1 stream"])
     kv = f", kv_bits={args.kv_bits}" if args.kv_bits else ""
     print(f"\n{args.model.name}{kv}, {args.tokens} tokens per sequence, median of {args.rounds} rounds\n")
@@ -132,6 +162,10 @@ def main() -> None:
     for name, values in results.items():
         median = statistics.median(values)
         print(f"| {name} | {median:.2f} | {median / base:.2f}x |")
+    print("\nOne MLP projection (gate_proj), milliseconds, by token rows:\n")
+    print("| rows | MLX matmul | numpy matmul |")
+    print("|---:|---:|---:|")
+    print("\n".join(scaling))
 
 
 if __name__ == "__main__":
