@@ -18,7 +18,8 @@ from mlxformer.engine.scheduler import Scheduler, Step
 from mlxformer.engine.sequence import (
     GenerationRequest, Sequence, Status, TokenEvent, check_request, choose_rows,
 )
-from mlxformer.generation import SamplingSettings, default_prefill_step
+from mlxformer.generation import SamplingSettings
+from mlxformer.steps import default_prefill_step
 from mlxformer.models.decoder import Model
 from mlxformer.tokenizer import Tokenizer
 
