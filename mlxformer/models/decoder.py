@@ -112,8 +112,6 @@ class Model(nn.Module):
         # When set, activations are cast to this dtype right after the embedding (the CPU
         # policy for quantized models: packed weights and their scales stay as stored).
         self.activation_dtype: mx.Dtype | None = None
-        # Set by ``use_output_projection``; private, so ``parameters()`` skips it.
-        self._output_projection: nn.Module | None = None
         self.model = DecoderStack(args)
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
@@ -140,16 +138,9 @@ class Model(nn.Module):
 
     def logits(self, hidden: mx.array) -> mx.array:
         """Project hidden states ``(B, T, hidden)`` to vocabulary logits ``(B, T, vocab)``."""
-        if self._output_projection is not None:
-            return self._output_projection(hidden)
         if self.args.tie_word_embeddings:
             return self.model.embed_tokens.as_linear(hidden)
         return self.lm_head(hidden)
-
-    def use_output_projection(self, layer: nn.Module) -> None:
-        """Compute logits with ``layer``, a linear layer holding the same weights as the
-        vocabulary projection (for example views of them split across CPU streams)."""
-        self._output_projection = layer
 
     def __call__(self, inputs: mx.array, cache: Sequence[Cache] | None = None) -> mx.array:
         return self.logits(self.hidden_states(inputs, cache))

@@ -10,6 +10,8 @@ feed, so this is a CPU-only policy.
 from __future__ import annotations
 
 import copy
+from functools import lru_cache
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -38,42 +40,94 @@ def worker_streams(count: int) -> list[mx.Stream]:
 
 
 class RowSharded:
-    """Mixin for a linear layer whose output rows are computed in slices, each on its own
-    CPU stream, then concatenated. The layer keeps its own arrays (so parameter names and
-    ``isinstance`` checks are unchanged); the slices are views of them under a private name
-    that ``parameters()`` skips."""
+    """Mixin for a layer whose output rows are computed in ``parts`` slices, each on its own
+    CPU stream, then concatenated. The layer holds its arrays exactly as the plain layer does
+    (same parameter names, ``isinstance`` checks unchanged); the row slices are views of its
+    *current* arrays taken at every call, so ``set_dtype``, ``load_weights`` and
+    ``nn.quantize`` (which returns the sharded quantized class) keep the sharding intact."""
 
-    _shards: list[dict[str, mx.array]]
+    parts: int
 
-    def __call__(self, x: mx.array) -> mx.array:
-        streams = worker_streams(len(self._shards))
-        return mx.concatenate([self._project(x, shard, s) for shard, s in zip(self._shards, streams)], axis=-1)
+    def project_rows(self, x: mx.array) -> mx.array:
+        """``x @ W^T`` (plus any bias), row slices of W computed on separate streams."""
+        bounds = row_bounds(self["weight"].shape[0], self.parts)
+        streams = worker_streams(len(bounds))
+        return mx.concatenate([self.project_slice(x, a, b, s) for (a, b), s in zip(bounds, streams)], axis=-1)
 
-    def _project(self, x: mx.array, shard: dict[str, mx.array], stream: mx.Stream) -> mx.array:
+    def project_slice(self, x: mx.array, start: int, stop: int, stream: mx.Stream) -> mx.array:
+        """Output columns ``start:stop`` computed on ``stream``."""
         raise NotImplementedError
 
 
-class ShardedLinear(RowSharded, nn.Linear):
+class DenseRows(RowSharded):
+    """Row slices of a dense ``weight`` (and optional ``bias``)."""
+
+    def project_slice(self, x: mx.array, start: int, stop: int, stream: mx.Stream) -> mx.array:
+        with mx.stream(stream):  # the views are made on the stream that uses them
+            weight_t = self["weight"][start:stop].T  # a view: no copy
+            if "bias" in self:
+                return mx.addmm(self["bias"][start:stop], x, weight_t)
+            return mx.matmul(x, weight_t)
+
+
+class QuantizedRows(RowSharded):
+    """Row slices of a packed ``weight`` with its ``scales``/``biases`` (and optional ``bias``)."""
+
+    group_size: int
+    bits: int
+    mode: str
+
+    def project_slice(self, x: mx.array, start: int, stop: int, stream: mx.Stream) -> mx.array:
+        with mx.stream(stream):
+            biases = self.get("biases")
+            out = mx.quantized_matmul(
+                x, self["weight"][start:stop], scales=self["scales"][start:stop],
+                biases=None if biases is None else biases[start:stop], transpose=True,
+                group_size=self.group_size, bits=self.bits, mode=self.mode,
+            )
+            return out + self["bias"][start:stop] if "bias" in self else out
+
+
+class ShardedLinear(DenseRows, nn.Linear):
     """``nn.Linear`` computed in row shards on several streams."""
 
-    def _project(self, x: mx.array, shard: dict[str, mx.array], stream: mx.Stream) -> mx.array:
-        if "bias" in shard:
-            return mx.addmm(shard["bias"], x, shard["weight_t"], stream=stream)
-        return mx.matmul(x, shard["weight_t"], stream=stream)
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.project_rows(x)
+
+    def to_quantized(self, *args: Any, **kwargs: Any) -> nn.Module:
+        return shard_rows(super().to_quantized(*args, **kwargs), self.parts)
 
 
-class ShardedQuantizedLinear(RowSharded, nn.QuantizedLinear):
+class ShardedQuantizedLinear(QuantizedRows, nn.QuantizedLinear):
     """``nn.QuantizedLinear`` computed in row shards on several streams."""
 
-    def _project(self, x: mx.array, shard: dict[str, mx.array], stream: mx.Stream) -> mx.array:
-        out = mx.quantized_matmul(
-            x, shard["weight"], scales=shard["scales"], biases=shard.get("biases"), transpose=True,
-            group_size=self.group_size, bits=self.bits, mode=self.mode, stream=stream,
-        )
-        return mx.add(out, shard["bias"], stream=stream) if "bias" in shard else out
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.project_rows(x)
 
 
-SHARDED_CLASS = {nn.Linear: ShardedLinear, nn.QuantizedLinear: ShardedQuantizedLinear}
+class ShardedEmbedding(DenseRows, nn.Embedding):
+    """``nn.Embedding`` whose ``as_linear`` (the tied vocabulary projection) is row-sharded."""
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        return self.project_rows(x)
+
+    def to_quantized(self, *args: Any, **kwargs: Any) -> nn.Module:
+        return shard_rows(super().to_quantized(*args, **kwargs), self.parts)
+
+
+class ShardedQuantizedEmbedding(QuantizedRows, nn.QuantizedEmbedding):
+    """``nn.QuantizedEmbedding`` whose ``as_linear`` is row-sharded."""
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        return self.project_rows(x)
+
+
+SHARDED_CLASS: dict[type, type] = {
+    nn.Linear: ShardedLinear,
+    nn.QuantizedLinear: ShardedQuantizedLinear,
+    nn.Embedding: ShardedEmbedding,
+    nn.QuantizedEmbedding: ShardedQuantizedEmbedding,
+}
 
 
 class ShardedMLP(MLP):
@@ -82,14 +136,18 @@ class ShardedMLP(MLP):
 
     def __call__(self, x: mx.array) -> mx.array:
         gate, up = self.gate_proj, self.up_proj
+        if not (isinstance(gate, RowSharded) and isinstance(up, RowSharded)):
+            return super().__call__(x)  # a layer type that has no sharded class
+        bounds = row_bounds(gate["weight"].shape[0], gate.parts)
         hidden = []
-        for gate_shard, up_shard, stream in zip(gate._shards, up._shards, worker_streams(len(gate._shards))):
+        for (start, stop), stream in zip(bounds, worker_streams(len(bounds))):
             with mx.stream(stream):
-                hidden.append(swiglu(gate._project(x, gate_shard, stream), up._project(x, up_shard, stream)))
+                hidden.append(swiglu(gate.project_slice(x, start, stop, stream), up.project_slice(x, start, stop, stream)))
         return self.down_proj(mx.concatenate(hidden, axis=-1))
 
 
-def row_bounds(rows: int, parts: int, align: int = 8) -> list[tuple[int, int]]:
+@lru_cache(maxsize=None)
+def row_bounds(rows: int, parts: int, align: int = 8) -> tuple[tuple[int, int], ...]:
     """``[start, stop)`` row ranges for ``parts`` shards, cut at multiples of ``align`` where
     possible. The first shard, run by the calling stream, is ``LEAD_SHARE`` times the others:
     the other streams start a thread wake-up later."""
@@ -100,53 +158,35 @@ def row_bounds(rows: int, parts: int, align: int = 8) -> list[tuple[int, int]]:
         cut = round(rows * sum(weights[:i]) / sum(weights) / unit) * unit
         cuts.append(min(max(cut, cuts[-1]), rows))
     cuts.append(rows)
-    return [(start, stop) for start, stop in zip(cuts, cuts[1:]) if stop > start]
+    return tuple((start, stop) for start, stop in zip(cuts, cuts[1:]) if stop > start)
 
 
-def own_arrays(module: nn.Module) -> dict[str, mx.array]:
-    """The arrays a layer holds directly (weight, bias, scales, biases)."""
-    return {name: value for name, value in module.items() if isinstance(value, mx.array)}
-
-
-def shard_rows(layer: nn.Linear | nn.QuantizedLinear, parts: int) -> nn.Module:
-    """A copy of ``layer`` that computes its output rows in ``parts`` shards on separate
-    streams. The shards are views of the layer's arrays (a dense weight's view is transposed
-    once here rather than on every call)."""
-    arrays = own_arrays(layer)
-    shards = []
-    for start, stop in row_bounds(arrays["weight"].shape[0], parts):
-        shard = {name: value[start:stop] for name, value in arrays.items()}
-        if not isinstance(layer, nn.QuantizedLinear):
-            shard["weight_t"] = shard.pop("weight").T
-        shards.append(shard)
+def shard_rows(layer: nn.Module, parts: int) -> nn.Module:
+    """``layer`` (a linear, quantized linear, embedding or quantized embedding) as its
+    row-sharded class: a shallow copy holding the same arrays, computing its output rows in
+    ``parts`` slices on separate streams. Other layer types are returned unchanged."""
+    sharded_class = SHARDED_CLASS.get(type(layer))
+    if sharded_class is None:
+        return layer
     sharded = copy.copy(layer)
-    sharded.__class__ = SHARDED_CLASS[type(layer)]
-    sharded._shards = shards
+    sharded.__class__ = sharded_class
+    sharded.parts = parts
     return sharded
 
 
-def output_layer(model: Model) -> nn.Module:
-    """The vocabulary projection as a linear layer (a tied embedding is re-wrapped)."""
-    if not model.args.tie_word_embeddings:
-        return model.lm_head
-    embedding = model.model.embed_tokens
-    arrays = own_arrays(embedding)
-    if isinstance(embedding, nn.QuantizedEmbedding):
-        mode = getattr(embedding, "mode", "affine")
-        head = nn.QuantizedLinear(
-            embedding.group_size, 1, bias=False, group_size=embedding.group_size, bits=embedding.bits, mode=mode
-        )
-        head.update(arrays)
-        return head
-    head = nn.Linear(1, 1, bias=False)
-    head.update(arrays)
-    return head
+def shard_mlp(mlp: MLP) -> ShardedMLP:
+    """``mlp`` as a ``ShardedMLP`` holding the same sub-layers."""
+    sharded = copy.copy(mlp)
+    sharded.__class__ = ShardedMLP
+    return sharded
 
 
 def apply_thread_policy(model: Model, threads: int | None) -> None:
     """Split every projection and the vocabulary projection over ``threads`` CPU streams
-    (``None``: ``default_threads()``; 1 leaves the model as it is). The shards are views
-    of the loaded weights: load or update weights before, not after."""
+    (``None``: ``default_threads()``; 1 leaves the model as it is). The sharded layers are
+    part of the model tree (their classes show in ``named_modules()``), and the row slices
+    are taken from their current arrays at every call: weights may be cast, reloaded or
+    quantized afterwards."""
     threads = default_threads() if threads is None else threads
     if threads < 1:
         raise MlxformerError(f"threads must be at least 1, got {threads}")
@@ -157,7 +197,10 @@ def apply_thread_policy(model: Model, threads: int | None) -> None:
     for layer in model.layers:
         for owner in (layer.self_attn, layer.mlp):
             for name in PROJECTIONS:
-                if name in owner and not isinstance(owner[name], RowSharded):
+                if name in owner:
                     owner[name] = shard_rows(owner[name], threads)
-        layer.mlp.__class__ = ShardedMLP
-    model.use_output_projection(shard_rows(output_layer(model), threads))
+        layer.mlp = shard_mlp(layer.mlp)
+    if model.args.tie_word_embeddings:
+        model.model.embed_tokens = shard_rows(model.model.embed_tokens, threads)
+    else:
+        model.lm_head = shard_rows(model.lm_head, threads)
