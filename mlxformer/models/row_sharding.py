@@ -10,6 +10,7 @@ feed, so this is a CPU-only policy.
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
@@ -39,53 +40,80 @@ def worker_streams(count: int) -> list[mx.Stream]:
     return [mx.default_stream(mx.cpu), *_STREAMS[: count - 1]]
 
 
+@dataclass(frozen=True)
+class RowViews:
+    """Row-slice views of a layer's arrays, one dict per shard, valid while the layer still
+    holds exactly the arrays in ``sources``."""
+
+    sources: tuple[mx.array, ...]
+    shards: tuple[dict[str, mx.array], ...]
+
+
 class RowSharded:
     """Mixin for a layer whose output rows are computed in ``parts`` slices, each on its own
     CPU stream, then concatenated. The layer holds its arrays exactly as the plain layer does
-    (same parameter names, ``isinstance`` checks unchanged); the row slices are views of its
-    *current* arrays taken at every call, so ``set_dtype``, ``load_weights`` and
-    ``nn.quantize`` (which returns the sharded quantized class) keep the sharding intact."""
+    (same parameter names, ``isinstance`` checks unchanged). The slices are views of those
+    arrays (no copies), rebuilt whenever the layer holds different arrays than when they were
+    made, so ``set_dtype``, ``load_weights``, ``update`` and ``nn.quantize`` (which returns
+    the sharded quantized class) keep the sharding intact and current. (Views are kept
+    between calls: building them at every call costs a decode step ~10-20% on a busy CPU.)"""
 
     parts: int
+    _row_views: RowViews | None = None
+
+    def row_shards(self) -> tuple[dict[str, mx.array], ...]:
+        """Per shard, views of this layer's current arrays restricted to the shard's rows."""
+        arrays = {name: value for name, value in self.items() if isinstance(value, mx.array)}
+        sources = tuple(arrays.values())
+        views = self._row_views
+        if views is None or len(views.sources) != len(sources) or any(a is not b for a, b in zip(views.sources, sources)):
+            rows = arrays["weight"].shape[0]
+            shards = tuple(self.slice_rows(arrays, start, stop) for start, stop in row_bounds(rows, self.parts))
+            views = self._row_views = RowViews(sources, shards)
+        return views.shards
+
+    def slice_rows(self, arrays: dict[str, mx.array], start: int, stop: int) -> dict[str, mx.array]:
+        """Views of ``arrays`` for output rows ``start:stop``."""
+        return {name: value[start:stop] for name, value in arrays.items()}
 
     def project_rows(self, x: mx.array) -> mx.array:
-        """``x @ W^T`` (plus any bias), row slices of W computed on separate streams."""
-        bounds = row_bounds(self["weight"].shape[0], self.parts)
-        streams = worker_streams(len(bounds))
-        return mx.concatenate([self.project_slice(x, a, b, s) for (a, b), s in zip(bounds, streams)], axis=-1)
+        """``x @ W^T`` (plus any bias), the row shards computed on separate streams."""
+        shards = self.row_shards()
+        streams = worker_streams(len(shards))
+        return mx.concatenate([self.project_shard(x, shard, s) for shard, s in zip(shards, streams)], axis=-1)
 
-    def project_slice(self, x: mx.array, start: int, stop: int, stream: mx.Stream) -> mx.array:
-        """Output columns ``start:stop`` computed on ``stream``."""
+    def project_shard(self, x: mx.array, shard: dict[str, mx.array], stream: mx.Stream) -> mx.array:
+        """One shard's output columns, computed on ``stream``."""
         raise NotImplementedError
 
 
 class DenseRows(RowSharded):
-    """Row slices of a dense ``weight`` (and optional ``bias``)."""
+    """Row shards of a dense ``weight`` (and optional ``bias``)."""
 
-    def project_slice(self, x: mx.array, start: int, stop: int, stream: mx.Stream) -> mx.array:
-        with mx.stream(stream):  # the views are made on the stream that uses them
-            weight_t = self["weight"][start:stop].T  # a view: no copy
-            if "bias" in self:
-                return mx.addmm(self["bias"][start:stop], x, weight_t)
-            return mx.matmul(x, weight_t)
+    def slice_rows(self, arrays: dict[str, mx.array], start: int, stop: int) -> dict[str, mx.array]:
+        shard = super().slice_rows(arrays, start, stop)
+        shard["weight_t"] = shard.pop("weight").T  # a view too, transposed once rather than per call
+        return shard
+
+    def project_shard(self, x: mx.array, shard: dict[str, mx.array], stream: mx.Stream) -> mx.array:
+        if "bias" in shard:
+            return mx.addmm(shard["bias"], x, shard["weight_t"], stream=stream)
+        return mx.matmul(x, shard["weight_t"], stream=stream)
 
 
 class QuantizedRows(RowSharded):
-    """Row slices of a packed ``weight`` with its ``scales``/``biases`` (and optional ``bias``)."""
+    """Row shards of a packed ``weight`` with its ``scales``/``biases`` (and optional ``bias``)."""
 
     group_size: int
     bits: int
     mode: str
 
-    def project_slice(self, x: mx.array, start: int, stop: int, stream: mx.Stream) -> mx.array:
-        with mx.stream(stream):
-            biases = self.get("biases")
-            out = mx.quantized_matmul(
-                x, self["weight"][start:stop], scales=self["scales"][start:stop],
-                biases=None if biases is None else biases[start:stop], transpose=True,
-                group_size=self.group_size, bits=self.bits, mode=self.mode,
-            )
-            return out + self["bias"][start:stop] if "bias" in self else out
+    def project_shard(self, x: mx.array, shard: dict[str, mx.array], stream: mx.Stream) -> mx.array:
+        out = mx.quantized_matmul(
+            x, shard["weight"], scales=shard["scales"], biases=shard.get("biases"), transpose=True,
+            group_size=self.group_size, bits=self.bits, mode=self.mode, stream=stream,
+        )
+        return mx.add(out, shard["bias"], stream=stream) if "bias" in shard else out
 
 
 class ShardedLinear(DenseRows, nn.Linear):
@@ -138,11 +166,11 @@ class ShardedMLP(MLP):
         gate, up = self.gate_proj, self.up_proj
         if not (isinstance(gate, RowSharded) and isinstance(up, RowSharded)):
             return super().__call__(x)  # a layer type that has no sharded class
-        bounds = row_bounds(gate["weight"].shape[0], gate.parts)
+        gate_shards, up_shards = gate.row_shards(), up.row_shards()
         hidden = []
-        for (start, stop), stream in zip(bounds, worker_streams(len(bounds))):
+        for gate_shard, up_shard, stream in zip(gate_shards, up_shards, worker_streams(len(gate_shards))):
             with mx.stream(stream):
-                hidden.append(swiglu(gate.project_slice(x, start, stop, stream), up.project_slice(x, start, stop, stream)))
+                hidden.append(swiglu(gate.project_shard(x, gate_shard, stream), up.project_shard(x, up_shard, stream)))
         return self.down_proj(mx.concatenate(hidden, axis=-1))
 
 
@@ -184,9 +212,8 @@ def shard_mlp(mlp: MLP) -> ShardedMLP:
 def apply_thread_policy(model: Model, threads: int | None) -> None:
     """Split every projection and the vocabulary projection over ``threads`` CPU streams
     (``None``: ``default_threads()``; 1 leaves the model as it is). The sharded layers are
-    part of the model tree (their classes show in ``named_modules()``), and the row slices
-    are taken from their current arrays at every call: weights may be cast, reloaded or
-    quantized afterwards."""
+    part of the model tree (their classes show in ``named_modules()``) and slice whatever
+    arrays they hold when called: weights may be cast, reloaded or quantized afterwards."""
     threads = default_threads() if threads is None else threads
     if threads < 1:
         raise MlxformerError(f"threads must be at least 1, got {threads}")
