@@ -13,18 +13,21 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from conftest import write_tiny_checkpoint
+from conftest import cpu_default_device, write_tiny_checkpoint
+from mlxformer.device import available_cores
 from mlxformer.loader import build_model, read_checkpoint
-from mlxformer.models.row_sharding import PROJECTIONS, RowSharded, apply_thread_policy, row_bounds
+from mlxformer.models.row_sharding import PROJECTIONS, RowSharded, apply_thread_policy, default_threads, row_bounds
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture(scope="module", autouse=True)
 def cpu_device():
     """Row sharding is a CPU policy: pin the CPU device whatever the machine's default."""
-    previous = mx.default_device()
-    mx.set_default_device(mx.cpu)
-    yield
-    mx.set_default_device(previous)
+    with cpu_default_device():
+        yield
+
+
+def test_default_threads_on_the_cpu_device():
+    assert default_threads() == min(available_cores(), 4) >= 1
 
 
 @pytest.mark.parametrize("rows", [2, 5, 100, 192, 576, 1536, 49152])

@@ -109,9 +109,6 @@ class Model(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
-        # When set, activations are cast to this dtype right after the embedding (the CPU
-        # policy for quantized models: packed weights and their scales stay as stored).
-        self.activation_dtype: mx.Dtype | None = None
         self.model = DecoderStack(args)
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
@@ -123,8 +120,6 @@ class Model(nn.Module):
     def hidden_states(self, inputs: mx.array, cache: Sequence[Cache] | None = None) -> mx.array:
         """Final-norm hidden states ``(B, T, hidden)`` for token ids ``(B, T)``."""
         h = self.model.embed_tokens(inputs)  # (B, T, hidden)
-        if self.activation_dtype is not None:
-            h = h.astype(self.activation_dtype)
         query_len = inputs.shape[1]
         if cache is None:
             mask = causal_mask_for(query_len, query_len, self.args.sliding_window)
