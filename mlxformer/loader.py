@@ -73,9 +73,12 @@ def _more(names: list[str]) -> str:
     return f" (and {len(names) - 1} more)" if len(names) > 1 else ""
 
 
-def build_model(config: dict[str, Any], weights: dict[str, mx.array]) -> Model:
-    """Instantiate the decoder for ``config`` and load checked ``weights`` into it."""
-    model = Model(ModelArgs.from_dict(config))
+def build_model(
+    config: dict[str, Any], weights: dict[str, mx.array], num_layers: int | None = None, with_ends: bool = True
+) -> Model:
+    """Instantiate the decoder for ``config`` and load checked ``weights`` into it
+    (``num_layers``/``with_ends``: one pipeline stage, see ``Model``)."""
+    model = Model(ModelArgs.from_dict(config), num_layers, with_ends)
     weights = model.sanitize(weights)
     quantization = quantization_of(config)
     if quantization:

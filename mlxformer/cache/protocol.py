@@ -33,7 +33,9 @@ class HasLayers(Protocol):
 class Cache(Protocol):
     """What the decoder needs from one layer's cache."""
 
-    offset: int  # number of tokens processed so far (the RoPE position of the next token)
+    # Tokens processed so far (the RoPE position of the next token); a cache holding a batch of
+    # sequences at different positions gives an int array ``(B,)``.
+    offset: int | mx.array
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Any, Any]:
         """Store new ``(B, n_kv, L, D)`` keys/values; return everything to attend over."""

@@ -23,6 +23,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_sampling_args(parser)
     add_cache_args(parser)
     parser.add_argument("--prompt-cache-file", help="continue from a cache saved by 'mlxformer cache-prompt'")
+    parser.add_argument(
+        "--parallel", choices=("pipeline", "tensor"),
+        help="spread the model over the ranks started by mlx.launch: layers (pipeline) or heads and MLP columns (tensor)",
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=60.0,
+        help="with --parallel: longest wait for another rank, in seconds, before giving up (default 60)",
+    )
     add_verbose(parser)
     parser.set_defaults(handler=run)
 
@@ -40,6 +48,8 @@ def run(args: argparse.Namespace) -> int:
     """Handler of ``mlxformer generate``."""
     from mlxformer.generation import stream_generate
 
+    if args.parallel:
+        return run_parallel(args)
     prompt = read_prompt(args.prompt)
     sampling = sampling_settings(args)
     settings = cache_settings(args)
@@ -49,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
     if args.prompt_cache_file:
         from mlxformer.cache.files import load_prompt_cache, strip_cached_prefix
 
-        cache, cached_ids = load_prompt_cache(args.prompt_cache_file, model)
+        cache, cached_ids = load_prompt_cache(args.prompt_cache_file, model, tokenizer, settings)
         ids = strip_cached_prefix(ids, cached_ids)
     last = None
     for last in stream_generate(
@@ -60,4 +70,32 @@ def run(args: argparse.Namespace) -> int:
     sys.stdout.write("\n")
     if last is not None:
         print(format_stats(last), file=sys.stderr)
+    return 0
+
+
+def run_parallel(args: argparse.Namespace) -> int:
+    """``generate --parallel``: every rank runs this; rank 0 alone prints."""
+    from mlxformer.default_model import default_model_path
+    from mlxformer.distributed.runner import load_distributed, stream_distributed
+    from mlxformer.errors import MlxformerError
+    from mlxformer.models.config import FLOAT_DTYPES
+
+    if args.prompt_cache_file:
+        raise MlxformerError("--prompt-cache-file is not supported with --parallel")
+    if args.threads not in (None, 1):
+        raise MlxformerError("--threads is not supported with --parallel (each rank runs one stream)")
+    prompt = read_prompt(args.prompt)
+    sampling = sampling_settings(args)
+    settings = cache_settings(args)
+    dtype = FLOAT_DTYPES[args.dtype] if args.dtype else None
+    dist = load_distributed(args.model or default_model_path(), args.parallel, dtype, args.timeout)
+    ids = prompt_ids_for_cli(dist.tokenizer, prompt, args) if dist.tokenizer is not None else []
+    last = None
+    for last in stream_distributed(dist, ids, args.max_tokens, sampling=sampling, stop=args.stop, cache_settings=settings):
+        sys.stdout.write(last.text)
+        sys.stdout.flush()
+    if dist.leader:
+        sys.stdout.write("\n")
+        if last is not None:
+            print(format_stats(last), file=sys.stderr)
     return 0

@@ -10,6 +10,7 @@ feed, so this is a CPU-only policy.
 from __future__ import annotations
 
 import copy
+import threading
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -25,7 +26,9 @@ PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 MAX_DEFAULT_THREADS = 4
 # Measured on SmolLM2 float32, 2 streams: a 55/45 split decodes 4-5% faster than 50/50.
 LEAD_SHARE = 1.2
-_STREAMS: list[mx.Stream] = []
+# MLX streams belong to the thread that made them: each thread running the model (the caller,
+# a batching engine's loop) gets its own worker streams.
+_STREAMS = threading.local()
 
 
 def default_threads() -> int:
@@ -34,10 +37,11 @@ def default_threads() -> int:
 
 
 def worker_streams(count: int) -> list[mx.Stream]:
-    """The default stream and ``count - 1`` more CPU streams, created once per process."""
-    while len(_STREAMS) < count - 1:
-        _STREAMS.append(mx.new_stream(mx.cpu))
-    return [mx.default_stream(mx.cpu), *_STREAMS[: count - 1]]
+    """The default stream and ``count - 1`` more CPU streams, created once per thread."""
+    streams: list[mx.Stream] = _STREAMS.__dict__.setdefault("streams", [])
+    while len(streams) < count - 1:
+        streams.append(mx.new_stream(mx.cpu))
+    return [mx.default_stream(mx.cpu), *streams[: count - 1]]
 
 
 @dataclass(frozen=True)
@@ -227,7 +231,8 @@ def apply_thread_policy(model: Model, threads: int | None) -> None:
                 if name in owner:
                     owner[name] = shard_rows(owner[name], threads)
         layer.mlp = shard_mlp(layer.mlp)
-    if model.args.tie_word_embeddings:
-        model.model.embed_tokens = shard_rows(model.model.embed_tokens, threads)
-    else:
-        model.lm_head = shard_rows(model.lm_head, threads)
+    # the vocabulary projection: the tied embedding's ``as_linear`` or ``lm_head`` (absent
+    # from a pipeline stage without the model's ends)
+    owner, name = (model.model, "embed_tokens") if model.args.tie_word_embeddings else (model, "lm_head")
+    if name in owner:
+        owner[name] = shard_rows(owner[name], threads)
