@@ -306,7 +306,10 @@ def test_rotating_cache_generates_past_its_size_with_bounded_memory() -> None:
         sizes.append(sum(c.nbytes for c in cache))
     assert cache[0].offset == 120 and cache[0].size == 48
     assert max(sizes) == sizes[-1] and sizes[40] == sizes[-1]  # stops growing once full
-    assert cache[0].trim(1) == 0  # evicted tokens cannot be trimmed back
+    # The ring holds one token more than the next query sees, so one token can be trimmed
+    # back; two would need an evicted one.
+    assert cache[0].trim(2) == 0 and cache[0].offset == 120
+    assert cache[0].trim(1) == 1 and cache[0].offset == 119
 
 
 # --- prompt cache files ---------------------------------------------------------------------------

@@ -7,8 +7,8 @@ import sys
 from typing import TYPE_CHECKING
 
 from mlxformer.cli.common import (
-    add_cache_args, add_model_args, add_prompt_args, add_sampling_args, add_verbose, cache_settings, load_for_cli,
-    prompt_ids_for_cli, read_prompt, sampling_settings,
+    add_cache_args, add_model_args, add_prompt_args, add_sampling_args, add_speculative_args, add_verbose,
+    cache_settings, load_for_cli, prompt_ids_for_cli, read_prompt, sampling_settings, speculative_settings,
 )
 
 if TYPE_CHECKING:
@@ -23,6 +23,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_sampling_args(parser)
     add_cache_args(parser)
     parser.add_argument("--prompt-cache-file", help="continue from a cache saved by 'mlxformer cache-prompt'")
+    add_speculative_args(parser)
     parser.add_argument(
         "--parallel", choices=("pipeline", "tensor"),
         help="spread the model over the ranks started by mlx.launch: layers (pipeline) or heads and MLP columns (tensor)",
@@ -35,13 +36,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(handler=run)
 
 
-def format_stats(response: GenerationResponse) -> str:
-    """One stats line for stderr."""
-    return (
+def format_stats(response: GenerationResponse, speculative: bool = False) -> str:
+    """One stats line for stderr (with the speculative acceptance when ``speculative``)."""
+    line = (
         f"prompt: {response.prompt_tokens} tokens, {response.prompt_tps:.1f} tok/s | "
         f"generation: {response.generation_tokens} tokens, {response.generation_tps:.1f} tok/s | "
         f"peak memory: {response.peak_memory_gb:.3f} GB"
     )
+    if speculative:
+        proposed, accepted = response.proposed_tokens, response.accepted_tokens
+        share = accepted / proposed if proposed else 0.0
+        line += f" | speculative: accepted {accepted}/{proposed} proposed tokens ({share:.0%})"
+    return line
 
 
 def run(args: argparse.Namespace) -> int:
@@ -54,6 +60,7 @@ def run(args: argparse.Namespace) -> int:
     sampling = sampling_settings(args)
     settings = cache_settings(args)
     model, tokenizer = load_for_cli(args)
+    speculative = speculative_settings(args, tokenizer)
     ids = prompt_ids_for_cli(tokenizer, prompt, args)
     cache = None
     if args.prompt_cache_file:
@@ -63,13 +70,15 @@ def run(args: argparse.Namespace) -> int:
         ids = strip_cached_prefix(ids, cached_ids)
     last = None
     for last in stream_generate(
-        model, tokenizer, ids, args.max_tokens, sampling=sampling, stop=args.stop, cache=cache, cache_settings=settings
+        model, tokenizer, ids, args.max_tokens, sampling=sampling, stop=args.stop, cache=cache, cache_settings=settings,
+        speculative=speculative,
     ):
         sys.stdout.write(last.text)
         sys.stdout.flush()
     sys.stdout.write("\n")
     if last is not None:
-        print(format_stats(last), file=sys.stderr)
+        verbose = bool(args.verbose_sub or getattr(args, "verbose", False))
+        print(format_stats(last, speculative is not None and verbose), file=sys.stderr)
     return 0
 
 
@@ -82,6 +91,8 @@ def run_parallel(args: argparse.Namespace) -> int:
 
     if args.prompt_cache_file:
         raise MlxformerError("--prompt-cache-file is not supported with --parallel")
+    if args.prompt_lookup or args.draft_model:
+        raise MlxformerError("speculative decoding is not supported with --parallel")
     if args.threads not in (None, 1):
         raise MlxformerError("--threads is not supported with --parallel (each rank runs one stream)")
     prompt = read_prompt(args.prompt)
