@@ -15,8 +15,11 @@ from mlxformer.cache import CacheSettings, make_cache
 from mlxformer.engine.batch_runner import BatchRunner
 from mlxformer.engine.prefix_cache import PrefixCache
 from mlxformer.engine.scheduler import Scheduler, Step
-from mlxformer.engine.sequence import GenerationRequest, Sequence, Status, TokenEvent, check_request
-from mlxformer.generation import SamplingSettings, default_prefill_step
+from mlxformer.engine.sequence import (
+    GenerationRequest, Sequence, Status, TokenEvent, check_request, choose_rows,
+)
+from mlxformer.generation import SamplingSettings
+from mlxformer.steps import default_prefill_step
 from mlxformer.models.decoder import Model
 from mlxformer.tokenizer import Tokenizer
 
@@ -221,11 +224,11 @@ class Engine:
         choices = []
         if step.decode:
             logits = self.runner.decode([s.last_token for s in step.decode], [s.cache for s in step.decode])
-            choices += [(s, *s.choose(logits[i : i + 1])) for i, s in enumerate(step.decode)]
-        if step.prefill is not None:
-            sequence = step.prefill
-            logits = self.runner.prefill(step.chunk, sequence.cache, step.last_chunk)
-            sequence.processed += len(step.chunk)
+            choices += [(s, *row) for s, row in zip(step.decode, choose_rows(step.decode, logits))]
+        for chunk in step.prefill:
+            sequence = chunk.sequence
+            logits = self.runner.prefill(chunk.tokens, sequence.cache, chunk.last)
+            sequence.processed += len(chunk.tokens)
             if logits is not None:
                 choices.append((sequence, *sequence.choose(logits)))
                 self.scheduler.start_decoding(sequence)
