@@ -85,7 +85,7 @@ class SPMBackend:
         self, proto: bytes, add_bos_token: bool | None = None, add_eos_token: bool = False, legacy: bool = False
     ) -> None:
         self.sp = spm.SentencePieceProcessor(model_proto=proto)
-        self._proto = proto
+        self.model_proto = proto  # the serialized tokenizer.model
         self.add_bos_token = True if add_bos_token is None else add_bos_token  # SentencePiece/LLaMA default
         self.add_eos_token = add_eos_token
         self.legacy = legacy
@@ -167,7 +167,7 @@ class SPMBackend:
         return False  # sentencepiece decodes bytes locally: trailing U+FFFD handling is enough
 
     def save(self, directory: pathlib.Path) -> None:
-        (directory / "tokenizer.model").write_bytes(self._proto)
+        (directory / "tokenizer.model").write_bytes(self.model_proto)
 
 
 def _without_dummy_prefix(proto: bytes) -> spm.SentencePieceProcessor:
@@ -201,6 +201,8 @@ class Tokenizer:
         self.eos_token_ids = list(dict.fromkeys(eos_token_ids))
         self.chat_template = chat_template
         self.special_tokens = dict(special_tokens or {})  # bos_token/eos_token/unk_token/pad_token -> text
+        # n_vocab -> llguidance.LLTokenizer, built on first use by mlxformer.constrained.vocab
+        self.grammar_tokenizers: dict[int, Any] = {}
 
     @property
     def vocab_size(self) -> int:

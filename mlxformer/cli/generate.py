@@ -10,6 +10,7 @@ from mlxformer.cli.common import (
     add_cache_args, add_model_args, add_prompt_args, add_sampling_args, add_speculative_args, add_verbose,
     cache_settings, load_for_cli, prompt_ids_for_cli, read_prompt, sampling_settings, speculative_settings,
 )
+from mlxformer.cli.structured import add_structured_args, structured_output_args
 
 if TYPE_CHECKING:
     from mlxformer.generation import GenerationResponse
@@ -32,6 +33,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--timeout", type=float, default=60.0,
         help="with --parallel: longest wait for another rank, in seconds, before giving up (default 60)",
     )
+    add_structured_args(parser)
     add_verbose(parser)
     parser.set_defaults(handler=run)
 
@@ -52,15 +54,22 @@ def format_stats(response: GenerationResponse, speculative: bool = False) -> str
 
 def run(args: argparse.Namespace) -> int:
     """Handler of ``mlxformer generate``."""
-    from mlxformer.generation import stream_generate
-
     if args.parallel:
         return run_parallel(args)
+    from mlxformer.constrained import make_constraint, validate_structured_output
+    from mlxformer.errors import MlxformerError
+    from mlxformer.generation import stream_generate
+
     prompt = read_prompt(args.prompt)
     sampling = sampling_settings(args)
     settings = cache_settings(args)
+    structured = structured_output_args(args)
+    if structured and (args.prompt_lookup or args.draft_model):
+        raise MlxformerError("--json-schema, --regex and --grammar are not supported with speculative decoding")
+    validate_structured_output(**structured)  # a bad schema or grammar fails before the model loads
     model, tokenizer = load_for_cli(args)
     speculative = speculative_settings(args, tokenizer)
+    constraint = make_constraint(tokenizer, model.args.vocab_size, **structured) if structured else None
     ids = prompt_ids_for_cli(tokenizer, prompt, args)
     cache = None
     if args.prompt_cache_file:
@@ -71,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
     last = None
     for last in stream_generate(
         model, tokenizer, ids, args.max_tokens, sampling=sampling, stop=args.stop, cache=cache, cache_settings=settings,
-        speculative=speculative,
+        speculative=speculative, constraint=constraint,
     ):
         sys.stdout.write(last.text)
         sys.stdout.flush()
@@ -79,6 +88,8 @@ def run(args: argparse.Namespace) -> int:
     if last is not None:
         verbose = bool(args.verbose_sub or getattr(args, "verbose", False))
         print(format_stats(last, speculative is not None and verbose), file=sys.stderr)
+        if constraint is not None and last.finish_reason == "length":
+            print("mlxformer: warning: --max-tokens cut the structured output short: it is incomplete", file=sys.stderr)
     return 0
 
 
@@ -91,6 +102,8 @@ def run_parallel(args: argparse.Namespace) -> int:
 
     if args.prompt_cache_file:
         raise MlxformerError("--prompt-cache-file is not supported with --parallel")
+    if structured_output_args(args):
+        raise MlxformerError("--json-schema, --regex and --grammar are not supported with --parallel")
     if args.prompt_lookup or args.draft_model:
         raise MlxformerError("speculative decoding is not supported with --parallel")
     if args.threads not in (None, 1):
