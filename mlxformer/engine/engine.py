@@ -224,6 +224,7 @@ class Engine:
         choices: list[tuple[Sequence, mx.array, mx.array]] = []
         if step.decode:
             logits = self.runner.decode([s.last_token for s in step.decode], [s.cache for s in step.decode])
+            mx.async_eval(logits)  # constraints compute their masks while the step runs
             if all(s.plain_greedy for s in step.decode):
                 choices += zip(step.decode, *zip(*choose_rows(step.decode, logits)))
             else:
@@ -233,6 +234,7 @@ class Engine:
             logits = self.runner.prefill(chunk.tokens, sequence.cache, chunk.last)
             sequence.processed += len(chunk.tokens)
             if logits is not None:
+                mx.async_eval(logits)
                 self.scheduler.start_decoding(sequence)
                 choices += self._choose_each([sequence], [logits])
         if choices:
