@@ -271,10 +271,13 @@ def _add_byte_vocab(writer: gguf.GGUFWriter, size: int) -> None:
     writer.add_eos_token_id(1)
 
 
-def write_gguf_from_hf(path: Path, hf_model: Any, arch: str, type_of: Callable[[str, tuple], T]) -> dict[str, np.ndarray]:
+def write_gguf_from_hf(
+    path: Path, hf_model: Any, arch: str, type_of: Callable[[str, tuple], T],
+    add_metadata: Callable[[gguf.GGUFWriter], None] | None = None,
+) -> dict[str, np.ndarray]:
     """Write ``hf_model`` (transformers, float32) as a GGUF of architecture ``arch``; each matrix
-    gets ``type_of(gguf_name, shape)``. Returns the HF state dict as the file stores it
-    (gguf-py round trip), to load into transformers as the reference."""
+    gets ``type_of(gguf_name, shape)``; ``add_metadata(writer)`` may add keys. Returns the HF
+    state dict as the file stores it (gguf-py round trip), to load into transformers as the reference."""
     config = hf_model.config
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
@@ -292,6 +295,8 @@ def write_gguf_from_hf(path: Path, hf_model: Any, arch: str, type_of: Callable[[
     writer.add_rope_freq_base(float(theta))
     writer.add_vocab_size(config.vocab_size)
     _add_byte_vocab(writer, config.vocab_size)
+    if add_metadata is not None:
+        add_metadata(writer)
     scaling = getattr(config, "rope_scaling", None) or getattr(config, "rope_parameters", None) or {}
     if scaling.get("rope_type") == "llama3":
         writer.add_tensor("rope_freqs.weight", llama3_rope_factors(config))

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import mlx.core as mx
 import numpy as np
@@ -202,8 +202,16 @@ def _unpermute_mx(array: mx.array, heads: int | None) -> mx.array:
     return mx.array(_unpermute_rows(np.array(array), heads))
 
 
-def load_gguf(path: Path) -> tuple[dict[str, Any], dict[str, mx.array], dict[str, Any]]:
-    """Read a GGUF file: ``(config with quantization, HF-named weights, metadata)``."""
+def load_gguf(
+    path: Path,
+    wanted: Callable[[str], bool] | None = None,
+    piece: Callable[[str, mx.array], mx.array] | None = None,
+) -> tuple[dict[str, Any], dict[str, mx.array], dict[str, Any]]:
+    """Read a GGUF file: ``(config with quantization, HF-named weights, metadata)``.
+
+    ``wanted(hf_name)`` chooses the tensors to decode (default: all; the data of the others
+    is never read); ``piece(hf_name, array)`` cuts each decoded array to the part kept, one
+    tensor at a time (a pipeline or tensor-parallel rank's share)."""
     gguf = read_gguf(path)
     tensors = dict(gguf.tensors)
     rope_freqs = tensors.pop("rope_freqs.weight", None)
@@ -220,9 +228,15 @@ def load_gguf(path: Path) -> tuple[dict[str, Any], dict[str, mx.array], dict[str
     weights: dict[str, mx.array] = {}
     for gguf_name, info in tensors.items():
         name = _hf_name(gguf_name)
+        if wanted is not None and not wanted(name):
+            continue
         module, suffix = name.rsplit(".", 1)
         proj = module.rsplit(".", 1)[-1]
         arrays, bits = _decode(gguf, info, heads.get(proj) if permute else None)
+        if piece is not None:
+            keys = {key: f"{module}.{key}" if bits else name for key in arrays}
+            arrays = {key: mx.contiguous(piece(keys[key], value)) for key, value in arrays.items()}
+            mx.eval(arrays)
         if bits:
             if suffix != "weight":
                 raise MlxformerError(f"{path}: tensor {gguf_name!r} is quantized but is not a weight matrix")
