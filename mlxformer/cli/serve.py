@@ -19,7 +19,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--max-batch", type=int, default=8, help="most sequences decoded together (default 8)")
     parser.add_argument("--max-queue", type=int, default=64, help="most requests waiting; beyond, 429 (default 64)")
     parser.add_argument(
-        "--api-key", default=os.environ.get(API_KEY_VARIABLE),
+        "--api-key", default=os.environ.get(API_KEY_VARIABLE) or None,
         help=f"require 'Authorization: Bearer KEY' on /v1 (default: ${API_KEY_VARIABLE}, else none)",
     )
     parser.add_argument(
