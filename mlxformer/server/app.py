@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+from contextlib import aclosing
 import logging
 from importlib import resources
 from typing import Any, AsyncIterator, Callable, Sequence
@@ -52,6 +53,40 @@ class InFlight:
         self.count = 0
 
 
+class Lease:
+    """A submitted request held by one HTTP response: ``release`` (idempotent) cancels it unless
+    it finished, and stops counting it."""
+
+    def __init__(self, handle: Any, inflight: InFlight) -> None:
+        self.handle, self.inflight = handle, inflight
+        self.finished = self.released = False
+        inflight.count += 1
+
+    def release(self) -> None:
+        if self.released:
+            return
+        self.released = True
+        self.inflight.count -= 1
+        if not self.finished:
+            self.handle.cancel()
+
+
+class EventStream(StreamingResponse):
+    """An SSE response that releases its request however the response ends (also when the
+    client is gone before the first chunk, when the chunk generator never runs)."""
+
+    def __init__(self, chunks: AsyncIterator[str], lease: Lease) -> None:
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        super().__init__(chunks, media_type="text/event-stream", headers=headers)
+        self.lease = lease
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.lease.release()
+
+
 def chat_page() -> str:
     """The chat page's HTML, shipped in the package."""
     return resources.files("mlxformer.server").joinpath("static", "chat.html").read_text(encoding="utf-8")
@@ -77,7 +112,7 @@ def create_app(
     text = TokenStrings(served.tokenizer)
     router = APIRouter(prefix="/v1", dependencies=[Depends(key_checker(api_key))])
 
-    def submit(request: GenerationRequest) -> Any:
+    def submit(request: GenerationRequest) -> Lease:
         try:
             handle = engine.submit(request)
         except EngineOverloaded as exc:
@@ -86,8 +121,7 @@ def create_app(
             ) from exc
         except MlxformerError as exc:
             raise APIError(str(exc), 400) from exc
-        inflight.count += 1
-        return handle
+        return Lease(handle, inflight)
 
     @app.get("/", include_in_schema=False)
     async def index() -> HTMLResponse:
@@ -108,7 +142,7 @@ def create_app(
         constraint = constraint_for(body.response_format, served.tokenizer)
         top = (body.top_logprobs or 0) if body.logprobs else None
         ids = chat_prompt_ids(body, served.tokenizer)
-        handle = submit(engine_request(
+        lease = submit(engine_request(
             body, ids, served, max_tokens=body.max_completion_tokens or body.max_tokens, logprobs=top,
             constraint=constraint, prompt_param="messages",
         ))
@@ -124,8 +158,8 @@ def create_app(
                 return ChatCompletionChunk(id=request_id, model=served.name, choices=[], usage=usage_of(last))
 
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return event_stream(stream(handle, inflight, make, first, usage_chunk if include_usage else None))
-        result = await collect_unless_gone(handle, request, inflight)
+            return EventStream(stream(lease, make, first, usage_chunk if include_usage else None), lease)
+        result = await collect_unless_gone(lease, request)
         return JSONResponse(chat_response(request_id, served.name, result, text, body.logprobs).model_dump())
 
     @router.post("/completions", dependencies=[Depends(require_json)])
@@ -134,7 +168,7 @@ def create_app(
         if body.suffix:
             raise APIError("suffix is not supported", 400, param="suffix")
         ids = completion_prompt_ids(body, served.tokenizer)
-        handle = submit(engine_request(
+        lease = submit(engine_request(
             body, ids, served, max_tokens=body.max_tokens, logprobs=body.logprobs, prompt_param="prompt",
         ))
         request_id = new_id("cmpl")
@@ -147,8 +181,8 @@ def create_app(
                 return CompletionResponse(id=request_id, model=served.name, choices=[], usage=usage_of(last))
 
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return event_stream(stream(handle, inflight, make, None, usage_chunk if include_usage else None))
-        result = await collect_unless_gone(handle, request, inflight)
+            return EventStream(stream(lease, make, None, usage_chunk if include_usage else None), lease)
+        result = await collect_unless_gone(lease, request)
         return JSONResponse(completion_response(request_id, served.name, result, text, logprobs, echo).model_dump())
 
     app.include_router(router)
@@ -209,32 +243,25 @@ def install_error_handlers(app: FastAPI) -> None:
         return JSONResponse(error_body(f"internal server error ({type(exc).__name__})", "server_error"), 500)
 
 
-def event_stream(chunks: AsyncIterator[str]) -> StreamingResponse:
-    """An SSE response (no proxy buffering)."""
-    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-    return StreamingResponse(chunks, media_type="text/event-stream", headers=headers)
-
-
 async def stream(
-    handle: Any,
-    inflight: InFlight,
+    lease: Lease,
     make: ChunkMaker,
     first: BaseModel | None,
     usage_chunk: Callable[[TokenEvent | None], BaseModel] | None,
 ) -> AsyncIterator[str]:
     """SSE chunks for a request's events, then the usage chunk (if asked) and ``[DONE]``.
     If the client goes away (the response task is cancelled) the request is cancelled."""
-    finished = False
     last: TokenEvent | None = None
     try:
         if first is not None:
             yield sse(first)
-        async for event in handle.aiter():
-            last = event
-            finished = finished or event.finish_reason is not None
-            chunk = make(event)
-            if chunk is not None:
-                yield sse(chunk)
+        async with aclosing(lease.handle.aiter()) as events:
+            async for event in events:
+                last = event
+                lease.finished = lease.finished or event.finish_reason is not None
+                chunk = make(event)
+                if chunk is not None:
+                    yield sse(chunk)
         if usage_chunk is not None:
             yield sse(usage_chunk(last))
         yield "data: [DONE]\n\n"
@@ -243,23 +270,21 @@ async def stream(
         yield error_event(f"generation failed ({type(exc).__name__})")
         yield "data: [DONE]\n\n"
     finally:
-        inflight.count -= 1
-        if not finished:
-            handle.cancel()
+        lease.release()
 
 
-async def collect_unless_gone(handle: Any, request: Request, inflight: InFlight) -> Collected:
+async def collect_unless_gone(lease: Lease, request: Request) -> Collected:
     """All of a request's events; cancels the request if the client disconnects meanwhile."""
-    task = asyncio.ensure_future(collect(handle.aiter()))
+    task = asyncio.ensure_future(collect(lease.handle.aiter()))
     try:
         while True:
             done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_SECONDS)
             if done:
+                lease.finished = True
                 return task.result()
             if await request.is_disconnected():
                 raise APIError("client disconnected", 499, "invalid_request_error", None, "client_closed_request")
     finally:
-        inflight.count -= 1
+        lease.release()
         if not task.done():
-            handle.cancel()
             task.cancel()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
@@ -83,15 +84,16 @@ class Collected:
 
 
 async def collect(events: AsyncIterator[TokenEvent]) -> Collected:
-    """Drain a request's events into one result."""
+    """Drain a request's events into one result (closing the iterator whatever happens)."""
     result = Collected()
     pieces: list[str] = []
-    async for event in events:
-        pieces.append(event.text)
-        result.events.append(event)
-        result.last = event
-        if event.finish_reason is not None:
-            result.finish_reason = event.finish_reason
+    async with aclosing(events):
+        async for event in events:
+            pieces.append(event.text)
+            result.events.append(event)
+            result.last = event
+            if event.finish_reason is not None:
+                result.finish_reason = event.finish_reason
     result.text = "".join(pieces)
     return result
 
