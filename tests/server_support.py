@@ -14,14 +14,11 @@ MODEL_NAME = "smollm2-test"
 
 
 def load_for_engine(path: Path) -> tuple[Any, Any]:
-    """SmolLM2 loaded with its weights evaluated here, so the engine's own thread can use them."""
-    import mlx.core as mx
-
+    """SmolLM2 on one CPU stream: the references are single-stream `generate` runs, and one
+    stream costs least on a shared machine."""
     from mlxformer import load
 
-    model, tokenizer = load(path, threads=1)
-    mx.eval(model.parameters())
-    return model, tokenizer
+    return load(path, threads=1)
 
 
 @contextlib.contextmanager
@@ -44,7 +41,7 @@ def running_server(engine: Any, model: Any, tokenizer: Any, **app_args: Any) -> 
     from mlxformer.server.runner import ServerThread
     from mlxformer.server.translate import ServedModel
 
-    served = ServedModel(MODEL_NAME, tokenizer, model.args.max_position_embeddings)
+    served = ServedModel.of(MODEL_NAME, model, tokenizer)
     with ServerThread(create_app(engine, served, **app_args)) as server:
         yield server.url
 

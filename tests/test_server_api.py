@@ -249,12 +249,23 @@ def test_more_bad_input_then_still_serving(server, client):
     assert reply.usage.completion_tokens >= 1
 
 
-def test_response_format_hook(server, client):
+def test_response_format_json_schema(server, client):
+    import jsonschema
+
+    schema = {
+        "type": "object", "properties": {"capital": {"type": "string", "maxLength": 24}},
+        "required": ["capital"], "additionalProperties": False,
+    }
     reply = client.chat.completions.create(
-        model=MODEL_NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=2, temperature=0,
-        response_format={"type": "text"},
+        model=MODEL_NAME, messages=[{"role": "user", "content": QUESTION + " Answer in JSON."}], max_tokens=40,
+        temperature=0, response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}},
     )
-    assert reply.choices[0].message.content is not None
+    jsonschema.validate(json.loads(reply.choices[0].message.content), schema)
+    assert reply.choices[0].finish_reason == "stop"
+    bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "no-such-type"}}}
+    body = {"messages": [{"role": "user", "content": "Hi"}], "response_format": bad}
+    status, _, raw = http(server.url, "POST", "/v1/chat/completions", body)
+    assert status == 400 and error_of(raw)["param"] == "response_format"
 
 
 def test_cors_is_off_by_default_and_on_when_asked(server, loaded):

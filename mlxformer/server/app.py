@@ -21,7 +21,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
-from mlxformer.engine import Engine, EngineOverloaded, GenerationRequest, TokenEvent
+from mlxformer.engine import Engine, EngineOverloaded, GenerationRequest, RequestHandle, TokenEvent
 from mlxformer.errors import MlxformerError
 from mlxformer.server.errors import APIError, error_body, validation_message
 from mlxformer.server.hooks import check_tools, constraint_for
@@ -57,7 +57,7 @@ class Lease:
     """A submitted request held by one HTTP response: ``release`` (idempotent) cancels it unless
     it finished, and stops counting it."""
 
-    def __init__(self, handle: Any, inflight: InFlight) -> None:
+    def __init__(self, handle: RequestHandle, inflight: InFlight) -> None:
         self.handle, self.inflight = handle, inflight
         self.finished = self.released = False
         inflight.count += 1
@@ -139,7 +139,7 @@ def create_app(
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         check_model_name(body.model, served)
         check_tools(body.tools, body.tool_choice)
-        constraint = constraint_for(body.response_format, served.tokenizer)
+        constraint = constraint_for(body.response_format, served.tokenizer, served.vocab_size)
         top = (body.top_logprobs or 0) if body.logprobs else None
         ids = chat_prompt_ids(body, served.tokenizer)
         lease = submit(engine_request(
@@ -167,7 +167,7 @@ def create_app(
         check_model_name(body.model, served)
         if body.suffix:
             raise APIError("suffix is not supported", 400, param="suffix")
-        ids = completion_prompt_ids(body, served.tokenizer)
+        ids = completion_prompt_ids(body, served.tokenizer, served.vocab_size)
         lease = submit(engine_request(
             body, ids, served, max_tokens=body.max_tokens, logprobs=body.logprobs, prompt_param="prompt",
         ))

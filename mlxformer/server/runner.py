@@ -10,7 +10,6 @@ import threading
 import time
 from typing import Sequence
 
-import mlx.core as mx
 import uvicorn
 from fastapi import FastAPI
 
@@ -52,9 +51,8 @@ def serve(
     """Serve ``model`` as ``name`` until interrupted (Ctrl-C stops the server and the engine)."""
     if not is_loopback(host) and api_key is None:
         log.warning("serving on %s without --api-key: anyone who can reach this host can use the model", host)
-    mx.eval(model.parameters())  # nothing lazy left for the engine's thread to evaluate
     engine = Engine(model, tokenizer, max_batch=max_batch, max_queue=max_queue, cache_settings=cache_settings)
-    served = ServedModel(name, tokenizer, model.args.max_position_embeddings)
+    served = ServedModel.of(name, model, tokenizer)
     app = create_app(engine, served, api_key=api_key, cors_origins=cors_origins)
     engine.start()
     try:

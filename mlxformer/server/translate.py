@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from mlxformer.engine import GenerationRequest
 from mlxformer.errors import MlxformerError
 from mlxformer.generation import SamplingSettings
+from mlxformer.models.decoder import Model
 from mlxformer.sampling import TokenConstraint
 from mlxformer.server.errors import APIError, bad_request
 from mlxformer.server.protocol import (
@@ -27,7 +28,13 @@ class ServedModel:
     name: str
     tokenizer: Tokenizer
     context_length: int  # the model's max_position_embeddings
+    vocab_size: int  # the model's logits width (may exceed the tokenizer's vocabulary)
     default_max_tokens: int = DEFAULT_MAX_TOKENS
+
+    @classmethod
+    def of(cls, name: str, model: Model, tokenizer: Tokenizer) -> ServedModel:
+        """The description of ``model`` served as ``name``."""
+        return cls(name, tokenizer, model.args.max_position_embeddings, model.args.vocab_size)
 
 
 def check_model_name(requested: str | None, served: ServedModel) -> None:
@@ -53,7 +60,7 @@ def chat_prompt_ids(request: ChatCompletionRequest, tokenizer: Tokenizer) -> lis
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def completion_prompt_ids(request: CompletionRequest, tokenizer: Tokenizer) -> list[int]:
+def completion_prompt_ids(request: CompletionRequest, tokenizer: Tokenizer, vocab_size: int) -> list[int]:
     """Token ids of a completion prompt: text (BOS added as the tokenizer is configured) or ids."""
     prompt = request.prompt
     if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
@@ -62,7 +69,7 @@ def completion_prompt_ids(request: CompletionRequest, tokenizer: Tokenizer) -> l
         prompt = prompt[0]
     if isinstance(prompt, str):
         return tokenizer.encode(prompt)
-    vocab = tokenizer.vocab_size
+    vocab = min(tokenizer.vocab_size, vocab_size)
     if bad := [i for i in prompt if not 0 <= i < vocab]:
         raise bad_request(f"token id {bad[0]} is outside the vocabulary (size {vocab})", param="prompt")
     return list(prompt)
@@ -137,7 +144,7 @@ def engine_request(
         sampling=sampling_of(fields),
         stop=tuple(stops),
         logprobs=logprobs,
-        logit_bias=logit_bias_ids(fields.logit_bias, served.tokenizer.vocab_size),
+        logit_bias=logit_bias_ids(fields.logit_bias, served.vocab_size),
         presence_penalty=fields.presence_penalty,
         frequency_penalty=fields.frequency_penalty,
         constraint=constraint,
