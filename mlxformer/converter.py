@@ -18,7 +18,9 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlxformer.quant.calibration import CALIBRATION_TEXT, activation_importance
-from mlxformer.formats.checkpoint_stream import MAX_SHARD_BYTES, SourceCheckpoint, open_source, plan_shards, staged_output, write_shards
+from mlxformer.formats.checkpoint_stream import (
+    MAX_SHARD_BYTES, SourceCheckpoint, check_destination, open_source, plan_shards, staged_output, write_shards,
+)
 from mlxformer.models.config import FLOAT_DTYPES, ModelArgs
 from mlxformer.errors import MlxformerError
 from mlxformer.formats.hub import resolve_source
@@ -84,7 +86,8 @@ def convert(
             dtypes when not quantizing, float16 when quantizing).
         quant_recipe: a name from ``mlxformer.quantize.RECIPES``.
         dequantize: turn a quantized source float (before ``quantize``, if both).
-        force: replace an existing ``mlx_path`` once the new one is complete.
+        force: replace an existing ``mlx_path`` once the new one is complete; only an empty dir
+            or a model dir, never one holding the current dir, the source or the home dir.
         max_shard_size: largest output shard in bytes (a single bigger tensor gets its own).
         progress: show a progress bar.
     """
@@ -93,9 +96,10 @@ def convert(
     if destination.exists() and not force:
         raise MlxformerError(f"{destination} already exists (pass --force to replace it)")
     source_path = resolve_source(hf_path)
+    check_destination(destination, source_path, force)  # before any work; staged_output checks again
     source = open_source(source_path)
     job = _Job(source, settings)
-    with staged_output(destination, force) as staging:
+    with staged_output(destination, source_path, force) as staging:
         units = job.units()
         groups = plan_shards([(name, job.output_bytes(name)) for name in units], max_shard_size)
         write_shards(staging, groups, job.produce, progress=progress)

@@ -300,15 +300,6 @@ def test_refusals_are_one_line_and_write_nothing(case, tiny_hf, tmp_path, capsys
         assert (dst / "keep.txt").read_text() == "old"
 
 
-def test_force_replaces_existing_output(tiny_hf, tmp_path):
-    dst = tmp_path / "dst"
-    dst.mkdir()
-    (dst / "stale.txt").write_text("old")
-    assert cli_main(["convert", "--hf-path", str(tiny_hf), "--mlx-path", str(dst), "--force"]) == 0
-    assert not (dst / "stale.txt").exists() and (dst / "config.json").exists()
-    assert [p.name for p in tmp_path.iterdir()] == ["dst"]
-
-
 def test_failure_mid_conversion_leaves_nothing(tiny_hf, tmp_path, monkeypatch):
     from mlxformer.formats import checkpoint_stream
 

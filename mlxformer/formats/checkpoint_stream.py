@@ -103,15 +103,54 @@ def write_shards(
         (directory / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
 
 
+def _contains(directory: Path, path: Path) -> bool:
+    """Whether ``path`` is ``directory`` or lies inside it (both resolved)."""
+    return path == directory or directory in path.parents
+
+
+def is_model_dir(directory: Path) -> bool:
+    """A dir that ``--force`` may replace: regular files only (no subdirectories, no links),
+    among them ``config.json`` and at least one ``*.safetensors`` file, as a conversion writes."""
+    entries = list(directory.iterdir())
+    if any(e.is_symlink() or not e.is_file() for e in entries):
+        return False
+    names = {e.name for e in entries}
+    return "config.json" in names and any(n.endswith(".safetensors") for n in names)
+
+
+def check_destination(destination: Path, source: Path, force: bool) -> None:
+    """Refuse an output path that converting to ``destination`` must not replace.
+
+    Without ``force`` any existing path is refused. With ``force``, ``destination`` may be
+    missing, an empty dir or a model dir (``is_model_dir``); never the filesystem root, nor
+    a dir that is or contains the current directory, the source or the home dir.
+    """
+    if not destination.exists() and not destination.is_symlink():
+        return
+    if not force:
+        raise MlxformerError(f"{destination} already exists (pass --force to replace it)")
+    refuse = f"refusing to replace {destination}"
+    if destination.is_symlink():
+        raise MlxformerError(f"{refuse}: it is a symbolic link")
+    target = destination.resolve()
+    if target == Path(target.anchor):
+        raise MlxformerError(f"{refuse}: it is the filesystem root")
+    for what, path in (("the current directory", Path.cwd()), ("the source", source), ("the home dir", Path.home())):
+        if _contains(target, path.expanduser().resolve()):
+            raise MlxformerError(f"{refuse}: it is or contains {what}")
+    if not target.is_dir() or (any(target.iterdir()) and not is_model_dir(target)):
+        raise MlxformerError(f"{refuse}: it is not empty and not a model dir "
+                             "(config.json and *.safetensors files, no subdirectories)")
+
+
 @contextlib.contextmanager
-def staged_output(destination: Path, force: bool) -> Iterator[Path]:
+def staged_output(destination: Path, source: Path, force: bool) -> Iterator[Path]:
     """A temporary sibling dir that replaces ``destination`` only if the body succeeds.
 
-    An existing ``destination`` is refused unless ``force``; on any failure the temporary
+    ``destination`` is checked by ``check_destination``; on any failure the temporary
     dir is removed and ``destination`` is untouched.
     """
-    if destination.exists() and not force:
-        raise MlxformerError(f"{destination} already exists (pass --force to replace it)")
+    check_destination(destination, source, force)
     if not destination.parent.is_dir():
         raise MlxformerError(f"{destination.parent}: no such directory")
     staging = Path(tempfile.mkdtemp(prefix=f".{destination.name}.tmp-", dir=destination.parent))
