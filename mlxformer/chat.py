@@ -98,11 +98,12 @@ class ChatSession:
 
     def save(self, path: str) -> None:
         """Save the cache, its token ids and the conversation."""
-        save_prompt_cache(path, self.cache, self.cached_ids, self.model, messages=self.messages)
+        save_prompt_cache(path, self.cache, self.cached_ids, self.model, self.tokenizer, messages=self.messages)
 
     def load(self, path: str) -> None:
-        """Restore a cache, its token ids and the conversation saved by ``save``."""
-        loaded = load_prompt_cache_file(path, self.model)
+        """Restore a cache, its token ids and the conversation saved by ``save`` (with this
+        model and tokenizer; the session's explicit cache settings must be the file's)."""
+        loaded = load_prompt_cache_file(path, self.model, self.tokenizer, self.settings)
         self.cache, self.cached_ids = loaded.cache, loaded.token_ids
         self.messages = loaded.messages
 

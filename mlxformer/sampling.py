@@ -52,11 +52,15 @@ def keep_top_k(logprobs: mx.array, k: int) -> mx.array:
 
 
 def keep_top_p(logprobs: mx.array, top_p: float) -> mx.array:
-    """Nucleus filtering: keep the smallest set of most likely tokens whose mass reaches ``top_p``."""
+    """Nucleus filtering: keep the smallest set of most likely tokens whose mass reaches ``top_p``.
+
+    The mass is measured after renormalising the tokens still kept (e.g. by top-k), as
+    transformers and llama.cpp do.
+    """
     if top_p >= 1.0:
         return logprobs
     order = mx.argsort(logprobs, axis=-1)  # ascending
-    sorted_probs = mx.exp(mx.take_along_axis(logprobs, order, axis=-1))
+    sorted_probs = mx.softmax(mx.take_along_axis(logprobs, order, axis=-1), axis=-1)
     # A token is kept when the mass strictly above it is below top_p.
     mass_above = 1.0 - mx.cumsum(sorted_probs, axis=-1)
     keep_sorted = mass_above < top_p
@@ -79,11 +83,18 @@ def make_sampler(temp: float = 0.0, top_p: float = 1.0, top_k: int = 0, min_p: f
     if temp == 0:
         return greedy
 
-    def sample(logprobs: mx.array) -> mx.array:
-        logprobs = keep_min_p(keep_top_p(keep_top_k(logprobs, top_k), top_p), min_p)
-        return mx.random.categorical(logprobs * (1.0 / temp), axis=-1)
+    def sample(logprobs: mx.array, key: mx.array | None = None) -> mx.array:
+        # ``key``: a PRNG key for this draw (per-sequence streams); None uses the global one.
+        return mx.random.categorical(sampling_logits(logprobs, temp, top_p, top_k, min_p), axis=-1, key=key)
 
     return sample
+
+
+def sampling_logits(logprobs: mx.array, temp: float, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0) -> mx.array:
+    """The logits a non-greedy sampler draws from: top-k, then top-p, then min-p, then the
+    temperature (llama.cpp's order: the filters see the untempered distribution)."""
+    logprobs = keep_min_p(keep_top_p(keep_top_k(logprobs, top_k), top_p), min_p)
+    return logprobs * (1.0 / temp)
 
 
 def repetition_penalty_processor(penalty: float, context: int = REPETITION_CONTEXT) -> LogitsProcessor:

@@ -27,7 +27,10 @@ from mlxformer.models.config import ModelArgs  # noqa: E402
 from mlxformer.errors import MlxformerError  # noqa: E402
 from mlxformer.generation import stream_generate  # noqa: E402
 from mlxformer.models.decoder import Model  # noqa: E402
-from mlxformer.cache.files import load_prompt_cache, save_prompt_cache, strip_cached_prefix  # noqa: E402
+from mlxformer.cache.files import (  # noqa: E402
+    cache_prompt, load_prompt_cache, save_prompt_cache, strip_cached_prefix,
+)
+from mlxformer.tokenizer import HFBackend, Tokenizer  # noqa: E402
 
 EVAL_TEXT = Path(__file__).parent / "data" / "eval.txt"
 
@@ -43,6 +46,18 @@ def tiny_model(seed: int = 0, **overrides: object) -> Model:
     model = Model(ModelArgs.from_dict({**TINY, **overrides}))
     mx.eval(model.parameters())
     return model
+
+
+def tiny_tokenizer(renamed: int | None = None) -> Tokenizer:
+    """A 256-token word-level tokenizer; ``renamed`` gives that id another token string."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models
+
+    vocab = {(f"other{i}" if i == renamed else f"t{i}"): i for i in range(256)}
+    return Tokenizer(HFBackend(HFTokenizer(models.WordLevel(vocab, unk_token="t0"))), None, [], None)
+
+
+TOKENIZER = tiny_tokenizer()
 
 
 def tokens(n: int, seed: int = 1, vocab: int = 256) -> list[int]:
@@ -234,9 +249,10 @@ def test_prompt_cache_save_load_continue(tmp_path: Path, settings: CacheSettings
     uninterrupted = run_chunks(model, ids, make_cache(model, settings), [30, 1, 1, 13])
     cache = make_cache(model, settings)
     run_chunks(model, ids[:30], cache, [30])
-    path = tmp_path / "prompt.safetensors"
-    save_prompt_cache(path, cache, ids[:30], model)
-    loaded, cached_ids = load_prompt_cache(path, model)
+    path = tmp_path / "prompt.cache"  # any name: the file is read as safetensors explicitly
+    save_prompt_cache(path, cache, ids[:30], model, TOKENIZER)
+    assert [p.name for p in tmp_path.iterdir()] == ["prompt.cache"]  # written under exactly that name
+    loaded, cached_ids = load_prompt_cache(path, model, TOKENIZER)
     assert cached_ids == ids[:30] and [type(c) for c in loaded] == [type(c) for c in cache]
     resumed = run_chunks(model, ids[30:], loaded, [1, 1, 13])
     for a, b in zip(resumed, uninterrupted[1:]):
@@ -249,30 +265,104 @@ def test_prompt_cache_refuses_other_models_and_bad_files(tmp_path: Path) -> None
     cache = make_cache(model)
     run_chunks(model, tokens(10), cache, [10])
     path = tmp_path / "c.safetensors"
-    save_prompt_cache(path, cache, tokens(10), model)
-    with pytest.raises(MlxformerError, match="different model"):
-        load_prompt_cache(path, tiny_model(num_hidden_layers=3))
-    with pytest.raises(MlxformerError, match="different model"):
-        load_prompt_cache(path, tiny_model(rope_theta=500000.0))
+    save_prompt_cache(path, cache, tokens(10), model, TOKENIZER)
+    with pytest.raises(MlxformerError, match="different model config"):
+        load_prompt_cache(path, tiny_model(num_hidden_layers=3), TOKENIZER)
+    with pytest.raises(MlxformerError, match="different model config"):
+        load_prompt_cache(path, tiny_model(rope_theta=500000.0), TOKENIZER)
     with pytest.raises(MlxformerError, match="exists"):
-        save_prompt_cache(path, cache, tokens(10), model, overwrite=False)
+        save_prompt_cache(path, cache, tokens(10), model, TOKENIZER, overwrite=False)
     with pytest.raises(MlxformerError, match="not found"):
-        load_prompt_cache(tmp_path / "missing.safetensors", model)
+        load_prompt_cache(tmp_path / "missing.safetensors", model, TOKENIZER)
     corrupt = tmp_path / "corrupt.safetensors"
     corrupt.write_bytes(path.read_bytes()[:100])
     with pytest.raises(MlxformerError):
-        load_prompt_cache(corrupt, model)
+        load_prompt_cache(corrupt, model, TOKENIZER)
     arrays, metadata = mx.load(str(path), return_metadata=True)
     metadata["classes"] = json.dumps(["EvilCache"] * len(model.layers))
     mx.save_safetensors(str(tmp_path / "evil.safetensors"), arrays, metadata)
     with pytest.raises(MlxformerError, match="unknown cache class"):
-        load_prompt_cache(tmp_path / "evil.safetensors", model)
+        load_prompt_cache(tmp_path / "evil.safetensors", model, TOKENIZER)
+
+
+def quantized_copy(model: Model, bits: int, group_size: int) -> Model:
+    import copy
+
+    import mlx.nn as nn
+
+    quantized = copy.deepcopy(model)
+    nn.quantize(quantized, group_size=group_size, bits=bits)
+    mx.eval(quantized.parameters())
+    return quantized
+
+
+def test_prompt_cache_fingerprint_covers_weights_quantization_and_tokenizer(tmp_path: Path) -> None:
+    """A cache is refused by a model of equal shapes but other weights (base vs instruct), by the
+    same model quantized (or quantized otherwise), and under another vocabulary; it is accepted by
+    the same model in another compute dtype."""
+    model = tiny_model(seed=0)
+    ids = tokens(10)
+    path = tmp_path / "base.cache"
+    cache_prompt(path, model, TOKENIZER, ids)
+    with pytest.raises(MlxformerError, match="different model weights"):
+        load_prompt_cache(path, tiny_model(seed=1), TOKENIZER)
+    with pytest.raises(MlxformerError, match="different model quantization"):
+        load_prompt_cache(path, quantized_copy(model, 4, 64), TOKENIZER)
+    with pytest.raises(MlxformerError, match="different model tokenizer"):
+        load_prompt_cache(path, model, tiny_tokenizer(renamed=7))
+    assert load_prompt_cache(path, model, tiny_tokenizer())[1] == ids  # an equal tokenizer object
+    in_bf16 = tiny_model(seed=0)  # the same weights, rounded: the fingerprint rounds to bfloat16 too
+    in_bf16.set_dtype(mx.bfloat16)
+    mx.eval(in_bf16.parameters())
+    assert load_prompt_cache(path, in_bf16, TOKENIZER)[1] == ids
+
+    four_bit = quantized_copy(tiny_model(seed=0), 4, 64)
+    cache_prompt(tmp_path / "q4.cache", four_bit, TOKENIZER, ids)
+    with pytest.raises(MlxformerError, match="different model quantization"):
+        load_prompt_cache(tmp_path / "q4.cache", tiny_model(seed=0), TOKENIZER)
+    with pytest.raises(MlxformerError, match="different model quantization"):
+        load_prompt_cache(tmp_path / "q4.cache", quantized_copy(tiny_model(seed=0), 4, 32), TOKENIZER)
+    with pytest.raises(MlxformerError, match="different model quantization"):
+        load_prompt_cache(tmp_path / "q4.cache", quantized_copy(tiny_model(seed=0), 8, 64), TOKENIZER)
+    assert load_prompt_cache(tmp_path / "q4.cache", quantized_copy(tiny_model(seed=0), 4, 64), TOKENIZER)[1] == ids
+
+
+@pytest.mark.parametrize(
+    "made, requested, ok",
+    [
+        (CacheSettings(), CacheSettings(), True),
+        (CacheSettings(), CacheSettings(kv_bits=8), False),
+        (CacheSettings(), CacheSettings(max_kv_size=24), False),
+        (CacheSettings(kv_bits=8), CacheSettings(), True),  # unset settings take the file's
+        (CacheSettings(kv_bits=8), CacheSettings(kv_bits=8), True),
+        (CacheSettings(kv_bits=8), CacheSettings(kv_bits=4), False),
+        (CacheSettings(kv_bits=8), CacheSettings(kv_bits=8, kv_group_size=32), False),
+        (CacheSettings(kv_bits=4, max_kv_size=24), CacheSettings(max_kv_size=24), True),
+        (CacheSettings(kv_bits=4, max_kv_size=24), CacheSettings(max_kv_size=32), False),
+        (CacheSettings(kv_bits=8, quantized_kv_start=5), CacheSettings(quantized_kv_start=6), False),
+    ],
+)
+def test_prompt_cache_refuses_conflicting_cache_settings(
+    tmp_path: Path, made: CacheSettings, requested: CacheSettings, ok: bool
+) -> None:
+    model = tiny_model()
+    path = tmp_path / "p"
+    cache_prompt(path, model, TOKENIZER, tokens(10), made)
+    if ok:
+        cache, _ = load_prompt_cache(path, model, TOKENIZER, requested)
+        assert [c.meta_state for c in cache] == [c.meta_state for c in load_prompt_cache(path, model, TOKENIZER)[0]]
+    else:
+        with pytest.raises(MlxformerError, match="conflicts with the requested"):
+            load_prompt_cache(path, model, TOKENIZER, requested)
 
 
 def test_strip_cached_prefix() -> None:
     assert strip_cached_prefix([1, 2, 3, 4], [1, 2]) == [3, 4]
-    assert strip_cached_prefix([5, 6], [1, 2]) == [5, 6]
-    with pytest.raises(MlxformerError):
+    with pytest.raises(MlxformerError, match="does not extend the cached one"):
+        strip_cached_prefix([5, 6], [1, 2])  # would be appended after the cache
+    with pytest.raises(MlxformerError, match="does not extend the cached one"):
+        strip_cached_prefix([1], [1, 2])
+    with pytest.raises(MlxformerError, match="entirely in the prompt cache"):
         strip_cached_prefix([1, 2], [1, 2])
 
 
@@ -366,3 +456,66 @@ def test_cli_cache_prompt_then_generate(tmp_path: Path, capsys: pytest.CaptureFi
     # only the assistant header was prefilled on top of the cached user turn
     prompt_tokens = [int(s.split()[1]) for s in (cached.err, fresh.err)]
     assert 0 < prompt_tokens[0] < 6 < prompt_tokens[1]
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs(smollm, tmp_path_factory) -> tuple[Path, Path, Path]:
+    """Tiny random Llamas over SmolLM2's tokenizer: a "base", an "instruct" of equal shapes and
+    other weights, and the base quantized to 4 bits."""
+    from conftest import write_tiny_checkpoint
+    from mlxformer import convert
+
+    dirs = []
+    for seed in (0, 1):
+        directory, _ = write_tiny_checkpoint(
+            tmp_path_factory.mktemp(f"tiny{seed}"), "llama", seed=seed, vocab_size=49152, head_dim=64,
+            tie_word_embeddings=True,
+        )
+        smollm[1].save(directory)
+        dirs.append(directory)
+    q4 = tmp_path_factory.mktemp("q4") / "q4"
+    convert(dirs[0], q4, quantize=True, q_bits=4, q_group_size=32, quant_recipe="rtn", progress=False)
+    return dirs[0], dirs[1], q4
+
+
+def one_line_error(capsys: pytest.CaptureFixture[str]) -> str:
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("mlxformer: error:"), err
+    return err
+
+
+def test_cli_prompt_cache_file_of_any_name_and_refusals(
+    tiny_dirs: tuple[Path, Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--prompt-cache-file p.cache`` round-trips; another model's weights, another quantization,
+    cache flags that conflict with the file's cache and a prompt that does not extend the cached
+    one are one-line errors with exit status 1."""
+    base, instruct, q4 = tiny_dirs
+    prompt = "Name three primary colors."
+    cache = tmp_path / "p.cache"
+    assert main(["cache-prompt", "-m", str(base), "--prompt", prompt, "--prompt-cache-file", str(cache)]) == 0
+    assert [p.name for p in tmp_path.iterdir()] == ["p.cache"]
+    gen = ["generate", "--max-tokens", "4", "--prompt", prompt]
+    capsys.readouterr()
+    assert main([*gen, "-m", str(base), "--prompt-cache-file", str(cache)]) == 0
+    cached = capsys.readouterr()
+    assert main([*gen, "-m", str(base)]) == 0
+    fresh = capsys.readouterr()
+    assert cached.out == fresh.out and cached.out.strip()
+    for flags, message in [
+        (["-m", str(instruct)], "different model weights"),
+        (["-m", str(q4)], "different model quantization"),
+        (["-m", str(base), "--kv-bits", "8"], "conflicts with the requested kv_bits=8"),
+        (["-m", str(base), "--max-kv-size", "64"], "conflicts with the requested"),
+        (["-m", str(base), "--system", "Answer in French."], "does not extend the cached one"),
+    ]:
+        assert main([*gen, *flags, "--prompt-cache-file", str(cache)]) == 1, flags
+        assert message in one_line_error(capsys), flags
+    # a cache made with the flags is used with the same flags or none
+    assert main(["cache-prompt", "-m", str(base), "--prompt", prompt, "--prompt-cache-file", str(cache),
+                 "--force", "--kv-bits", "8", "--max-kv-size", "64"]) == 0
+    for flags in ([], ["--kv-bits", "8", "--max-kv-size", "64"]):
+        assert main([*gen, "-m", str(base), *flags, "--prompt-cache-file", str(cache)]) == 0
+    capsys.readouterr()
+    assert main([*gen, "-m", str(base), "--kv-bits", "4", "--prompt-cache-file", str(cache)]) == 1
+    assert "kv_bits=8" in one_line_error(capsys)

@@ -21,6 +21,7 @@ from mlxformer.chat import ChatSession
 from mlxformer.cli.chat import run_repl  # noqa: E402
 from mlxformer.cli import main  # noqa: E402
 from mlxformer.models.config import ModelArgs  # noqa: E402
+from mlxformer.errors import MlxformerError  # noqa: E402
 from mlxformer.generation import stream_generate  # noqa: E402
 from mlxformer.models.decoder import Model  # noqa: E402
 
@@ -108,8 +109,10 @@ def test_rotating_cache_that_evicted_restarts_the_prefill(model, tokenizer) -> N
     assert session.last_prefill_tokens == len(render_ids(tokenizer, session.messages[:-1]))
 
 
-def test_repl_save_reset_load_round_trip(model, tokenizer, tmp_path: Path) -> None:
-    path = tmp_path / "chat.safetensors"
+@pytest.mark.parametrize("name", ["chat.safetensors", "conv"])  # any file name
+def test_repl_save_reset_load_round_trip(model, tokenizer, tmp_path: Path, monkeypatch, name: str) -> None:
+    monkeypatch.chdir(tmp_path)
+    path = name
     saved = ChatSession(model, tokenizer, max_tokens=MAX_TOKENS)
     out = io.StringIO()
     run_repl(saved, io.StringIO(f"Hello there\n/save {path}\n/reset\n/stats\n/load {path}\n/stats\nWhat next?\n/exit\nnever\n"), out)
@@ -123,6 +126,36 @@ def test_repl_save_reset_load_round_trip(model, tokenizer, tmp_path: Path) -> No
     assert saved.cached_ids == straight.cached_ids
     assert saved.last_prefill_tokens == straight.last_prefill_tokens < n_saved  # the loaded cache was reused
     assert not any("never" in m["content"] for m in saved.messages)  # /exit stopped the loop
+    assert [p.name for p in tmp_path.iterdir()] == [name]  # written under exactly that name
+
+
+def test_load_refuses_other_weights_and_conflicting_cache_settings(model, tokenizer, tmp_path: Path) -> None:
+    session = ChatSession(model, tokenizer, max_tokens=3)
+    list(session.send("Hello there"))
+    session.save(str(tmp_path / "conv"))
+    other = Model(model.args)  # equal shapes, other (random) weights
+    mx.eval(other.parameters())
+    out = io.StringIO()
+    run_repl(ChatSession(other, tokenizer), io.StringIO(f"/load {tmp_path / 'conv'}\n"), out)
+    assert out.getvalue().startswith("[error: ") and "different model weights" in out.getvalue()
+    eight_bit = ChatSession(model, tokenizer, cache_settings=CacheSettings(kv_bits=8))
+    with pytest.raises(MlxformerError, match="conflicts with the requested kv_bits=8"):
+        eight_bit.load(str(tmp_path / "conv"))
+    same = ChatSession(model, tokenizer, cache_settings=CacheSettings())
+    same.load(str(tmp_path / "conv"))
+    assert same.cached_ids == session.cached_ids and same.messages == session.messages
+
+
+def test_cli_chat_save_and_load_a_file_without_suffix(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Hi\n/save conv\n/reset\n/load conv\n/stats\n/exit\n"))
+    assert main(["chat", "--max-tokens", "3"]) == 0
+    out = capsys.readouterr().out
+    saved = int(out.split("[saved ")[1].split()[0])
+    assert f"[loaded {saved} tokens, 2 messages from conv]" in out and f"context: {saved} tokens" in out
+    assert "error" not in out and [p.name for p in tmp_path.iterdir()] == ["conv"]
 
 
 def test_cli_chat_with_piped_stdin(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:

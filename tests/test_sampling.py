@@ -15,7 +15,7 @@ from conftest import write_tiny_checkpoint
 from mlxformer import generate, load, stream_generate
 from mlxformer.sampling import (
     greedy, keep_min_p, keep_top_k, keep_top_p, make_logits_processors, make_sampler,
-    repetition_penalty_processor,
+    repetition_penalty_processor, sampling_logits,
 )
 from mlxformer.stop import StopMatcher
 
@@ -112,6 +112,61 @@ def test_sampling_distribution():
     draws = np.array(make_sampler(temp=1.0, top_p=0.6)(lp))
     freq = np.bincount(draws, minlength=5) / n
     assert np.abs(freq - np.array([0.4, 0.25, 0, 0, 0]) / 0.65).max() < 0.015
+
+
+def transformers_distribution(logits: np.ndarray, temp: float, top_k: int, top_p: float, min_p: float) -> np.ndarray:
+    """softmax of transformers' TopK -> TopP -> MinP warpers, then the temperature (llama.cpp's
+    order, which is ours: the filters see the untempered distribution)."""
+    import torch
+    from transformers import MinPLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    scores = torch.tensor(logits, dtype=torch.float64)
+    ids = torch.zeros((scores.shape[0], 1), dtype=torch.long)
+    if top_k:
+        scores = TopKLogitsWarper(top_k)(ids, scores)
+    if top_p < 1:
+        scores = TopPLogitsWarper(top_p)(ids, scores)
+    if min_p:
+        scores = MinPLogitsWarper(min_p)(ids, scores)
+    return torch.softmax(scores / temp, dim=-1).numpy()
+
+
+def flat_logprobs(vocab: int = 50) -> np.ndarray:
+    return np.full((1, vocab), -np.log(vocab), dtype=np.float32)
+
+
+@pytest.mark.parametrize(
+    "logprobs, temp, top_k, top_p, min_p",
+    [
+        # The review's case, nearly flat (top-5 mass ~0.1 <= 1 - p). Exactly flat logits are
+        # not compared: transformers' top-k keeps every token tied with the k-th (here all 50).
+        (flat_logprobs() + np.random.default_rng(7).normal(scale=1e-3, size=(1, 50)).astype(np.float32),
+         0.8, 5, 0.9, 0.0),
+        (random_logprobs(seed=4), 0.8, 5, 0.9, 0.0),
+        (random_logprobs(seed=5), 1.0, 10, 0.5, 0.0),
+        (random_logprobs(seed=6), 0.7, 20, 0.8, 0.1),
+        (random_logprobs(seed=8), 1.3, 3, 0.95, 0.3),
+    ],
+)
+def test_combined_filters_match_transformers_warpers(logprobs, temp, top_k, top_p, min_p):
+    """The distribution the sampler draws from (kept tokens and their renormalised
+    probabilities) equals transformers' warpers composed in the same order."""
+    got = np.array(mx.softmax(sampling_logits(mx.array(logprobs), temp, top_p, top_k, min_p), axis=-1))
+    want = transformers_distribution(logprobs, temp, top_k, top_p, min_p)
+    assert ((got > 0) == (want > 0)).all()
+    assert np.allclose(got, want, atol=1e-5)
+
+
+def test_top_k_then_top_p_on_a_flat_distribution_draws_from_the_top_k():
+    """temp .8, top-k 5, top-p .9 on 50 equally likely tokens (llama.cpp keeps exactly k on
+    ties): 5 tokens of probability .2 each, and every draw is one of them."""
+    probs = np.array(mx.softmax(sampling_logits(mx.array(flat_logprobs()), 0.8, 0.9, 5), axis=-1))[0]
+    assert np.allclose(np.sort(probs)[-5:], 0.2) and np.count_nonzero(probs) == 5
+    lp = mx.broadcast_to(mx.array(flat_logprobs()), (2000, 50))
+    kept_ids = set(np.nonzero(np.isfinite(np.array(keep_top_k(lp[:1], 5))[0]))[0].tolist())
+    mx.random.seed(0)
+    draws = np.array(make_sampler(temp=0.8, top_k=5, top_p=0.9)(lp))
+    assert set(draws.tolist()) == kept_ids and len(kept_ids) == 5
 
 
 # ---------------------------------------------------------------- repetition penalty

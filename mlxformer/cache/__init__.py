@@ -23,7 +23,8 @@ class CacheSettings:
 
     ``kv_bits`` (4 or 8) quantizes keys/values in groups of ``kv_group_size`` once the cache
     holds ``quantized_kv_start`` tokens; ``max_kv_size`` bounds the cache to a rotating window
-    that always keeps the first ``keep`` tokens.
+    that always keeps the first ``keep`` tokens. A sliding-window model (Mistral) always gets
+    a rotating cache of its window without sinks, unless ``max_kv_size`` is smaller.
     """
 
     kv_bits: int | None = None
@@ -41,9 +42,14 @@ def make_cache(model: HasLayers, settings: CacheSettings | None = None) -> list[
         check_kv_quantization(bits, group)
     if start < 0:
         raise MlxformerError("quantized_kv_start must be >= 0")
+    if settings.max_kv_size is not None and settings.max_kv_size < 1:
+        raise MlxformerError("max_kv_size must be positive")
+    window = model.args.sliding_window
+    if window is not None and (settings.max_kv_size is None or settings.max_kv_size >= window):
+        # The model never attends further back than its window: keep exactly the window
+        # (no sinks), so memory stays bounded and the logits are those of the full cache.
+        return [RotatingKVCache(window, 0, bits, group, start) for _ in model.layers]
     if settings.max_kv_size is not None:
-        if settings.max_kv_size < 1:
-            raise MlxformerError("max_kv_size must be positive")
         keep = min(settings.keep, settings.max_kv_size - 1)
         return [RotatingKVCache(settings.max_kv_size, keep, bits, group, start) for _ in model.layers]
     return [KVCache(bits, group, start) for _ in model.layers]

@@ -2,12 +2,15 @@
 
 A file holds, per layer, the cache's ``state`` arrays (``layer.{i}.{j}``) and, as string
 metadata, its class name, ``meta_state``, the cached token ids, an optional chat conversation
-and the model config it was made with. Classes are rebuilt only from ``CACHE_CLASSES``.
+and the fingerprint of the model it was made with: config, per-layer quantization, a hash of
+a slice of every weight and a hash of the tokenizer's vocabulary. Classes are rebuilt only
+from ``CACHE_CLASSES``. Files are safetensors whatever their name.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import tempfile
@@ -16,6 +19,8 @@ from pathlib import Path
 from typing import Sequence
 
 import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
 
 from mlxformer.cache import CacheSettings, make_cache
 from mlxformer.cache.protocol import Cache
@@ -24,9 +29,11 @@ from mlxformer.cache.rotating import RotatingKVCache
 from mlxformer.errors import MlxformerError
 from mlxformer.generation import prefill
 from mlxformer.models.decoder import Model
+from mlxformer.tokenizer import Tokenizer
 
 FORMAT = "mlxformer-prompt-cache"
-VERSION = "1"
+VERSION = "2"  # 2: the fingerprint covers quantization, weights and tokenizer
+WEIGHT_SAMPLE = 64  # leading elements of each weight hashed into the fingerprint
 
 CACHE_CLASSES: dict[str, type] = {
     "KVCache": KVCache,
@@ -49,16 +56,74 @@ def model_fingerprint(model: Model) -> str:
     return json.dumps(dataclasses.asdict(model.args), sort_keys=True)
 
 
+def quantization_fingerprint(model: Model) -> str:
+    """Canonical JSON of each quantized layer's ``[bits, group_size, mode]`` (``{}`` for a float
+    model). Private modules (views of other layers' arrays, such as the CPU-sharded output
+    projection) are skipped, so the thread count does not change it."""
+    layers = {
+        name: [module.bits, module.group_size, module.mode]
+        for name, module in model.named_modules()
+        if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding))
+        and not any(part.startswith("_") for part in name.split("."))
+    }
+    return json.dumps(layers, sort_keys=True)
+
+
+def weights_fingerprint(model: Model) -> str:
+    """SHA-256 of the first ``WEIGHT_SAMPLE`` values of every parameter (floats rounded to
+    bfloat16, so a compute-dtype cast of the same checkpoint keeps it): it tells apart models
+    of equal shapes, such as a base model and its instruct tune."""
+    digest = hashlib.sha256()
+    samples = []
+    for name, array in sorted(tree_flatten(model.parameters()), key=lambda item: item[0]):
+        sample = array.reshape(-1)[:WEIGHT_SAMPLE]  # (n,)
+        if mx.issubdtype(sample.dtype, mx.floating):
+            sample = sample.astype(mx.bfloat16).view(mx.uint16)
+        samples.append((name, array.shape, sample))
+    mx.eval([sample for _, _, sample in samples])
+    for name, shape, sample in samples:
+        digest.update(f"{name}{tuple(shape)}".encode())
+        digest.update(memoryview(sample).tobytes())
+    return digest.hexdigest()
+
+
+def tokenizer_fingerprint(tokenizer: Tokenizer) -> str:
+    """SHA-256 of the vocabulary (every id's token string, in id order)."""
+    backend = tokenizer.backend
+    tokens = (backend.id_to_token(i) or "" for i in range(tokenizer.vocab_size))
+    return hashlib.sha256("\0".join(tokens).encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def fingerprint(model: Model, tokenizer: Tokenizer) -> dict[str, str]:
+    """What a prompt cache file must match to be used: metadata key -> value."""
+    return {
+        "model_config": model_fingerprint(model),
+        "quantization": quantization_fingerprint(model),
+        "weights": weights_fingerprint(model),
+        "tokenizer": tokenizer_fingerprint(tokenizer),
+    }
+
+
+_MISMATCH = {
+    "model_config": "config",
+    "quantization": "quantization",
+    "weights": "weights",
+    "tokenizer": "tokenizer",
+}
+
+
 def save_prompt_cache(
     path: str | Path,
     cache: Sequence[Cache],
     token_ids: Sequence[int],
     model: Model,
+    tokenizer: Tokenizer,
     *,
     messages: Sequence[dict[str, str]] = (),
     overwrite: bool = True,
 ) -> None:
-    """Write ``cache`` and the ``token_ids`` it holds to ``path`` atomically (temp file, then rename)."""
+    """Write ``cache`` and the ``token_ids`` it holds to exactly ``path`` (any name) atomically
+    (temp file, then rename), with the fingerprint of ``model`` and ``tokenizer``."""
     path = Path(path)
     if not overwrite and path.exists():
         raise MlxformerError(f"{path} already exists (use --force to overwrite)")
@@ -73,7 +138,7 @@ def save_prompt_cache(
     metadata = {
         "format": FORMAT,
         "version": VERSION,
-        "model_config": model_fingerprint(model),
+        **fingerprint(model, tokenizer),
         "classes": json.dumps([type(c).__name__ for c in cache]),
         "meta_states": json.dumps([c.meta_state for c in cache]),
         "token_ids": json.dumps([int(t) for t in token_ids]),
@@ -91,19 +156,26 @@ def save_prompt_cache(
         raise
 
 
-def load_prompt_cache_file(path: str | Path, model: Model) -> PromptCacheFile:
-    """Rebuild the cache, token ids and conversation saved in ``path`` for ``model``."""
+def load_prompt_cache_file(
+    path: str | Path, model: Model, tokenizer: Tokenizer, settings: CacheSettings | None = None
+) -> PromptCacheFile:
+    """Rebuild the cache, token ids and conversation saved in ``path`` for ``model`` and
+    ``tokenizer``. Cache ``settings`` given explicitly (not at their defaults) must be those
+    of the file's cache; the ones left at their defaults take the file's."""
     path = Path(path)
     if not path.is_file():
         raise MlxformerError(f"prompt cache file not found: {path}")
     try:
-        arrays, metadata = mx.load(str(path), return_metadata=True)
+        arrays, metadata = mx.load(str(path), format="safetensors", return_metadata=True)
     except Exception:
         raise MlxformerError(f"cannot read prompt cache file {path}: corrupt or not a safetensors file") from None
     if metadata.get("format") != FORMAT:
         raise MlxformerError(f"{path} is not an mlxformer prompt cache file")
-    if metadata.get("model_config") != model_fingerprint(model):
-        raise MlxformerError(f"prompt cache file {path} was made for a different model config")
+    if metadata.get("version") != VERSION:
+        raise MlxformerError(f"prompt cache file {path} is from another mlxformer version: make it again")
+    for key, value in fingerprint(model, tokenizer).items():
+        if metadata.get(key) != value:
+            raise MlxformerError(f"prompt cache file {path} was made for a different model {_MISMATCH[key]}")
     try:
         classes = json.loads(metadata["classes"])
         meta_states = json.loads(metadata["meta_states"])
@@ -116,7 +188,39 @@ def load_prompt_cache_file(path: str | Path, model: Model) -> PromptCacheFile:
         raise MlxformerError(f"prompt cache file {path} is corrupt") from None
     if cache[0].offset != len(token_ids):
         raise MlxformerError(f"prompt cache file {path} is corrupt")
+    if settings is not None:
+        check_cache_settings(path, cache, model, settings)
     return PromptCacheFile(cache, token_ids, messages)
+
+
+def check_cache_settings(path: str | Path, cache: Sequence[Cache], model: Model, settings: CacheSettings) -> None:
+    """Refuse cache settings given explicitly (not at their defaults) that ``cache`` does not have."""
+    default = CacheSettings()
+    wanted, got = make_cache(model, settings)[0], cache[0]
+    keys: list[str] = []
+    if settings.kv_bits != default.kv_bits or (settings.kv_bits and settings.kv_group_size != default.kv_group_size):
+        keys += ["bits", "group_size"] if settings.kv_bits else ["bits"]
+    if settings.quantized_kv_start != default.quantized_kv_start:
+        keys.append("start")
+    if settings.max_kv_size != default.max_kv_size:
+        keys.append("max_size")
+    want_meta, got_meta = wanted.meta_state, got.meta_state
+    for key in keys:
+        if want_meta.get(key) != got_meta.get(key):
+            raise MlxformerError(
+                f"prompt cache file {path} holds a cache with {_describe(got_meta)}, which conflicts with the "
+                f"requested {_describe(want_meta)}: leave the cache settings unset to use the file's"
+            )
+
+
+def _describe(meta: dict[str, str]) -> str:
+    """A cache's settings in ``CacheSettings`` words."""
+    bits = meta.get("bits") or None
+    parts = [f"kv_bits={bits}"]
+    if bits:
+        parts += [f"kv_group_size={meta.get('group_size')}", f"quantized_kv_start={meta.get('start')}"]
+    parts.append(f"max_kv_size={meta.get('max_size')}")
+    return ", ".join(parts)
 
 
 def _rebuild(layer: int, name: str, meta: dict[str, str], arrays: dict[str, mx.array]) -> Cache:
@@ -132,29 +236,37 @@ def _rebuild(layer: int, name: str, meta: dict[str, str], arrays: dict[str, mx.a
     return cache
 
 
-def load_prompt_cache(path: str | Path, model: Model) -> tuple[list[Cache], list[int]]:
-    """The saved cache and the token ids it holds."""
-    loaded = load_prompt_cache_file(path, model)
+def load_prompt_cache(
+    path: str | Path, model: Model, tokenizer: Tokenizer, settings: CacheSettings | None = None
+) -> tuple[list[Cache], list[int]]:
+    """The saved cache and the token ids it holds (see ``load_prompt_cache_file``)."""
+    loaded = load_prompt_cache_file(path, model, tokenizer, settings)
     return loaded.cache, loaded.token_ids
 
 
 def strip_cached_prefix(ids: Sequence[int], cached_ids: Sequence[int]) -> list[int]:
-    """The ids still to prefill: ``ids`` minus the cached prefix, or all of them to append after it."""
+    """The ids still to prefill: ``ids`` minus the cached prefix. A prompt that does not
+    start with the cached ids is an error (appending it would put a second BOS or system
+    header in mid-context)."""
     ids, cached_ids = list(ids), list(cached_ids)
     if ids[: len(cached_ids)] != cached_ids:
-        return ids
+        n = next((i for i, (a, b) in enumerate(zip(ids, cached_ids)) if a != b), min(len(ids), len(cached_ids)))
+        raise MlxformerError(
+            f"the prompt does not extend the cached one (they differ at token {n} of the {len(cached_ids)} "
+            "cached): use the same system message, template and prompt start as cache-prompt"
+        )
     if len(ids) == len(cached_ids):
         raise MlxformerError("the prompt is entirely in the prompt cache; add text after the cached prompt")
     return ids[len(cached_ids):]
 
 
 def cache_prompt(
-    path: str | Path, model: Model, token_ids: Sequence[int], settings: CacheSettings | None = None,
-    *, overwrite: bool = False,
+    path: str | Path, model: Model, tokenizer: Tokenizer, token_ids: Sequence[int],
+    settings: CacheSettings | None = None, *, overwrite: bool = False,
 ) -> list[Cache]:
     """Prefill ``token_ids`` into a new cache and save it to ``path``; returns the cache."""
     cache = make_cache(model, settings)
     prefill(model, mx.array(list(token_ids)), cache)
     mx.eval([c.state for c in cache])
-    save_prompt_cache(path, cache, token_ids, model, overwrite=overwrite)
+    save_prompt_cache(path, cache, token_ids, model, tokenizer, overwrite=overwrite)
     return cache

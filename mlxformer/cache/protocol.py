@@ -13,17 +13,29 @@ import mlx.core as mx
 from mlxformer.models.mask import Mask
 
 
+class HasWindow(Protocol):
+    """Model settings the caches depend on."""
+
+    @property
+    def sliding_window(self) -> int | None: ...
+
+
 class HasLayers(Protocol):
-    """Anything with a sequence of decoder layers (the model)."""
+    """Anything with a sequence of decoder layers and its settings (the model)."""
 
     @property
     def layers(self) -> Sequence[Any]: ...
+
+    @property
+    def args(self) -> HasWindow: ...
 
 
 class Cache(Protocol):
     """What the decoder needs from one layer's cache."""
 
-    offset: int  # number of tokens processed so far (the RoPE position of the next token)
+    # Tokens processed so far (the RoPE position of the next token); a cache holding a batch of
+    # sequences at different positions gives an int array ``(B,)``.
+    offset: int | mx.array
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Any, Any]:
         """Store new ``(B, n_kv, L, D)`` keys/values; return everything to attend over."""

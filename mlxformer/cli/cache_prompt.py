@@ -38,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
     # The user turn without the assistant header, so that `generate` with the same prompt
     # (which adds the header) finds these ids as its prefix.
     ids = prompt_ids_for_cli(tokenizer, prompt, args, add_generation_prompt=False)
-    cache = cache_prompt(out, model, ids, settings, overwrite=args.force)
+    cache = cache_prompt(out, model, tokenizer, ids, settings, overwrite=args.force)
     megabytes = sum(c.nbytes for c in cache) / 1e6
     print(f"cached {len(ids)} tokens ({megabytes:.2f} MB) to {out}", file=sys.stderr)
     return 0

@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
     if args.prompt_cache_file:
         from mlxformer.cache.files import load_prompt_cache, strip_cached_prefix
 
-        cache, cached_ids = load_prompt_cache(args.prompt_cache_file, model)
+        cache, cached_ids = load_prompt_cache(args.prompt_cache_file, model, tokenizer, settings)
         ids = strip_cached_prefix(ids, cached_ids)
     last = None
     for last in stream_generate(

@@ -7,9 +7,9 @@ import sys
 import traceback
 from typing import Sequence
 
-from mlxformer.cli import bench, cache_prompt, chat, convert, generate, perplexity
+from mlxformer.cli import bench, cache_prompt, chat, convert, generate, info, perplexity
 
-COMMANDS = (generate, chat, convert, perplexity, bench, cache_prompt)
+COMMANDS = (generate, chat, convert, perplexity, bench, cache_prompt, info)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -9,21 +9,15 @@ llama.cpp names to HF names through one table, and undoes llama.cpp's Q/K row pe
 from __future__ import annotations
 
 import re
-import struct
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
 
 from mlxformer.errors import MlxformerError
+from mlxformer.formats.gguf_header import read_gguf_header
 
-GGML_TYPE_NAMES = {
-    0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 9: "Q8_1",
-    10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 15: "Q8_K", 16: "IQ2_XXS",
-    17: "IQ2_XS", 18: "IQ3_XXS", 19: "IQ1_S", 20: "IQ4_NL", 21: "IQ3_S", 22: "IQ2_S", 23: "IQ4_XS",
-    24: "I8", 25: "I16", 26: "I32", 27: "I64", 28: "F64", 29: "IQ1_M", 30: "BF16",
-}
 FLOAT_TYPES = ("F32", "F16", "BF16")
 QUANT_BITS = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}  # all with 32-weight groups
 GGUF_GROUP_SIZE = 32
@@ -48,55 +42,10 @@ TENSOR_NAME_MAP = {
 }
 _LAYER_NAME = re.compile(r"^blk\.(\d+)\.(.+)$")
 
-_SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-
-
-def _read(f: BinaryIO, fmt: str) -> Any:
-    size = struct.calcsize(fmt)
-    data = f.read(size)
-    if len(data) < size:
-        raise EOFError
-    return struct.unpack(fmt, data)[0]
-
-
-def _skip_value(f: BinaryIO, value_type: int) -> None:
-    if value_type == 8:  # string
-        f.seek(_read(f, "<Q"), 1)
-    elif value_type == 9:  # array
-        item_type, count = _read(f, "<I"), _read(f, "<Q")
-        if item_type in _SCALAR_FORMATS:
-            f.seek(count * struct.calcsize(_SCALAR_FORMATS[item_type]), 1)
-        else:
-            for _ in range(count):
-                _skip_value(f, item_type)
-    elif value_type in _SCALAR_FORMATS:
-        f.seek(struct.calcsize(_SCALAR_FORMATS[value_type]), 1)
-    else:
-        raise ValueError(f"unknown metadata value type {value_type}")
-
 
 def read_tensor_types(path: Path) -> dict[str, str]:
     """GGUF tensor name -> ggml type name, from the file's header; raises on a bad header."""
-    try:
-        with open(path, "rb") as f:
-            if f.read(4) != b"GGUF":
-                raise MlxformerError(f"{path}: not a GGUF file (bad magic)")
-            version = _read(f, "<I")
-            if version not in (2, 3):
-                raise MlxformerError(f"{path}: unsupported GGUF version {version}")
-            n_tensors, n_kv = _read(f, "<Q"), _read(f, "<Q")
-            for _ in range(n_kv):
-                f.seek(_read(f, "<Q"), 1)  # key
-                _skip_value(f, _read(f, "<I"))
-            types = {}
-            for _ in range(n_tensors):
-                name = f.read(_read(f, "<Q")).decode("utf-8")
-                f.seek(8 * _read(f, "<I"), 1)  # dims
-                type_id, _offset = _read(f, "<I"), _read(f, "<Q")
-                types[name] = GGML_TYPE_NAMES.get(type_id, f"type {type_id}")
-            return types
-    except (EOFError, ValueError, UnicodeDecodeError):
-        raise MlxformerError(f"{path}: truncated or corrupt GGUF header") from None
+    return {tensor.name: tensor.type_name for tensor in read_gguf_header(path).tensors}
 
 
 def _meta(metadata: dict[str, Any], key: str, default: Any = None) -> Any:

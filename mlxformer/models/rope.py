@@ -50,10 +50,16 @@ class RoPE(nn.Module):
         growth = rope.factor * seq_len / self.max_position_embeddings - (rope.factor - 1)
         return rope.theta * growth ** (self.dims / (self.dims - 2))
 
-    def __call__(self, x: mx.array, offset: int) -> mx.array:
+    def __call__(self, x: mx.array, offset: int | mx.array) -> mx.array:
+        """Rotate ``x`` (B, heads, T, head_dim) for positions ``offset..offset+T-1``; ``offset``
+        is an int or, for a batch of sequences at different positions, an int array ``(B,)``."""
+        if isinstance(offset, mx.array) and self.config.type == "dynamic":
+            # the dynamic base depends on each sequence's length: rotate row by row
+            rows = [self(x[i : i + 1], int(o)) for i, o in enumerate(offset.tolist())]
+            return mx.concatenate(rows, axis=0)
         if self._periods is not None:
             return mx.fast.rope(
                 x, self.dims, traditional=False, base=None, scale=self.scale, offset=offset, freqs=self._periods
             )
-        base = self._base(offset + x.shape[-2])
+        base = self._base(0 if isinstance(offset, mx.array) else offset + x.shape[-2])
         return mx.fast.rope(x, self.dims, traditional=False, base=base, scale=self.scale, offset=offset)

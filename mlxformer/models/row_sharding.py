@@ -10,6 +10,7 @@ feed, so this is a CPU-only policy.
 from __future__ import annotations
 
 import copy
+import threading
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -22,7 +23,9 @@ PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 MAX_DEFAULT_THREADS = 4
 # Measured on SmolLM2 float32, 2 streams: a 55/45 split decodes 4-5% faster than 50/50.
 LEAD_SHARE = 1.2
-_STREAMS: list[mx.Stream] = []
+# MLX streams belong to the thread that made them: each thread running the model (the caller,
+# a batching engine's loop) gets its own worker streams.
+_STREAMS = threading.local()
 
 
 def default_threads() -> int:
@@ -31,10 +34,11 @@ def default_threads() -> int:
 
 
 def worker_streams(count: int) -> list[mx.Stream]:
-    """The default stream and ``count - 1`` more CPU streams, created once per process."""
-    while len(_STREAMS) < count - 1:
-        _STREAMS.append(mx.new_stream(mx.cpu))
-    return [mx.default_stream(mx.cpu), *_STREAMS[: count - 1]]
+    """The default stream and ``count - 1`` more CPU streams, created once per thread."""
+    streams: list[mx.Stream] = _STREAMS.__dict__.setdefault("streams", [])
+    while len(streams) < count - 1:
+        streams.append(mx.new_stream(mx.cpu))
+    return [mx.default_stream(mx.cpu), *streams[: count - 1]]
 
 
 class RowSharded:

@@ -1,0 +1,75 @@
+"""``mlxformer info``: what a model needs (parameters, weight and KV-cache memory, machines),
+from its config and tensor headers only."""
+
+from __future__ import annotations
+
+import argparse
+from typing import TYPE_CHECKING
+
+from mlxformer.cli.common import add_verbose
+
+if TYPE_CHECKING:
+    from mlxformer.planning import Footprint
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the ``info`` subcommand."""
+    parser = subparsers.add_parser(
+        "info", help="parameters, memory and machines a model needs (reads headers only)",
+        description="Parameter count, weight memory per dtype/quantization, KV-cache bytes and how many "
+                    "machines like this one a pipeline needs. Reads the config and tensor headers, never the weights.",
+    )
+    parser.add_argument("--model", "-m", help="HF repo id, local HF/MLX dir or .gguf file (default: the offline SmolLM2)")
+    parser.add_argument("--context", type=int, default=4096, help="tokens of KV cache to plan for (default 4096)")
+    add_verbose(parser)
+    parser.set_defaults(handler=run)
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"
+
+
+def format_report(fp: Footprint, context: int, memory: int) -> str:
+    """The ``info`` report as text."""
+    from mlxformer.planning import KV_BITS, KV_GROUP_SIZE, WEIGHT_BITS, WEIGHT_GROUP_SIZE, ranks_needed
+
+    a = fp.args
+    lines = [
+        f"model: {a.model_type}, {a.num_hidden_layers} layers, hidden {a.hidden_size}, "
+        f"{a.num_attention_heads} heads / {a.num_key_value_heads} KV heads of {a.head_dim}, vocab {a.vocab_size}",
+        f"parameters: {fp.parameters:,} exact; {fp.estimate:,} by 12*L*d^2 + embedding "
+        f"({fp.estimate / fp.parameters:.2f}x)",
+        f"weights as stored: {_size(fp.loaded_bytes)}",
+        "weight memory:",
+        f"  float32  {_size(fp.weight_bytes(32))}",
+        f"  16-bit   {_size(fp.weight_bytes(16))}  (float16 / bfloat16)",
+    ]
+    lines += [f"  {bits}-bit    {_size(fp.weight_bytes(bits))}  (group {WEIGHT_GROUP_SIZE})" for bits in WEIGHT_BITS]
+    act = fp.activation_bytes
+    lines.append(f"KV cache ({8 * act}-bit activations on this device), per token / at {context:,} tokens:")
+    for label, bits in (("float", None), *((f"{b}-bit", b) for b in KV_BITS)):
+        suffix = "" if bits is None else f"  (group {KV_GROUP_SIZE})"
+        lines.append(f"  {label:<7}  {_size(fp.kv_bytes_per_token(bits))} / {_size(fp.kv_bytes(context, bits))}{suffix}")
+    needed = fp.loaded_bytes + fp.kv_bytes(context)
+    ranks = ranks_needed(needed, memory)
+    verdict = "fits on this machine" if ranks == 1 else f"needs a pipeline of {ranks} machines like this one"
+    lines.append(
+        f"this machine: {_size(memory)}; weights as stored + float KV at {context:,} tokens = {_size(needed)}: {verdict}"
+    )
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Handler of ``mlxformer info``."""
+    from mlxformer.default_model import default_model_path
+    from mlxformer.errors import MlxformerError
+    from mlxformer.planning import footprint, machine_memory
+
+    if args.context < 1:
+        raise MlxformerError("--context must be positive")
+    fp = footprint(args.model if args.model else default_model_path())
+    print(format_report(fp, args.context, machine_memory()))
+    return 0

@@ -1,0 +1,15 @@
+"""Continuous-batching generation: several sequences decode in one forward pass.
+
+``Engine`` runs a background loop: each step it admits queued requests into free batch slots
+(at most ``max_batch``; the queue holds at most ``max_queue``), runs one prompt chunk of the
+oldest newcomer (reusing a cached prefix when a finished sequence shared one) and one decode
+step for every running sequence, then emits each sequence's ``TokenEvent``. Sequences keep
+their own sampling settings, seeds, stop strings, penalties and constraints; a finished one
+leaves at once. ``batch_generate`` completes a list of prompts this way.
+"""
+
+from mlxformer.engine.engine import Engine, RequestHandle, batch_generate
+from mlxformer.engine.scheduler import EngineOverloaded
+from mlxformer.engine.sequence import GenerationRequest, TokenEvent
+
+__all__ = ["Engine", "EngineOverloaded", "GenerationRequest", "RequestHandle", "TokenEvent", "batch_generate"]

@@ -1,0 +1,305 @@
+"""The engine: a background thread that loops schedule -> run -> postprocess, and the handles
+through which callers submit requests, iterate (or await) their tokens and cancel them."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import threading
+from collections import deque
+from typing import Any, AsyncIterator, Iterator, Sequence as Seq
+
+import mlx.core as mx
+
+from mlxformer.cache import CacheSettings, make_cache
+from mlxformer.engine.batch_runner import BatchRunner
+from mlxformer.engine.prefix_cache import PrefixCache
+from mlxformer.engine.scheduler import Scheduler, Step
+from mlxformer.engine.sequence import GenerationRequest, Sequence, Status, TokenEvent, check_request
+from mlxformer.generation import SamplingSettings, default_prefill_step
+from mlxformer.models.decoder import Model
+from mlxformer.tokenizer import Tokenizer
+
+
+class RequestHandle:
+    """A submitted request: iterate it (``for event in handle``, or ``async for`` over
+    ``handle.aiter()``) to get its ``TokenEvent``s; ``cancel()`` ends it and frees its slot."""
+
+    def __init__(self, engine: "Engine", sequence: Sequence) -> None:
+        self._engine = engine
+        self.sequence = sequence
+        self._events: deque[TokenEvent] = deque()
+        self._error: BaseException | None = None
+        self._cond = threading.Condition()
+        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
+
+    # called on the engine thread
+    def _put(self, event: TokenEvent | None = None, error: BaseException | None = None) -> None:
+        with self._cond:
+            if event is not None:
+                self._events.append(event)
+            if error is not None:
+                self._error = error
+            self._cond.notify_all()
+            waiters = list(self._waiters)
+        for loop, ready in waiters:
+            try:
+                loop.call_soon_threadsafe(ready.set)
+            except RuntimeError:  # the loop was closed
+                pass
+
+    def _pop(self) -> TokenEvent | None:
+        """The next event if any; raises the engine's error once the events are drained."""
+        if self._events:
+            return self._events.popleft()
+        if self._error is not None:
+            raise self._error
+        return None
+
+    def __iter__(self) -> Iterator[TokenEvent]:
+        while True:
+            with self._cond:
+                while (event := self._pop()) is None:
+                    self._cond.wait()
+            yield event
+            if event.finish_reason is not None:
+                return
+
+    async def aiter(self) -> AsyncIterator[TokenEvent]:
+        """The events as an async iterator (woken by the engine thread, no polling)."""
+        ready = asyncio.Event()
+        waiter = (asyncio.get_running_loop(), ready)
+        with self._cond:
+            self._waiters.append(waiter)
+        try:
+            while True:
+                ready.clear()
+                with self._cond:
+                    event = self._pop()
+                if event is None:
+                    await ready.wait()
+                    continue
+                yield event
+                if event.finish_reason is not None:
+                    return
+        finally:
+            with self._cond:
+                self._waiters.remove(waiter)
+
+    def cancel(self) -> None:
+        """Stop generating: the slot is freed before the engine's next step and the last event
+        has ``finish_reason == "cancelled"`` (unless the request had already finished)."""
+        self.sequence.cancelled = True
+        self._engine._notify()
+
+
+class Engine:
+    """Continuous-batching generation over one model: see the module docstring of ``mlxformer.engine``."""
+
+    def __init__(
+        self,
+        model: Model,
+        tokenizer: Tokenizer,
+        *,
+        max_batch: int = 8,
+        max_queue: int = 64,
+        cache_settings: CacheSettings | None = None,
+        prefix_cache_bytes: int = 512 * 2**20,
+        prefill_chunk: int | None = None,
+    ) -> None:
+        self.model, self.tokenizer = model, tokenizer
+        self.cache_settings = cache_settings or CacheSettings()
+        # Validate the settings in the caller's thread, and run one token through the model
+        # there: MLX arrays made lazily in a thread (weight views, for example) can only be
+        # evaluated by that thread, so the engine's thread must find them all evaluated.
+        mx.eval(model.last_logits(mx.array([[0]]), make_cache(model, self.cache_settings)))
+        self.scheduler = Scheduler(max_batch, max_queue, prefill_chunk or default_prefill_step())
+        self.prefix_cache = PrefixCache(prefix_cache_bytes)
+        self.runner = BatchRunner(model)
+        self.vocab_size = model.args.vocab_size
+        self._handles: dict[int, RequestHandle] = {}
+        self._wake = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+
+    # --- public API ---------------------------------------------------------------------
+
+    def start(self) -> "Engine":
+        """Start the background loop (idempotent)."""
+        with self._wake:
+            if self._thread is None or not self._thread.is_alive():
+                self._stopping = False
+                self._thread = threading.Thread(target=self._loop, name="mlxformer-engine", daemon=True)
+                self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop the loop and join it; requests still in flight end as cancelled."""
+        with self._wake:
+            self._stopping = True
+            self._wake.notify_all()
+            thread = self._thread
+        if thread is not None:
+            thread.join()
+        self._thread = None
+        for handle in list(self._handles.values()):
+            self._end(handle.sequence, "cancelled")
+
+    def __enter__(self) -> "Engine":
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    def submit(self, request: GenerationRequest) -> RequestHandle:
+        """Queue ``request``; raises ``EngineOverloaded`` when the queue is full and
+        ``MlxformerError`` on an invalid request."""
+        check_request(request, self.vocab_size)
+        sequence = Sequence(request, self.tokenizer.detokenizer(), self.tokenizer.eos_token_ids)
+        handle = RequestHandle(self, sequence)
+        with self._wake:
+            self.scheduler.add(sequence)
+            self._handles[id(sequence)] = handle
+            self._wake.notify_all()
+        return handle
+
+    @property
+    def active(self) -> int:
+        """Requests holding a batch slot."""
+        return self.scheduler.active
+
+    # --- the loop -------------------------------------------------------------------------
+
+    def _notify(self) -> None:
+        with self._wake:
+            self._wake.notify_all()
+
+    def _loop(self) -> None:
+        try:
+            self._serve()
+        finally:  # an MLX thread must release its streams before it ends, or exit may abort
+            mx.clear_streams()
+
+    def _serve(self) -> None:
+        while True:
+            with self._wake:
+                while not self._stopping and not self.scheduler.has_work():
+                    self._wake.wait()
+                if self._stopping:
+                    return
+            try:
+                self.step()
+            except Exception as exc:  # fail every request in flight, keep serving new ones
+                for handle in list(self._handles.values()):
+                    self.scheduler.release(handle.sequence)
+                    with self.scheduler.lock:
+                        if handle.sequence in self.scheduler.waiting:
+                            self.scheduler.waiting.remove(handle.sequence)
+                    self._handles.pop(id(handle.sequence), None)
+                    handle._put(error=exc)
+
+    def step(self) -> None:
+        """One engine step: drop cancelled, admit, run a prompt chunk and a decode step, emit."""
+        for sequence in self.scheduler.drop_cancelled_waiting():
+            self._end(sequence, "cancelled")
+        for sequence in self.scheduler.prefilling + self.scheduler.running:
+            if sequence.cancelled:
+                self._end(sequence, "cancelled")
+        for sequence in self.scheduler.admit():
+            self._attach_cache(sequence)
+        self._run(self.scheduler.plan())
+
+    def _attach_cache(self, sequence: Sequence) -> None:
+        hit = self.prefix_cache.lookup(sequence.prompt)
+        if hit is None:
+            sequence.cache = make_cache(self.model, self.cache_settings)
+        else:
+            sequence.cache, sequence.cached_tokens = hit
+            sequence.processed = sequence.cached_tokens
+
+    def _run(self, step: Step) -> None:
+        choices = []
+        if step.decode:
+            logits = self.runner.decode([s.last_token for s in step.decode], [s.cache for s in step.decode])
+            choices += [(s, *s.choose(logits[i : i + 1])) for i, s in enumerate(step.decode)]
+        if step.prefill is not None:
+            sequence = step.prefill
+            logits = self.runner.prefill(step.chunk, sequence.cache, step.last_chunk)
+            sequence.processed += len(step.chunk)
+            if logits is not None:
+                choices.append((sequence, *sequence.choose(logits)))
+                self.scheduler.start_decoding(sequence)
+        if not choices:
+            return
+        picked = []
+        for sequence, token, logprobs in choices:
+            k = sequence.request.logprobs
+            chosen = mx.take_along_axis(logprobs, token[:, None], axis=-1) if k is not None else None
+            top = mx.argsort(-logprobs, axis=-1)[:, :k] if k else None
+            picked.append((sequence, token, chosen, top, logprobs))
+        mx.eval([[t, c, i] for _, t, c, i, _ in picked if True])
+        for sequence, token, chosen, top, logprobs in picked:
+            top_pairs = None
+            if top is not None:
+                ids = top[0].tolist()
+                values = mx.take_along_axis(logprobs[0], top[0], axis=-1).tolist()
+                top_pairs = list(zip(ids, values))
+            elif chosen is not None:
+                top_pairs = []
+            event = sequence.accept(int(token.item()), float(chosen.item()) if chosen is not None else None, top_pairs)
+            handle = self._handles.get(id(sequence))
+            if sequence.status is Status.FINISHED:
+                self._retire(sequence)
+            if handle is not None:
+                handle._put(event)
+
+    def _retire(self, sequence: Sequence) -> None:
+        """Free a finished sequence's slot and offer its cache for prefix reuse."""
+        self.scheduler.release(sequence)
+        self._handles.pop(id(sequence), None)
+        if sequence.cache:
+            self.prefix_cache.insert(sequence.cache_tokens, sequence.cache)
+
+    def _end(self, sequence: Sequence, reason: str) -> None:
+        """End ``sequence`` early (cancelled) and tell its handle."""
+        handle = self._handles.get(id(sequence))
+        if sequence.status is not Status.WAITING:
+            sequence.finish(reason)
+            self._retire(sequence)
+        else:
+            sequence.finish(reason)
+            self._handles.pop(id(sequence), None)
+        if handle is not None:
+            handle._put(sequence.event("", None))
+
+
+def batch_generate(
+    model: Model,
+    tokenizer: Tokenizer,
+    prompts: Seq[str | Seq[int]],
+    max_tokens: int = 256,
+    *,
+    sampling: SamplingSettings = SamplingSettings(),
+    stop: Seq[str] = (),
+    cache_settings: CacheSettings | None = None,
+    max_batch: int = 8,
+    prefill_chunk: int | None = None,
+    prefix_cache_bytes: int = 512 * 2**20,
+    **sampling_kwargs: Any,
+) -> list[str]:
+    """Complete every prompt (raw text or token ids, no chat template) in one continuous batch;
+    returns the completions in order. Sampling may be given as ``sampling=`` or as keywords
+    (``temp``, ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty``, ``seed``)."""
+    if sampling_kwargs:
+        sampling = dataclasses.replace(sampling, **sampling_kwargs)
+    engine = Engine(
+        model, tokenizer, max_batch=max_batch, max_queue=max(len(prompts), 1), cache_settings=cache_settings,
+        prefix_cache_bytes=prefix_cache_bytes, prefill_chunk=prefill_chunk,
+    )
+    requests = [
+        GenerationRequest(tokenizer.encode(p) if isinstance(p, str) else list(p), max_tokens, sampling, stop)
+        for p in prompts
+    ]
+    with engine:
+        handles = [engine.submit(r) for r in requests]
+        return ["".join(event.text for event in handle) for handle in handles]

@@ -1,0 +1,211 @@
+"""One request's state in the engine: its tokens, cache, sampling, stop conditions and output."""
+
+from __future__ import annotations
+
+import enum
+import random
+from dataclasses import dataclass, field
+from typing import Sequence as Seq
+
+import mlx.core as mx
+
+from mlxformer.cache import Cache
+from mlxformer.errors import MlxformerError
+from mlxformer.generation import SamplingSettings
+from mlxformer.sampling import LogitsProcessor, TokenConstraint, make_logits_processors, make_sampler
+from mlxformer.stop import StopMatcher
+from mlxformer.tokenizer import StreamingDetokenizer
+
+
+@dataclass
+class GenerationRequest:
+    """What to generate: prompt token ids and per-request settings.
+
+    ``logprobs``: ``None`` reports none; ``k >= 0`` reports the chosen token's log-probability
+    and the ``k`` most likely alternatives. ``presence_penalty`` / ``frequency_penalty`` are
+    OpenAI's (subtracted from the logits of tokens already generated, once / per occurrence);
+    ``logit_bias`` adds to the given tokens' logits; ``constraint`` restricts the next tokens.
+    """
+
+    prompt_ids: list[int]
+    max_tokens: int = 256
+    sampling: SamplingSettings = SamplingSettings()
+    stop: Seq[str] = ()
+    logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    constraint: TokenConstraint | None = None
+
+
+@dataclass
+class TokenEvent:
+    """One step of a request's output: a text piece and the token it came from.
+
+    The last event has ``finish_reason`` set ("stop", "length" or "cancelled").
+    """
+
+    text: str
+    token: int | None
+    logprob: float | None
+    top_logprobs: list[tuple[int, float]] | None
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int  # prompt tokens served from the prefix cache
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"  # queued, not admitted
+    PREFILLING = "prefilling"  # admitted, prompt partly processed
+    RUNNING = "running"  # decoding
+    FINISHED = "finished"
+
+
+def check_request(request: GenerationRequest, vocab_size: int) -> None:
+    """Raise ``MlxformerError`` on a request the engine cannot run."""
+    if not request.prompt_ids:
+        raise MlxformerError("empty prompt: nothing to generate from")
+    if bad := [t for t in request.prompt_ids if not 0 <= t < vocab_size]:
+        raise MlxformerError(f"token id {bad[0]} is outside the vocabulary (size {vocab_size})")
+    if request.max_tokens < 1:
+        raise MlxformerError("max_tokens must be at least 1")
+    if request.logprobs is not None and request.logprobs < 0:
+        raise MlxformerError("logprobs must be >= 0")
+    s = request.sampling
+    if s.temp < 0 or not 0.0 < s.top_p <= 1.0 or s.top_k < 0 or not 0.0 <= s.min_p < 1.0:
+        raise MlxformerError("need temp >= 0, 0 < top_p <= 1, top_k >= 0 and 0 <= min_p < 1")
+    if s.repetition_penalty is not None and s.repetition_penalty <= 0:
+        raise MlxformerError("repetition penalty must be positive")
+
+
+def penalty_processor(presence: float, frequency: float, bias: dict[int, float] | None, prompt_len: int) -> LogitsProcessor:
+    """OpenAI's presence/frequency penalties over the generated tokens, plus the logit bias."""
+    bias_ids = mx.array(list(bias), dtype=mx.int32) if bias else None
+    bias_values = mx.array(list(bias.values()), dtype=mx.float32) if bias else None
+
+    def process(history: mx.array, logits: mx.array) -> mx.array:
+        generated = history[prompt_len:]
+        if generated.size and (presence or frequency):
+            counts = mx.zeros((logits.shape[-1],), mx.float32).at[generated].add(1.0)
+            logits = logits - (frequency * counts + presence * (counts > 0)).astype(logits.dtype)
+        if bias_ids is not None and bias_values is not None:
+            logits = logits.at[:, bias_ids].add(bias_values.astype(logits.dtype))
+        return logits
+
+    return process
+
+
+class Sequence:
+    """A request being served: prompt, generated tokens, its own caches, sampler and matchers."""
+
+    def __init__(self, request: GenerationRequest, detokenizer: StreamingDetokenizer, eos_ids: Seq[int]) -> None:
+        self.request = request
+        self.prompt = list(request.prompt_ids)
+        self.generated: list[int] = []
+        self.status = Status.WAITING
+        self.cache: list[Cache] = []
+        self.cached_tokens = 0  # prompt tokens reused from the prefix cache
+        self.processed = 0  # prompt tokens already in the cache
+        self.cancelled = False
+        self.finish_reason: str | None = None
+        s = request.sampling
+        self.sampler = make_sampler(s.temp, s.top_p, s.top_k, s.min_p)
+        self.greedy = s.temp == 0
+        self.processors = make_logits_processors(s.repetition_penalty)
+        if request.presence_penalty or request.frequency_penalty or request.logit_bias:
+            self.processors.append(penalty_processor(
+                request.presence_penalty, request.frequency_penalty, request.logit_bias, len(self.prompt)))
+        self.seed = s.seed if s.seed is not None else random.getrandbits(63)
+        self.key: mx.array | None = None  # made on first use, in the engine's thread
+        self.detokenizer = detokenizer
+        self.stops = StopMatcher(request.stop)
+        self.eos = set(eos_ids)
+
+    # --- tokens -------------------------------------------------------------------------
+
+    @property
+    def tokens(self) -> list[int]:
+        """Prompt then generated tokens."""
+        return self.prompt + self.generated
+
+    @property
+    def cache_tokens(self) -> list[int]:
+        """The tokens whose keys/values the cache holds."""
+        return self.tokens[: self.cache[0].offset] if self.cache else []  # type: ignore[index]
+
+    @property
+    def last_token(self) -> int:
+        return self.generated[-1]
+
+    # --- choosing the next token ----------------------------------------------------------
+
+    def choose(self, logits: mx.array) -> tuple[mx.array, mx.array]:
+        """Next token ``(1,)`` and the processed log-probabilities ``(1, vocab)`` from logits ``(1, vocab)``
+        (lazy: the caller evaluates the whole batch at once)."""
+        if self.processors:
+            history = mx.array(self.tokens)
+            for process in self.processors:
+                logits = process(history, logits)
+        constraint = self.request.constraint
+        if constraint is not None and (allowed := constraint.next_mask()) is not None:
+            vocab = logits.shape[-1]
+            if allowed.shape[0] < vocab:
+                allowed = mx.concatenate([allowed, mx.zeros((vocab - allowed.shape[0],), mx.bool_)])
+            logits = mx.where(allowed[:vocab], logits, mx.array(-mx.inf, logits.dtype))
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        if self.greedy:
+            return mx.argmax(logprobs, axis=-1), logprobs
+        if self.key is None:
+            self.key = mx.random.key(self.seed)
+        self.key, draw = mx.random.split(self.key)
+        return self.sampler(logprobs, draw), logprobs  # type: ignore[call-arg]
+
+    # --- output -------------------------------------------------------------------------
+
+    def accept(self, token: int, logprob: float | None, top: list[tuple[int, float]] | None) -> TokenEvent:
+        """Record the chosen ``token`` and return its event (finished when a stop condition hit)."""
+        self.generated.append(token)
+        if self.request.constraint is not None:
+            self.request.constraint.advance(token)
+        reason: str | None = None
+        if token in self.eos:
+            text, reason = self._final(), "stop"
+        else:
+            text, stopped = self.stops.feed(self.detokenizer.add_token(token))
+            if stopped:
+                reason = "stop"
+            elif self.request.constraint is not None and self.request.constraint.done:
+                text, reason = text + self._final(), "stop"
+            elif len(self.generated) >= self.request.max_tokens:
+                text, reason = text + self._final(), "length"
+        if reason is not None:
+            self.finish(reason)
+        return self.event(text, token, logprob, top)
+
+    def _final(self) -> str:
+        """Text still held back: the detokenizer's tail, then the stop matcher's."""
+        piece, _ = self.stops.feed(self.detokenizer.finalize())
+        return piece + self.stops.flush()
+
+    def finish(self, reason: str) -> None:
+        self.status = Status.FINISHED
+        self.finish_reason = reason
+
+    def event(
+        self, text: str, token: int | None, logprob: float | None = None, top: list[tuple[int, float]] | None = None
+    ) -> TokenEvent:
+        return TokenEvent(
+            text=text, token=token, logprob=logprob, top_logprobs=top, finish_reason=self.finish_reason,
+            prompt_tokens=len(self.prompt), completion_tokens=len(self.generated), cached_tokens=self.cached_tokens,
+        )
+
+
+@dataclass
+class Choice:
+    """A sampled token with its (lazy) log-probabilities, before evaluation."""
+
+    sequence: Sequence
+    token: mx.array
+    logprobs: mx.array
+    top: mx.array | None = field(default=None)
