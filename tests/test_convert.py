@@ -135,10 +135,7 @@ def quality(smollm_hf_dir, tmp_path_factory):
     evaluator = measure.TorchLogits(smollm_hf_dir, float_state)
 
     def ppl(state) -> float:
-        import torch
-
-        evaluator.model.load_state_dict({k: torch.from_numpy(v) for k, v in state.items()}, strict=False)
-        evaluator.model.tie_weights()
+        evaluator.load(state)  # strict: every weight of the model replaced, no key left over
         return perplexity(evaluator, ids, context=256, stride=256)
 
     dirs = {
