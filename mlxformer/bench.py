@@ -14,6 +14,8 @@ from mlxformer.errors import MlxformerError
 from mlxformer.generation import generate_tokens
 from mlxformer.models.decoder import Model
 from mlxformer.sampling import greedy
+from mlxformer.speculative import SpeculativeSettings, SpeculativeStats, make_proposer, speculative_tokens
+from mlxformer.tokenizer import Tokenizer
 
 # A token stream: given a prompt (T,) and a count, yields that many generated token ids.
 TokenLoop = Callable[[mx.array, int], Iterator[int]]
@@ -28,10 +30,16 @@ class Trial:
     prefill_tps: float
     decode_tps: float
     peak_memory_gb: float
+    proposed_tokens: int = 0  # speculative decoding only
+    accepted_tokens: int = 0
 
 
-def measure(token_loop: TokenLoop, prompt: mx.array, generation_tokens: int) -> Trial:
-    """Time ``token_loop``: prefill = time to the first token, decode = the rest per token."""
+def measure(
+    token_loop: TokenLoop, prompt: mx.array, generation_tokens: int, stats: SpeculativeStats | None = None
+) -> Trial:
+    """Time ``token_loop``: prefill = time to the first token, decode = the rest per token.
+    ``stats``, if the loop speculates into it, gives the trial's proposed/accepted counts."""
+    before = (stats.proposed, stats.accepted) if stats is not None else (0, 0)
     mx.synchronize()
     mx.reset_peak_memory()
     start = time.perf_counter()
@@ -47,15 +55,27 @@ def measure(token_loop: TokenLoop, prompt: mx.array, generation_tokens: int) -> 
         prefill_tps=prompt.size / (first - start),
         decode_tps=(count - 1) / (end - first) if count > 1 else 0.0,
         peak_memory_gb=mx.get_peak_memory() / 1e9,
+        proposed_tokens=stats.proposed - before[0] if stats is not None else 0,
+        accepted_tokens=stats.accepted - before[1] if stats is not None else 0,
     )
 
 
-def mlxformer_loop(model: Model, settings: CacheSettings | None = None) -> TokenLoop:
-    """mlxformer's greedy generation loop over a fresh cache (eos is not checked)."""
+def mlxformer_loop(
+    model: Model,
+    settings: CacheSettings | None = None,
+    speculative: SpeculativeSettings | None = None,
+    tokenizer: Tokenizer | None = None,
+    stats: SpeculativeStats | None = None,
+) -> TokenLoop:
+    """mlxformer's greedy generation loop over a fresh cache (eos is not checked); with
+    ``speculative`` (and the target's ``tokenizer``), the speculative loop counting into ``stats``."""
 
     def loop(prompt: mx.array, n: int) -> Iterator[int]:
         cache = make_cache(model, settings)
-        return generate_tokens(model, prompt, cache, greedy, (), n)
+        if speculative is None or tokenizer is None:
+            return generate_tokens(model, prompt, cache, greedy, (), n)
+        proposer = make_proposer(speculative, tokenizer, prompt.tolist(), None, settings)
+        return speculative_tokens(model, prompt, cache, proposer, None, (), n, speculative.num_draft_tokens, stats)
 
     return loop
 
@@ -73,23 +93,29 @@ def median_trial(trials: list[Trial]) -> Trial:
         prefill_tps=statistics.median(t.prefill_tps for t in trials),
         decode_tps=statistics.median(t.decode_tps for t in trials),
         peak_memory_gb=statistics.median(t.peak_memory_gb for t in trials),
+        proposed_tokens=sum(t.proposed_tokens for t in trials),
+        accepted_tokens=sum(t.accepted_tokens for t in trials),
     )
 
 
 def run_benchmark(
     model: Model, settings: CacheSettings | None, prompt_tokens: int, generation_tokens: int, trials: int,
     on_trial: Callable[[Trial], None] | None = None,
+    speculative: SpeculativeSettings | None = None,
+    tokenizer: Tokenizer | None = None,
 ) -> tuple[list[Trial], Trial]:
     """Warm up, then ``trials`` greedy generations of ``generation_tokens`` after a random
-    ``prompt_tokens`` prompt; returns every trial and their median."""
+    ``prompt_tokens`` prompt; returns every trial and their median (whose proposed/accepted
+    counts are the trials' sums)."""
     if prompt_tokens < 1 or generation_tokens < 2 or trials < 1:
         raise MlxformerError("need --prompt-tokens >= 1, --generation-tokens >= 2 and --trials >= 1")
-    loop = mlxformer_loop(model, settings)
+    stats = SpeculativeStats()
+    loop = mlxformer_loop(model, settings, speculative, tokenizer, stats)
     prompt = random_prompt(model.args.vocab_size, prompt_tokens)
     measure(loop, prompt[:16], 4)  # warm-up
     results = []
     for _ in range(trials):
-        results.append(measure(loop, prompt, generation_tokens))
+        results.append(measure(loop, prompt, generation_tokens, stats))
         if on_trial is not None:
             on_trial(results[-1])
     return results, median_trial(results)

@@ -7,12 +7,14 @@ tokenizes differently), and prefills only the rest.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Iterator, Sequence
 
 from mlxformer.cache import Cache, CacheSettings, make_cache
 from mlxformer.errors import MlxformerError
 from mlxformer.generation import GenerationResponse, SamplingSettings, stream_generate
 from mlxformer.models.decoder import Model
+from mlxformer.speculative import SpeculativeSettings
 from mlxformer.cache.files import load_prompt_cache_file, save_prompt_cache
 from mlxformer.tokenizer import Tokenizer
 
@@ -39,12 +41,15 @@ class ChatSession:
         cache_settings: CacheSettings | None = None,
         max_tokens: int = 256,
         stop: Sequence[str] = (),
+        speculative: SpeculativeSettings | None = None,
     ) -> None:
         if not tokenizer.chat_template:
             raise MlxformerError("chat needs a model whose tokenizer has a chat template")
         self.model, self.tokenizer = model, tokenizer
+        if speculative is not None:  # rotating caches keep enough beyond their window to rewind
+            cache_settings = dataclasses.replace(cache_settings or CacheSettings(), rewind=speculative.num_draft_tokens)
         self.system, self.sampling, self.settings = system, sampling, cache_settings
-        self.max_tokens, self.stop = max_tokens, tuple(stop)
+        self.max_tokens, self.stop, self.speculative = max_tokens, tuple(stop), speculative
         self.last_prefill_tokens = 0
         self.reset()
 
@@ -85,7 +90,7 @@ class ChatSession:
         try:
             for response in stream_generate(
                 self.model, self.tokenizer, ids[reused:], self.max_tokens,
-                sampling=self.sampling, stop=self.stop, cache=self.cache,
+                sampling=self.sampling, stop=self.stop, cache=self.cache, speculative=self.speculative,
             ):
                 pieces.append(response.text)
                 if response.token is not None:

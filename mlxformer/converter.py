@@ -287,7 +287,7 @@ class _Job:
             config["quantization_config"] = dict(quantization)
         (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
         if self.source.gguf_metadata is not None:
-            load_tokenizer_from_gguf(self.source.gguf_metadata).save(directory)
+            load_tokenizer_from_gguf(self.source.gguf_metadata).save(directory, generation_config=True)
         elif self.source.directory is not None:
             for name in TOKENIZER_FILES:
                 if (self.source.directory / name).is_file():

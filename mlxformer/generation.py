@@ -11,25 +11,16 @@ from typing import Any, Iterator, Sequence
 import mlx.core as mx
 
 from mlxformer.cache import Cache, CacheSettings, make_cache
-from mlxformer.device import on_cpu
+from mlxformer.constrained import make_constraint
 from mlxformer.errors import MlxformerError
 from mlxformer.models.decoder import Model
-from mlxformer.sampling import LogitsProcessor, Sampler, make_logits_processors, make_sampler
+from mlxformer.sampling import (
+    LogitsProcessor, Sampler, TokenConstraint, make_distribution, make_logits_processors, make_sampler,
+)
+from mlxformer.speculative import SpeculativeSettings, SpeculativeStats, make_proposer, speculative_tokens
+from mlxformer.steps import decode_step, default_prefill_step, prefill  # noqa: F401 (re-exported)
 from mlxformer.stop import StopMatcher
 from mlxformer.tokenizer import StreamingDetokenizer, Tokenizer
-
-# Prompt tokens per prefill chunk. On the CPU device smaller chunks are as fast or faster
-# (cache-friendly matmuls) and cut the activations' peak memory (measured on SmolLM2, 256
-# tokens: 128-token chunks +19 MB over the weights vs +26 MB at 256, same tok/s); a GPU
-# wants large chunks to fill the device.
-GPU_PREFILL_STEP = 512
-CPU_PREFILL_STEP = 128
-
-
-def default_prefill_step() -> int:
-    """Prefill chunk size for the default device."""
-    return CPU_PREFILL_STEP if on_cpu() else GPU_PREFILL_STEP
-
 
 @dataclass(frozen=True)
 class SamplingSettings:
@@ -55,31 +46,18 @@ class GenerationResponse:
     generation_tps: float
     peak_memory_gb: float
     finish_reason: str | None = None  # "stop" (eos or stop string), "length", or None while running
-
-
-def prefill(model: Model, tokens: mx.array, cache: Sequence[Cache], step_size: int | None = None) -> mx.array:
-    """Run ``tokens`` (T,) through the model in chunks of ``step_size`` (default:
-    ``default_prefill_step()``); return the last logits (1, vocab)."""
-    step_size = step_size or default_prefill_step()
-    if tokens.size == 0:
-        raise MlxformerError("empty prompt: nothing to generate from")
-    while tokens.size > step_size:
-        model.hidden_states(tokens[None, :step_size], cache)
-        mx.eval([c.state for c in cache])
-        tokens = tokens[step_size:]
-    return model.last_logits(tokens[None], cache)
-
-
-def decode_step(model: Model, token: mx.array, cache: Sequence[Cache]) -> mx.array:
-    """One token (1,) in, next-token logits (1, vocab) out."""
-    return model.last_logits(token[None], cache)
+    proposed_tokens: int = 0  # speculative decoding: tokens proposed so far
+    accepted_tokens: int = 0  # ... and accepted by the target
 
 
 def _choose(
-    logits: mx.array, history: mx.array, sampler: Sampler, processors: Sequence[LogitsProcessor]
+    logits: mx.array, history: mx.array, sampler: Sampler, processors: Sequence[LogitsProcessor],
+    allowed: mx.array | None = None,
 ) -> tuple[mx.array, mx.array]:
     for process in processors:
         logits = process(history, logits)
+    if allowed is not None:  # (vocab,) bool from a TokenConstraint
+        logits = mx.where(allowed, logits, -float("inf"))
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     return sampler(logprobs), logprobs
 
@@ -92,9 +70,17 @@ def generate_tokens(
     processors: Sequence[LogitsProcessor] = (),
     max_tokens: int = 256,
     prefill_step_size: int | None = None,
+    constraint: TokenConstraint | None = None,
 ) -> Iterator[int]:
     """Yield up to ``max_tokens`` token ids; the next step is queued with ``mx.async_eval``
-    before the current token is handed to the caller, so the device never waits on Python."""
+    before the current token is handed to the caller, so the device never waits on Python.
+
+    With a ``constraint``, each token is sampled among the ones it allows and reported to it;
+    generation ends when the constraint is ``done``."""
+    if constraint is not None:
+        yield from _constrained_tokens(model, prompt, cache, sampler, processors, max_tokens, prefill_step_size,
+                                       constraint)
+        return
     history = prompt
     token, _ = _choose(prefill(model, prompt, cache, prefill_step_size), history, sampler, processors)
     mx.async_eval(token)
@@ -107,6 +93,39 @@ def generate_tokens(
         yield int(token.item())
         if n + 1 < max_tokens:
             token = next_token
+
+
+def _constrained_tokens(
+    model: Model,
+    prompt: mx.array,
+    cache: Sequence[Cache],
+    sampler: Sampler,
+    processors: Sequence[LogitsProcessor],
+    max_tokens: int,
+    prefill_step_size: int | None,
+    constraint: TokenConstraint,
+) -> Iterator[int]:
+    """``generate_tokens`` under a constraint. The mask of step n+1 needs token n, so the step's
+    forward pass is queued first and the mask is computed on the CPU while the device runs it."""
+    history = prompt
+    logits = prefill(model, prompt, cache, prefill_step_size)
+    mx.async_eval(logits)
+    token, _ = _choose(logits, history, sampler, processors, constraint.next_mask())
+    mx.async_eval(token)
+    for n in range(max_tokens):
+        value = int(token.item())
+        constraint.advance(value)
+        more = n + 1 < max_tokens and not constraint.done
+        if more:
+            if processors:
+                history = mx.concatenate([history, token])
+            logits = decode_step(model, token, cache)
+            mx.async_eval(logits)
+            token, _ = _choose(logits, history, sampler, processors, constraint.next_mask())
+            mx.async_eval(token)
+        yield value
+        if not more:
+            return
 
 
 def _peak_memory_gb() -> float:
@@ -124,6 +143,11 @@ def stream_generate(
     cache: Sequence[Cache] | None = None,
     cache_settings: CacheSettings | None = None,
     prefill_step_size: int | None = None,
+    speculative: SpeculativeSettings | None = None,
+    response_format: dict[str, Any] | None = None,
+    regex: str | None = None,
+    grammar: str | None = None,
+    constraint: TokenConstraint | None = None,
     **sampling_kwargs: float | int | None,
 ) -> Iterator[GenerationResponse]:
     """Stream a completion of ``prompt`` (raw text or token ids; no chat template is applied).
@@ -131,10 +155,24 @@ def stream_generate(
     Sampling may be given as ``sampling=SamplingSettings(...)`` or as keywords
     (``temp``, ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty``, ``seed``). Pass a
     ``cache`` to continue from earlier turns; otherwise a new one is made from ``cache_settings``.
+    ``speculative`` turns on prompt-lookup or draft-model decoding (same greedy output).
     Each response carries the new text piece and token; the last one has ``finish_reason`` set.
+
+    Structured output: ``response_format`` (a JSON Schema, or ``{"type": "json_object"}``),
+    ``regex`` or ``grammar`` (Lark or GBNF) constrain the text; it then ends with ``"stop"`` once
+    complete, or ``"length"`` if ``max_tokens`` cut it short. A prebuilt ``constraint``
+    (``mlxformer.constrained.make_constraint``) may be passed instead.
     """
     if sampling_kwargs:
         sampling = dataclasses.replace(sampling, **sampling_kwargs)
+    if response_format is not None or regex is not None or grammar is not None:
+        if constraint is not None:
+            raise MlxformerError("give either constraint or response_format/regex/grammar")
+        constraint = make_constraint(
+            tokenizer, model.args.vocab_size, response_format=response_format, regex=regex, grammar=grammar
+        )
+    if constraint is not None and speculative is not None:
+        raise MlxformerError("structured output is not supported with speculative decoding")
     ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
     if not ids:
         raise MlxformerError("empty prompt: nothing to generate from")
@@ -142,6 +180,8 @@ def stream_generate(
         raise MlxformerError("max_tokens must be at least 1")
     if sampling.seed is not None:
         mx.random.seed(sampling.seed)
+    if speculative is not None:  # rotating caches keep enough beyond their window to rewind a round
+        cache_settings = dataclasses.replace(cache_settings or CacheSettings(), rewind=speculative.num_draft_tokens)
     if cache is None:
         cache = make_cache(model, cache_settings)
     sampler = make_sampler(sampling.temp, sampling.top_p, sampling.top_k, sampling.min_p)
@@ -155,7 +195,18 @@ def stream_generate(
     prompt_tps = generation_tps = 0.0
     decode_start = start
     n = 0
-    tokens = generate_tokens(model, mx.array(ids), cache, sampler, processors, max_tokens, prefill_step_size)
+    spec_stats = SpeculativeStats()
+    if speculative is None:
+        tokens = generate_tokens(
+            model, mx.array(ids), cache, sampler, processors, max_tokens, prefill_step_size, constraint
+        )
+    else:
+        distribution = make_distribution(sampling.temp, sampling.top_p, sampling.top_k, sampling.min_p) if sampling.temp > 0 else None
+        proposer = make_proposer(speculative, tokenizer, ids, distribution, cache_settings)
+        tokens = speculative_tokens(
+            model, mx.array(ids), cache, proposer, distribution, processors, max_tokens,
+            speculative.num_draft_tokens, spec_stats, prefill_step_size,
+        )
     for n, token in enumerate(tokens, start=1):
         now = time.perf_counter()
         if n == 1:
@@ -166,13 +217,15 @@ def stream_generate(
         stats = dict(
             prompt_tokens=len(ids), prompt_tps=prompt_tps, generation_tokens=n,
             generation_tps=generation_tps, peak_memory_gb=_peak_memory_gb(),
+            proposed_tokens=spec_stats.proposed, accepted_tokens=spec_stats.accepted,
         )
         if token in eos:
             yield GenerationResponse(_final(detokenizer, stops), token, finish_reason="stop", **stats)
             return
         piece, stopped = stops.feed(detokenizer.add_token(token))
-        if stopped:
-            yield GenerationResponse(piece, token, finish_reason="stop", **stats)
+        if stopped or (constraint is not None and constraint.done):
+            tail = "" if stopped else _final(detokenizer, stops)
+            yield GenerationResponse(piece + tail, token, finish_reason="stop", **stats)
             return
         if n == max_tokens:
             yield GenerationResponse(piece + _final(detokenizer, stops), token, finish_reason="length", **stats)

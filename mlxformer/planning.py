@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from mlxformer.errors import MlxformerError
-from mlxformer.formats.gguf import GGUF_GROUP_SIZE, QUANT_BITS, _hf_name, _quantization_config, config_from_metadata
+from mlxformer.formats.gguf import _hf_name, _quantization_config, config_from_metadata, loaded_nbytes
 from mlxformer.formats.gguf_header import read_gguf_header
 from mlxformer.formats.hub import resolve_source
 from mlxformer.formats.safetensors import _DTYPE_BYTES, read_config, read_safetensors_header, safetensors_files
@@ -117,10 +117,10 @@ def _gguf_footprint(path: Path) -> Footprint:
     types = {t.name: t.type_name for t in header.tensors}
     entries, float_bytes = [], 4
     for t in header.tensors:
-        bits = QUANT_BITS.get(t.type_name)
-        if bits is not None:
-            loaded = t.size * bits // 8 + t.size // GGUF_GROUP_SIZE * 4  # MLX triplet: packed + f16 scale, bias
-        else:
+        if t.name == "rope_freqs.weight":  # rope frequency factors: config, not a weight
+            continue
+        loaded = loaded_nbytes(t.type_name, t.size)  # MLX triplet: packed codes + scale, bias per group
+        if loaded is None:
             loaded = t.nbytes
             if len(t.shape) == 2:
                 float_bytes = t.nbytes // max(t.size, 1)

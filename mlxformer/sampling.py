@@ -12,6 +12,7 @@ import mlx.core as mx
 
 Sampler = Callable[[mx.array], mx.array]
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
+Distribution = Callable[[mx.array], mx.array]  # logits (B, vocab) -> probabilities (B, vocab)
 
 
 class TokenConstraint(Protocol):
@@ -95,6 +96,18 @@ def sampling_logits(logprobs: mx.array, temp: float, top_p: float = 1.0, top_k: 
     temperature (llama.cpp's order: the filters see the untempered distribution)."""
     logprobs = keep_min_p(keep_top_p(keep_top_k(logprobs, top_k), top_p), min_p)
     return logprobs * (1.0 / temp)
+
+
+def make_distribution(temp: float, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0) -> Distribution:
+    """The probabilities ``make_sampler(temp, ...)`` draws from (``temp > 0``), from logits."""
+    if temp <= 0:
+        raise ValueError("a sampling distribution needs temp > 0")
+
+    def distribution(logits: mx.array) -> mx.array:
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        return mx.softmax(sampling_logits(logprobs, temp, top_p, top_k, min_p), axis=-1)
+
+    return distribution
 
 
 def repetition_penalty_processor(penalty: float, context: int = REPETITION_CONTEXT) -> LogitsProcessor:

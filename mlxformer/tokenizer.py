@@ -81,13 +81,23 @@ class HFBackend:
 class SPMBackend:
     """A SentencePiece model used through the `sentencepiece` library itself."""
 
-    def __init__(self, proto: bytes, add_bos_token: bool | None = None, add_eos_token: bool = False) -> None:
+    def __init__(
+        self, proto: bytes, add_bos_token: bool | None = None, add_eos_token: bool = False, legacy: bool = False
+    ) -> None:
         self.sp = spm.SentencePieceProcessor(model_proto=proto)
-        self._proto = proto
+        self.model_proto = proto  # the serialized tokenizer.model
         self.add_bos_token = True if add_bos_token is None else add_bos_token  # SentencePiece/LLaMA default
         self.add_eos_token = add_eos_token
+        self.legacy = legacy
         n = self.sp.get_piece_size()
         self._control = frozenset(i for i in range(n) if self.sp.is_control(i))
+        # Control and unknown pieces written in the text ("<s>", "</s>", "<unk>") encode to their
+        # ids, as transformers' added special tokens do; sentencepiece would spell them out.
+        specials = {self.sp.id_to_piece(i): i for i in range(n) if self.sp.is_control(i) or self.sp.is_unknown(i)}
+        self._specials = {piece: i for piece, i in specials.items() if piece}
+        pattern = "|".join(re.escape(p) for p in sorted(self._specials, key=len, reverse=True))
+        self._special_split = re.compile(f"({pattern})") if pattern else None
+        self._no_prefix = _without_dummy_prefix(proto)
         # A one-character piece that decodes to itself: decoding `[sentinel] + run` and dropping the
         # sentinel keeps the spaces sentencepiece would strip at the very start of the text.
         self._sentinel = next(
@@ -101,12 +111,25 @@ class SPMBackend:
         return not (sp.is_control(i) or sp.is_unknown(i) or sp.is_unused(i) or sp.is_byte(i))
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        ids = self.sp.encode(text)
+        parts = self._special_split.split(text) if self._special_split else [text]
+        ids: list[int] = []
+        for k, part in enumerate(parts):  # text, special, text, special, ..., text
+            if k % 2:
+                ids.append(self._specials[part])
+            elif part:
+                ids += self._encode_text(part, first=k == 0)
         if add_special_tokens and self.add_bos_token and self.sp.bos_id() >= 0:
             ids = [self.sp.bos_id()] + ids
         if add_special_tokens and self.add_eos_token and self.sp.eos_id() >= 0:
             ids = ids + [self.sp.eos_id()]
         return ids
+
+    def _encode_text(self, text: str, first: bool) -> list[int]:
+        """sentencepiece on text between special tokens. After a special token, transformers'
+        Llama tokenizer adds the dummy-prefix space only in legacy mode, and never before a space."""
+        if first or (self.legacy and not text.startswith(" ")):
+            return self.sp.encode(text)
+        return self._no_prefix.encode(text)
 
     def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
         # sentencepiece drops control tokens; show them as text unless asked to skip, like transformers.
@@ -144,7 +167,17 @@ class SPMBackend:
         return False  # sentencepiece decodes bytes locally: trailing U+FFFD handling is enough
 
     def save(self, directory: pathlib.Path) -> None:
-        (directory / "tokenizer.model").write_bytes(self._proto)
+        (directory / "tokenizer.model").write_bytes(self.model_proto)
+
+
+def _without_dummy_prefix(proto: bytes) -> spm.SentencePieceProcessor:
+    """The model of ``proto`` with ``add_dummy_prefix`` off (as transformers' LlamaTokenizer builds it)."""
+    from sentencepiece import sentencepiece_model_pb2
+
+    model = sentencepiece_model_pb2.ModelProto()
+    model.ParseFromString(proto)
+    model.normalizer_spec.add_dummy_prefix = False
+    return spm.SentencePieceProcessor(model_proto=model.SerializeToString())
 
 
 def _template_processor(tok: HFTokenizer, bos: str | None, eos: str | None) -> processors.TemplateProcessing:
@@ -168,6 +201,8 @@ class Tokenizer:
         self.eos_token_ids = list(dict.fromkeys(eos_token_ids))
         self.chat_template = chat_template
         self.special_tokens = dict(special_tokens or {})  # bos_token/eos_token/unk_token/pad_token -> text
+        # n_vocab -> llguidance.LLTokenizer, built on first use by mlxformer.constrained.vocab
+        self.grammar_tokenizers: dict[int, Any] = {}
 
     @property
     def vocab_size(self) -> int:
@@ -181,12 +216,13 @@ class Tokenizer:
         return self.backend.encode(text, add_special_tokens)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
-        """Text for `ids`."""
+        """Text for `ids`. Ids past the vocabulary (the padding rows some models' embeddings have
+        beyond the tokenizer, e.g. Qwen2.5) decode to "", as in transformers."""
         ids = [int(i) for i in ids]
+        if bad := [i for i in ids if i < 0]:
+            raise MlxformerError(f"token id {bad[0]} is negative")
         vocab = self.backend.vocab_size()
-        if bad := [i for i in ids if not 0 <= i < vocab]:
-            raise MlxformerError(f"token id {bad[0]} is outside the vocabulary (size {vocab})")
-        return self.backend.decode(ids, skip_special_tokens)
+        return self.backend.decode([i for i in ids if i < vocab], skip_special_tokens)
 
     def token_to_id(self, token: str) -> int | None:
         """The id of a single token string, or None."""
@@ -221,14 +257,17 @@ class Tokenizer:
             return self.encode(text, add_special_tokens=False)
         return self.encode(prompt)
 
-    def save(self, directory: pathlib.Path) -> None:
-        """Write tokenizer.json (or tokenizer.model) + tokenizer_config.json loadable by transformers and us."""
+    def save(self, directory: pathlib.Path, generation_config: bool = False) -> None:
+        """Write tokenizer.json (or tokenizer.model) + tokenizer_config.json loadable by transformers and us;
+        with ``generation_config``, also generation_config.json with every end-of-sequence id (eos and
+        end-of-turn), which transformers, mlx-lm and our loader read."""
         directory = pathlib.Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         self.backend.save(directory)
         config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False}
         if isinstance(self.backend, SPMBackend):
             config["tokenizer_class"] = "LlamaTokenizer"
+            config["legacy"] = self.backend.legacy
         config.update(self.special_tokens)
         if self.backend.add_bos_token is not None:
             config["add_bos_token"] = self.backend.add_bos_token
@@ -237,6 +276,11 @@ class Tokenizer:
             config["chat_template"] = self.chat_template
         text = json.dumps(config, indent=2, ensure_ascii=False)
         (directory / "tokenizer_config.json").write_text(text + "\n", encoding="utf-8")
+        if generation_config:
+            ids: dict[str, Any] = {"eos_token_id": self.eos_token_ids}
+            if self.bos_token_id is not None:
+                ids = {"bos_token_id": self.bos_token_id, **ids}
+            (directory / "generation_config.json").write_text(json.dumps(ids, indent=2) + "\n", encoding="utf-8")
 
 
 def _raise_exception(message: str) -> None:
@@ -312,7 +356,10 @@ def load_tokenizer_from_dir(path: pathlib.Path) -> Tokenizer:
             raise MlxformerError(f"cannot load {path / 'tokenizer.json'}: {exc}") from exc
         backend = HFBackend(tok, add_bos, add_eos, special.get("bos_token"), special.get("eos_token"))
     elif (path / "tokenizer.model").is_file():
-        backend = SPMBackend((path / "tokenizer.model").read_bytes(), add_bos, add_eos)
+        legacy = config.get("legacy", False)  # transformers' default for LlamaTokenizer
+        if not isinstance(legacy, bool):
+            raise MlxformerError(f"{path / 'tokenizer_config.json'}: legacy must be true or false")
+        backend = SPMBackend((path / "tokenizer.model").read_bytes(), add_bos, add_eos, legacy)
         sp = backend.sp
         for key, sp_id in (("bos_token", sp.bos_id()), ("eos_token", sp.eos_id()), ("unk_token", sp.unk_id())):
             if sp_id >= 0:

@@ -107,10 +107,45 @@ def test_gguf_converts_exactly_and_dequantizes(smollm_gguf, tmp_path):
     converted, tokenizer = load(out, dtype=mx.float32)
     np.testing.assert_array_equal(_logits(converted), expected)  # packed values kept as they are
     assert tokenizer.encode("The capital of France") == load(smollm_gguf)[1].encode("The capital of France")
+    assert set(tokenizer.eos_token_ids) == _gguf_end_ids(smollm_gguf) == {2}  # SmolLM2 declares only eos
 
     floats = convert(out, tmp_path / "dequantized", dequantize=True, dtype="float32", progress=False)
     assert "quantization" not in json.loads((floats / "config.json").read_text())
     np.testing.assert_allclose(_logits(load(floats)[0]), expected, atol=1e-3, rtol=1e-3)
+
+
+def _gguf_end_ids(path: Path) -> set[int]:
+    """The end-of-generation ids a GGUF declares (eos, eot, eom), read with gguf-py."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+    return {int(reader.fields[k].contents()) for k in keys if k in reader.fields}
+
+
+def test_gguf_end_of_turn_ids_survive_conversion(tmp_path):
+    """A GGUF with eot and eom ids (llama 3.x style) converts to a generation_config.json whose
+    eos_token_id list mlxformer, mlx-lm and transformers all read back as the GGUF's end ids."""
+    import gguf
+    from gguf_helpers import write_gguf_from_hf
+    from mlx_lm import load as mlx_lm_load
+    from transformers import GenerationConfig
+
+    _, hf_model = write_tiny_checkpoint(tmp_path / "hf", "llama")
+
+    def end_of_turn(writer: gguf.GGUFWriter) -> None:
+        writer.add_eot_token_id(200)
+        writer.add_eom_token_id(201)
+
+    source = tmp_path / "tiny.gguf"
+    write_gguf_from_hf(source, hf_model, "llama", lambda name, shape: gguf.GGMLQuantizationType.F32, end_of_turn)
+    expected = _gguf_end_ids(source)
+    assert expected == {1, 200, 201}
+    assert set(load(source)[1].eos_token_ids) == expected
+    out = convert(source, tmp_path / "converted", progress=False)
+    assert set(load(out)[1].eos_token_ids) == expected
+    assert set(mlx_lm_load(str(out))[1].eos_token_ids) == expected
+    assert set(GenerationConfig.from_pretrained(str(out)).eos_token_id) == expected
 
 
 # ---------------------------------------------------------------------------- quality (real model)
@@ -290,8 +325,8 @@ def _write_unsupported_gguf(path: Path) -> None:
 
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_block_count(1)
-    raw = np.zeros((4, 210), dtype=np.uint8)  # 4 rows of one 256-weight Q6_K block (210 bytes) each
-    writer.add_tensor("blk.0.ffn_down.weight", raw, raw_dtype=gguf.GGMLQuantizationType.Q6_K)
+    raw = np.zeros((4, 66), dtype=np.uint8)  # 4 rows of one 256-weight IQ2_XXS block (66 bytes) each
+    writer.add_tensor("blk.0.ffn_down.weight", raw, raw_dtype=gguf.GGMLQuantizationType.IQ2_XXS)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -325,7 +360,7 @@ def test_refusals_are_one_line_and_write_nothing(case, tiny_hf, tmp_path, capsys
     code = cli_main(["convert", "--hf-path", src, "--mlx-path", str(dst), *extra])
     err = capsys.readouterr().err.strip().splitlines()
     assert code != 0 and len(err) == 1 and err[0].startswith("mlxformer: error: "), err
-    expected = {"exists": "already exists", "pickle": "pickle", "gguf_q6k": "Q6_K", "bits7": "--q-bits 7",
+    expected = {"exists": "already exists", "pickle": "pickle", "gguf_q6k": "IQ2_XXS", "bits7": "--q-bits 7",
                 "group48": "--q-group-size 48", "requantize": "already quantized"}[case]
     assert expected in err[0]
     assert sorted(p.name for p in tmp_path.iterdir()) == before  # no output, no temp dir

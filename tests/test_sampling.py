@@ -306,3 +306,30 @@ def test_seed_reproducibility(tiny_lm):
     assert sample(12) != first
     text = generate(model, tokenizer, PROMPT, 12, temp=1.0, seed=11)
     assert text == tokenizer.decode(first)
+
+
+def test_sampled_ids_past_the_tokenizer_stream_as_empty_text(smollm, tmp_path):
+    """A model whose embedding has padding rows past the tokenizer's last id (Qwen2.5), made to
+    pick them: the stream goes on to max_tokens with "" for those ids, as transformers decodes them."""
+    from safetensors.numpy import load_file, save_file
+    from transformers import AutoTokenizer
+
+    tokenizer = smollm[1]
+    n = tokenizer.vocab_size
+    directory, _ = write_tiny_checkpoint(tmp_path, "llama", vocab_size=n + 64, tie_word_embeddings=False)
+    tokenizer.save(directory)
+    weights = load_file(directory / "model.safetensors")
+    # The final norm keeps one hidden unit; only two padding rows of lm_head read it, with
+    # opposite signs: whatever the hidden state, greedy decoding picks a padding id.
+    weights["model.norm.weight"] = np.eye(1, weights["model.norm.weight"].shape[0], dtype=np.float32)[0]
+    head = np.zeros_like(weights["lm_head.weight"])
+    head[n + 5, 0], head[n + 6, 0] = 10.0, -10.0
+    weights["lm_head.weight"] = head
+    save_file(weights, directory / "model.safetensors", metadata={"format": "pt"})
+    model, tokenizer = load(directory)
+    responses = list(stream_generate(model, tokenizer, PROMPT, 6, temp=0.0))
+    tokens = [r.token for r in responses]
+    assert len(tokens) == 6 and all(t in (n + 5, n + 6) for t in tokens)
+    assert responses[-1].finish_reason == "length"
+    reference = AutoTokenizer.from_pretrained(str(directory))
+    assert "".join(r.text for r in responses) == reference.decode(tokens) == ""

@@ -294,6 +294,56 @@ def test_spm_detokenizer(spm_dir):
     assert "".join(_stream(tok, ids)) == tok.decode(ids) == "x    and"
 
 
+LLAMA2_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{% if message['role'] == 'user' %}"
+    "{{ '[INST] ' + message['content'] + ' [/INST]' }}{% else %}{{ ' ' + message['content'] + ' ' + eos_token }}"
+    "{% endif %}{% endfor %}"
+)
+SPECIAL_TEXTS = [
+    "<s>the of</s>", "the <s> of </s> and", "a</s>", "<unk>x", "<s><s>", "a <s>b", "of<s>\nthe",
+    "<s>[INST] the of [/INST] a to </s><s>[INST] in is [/INST]", "you [INST]the[/INST]was</s>",
+]
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["legacy-false", "legacy-true"])
+def llama_spm_dir(request, tmp_path_factory) -> pathlib.Path:
+    """A Llama-like SentencePiece model (BPE, identity normalization, whitespace kept, control
+    symbols [INST]/[/INST] as in Mistral v0.3) with a Llama-2 chat template."""
+    import sentencepiece as spm
+
+    out = tmp_path_factory.mktemp("llama_spm")
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(_spm_corpus()), model_prefix=str(out / "tokenizer"), vocab_size=300,
+        model_type="bpe", byte_fallback=True, character_coverage=0.9995, minloglevel=2,
+        normalization_rule_name="identity", remove_extra_whitespaces=False, control_symbols=["[INST]", "[/INST]"],
+    )
+    config = dict(tokenizer_class="LlamaTokenizer", bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                  add_bos_token=True, add_eos_token=False, legacy=request.param, chat_template=LLAMA2_TEMPLATE)
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
+    return out
+
+
+def test_spm_special_tokens_in_text_match_transformers(llama_spm_dir):
+    """<s>, </s>, <unk> and control symbols written in the text encode to their ids, with the
+    spacing around them of transformers' LlamaTokenizer (legacy or not); the Llama-2 template's
+    {{ bos_token }}/{{ eos_token }} become ids."""
+    from transformers import AutoTokenizer
+
+    tok = load_tokenizer_from_dir(llama_spm_dir)
+    ref = AutoTokenizer.from_pretrained(str(llama_spm_dir))
+    for text in SPECIAL_TEXTS + SPM_TEXTS[:3]:
+        for add in (True, False):
+            assert tok.encode(text, add_special_tokens=add) == ref.encode(text, add_special_tokens=add), (text, add)
+    messages = [{"role": "user", "content": "the of"}, {"role": "assistant", "content": "a to"},
+                {"role": "user", "content": "in is"}]
+    ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=False), add_special_tokens=False)
+    assert ids == list(ref.apply_chat_template(messages, tokenize=True, return_dict=False))
+    assert ids[0] == tok.bos_token_id and ids.count(ref.eos_token_id) == 1
+    tok.save(llama_spm_dir / "saved")  # legacy survives the round trip
+    again = load_tokenizer_from_dir(llama_spm_dir / "saved")
+    assert [again.encode(t) for t in SPECIAL_TEXTS] == [tok.encode(t) for t in SPECIAL_TEXTS]
+
+
 def test_spm_gguf_matches_transformers(spm_dir, tmp_path):
     """A SentencePiece vocab written to GGUF: our builder vs transformers' GGUF converter."""
     gguf = pytest.importorskip("gguf")
@@ -331,7 +381,24 @@ def test_spm_gguf_matches_transformers(spm_dir, tmp_path):
 
 
 def test_bad_input_errors(ours):
-    with pytest.raises(MlxformerError, match="outside the vocabulary"):
-        ours.decode([ours.vocab_size])
+    with pytest.raises(MlxformerError, match="negative"):
+        ours.decode([-1])
     with pytest.raises(MlxformerError, match="expects a str"):
         ours.encode([1, 2])  # type: ignore[arg-type]
+
+
+def test_ids_past_the_vocabulary_decode_to_nothing_like_transformers(ours, ref, spm_dir):
+    """Embedding padding rows past the tokenizer (Qwen2.5) may be sampled: transformers decodes
+    them to "", and so do `decode` and the streaming detokenizer, never raising mid-stream."""
+    from transformers import AutoTokenizer
+
+    spm_tok = load_tokenizer_from_dir(spm_dir)
+    spm_tok.save(spm_dir / "saved")
+    spm_ref = AutoTokenizer.from_pretrained(str(spm_dir / "saved"))
+    for tok, reference in ((ours, ref), (spm_tok, spm_ref)):
+        n = tok.vocab_size
+        assert n == len(reference)
+        text = tok.encode("the café is über naïve, 日本", add_special_tokens=False)
+        ids = [n + 3, *text[:3], n, n + 60, *text[3:], n + 1]
+        assert tok.decode(ids) == reference.decode(ids) == tok.decode(text)
+        assert "".join(_stream(tok, ids)) == reference.decode(ids)

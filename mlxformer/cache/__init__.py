@@ -32,6 +32,7 @@ class CacheSettings:
     quantized_kv_start: int = 0
     max_kv_size: int | None = None
     keep: int = 4
+    rewind: int = 0  # tokens a rotating cache keeps beyond its window, to be trimmed (speculative decoding)
 
 
 def make_cache(model: HasLayers, settings: CacheSettings | None = None) -> list[Cache]:
@@ -48,8 +49,9 @@ def make_cache(model: HasLayers, settings: CacheSettings | None = None) -> list[
     if window is not None and (settings.max_kv_size is None or settings.max_kv_size >= window):
         # The model never attends further back than its window: keep exactly the window
         # (no sinks), so memory stays bounded and the logits are those of the full cache.
-        return [RotatingKVCache(window, 0, bits, group, start) for _ in model.layers]
+        return [RotatingKVCache(window, 0, bits, group, start, settings.rewind) for _ in model.layers]
     if settings.max_kv_size is not None:
         keep = min(settings.keep, settings.max_kv_size - 1)
-        return [RotatingKVCache(settings.max_kv_size, keep, bits, group, start) for _ in model.layers]
+        size = settings.max_kv_size
+        return [RotatingKVCache(size, keep, bits, group, start, settings.rewind) for _ in model.layers]
     return [KVCache(bits, group, start) for _ in model.layers]

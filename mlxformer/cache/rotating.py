@@ -20,7 +20,10 @@ from mlxformer.errors import MlxformerError
 class RotatingKVCache:
     """At most ``max_size`` tokens of keys/values, float or (with ``bits``) quantized.
 
-    Single-token updates write in place into a ring over slots ``keep..max_size-1``;
+    ``slack`` extra slots keep that many tokens beyond the window (masked out), so that the
+    last ``slack`` tokens can be trimmed even after evictions (speculative decoding rewinds).
+
+    Single-token updates write in place into a ring over slots ``keep..capacity-1``;
     multi-token updates return the stored window plus the chunk in time order (attended with
     an explicit mask) and then keep the sinks and the newest tokens. ``offset`` counts every
     token seen, so RoPE positions keep growing past the window.
@@ -29,18 +32,21 @@ class RotatingKVCache:
     step = 256
 
     def __init__(
-        self, max_size: int = 4096, keep: int = 4, bits: int | None = None, group_size: int = 64, start: int = 0
+        self, max_size: int = 4096, keep: int = 4, bits: int | None = None, group_size: int = 64, start: int = 0,
+        slack: int = 0,
     ) -> None:
-        self._configure(max_size, keep, bits, group_size, start, quantized=bits is not None and start <= 0)
+        self._configure(max_size, keep, bits, group_size, start, quantized=bits is not None and start <= 0, slack=slack)
 
     def _configure(
-        self, max_size: int, keep: int, bits: int | None, group_size: int, start: int, quantized: bool
+        self, max_size: int, keep: int, bits: int | None, group_size: int, start: int, quantized: bool, slack: int = 0
     ) -> None:
         if not 0 <= keep < max_size:
             raise MlxformerError(f"the rotating cache needs 0 <= keep < max_kv_size, got keep={keep}, max_kv_size={max_size}")
         if bits is not None:
             check_kv_quantization(bits, group_size)
         self.max_size, self.keep, self.bits, self.group_size, self.start = max_size, keep, bits, group_size, start
+        self.slack = max(0, slack)
+        self.capacity = max_size + self.slack  # slots stored; the mask shows at most max_size
         self.codec = KVCodec(bits, group_size) if quantized else FLOAT_CODEC
         self.keys: Pack | None = None  # (B, n_kv, capacity, ...) slots
         self.values: Pack | None = None
@@ -59,7 +65,7 @@ class RotatingKVCache:
         """Stored keys, values and positions, oldest first (sinks, then the rotated tail)."""
         assert self.keys is not None and self.values is not None
         size, keep, idx = self.size, self.keep, self.idx
-        if size < self.max_size or idx == keep:
+        if size < self.capacity or idx == keep:
             return pack_slice(self.keys, 0, size), pack_slice(self.values, 0, size), list(self.positions)
         spans = [(0, keep), (idx, size), (keep, idx)]
         keys = pack_concat([pack_slice(self.keys, a, b) for a, b in spans])
@@ -79,21 +85,21 @@ class RotatingKVCache:
     def _append_one(self, keys: Pack, values: Pack) -> None:
         assert self.keys is not None and self.values is not None
         capacity = self.keys[0].shape[2]
-        if self.size == capacity:  # grow by a step, never past max_size
-            extra = min(self.step, self.max_size - capacity)
+        if self.size == capacity:  # grow by a step, never past self.capacity
+            extra = min(self.step, self.capacity - capacity)
             self.keys = pack_concat([self.keys, pack_zeros_like(keys, extra)])
             self.values = pack_concat([self.values, pack_zeros_like(values, extra)])
         pack_write(self.keys, self.size, keys)
         pack_write(self.values, self.size, values)
         self.positions.append(self.offset)
-        self.idx = self.size if self.size < self.max_size else self.keep
+        self.idx = self.size if self.size < self.capacity else self.keep
 
     def _write_ring(self, keys: Pack, values: Pack) -> None:
         assert self.keys is not None and self.values is not None
         pack_write(self.keys, self.idx, keys)
         pack_write(self.values, self.idx, values)
         self.positions[self.idx] = self.offset
-        self.idx = self.idx + 1 if self.idx + 1 < self.max_size else self.keep
+        self.idx = self.idx + 1 if self.idx + 1 < self.capacity else self.keep
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Pack, Pack]:
         if self.bits is not None and self.codec.bits is None and self.offset >= self.start:
@@ -104,7 +110,7 @@ class RotatingKVCache:
         if self.keys is None or self.values is None:
             self.keys, self.values = pack_zeros_like(new_keys, 0), pack_zeros_like(new_values, 0)
         if length == 1:
-            if self.size < self.max_size:
+            if self.size < self.capacity:
                 self._append_one(new_keys, new_values)
             else:
                 self._write_ring(new_keys, new_values)
@@ -115,14 +121,14 @@ class RotatingKVCache:
         positions += range(self.offset, self.offset + length)
         self.offset += length
         total, keep = len(positions), self.keep
-        if total <= self.max_size:
+        if total <= self.capacity:
             self.keys, self.values, self.positions = all_keys, all_values, positions
-        else:  # the sinks and the newest max_size - keep tokens
-            tail = total - (self.max_size - keep)
+        else:  # the sinks and the newest capacity - keep tokens
+            tail = total - (self.capacity - keep)
             self.keys = pack_concat([pack_slice(all_keys, 0, keep), pack_slice(all_keys, tail, total)])
             self.values = pack_concat([pack_slice(all_values, 0, keep), pack_slice(all_values, tail, total)])
             self.positions = positions[:keep] + positions[tail:]
-        self.idx = self.size if self.size < self.max_size else keep
+        self.idx = self.size if self.size < self.capacity else keep
         return all_keys, all_values
 
     # --- attention -----------------------------------------------------------------------
@@ -134,10 +140,13 @@ class RotatingKVCache:
         if self.offset + query_len <= self.max_size:  # nothing evicted: same as the plain cache
             return causal_mask_for(query_len, self.offset + query_len, window)
         if query_len == 1:
-            if window is None:
+            if window is None and self.slack == 0:  # every stored token is visible
                 return None
             key_positions = list(self.positions)
-            key_positions[self.idx] = self.offset
+            if self.size < self.capacity:
+                key_positions.append(self.offset)
+            else:
+                key_positions[self.idx] = self.offset
         else:
             key_positions = self._time_positions() + list(range(self.offset, self.offset + query_len))
         query_pos = mx.arange(self.offset, self.offset + query_len)[:, None]  # (L, 1)
@@ -149,7 +158,7 @@ class RotatingKVCache:
 
     def _time_positions(self) -> list[int]:
         size, keep, idx = self.size, self.keep, self.idx
-        if size < self.max_size or idx == keep:
+        if size < self.capacity or idx == keep:
             return list(self.positions)
         return self.positions[:keep] + self.positions[idx:] + self.positions[keep:idx]
 
@@ -183,7 +192,7 @@ class RotatingKVCache:
             "max_size": str(self.max_size), "keep": str(self.keep),
             "bits": "" if self.bits is None else str(self.bits), "group_size": str(self.group_size),
             "start": str(self.start), "quantized": str(int(self.codec.bits is not None)),
-            "offset": str(self.offset), "idx": str(self.idx),
+            "offset": str(self.offset), "idx": str(self.idx), "slack": str(self.slack),
         }
 
     @meta_state.setter
@@ -191,18 +200,29 @@ class RotatingKVCache:
         bits = int(meta["bits"]) if meta["bits"] else None
         self._configure(
             int(meta["max_size"]), int(meta["keep"]), bits, int(meta["group_size"]), int(meta["start"]),
-            meta["quantized"] == "1",
+            meta["quantized"] == "1", int(meta.get("slack", "0")),
         )
         self.offset, self.idx = int(meta["offset"]), int(meta["idx"])
 
     def trim(self, n: int) -> int:
-        """Forget the last ``n`` tokens; impossible (returns 0) once tokens have been evicted."""
-        if self.offset > self.size:
+        """Forget the last ``n`` tokens. Possible while every token the next query may see is
+        still stored: always before any eviction, and with ``slack`` for up to ``slack`` tokens
+        after. Otherwise nothing changes and 0 is returned."""
+        n = min(n, self.offset)
+        if n <= 0 or self.keys is None or self.values is None:
             return 0
-        n = min(self.size, n)
-        self.positions = self.positions[: self.size - n]
+        if self.offset == self.size:  # nothing evicted: slot order is time order
+            self.positions = self.positions[: self.size - n]
+        else:
+            keys, values, positions = self._time_order()
+            oldest_needed = max(self.keep, self.offset - n - (self.max_size - self.keep) + 1)
+            if len(positions) - n <= self.keep or positions[self.keep] > oldest_needed:
+                return 0
+            size = len(positions) - n
+            self.keys, self.values = pack_slice(keys, 0, size), pack_slice(values, 0, size)
+            self.positions = positions[:size]
         self.offset -= n
-        self.idx = self.size if self.size < self.max_size else self.keep
+        self.idx = self.size
         return n
 
     @property

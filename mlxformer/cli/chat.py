@@ -7,7 +7,8 @@ import sys
 from typing import TYPE_CHECKING, TextIO
 
 from mlxformer.cli.common import (
-    add_cache_args, add_model_args, add_sampling_args, add_verbose, cache_settings, load_for_cli, sampling_settings,
+    add_cache_args, add_model_args, add_sampling_args, add_speculative_args, add_verbose, cache_settings, load_for_cli,
+    sampling_settings, speculative_settings,
 )
 
 if TYPE_CHECKING:
@@ -76,6 +77,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--system", help="system message")
     add_sampling_args(parser)
     add_cache_args(parser)
+    add_speculative_args(parser)
     add_verbose(parser)
     parser.set_defaults(handler=run)
 
@@ -89,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
     model, tokenizer = load_for_cli(args)
     session = ChatSession(
         model, tokenizer, system=args.system, sampling=sampling, cache_settings=settings,
-        max_tokens=args.max_tokens, stop=args.stop,
+        max_tokens=args.max_tokens, stop=args.stop, speculative=speculative_settings(args, tokenizer),
     )
     if sys.stdin.isatty():
         print(HELP, file=sys.stderr)

@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from mlxformer.cache import CacheSettings
     from mlxformer.generation import SamplingSettings
     from mlxformer.models.decoder import Model
+    from mlxformer.speculative import SpeculativeSettings
     from mlxformer.tokenizer import Tokenizer
 
 # The names of ``mlxformer.models.config.FLOAT_DTYPES`` (kept as strings: no MLX import here).
@@ -128,3 +129,32 @@ def prompt_ids_for_cli(
     if args.system and not (use_template and tokenizer.chat_template):
         print("mlxformer: note: --system is ignored without a chat template", file=sys.stderr)
     return tokenizer.encode_prompt(prompt, args.system, use_template, add_generation_prompt)
+
+
+def add_speculative_args(parser: argparse.ArgumentParser) -> None:
+    """``--prompt-lookup``, ``--draft-model`` and ``--num-draft-tokens``."""
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--prompt-lookup", action="store_true",
+                       help="speculative decoding: propose the tokens that followed the last n-gram earlier in the text")
+    group.add_argument("--draft-model", help="speculative decoding with this small model (same tokenizer)")
+    parser.add_argument("--num-draft-tokens", type=int, default=None,
+                        help="most tokens proposed per step (default: 8 with --prompt-lookup, 4 with --draft-model)")
+
+
+def speculative_settings(args: argparse.Namespace, tokenizer: Tokenizer) -> SpeculativeSettings | None:
+    """The speculative settings from flags (loading ``--draft-model``), or None."""
+    from mlxformer.errors import MlxformerError
+    from mlxformer.loader import load
+    from mlxformer.models.config import FLOAT_DTYPES
+    from mlxformer.speculative import SpeculativeSettings
+
+    if not args.prompt_lookup and not args.draft_model:
+        if args.num_draft_tokens is not None:
+            raise MlxformerError("--num-draft-tokens needs --prompt-lookup or --draft-model")
+        return None
+    if args.prompt_lookup:
+        return SpeculativeSettings(num_draft_tokens=args.num_draft_tokens or 8, prompt_lookup=True)
+    draft, draft_tokenizer = load(args.draft_model, dtype=FLOAT_DTYPES[args.dtype] if args.dtype else None,
+                                  threads=args.threads)
+    return SpeculativeSettings(num_draft_tokens=args.num_draft_tokens or 4, draft_model=draft,
+                               draft_tokenizer=draft_tokenizer)

@@ -7,9 +7,10 @@ import sys
 from typing import TYPE_CHECKING
 
 from mlxformer.cli.common import (
-    add_cache_args, add_model_args, add_prompt_args, add_sampling_args, add_verbose, cache_settings, load_for_cli,
-    prompt_ids_for_cli, read_prompt, sampling_settings,
+    add_cache_args, add_model_args, add_prompt_args, add_sampling_args, add_speculative_args, add_verbose,
+    cache_settings, load_for_cli, prompt_ids_for_cli, read_prompt, sampling_settings, speculative_settings,
 )
+from mlxformer.cli.structured import add_structured_args, structured_output_args
 
 if TYPE_CHECKING:
     from mlxformer.generation import GenerationResponse
@@ -23,27 +24,52 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_sampling_args(parser)
     add_cache_args(parser)
     parser.add_argument("--prompt-cache-file", help="continue from a cache saved by 'mlxformer cache-prompt'")
+    add_speculative_args(parser)
+    parser.add_argument(
+        "--parallel", choices=("pipeline", "tensor"),
+        help="spread the model over the ranks started by mlx.launch: layers (pipeline) or heads and MLP columns (tensor)",
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=60.0,
+        help="with --parallel: longest wait for another rank, in seconds, before giving up (default 60)",
+    )
+    add_structured_args(parser)
     add_verbose(parser)
     parser.set_defaults(handler=run)
 
 
-def format_stats(response: GenerationResponse) -> str:
-    """One stats line for stderr."""
-    return (
+def format_stats(response: GenerationResponse, speculative: bool = False) -> str:
+    """One stats line for stderr (with the speculative acceptance when ``speculative``)."""
+    line = (
         f"prompt: {response.prompt_tokens} tokens, {response.prompt_tps:.1f} tok/s | "
         f"generation: {response.generation_tokens} tokens, {response.generation_tps:.1f} tok/s | "
         f"peak memory: {response.peak_memory_gb:.3f} GB"
     )
+    if speculative:
+        proposed, accepted = response.proposed_tokens, response.accepted_tokens
+        share = accepted / proposed if proposed else 0.0
+        line += f" | speculative: accepted {accepted}/{proposed} proposed tokens ({share:.0%})"
+    return line
 
 
 def run(args: argparse.Namespace) -> int:
     """Handler of ``mlxformer generate``."""
+    if args.parallel:
+        return run_parallel(args)
+    from mlxformer.constrained import make_constraint, validate_structured_output
+    from mlxformer.errors import MlxformerError
     from mlxformer.generation import stream_generate
 
     prompt = read_prompt(args.prompt)
     sampling = sampling_settings(args)
     settings = cache_settings(args)
+    structured = structured_output_args(args)
+    if structured and (args.prompt_lookup or args.draft_model):
+        raise MlxformerError("--json-schema, --regex and --grammar are not supported with speculative decoding")
+    validate_structured_output(**structured)  # a bad schema or grammar fails before the model loads
     model, tokenizer = load_for_cli(args)
+    speculative = speculative_settings(args, tokenizer)
+    constraint = make_constraint(tokenizer, model.args.vocab_size, **structured) if structured else None
     ids = prompt_ids_for_cli(tokenizer, prompt, args)
     cache = None
     if args.prompt_cache_file:
@@ -53,11 +79,47 @@ def run(args: argparse.Namespace) -> int:
         ids = strip_cached_prefix(ids, cached_ids)
     last = None
     for last in stream_generate(
-        model, tokenizer, ids, args.max_tokens, sampling=sampling, stop=args.stop, cache=cache, cache_settings=settings
+        model, tokenizer, ids, args.max_tokens, sampling=sampling, stop=args.stop, cache=cache, cache_settings=settings,
+        speculative=speculative, constraint=constraint,
     ):
         sys.stdout.write(last.text)
         sys.stdout.flush()
     sys.stdout.write("\n")
     if last is not None:
-        print(format_stats(last), file=sys.stderr)
+        verbose = bool(args.verbose_sub or getattr(args, "verbose", False))
+        print(format_stats(last, speculative is not None and verbose), file=sys.stderr)
+        if constraint is not None and last.finish_reason == "length":
+            print("mlxformer: warning: --max-tokens cut the structured output short: it is incomplete", file=sys.stderr)
+    return 0
+
+
+def run_parallel(args: argparse.Namespace) -> int:
+    """``generate --parallel``: every rank runs this; rank 0 alone prints."""
+    from mlxformer.default_model import default_model_path
+    from mlxformer.distributed.runner import load_distributed, stream_distributed
+    from mlxformer.errors import MlxformerError
+    from mlxformer.models.config import FLOAT_DTYPES
+
+    if args.prompt_cache_file:
+        raise MlxformerError("--prompt-cache-file is not supported with --parallel")
+    if structured_output_args(args):
+        raise MlxformerError("--json-schema, --regex and --grammar are not supported with --parallel")
+    if args.prompt_lookup or args.draft_model:
+        raise MlxformerError("speculative decoding is not supported with --parallel")
+    if args.threads not in (None, 1):
+        raise MlxformerError("--threads is not supported with --parallel (each rank runs one stream)")
+    prompt = read_prompt(args.prompt)
+    sampling = sampling_settings(args)
+    settings = cache_settings(args)
+    dtype = FLOAT_DTYPES[args.dtype] if args.dtype else None
+    dist = load_distributed(args.model or default_model_path(), args.parallel, dtype, args.timeout)
+    ids = prompt_ids_for_cli(dist.tokenizer, prompt, args) if dist.tokenizer is not None else []
+    last = None
+    for last in stream_distributed(dist, ids, args.max_tokens, sampling=sampling, stop=args.stop, cache_settings=settings):
+        sys.stdout.write(last.text)
+        sys.stdout.flush()
+    if dist.leader:
+        sys.stdout.write("\n")
+        if last is not None:
+            print(format_stats(last), file=sys.stderr)
     return 0

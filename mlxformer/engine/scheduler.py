@@ -16,12 +16,19 @@ class EngineOverloaded(MlxformerError):
 
 
 @dataclass
+class Chunk:
+    """The next piece of one newcomer's prompt."""
+
+    sequence: Sequence
+    tokens: list[int]
+    last: bool  # the chunk ends the prompt: its logits give the first token
+
+
+@dataclass
 class Step:
     """The work of one engine step."""
 
-    prefill: Sequence | None = None  # the sequence whose next prompt chunk runs
-    chunk: list[int] = field(default_factory=list)
-    last_chunk: bool = False  # the chunk ends the prompt: its logits give the first token
+    prefill: list[Chunk] = field(default_factory=list)  # at most ``prefill_chunk`` tokens in all
     decode: list[Sequence] = field(default_factory=list)  # sequences decoding one token each
 
 
@@ -74,14 +81,21 @@ class Scheduler:
         return dropped
 
     def plan(self) -> Step:
-        """This step's work: the oldest newcomer's next prompt chunk and every running sequence."""
+        """This step's work: every running sequence decodes one token, and newcomers' next
+        prompt chunks run, oldest first, within ``prefill_chunk`` tokens (the oldest always).
+
+        A prompt is cut as ``prefill`` cuts it alone (full chunks, then the rest), so that its
+        computation, and hence its output, is the same as when it runs alone."""
         step = Step(decode=list(self.running))
-        if self.prefilling:
-            sequence = self.prefilling[0]
+        budget = self.prefill_chunk
+        for sequence in self.prefilling:
             remaining = len(sequence.prompt) - sequence.processed
             size = self.prefill_chunk if remaining > self.prefill_chunk else remaining
-            step.prefill, step.last_chunk = sequence, size == remaining
-            step.chunk = sequence.prompt[sequence.processed : sequence.processed + size]
+            if step.prefill and size > budget:
+                break
+            tokens = sequence.prompt[sequence.processed : sequence.processed + size]
+            step.prefill.append(Chunk(sequence, tokens, size == remaining))
+            budget -= size
         return step
 
     def start_decoding(self, sequence: Sequence) -> None:

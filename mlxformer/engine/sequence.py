@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence as Seq
 
 import mlx.core as mx
@@ -161,6 +161,11 @@ class Sequence:
         self.key, draw = mx.random.split(self.key)
         return self.sampler(logprobs, draw), logprobs  # type: ignore[call-arg]
 
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy with nothing altering the logits: its row can be chosen together with others."""
+        return self.greedy and not self.processors and self.request.constraint is None
+
     # --- output -------------------------------------------------------------------------
 
     def accept(self, token: int, logprob: float | None, top: list[tuple[int, float]] | None) -> TokenEvent:
@@ -201,11 +206,12 @@ class Sequence:
         )
 
 
-@dataclass
-class Choice:
-    """A sampled token with its (lazy) log-probabilities, before evaluation."""
-
-    sequence: Sequence
-    token: mx.array
-    logprobs: mx.array
-    top: mx.array | None = field(default=None)
+def choose_rows(sequences: Seq[Sequence], logits: mx.array) -> list[tuple[mx.array, mx.array]]:
+    """Each sequence's next token ``(1,)`` and log-probabilities ``(1, vocab)`` from batch logits
+    ``(B, vocab)`` (lazy). Plain greedy rows are normalized and arg-maxed in one batch op (each
+    row's result is what it gets alone); the others go through their own processors and sampler."""
+    if all(s.plain_greedy for s in sequences):
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        tokens = mx.argmax(logprobs, axis=-1)
+        return [(tokens[i : i + 1], logprobs[i : i + 1]) for i in range(len(sequences))]
+    return [s.choose(logits[i : i + 1]) for i, s in enumerate(sequences)]

@@ -7,7 +7,7 @@ so safetensors weights load without a renaming table.
 from __future__ import annotations
 
 from functools import partial
-from typing import Sequence
+from typing import Callable, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -94,28 +94,34 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderStack(nn.Module):
-    """Embedding, the layer stack and the final norm (HF's ``model.`` prefix)."""
+    """Embedding, the layer stack and the final norm (HF's ``model.`` prefix).
 
-    def __init__(self, args: ModelArgs):
+    A pipeline stage holds ``num_layers`` consecutive layers (numbered from 0 here) and, when
+    ``with_ends``, the embedding and final norm too."""
+
+    def __init__(self, args: ModelArgs, num_layers: int | None = None, with_ends: bool = True):
         super().__init__()
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = [DecoderLayer(args) for _ in range(args.num_hidden_layers)]
-        self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        if with_ends:
+            self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        count = args.num_hidden_layers if num_layers is None else num_layers
+        self.layers = [DecoderLayer(args) for _ in range(count)]
+        if with_ends:
+            self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
 
 class Model(nn.Module):
-    """A LLaMA-family causal LM: ``model(tokens (B, T)) -> logits (B, T, vocab)``."""
+    """A LLaMA-family causal LM: ``model(tokens (B, T)) -> logits (B, T, vocab)``.
 
-    def __init__(self, args: ModelArgs):
+    ``num_layers``/``with_ends`` build one pipeline stage (see ``DecoderStack``); a stage
+    without ends only runs ``run_layers``."""
+
+    def __init__(self, args: ModelArgs, num_layers: int | None = None, with_ends: bool = True):
         super().__init__()
         self.args = args
-        # When set, activations are cast to this dtype right after the embedding (the CPU
-        # policy for quantized models: packed weights and their scales stay as stored).
-        self.activation_dtype: mx.Dtype | None = None
-        # Set by ``use_output_projection``; private, so ``parameters()`` skips it.
-        self._output_projection: nn.Module | None = None
-        self.model = DecoderStack(args)
-        if not args.tie_word_embeddings:
+        # Set by ``use_remote_layers``: the layers other pipeline stages run after ours.
+        self._remote_layers: Callable[[mx.array], mx.array] | None = None
+        self.model = DecoderStack(args, num_layers, with_ends)
+        if with_ends and not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 
     @property
@@ -125,9 +131,16 @@ class Model(nn.Module):
     def hidden_states(self, inputs: mx.array, cache: Sequence[Cache] | None = None) -> mx.array:
         """Final-norm hidden states ``(B, T, hidden)`` for token ids ``(B, T)``."""
         h = self.model.embed_tokens(inputs)  # (B, T, hidden)
-        if self.activation_dtype is not None:
-            h = h.astype(self.activation_dtype)
-        query_len = inputs.shape[1]
+        h = self.run_layers(h, cache)
+        if self._remote_layers is not None:
+            h = self._remote_layers(h)
+        return self.model.norm(h)
+
+    def run_layers(self, h: mx.array, cache: Sequence[Cache] | None = None) -> mx.array:
+        """This model's decoder layers on hidden states ``(B, T, hidden)``."""
+        if not self.layers:
+            return h
+        query_len = h.shape[1]
         if cache is None:
             mask = causal_mask_for(query_len, query_len, self.args.sliding_window)
             layer_caches: Sequence[Cache | None] = [None] * len(self.layers)
@@ -136,20 +149,18 @@ class Model(nn.Module):
             layer_caches = cache
         for layer, layer_cache in zip(self.layers, layer_caches):
             h = layer(h, mask, layer_cache)
-        return self.model.norm(h)
+        return h
+
+    def use_remote_layers(self, run: Callable[[mx.array], mx.array]) -> None:
+        """Pass hidden states through ``run`` between this model's layers and the final norm:
+        the layers the other stages of a pipeline hold."""
+        self._remote_layers = run
 
     def logits(self, hidden: mx.array) -> mx.array:
         """Project hidden states ``(B, T, hidden)`` to vocabulary logits ``(B, T, vocab)``."""
-        if self._output_projection is not None:
-            return self._output_projection(hidden)
         if self.args.tie_word_embeddings:
             return self.model.embed_tokens.as_linear(hidden)
         return self.lm_head(hidden)
-
-    def use_output_projection(self, layer: nn.Module) -> None:
-        """Compute logits with ``layer``, a linear layer holding the same weights as the
-        vocabulary projection (for example views of them split across CPU streams)."""
-        self._output_projection = layer
 
     def __call__(self, inputs: mx.array, cache: Sequence[Cache] | None = None) -> mx.array:
         return self.logits(self.hidden_states(inputs, cache))

@@ -1,0 +1,75 @@
+"""A watchdog that ends the process when a wait for another rank lasts too long.
+
+A rank that dies closes its sockets and the others' collectives fail at once, but a rank
+that hangs, or a machine that drops off the network, leaves them waiting forever. Every
+blocking wait runs under ``Watchdog.guard``: past the timeout, the process prints why and
+exits with ``EXIT_CODE`` (the main thread may be blocked inside MLX, so this is done from
+the watchdog's own thread).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from typing import Iterator
+
+from mlxformer.errors import MlxformerError
+
+EXIT_CODE = 1
+DEFAULT_TIMEOUT = 60.0
+
+
+class Watchdog:
+    """Ends this process if a guarded wait lasts longer than ``timeout`` seconds."""
+
+    def __init__(self, rank: int, timeout: float = DEFAULT_TIMEOUT, poll: float = 0.25) -> None:
+        if timeout <= 0:
+            raise MlxformerError("the distributed timeout must be positive")
+        self.rank, self.timeout, self._poll = rank, timeout, poll
+        self._deadline: float | None = None
+        self._what = ""
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._watch, name="mlxformer-watchdog", daemon=True)
+        self._thread.start()
+
+    def arm(self, what: str, timeout: float | None = None) -> None:
+        """Start (or restart) the countdown for a wait described by ``what``."""
+        with self._lock:
+            self._deadline = time.monotonic() + (timeout or self.timeout)
+            self._what = what
+
+    def disarm(self) -> None:
+        """Stop the countdown."""
+        with self._lock:
+            self._deadline = None
+
+    @contextmanager
+    def guard(self, what: str, timeout: float | None = None) -> Iterator[None]:
+        """Run the body under the countdown; a lost connection becomes a clear ``MlxformerError``."""
+        self.arm(what, timeout)
+        try:
+            yield
+        except RuntimeError as exc:
+            raise MlxformerError(
+                f"rank {self.rank}: {what} failed: {str(exc).strip() or type(exc).__name__} "
+                "(another rank failed or disconnected)"
+            ) from None
+        finally:
+            self.disarm()
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(self._poll)
+            with self._lock:
+                expired = self._deadline is not None and time.monotonic() > self._deadline
+                what = self._what
+            if expired:
+                print(
+                    f"mlxformer: error: rank {self.rank}: no progress for {self.timeout:.0f} s while {what} "
+                    "(another rank failed, hangs or disconnected); exiting",
+                    file=sys.stderr, flush=True,
+                )
+                os._exit(EXIT_CODE)
