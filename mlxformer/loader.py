@@ -14,14 +14,17 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from mlxformer.models.config import ModelArgs
-from mlxformer.device import on_cpu
 from mlxformer.errors import MlxformerError
 from mlxformer.formats.gguf import load_gguf
 from mlxformer.models.decoder import Model
+from mlxformer.models.dtype_policy import apply_dtype_policy, cast_except_quantized_linears, is_quantized
 from mlxformer.models.row_sharding import apply_thread_policy
 from mlxformer.formats.hub import resolve_source
 from mlxformer.formats.safetensors import load_safetensors, read_config, safetensors_files
 from mlxformer.tokenizer import Tokenizer, load_tokenizer_from_dir, load_tokenizer_from_gguf
+
+__all__ = ["apply_dtype_policy", "build_model", "cast_except_quantized_linears", "is_quantized", "load", "read_checkpoint"]
+
 
 def quantization_of(config: dict[str, Any]) -> dict[str, Any] | None:
     """The mlx-lm ``quantization`` entry of a config (``quantization_config`` as fallback)."""
@@ -86,42 +89,6 @@ def build_model(
     return model
 
 
-def is_quantized(model: nn.Module) -> bool:
-    """Whether any layer holds packed quantized weights."""
-    return any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) for _, m in model.named_modules())
-
-
-def cast_except_quantized_linears(model: Model, dtype: mx.Dtype) -> None:
-    """Cast every floating parameter to ``dtype`` except the scales/biases of quantized linear
-    layers, which stay as stored. (A quantized embedding is cast: its lookup dequantizes in
-    its scales' dtype, while ``quantized_matmul`` widens 16-bit scales exactly.)"""
-    for _, module in model.named_modules():
-        if isinstance(module, nn.QuantizedLinear):
-            continue
-        local = {
-            name: value.astype(dtype)
-            for name, value in module.items()
-            if isinstance(value, mx.array) and mx.issubdtype(value.dtype, mx.floating)
-        }
-        if local:
-            module.update(local)
-
-
-def apply_dtype_policy(model: Model, requested: mx.Dtype | None) -> None:
-    """An explicit ``requested`` dtype casts every floating parameter. Otherwise, on the CPU
-    device, quantized models compute in float32: ``quantized_matmul`` is 9-40x slower and far
-    less accurate with 16-bit activations there, while 16-bit scales of quantized linear
-    layers cost nothing in float32 (the kernel widens them exactly), so they stay as stored
-    and everything else is cast.
-    Elsewhere the checkpoint's own dtypes are kept."""
-    if requested is not None:
-        model.set_dtype(requested)
-        model.activation_dtype = None
-    elif on_cpu() and is_quantized(model):
-        cast_except_quantized_linears(model, mx.float32)
-        model.activation_dtype = mx.float32
-
-
 def read_checkpoint(source: Path) -> tuple[dict[str, Any], dict[str, mx.array], dict[str, Any] | None]:
     """``(config, weights, gguf metadata or None)`` from a resolved local dir or GGUF file."""
     if source.is_file():
@@ -141,9 +108,9 @@ def load(
     Args:
         path_or_repo: where the model is.
         dtype: compute dtype for floating parameters; ``None`` applies the backend policy
-            (see ``apply_dtype_policy``).
+            (see ``models.dtype_policy.decide_dtype``).
         threads: CPU streams each projection is split over; ``None`` applies the backend
-            policy (see ``parallel.apply_thread_policy``), 1 turns it off.
+            policy (see ``models.row_sharding.apply_thread_policy``), 1 turns it off.
     """
     source = resolve_source(path_or_repo)
     config, weights, metadata = read_checkpoint(source)

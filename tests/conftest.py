@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,21 @@ TINY_SHAPE = dict(
     vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
     num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
 )
+
+
+@contextmanager
+def cpu_default_device():
+    """Make the CPU MLX's default device for the block, then restore the previous default:
+    tests of CPU-only policies (row sharding, the CPU dtype and prefill policies) must not
+    depend on the machine having no GPU."""
+    import mlx.core as mx
+
+    previous = mx.default_device()
+    mx.set_default_device(mx.cpu)
+    try:
+        yield
+    finally:
+        mx.set_default_device(previous)
 
 
 @pytest.fixture(scope="session")
@@ -101,6 +117,14 @@ def write_tiny_checkpoint(
     return directory, model
 
 
+def write_byte_tokenizer(directory: Path) -> None:
+    """A ``tokenizer.json`` mapping each Latin-1 character to its code (ids 0..255), made with
+    ``tokenizers``: any text of those characters encodes, within a 256-token vocabulary."""
+    from tokenizers import Tokenizer, models
+
+    Tokenizer(models.BPE(vocab={chr(i): i for i in range(256)}, merges=[])).save(str(directory / "tokenizer.json"))
+
+
 def edit_config(directory: Path, **changes: Any) -> dict[str, Any]:
     """Rewrite ``directory/config.json`` with ``changes`` (a ``None`` value deletes the key)."""
     path = directory / "config.json"
@@ -121,4 +145,5 @@ def smollm(smollm_gguf: Path):
     quantized path is what the transformers-parity tests check."""
     from mlxformer import load
 
-    return load(smollm_gguf, threads=2)
+    with cpu_default_device():
+        return load(smollm_gguf, threads=2)

@@ -19,7 +19,7 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from mlxformer.cache import CacheSettings, make_cache  # noqa: E402
-from mlxformer.cache.codec import KVCodec
+from mlxformer.cache.codec import KVCodec, is_power_of_two, rotate, unrotate  # noqa: E402
 from mlxformer.cache.kv import KVCache  # noqa: E402
 from mlxformer.cache.rotating import RotatingKVCache  # noqa: E402
 from mlxformer.cli import main  # noqa: E402
@@ -106,6 +106,80 @@ def test_quantized_attention_matches_dequantized_sdpa(bits: int, mask_kind: str 
     ref = mx.fast.scaled_dot_product_attention(q, k_ref, v_ref, scale=0.125, mask=mask)
     assert got.shape == (B, n_heads, L, D)
     assert mx.allclose(got, ref, atol=2e-4, rtol=2e-4)
+
+
+def sylvester_hadamard(dim: int) -> np.ndarray:
+    """The normalized ``(dim, dim)`` Hadamard matrix built densely (the codec's former rotation)."""
+    h = np.ones((1, 1))
+    while h.shape[0] < dim:
+        h = np.kron(np.array([[1.0, 1.0], [1.0, -1.0]]), h)
+    return h / np.sqrt(dim)
+
+
+@pytest.mark.parametrize("dim", [64, 128, 96])
+def test_rotation_equals_the_dense_orthogonal_rotation(dim: int) -> None:
+    """``rotate``/``unrotate`` equal the dense ``x @ R`` / ``x @ R^T``: R the normalized Hadamard
+    matrix for powers of two, a fixed orthogonal matrix otherwise (96: the fallback)."""
+    mx.random.seed(0)
+    x = mx.random.normal((2, 3, 5, dim))
+    rotated = np.array(rotate(x, 0.125))
+    if is_power_of_two(dim):
+        dense = sylvester_hadamard(dim)
+        np.testing.assert_allclose(rotated, 0.125 * np.array(x) @ dense, atol=1e-5)
+    else:  # orthogonal: norms are kept
+        np.testing.assert_allclose(np.linalg.norm(rotated, axis=-1), 0.125 * np.linalg.norm(np.array(x), axis=-1), rtol=1e-5)
+    np.testing.assert_allclose(np.array(unrotate(rotate(x))), np.array(x), atol=1e-5)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_codec_equals_the_dense_rotation_codec(bits: int) -> None:
+    """Packs, decoded values and quantized attention equal those of the former codec, which
+    rotated with dense ``(D, D)`` matmuls (rebuilt here with numpy)."""
+    mx.random.seed(4)
+    B, n_heads, n_kv, L, S, D, scale = 1, 4, 2, 3, 40, 64, 0.125
+    q, k, v = mx.random.normal((B, n_heads, L, D)), mx.random.normal((B, n_kv, S, D)), mx.random.normal((B, n_kv, S, D))
+    dense = mx.array(sylvester_hadamard(D).astype(np.float32))
+    codec = KVCodec(bits, 64)
+    packs = codec.encode(v)
+    dense_packs = mx.quantize(v @ dense, group_size=64, bits=bits)
+    deq = lambda p: mx.dequantize(*p, group_size=64, bits=bits)  # noqa: E731
+    step = float(mx.max(packs[1]))  # one quantization step: rounding may differ at ties only
+    assert float(mx.abs(deq(packs) - deq(dense_packs)).max()) <= step * 1.01
+    assert mx.allclose(codec.decode(dense_packs), deq(dense_packs) @ dense.T, atol=1e-5)
+    kq, vq = codec.encode(k), packs
+    got = codec.attention(q, kq, vq, scale, "causal")
+    # the former computation: rotate the scaled queries, attend on the packs, rotate back
+    qr = ((q * scale) @ dense).reshape(B, n_kv, 2, L, D)
+    scores = mx.quantized_matmul(qr, *(mx.expand_dims(x, 2) for x in kq), transpose=True, group_size=64, bits=bits)
+    mask = mx.arange(S - L, S)[:, None] >= mx.arange(S)[None]
+    probs = mx.softmax(mx.where(mask, scores, -mx.inf), axis=-1)
+    out = mx.quantized_matmul(probs, *(mx.expand_dims(x, 2) for x in vq), transpose=False, group_size=64, bits=bits)
+    ref = (out @ dense.T).reshape(B, n_heads, L, D)
+    assert mx.allclose(got, ref, atol=1e-5, rtol=1e-4)
+
+
+def test_quantized_decode_step_rotates_with_the_fast_hadamard_transform(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Per layer and decoded token: four O(D log D) transforms (new key, new value, queries with the
+    attention scale folded in, output) and no dense (D, D) rotation."""
+    model = tiny_model()
+    cache = make_cache(model, CacheSettings(kv_bits=4))
+    run_chunks(model, tokens(10), cache, [10])
+    calls: list[float | None] = []
+    transform = mx.hadamard_transform
+
+    def counting(x: mx.array, scale: float | None = None, **kwargs: object) -> mx.array:
+        calls.append(scale)
+        return transform(x, scale=scale, **kwargs)
+
+    monkeypatch.setattr(mx, "hadamard_transform", counting)
+    matmul_shapes: list[tuple[int, ...]] = []
+    array_matmul = mx.array.__matmul__
+    monkeypatch.setattr(mx.array, "__matmul__", lambda a, b: matmul_shapes.append(tuple(b.shape)) or array_matmul(a, b))
+    run_chunks(model, tokens(1, seed=2), cache, [1])
+    D = model.args.head_dim
+    assert len(calls) == 4 * len(model.layers)
+    assert calls.count(D**-0.5 / D**0.5) == len(model.layers)  # the queries: attention scale folded in
+    assert (D, D) not in matmul_shapes
 
 
 @pytest.mark.parametrize("bits,bound", [(8, 0.02), (4, 0.15)])

@@ -22,6 +22,7 @@ import psutil
 import pytest
 
 from conftest import write_tiny_checkpoint
+from gguf_helpers import write_gguf_from_hf
 
 DRIVER = Path(__file__).with_name("dist_driver.py")
 PROMPT = [3, 17, 101, 45, 200, 9, 66, 130, 250, 12, 77, 5]
@@ -83,8 +84,14 @@ def cpu_device():
 
 
 def test_two_ranks_match_single_process_and_split_memory(tmp_path, cpu_device, smollm_gguf):
+    from gguf import GGMLQuantizationType as T
+
+    llama_dir, llama_hf = write_tiny_checkpoint(tmp_path / "llama", "llama", **SHAPE)
+    quantized = tmp_path / "llama-q.gguf"  # Q4_0 attention, Q8_0 MLP and embedding
+    write_gguf_from_hf(quantized, llama_hf, "llama", lambda name, shape: T.Q4_0 if ".attn_" in name else T.Q8_0)
     models = {
-        "llama": write_tiny_checkpoint(tmp_path / "llama", "llama", **SHAPE)[0],
+        "llama": llama_dir,
+        "gguf": quantized,
         "mistral": write_tiny_checkpoint(tmp_path / "mistral", "mistral", sliding_window=8, **SHAPE)[0],
         "qwen2": write_tiny_checkpoint(tmp_path / "qwen2", "qwen2", **SHAPE)[0],
         "qwen3": write_tiny_checkpoint(tmp_path / "qwen3", "qwen3", tie_word_embeddings=False, **SHAPE)[0],
@@ -98,6 +105,7 @@ def test_two_ranks_match_single_process_and_split_memory(tmp_path, cpu_device, s
         ("llama", "pipeline", {}), ("mistral", "pipeline", {}), ("qwen2", "pipeline", {"kv_bits": 8, "kv_group_size": 32}),
         ("qwen3", "pipeline", {"kv_bits": 4, "kv_group_size": 32}), ("llama", "pipeline", {"max_kv_size": 7}),
         ("llama", "tensor", {}), ("qwen3", "tensor", {"kv_bits": 8, "kv_group_size": 32}),
+        ("gguf", "pipeline", {}), ("gguf", "tensor", {}),
         ("big", "pipeline", {}), ("big", "tensor", {}), ("big", "single", {}),
     ]
     job_list = [
@@ -119,8 +127,8 @@ def test_two_ranks_match_single_process_and_split_memory(tmp_path, cpu_device, s
         if parallel == "pipeline":
             assert 0 < result["stage"][1] < 4 + 4 * (model == "big")  # rank 0 holds some layers, rank 1 the rest
 
-    single = results[job_list[9]["name"]]["load_peaks"][0]
-    for name in (job_list[7]["name"], job_list[8]["name"]):
+    single = results[job_list[11]["name"]]["load_peaks"][0]
+    for name in (job_list[9]["name"], job_list[10]["name"]):
         peaks = results[name]["load_peaks"]
         assert max(peaks) <= 0.6 * single, (name, peaks, single)
 

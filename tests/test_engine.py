@@ -245,6 +245,23 @@ def test_constraint_is_respected(tiny):
     assert events[-1].finish_reason == "stop"
 
 
+class Broken(AllowedTokens):
+    def next_mask(self):
+        raise RuntimeError("broken constraint")
+
+
+def test_a_failing_request_ends_alone(tiny):
+    model, tokenizer, _ = tiny
+    ids = tokenizer.encode(PROMPTS[0])
+    with Engine(model, tokenizer) as engine:
+        fine = engine.submit(GenerationRequest(ids, max_tokens=6))
+        broken = engine.submit(GenerationRequest(ids, max_tokens=6, constraint=Broken([1], model.args.vocab_size, 3)))
+        with pytest.raises(RuntimeError, match="broken constraint"):
+            list(broken)
+        assert collect(fine)[0] == generate(model, tokenizer, ids, 6)
+        assert len(collect(engine.submit(GenerationRequest(ids, max_tokens=4)))[1]) == 4
+
+
 def test_async_iteration(tiny):
     model, tokenizer, _ = tiny
     ids = tokenizer.encode(PROMPTS[2])

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import edit_config, write_tiny_checkpoint
+from conftest import cpu_default_device, edit_config, write_tiny_checkpoint
 from mlxformer.cache import make_cache
 from mlxformer.errors import MlxformerError
 from mlxformer.generation import decode_step, prefill
@@ -79,6 +79,13 @@ def load_ours(directory, threads: int = 1):
     model.set_dtype(mx.float32)
     apply_thread_policy(model, threads)
     return model
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cpu_device():
+    """The sharded cases split projections over CPU streams, a CPU-only policy: pin the CPU."""
+    with cpu_default_device():
+        yield
 
 
 # Every case runs plain (1) and with each projection split over 3 CPU streams (uneven shards).

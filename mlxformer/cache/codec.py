@@ -63,27 +63,42 @@ def check_kv_quantization(bits: int, group_size: int) -> None:
 # --- the rotation that spreads outlier channels before quantization ----------------------
 
 
+def is_power_of_two(dim: int) -> bool:
+    """Whether ``dim`` is a power of two (the head dims the fast Hadamard transform serves)."""
+    return dim > 0 and dim & (dim - 1) == 0
+
+
 @lru_cache(maxsize=None)
-def _rotation_np(dim: int) -> np.ndarray:
-    if dim & (dim - 1) == 0:  # Sylvester construction of the Hadamard matrix
-        h = np.ones((1, 1))
-        while h.shape[0] < dim:
-            h = np.block([[h, h], [h, -h]])
-        return h / np.sqrt(dim)
+def _fallback_rotation(dim: int, dtype: mx.Dtype) -> mx.array:
+    """A fixed random orthogonal ``(dim, dim)`` matrix for head dims that are not powers of two."""
     q, r = np.linalg.qr(np.random.default_rng(dim).standard_normal((dim, dim)))
-    return q * np.sign(np.diag(r))
+    return mx.array((q * np.sign(np.diag(r))).astype(np.float32)).astype(dtype)
 
 
-@lru_cache(maxsize=None)
-def rotation(dim: int, dtype: mx.Dtype) -> mx.array:
-    """A fixed orthogonal ``(dim, dim)`` matrix R (normalized Hadamard when ``dim`` is a power of 2).
+def rotate(x: mx.array, scale: float = 1.0) -> mx.array:
+    """``scale * (x @ R)`` along the last axis, R a fixed orthogonal ``(D, D)`` matrix.
 
-    Keys and values are stored as ``x @ R``: attention is unchanged because
-    ``(q R)(k R)^T = q k^T`` and ``softmax(.) (v R) R^T = softmax(.) v``, while a few
-    large-magnitude channels (common in post-RoPE keys) are spread over the whole head, so
-    each quantization group's range is set by typical values rather than by the outliers.
+    R is the normalized Hadamard matrix when D is a power of two, applied by
+    ``mx.hadamard_transform`` in O(D log D) (the extra ``scale`` is folded into its own
+    normalization), else a fixed random orthogonal matrix. Keys and values are stored as
+    ``x @ R``: attention is unchanged because ``(q R)(k R)^T = q k^T`` and
+    ``softmax(.) (v R) R^T = softmax(.) v``, while a few large-magnitude channels (common in
+    post-RoPE keys) are spread over the whole head, so each quantization group's range is
+    set by typical values rather than by the outliers.
     """
-    return mx.array(_rotation_np(dim).astype(np.float32)).astype(dtype)
+    dim = x.shape[-1]
+    if is_power_of_two(dim):
+        return mx.hadamard_transform(x, scale=scale / dim**0.5)
+    out = x @ _fallback_rotation(dim, x.dtype)
+    return out * scale if scale != 1.0 else out
+
+
+def unrotate(x: mx.array) -> mx.array:
+    """``x @ R^T``: back from the rotated basis (the normalized Hadamard matrix is its own inverse)."""
+    dim = x.shape[-1]
+    if is_power_of_two(dim):
+        return mx.hadamard_transform(x)
+    return x @ _fallback_rotation(dim, x.dtype).T
 
 
 # --- the codec: float or quantized storage, and attention over it -------------------------
@@ -115,8 +130,7 @@ class KVCodec:
             return (x,)
         if x.shape[-1] % self.group_size:
             raise MlxformerError(f"head_dim {x.shape[-1]} is not a multiple of the kv group size {self.group_size}")
-        rotated = x @ rotation(x.shape[-1], x.dtype)
-        return tuple(mx.quantize(rotated, group_size=self.group_size, bits=self.bits))
+        return tuple(mx.quantize(rotate(x), group_size=self.group_size, bits=self.bits))
 
     def encode_keys(self, keys: mx.array) -> Pack:
         """``(B, n_kv, L, D)`` keys to a pack, centered when quantized (call ``with_key_center`` first)."""
@@ -128,8 +142,7 @@ class KVCodec:
         """A pack back to a float ``(B, n_kv, S, D)`` array (keys come back centered)."""
         if self.bits is None:
             return pack[0]
-        rotated = mx.dequantize(*pack, group_size=self.group_size, bits=self.bits)
-        return rotated @ rotation(rotated.shape[-1], rotated.dtype).T
+        return unrotate(mx.dequantize(*pack, group_size=self.group_size, bits=self.bits))
 
     @property
     def state(self) -> tuple[mx.array, ...]:
@@ -153,9 +166,10 @@ def quantized_attention(
     B, n_heads, L, D = queries.shape
     n_kv = keys[0].shape[1]
     n_rep = n_heads // n_kv
-    rotate = rotation(D, queries.dtype)  # the packs hold rotated keys/values (see ``rotation``)
+    # The packs hold rotated keys/values (see ``rotate``): rotate the queries too, with the
+    # attention scale folded into the transform's normalization.
     # (B, n_heads, L, D) -> (B, n_kv, n_rep, L, D): each K/V head serves n_rep query heads.
-    queries = ((queries * scale) @ rotate).reshape(B, n_kv, n_rep, L, D)
+    queries = rotate(queries, scale).reshape(B, n_kv, n_rep, L, D)
     # (B, n_kv, S, ...) -> (B, n_kv, 1, S, ...): broadcast over the n_rep axis.
     keys = tuple(mx.expand_dims(x, 2) for x in keys)
     values = tuple(mx.expand_dims(x, 2) for x in values)
@@ -171,5 +185,5 @@ def quantized_attention(
             scores = scores + mask.astype(mx.float32)
     probs = mx.softmax(scores, axis=-1).astype(queries.dtype)
     out = mx.quantized_matmul(probs, *values, transpose=False, group_size=group_size, bits=bits)  # (B, n_kv, n_rep, L, D)
-    out = out @ rotate.T  # back from the rotated basis
+    out = unrotate(out)  # back from the rotated basis
     return out.reshape(B, n_heads, L, D)  # (B, n_kv, n_rep, L, D) -> (B, n_heads, L, D)

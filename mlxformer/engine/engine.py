@@ -221,40 +221,69 @@ class Engine:
             sequence.processed = sequence.cached_tokens
 
     def _run(self, step: Step) -> None:
-        choices = []
+        choices: list[tuple[Sequence, mx.array, mx.array]] = []
         if step.decode:
             logits = self.runner.decode([s.last_token for s in step.decode], [s.cache for s in step.decode])
-            choices += [(s, *row) for s, row in zip(step.decode, choose_rows(step.decode, logits))]
+            mx.async_eval(logits)  # constraints compute their masks while the step runs
+            if all(s.plain_greedy for s in step.decode):
+                choices += zip(step.decode, *zip(*choose_rows(step.decode, logits)))
+            else:
+                choices += self._choose_each(step.decode, [logits[i : i + 1] for i in range(len(step.decode))])
         for chunk in step.prefill:
             sequence = chunk.sequence
             logits = self.runner.prefill(chunk.tokens, sequence.cache, chunk.last)
             sequence.processed += len(chunk.tokens)
             if logits is not None:
-                choices.append((sequence, *sequence.choose(logits)))
+                mx.async_eval(logits)
                 self.scheduler.start_decoding(sequence)
-        if not choices:
-            return
+                choices += self._choose_each([sequence], [logits])
+        if choices:
+            self._emit(choices)
+
+    def _choose_each(self, sequences: list[Sequence], logits: list[mx.array]) -> list[tuple[Sequence, mx.array, mx.array]]:
+        """Each sequence's own choice; one whose processors or constraint fail ends alone."""
+        choices = []
+        for sequence, row in zip(sequences, logits):
+            try:
+                choices.append((sequence, *sequence.choose(row)))
+            except Exception as exc:
+                self._fail(sequence, exc)
+        return choices
+
+    def _emit(self, choices: list[tuple[Sequence, mx.array, mx.array]]) -> None:
+        """Evaluate the chosen tokens (and logprobs asked for), record them, send the events."""
         picked = []
         for sequence, token, logprobs in choices:
             k = sequence.request.logprobs
             chosen = mx.take_along_axis(logprobs, token[:, None], axis=-1) if k is not None else None
-            top = mx.argsort(-logprobs, axis=-1)[:, :k] if k else None
-            picked.append((sequence, token, chosen, top, logprobs))
-        mx.eval([[t, c, i] for _, t, c, i, _ in picked if True])
-        for sequence, token, chosen, top, logprobs in picked:
-            top_pairs = None
-            if top is not None:
-                ids = top[0].tolist()
-                values = mx.take_along_axis(logprobs[0], top[0], axis=-1).tolist()
-                top_pairs = list(zip(ids, values))
+            top_ids = mx.argsort(-logprobs, axis=-1)[:, :k] if k else None
+            top_values = mx.take_along_axis(logprobs, top_ids, axis=-1) if top_ids is not None else None
+            picked.append((sequence, token, chosen, top_ids, top_values))
+        mx.eval([x for p in picked for x in p[1:] if x is not None])
+        for sequence, token, chosen, top_ids, top_values in picked:
+            top = None
+            if top_ids is not None and top_values is not None:
+                top = list(zip(top_ids[0].tolist(), top_values[0].tolist()))
             elif chosen is not None:
-                top_pairs = []
-            event = sequence.accept(int(token.item()), float(chosen.item()) if chosen is not None else None, top_pairs)
+                top = []
+            try:
+                event = sequence.accept(int(token.item()), float(chosen.item()) if chosen is not None else None, top)
+            except Exception as exc:  # e.g. a constraint refusing the token
+                self._fail(sequence, exc)
+                continue
             handle = self._handles.get(id(sequence))
             if sequence.status is Status.FINISHED:
                 self._retire(sequence)
             if handle is not None:
                 handle._put(event)
+
+    def _fail(self, sequence: Sequence, error: BaseException) -> None:
+        """End one sequence with ``error`` (raised by its handle's iterator)."""
+        sequence.finish("error")
+        self.scheduler.release(sequence)
+        handle = self._handles.pop(id(sequence), None)
+        if handle is not None:
+            handle._put(error=error)
 
     def _retire(self, sequence: Sequence) -> None:
         """Free a finished sequence's slot and offer its cache for prefix reuse."""

@@ -118,11 +118,6 @@ class Model(nn.Module):
     def __init__(self, args: ModelArgs, num_layers: int | None = None, with_ends: bool = True):
         super().__init__()
         self.args = args
-        # When set, activations are cast to this dtype right after the embedding (the CPU
-        # policy for quantized models: packed weights and their scales stay as stored).
-        self.activation_dtype: mx.Dtype | None = None
-        # Set by ``use_output_projection``; private, so ``parameters()`` skips it.
-        self._output_projection: nn.Module | None = None
         # Set by ``use_remote_layers``: the layers other pipeline stages run after ours.
         self._remote_layers: Callable[[mx.array], mx.array] | None = None
         self.model = DecoderStack(args, num_layers, with_ends)
@@ -136,8 +131,6 @@ class Model(nn.Module):
     def hidden_states(self, inputs: mx.array, cache: Sequence[Cache] | None = None) -> mx.array:
         """Final-norm hidden states ``(B, T, hidden)`` for token ids ``(B, T)``."""
         h = self.model.embed_tokens(inputs)  # (B, T, hidden)
-        if self.activation_dtype is not None:
-            h = h.astype(self.activation_dtype)
         h = self.run_layers(h, cache)
         if self._remote_layers is not None:
             h = self._remote_layers(h)
@@ -165,16 +158,9 @@ class Model(nn.Module):
 
     def logits(self, hidden: mx.array) -> mx.array:
         """Project hidden states ``(B, T, hidden)`` to vocabulary logits ``(B, T, vocab)``."""
-        if self._output_projection is not None:
-            return self._output_projection(hidden)
         if self.args.tie_word_embeddings:
             return self.model.embed_tokens.as_linear(hidden)
         return self.lm_head(hidden)
-
-    def use_output_projection(self, layer: nn.Module) -> None:
-        """Compute logits with ``layer``, a linear layer holding the same weights as the
-        vocabulary projection (for example views of them split across CPU streams)."""
-        self._output_projection = layer
 
     def __call__(self, inputs: mx.array, cache: Sequence[Cache] | None = None) -> mx.array:
         return self.logits(self.hidden_states(inputs, cache))

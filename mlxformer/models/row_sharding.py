@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import copy
 import threading
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -41,35 +44,75 @@ def worker_streams(count: int) -> list[mx.Stream]:
     return [mx.default_stream(mx.cpu), *streams[: count - 1]]
 
 
+@dataclass(frozen=True)
+class RowViews:
+    """Row-slice views of a layer's arrays, one dict per shard, valid while the layer still
+    holds exactly the arrays in ``sources``."""
+
+    sources: tuple[mx.array, ...]
+    shards: tuple[dict[str, mx.array], ...]
+
+
 class RowSharded:
-    """Mixin for a linear layer whose output rows are computed in slices, each on its own
-    CPU stream, then concatenated. The layer keeps its own arrays (so parameter names and
-    ``isinstance`` checks are unchanged); the slices are views of them under a private name
-    that ``parameters()`` skips."""
+    """Mixin for a layer whose output rows are computed in ``parts`` slices, each on its own
+    CPU stream, then concatenated. The layer holds its arrays exactly as the plain layer does
+    (same parameter names, ``isinstance`` checks unchanged). The slices are views of those
+    arrays (no copies), rebuilt whenever the layer holds different arrays than when they were
+    made, so ``set_dtype``, ``load_weights``, ``update`` and ``nn.quantize`` (which returns
+    the sharded quantized class) keep the sharding intact and current. (Views are kept
+    between calls: building them at every call costs a decode step ~10-20% on a busy CPU.)"""
 
-    _shards: list[dict[str, mx.array]]
+    parts: int
+    _row_views: RowViews | None = None
 
-    def __call__(self, x: mx.array) -> mx.array:
-        streams = worker_streams(len(self._shards))
-        return mx.concatenate([self._project(x, shard, s) for shard, s in zip(self._shards, streams)], axis=-1)
+    def row_shards(self) -> tuple[dict[str, mx.array], ...]:
+        """Per shard, views of this layer's current arrays restricted to the shard's rows."""
+        arrays = {name: value for name, value in self.items() if isinstance(value, mx.array)}
+        sources = tuple(arrays.values())
+        views = self._row_views
+        if views is None or len(views.sources) != len(sources) or any(a is not b for a, b in zip(views.sources, sources)):
+            rows = arrays["weight"].shape[0]
+            shards = tuple(self.slice_rows(arrays, start, stop) for start, stop in row_bounds(rows, self.parts))
+            views = self._row_views = RowViews(sources, shards)
+        return views.shards
 
-    def _project(self, x: mx.array, shard: dict[str, mx.array], stream: mx.Stream) -> mx.array:
+    def slice_rows(self, arrays: dict[str, mx.array], start: int, stop: int) -> dict[str, mx.array]:
+        """Views of ``arrays`` for output rows ``start:stop``."""
+        return {name: value[start:stop] for name, value in arrays.items()}
+
+    def project_rows(self, x: mx.array) -> mx.array:
+        """``x @ W^T`` (plus any bias), the row shards computed on separate streams."""
+        shards = self.row_shards()
+        streams = worker_streams(len(shards))
+        return mx.concatenate([self.project_shard(x, shard, s) for shard, s in zip(shards, streams)], axis=-1)
+
+    def project_shard(self, x: mx.array, shard: dict[str, mx.array], stream: mx.Stream) -> mx.array:
+        """One shard's output columns, computed on ``stream``."""
         raise NotImplementedError
 
 
-class ShardedLinear(RowSharded, nn.Linear):
-    """``nn.Linear`` computed in row shards on several streams."""
+class DenseRows(RowSharded):
+    """Row shards of a dense ``weight`` (and optional ``bias``)."""
 
-    def _project(self, x: mx.array, shard: dict[str, mx.array], stream: mx.Stream) -> mx.array:
+    def slice_rows(self, arrays: dict[str, mx.array], start: int, stop: int) -> dict[str, mx.array]:
+        shard = super().slice_rows(arrays, start, stop)
+        shard["weight_t"] = shard.pop("weight").T  # a view too, transposed once rather than per call
+        return shard
+
+    def project_shard(self, x: mx.array, shard: dict[str, mx.array], stream: mx.Stream) -> mx.array:
         if "bias" in shard:
             return mx.addmm(shard["bias"], x, shard["weight_t"], stream=stream)
         return mx.matmul(x, shard["weight_t"], stream=stream)
 
 
-class ShardedQuantizedLinear(RowSharded, nn.QuantizedLinear):
-    """``nn.QuantizedLinear`` computed in row shards on several streams."""
+class QuantizedRows(RowSharded):
+    """Row shards of a packed ``weight`` with its ``scales``/``biases`` (and optional ``bias``)."""
 
-    def _project(self, x: mx.array, shard: dict[str, mx.array], stream: mx.Stream) -> mx.array:
+    group_size: int
+    bits: int
+    mode: str
+
+    def project_shard(self, x: mx.array, shard: dict[str, mx.array], stream: mx.Stream) -> mx.array:
         out = mx.quantized_matmul(
             x, shard["weight"], scales=shard["scales"], biases=shard.get("biases"), transpose=True,
             group_size=self.group_size, bits=self.bits, mode=self.mode, stream=stream,
@@ -77,7 +120,46 @@ class ShardedQuantizedLinear(RowSharded, nn.QuantizedLinear):
         return mx.add(out, shard["bias"], stream=stream) if "bias" in shard else out
 
 
-SHARDED_CLASS = {nn.Linear: ShardedLinear, nn.QuantizedLinear: ShardedQuantizedLinear}
+class ShardedLinear(DenseRows, nn.Linear):
+    """``nn.Linear`` computed in row shards on several streams."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.project_rows(x)
+
+    def to_quantized(self, *args: Any, **kwargs: Any) -> nn.Module:
+        return shard_rows(super().to_quantized(*args, **kwargs), self.parts)
+
+
+class ShardedQuantizedLinear(QuantizedRows, nn.QuantizedLinear):
+    """``nn.QuantizedLinear`` computed in row shards on several streams."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.project_rows(x)
+
+
+class ShardedEmbedding(DenseRows, nn.Embedding):
+    """``nn.Embedding`` whose ``as_linear`` (the tied vocabulary projection) is row-sharded."""
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        return self.project_rows(x)
+
+    def to_quantized(self, *args: Any, **kwargs: Any) -> nn.Module:
+        return shard_rows(super().to_quantized(*args, **kwargs), self.parts)
+
+
+class ShardedQuantizedEmbedding(QuantizedRows, nn.QuantizedEmbedding):
+    """``nn.QuantizedEmbedding`` whose ``as_linear`` is row-sharded."""
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        return self.project_rows(x)
+
+
+SHARDED_CLASS: dict[type, type] = {
+    nn.Linear: ShardedLinear,
+    nn.QuantizedLinear: ShardedQuantizedLinear,
+    nn.Embedding: ShardedEmbedding,
+    nn.QuantizedEmbedding: ShardedQuantizedEmbedding,
+}
 
 
 class ShardedMLP(MLP):
@@ -86,14 +168,18 @@ class ShardedMLP(MLP):
 
     def __call__(self, x: mx.array) -> mx.array:
         gate, up = self.gate_proj, self.up_proj
+        if not (isinstance(gate, RowSharded) and isinstance(up, RowSharded)):
+            return super().__call__(x)  # a layer type that has no sharded class
+        gate_shards, up_shards = gate.row_shards(), up.row_shards()
         hidden = []
-        for gate_shard, up_shard, stream in zip(gate._shards, up._shards, worker_streams(len(gate._shards))):
+        for gate_shard, up_shard, stream in zip(gate_shards, up_shards, worker_streams(len(gate_shards))):
             with mx.stream(stream):
-                hidden.append(swiglu(gate._project(x, gate_shard, stream), up._project(x, up_shard, stream)))
+                hidden.append(swiglu(gate.project_shard(x, gate_shard, stream), up.project_shard(x, up_shard, stream)))
         return self.down_proj(mx.concatenate(hidden, axis=-1))
 
 
-def row_bounds(rows: int, parts: int, align: int = 8) -> list[tuple[int, int]]:
+@lru_cache(maxsize=None)
+def row_bounds(rows: int, parts: int, align: int = 8) -> tuple[tuple[int, int], ...]:
     """``[start, stop)`` row ranges for ``parts`` shards, cut at multiples of ``align`` where
     possible. The first shard, run by the calling stream, is ``LEAD_SHARE`` times the others:
     the other streams start a thread wake-up later."""
@@ -104,53 +190,34 @@ def row_bounds(rows: int, parts: int, align: int = 8) -> list[tuple[int, int]]:
         cut = round(rows * sum(weights[:i]) / sum(weights) / unit) * unit
         cuts.append(min(max(cut, cuts[-1]), rows))
     cuts.append(rows)
-    return [(start, stop) for start, stop in zip(cuts, cuts[1:]) if stop > start]
+    return tuple((start, stop) for start, stop in zip(cuts, cuts[1:]) if stop > start)
 
 
-def own_arrays(module: nn.Module) -> dict[str, mx.array]:
-    """The arrays a layer holds directly (weight, bias, scales, biases)."""
-    return {name: value for name, value in module.items() if isinstance(value, mx.array)}
-
-
-def shard_rows(layer: nn.Linear | nn.QuantizedLinear, parts: int) -> nn.Module:
-    """A copy of ``layer`` that computes its output rows in ``parts`` shards on separate
-    streams. The shards are views of the layer's arrays (a dense weight's view is transposed
-    once here rather than on every call)."""
-    arrays = own_arrays(layer)
-    shards = []
-    for start, stop in row_bounds(arrays["weight"].shape[0], parts):
-        shard = {name: value[start:stop] for name, value in arrays.items()}
-        if not isinstance(layer, nn.QuantizedLinear):
-            shard["weight_t"] = shard.pop("weight").T
-        shards.append(shard)
+def shard_rows(layer: nn.Module, parts: int) -> nn.Module:
+    """``layer`` (a linear, quantized linear, embedding or quantized embedding) as its
+    row-sharded class: a shallow copy holding the same arrays, computing its output rows in
+    ``parts`` slices on separate streams. Other layer types are returned unchanged."""
+    sharded_class = SHARDED_CLASS.get(type(layer))
+    if sharded_class is None:
+        return layer
     sharded = copy.copy(layer)
-    sharded.__class__ = SHARDED_CLASS[type(layer)]
-    sharded._shards = shards
+    sharded.__class__ = sharded_class
+    sharded.parts = parts
     return sharded
 
 
-def output_layer(model: Model) -> nn.Module:
-    """The vocabulary projection as a linear layer (a tied embedding is re-wrapped)."""
-    if not model.args.tie_word_embeddings:
-        return model.lm_head
-    embedding = model.model.embed_tokens
-    arrays = own_arrays(embedding)
-    if isinstance(embedding, nn.QuantizedEmbedding):
-        mode = getattr(embedding, "mode", "affine")
-        head = nn.QuantizedLinear(
-            embedding.group_size, 1, bias=False, group_size=embedding.group_size, bits=embedding.bits, mode=mode
-        )
-        head.update(arrays)
-        return head
-    head = nn.Linear(1, 1, bias=False)
-    head.update(arrays)
-    return head
+def shard_mlp(mlp: MLP) -> ShardedMLP:
+    """``mlp`` as a ``ShardedMLP`` holding the same sub-layers."""
+    sharded = copy.copy(mlp)
+    sharded.__class__ = ShardedMLP
+    return sharded
 
 
 def apply_thread_policy(model: Model, threads: int | None) -> None:
     """Split every projection and the vocabulary projection over ``threads`` CPU streams
-    (``None``: ``default_threads()``; 1 leaves the model as it is). The shards are views
-    of the loaded weights: load or update weights before, not after."""
+    (``None``: ``default_threads()``; 1 leaves the model as it is). The sharded layers are
+    part of the model tree (their classes show in ``named_modules()``) and slice whatever
+    arrays they hold when called: weights may be cast, reloaded or quantized afterwards."""
     threads = default_threads() if threads is None else threads
     if threads < 1:
         raise MlxformerError(f"threads must be at least 1, got {threads}")
@@ -161,7 +228,11 @@ def apply_thread_policy(model: Model, threads: int | None) -> None:
     for layer in model.layers:
         for owner in (layer.self_attn, layer.mlp):
             for name in PROJECTIONS:
-                if name in owner and not isinstance(owner[name], RowSharded):
+                if name in owner:
                     owner[name] = shard_rows(owner[name], threads)
-        layer.mlp.__class__ = ShardedMLP
-    model.use_output_projection(shard_rows(output_layer(model), threads))
+        layer.mlp = shard_mlp(layer.mlp)
+    # the vocabulary projection: the tied embedding's ``as_linear`` or ``lm_head`` (absent
+    # from a pipeline stage without the model's ends)
+    owner, name = (model.model, "embed_tokens") if model.args.tie_word_embeddings else (model, "lm_head")
+    if name in owner:
+        owner[name] = shard_rows(owner[name], threads)

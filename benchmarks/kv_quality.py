@@ -1,0 +1,75 @@
+"""Perplexity through float / 8-bit / 4-bit KV caches, with mlx-lm's 4-bit cache on the same weights.
+
+The README's "Quantized KV cache quality" table: the default SmolLM2-135M-Instruct (CPU policy:
+float32 activations), the first 256 scored tokens of tests/data/eval.txt fed in 64-token
+chunks through each cache, group size 64.
+
+    python benchmarks/kv_quality.py [--tokens 256] [--chunk 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+from typing import Any, Callable
+
+import mlx.core as mx
+
+from mlxformer.cache import CacheSettings, make_cache
+from mlxformer.default_model import default_model_path
+from mlxformer.loader import load
+
+EVAL_TEXT = Path(__file__).resolve().parent.parent / "tests" / "data" / "eval.txt"
+GROUP_SIZE = 64
+
+
+def chunked_perplexity(run: Callable[..., mx.array], cache: list[Any], ids: list[int], chunk: int) -> float:
+    """exp(mean NLL) of ``ids`` fed through ``cache`` in ``chunk``-token pieces."""
+    total, count = 0.0, 0
+    for start in range(0, len(ids) - 1, chunk):
+        piece = ids[start : start + chunk]
+        targets = mx.array(ids[start + 1 : start + 1 + len(piece)])
+        logits = run(mx.array(piece)[None], cache)[0, : targets.size].astype(mx.float32)
+        nll = mx.logsumexp(logits, axis=-1) - mx.take_along_axis(logits, targets[:, None], axis=-1)[:, 0]
+        total += float(nll.sum())
+        count += targets.size
+    return math.exp(total / count)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=256, help="tokens scored")
+    parser.add_argument("--chunk", type=int, default=64)
+    args = parser.parse_args()
+
+    from kv_cache import mlx_lm_twin  # benchmarks/ sibling: mlx-lm Llama with the same weights
+    from mlx_lm.models.cache import QuantizedKVCache
+
+    model, tokenizer = load(default_model_path())
+    ids = tokenizer.encode(EVAL_TEXT.read_text())[: args.tokens + 1]
+    ours = lambda x, c: model(x, c)  # noqa: E731
+    rows = {
+        "float": chunked_perplexity(ours, make_cache(model), ids, args.chunk),
+        "8-bit, group 64": chunked_perplexity(
+            ours, make_cache(model, CacheSettings(kv_bits=8, kv_group_size=GROUP_SIZE)), ids, args.chunk
+        ),
+        "4-bit, group 64": chunked_perplexity(
+            ours, make_cache(model, CacheSettings(kv_bits=4, kv_group_size=GROUP_SIZE)), ids, args.chunk
+        ),
+    }
+    twin = mlx_lm_twin(model)
+    peer_cache = [QuantizedKVCache(group_size=GROUP_SIZE, bits=4) for _ in twin.layers]
+    rows["mlx-lm 4-bit, group 64 (same weights)"] = chunked_perplexity(
+        lambda x, c: twin(x, cache=c), peer_cache, ids, args.chunk
+    )
+    base = rows["float"]
+    print(f"\nSmolLM2-135M, {len(ids) - 1} tokens of tests/data/eval.txt in {args.chunk}-token chunks")
+    print("| cache | perplexity | Δ vs float |\n|---|---:|---:|")
+    for name, ppl in rows.items():
+        delta = "—" if name == "float" else f"{100 * (ppl / base - 1):+.2f}%"
+        print(f"| {name} | {ppl:.4f} | {delta} |")
+
+
+if __name__ == "__main__":
+    main()
