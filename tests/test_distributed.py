@@ -137,7 +137,8 @@ def test_two_ranks_match_single_process_and_split_memory(tmp_path, cpu_device, s
 
 
 def test_cli_pipeline_on_smollm_prints_once(smollm_gguf):
-    args = ["--model", str(smollm_gguf), "--prompt", "What is the capital of France?", "--max-tokens", "12"]
+    args = ["--model", str(smollm_gguf), "--prompt", "The capital of France is", "--ignore-chat-template",
+            "--max-tokens", "8"]
     mlxformer = [sys.executable, "-m", "mlxformer", "generate", *args]
     single = subprocess.run([*mlxformer, "--threads", "1"], capture_output=True, text=True, timeout=300)
     assert single.returncode == 0, single.stderr
