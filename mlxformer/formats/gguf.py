@@ -189,9 +189,8 @@ def _decode(gguf: GGUFFile, info: TensorInfo, heads: int | None) -> tuple[dict[s
     values = decode_values(raw, info.type_name, rows, cols)
     if heads is not None:
         values = _unpermute_rows(values, heads)
-    codes = requantize(values, INEXACT_BITS)
-    return {"weight": mx.array(codes.packed), "scales": mx.array(codes.scales), "biases": mx.array(codes.biases)}, \
-        INEXACT_BITS
+    weight, scales, biases = requantize(values, INEXACT_BITS)
+    return {"weight": weight, "scales": scales, "biases": biases}, INEXACT_BITS
 
 
 def _unpermute_mx(array: mx.array, heads: int | None) -> mx.array:
