@@ -130,12 +130,12 @@ _EXACT = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q8_0": _q
 def _q6_k_values(b: np.ndarray) -> np.ndarray:
     n = b.shape[0]
     ql = b[:, :128].reshape(n, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
-    ql = (ql & np.uint8(0x0F)).reshape(n, 8, 32)
     qh = b[:, 128:192].reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
-    qh = (qh & np.uint8(3)).reshape(n, 8, 32)
-    q = ((ql | (qh << np.uint8(4))).astype(np.int8) - np.int8(32)).reshape(n, 16, 16).astype(np.float32)
-    d = (_f16(b, 208) * b[:, 192:208].view(np.int8).astype(np.float32)).reshape(n, 16, 1)
-    return (d * q).reshape(n, QK_K)
+    q = (ql & np.uint8(0x0F)).reshape(n, 8, 32) | ((qh & np.uint8(3)).reshape(n, 8, 32) << np.uint8(4))
+    values = q.reshape(n, 16, 16).astype(np.float32)
+    values -= 32  # in place: these temporaries are the size of the tensor
+    values *= (_f16(b, 208) * b[:, 192:208].view(np.int8).astype(np.float32)).reshape(n, 16, 1)
+    return values.reshape(n, QK_K)
 
 
 def _q3_k_values(b: np.ndarray) -> np.ndarray:
