@@ -12,17 +12,19 @@ import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from mlxformer.quant.calibration import CALIBRATION_TEXT, activation_importance
-from mlxformer.formats.checkpoint_stream import MAX_SHARD_BYTES, SourceCheckpoint, open_source, plan_shards, staged_output, write_shards
+from mlxformer.formats.checkpoint_stream import (
+    MAX_SHARD_BYTES, SourceCheckpoint, StreamedTensors, check_destination, open_source, plan_shards, staged_output, write_shards,
+)
 from mlxformer.models.config import FLOAT_DTYPES, ModelArgs
 from mlxformer.errors import MlxformerError
 from mlxformer.formats.hub import resolve_source
-from mlxformer.loader import build_model, check_weights, quantization_of, quantize_like_checkpoint
+from mlxformer.loader import check_weights, quantization_of, quantize_like_checkpoint
 from mlxformer.models.decoder import Model
 from mlxformer.quant.quantize import (
     DEFAULT_RECIPE, QuantSpec, Recipe, bits_per_weight, check_spec, dequantize_matrix, get_recipe, layer_spec,
@@ -84,7 +86,8 @@ def convert(
             dtypes when not quantizing, float16 when quantizing).
         quant_recipe: a name from ``mlxformer.quantize.RECIPES``.
         dequantize: turn a quantized source float (before ``quantize``, if both).
-        force: replace an existing ``mlx_path`` once the new one is complete.
+        force: replace an existing ``mlx_path`` once the new one is complete; only an empty dir
+            or a model dir, never one holding the current dir, the source or the home dir.
         max_shard_size: largest output shard in bytes (a single bigger tensor gets its own).
         progress: show a progress bar.
     """
@@ -93,14 +96,25 @@ def convert(
     if destination.exists() and not force:
         raise MlxformerError(f"{destination} already exists (pass --force to replace it)")
     source_path = resolve_source(hf_path)
+    check_destination(destination, source_path, force)  # before any work; staged_output checks again
     source = open_source(source_path)
     job = _Job(source, settings)
-    with staged_output(destination, force) as staging:
+    with staged_output(destination, source_path, force) as staging:
         units = job.units()
         groups = plan_shards([(name, job.output_bytes(name)) for name in units], max_shard_size)
         write_shards(staging, groups, job.produce, progress=progress)
         job.write_metadata(staging, source_path)
     return destination
+
+
+def _sanitized(model: Model, tensors: Mapping[str, mx.array]) -> Mapping[str, mx.array]:
+    """``model.sanitize(tensors)``; streamed tensors stay streamed when sanitizing only drops
+    keys (the usual case), so that no evaluated source tensor outlives its output shard."""
+    snapshot = dict(tensors)  # lazy arrays: nothing is read
+    kept = model.sanitize(snapshot)
+    if isinstance(tensors, StreamedTensors) and all(kept[k] is snapshot.get(k) for k in kept):
+        return tensors.subset(kept)
+    return kept
 
 
 class _Job:
@@ -111,7 +125,7 @@ class _Job:
         self.args = ModelArgs.from_dict(source.config)
         self.source_quant = quantization_of(source.config)
         model = Model(self.args)  # parameters stay lazy: never evaluated
-        self.weights = model.sanitize(source.tensors)
+        self.weights = _sanitized(model, source.tensors)
         if self.source_quant:
             quantize_like_checkpoint(model, self.source_quant, self.weights)
         check_weights(model, self.weights)
@@ -150,17 +164,26 @@ class _Job:
         w = self.weights
         return dequantize_matrix(w[f"{path}.weight"], w[f"{path}.scales"], w[f"{path}.biases"], spec)
 
+    def _float32_params(self, prefix: str) -> dict[str, mx.array]:
+        """The parameters of the module at ``prefix`` in float32, named relative to it, with
+        quantized matrices dequantized (lazy: nothing is read until they are evaluated)."""
+        params: dict[str, mx.array] = {}
+        for key in self.weights:
+            if not key.startswith(prefix + "."):
+                continue
+            path, leaf = key.rsplit(".", 1)
+            if path in self.modules and leaf in ("scales", "biases"):
+                continue  # part of a packed matrix: its float values come with "weight"
+            value = self._float_matrix(path) if path in self.modules and leaf == "weight" else self.weights[key]
+            params[key[len(prefix) + 1:]] = value.astype(mx.float32)
+        return params
+
     def _calibrate(self) -> dict[str, mx.array]:
-        """Activation importance from the float model on the calibration text."""
-        config = {k: v for k, v in self.source.config.items() if k not in ("quantization", "quantization_config")}
-        weights = {k: v for k, v in self.weights.items() if k.rsplit(".", 1)[0] not in self.modules}
-        weights.update({f"{p}.weight": self._float_matrix(p).astype(mx.float32) for p in self.modules})
-        model = build_model(config, weights)
-        model.set_dtype(mx.float32)
+        """Activation importance of the float model on the calibration text, computed one
+        decoder layer at a time (see ``activation_importance``)."""
         meta, directory = self.source.gguf_metadata, self.source.directory
         tokenizer = load_tokenizer_from_gguf(meta) if meta is not None else load_tokenizer_from_dir(directory)
-        importance = activation_importance(model, tokenizer.encode(CALIBRATION_TEXT))
-        del model, weights
+        importance = activation_importance(self.args, self._float32_params, tokenizer.encode(CALIBRATION_TEXT))
         mx.clear_cache()
         return importance
 

@@ -88,10 +88,16 @@ class TorchLogits:
         config = AutoConfig.from_pretrained(float_source)
         self.torch = torch
         self.model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-        tensors = {k: torch.from_numpy(v) for k, v in state.items() if "rotary_emb" not in k}
-        missing, unexpected = self.model.load_state_dict(tensors, strict=False)
-        if unexpected or [m for m in missing if m != "lm_head.weight"]:
-            raise RuntimeError(f"weights do not match: missing {missing[:3]}, unexpected {unexpected[:3]}")
+        self.load(state)
+
+    def load(self, state: dict[str, np.ndarray]) -> None:
+        """Load an MLX dir's float32 state strictly (every key, no extra): a tied ``lm_head``
+        gets the embedding, as transformers ties it."""
+        torch = self.torch
+        tensors = {k: torch.from_numpy(v) for k, v in state.items()}
+        if self.model.config.tie_word_embeddings and "lm_head.weight" not in tensors:
+            tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
+        self.model.load_state_dict(tensors, strict=True)
         self.model.tie_weights()
 
     def __call__(self, tokens: mx.array) -> mx.array:

@@ -117,6 +117,14 @@ def write_tiny_checkpoint(
     return directory, model
 
 
+def write_byte_tokenizer(directory: Path) -> None:
+    """A ``tokenizer.json`` mapping each Latin-1 character to its code (ids 0..255), made with
+    ``tokenizers``: any text of those characters encodes, within a 256-token vocabulary."""
+    from tokenizers import Tokenizer, models
+
+    Tokenizer(models.BPE(vocab={chr(i): i for i in range(256)}, merges=[])).save(str(directory / "tokenizer.json"))
+
+
 def edit_config(directory: Path, **changes: Any) -> dict[str, Any]:
     """Rewrite ``directory/config.json`` with ``changes`` (a ``None`` value deletes the key)."""
     path = directory / "config.json"

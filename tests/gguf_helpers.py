@@ -172,31 +172,37 @@ def llama_cpp_type(mix: str, name: str, shape: tuple[int, ...], n_layers: int) -
     return qtype
 
 
-def requantize_gguf(src: Path, dst: Path, mix: str, layers: int | None = None) -> dict[str, T]:
-    """Write ``src``'s tensors (dequantized by gguf-py) re-quantized with llama.cpp's ``mix``,
-    with all its metadata; ``layers`` keeps only the first blocks. Returns each tensor's type."""
-    reader = gguf.GGUFReader(str(src))
-    arch = str(reader.fields["general.architecture"].contents())
-    n_layers = int(reader.fields[f"{arch}.block_count"].contents())
-    writer = gguf.GGUFWriter(str(dst), arch)
-    for field in reader.fields.values():
-        if field.name.startswith("GGUF.") or field.name in ("general.architecture", "general.alignment"):
+class FloatSource:
+    """A GGUF's metadata and tensors dequantized by gguf-py: the float source of re-quantized files."""
+
+    def __init__(self, path: Path):
+        reader = gguf.GGUFReader(str(path))
+        self.arch = str(reader.fields["general.architecture"].contents())
+        self.n_layers = int(reader.fields[f"{self.arch}.block_count"].contents())
+        self.fields = [(f.name, f.contents(), f.types) for f in reader.fields.values()
+                       if not f.name.startswith("GGUF.") and f.name not in ("general.architecture", "general.alignment")]
+        self.tensors = {t.name: gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+                        for t in reader.tensors}
+
+
+def requantize_gguf(source: FloatSource, dst: Path, mix: str, tokenizer: bool = True) -> dict[str, T]:
+    """Write ``source``'s tensors quantized with llama.cpp's per-tensor choices for ``mix``,
+    with its metadata (without the vocabulary unless ``tokenizer``). Returns each tensor's type."""
+    writer = gguf.GGUFWriter(str(dst), source.arch)
+    for name, value, types in source.fields:
+        if name.startswith("tokenizer.") and not tokenizer:
             continue
-        value = field.contents()
-        if field.name == f"{arch}.block_count" and layers is not None:
-            value = layers
-        vtype = gguf.GGUFValueType(field.types[0])
-        sub = gguf.GGUFValueType(field.types[-1]) if vtype == gguf.GGUFValueType.ARRAY else None
-        writer.add_key_value(field.name, value, vtype, sub_type=sub)
-    types = {}
-    for tensor in reader.tensors:
-        if layers is not None and tensor.name.startswith("blk.") and int(tensor.name.split(".")[1]) >= layers:
-            continue
-        values = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
-        types[tensor.name] = llama_cpp_type(mix, tensor.name, values.shape, layers or n_layers)
-        add_tensor(writer, tensor.name, values, types[tensor.name])
+        vtype = gguf.GGUFValueType(types[0])
+        sub = gguf.GGUFValueType(types[-1]) if vtype == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(name, value, vtype, sub_type=sub)
+    if not tokenizer and f"{source.arch}.vocab_size" not in [name for name, _, _ in source.fields]:
+        writer.add_vocab_size(len(source.tensors["token_embd.weight"]))
+    chosen = {}
+    for name, values in source.tensors.items():
+        chosen[name] = llama_cpp_type(mix, name, values.shape, source.n_layers)
+        add_tensor(writer, name, values, chosen[name])
     _finish(writer)
-    return types
+    return chosen
 
 
 def _finish(writer: gguf.GGUFWriter) -> None:

@@ -21,7 +21,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from conftest import edit_config, write_tiny_checkpoint
+from conftest import edit_config, write_byte_tokenizer, write_tiny_checkpoint
 from mlxformer import convert, load
 from mlxformer.cli import main as cli_main
 from mlxformer.perplexity import perplexity
@@ -170,10 +170,7 @@ def quality(smollm_hf_dir, tmp_path_factory):
     evaluator = measure.TorchLogits(smollm_hf_dir, float_state)
 
     def ppl(state) -> float:
-        import torch
-
-        evaluator.model.load_state_dict({k: torch.from_numpy(v) for k, v in state.items()}, strict=False)
-        evaluator.model.tie_weights()
+        evaluator.load(state)  # strict: every weight of the model replaced, no key left over
         return perplexity(evaluator, ids, context=256, stride=256)
 
     dirs = {
@@ -210,59 +207,79 @@ def test_default_q_still_answers_paris(quality):
 
 # ---------------------------------------------------------------------------- streaming and sharding
 
+# Peak RSS: VmHWM, the high-water mark of this process's own memory map. (ru_maxrss would not
+# do: Linux carries the parent's peak over fork+exec, so a child of a big pytest process
+# reports at least the parent's peak.) macOS has no /proc: ru_maxrss, in bytes there.
 SHARD_SCRIPT = textwrap.dedent("""
     import json, resource, sys
     import mlx.core as mx
-    import mlxformer
-    from mlxformer import convert
-    if sys.argv[3] == "convert":
-        convert(sys.argv[1], sys.argv[2], max_shard_size=int(sys.argv[4]), progress=False)
-    print(json.dumps({"maxrss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}))
+
+    def peak_rss():
+        try:
+            with open("/proc/self/status") as f:
+                return next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmHWM:"))
+        except OSError:
+            return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+    from mlxformer.converter import convert
+    from mlxformer.tokenizer import load_tokenizer_from_dir
+    load_tokenizer_from_dir(sys.argv[1])  # the baseline holds what conversion imports and loads too
+    if sys.argv[3] != "baseline":
+        convert(sys.argv[1], sys.argv[2], quantize=sys.argv[3] == "mixed", max_shard_size=int(sys.argv[4]),
+                progress=False)
+    print(json.dumps({"peak_rss": peak_rss()}))
 """)
 
 
-def _write_synthetic_sharded(directory: Path, n_shards: int = 4) -> int:
-    """A tiny-vocab llama with big layers, saved as ``n_shards`` safetensors shards + index;
-    returns the largest shard's size in bytes."""
+def _write_synthetic_sharded(directory: Path, n_shards: int = 4, layers_per_shard: int = 1, hidden: int = 1024,
+                             inter: int = 5632) -> int:
+    """A tiny-vocab llama with big layers (float16), saved as ``n_shards`` safetensors shards of
+    ``layers_per_shard`` layers + index, with a byte-level tokenizer; returns the largest shard's size."""
     from safetensors.numpy import save_file
 
-    hidden, inter, layers = 1024, 5632, n_shards
+    layers = n_shards * layers_per_shard
     config = {"model_type": "llama", "hidden_size": hidden, "intermediate_size": inter, "num_hidden_layers": layers,
-              "num_attention_heads": 8, "num_key_value_heads": 8, "vocab_size": 128, "rms_norm_eps": 1e-5,
+              "num_attention_heads": 8, "num_key_value_heads": 8, "vocab_size": 256, "rms_norm_eps": 1e-5,
               "tie_word_embeddings": True, "torch_dtype": "float16"}
     directory.mkdir()
     (directory / "config.json").write_text(json.dumps(config))
+    write_byte_tokenizer(directory)
     rng = np.random.default_rng(0)
     weight_map = {}
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        tensors = {p + "input_layernorm.weight": np.ones(hidden), p + "post_attention_layernorm.weight": np.ones(hidden)}
-        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            tensors[p + f"self_attn.{name}.weight"] = rng.standard_normal((hidden, hidden))
-        for name, shape in (("gate_proj", (inter, hidden)), ("up_proj", (inter, hidden)), ("down_proj", (hidden, inter))):
-            tensors[p + f"mlp.{name}.weight"] = rng.standard_normal(shape)
-        if i == 0:
-            tensors["model.embed_tokens.weight"] = rng.standard_normal((128, hidden))
+    for shard in range(n_shards):
+        tensors = {}
+        for i in range(shard * layers_per_shard, (shard + 1) * layers_per_shard):
+            p = f"model.layers.{i}."
+            tensors[p + "input_layernorm.weight"] = np.ones(hidden)
+            tensors[p + "post_attention_layernorm.weight"] = np.ones(hidden)
+            for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                tensors[p + f"self_attn.{name}.weight"] = rng.standard_normal((hidden, hidden)) / hidden**0.5
+            for name, shape in (("gate_proj", (inter, hidden)), ("up_proj", (inter, hidden)),
+                                ("down_proj", (hidden, inter))):
+                tensors[p + f"mlp.{name}.weight"] = rng.standard_normal(shape) / shape[1] ** 0.5
+        if shard == 0:
+            tensors["model.embed_tokens.weight"] = rng.standard_normal((256, hidden))
             tensors["model.norm.weight"] = np.ones(hidden)
-        name = f"model-{i + 1:05d}-of-{layers:05d}.safetensors"
+        name = f"model-{shard + 1:05d}-of-{n_shards:05d}.safetensors"
         save_file({k: v.astype(np.float16) for k, v in tensors.items()}, str(directory / name))
         weight_map.update({k: name for k in tensors})
     (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     return max(f.stat().st_size for f in directory.glob("*.safetensors"))
 
 
+def _conversion_rss(source: Path, out: Path, mode: str, limit: int) -> int:
+    """Peak RSS in bytes of a fresh process converting ``source`` (``mode``: float, mixed or baseline)."""
+    proc = subprocess.run([sys.executable, "-c", SHARD_SCRIPT, str(source), str(out), mode, str(limit)],
+                          capture_output=True, text=True, check=True, cwd=out.parent)
+    return json.loads(proc.stdout.strip().splitlines()[-1])["peak_rss"]
+
+
 def test_sharded_conversion_streams_with_bounded_memory(tmp_path):
     source = tmp_path / "sharded"
     largest = _write_synthetic_sharded(source)  # 4 shards of ~42 MB
     out, limit = tmp_path / "out", 25 * 1024**2
-
-    def run(mode: str) -> int:
-        proc = subprocess.run([sys.executable, "-c", SHARD_SCRIPT, str(source), str(out), mode, str(limit)],
-                              capture_output=True, text=True, check=True, cwd=tmp_path)
-        return json.loads(proc.stdout.strip().splitlines()[-1])["maxrss_kb"] * 1024
-
-    baseline = run("baseline")  # a process that only imports mlxformer + mlx
-    peak = run("convert")
+    baseline = _conversion_rss(source, out, "baseline", limit)  # a process that only imports and loads the tokenizer
+    peak = _conversion_rss(source, out, "float", limit)
     # Peak RSS of the conversion minus the import-only baseline stays under 2x the largest input shard
     # (the model is ~170 MB, so loading it whole would exceed this).
     assert peak - baseline < 2 * largest, (peak - baseline, largest)
@@ -282,6 +299,22 @@ def test_sharded_conversion_streams_with_bounded_memory(tmp_path):
     name = "model.layers.2.mlp.down_proj.weight"
     assert mx.array_equal(loaded[name], source_tensors[name])
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.tmp-")]
+
+
+def test_calibrated_mixed_conversion_streams_with_bounded_memory(tmp_path):
+    """The default ``-q`` recipe calibrates on the float model: one decoder layer in float32 at a
+    time, not a float32 copy of the whole model (4 bytes per parameter: ~4x this model's shards)."""
+    source = tmp_path / "sharded"
+    largest = _write_synthetic_sharded(source, n_shards=2, layers_per_shard=3, inter=2816)  # 2 shards of ~78 MB
+    out, limit = tmp_path / "out", 8 * 1024**2
+    baseline = _conversion_rss(source, out, "baseline", limit)
+    peak = _conversion_rss(source, out, "mixed", limit)
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization"]["model.layers.0.mlp.down_proj"] == {"group_size": 32, "bits": 4}  # mixed recipe
+    whole_model_float32 = 2 * sum(f.stat().st_size for f in source.glob("*.safetensors"))
+    print(f"\ncalibrated -q: peak RSS above baseline {(peak - baseline) / 2**20:.0f} MiB, largest shard "
+          f"{largest / 2**20:.0f} MiB, whole model in float32 {whole_model_float32 / 2**20:.0f} MiB")
+    assert peak - baseline < 2 * largest, (peak - baseline, largest)
 
 
 # ---------------------------------------------------------------------------- refusals
@@ -333,15 +366,6 @@ def test_refusals_are_one_line_and_write_nothing(case, tiny_hf, tmp_path, capsys
     assert sorted(p.name for p in tmp_path.iterdir()) == before  # no output, no temp dir
     if case == "exists":
         assert (dst / "keep.txt").read_text() == "old"
-
-
-def test_force_replaces_existing_output(tiny_hf, tmp_path):
-    dst = tmp_path / "dst"
-    dst.mkdir()
-    (dst / "stale.txt").write_text("old")
-    assert cli_main(["convert", "--hf-path", str(tiny_hf), "--mlx-path", str(dst), "--force"]) == 0
-    assert not (dst / "stale.txt").exists() and (dst / "config.json").exists()
-    assert [p.name for p in tmp_path.iterdir()] == ["dst"]
 
 
 def test_failure_mid_conversion_leaves_nothing(tiny_hf, tmp_path, monkeypatch):

@@ -1,9 +1,12 @@
 """Lazy checkpoint reading and sharded safetensors writing, for conversion.
 
-Reading: each safetensors file is validated, then opened with ``mx.load``, which maps
-tensors lazily, so nothing is read until a tensor is evaluated. Writing: output tensors are
-planned into shards by their (computable) sizes, and each shard is evaluated, written and
-freed before the next, so peak memory stays near one shard rather than the model size.
+Reading: each safetensors file is validated, and every access to a tensor opens it anew with
+``mx.load``, which maps tensors lazily: nothing is read until a tensor is evaluated, and an
+evaluated tensor is freed with the arrays computed from it. (A dict of loaded arrays would
+keep each tensor in memory from its first evaluation on: the whole model by the end.)
+Writing: output tensors are planned into shards by their (computable) sizes, and each shard
+is evaluated, written and freed before the next, so peak memory stays near one shard rather
+than the model size.
 """
 
 from __future__ import annotations
@@ -15,17 +18,47 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import mlx.core as mx
 from tqdm import tqdm
 
 from mlxformer.errors import MlxformerError
 from mlxformer.formats.gguf import load_gguf
-from mlxformer.formats.safetensors import load_safetensors, read_config, safetensors_files
+from mlxformer.formats.safetensors import read_config, read_safetensors_header, safetensors_files
 
 MAX_SHARD_BYTES = 5 * 1024**3
 INDEX_NAME = "model.safetensors.index.json"
+
+
+class StreamedTensors(Mapping[str, mx.array]):
+    """The tensors of validated safetensors files by name, in file order; each access returns
+    a fresh lazy array (a new ``mx.load`` of its file: a header parse, no data read)."""
+
+    def __init__(self, file_of: dict[str, Path]):
+        self._file_of = file_of
+
+    @classmethod
+    def open(cls, files: list[Path]) -> StreamedTensors:
+        """Validate ``files`` and index their tensors (a later file wins a duplicate name)."""
+        return cls({name: file for file in files for name in read_safetensors_header(file)})
+
+    def subset(self, names: Iterable[str]) -> StreamedTensors:
+        """The same files restricted to ``names``."""
+        return StreamedTensors({name: self._file_of[name] for name in names})
+
+    def __getitem__(self, name: str) -> mx.array:
+        file = self._file_of[name]
+        try:
+            return mx.load(str(file))[name]
+        except (RuntimeError, ValueError) as exc:
+            raise MlxformerError(f"{file}: cannot read safetensors ({exc})") from None
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._file_of)
+
+    def __len__(self) -> int:
+        return len(self._file_of)
 
 
 @dataclass
@@ -33,7 +66,7 @@ class SourceCheckpoint:
     """A checkpoint opened lazily: its config, its tensors in file order, GGUF metadata if any."""
 
     config: dict[str, Any]
-    tensors: dict[str, mx.array]
+    tensors: Mapping[str, mx.array]  # StreamedTensors for safetensors; the GGUF's arrays (one read)
     gguf_metadata: dict[str, Any] | None
     directory: Path | None  # the model dir (tokenizer files live here); None for GGUF
 
@@ -46,7 +79,7 @@ def open_source(source: Path) -> SourceCheckpoint:
         config, weights, metadata = load_gguf(source)
         return SourceCheckpoint(config, weights, metadata, None)
     config = read_config(source)
-    return SourceCheckpoint(config, load_safetensors(safetensors_files(source)), None, source)
+    return SourceCheckpoint(config, StreamedTensors.open(safetensors_files(source)), None, source)
 
 
 def plan_shards(sizes: list[tuple[str, int]], max_bytes: int) -> list[list[str]]:
@@ -103,15 +136,54 @@ def write_shards(
         (directory / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
 
 
+def _contains(directory: Path, path: Path) -> bool:
+    """Whether ``path`` is ``directory`` or lies inside it (both resolved)."""
+    return path == directory or directory in path.parents
+
+
+def is_model_dir(directory: Path) -> bool:
+    """A dir that ``--force`` may replace: regular files only (no subdirectories, no links),
+    among them ``config.json`` and at least one ``*.safetensors`` file, as a conversion writes."""
+    entries = list(directory.iterdir())
+    if any(e.is_symlink() or not e.is_file() for e in entries):
+        return False
+    names = {e.name for e in entries}
+    return "config.json" in names and any(n.endswith(".safetensors") for n in names)
+
+
+def check_destination(destination: Path, source: Path, force: bool) -> None:
+    """Refuse an output path that converting to ``destination`` must not replace.
+
+    Without ``force`` any existing path is refused. With ``force``, ``destination`` may be
+    missing, an empty dir or a model dir (``is_model_dir``); never the filesystem root, nor
+    a dir that is or contains the current directory, the source or the home dir.
+    """
+    if not destination.exists() and not destination.is_symlink():
+        return
+    if not force:
+        raise MlxformerError(f"{destination} already exists (pass --force to replace it)")
+    refuse = f"refusing to replace {destination}"
+    if destination.is_symlink():
+        raise MlxformerError(f"{refuse}: it is a symbolic link")
+    target = destination.resolve()
+    if target == Path(target.anchor):
+        raise MlxformerError(f"{refuse}: it is the filesystem root")
+    for what, path in (("the current directory", Path.cwd()), ("the source", source), ("the home dir", Path.home())):
+        if _contains(target, path.expanduser().resolve()):
+            raise MlxformerError(f"{refuse}: it is or contains {what}")
+    if not target.is_dir() or (any(target.iterdir()) and not is_model_dir(target)):
+        raise MlxformerError(f"{refuse}: it is not empty and not a model dir "
+                             "(config.json and *.safetensors files, no subdirectories)")
+
+
 @contextlib.contextmanager
-def staged_output(destination: Path, force: bool) -> Iterator[Path]:
+def staged_output(destination: Path, source: Path, force: bool) -> Iterator[Path]:
     """A temporary sibling dir that replaces ``destination`` only if the body succeeds.
 
-    An existing ``destination`` is refused unless ``force``; on any failure the temporary
+    ``destination`` is checked by ``check_destination``; on any failure the temporary
     dir is removed and ``destination`` is untouched.
     """
-    if destination.exists() and not force:
-        raise MlxformerError(f"{destination} already exists (pass --force to replace it)")
+    check_destination(destination, source, force)
     if not destination.parent.is_dir():
         raise MlxformerError(f"{destination.parent}: no such directory")
     staging = Path(tempfile.mkdtemp(prefix=f".{destination.name}.tmp-", dir=destination.parent))

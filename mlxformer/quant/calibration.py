@@ -2,6 +2,9 @@
 
 The float model reads a short calibration text (written for this project, distinct from
 any evaluation text); every linear layer records the mean square of each input column.
+The model runs one stage at a time (the embedding, each decoder layer, the final norm), each
+with only its own float32 parameters in memory, so calibrating needs about one layer in
+float32 rather than a float32 copy of the whole model.
 A weight column that multiplies large activations matters more to the layer's output, so
 the quantizer weights its squared error by these values (a diagonal approximation of the
 output error, as in llama.cpp's importance matrix).
@@ -14,8 +17,13 @@ from typing import Callable
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxformer.models.mask import causal_mask_for
+from mlxformer.models.config import ModelArgs
 from mlxformer.models.decoder import Model
+from mlxformer.models.mask import causal_mask_for
+
+# The float32 parameters of the module at a path (``model.layers.3``), named relative to it
+# (``self_attn.q_proj.weight``); called once per stage, just before the stage runs.
+ParamsOf = Callable[[str], dict[str, mx.array]]
 
 CALIBRATION_TEXT = """\
 Recipe notes for a rainy Sunday. Soak two cups of dried beans overnight, then simmer them with a bay leaf, \
@@ -63,37 +71,72 @@ class _Recorder(nn.Module):
         return self.inner(x)
 
 
-def activation_importance(model: Model, token_ids: list[int], max_tokens: int = 128) -> dict[str, mx.array]:
-    """Mean squared input activation per column, keyed by the layer path (``...q_proj``).
+class _Statistics:
+    """Running sums of squared inputs per column, and token counts, per layer path."""
 
-    For tied embeddings the statistics of the final norm's output (the input of the output
-    projection) are stored under ``model.embed_tokens``. The output projection itself is not
-    computed. ``model`` is modified (its linear layers wrapped) and should be discarded afterwards.
-    """
-    sums: dict[str, mx.array] = {}
-    counts: dict[str, int] = {}
+    def __init__(self) -> None:
+        self.sums: dict[str, mx.array] = {}
+        self.counts: dict[str, int] = {}
 
-    def recorder_for(path: str) -> Callable[[mx.array], None]:
+    def recorder_for(self, path: str) -> Callable[[mx.array], None]:
         def record(x: mx.array) -> None:
             flat = x.astype(mx.float32).reshape(-1, x.shape[-1])  # (tokens, in)
             total = mx.square(flat).sum(axis=0)
-            sums[path] = sums[path] + total if path in sums else total
-            counts[path] = counts.get(path, 0) + flat.shape[0]
+            self.sums[path] = self.sums[path] + total if path in self.sums else total
+            self.counts[path] = self.counts.get(path, 0) + flat.shape[0]
 
         return record
 
-    for layer_index, layer in enumerate(model.layers):
-        prefix = f"model.layers.{layer_index}"
-        for parent_name, parent in (("self_attn", layer.self_attn), ("mlp", layer.mlp)):
-            for name, child in list(parent.children().items()):
-                if isinstance(child, nn.Linear):
-                    parent[name] = _Recorder(child, recorder_for(f"{prefix}.{parent_name}.{name}"))
-    head = "model.embed_tokens" if model.args.tie_word_embeddings else "lm_head"
+    def means(self) -> dict[str, mx.array]:
+        return {path: total / self.counts[path] for path, total in self.sums.items()}
+
+
+def _record_linear_inputs(layer: nn.Module, prefix: str, stats: _Statistics) -> None:
+    for parent_name in ("self_attn", "mlp"):
+        parent = layer[parent_name]
+        for name, child in list(parent.children().items()):
+            if isinstance(child, nn.Linear):
+                parent[name] = _Recorder(child, stats.recorder_for(f"{prefix}.{parent_name}.{name}"))
+
+
+def activation_importance(
+    args: ModelArgs, params_of: ParamsOf, token_ids: list[int], max_tokens: int = 128
+) -> dict[str, mx.array]:
+    """Mean squared input activation per column, keyed by the layer path (``...q_proj``).
+
+    The decoder runs stage by stage on the first ``max_tokens`` ids: each stage's float32
+    parameters come from ``params_of(path)``, are evaluated with that stage and released
+    before the next, so peak memory is about one decoder layer in float32 (the embedding
+    matrix too while the ids are embedded). For tied embeddings the statistics of the final
+    norm's output (the input of the output projection) are stored under
+    ``model.embed_tokens``; the output projection itself is not computed.
+    """
+    model = Model(args)  # its parameters stay lazy, never evaluated: each stage gets real ones in turn
+    stats = _Statistics()
     tokens = mx.array(token_ids[:max_tokens])[None]  # (1, T)
-    h = model.model.embed_tokens(tokens)
-    mask = causal_mask_for(tokens.shape[1], tokens.shape[1], model.args.sliding_window)
-    for layer in model.layers:
+    embedding = model.model.embed_tokens
+    embedding.load_weights(list(params_of("model.embed_tokens").items()), strict=True)
+    h = embedding(tokens)  # (1, T, hidden)
+    mx.eval(h)
+    del embedding, model.model.embed_tokens  # the stage is done: free its float32 matrix
+    mask = causal_mask_for(tokens.shape[1], tokens.shape[1], args.sliding_window)
+    layers = model.layers
+    for index in range(len(layers)):
+        prefix = f"model.layers.{index}"
+        layer = layers[index]
+        layers[index] = None  # the stage below holds the only reference: freed after it runs
+        params = params_of(prefix)
+        for value in params.values():  # one at a time: each source tensor is freed before the next is read
+            mx.eval(value)
+        layer.load_weights(list(params.items()), strict=True)
+        del params
+        _record_linear_inputs(layer, prefix, stats)
         h = layer(h, mask, None)
-    recorder_for(head)(model.model.norm(h))  # the output projection's input; the projection itself is skipped
-    mx.eval(sums)
-    return {path: total / counts[path] for path, total in sums.items()}
+        mx.eval(h, stats.sums)
+        del layer
+    norm = model.model.norm
+    norm.load_weights(list(params_of("model.norm").items()), strict=True)
+    head = "model.embed_tokens" if args.tie_word_embeddings else "lm_head"
+    stats.recorder_for(head)(norm(h))  # the output projection's input; the projection itself is skipped
+    mx.eval(stats.sums)
+    return stats.means()

@@ -21,7 +21,7 @@ from mlxformer.errors import MlxformerError
 
 SUPPORTED_BITS = (2, 3, 4, 5, 6, 8)
 SUPPORTED_GROUP_SIZES = (32, 64, 128)
-_CHUNK_ELEMENTS = 1 << 20  # rows are quantized in chunks of about this many weights
+_CHUNK_ELEMENTS = 1 << 18  # rows are quantized in chunks of about this many weights
 _SCALE_STEPS = np.linspace(-1.0, 1.0, 11)  # candidate code ranges: nmax + step
 _REFINE_ROUNDS = 2
 
