@@ -7,9 +7,9 @@ import sys
 import traceback
 from typing import Sequence
 
-from mlxformer.cli import bench, cache_prompt, chat, convert, generate, info, perplexity
+from mlxformer.cli import bench, cache_prompt, chat, convert, generate, info, perplexity, serve
 
-COMMANDS = (generate, chat, convert, perplexity, bench, cache_prompt, info)
+COMMANDS = (generate, chat, convert, perplexity, bench, cache_prompt, info, serve)
 
 
 def build_parser() -> argparse.ArgumentParser:

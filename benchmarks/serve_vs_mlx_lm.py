@@ -1,0 +1,236 @@
+"""`mlxformer serve` beside `mlx_lm.server` on the same model files, 1/4/8 concurrent clients.
+
+Both servers run as subprocesses on 127.0.0.1, one at a time, in one run; the order alternates
+per model and cache setting (A B, then B A). Each client streams one chat completion of its
+own prompt, greedy, with every EOS id biased away (``logit_bias`` -100) so that each request
+generates exactly ``--max-tokens`` tokens on both servers. Reported per server and client
+count: aggregate generated tokens/s (all tokens over the round's wall time) and time to first
+token p50/p95. Also measured: mlxformer's own single-stream decode speed (library, no server).
+With ``--kv-bits 8`` both servers quantize their KV cache (mlx-lm then serves one request at a time).
+
+Usage:
+  python benchmarks/prepare_models.py --skip-1b     # once: writes .bench/models
+  python benchmarks/serve_vs_mlx_lm.py [--models smollm2-f32 smollm2-bf16] [--max-tokens 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from datetime import date
+from http.client import HTTPConnection
+from pathlib import Path
+
+TOPICS = ["the sea", "a robot", "the moon", "a small town", "winter", "a dragon", "coffee", "a library"]
+SERVERS = ("mlxformer", "mlx-lm")
+START_TIMEOUT_SECONDS = 300
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def server_command(server: str, model_dir: Path, port: int, kv_bits: int | None, max_batch: int) -> list[str]:
+    if server == "mlxformer":
+        command = [sys.executable, "-m", "mlxformer", "serve", "--model", str(model_dir), "--port", str(port),
+                   "--max-batch", str(max_batch)]
+        return command + (["--kv-bits", str(kv_bits)] if kv_bits else [])
+    command = [sys.executable, "-m", "mlx_lm", "server", "--model", str(model_dir), "--port", str(port),
+               "--log-level", "WARNING"]
+    return command + (["--kv-bits", str(kv_bits), "--quantized-kv-start", "0"] if kv_bits else [])
+
+
+def wait_healthy(port: int, process: subprocess.Popen) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_SECONDS
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise SystemExit(f"server exited with {process.returncode}")
+        try:
+            connection = HTTPConnection("127.0.0.1", port, timeout=5)
+            connection.request("GET", "/health")
+            if connection.getresponse().status == 200:
+                return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise SystemExit("server did not start")
+
+
+def stream_one(port: int, model: str, prompt: str, max_tokens: int, eos_ids: list[int]) -> dict[str, float]:
+    """One streamed chat request: time to first token and generated tokens (from usage)."""
+    body = {
+        "model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+        "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True},
+        "logit_bias": {str(i): -100.0 for i in eos_ids},
+    }
+    connection = HTTPConnection("127.0.0.1", port, timeout=3600)
+    start = time.perf_counter()
+    connection.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+    response = connection.getresponse()
+    if response.status != 200:
+        raise SystemExit(f"request failed: {response.status} {response.read()[:500]!r}")
+    first = None
+    tokens = 0
+    chunks = 0
+    for raw in response:
+        line = raw.decode().strip()
+        if not line.startswith("data:") or line == "data: [DONE]":
+            continue
+        chunk = json.loads(line[5:])
+        for choice in chunk.get("choices") or []:
+            if (choice.get("delta") or {}).get("content"):
+                chunks += 1
+                first = first or time.perf_counter()
+        if chunk.get("usage"):
+            tokens = chunk["usage"]["completion_tokens"]
+    end = time.perf_counter()
+    connection.close()
+    return {"ttft": (first or end) - start, "tokens": tokens or chunks, "end": end, "start": start}
+
+
+def run_round(port: int, model: str, clients: int, max_tokens: int, eos_ids: list[int]) -> dict[str, float]:
+    results: list[dict[str, float]] = [{} for _ in range(clients)]
+
+    def client(i: int) -> None:
+        results[i] = stream_one(port, model, f"Write a long story about {TOPICS[i % len(TOPICS)]}.", max_tokens, eos_ids)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    wall = max(r["end"] for r in results) - min(r["start"] for r in results)
+    return {"tokens": sum(r["tokens"] for r in results), "wall": wall, "ttfts": [r["ttft"] for r in results]}
+
+
+def bench_server(server: str, model_dir: Path, args: argparse.Namespace, kv_bits: int | None,
+                 eos_ids: list[int]) -> dict[int, dict[str, float]]:
+    port = free_port()
+    process = subprocess.Popen(server_command(server, model_dir, port, kv_bits, max(args.clients)),
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_healthy(port, process)
+        name = str(model_dir) if server == "mlxformer" else "default_model"
+        stream_one(port, name, "Hello", 4, eos_ids)  # warm-up
+        return {c: run_round(port, name, c, args.max_tokens, eos_ids) for c in args.clients}
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
+def single_stream_decode(model_dir: Path, max_tokens: int) -> float:
+    """mlxformer's library decode tok/s for one stream (subprocess: its own memory and threads)."""
+    code = (
+        "import sys\nfrom mlxformer import load, stream_generate\n"
+        f"m, t = load({str(model_dir)!r})\nids = t.encode_prompt('Write a long story about the sea.')\n"
+        "list(stream_generate(m, t, ids, 4))\n"
+        f"r = list(stream_generate(m, t, ids, {max_tokens}))[-1]\nprint(r.generation_tps)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def eos_ids_of(model_dir: Path) -> list[int]:
+    from mlxformer.tokenizer import load_tokenizer_from_dir
+
+    return load_tokenizer_from_dir(model_dir).eos_token_ids
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def summarize(rounds: list[dict[str, float]]) -> dict[str, float]:
+    ttfts = [t for r in rounds for t in r["ttfts"]]
+    return {
+        "tok_s": statistics.median(r["tokens"] / r["wall"] for r in rounds),
+        "ttft_p50": percentile(ttfts, 0.5), "ttft_p95": percentile(ttfts, 0.95),
+    }
+
+
+def plot(results: dict, clients: list[int], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(7, 4.5))
+    for key, per_server in results.items():
+        for server, rows in per_server.items():
+            style = "-o" if server == "mlxformer" else "--s"
+            axis.plot(clients, [rows[str(c)]["tok_s"] for c in clients], style, label=f"{server} {key}")
+    axis.set_xlabel("concurrent clients")
+    axis.set_ylabel("aggregate generated tokens/s")
+    axis.set_xticks(clients)
+    axis.set_title("mlxformer serve vs mlx_lm.server (SmolLM2-135M, CPU)")
+    axis.grid(alpha=0.3)
+    axis.legend(fontsize=8)
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models-dir", type=Path, default=Path(".bench/models"))
+    parser.add_argument("--models", nargs="+", default=["smollm2-f32", "smollm2-bf16"])
+    parser.add_argument("--clients", nargs="+", type=int, default=[1, 4, 8])
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--trials", type=int, default=1)
+    parser.add_argument("--kv-bits", nargs="+", type=int, default=[0, 8], help="0: float KV cache")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    args = parser.parse_args()
+
+    results: dict[str, dict[str, dict[str, dict[str, float]]]] = {}
+    single: dict[str, float] = {}
+    flip = False
+    for name in args.models:
+        model_dir = args.models_dir / name
+        eos_ids = eos_ids_of(model_dir)
+        single[name] = single_stream_decode(model_dir, args.max_tokens)
+        for kv_bits in args.kv_bits:
+            key = f"{name}" + (f" kv{kv_bits}" if kv_bits else "")
+            rounds: dict[str, dict[int, list]] = {s: {c: [] for c in args.clients} for s in SERVERS}
+            for _ in range(args.trials):
+                order = SERVERS[::-1] if flip else SERVERS
+                flip = not flip
+                for server in order:
+                    for c, measured in bench_server(server, model_dir, args, kv_bits or None, eos_ids).items():
+                        rounds[server][c].append(measured)
+            results[key] = {s: {str(c): summarize(r) for c, r in per.items()} for s, per in rounds.items()}
+            print(f"{key}: {json.dumps(results[key])}", flush=True)
+
+    print(f"\n{date.today()} {platform.machine()} {platform.system()}, {args.max_tokens} tokens per client\n")
+    print("| model | clients | mlxformer tok/s | mlx-lm tok/s | ratio | TTFT p50 ours / mlx-lm (s) | TTFT p95 ours / mlx-lm (s) |")
+    print("|---|---|---|---|---|---|---|")
+    for key, per in results.items():
+        for c in args.clients:
+            ours, theirs = per["mlxformer"][str(c)], per["mlx-lm"][str(c)]
+            print(f"| {key} | {c} | {ours['tok_s']:.1f} | {theirs['tok_s']:.1f} | {ours['tok_s'] / theirs['tok_s']:.2f}x "
+                  f"| {ours['ttft_p50']:.2f} / {theirs['ttft_p50']:.2f} | {ours['ttft_p95']:.2f} / {theirs['ttft_p95']:.2f} |")
+    print("\nmlxformer single-stream decode (library): "
+          + ", ".join(f"{k}: {v:.1f} tok/s" for k, v in single.items()))
+    for key, per in results.items():
+        name = key.split()[0]
+        top = per["mlxformer"][str(max(args.clients))]["tok_s"]
+        print(f"{key}: {max(args.clients)} clients / single stream = {top / single[name]:.2f}x")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "serve_vs_mlx_lm.json").write_text(json.dumps({"results": results, "single_stream": single}, indent=2))
+    plot(results, args.clients, args.out / "serve_throughput.png")
+
+
+if __name__ == "__main__":
+    main()

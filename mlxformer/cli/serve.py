@@ -1,0 +1,60 @@
+"""``mlxformer serve``: an OpenAI-compatible HTTP server with a chat page, on the batching engine."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from mlxformer.cli.common import add_cache_args, add_model_args, add_verbose, cache_settings, load_for_cli
+
+API_KEY_VARIABLE = "MLXFORMER_API_KEY"
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the ``serve`` subcommand."""
+    parser = subparsers.add_parser("serve", help="serve an OpenAI-compatible API and a chat page")
+    add_model_args(parser)
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    parser.add_argument("--port", type=int, default=8080, help="port (default 8080)")
+    parser.add_argument("--max-batch", type=int, default=8, help="most sequences decoded together (default 8)")
+    parser.add_argument("--max-queue", type=int, default=64, help="most requests waiting; beyond, 429 (default 64)")
+    parser.add_argument(
+        "--api-key", default=os.environ.get(API_KEY_VARIABLE) or None,
+        help=f"require 'Authorization: Bearer KEY' on /v1 (default: ${API_KEY_VARIABLE}, else none)",
+    )
+    parser.add_argument(
+        "--cors-origin", action="extend", nargs="+", default=[], metavar="ORIGIN",
+        help="allow cross-origin requests from ORIGIN (repeatable; default: none)",
+    )
+    parser.add_argument("--served-model-name", help="the model name clients use (default: --model as given)")
+    add_cache_args(parser)
+    add_verbose(parser)
+    parser.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Handler of ``mlxformer serve``."""
+    from mlxformer.errors import MlxformerError
+    from mlxformer.server.runner import serve
+
+    if not 0 <= args.port <= 65535:
+        raise MlxformerError("--port must be between 0 and 65535")
+    if args.max_batch < 1 or args.max_queue < 0:
+        raise MlxformerError("need --max-batch >= 1 and --max-queue >= 0")
+    if args.api_key is not None and not args.api_key.strip():
+        raise MlxformerError("--api-key is empty")
+    settings = cache_settings(args)
+    model, tokenizer = load_for_cli(args)
+    name = args.served_model_name or args.model or default_model_name()
+    serve(
+        model, tokenizer, name, host=args.host, port=args.port, max_batch=args.max_batch, max_queue=args.max_queue,
+        api_key=args.api_key, cors_origins=args.cors_origin, cache_settings=settings,
+    )
+    return 0
+
+
+def default_model_name() -> str:
+    """The served name of the default model: its file name without the extension."""
+    from mlxformer.default_model import default_model_path
+
+    return default_model_path().stem

@@ -1,0 +1,101 @@
+"""Running the API app with uvicorn: in the foreground (``serve``) or in a background thread
+(``ServerThread``, for tests and apps that embed the server)."""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import socket
+import threading
+import time
+from typing import Sequence
+
+import uvicorn
+from fastapi import FastAPI
+
+from mlxformer.cache import CacheSettings
+from mlxformer.engine import Engine
+from mlxformer.errors import MlxformerError
+from mlxformer.models.decoder import Model
+from mlxformer.server.app import create_app
+from mlxformer.server.translate import ServedModel
+from mlxformer.tokenizer import Tokenizer
+
+log = logging.getLogger("mlxformer.server")
+START_TIMEOUT_SECONDS = 30.0
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` only listens on this machine."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def serve(
+    model: Model,
+    tokenizer: Tokenizer,
+    name: str,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8080,
+    max_batch: int = 8,
+    max_queue: int = 64,
+    api_key: str | None = None,
+    cors_origins: Sequence[str] = (),
+    cache_settings: CacheSettings | None = None,
+) -> None:
+    """Serve ``model`` as ``name`` until interrupted (Ctrl-C stops the server and the engine)."""
+    if not is_loopback(host) and api_key is None:
+        log.warning("serving on %s without --api-key: anyone who can reach this host can use the model", host)
+    engine = Engine(model, tokenizer, max_batch=max_batch, max_queue=max_queue, cache_settings=cache_settings)
+    served = ServedModel.of(name, model, tokenizer)
+    app = create_app(engine, served, api_key=api_key, cors_origins=cors_origins)
+    engine.start()
+    try:
+        uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
+    finally:
+        engine.stop()
+
+
+class ServerThread:
+    """uvicorn serving ``app`` on ``host`` in a daemon thread; ``port=0`` picks a free port."""
+
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((host, port))
+        self.host, self.port = host, self.sock.getsockname()[1]
+        config = uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=2)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    @property
+    def url(self) -> str:
+        """The base URL, e.g. ``http://127.0.0.1:41234``."""
+        return f"http://{self.host}:{self.port}"
+
+    def start(self) -> ServerThread:
+        """Start serving; returns once the server accepts connections."""
+        self.thread.start()
+        deadline = time.monotonic() + START_TIMEOUT_SECONDS
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise MlxformerError("the server did not start")
+            time.sleep(0.02)
+        return self
+
+    def stop(self) -> None:
+        """Stop serving and wait for the thread."""
+        self.server.should_exit = True
+        self.thread.join(timeout=START_TIMEOUT_SECONDS)
+        self.sock.close()
+
+    def __enter__(self) -> ServerThread:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

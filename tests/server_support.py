@@ -1,0 +1,74 @@
+"""Helpers for the server tests: the real model loaded for a background engine, a server on a
+free 127.0.0.1 port that always stops, and raw HTTP requests (for what the openai client hides)."""
+
+from __future__ import annotations
+
+import contextlib
+from http.client import HTTPConnection
+import json
+from pathlib import Path
+from typing import Any, Iterator
+from urllib.parse import urlsplit
+
+MODEL_NAME = "smollm2-test"
+
+
+def load_for_engine(path: Path) -> tuple[Any, Any]:
+    """SmolLM2 on one CPU stream: the references are single-stream `generate` runs, and one
+    stream costs least on a shared machine."""
+    from mlxformer import load
+
+    return load(path, threads=1)
+
+
+@contextlib.contextmanager
+def running_engine(model: Any, tokenizer: Any, **engine_args: Any) -> Iterator[Any]:
+    """A started engine, stopped at the end."""
+    from mlxformer.engine import Engine
+
+    engine = Engine(model, tokenizer, **engine_args)
+    engine.start()
+    try:
+        yield engine
+    finally:
+        engine.stop()
+
+
+@contextlib.contextmanager
+def running_server(engine: Any, model: Any, tokenizer: Any, **app_args: Any) -> Iterator[str]:
+    """The API app over ``engine`` on a free 127.0.0.1 port; yields its base URL."""
+    from mlxformer.server.app import create_app
+    from mlxformer.server.runner import ServerThread
+    from mlxformer.server.translate import ServedModel
+
+    served = ServedModel.of(MODEL_NAME, model, tokenizer)
+    with ServerThread(create_app(engine, served, **app_args)) as server:
+        yield server.url
+
+
+def http(
+    url: str, method: str, path: str, body: bytes | dict | None = None, headers: dict[str, str] | None = None,
+    timeout: float = 120.0,
+) -> tuple[int, dict[str, str], bytes]:
+    """One raw HTTP request: ``(status, lower-cased headers, body)``."""
+    parts = urlsplit(url)
+    connection = HTTPConnection(parts.hostname, parts.port, timeout=timeout)
+    headers = dict(headers or {})
+    if isinstance(body, dict):
+        body = json.dumps(body).encode()
+        headers.setdefault("Content-Type", "application/json")
+    try:
+        connection.request(method, path, body=body, headers=headers)
+        response = connection.getresponse()
+        return response.status, {k.lower(): v for k, v in response.getheaders()}, response.read()
+    finally:
+        connection.close()
+
+
+def error_of(body: bytes) -> dict[str, Any]:
+    """The ``error`` object of an OpenAI-style error body (asserting its shape)."""
+    error = json.loads(body)["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert isinstance(error["message"], str) and error["message"]
+    assert "Traceback" not in error["message"]
+    return error
