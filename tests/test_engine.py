@@ -38,7 +38,7 @@ def tiny(smollm, tmp_path_factory):
         hidden_size=128, num_attention_heads=2, num_key_value_heads=1,
     )
     smollm[1].save(directory)
-    model, tokenizer = load(directory)
+    model, tokenizer = load(directory, dtype=mx.float32)  # like the transformers reference, on any device
     return model, tokenizer, hf_model
 
 
