@@ -27,7 +27,7 @@ def tiny_words(directory, seed: int = 0, vocab_size: int = 256, **config):
     """A tiny random Llama over a word vocabulary that never stops early, and its transformers twin."""
     _, hf_model = write_tiny_checkpoint(directory, "llama", seed=seed, vocab_size=vocab_size, **{**SHAPE, **config})
     write_word_tokenizer(directory, vocab_size)
-    model, tokenizer = load(directory, threads=1)
+    model, tokenizer = load(directory, threads=1, dtype=mx.float32)  # like the transformers twin, on any device
     tokenizer.eos_token_ids = []
     return model, tokenizer, hf_model
 
