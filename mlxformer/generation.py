@@ -105,27 +105,29 @@ def _constrained_tokens(
     prefill_step_size: int | None,
     constraint: TokenConstraint,
 ) -> Iterator[int]:
-    """``generate_tokens`` under a constraint. The mask of step n+1 needs token n, so the step's
-    forward pass is queued first and the mask is computed on the CPU while the device runs it."""
+    """``generate_tokens`` under a constraint. Step n+1's forward pass is queued before token n is
+    read (as without a constraint); its mask needs token n, so it is computed on the CPU while the
+    device runs that forward pass, and only the sampling waits for it."""
     history = prompt
     logits = prefill(model, prompt, cache, prefill_step_size)
     mx.async_eval(logits)
     token, _ = _choose(logits, history, sampler, processors, constraint.next_mask())
     mx.async_eval(token)
     for n in range(max_tokens):
-        value = int(token.item())
-        constraint.advance(value)
-        more = n + 1 < max_tokens and not constraint.done
+        more = n + 1 < max_tokens
         if more:
             if processors:
                 history = mx.concatenate([history, token])
             logits = decode_step(model, token, cache)
             mx.async_eval(logits)
-            token, _ = _choose(logits, history, sampler, processors, constraint.next_mask())
-            mx.async_eval(token)
-        yield value
-        if not more:
+        value = int(token.item())
+        constraint.advance(value)
+        if not more or constraint.done:
+            yield value
             return
+        token, _ = _choose(logits, history, sampler, processors, constraint.next_mask())
+        mx.async_eval(token)
+        yield value
 
 
 def _peak_memory_gb() -> float:

@@ -137,7 +137,8 @@ def test_two_ranks_match_single_process_and_split_memory(tmp_path, cpu_device, s
 
 
 def test_cli_pipeline_on_smollm_prints_once(smollm_gguf):
-    args = ["--model", str(smollm_gguf), "--prompt", "What is the capital of France?", "--max-tokens", "12"]
+    args = ["--model", str(smollm_gguf), "--prompt", "The capital of France is", "--ignore-chat-template",
+            "--max-tokens", "8"]
     mlxformer = [sys.executable, "-m", "mlxformer", "generate", *args]
     single = subprocess.run([*mlxformer, "--threads", "1"], capture_output=True, text=True, timeout=300)
     assert single.returncode == 0, single.stderr
@@ -181,12 +182,12 @@ def tiny_chat_model(tmp_path_factory, hf_smollm_tokenizer) -> Path:
     return directory
 
 
-@pytest.mark.parametrize("failure", ["kill", "hang"])
-def test_lost_rank_ends_the_other_non_zero(tiny_chat_model, failure):
+@pytest.mark.parametrize("failure, parallel", [("kill", "pipeline"), ("hang", "pipeline"), ("kill", "tensor")])
+def test_lost_rank_ends_the_other_non_zero(tiny_chat_model, failure, parallel):
     """A killed rank (sockets closed) or a hung one (SIGSTOP: sockets open, nothing sent)
     makes rank 0 exit non-zero; the hang is caught by the watchdog (--timeout 5)."""
     command = launch_command(
-        sys.executable, "-m", "mlxformer", "generate", "--model", str(tiny_chat_model), "--parallel", "pipeline",
+        sys.executable, "-m", "mlxformer", "generate", "--model", str(tiny_chat_model), "--parallel", parallel,
         "--prompt", "Once upon a time", "--ignore-chat-template", "--max-tokens", "1000000", "--timeout", "5",
     )
     launcher, _, err = start_and_wait_for_text(command)

@@ -94,7 +94,7 @@ def load_stage(reader: CheckpointReader, stage: Stage, dtype: mx.Dtype | None = 
     """The decoder holding ``stage``'s layers (and ends), reading only their tensors."""
     args = reader.args
     weights = reader.read(lambda name: not skipped(name, args) and _local_name(name, stage) is not None)
-    local = {_local_name(name, stage): array for name, array in weights.items()}
+    local = {local_name: array for name, array in weights.items() if (local_name := _local_name(name, stage))}
     config = dict(reader.config)
     quantization = config.get("quantization") or config.get("quantization_config")
     if quantization:  # per-layer overrides follow the renumbering
@@ -103,7 +103,7 @@ def load_stage(reader: CheckpointReader, stage: Stage, dtype: mx.Dtype | None = 
         renamed.update({_local_name(k, stage): v for k, v in overrides.items() if _local_name(k, stage)})
         config["quantization"] = renamed
         config.pop("quantization_config", None)
-    model = build_model(config, local, stage.stop - stage.start, stage.with_ends)  # type: ignore[arg-type]
+    model = build_model(config, local, stage.stop - stage.start, stage.with_ends)
     apply_dtype_policy(model, dtype)
     return model
 

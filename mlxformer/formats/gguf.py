@@ -73,22 +73,25 @@ def _meta(metadata: dict[str, Any], key: str, default: Any = None) -> Any:
 def config_from_metadata(metadata: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]:
     """An HF ``config.json`` dict from GGUF metadata (as returned by ``read_gguf``)."""
     arch = _meta(metadata, "general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
+    if not isinstance(arch, str) or arch not in SUPPORTED_ARCHITECTURES:
         raise MlxformerError(f"unsupported GGUF architecture {arch!r} (supported: llama, qwen2, qwen3)")
 
     def field(name: str, default: Any = None) -> Any:
         value = _meta(metadata, f"{arch}.{name}", default)
         if value is None:
             raise MlxformerError(f"GGUF metadata is missing {arch}.{name}")
-        if not isinstance(value, (int, float)):
-            raise MlxformerError(f"GGUF metadata {arch}.{name} is not a number: {str(value)[:50]!r}")
+        if not isinstance(value, (int, float)) or value != value or abs(value) == float("inf"):
+            raise MlxformerError(f"GGUF metadata {arch}.{name} is not a finite number: {str(value)[:50]!r}")
         return value
 
     hidden = int(field("embedding_length"))
     heads = int(field("attention.head_count"))
     if heads <= 0 or hidden <= 0:
         raise MlxformerError("GGUF metadata has a non-positive embedding length or head count")
-    vocab = _meta(metadata, f"{arch}.vocab_size") or len(metadata.get("tokenizer.ggml.tokens", []))
+    tokens = metadata.get("tokenizer.ggml.tokens", [])
+    vocab = _meta(metadata, f"{arch}.vocab_size") or (len(tokens) if isinstance(tokens, (list, np.ndarray)) else 0)
+    if not isinstance(vocab, int):
+        raise MlxformerError(f"GGUF metadata {arch}.vocab_size is not an integer")
     config: dict[str, Any] = {
         "model_type": SUPPORTED_ARCHITECTURES[arch],
         "hidden_size": hidden,
@@ -106,7 +109,7 @@ def config_from_metadata(metadata: dict[str, Any], tensor_names: set[str]) -> di
     scaling_type = _meta(metadata, f"{arch}.rope.scaling.type")
     if scaling_type not in (None, "none"):
         if scaling_type != "linear":
-            raise MlxformerError(f"unsupported GGUF rope scaling type {scaling_type!r}")
+            raise MlxformerError(f"unsupported GGUF rope scaling type {str(scaling_type)[:50]!r}")
         config["rope_scaling"] = {"rope_type": "linear", "factor": float(field("rope.scaling.factor"))}
     if arch == "qwen2":
         config["attention_bias"] = True
@@ -189,9 +192,8 @@ def _decode(gguf: GGUFFile, info: TensorInfo, heads: int | None) -> tuple[dict[s
     values = decode_values(raw, info.type_name, rows, cols)
     if heads is not None:
         values = _unpermute_rows(values, heads)
-    codes = requantize(values, INEXACT_BITS)
-    return {"weight": mx.array(codes.packed), "scales": mx.array(codes.scales), "biases": mx.array(codes.biases)}, \
-        INEXACT_BITS
+    weight, scales, biases = requantize(values, INEXACT_BITS)
+    return {"weight": weight, "scales": scales, "biases": biases}, INEXACT_BITS
 
 
 def _unpermute_mx(array: mx.array, heads: int | None) -> mx.array:

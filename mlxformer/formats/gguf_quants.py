@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import mlx.core as mx
 import numpy as np
 
 from mlxformer.errors import MlxformerError
@@ -129,12 +130,12 @@ _EXACT = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q8_0": _q
 def _q6_k_values(b: np.ndarray) -> np.ndarray:
     n = b.shape[0]
     ql = b[:, :128].reshape(n, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
-    ql = (ql & np.uint8(0x0F)).reshape(n, 8, 32)
     qh = b[:, 128:192].reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
-    qh = (qh & np.uint8(3)).reshape(n, 8, 32)
-    q = ((ql | (qh << np.uint8(4))).astype(np.int8) - np.int8(32)).reshape(n, 16, 16).astype(np.float32)
-    d = (_f16(b, 208) * b[:, 192:208].view(np.int8).astype(np.float32)).reshape(n, 16, 1)
-    return (d * q).reshape(n, QK_K)
+    q = (ql & np.uint8(0x0F)).reshape(n, 8, 32) | ((qh & np.uint8(3)).reshape(n, 8, 32) << np.uint8(4))
+    values = q.reshape(n, 16, 16).astype(np.float32)
+    values -= 32  # in place: these temporaries are the size of the tensor
+    values *= (_f16(b, 208) * b[:, 192:208].view(np.int8).astype(np.float32)).reshape(n, 16, 1)
+    return values.reshape(n, QK_K)
 
 
 def _q3_k_values(b: np.ndarray) -> np.ndarray:
@@ -189,22 +190,36 @@ def decode_values(raw: np.ndarray, type_name: str, rows: int, cols: int) -> np.n
     return (codes.scales[..., None] * q + codes.biases[..., None]).reshape(rows, cols)
 
 
-def requantize(values: np.ndarray, bits: int) -> Codes:
-    """Min-max affine codes of float32 (rows, cols) values, group 32: ``bias`` is each group's
-    minimum, so every value is within half a step, ``(max - min) / (2**bits - 1) / 2``."""
+def requantize(values: np.ndarray, bits: int) -> tuple[mx.array, mx.array, mx.array]:
+    """Min-max affine MLX triplet (packed, scales, biases) of float32 (rows, cols) values,
+    group 32: ``bias`` is each group's minimum, so every value is within half a step,
+    ``(max - min) / (2**bits - 1) / 2``. Computed with MLX (numpy's short-axis reductions are slow)."""
     rows, cols = values.shape
-    groups = values.reshape(rows, cols // GROUP_SIZE, GROUP_SIZE)
-    low, high = groups.min(-1), groups.max(-1)
-    scales = (high - low) / np.float32(2**bits - 1)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        q = np.where(scales[..., None] > 0, np.rint((groups - low[..., None]) / scales[..., None]), 0)
-    q = np.clip(q, 0, 2**bits - 1).astype(np.uint8).reshape(rows, cols)
-    packed = q if bits == 8 else pack_bytes(q, bits)
-    return Codes(np.ascontiguousarray(packed).view(np.uint32), scales, low, bits)
+    groups = mx.array(values).reshape(rows, cols // GROUP_SIZE, GROUP_SIZE)
+    low, high = groups.min(axis=-1), groups.max(axis=-1)
+    scales = (high - low) / (2**bits - 1)
+    inverse = mx.where(scales > 0, 1 / mx.where(scales > 0, scales, 1), 0)
+    q = mx.clip(mx.round((groups - low[..., None]) * inverse[..., None]), 0, 2**bits - 1).astype(mx.uint8)
+    q = q.reshape(rows, cols)
+    packed = q.view(mx.uint32) if bits == 8 else mx.array(pack_bytes(np.array(q), bits)).view(mx.uint32)
+    return packed, scales, low
 
 
 def pack_bytes(q: np.ndarray, bits: int) -> np.ndarray:
-    """Codes (n, m) as MLX packs them: a little-endian bit stream per row, (n, m * bits // 8) bytes."""
+    """Codes (n, m) as MLX packs them: a little-endian bit stream per row, (n, m * bits // 8) bytes.
+    Eight codes fill exactly ``bits`` bytes, so each run of 8 is assembled in a uint64."""
     n, m = q.shape
-    stream = ((q[..., None] >> np.arange(bits, dtype=np.uint8)) & np.uint8(1)).reshape(n, m * bits)  # LSB first
-    return np.packbits(stream, axis=-1, bitorder="little")
+    if bits == 5:  # the hot case (Q5_0/Q5_1/Q5_K): byte arithmetic only
+        v = [q[:, i::8] for i in range(8)]  # each (n, m // 8)
+        out = np.empty((n, m // 8, 5), dtype=np.uint8)
+        out[..., 0] = v[0] | (v[1] << 5)
+        out[..., 1] = (v[1] >> 3) | (v[2] << 2) | (v[3] << 7)
+        out[..., 2] = (v[3] >> 1) | (v[4] << 4)
+        out[..., 3] = (v[4] >> 4) | (v[5] << 1) | (v[6] << 6)
+        out[..., 4] = (v[6] >> 2) | (v[7] << 3)
+        return out.reshape(n, m // 8 * 5)
+    runs = q.reshape(n, m // 8, 8).astype(np.uint64)
+    word = np.zeros((n, m // 8), dtype=np.uint64)
+    for i in range(8):
+        word |= runs[..., i] << np.uint64(bits * i)
+    return word.view(np.uint8).reshape(n, m // 8, 8)[..., :bits].reshape(n, m // 8 * bits)

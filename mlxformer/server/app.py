@@ -23,8 +23,8 @@ from starlette.exceptions import HTTPException
 
 from mlxformer.engine import Engine, EngineOverloaded, GenerationRequest, RequestHandle, TokenEvent
 from mlxformer.errors import MlxformerError
-from mlxformer.server.errors import APIError, error_body, validation_message
-from mlxformer.server.hooks import check_tools, constraint_for
+from mlxformer.server.errors import APIError, bad_request, error_body, validation_message
+from mlxformer.server.hooks import constraint_for
 from mlxformer.server.protocol import (
     ChatCompletionChunk, ChatCompletionRequest, CompletionRequest, CompletionResponse, ModelCard, ModelList,
     new_id,
@@ -33,6 +33,7 @@ from mlxformer.server.responses import (
     ChunkMaker, Collected, TokenStrings, chat_chunk_maker, chat_response, collect, completion_chunk_maker,
     completion_response, error_event, sse, usage_of,
 )
+from mlxformer.server.tools import call_constraint, calls_in, tool_chunk_maker, tool_plan
 from mlxformer.server.translate import (
     ServedModel, chat_prompt_ids, check_model_name, completion_prompt_ids, engine_request,
 )
@@ -138,10 +139,14 @@ def create_app(
     @router.post("/chat/completions", dependencies=[Depends(require_json)])
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         check_model_name(body.model, served)
-        check_tools(body.tools, body.tool_choice)
-        constraint = constraint_for(body.response_format, served.tokenizer, served.vocab_size)
+        plan = tool_plan(body.tools, body.tool_choice)
+        if plan.forced and body.response_format is not None and body.response_format.type != "text":
+            raise bad_request("a forced tool call cannot also have a response_format", param="tool_choice")
+        constraint = call_constraint(plan, served.tokenizer, served.vocab_size) or constraint_for(
+            body.response_format, served.tokenizer, served.vocab_size
+        )
         top = (body.top_logprobs or 0) if body.logprobs else None
-        ids = chat_prompt_ids(body, served.tokenizer)
+        ids = chat_prompt_ids(body, served.tokenizer, plan)
         lease = submit(engine_request(
             body, ids, served, max_tokens=body.max_completion_tokens or body.max_tokens, logprobs=top,
             constraint=constraint, prompt_param="messages",
@@ -149,6 +154,8 @@ def create_app(
         request_id = new_id("chatcmpl")
         if body.stream:
             make = chat_chunk_maker(request_id, served.name, text, body.logprobs)
+            if plan.active:
+                make = tool_chunk_maker(request_id, served.name, plan, make)
             first = ChatCompletionChunk.model_validate({
                 "id": request_id, "model": served.name,
                 "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}],
@@ -160,7 +167,8 @@ def create_app(
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return EventStream(stream(lease, make, first, usage_chunk if include_usage else None), lease)
         result = await collect_unless_gone(lease, request)
-        return JSONResponse(chat_response(request_id, served.name, result, text, body.logprobs).model_dump())
+        calls = [call.to_openai() for call in calls_in(result.text, plan)]
+        return JSONResponse(chat_response(request_id, served.name, result, text, body.logprobs, calls).model_dump())
 
     @router.post("/completions", dependencies=[Depends(require_json)])
     async def completions(body: CompletionRequest, request: Request) -> Response:

@@ -1,9 +1,7 @@
 """Hooks for the request fields that other features serve: ``response_format`` (structured
-output through ``mlxformer.constrained``) and ``tools`` (refused until tool calling lands)."""
+output through ``mlxformer.constrained``; ``tools`` are in ``mlxformer.server.tools``)."""
 
 from __future__ import annotations
-
-from typing import Any
 
 from mlxformer.constrained import make_constraint
 from mlxformer.errors import MlxformerError
@@ -24,10 +22,3 @@ def constraint_for(
         return make_constraint(tokenizer, vocab_size, response_format=response_format.model_dump(exclude_none=True))
     except MlxformerError as exc:
         raise bad_request(str(exc), param="response_format", code="invalid_response_format") from exc
-
-
-def check_tools(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, Any] | None) -> None:
-    """Refuse tool calling (400) unless no tools are offered or ``tool_choice`` is ``"none"``."""
-    if not tools or tool_choice == "none":
-        return
-    raise bad_request("tool calling is not supported by this server yet", param="tools", code="unsupported_tools")

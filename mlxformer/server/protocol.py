@@ -33,9 +33,11 @@ class TextPart(Lenient):
 
 
 class ChatMessage(Lenient):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[TextPart], None] = None
     name: Optional[str] = None
+    tool_calls: Optional[list[dict[str, Any]]] = None  # an assistant turn's earlier calls
+    tool_call_id: Optional[str] = None  # a tool turn: which call this result answers
 
     def text(self) -> str:
         """The content as one string (text parts joined)."""
@@ -144,7 +146,8 @@ class ChoiceLogprobs(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: Optional[str]
+    tool_calls: Optional[list[dict[str, Any]]] = None
 
 
 class ChatChoice(BaseModel):
@@ -166,6 +169,7 @@ class ChatCompletionResponse(BaseModel):
 class Delta(BaseModel):
     role: Optional[Literal["assistant"]] = None
     content: Optional[str] = None
+    tool_calls: Optional[list[dict[str, Any]]] = None
 
 
 class ChatChunkChoice(BaseModel):

@@ -99,14 +99,17 @@ async def collect(events: AsyncIterator[TokenEvent]) -> Collected:
 
 
 def chat_response(
-    request_id: str, model: str, result: Collected, text: TokenStrings, logprobs: bool
+    request_id: str, model: str, result: Collected, text: TokenStrings, logprobs: bool,
+    tool_calls: list[dict[str, Any]] | None = None,
 ) -> ChatCompletionResponse:
-    """The ``chat.completion`` object for a finished generation."""
+    """The ``chat.completion`` object for a finished generation (``tool_calls``: the calls it made,
+    which replace the text)."""
     content = [chat_token_logprob(e, text) for e in result.events if text.scored(e)] if logprobs else None
+    message = AssistantMessage(content=None, tool_calls=tool_calls) if tool_calls else AssistantMessage(content=result.text)
     choice = ChatChoice(
-        message=AssistantMessage(content=result.text),
+        message=message,
         logprobs=ChoiceLogprobs(content=content) if logprobs else None,
-        finish_reason=result.finish_reason,
+        finish_reason="tool_calls" if tool_calls else result.finish_reason,
     )
     return ChatCompletionResponse(id=request_id, model=model, choices=[choice], usage=usage_of(result.last))
 

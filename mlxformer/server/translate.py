@@ -14,6 +14,7 @@ from mlxformer.server.errors import APIError, bad_request
 from mlxformer.server.protocol import (
     MAX_STOP_STRINGS, ChatCompletionRequest, CompletionRequest, SamplingFields,
 )
+from mlxformer.server.tools import ToolPlan, chat_messages
 from mlxformer.tokenizer import Tokenizer
 
 DEFAULT_MAX_TOKENS = 512  # completion length when the request gives none (capped by the context)
@@ -46,15 +47,14 @@ def check_model_name(requested: str | None, served: ServedModel) -> None:
         )
 
 
-def chat_prompt_ids(request: ChatCompletionRequest, tokenizer: Tokenizer) -> list[int]:
-    """Token ids of the conversation rendered by the model's chat template (generation prompt added)."""
+def chat_prompt_ids(request: ChatCompletionRequest, tokenizer: Tokenizer, plan: ToolPlan) -> list[int]:
+    """Token ids of the conversation rendered by the model's chat template (generation prompt
+    added), with the tools of ``plan`` shown to the model."""
     if not tokenizer.chat_template:
         raise bad_request("this model has no chat template: use /v1/completions", param="messages")
-    messages = [
-        {"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in request.messages
-    ]
+    messages, extra = chat_messages(request.messages, plan, tokenizer.chat_template)
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, **extra)
     except MlxformerError as exc:
         raise bad_request(str(exc), param="messages") from exc
     return tokenizer.encode(text, add_special_tokens=False)

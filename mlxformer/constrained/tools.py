@@ -1,0 +1,144 @@
+"""OpenAI-style tool calling over structured output: check ``tools``/``tool_choice``, build the
+JSON Schema a forced call must follow, describe the tools to templates that do not take them,
+and read tool calls back out of the generated text.
+
+A call is generated as ``{"name": ..., "arguments": {...}}``; with ``tool_choice`` ``"required"``
+or a named function the output is constrained to that shape, with ``arguments`` following the
+function's ``parameters`` schema.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from mlxformer.errors import MlxformerError
+
+_TAGGED_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+_FENCED = re.compile(r"^```(?:json)?\s*(.*?)\s*```$", re.DOTALL)
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One call of a function, as OpenAI returns it (``arguments`` is a JSON string)."""
+
+    id: str
+    name: str
+    arguments: str
+
+    def to_openai(self) -> dict[str, Any]:
+        """The ``tool_calls`` entry of an OpenAI chat message."""
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+def function_specs(tools: list[dict[str, Any]] | None) -> dict[str, dict[str, Any]]:
+    """``name -> {"name", "description", "parameters"}`` of OpenAI ``tools``; raises
+    ``MlxformerError`` on a malformed list."""
+    specs: dict[str, dict[str, Any]] = {}
+    for i, tool in enumerate(tools or []):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(function, dict):
+            raise MlxformerError(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{...}}}}")
+        name = function.get("name")
+        if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", name):
+            raise MlxformerError(f"tools[{i}].function.name must be 1-64 letters, digits, '_', '.' or '-'")
+        if name in specs:
+            raise MlxformerError(f"tools: the function name {name!r} is given twice")
+        parameters = function.get("parameters", {"type": "object", "properties": {}})
+        if not isinstance(parameters, dict):
+            raise MlxformerError(f"tools[{i}].function.parameters must be a JSON Schema object")
+        specs[name] = {"name": name, "description": function.get("description", ""), "parameters": parameters}
+    return specs
+
+
+def forced_functions(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, Any] | None) -> list[str]:
+    """The functions one of which must be called: all for ``"required"``, the named one for
+    ``{"type": "function", "function": {"name": ...}}``, none for ``"auto"``/``"none"``/absent."""
+    specs = function_specs(tools)
+    if tool_choice is None or tool_choice in ("auto", "none"):
+        return []
+    if tool_choice == "required":
+        if not specs:
+            raise MlxformerError("tool_choice 'required' needs at least one tool")
+        return list(specs)
+    if isinstance(tool_choice, dict):
+        function = tool_choice.get("function")
+        name = function.get("name") if isinstance(function, dict) else None
+        if name not in specs:
+            raise MlxformerError(f"tool_choice names the function {name!r}, which is not among the tools")
+        return [name]
+    raise MlxformerError("tool_choice must be 'none', 'auto', 'required' or {\"type\": \"function\", ...}")
+
+
+def tool_call_schema(tools: list[dict[str, Any]] | None, names: list[str]) -> dict[str, Any]:
+    """The JSON Schema of one call of any of the functions ``names``."""
+    specs = function_specs(tools)
+    branches = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": name}, "arguments": specs[name]["parameters"]},
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for name in names
+    ]
+    return branches[0] if len(branches) == 1 else {"anyOf": branches}
+
+
+def template_takes_tools(chat_template: str | None) -> bool:
+    """Whether a chat template renders the ``tools`` variable."""
+    return chat_template is not None and re.search(r"\btools\b", chat_template) is not None
+
+
+def tools_system_text(tools: list[dict[str, Any]] | None) -> str:
+    """Tool descriptions for a system message, for templates that do not take ``tools``."""
+    specs = function_specs(tools)
+    lines = ["You can call these functions:"]
+    lines += [json.dumps(spec, ensure_ascii=False) for spec in specs.values()]
+    lines.append('To call one, reply with only a JSON object: {"name": <function name>, "arguments": <arguments>}.')
+    return "\n".join(lines)
+
+
+def with_tools(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+               chat_template: str | None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """``(messages, template keywords)`` that present ``tools`` to the model: as the template's
+    ``tools`` variable when it renders one, else in the system message."""
+    if not tools:
+        return messages, {}
+    if template_takes_tools(chat_template):
+        return messages, {"tools": tools}
+    text = tools_system_text(tools)
+    if messages and messages[0].get("role") == "system" and isinstance(messages[0].get("content"), str):
+        return [{**messages[0], "content": messages[0]["content"] + "\n\n" + text}, *messages[1:]], {}
+    return [{"role": "system", "content": text}, *messages], {}
+
+
+def parse_tool_calls(text: str, tools: list[dict[str, Any]] | None) -> list[ToolCall]:
+    """The calls in generated ``text``: a lone JSON object (or list of them), bare, in a ```json
+    fence or in ``<tool_call>`` tags, naming one of ``tools``; ``[]`` when the text is no call."""
+    names = set(function_specs(tools))
+    tagged = _TAGGED_CALL.findall(text)
+    candidates = tagged or [text.strip()]
+    calls: list[ToolCall] = []
+    for candidate in candidates:
+        fenced = _FENCED.match(candidate)
+        try:
+            value = json.loads(fenced.group(1) if fenced else candidate)
+        except json.JSONDecodeError:
+            return []
+        for item in value if isinstance(value, list) else [value]:
+            if not (isinstance(item, dict) and item.get("name") in names):
+                return []
+            arguments = item.get("arguments", item.get("parameters", {}))
+            if isinstance(arguments, str):
+                try:
+                    arguments = json.loads(arguments)
+                except json.JSONDecodeError:
+                    return []
+            if not isinstance(arguments, dict):
+                return []
+            calls.append(ToolCall(f"call_{uuid.uuid4().hex[:24]}", item["name"], json.dumps(arguments, ensure_ascii=False)))
+    return calls

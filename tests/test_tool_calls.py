@@ -1,0 +1,101 @@
+"""Tool calling over structured output: tools/tool_choice checks, the forced-call schema (checked
+with ``jsonschema``), reading calls back from text, and a forced call on the real SmolLM2 whose
+arguments validate against the function's parameters."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from mlxformer.constrained.tools import (
+    forced_functions, function_specs, parse_tool_calls, template_takes_tools, tool_call_schema, with_tools,
+)
+from mlxformer.errors import MlxformerError
+from mlxformer.generation import stream_generate
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 30},
+                           "unit": {"enum": ["celsius", "fahrenheit"]}},
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"type": "string", "pattern": "^[A-Z]{3}$"}}, "required": ["zone"]}}}
+TOOLS = [WEATHER, TIME]
+
+
+def test_tool_choice():
+    assert forced_functions(TOOLS, None) == forced_functions(TOOLS, "auto") == forced_functions(TOOLS, "none") == []
+    assert forced_functions(TOOLS, "required") == ["get_weather", "get_time"]
+    assert forced_functions(TOOLS, {"type": "function", "function": {"name": "get_time"}}) == ["get_time"]
+    for tools, choice, needle in [
+        (TOOLS, {"type": "function", "function": {"name": "nope"}}, "not among the tools"),
+        ([], "required", "at least one tool"),
+        (TOOLS, "always", "tool_choice must be"),
+        ([{"type": "function"}], "auto", "tools[0]"),
+        ([{"type": "function", "function": {"name": "bad name!"}}], "auto", "function.name"),
+        ([WEATHER, WEATHER], "auto", "given twice"),
+    ]:
+        with pytest.raises(MlxformerError, match=re.escape(needle)):
+            forced_functions(tools, choice)
+
+
+def test_call_schema_accepts_exactly_calls():
+    schema = tool_call_schema(TOOLS, ["get_weather", "get_time"])
+    jsonschema.validate({"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}}, schema)
+    jsonschema.validate({"name": "get_time", "arguments": {"zone": "UTC"}}, schema)
+    for wrong in [{"name": "get_weather", "arguments": {"city": "Oslo"}},
+                  {"name": "get_time", "arguments": {"zone": "utc"}},
+                  {"name": "other", "arguments": {}},
+                  {"name": "get_time", "arguments": {"zone": "UTC"}, "extra": 1}]:
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(wrong, schema)
+
+
+def test_parse_tool_calls():
+    call = '{"name": "get_time", "arguments": {"zone": "CET"}}'
+    for text in [call, f"```json\n{call}\n```", f"<tool_call>\n{call}\n</tool_call>", f"[{call}]"]:
+        (parsed,) = parse_tool_calls(text, TOOLS)
+        assert parsed.name == "get_time" and json.loads(parsed.arguments) == {"zone": "CET"}
+        assert parsed.to_openai()["type"] == "function" and parsed.id.startswith("call_")
+    two = parse_tool_calls(f"<tool_call>{call}</tool_call>\n<tool_call>{call}</tool_call>", TOOLS)
+    assert len(two) == 2 and two[0].id != two[1].id
+    for text in ["The time is noon.", '{"name": "unknown", "arguments": {}}', '{"zone": "CET"}', "{broken"]:
+        assert parse_tool_calls(text, TOOLS) == []
+
+
+def test_tools_reach_the_prompt():
+    messages = [{"role": "user", "content": "Weather in Oslo?"}]
+    assert with_tools(messages, TOOLS, "{% for t in tools %}{{ t }}{% endfor %}") == (messages, {"tools": TOOLS})
+    shown, extra = with_tools(messages, TOOLS, "{{ messages }}")
+    assert extra == {} and shown[0]["role"] == "system" and "get_weather" in shown[0]["content"]
+    shown, _ = with_tools([{"role": "system", "content": "Be brief."}, *messages], TOOLS, None)
+    assert shown[0]["content"].startswith("Be brief.") and "get_time" in shown[0]["content"] and len(shown) == 2
+    assert not template_takes_tools(None) and template_takes_tools("{% if tools %}x{% endif %}")
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_forced_call_on_smollm_validates(smollm, choice):
+    model, tokenizer = smollm
+    names = forced_functions(TOOLS, choice)
+    messages, extra = with_tools([{"role": "user", "content": "What is the weather in Paris?"}], TOOLS,
+                                 tokenizer.chat_template)
+    ids = tokenizer.encode(tokenizer.apply_chat_template(messages, **extra), add_special_tokens=False)
+    responses = list(stream_generate(model, tokenizer, ids, 48, response_format=tool_call_schema(TOOLS, names)))
+    text = "".join(r.text for r in responses)
+    assert responses[-1].finish_reason == "stop", text
+    (call,) = parse_tool_calls(text, TOOLS)
+    assert call.name in names
+    spec = function_specs(TOOLS)[call.name]
+    jsonschema.validate(json.loads(call.arguments), spec["parameters"])
