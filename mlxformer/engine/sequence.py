@@ -70,6 +70,8 @@ def check_request(request: GenerationRequest, vocab_size: int) -> None:
         raise MlxformerError(f"token id {bad[0]} is outside the vocabulary (size {vocab_size})")
     if request.max_tokens < 1:
         raise MlxformerError("max_tokens must be at least 1")
+    if bad := [t for t in (request.logit_bias or {}) if not 0 <= t < vocab_size]:
+        raise MlxformerError(f"logit_bias token id {bad[0]} is outside the vocabulary (size {vocab_size})")
     if request.logprobs is not None and request.logprobs < 0:
         raise MlxformerError("logprobs must be >= 0")
     s = request.sampling
