@@ -42,7 +42,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from conftest import write_tiny_checkpoint
+from conftest import cpu_default_device, write_tiny_checkpoint
 from mlxformer.cli import main
 
 PROMPT = "Tell me a story."
@@ -67,10 +67,8 @@ def tiny(tmp_path_factory, smollm_gguf):
 @pytest.fixture
 def cpu():
     """The CPU as default device (``--threads`` > 1 splits work over CPU streams)."""
-    previous = mx.default_device()
-    mx.set_default_device(mx.cpu)
-    yield
-    mx.set_default_device(previous)
+    with cpu_default_device():
+        yield
 
 
 def run(capsys, *argv: str) -> tuple[str, str]:
@@ -80,9 +78,15 @@ def run(capsys, *argv: str) -> tuple[str, str]:
     return out, err
 
 
+def float32(flags: tuple[str, ...]) -> list[str]:
+    """``flags`` computing in float32 like the transformers references, unless they name a
+    dtype (on a GPU the default for this float32 checkpoint would be bfloat16)."""
+    return [*flags] if "--dtype" in flags else [*flags, "--dtype", "float32"]
+
+
 def generate(capsys, tiny, *flags: str) -> tuple[str, str]:
     """stdout without the final newline, and stderr, of ``generate`` on the tiny model."""
-    out, err = run(capsys, "generate", "--model", str(tiny[0]), *flags)
+    out, err = run(capsys, "generate", "--model", str(tiny[0]), *float32(flags))
     assert out.endswith("\n")
     return out[:-1], err
 
@@ -208,7 +212,7 @@ def test_generate_cache_flags_reach_the_cache(tiny, capsys):
 
     flags = ["--kv-bits", "4", "--kv-group-size", "32", "--quantized-kv-start", "8", "--max-kv-size", "24"]
     text, _ = generate(capsys, tiny, "--prompt", PROMPT, "--max-tokens", "12", *flags)
-    model, tokenizer = load(tiny[0])
+    model, tokenizer = load(tiny[0], dtype=mx.float32)
     ids = tokenizer.encode_prompt(PROMPT)
     settings = CacheSettings(kv_bits=4, kv_group_size=32, quantized_kv_start=8, max_kv_size=24)
     assert text == library_generate(model, tokenizer, ids, 12, cache_settings=settings)
@@ -220,7 +224,7 @@ def test_generate_cache_flags_reach_the_cache(tiny, capsys):
 
 def chat(capsys, monkeypatch, tiny, lines: str, *flags: str) -> str:
     monkeypatch.setattr(sys, "stdin", io.StringIO(lines))
-    return run(capsys, "chat", "-m", str(tiny[0]), *flags)[0]
+    return run(capsys, "chat", "-m", str(tiny[0]), *float32(flags))[0]
 
 
 def test_chat_system_and_sampling_flags(tiny, capsys, monkeypatch):

@@ -15,6 +15,7 @@ from mlxformer import generate, load, stream_generate
 from mlxformer.cache import CacheSettings, make_cache
 from mlxformer.engine import Engine, EngineOverloaded, GenerationRequest, TokenEvent, batch_generate
 from mlxformer.engine.prefix_cache import PrefixCache
+from mlxformer.errors import MlxformerError
 from mlxformer.generation import SamplingSettings
 
 CHUNK = 16  # small prefill chunks, so that prompts span several
@@ -37,7 +38,7 @@ def tiny(smollm, tmp_path_factory):
         hidden_size=128, num_attention_heads=2, num_key_value_heads=1,
     )
     smollm[1].save(directory)
-    model, tokenizer = load(directory)
+    model, tokenizer = load(directory, dtype=mx.float32)  # like the transformers reference, on any device
     return model, tokenizer, hf_model
 
 
@@ -174,6 +175,18 @@ def test_queue_overflow(tiny):
         engine.submit(GenerationRequest(ids, max_tokens=3))
     with engine:  # once running, the queued ones complete
         assert all(len(collect(h)[1]) == 3 for h in handles)
+
+
+@pytest.mark.parametrize("bad", [
+    dict(prompt_ids=[]), dict(prompt_ids=[10**6]), dict(max_tokens=0), dict(logprobs=-1),
+    dict(logit_bias={-1: 1.0}), dict(sampling=SamplingSettings(temp=-1.0)),
+])
+def test_invalid_requests_are_refused(tiny, bad):
+    model, tokenizer, _ = tiny
+    engine = Engine(model, tokenizer)
+    with pytest.raises(MlxformerError):
+        engine.submit(GenerationRequest(**{"prompt_ids": [1, 2], **bad}))
+    assert not engine.scheduler.has_work()
 
 
 def test_seed_reproducible_regardless_of_companions(tiny):
