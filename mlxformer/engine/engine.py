@@ -100,7 +100,10 @@ class RequestHandle:
 
 
 class Engine:
-    """Continuous-batching generation over one model: see the module docstring of ``mlxformer.engine``."""
+    """Continuous-batching generation over one model: see the module docstring of ``mlxformer.engine``.
+
+    ``speculative``: decode every request (unless it sets ``speculate=False`` or has a constraint)
+    speculatively; each one's proposals are verified in its own pass (``engine/speculation.py``)."""
 
     def __init__(
         self,
