@@ -168,10 +168,11 @@ def plot(results: dict, clients: list[int], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     figure, axis = plt.subplots(figsize=(7, 4.5))
-    for key, per_server in results.items():
+    for index, (key, per_server) in enumerate(results.items()):
         for server, rows in per_server.items():
             style = "-o" if server == "mlxformer" else "--s"
-            axis.plot(clients, [rows[str(c)]["tok_s"] for c in clients], style, label=f"{server} {key}")
+            axis.plot(clients, [rows[str(c)]["tok_s"] for c in clients], style, color=f"C{index}",
+                      label=f"{server} {key}")
     axis.set_xlabel("concurrent clients")
     axis.set_ylabel("aggregate generated tokens/s")
     axis.set_xticks(clients)
@@ -192,7 +193,13 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=1)
     parser.add_argument("--kv-bits", nargs="+", type=int, default=[0, 8], help="0: float KV cache")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument("--replot", type=Path, help="only redraw the plot from a results JSON this script wrote")
     args = parser.parse_args()
+    if args.replot:
+        saved = json.loads(args.replot.read_text())["results"]
+        clients = sorted(int(c) for c in next(iter(next(iter(saved.values())).values())))
+        plot(saved, clients, args.out / "serve_throughput.png")
+        return
 
     results: dict[str, dict[str, dict[str, dict[str, float]]]] = {}
     single: dict[str, float] = {}

@@ -18,7 +18,7 @@ pass of ``k + 1`` positions costs little more, so every accepted proposal is nea
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterator, Protocol, Sequence
+from typing import Callable, Iterator, Protocol, Sequence
 
 import mlx.core as mx
 
@@ -63,6 +63,13 @@ class SpeculativeStats:
     def acceptance(self) -> float:
         """Accepted over proposed (0 before any proposal)."""
         return self.accepted / self.proposed if self.proposed else 0.0
+
+
+KeySource = Callable[[], mx.array]  # returns a fresh PRNG key for each random draw
+
+
+def _key(next_key: KeySource | None) -> mx.array | None:
+    return next_key() if next_key is not None else None
 
 
 class Proposer(Protocol):
@@ -114,6 +121,7 @@ class DraftModelProposer:
     cache: list[Cache]
     distribution: Distribution | None  # None: greedy proposals
     pending: list[int] = field(default_factory=list)
+    next_key: KeySource | None = None  # PRNG keys for sampled proposals (None: the global stream)
 
     def propose(self, history: Sequence[int], k: int) -> tuple[list[int], mx.array | None]:
         tokens: list[int] = []
@@ -125,7 +133,7 @@ class DraftModelProposer:
                 token = int(mx.argmax(logits, axis=-1).item())
             else:
                 p = self.distribution(logits.astype(mx.float32))  # (1, vocab)
-                token = int(mx.random.categorical(mx.log(p), axis=-1).item())
+                token = int(mx.random.categorical(mx.log(p), axis=-1, key=_key(self.next_key)).item())
                 probs.append(p[0])
             tokens.append(token)
             if i + 1 < k:
@@ -172,7 +180,8 @@ class AdaptiveLength:
         self.current = max(1, min(self.limit, self.current + step))
 
 
-def _process(logits: mx.array, history: list[int], processors: Sequence[LogitsProcessor]) -> mx.array:
+def apply_processors(logits: mx.array, history: list[int], processors: Sequence[LogitsProcessor]) -> mx.array:
+    """``logits`` ``(1, vocab)`` after each processor, given the tokens so far ``history``."""
     if not processors:
         return logits
     history_array = mx.array(history)
@@ -188,14 +197,16 @@ def verify(
     draft_probs: mx.array | None,
     distribution: Distribution | None,
     processors: Sequence[LogitsProcessor],
+    next_key: KeySource | None = None,
 ) -> tuple[int, int]:
     """Decide how many ``proposed`` tokens to keep and the token after them.
 
     ``logits`` is ``(k + 1, vocab)``: row ``i`` predicts the token after ``proposed[:i]``.
+    Random draws use keys from ``next_key`` (default: MLX's global stream).
     Returns ``(accepted, next_token)``.
     """
     for i, token in enumerate([*proposed, None]):
-        row = _process(logits[i:i + 1], history + proposed[:i], processors)  # (1, vocab)
+        row = apply_processors(logits[i:i + 1], history + proposed[:i], processors)  # (1, vocab)
         if distribution is None:  # greedy: keep while the proposal is the argmax
             target = int(mx.argmax(row, axis=-1).item())
             if token != target:
@@ -203,12 +214,12 @@ def verify(
             continue
         p = distribution(row)[0]  # (vocab,)
         if token is None:  # every proposal accepted: the bonus token
-            return i, int(mx.random.categorical(mx.log(p)).item())
+            return i, int(mx.random.categorical(mx.log(p), key=_key(next_key)).item())
         q = draft_probs[i] if draft_probs is not None else mx.zeros_like(p).at[token].add(1.0)
-        if mx.random.uniform().item() * q[token].item() < p[token].item():  # accept w.p. min(1, p/q)
+        if mx.random.uniform(key=_key(next_key)).item() * q[token].item() < p[token].item():  # accept w.p. min(1, p/q)
             continue
         residual = mx.maximum(p - q, 0.0)
-        return i, int(mx.random.categorical(mx.log(residual / residual.sum())).item())
+        return i, int(mx.random.categorical(mx.log(residual / residual.sum()), key=_key(next_key)).item())
     raise AssertionError("unreachable")
 
 
@@ -259,6 +270,28 @@ def speculative_tokens(
             emitted += 1
 
 
+def check_draft(settings: SpeculativeSettings, tokenizer: Tokenizer) -> None:
+    """Refuse a draft model whose tokenizer differs from the target's ``tokenizer``."""
+    if settings.draft_model is None:
+        return
+    if settings.draft_tokenizer is None or not same_vocabulary(tokenizer, settings.draft_tokenizer):
+        raise MlxformerError("the draft model's tokenizer differs from the target's; use a draft of the same family")
+
+
+def new_proposer(
+    settings: SpeculativeSettings,
+    prompt_ids: Sequence[int],
+    distribution: Distribution | None,
+    cache_settings: CacheSettings | None = None,
+    next_key: KeySource | None = None,
+) -> Proposer:
+    """The proposer ``settings`` ask for (a draft model already accepted by ``check_draft``)."""
+    if settings.draft_model is None:
+        return PromptLookupProposer(settings.ngram_max, settings.ngram_min)
+    cache = make_cache(settings.draft_model, cache_settings)
+    return DraftModelProposer(settings.draft_model, cache, distribution, list(prompt_ids), next_key)
+
+
 def make_proposer(
     settings: SpeculativeSettings,
     tokenizer: Tokenizer,
@@ -267,9 +300,5 @@ def make_proposer(
     cache_settings: CacheSettings | None = None,
 ) -> Proposer:
     """The proposer ``settings`` ask for; a draft model's tokenizer must equal ``tokenizer``."""
-    if settings.draft_model is None:
-        return PromptLookupProposer(settings.ngram_max, settings.ngram_min)
-    if settings.draft_tokenizer is None or not same_vocabulary(tokenizer, settings.draft_tokenizer):
-        raise MlxformerError("the draft model's tokenizer differs from the target's; use a draft of the same family")
-    cache = make_cache(settings.draft_model, cache_settings)
-    return DraftModelProposer(settings.draft_model, cache, distribution, list(prompt_ids))
+    check_draft(settings, tokenizer)
+    return new_proposer(settings, prompt_ids, distribution, cache_settings)

@@ -1,6 +1,6 @@
 """Tool calling over structured output: tools/tool_choice checks, the forced-call schema (checked
-with ``jsonschema``), reading calls back from text, and a forced call on the real SmolLM2 whose
-arguments validate against the function's parameters."""
+with ``jsonschema``), reading calls back from text, the tools in the prompt. Forced calls on the
+real model, through the openai client: ``test_server_tools.py``."""
 
 from __future__ import annotations
 
@@ -11,10 +11,9 @@ import jsonschema
 import pytest
 
 from mlxformer.constrained.tools import (
-    forced_functions, function_specs, parse_tool_calls, template_takes_tools, tool_call_schema, with_tools,
+    forced_functions, parse_tool_calls, template_takes_tools, tool_call_schema, with_tools,
 )
 from mlxformer.errors import MlxformerError
-from mlxformer.generation import stream_generate
 
 WEATHER = {
     "type": "function",
@@ -83,19 +82,3 @@ def test_tools_reach_the_prompt():
     shown, _ = with_tools([{"role": "system", "content": "Be brief."}, *messages], TOOLS, None)
     assert shown[0]["content"].startswith("Be brief.") and "get_time" in shown[0]["content"] and len(shown) == 2
     assert not template_takes_tools(None) and template_takes_tools("{% if tools %}x{% endif %}")
-
-
-@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
-def test_forced_call_on_smollm_validates(smollm, choice):
-    model, tokenizer = smollm
-    names = forced_functions(TOOLS, choice)
-    messages, extra = with_tools([{"role": "user", "content": "What is the weather in Paris?"}], TOOLS,
-                                 tokenizer.chat_template)
-    ids = tokenizer.encode(tokenizer.apply_chat_template(messages, **extra), add_special_tokens=False)
-    responses = list(stream_generate(model, tokenizer, ids, 48, response_format=tool_call_schema(TOOLS, names)))
-    text = "".join(r.text for r in responses)
-    assert responses[-1].finish_reason == "stop", text
-    (call,) = parse_tool_calls(text, TOOLS)
-    assert call.name in names
-    spec = function_specs(TOOLS)[call.name]
-    jsonschema.validate(json.loads(call.arguments), spec["parameters"])

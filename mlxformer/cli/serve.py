@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import os
 
-from mlxformer.cli.common import add_cache_args, add_model_args, add_verbose, cache_settings, load_for_cli
+from mlxformer.cli.common import (
+    add_cache_args, add_model_args, add_speculative_args, add_verbose, cache_settings, load_for_cli, speculative_settings,
+)
 
 API_KEY_VARIABLE = "MLXFORMER_API_KEY"
 
@@ -28,6 +30,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--served-model-name", help="the model name clients use (default: --model as given)")
     add_cache_args(parser)
+    add_speculative_args(parser)
     add_verbose(parser)
     parser.set_defaults(handler=run)
 
@@ -45,10 +48,11 @@ def run(args: argparse.Namespace) -> int:
         raise MlxformerError("--api-key is empty")
     settings = cache_settings(args)
     model, tokenizer = load_for_cli(args)
+    speculative = speculative_settings(args, tokenizer)
     name = args.served_model_name or args.model or default_model_name()
     serve(
         model, tokenizer, name, host=args.host, port=args.port, max_batch=args.max_batch, max_queue=args.max_queue,
-        api_key=args.api_key, cors_origins=args.cors_origin, cache_settings=settings,
+        api_key=args.api_key, cors_origins=args.cors_origin, cache_settings=settings, speculative=speculative,
     )
     return 0
 

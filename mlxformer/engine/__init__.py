@@ -5,7 +5,9 @@
 oldest newcomer (reusing a cached prefix when a finished sequence shared one) and one decode
 step for every running sequence, then emits each sequence's ``TokenEvent``. Sequences keep
 their own sampling settings, seeds, stop strings, penalties and constraints; a finished one
-leaves at once. ``batch_generate`` completes a list of prompts this way.
+leaves at once. ``batch_generate`` completes a list of prompts this way. With
+``speculative=SpeculativeSettings(...)`` each sequence decodes speculatively (prompt lookup or
+a draft model; ``speculation.py``), with the same greedy output.
 """
 
 from mlxformer.engine.engine import Engine, RequestHandle, batch_generate

@@ -80,6 +80,11 @@ class BatchRunner:
         mx.eval([c.state for c in cache])
         return None
 
+    def verify(self, tokens: Sequence[int], cache: Sequence[Cache]) -> mx.array:
+        """A speculation round on one sequence's caches: the last token then the proposals in,
+        every position's logits ``(T, vocab)`` out (lazy)."""
+        return self.model(mx.array(tokens)[None], cache)[0]  # (1, T, vocab) -> (T, vocab)
+
     def decode(self, tokens: Sequence[int], caches: Sequence[Sequence[Cache]]) -> mx.array:
         """One token per sequence in, next-token logits ``(B, vocab)`` out (lazy)."""
         inputs = mx.array(tokens)[:, None]  # (B, 1)

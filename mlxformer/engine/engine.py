@@ -15,10 +15,13 @@ from mlxformer.cache import CacheSettings, make_cache
 from mlxformer.engine.batch_runner import BatchRunner
 from mlxformer.engine.prefix_cache import PrefixCache
 from mlxformer.engine.scheduler import Scheduler, Step
+from mlxformer.engine.speculation import Speculator
 from mlxformer.engine.sequence import (
     GenerationRequest, Sequence, Status, TokenEvent, check_request, choose_rows,
 )
 from mlxformer.generation import SamplingSettings
+from mlxformer.sampling import make_distribution
+from mlxformer.speculative import SpeculativeSettings, check_draft, new_proposer
 from mlxformer.steps import default_prefill_step
 from mlxformer.models.decoder import Model
 from mlxformer.tokenizer import Tokenizer
@@ -97,7 +100,10 @@ class RequestHandle:
 
 
 class Engine:
-    """Continuous-batching generation over one model: see the module docstring of ``mlxformer.engine``."""
+    """Continuous-batching generation over one model: see the module docstring of ``mlxformer.engine``.
+
+    ``speculative``: decode every request (unless it sets ``speculate=False`` or has a constraint)
+    speculatively; each one's proposals are verified in its own pass (``engine/speculation.py``)."""
 
     def __init__(
         self,
@@ -109,13 +115,20 @@ class Engine:
         cache_settings: CacheSettings | None = None,
         prefix_cache_bytes: int = 512 * 2**20,
         prefill_chunk: int | None = None,
+        speculative: SpeculativeSettings | None = None,
     ) -> None:
         self.model, self.tokenizer = model, tokenizer
         self.cache_settings = cache_settings or CacheSettings()
-        # Validate the settings in the caller's thread, and run one token through the model
+        self.speculative = speculative
+        if speculative is not None:  # rotating caches keep enough beyond their window to rewind a round
+            check_draft(speculative, tokenizer)
+            self.cache_settings = dataclasses.replace(self.cache_settings, rewind=speculative.num_draft_tokens)
+        # Validate the settings in the caller's thread, and run one token through the model(s)
         # there: MLX arrays made lazily in a thread (weight views, for example) can only be
         # evaluated by that thread, so the engine's thread must find them all evaluated.
-        mx.eval(model.last_logits(mx.array([[0]]), make_cache(model, self.cache_settings)))
+        for warm in (model, speculative.draft_model if speculative is not None else None):
+            if warm is not None:
+                mx.eval(warm.last_logits(mx.array([[0]]), make_cache(warm, self.cache_settings)))
         self.scheduler = Scheduler(max_batch, max_queue, prefill_chunk or default_prefill_step())
         self.prefix_cache = PrefixCache(prefix_cache_bytes)
         self.runner = BatchRunner(model)
@@ -219,16 +232,32 @@ class Engine:
         else:
             sequence.cache, sequence.cached_tokens = hit
             sequence.processed = sequence.cached_tokens
+        request = sequence.request
+        if self.speculative is not None and request.speculate and request.constraint is None:
+            s = request.sampling
+            distribution = None if sequence.greedy else make_distribution(s.temp, s.top_p, s.top_k, s.min_p)
+            proposer = new_proposer(self.speculative, sequence.prompt, distribution, self.cache_settings,
+                                    sequence.next_key)
+            sequence.speculator = Speculator(proposer, self.speculative.num_draft_tokens, distribution,
+                                             sequence.processors, sequence.next_key)
 
     def _run(self, step: Step) -> None:
         choices: list[tuple[Sequence, mx.array, mx.array]] = []
-        if step.decode:
-            logits = self.runner.decode([s.last_token for s in step.decode], [s.cache for s in step.decode])
+        decode, verifying = self._propose(step.decode)
+        if decode:
+            logits = self.runner.decode([s.last_token for s in decode], [s.cache for s in decode])
             mx.async_eval(logits)  # constraints compute their masks while the step runs
-            if all(s.plain_greedy for s in step.decode):
-                choices += zip(step.decode, *zip(*choose_rows(step.decode, logits)))
+            if all(s.plain_greedy for s in decode):
+                choices += zip(decode, *zip(*choose_rows(decode, logits)))
             else:
-                choices += self._choose_each(step.decode, [logits[i : i + 1] for i in range(len(step.decode))])
+                choices += self._choose_each(decode, [logits[i : i + 1] for i in range(len(decode))])
+        for sequence, proposed in verifying:
+            try:
+                assert sequence.speculator is not None
+                logits = self.runner.verify([sequence.last_token, *proposed], sequence.cache)
+                choices += [(sequence, *c) for c in sequence.speculator.verify(logits, sequence.tokens)]
+            except Exception as exc:
+                self._fail(sequence, exc)
         for chunk in step.prefill:
             sequence = chunk.sequence
             logits = self.runner.prefill(chunk.tokens, sequence.cache, chunk.last)
@@ -239,6 +268,26 @@ class Engine:
                 choices += self._choose_each([sequence], [logits])
         if choices:
             self._emit(choices)
+
+    def _propose(self, running: list[Sequence]) -> tuple[list[Sequence], list[tuple[Sequence, list[int]]]]:
+        """Split the running sequences into those decoding one token in the batch and those
+        with proposals to verify (each with its proposals)."""
+        decode, verifying = [], []
+        for sequence in running:
+            if sequence.speculator is None:
+                decode.append(sequence)
+                continue
+            try:
+                room = sequence.request.max_tokens - len(sequence.generated)
+                proposed = sequence.speculator.propose(sequence.tokens, room)
+            except Exception as exc:  # e.g. a draft model failing
+                self._fail(sequence, exc)
+                continue
+            if proposed:
+                verifying.append((sequence, proposed))
+            else:
+                decode.append(sequence)
+        return decode, verifying
 
     def _choose_each(self, sequences: list[Sequence], logits: list[mx.array]) -> list[tuple[Sequence, mx.array, mx.array]]:
         """Each sequence's own choice; one whose processors or constraint fail ends alone."""
@@ -260,7 +309,10 @@ class Engine:
             top_values = mx.take_along_axis(logprobs, top_ids, axis=-1) if top_ids is not None else None
             picked.append((sequence, token, chosen, top_ids, top_values))
         mx.eval([x for p in picked for x in p[1:] if x is not None])
+        emitted: list[tuple[Sequence, TokenEvent]] = []
         for sequence, token, chosen, top_ids, top_values in picked:
+            if sequence.status is Status.FINISHED:  # a stop ended it earlier in its speculation round
+                continue
             top = None
             if top_ids is not None and top_values is not None:
                 top = list(zip(top_ids[0].tolist(), top_values[0].tolist()))
@@ -271,9 +323,20 @@ class Engine:
             except Exception as exc:  # e.g. a constraint refusing the token
                 self._fail(sequence, exc)
                 continue
-            handle = self._handles.get(id(sequence))
-            if sequence.status is Status.FINISHED:
+            emitted.append((sequence, event))
+        handles = {}
+        for sequence in dict.fromkeys(s for s, _ in emitted):  # each sequence once, in order
+            handles[id(sequence)] = self._handles.get(id(sequence))
+            if sequence.speculator is not None and sequence.finish_reason != "error":
+                try:  # its caches must hold exactly its tokens before the prefix cache keeps them
+                    sequence.speculator.settle(sequence.cache, sequence.tokens, sequence.status is Status.FINISHED)
+                except Exception as exc:
+                    self._fail(sequence, exc)
+                    continue
+            if sequence.status is Status.FINISHED and sequence.finish_reason != "error":
                 self._retire(sequence)
+        for sequence, event in emitted:
+            handle = handles.get(id(sequence))
             if handle is not None:
                 handle._put(event)
 
@@ -317,16 +380,18 @@ def batch_generate(
     max_batch: int = 8,
     prefill_chunk: int | None = None,
     prefix_cache_bytes: int = 512 * 2**20,
+    speculative: SpeculativeSettings | None = None,
     **sampling_kwargs: Any,
 ) -> list[str]:
     """Complete every prompt (raw text or token ids, no chat template) in one continuous batch;
     returns the completions in order. Sampling may be given as ``sampling=`` or as keywords
-    (``temp``, ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty``, ``seed``)."""
+    (``temp``, ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty``, ``seed``);
+    ``speculative`` decodes each sequence speculatively (same greedy output)."""
     if sampling_kwargs:
         sampling = dataclasses.replace(sampling, **sampling_kwargs)
     engine = Engine(
         model, tokenizer, max_batch=max_batch, max_queue=max(len(prompts), 1), cache_settings=cache_settings,
-        prefix_cache_bytes=prefix_cache_bytes, prefill_chunk=prefill_chunk,
+        prefix_cache_bytes=prefix_cache_bytes, prefill_chunk=prefill_chunk, speculative=speculative,
     )
     requests = [
         GenerationRequest(tokenizer.encode(p) if isinstance(p, str) else list(p), max_tokens, sampling, stop)

@@ -10,8 +10,10 @@ from typing import Sequence as Seq
 import mlx.core as mx
 
 from mlxformer.cache import Cache
+from mlxformer.engine.speculation import Speculator
 from mlxformer.errors import MlxformerError
 from mlxformer.generation import SamplingSettings
+from mlxformer.speculative import SpeculativeStats
 from mlxformer.sampling import LogitsProcessor, TokenConstraint, make_logits_processors, make_sampler
 from mlxformer.stop import StopMatcher
 from mlxformer.tokenizer import StreamingDetokenizer
@@ -36,6 +38,7 @@ class GenerationRequest:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     constraint: TokenConstraint | None = None
+    speculate: bool = True  # decode speculatively when the engine has speculative settings (not with a constraint)
 
 
 @dataclass
@@ -53,6 +56,8 @@ class TokenEvent:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int  # prompt tokens served from the prefix cache
+    proposed_tokens: int = 0  # speculative decoding: tokens proposed so far for this request
+    accepted_tokens: int = 0  # ... and accepted by the model
 
 
 class Status(enum.Enum):
@@ -120,6 +125,7 @@ class Sequence:
                 request.presence_penalty, request.frequency_penalty, request.logit_bias, len(self.prompt)))
         self.seed = s.seed if s.seed is not None else random.getrandbits(63)
         self.key: mx.array | None = None  # made on first use, in the engine's thread
+        self.speculator: Speculator | None = None  # set at admission when the request speculates
         self.detokenizer = detokenizer
         self.stops = StopMatcher(request.stop)
         self.eos = set(eos_ids)
@@ -158,10 +164,15 @@ class Sequence:
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         if self.greedy:
             return mx.argmax(logprobs, axis=-1), logprobs
+        return self.sampler(logprobs, self.next_key()), logprobs  # type: ignore[call-arg]
+
+    def next_key(self) -> mx.array:
+        """A fresh key from the sequence's own PRNG stream (``split(key(seed))``, as MLX's global
+        stream after ``mx.random.seed(seed)``)."""
         if self.key is None:
             self.key = mx.random.key(self.seed)
         self.key, draw = mx.random.split(self.key)
-        return self.sampler(logprobs, draw), logprobs  # type: ignore[call-arg]
+        return draw
 
     @property
     def plain_greedy(self) -> bool:
@@ -202,10 +213,17 @@ class Sequence:
     def event(
         self, text: str, token: int | None, logprob: float | None = None, top: list[tuple[int, float]] | None = None
     ) -> TokenEvent:
+        stats = self.speculative_stats or SpeculativeStats()
         return TokenEvent(
             text=text, token=token, logprob=logprob, top_logprobs=top, finish_reason=self.finish_reason,
             prompt_tokens=len(self.prompt), completion_tokens=len(self.generated), cached_tokens=self.cached_tokens,
+            proposed_tokens=stats.proposed, accepted_tokens=stats.accepted,
         )
+
+    @property
+    def speculative_stats(self) -> SpeculativeStats | None:
+        """Proposed and accepted tokens so far (None when the sequence does not speculate)."""
+        return self.speculator.stats if self.speculator is not None else None
 
 
 def choose_rows(sequences: Seq[Sequence], logits: mx.array) -> list[tuple[mx.array, mx.array]]:

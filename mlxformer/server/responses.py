@@ -13,7 +13,7 @@ from mlxformer.engine import TokenEvent
 from mlxformer.server.errors import error_body
 from mlxformer.server.protocol import (
     AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionResponse, ChoiceLogprobs,
-    CompletionChoice, CompletionLogprobs, CompletionResponse, Delta, PromptTokensDetails, TokenLogprob, TopLogprob,
+    CompletionChoice, CompletionTokensDetails, CompletionLogprobs, CompletionResponse, Delta, PromptTokensDetails, TokenLogprob, TopLogprob,
     Usage,
 )
 from mlxformer.tokenizer import Tokenizer
@@ -28,6 +28,10 @@ def usage_of(event: TokenEvent | None) -> Usage:
         completion_tokens=event.completion_tokens,
         total_tokens=event.prompt_tokens + event.completion_tokens,
         prompt_tokens_details=PromptTokensDetails(cached_tokens=event.cached_tokens),
+        completion_tokens_details=CompletionTokensDetails(
+            accepted_prediction_tokens=event.accepted_tokens,
+            rejected_prediction_tokens=event.proposed_tokens - event.accepted_tokens,
+        ) if event.proposed_tokens else None,
     )
 
 

@@ -19,6 +19,7 @@ from mlxformer.errors import MlxformerError
 from mlxformer.models.decoder import Model
 from mlxformer.server.app import create_app
 from mlxformer.server.translate import ServedModel
+from mlxformer.speculative import SpeculativeSettings
 from mlxformer.tokenizer import Tokenizer
 
 log = logging.getLogger("mlxformer.server")
@@ -47,11 +48,14 @@ def serve(
     api_key: str | None = None,
     cors_origins: Sequence[str] = (),
     cache_settings: CacheSettings | None = None,
+    speculative: SpeculativeSettings | None = None,
 ) -> None:
-    """Serve ``model`` as ``name`` until interrupted (Ctrl-C stops the server and the engine)."""
+    """Serve ``model`` as ``name`` until interrupted (Ctrl-C stops the server and the engine);
+    ``speculative`` decodes every request speculatively (prompt lookup or a draft model)."""
     if not is_loopback(host) and api_key is None:
         log.warning("serving on %s without --api-key: anyone who can reach this host can use the model", host)
-    engine = Engine(model, tokenizer, max_batch=max_batch, max_queue=max_queue, cache_settings=cache_settings)
+    engine = Engine(model, tokenizer, max_batch=max_batch, max_queue=max_queue, cache_settings=cache_settings,
+                    speculative=speculative)
     served = ServedModel.of(name, model, tokenizer)
     app = create_app(engine, served, api_key=api_key, cors_origins=cors_origins)
     engine.start()
