@@ -35,7 +35,7 @@ def write_word_tokenizer(directory: Path, vocab_size: int) -> None:
 def tiny(directory: Path, model_type: str, seed: int = 0, vocab_size: int = 256, **config):
     write_tiny_checkpoint(directory, model_type, seed=seed, vocab_size=vocab_size, **{**SHAPE, **config})
     write_word_tokenizer(directory, vocab_size)
-    model, tokenizer = load(directory, threads=1)
+    model, tokenizer = load(directory, threads=1, dtype=mx.float32)  # float32 on any device (a GPU would pick bfloat16)
     tokenizer.eos_token_ids = []  # random weights: never stop early, every run has all its tokens
     return model, tokenizer
 
