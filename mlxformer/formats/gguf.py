@@ -24,7 +24,7 @@ from mlxformer.formats.gguf_reader import GGUFFile, TensorInfo, read_gguf
 
 FLOAT_TYPES = ("F32", "F16", "BF16")
 # Q2_K/Q3_K/Q6_K (16-value sub-blocks) are requantized to 8 bits, group 32: the measured
-# choice (notes/gguf.md), a fraction of the type's own rounding error at ~1.5x its size.
+# choice (docs/design/gguf.md), a fraction of the type's own rounding error at ~1.5x its size.
 INEXACT_BITS = 8
 SUPPORTED_TYPES = FLOAT_TYPES + EXACT_TYPES + FLOAT_DECODED_TYPES
 # Bits of the MLX layer each quantized GGUF type becomes (all with groups of 32).
