@@ -36,6 +36,13 @@ def cpu_default_device():
         mx.set_default_device(previous)
 
 
+@pytest.fixture
+def cpu_device():
+    """The CPU as MLX's default device for one test (see ``cpu_default_device``)."""
+    with cpu_default_device():
+        yield
+
+
 @pytest.fixture(scope="session")
 def smollm_gguf() -> Path:
     """The real SmolLM2-135M-Instruct Q4_1 GGUF (the offline default model)."""

@@ -4,8 +4,12 @@ free 127.0.0.1 port that always stops, and raw HTTP requests (for what the opena
 from __future__ import annotations
 
 import contextlib
-from http.client import HTTPConnection
 import json
+import signal
+import socket
+import subprocess
+import time
+from http.client import HTTPConnection
 from pathlib import Path
 from typing import Any, Iterator
 from urllib.parse import urlsplit
@@ -72,3 +76,43 @@ def error_of(body: bytes) -> dict[str, Any]:
     assert isinstance(error["message"], str) and error["message"]
     assert "Traceback" not in error["message"]
     return error
+
+
+SERVE_START_TIMEOUT_SECONDS = 180
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serve_subprocess(command: list[str]) -> Iterator[str]:
+    """``command`` (an ``mlxformer serve`` invocation) on a free port; yields the base URL once
+    ``/health`` answers; at the end SIGINT, and the server must exit 0 within 30 s."""
+    port = free_port()
+    process = subprocess.Popen([*command, "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + SERVE_START_TIMEOUT_SECONDS
+        while True:
+            assert process.poll() is None, process.stdout.read()
+            try:
+                if http(url, "GET", "/health", timeout=5)[0] == 200:
+                    break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, "the server did not come up"
+            time.sleep(0.3)
+        yield url
+    finally:
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+    assert process.returncode == 0

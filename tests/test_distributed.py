@@ -75,14 +75,6 @@ def reference_tokens(directory: Path, cache: dict) -> list[int]:
     return list(generate_tokens(model, mx.array(PROMPT), make_cache(model, CacheSettings(**cache)), make_sampler(0.0), max_tokens=MAX_TOKENS))
 
 
-@pytest.fixture
-def cpu_device():
-    previous = mx.default_device()
-    mx.set_default_device(mx.cpu)
-    yield
-    mx.set_default_device(previous)
-
-
 def test_two_ranks_match_single_process_and_split_memory(tmp_path, cpu_device, smollm_gguf):
     from gguf import GGMLQuantizationType as T
 

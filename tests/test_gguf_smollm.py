@@ -35,12 +35,7 @@ EXACT_BOUND = 2e-3
 INEXACT_BOUND = 1.0
 
 
-@pytest.fixture(autouse=True)
-def cpu_device():
-    previous = mx.default_device()
-    mx.set_default_device(mx.cpu)
-    yield
-    mx.set_default_device(previous)
+pytestmark = pytest.mark.usefixtures("cpu_device")  # CPU policies, whatever the default device
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -35,12 +35,7 @@ INEXACT_BOUND = None
 K_SHAPE = dict(hidden_size=256, intermediate_size=512, head_dim=64, num_attention_heads=4, num_key_value_heads=2)
 
 
-@pytest.fixture(autouse=True)
-def cpu_device():
-    previous = mx.default_device()
-    mx.set_default_device(mx.cpu)
-    yield
-    mx.set_default_device(previous)
+pytestmark = pytest.mark.usefixtures("cpu_device")  # CPU policies, whatever the default device
 
 
 def _all(qtype: T):

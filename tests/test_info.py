@@ -14,14 +14,6 @@ from mlx.utils import tree_flatten
 from conftest import write_tiny_checkpoint
 
 
-@pytest.fixture
-def cpu_device():
-    previous = mx.default_device()
-    mx.set_default_device(mx.cpu)
-    yield
-    mx.set_default_device(previous)
-
-
 def loaded_parameter_count(model: nn.Module) -> int:
     """Weights of a loaded model, quantized ones unpacked (scales and biases are not weights)."""
     total = 0

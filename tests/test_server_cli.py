@@ -4,43 +4,19 @@
 from __future__ import annotations
 
 import os
-import signal
-import socket
 import subprocess
 import sys
-import time
 
 import openai
-from server_support import http
-
-START_TIMEOUT_SECONDS = 180
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from server_support import http, serve_subprocess
 
 
 def test_serve_subprocess_with_key_and_cors(smollm_gguf):
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
     command = [
-        sys.executable, "-m", "mlxformer", "serve", "--model", str(smollm_gguf), "--port", str(port),
+        sys.executable, "-m", "mlxformer", "serve", "--model", str(smollm_gguf),
         "--max-batch", "2", "--api-key", "k3y", "--cors-origin", "http://app.example", "--served-model-name", "smol",
     ]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        deadline = time.monotonic() + START_TIMEOUT_SECONDS
-        while True:
-            assert process.poll() is None, process.stdout.read()
-            try:
-                if http(url, "GET", "/health", timeout=5)[0] == 200:
-                    break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, "the server did not come up"
-            time.sleep(0.5)
+    with serve_subprocess(command) as url:
         assert http(url, "GET", "/v1/models")[0] == 401
         preflight = {"Origin": "http://app.example", "Access-Control-Request-Method": "POST",
                      "Access-Control-Request-Headers": "authorization,content-type"}
@@ -52,14 +28,6 @@ def test_serve_subprocess_with_key_and_cors(smollm_gguf):
             max_tokens=8, temperature=0,
         )
         assert "Paris" in reply.choices[0].message.content
-    finally:
-        process.send_signal(signal.SIGINT)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-    assert process.returncode == 0
 
 
 def test_serve_bad_flags_are_one_line_errors():

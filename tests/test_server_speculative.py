@@ -3,22 +3,18 @@ client (concurrent, whole and streamed) equal plain `generate`'s; bad flag use i
 
 from __future__ import annotations
 
-import signal
 import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
-from server_support import http
+from server_support import serve_subprocess
 
 from conftest import write_tiny_checkpoint
 from mlxformer import generate, load
-from test_server_cli import free_port
 from test_speculative import SHAPE, write_word_tokenizer
 
-START_TIMEOUT_SECONDS = 180
 PROMPTS = [
     [5, 6, 7, 8, 9, 10, 5, 6, 7, 8, 11, 12, 5, 6, 7, 8, 9, 13, 5, 6, 7],
     [20, 21, 22, 20, 21, 22, 20, 21],
@@ -35,31 +31,13 @@ def tiny_dir(tmp_path_factory):
     return directory
 
 
-def serving(command: list[str]) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    process = subprocess.Popen([*command, "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + START_TIMEOUT_SECONDS
-    while True:
-        assert process.poll() is None, process.stdout.read()
-        try:
-            if http(url, "GET", "/health", timeout=5)[0] == 200:
-                return process, url
-        except OSError:
-            pass
-        assert time.monotonic() < deadline, "the server did not come up"
-        time.sleep(0.3)
-
-
 @pytest.mark.parametrize("flags", [["--prompt-lookup", "--num-draft-tokens", "5"], ["--draft-model", "SELF"]])
 def test_speculative_serve_equals_plain_generate(tiny_dir, flags):
     model, tokenizer = load(tiny_dir, threads=1)
     expected = [generate(model, tokenizer, ids, MAX_TOKENS) for ids in PROMPTS]
     flags = [str(tiny_dir) if f == "SELF" else f for f in flags]  # the target drafting for itself
     command = [sys.executable, "-m", "mlxformer", "serve", "--model", str(tiny_dir), "--threads", "1", "--served-model-name", "m", *flags]
-    process, url = serving(command)
-    try:
+    with serve_subprocess(command) as url:
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
 
         def complete(ids: list[int]):
@@ -75,14 +53,6 @@ def test_speculative_serve_equals_plain_generate(tiny_dir, flags):
         stream = client.completions.create(model="m", prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0,
                                            stream=True)
         assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices) == expected[0]
-    finally:
-        process.send_signal(signal.SIGINT)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-    assert process.returncode == 0
 
 
 def test_num_draft_tokens_alone_is_refused(tiny_dir):
