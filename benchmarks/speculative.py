@@ -3,9 +3,10 @@
 An input-grounded task (repeat a ~300-token text given in the prompt, greedy) on the same
 model files for both runtimes, rounds interleaved in one run:
 
-- mlxformer plain, mlxformer --prompt-lookup (no second model), mlxformer with the 4-bit
-  model drafting for the float32 one;
-- mlx-lm plain and mlx-lm with the same draft model (mlx-lm has no prompt lookup).
+- mlxformer plain and with --prompt-lookup (no second model) on the float32 and bfloat16
+  SmolLM2, and the 4-bit model drafting for the float32 one;
+- mlx-lm plain and with the same draft model on the float32 target (mlx-lm has no prompt
+  lookup).
 
 Prints decode tok/s medians, the speed-ups and mlxformer / mlx-lm ratios, and the acceptance.
 Needs ``python benchmarks/prepare_models.py --skip-1b`` first.
@@ -42,17 +43,17 @@ def median_tps(times: list[float], tokens: int) -> float:
     return tokens / statistics.median(times)
 
 
-def mlxformer_runner(target: Path, draft: Path, tokens: int) -> dict[str, Callable[[], tuple[float, int, int]]]:
+def mlxformer_runners(models: Path, tokens: int) -> dict[str, Callable[[], tuple[float, int, int]]]:
     import mlx.core as mx
 
     from mlxformer import load, stream_generate
     from mlxformer.speculative import SpeculativeSettings
 
-    model, tokenizer = load(target)
-    draft_model, draft_tokenizer = load(draft)
-    ids = tokenizer.encode_prompt(PROMPT)
+    loaded = {name: load(models / name) for name in ("smollm2-f32", "smollm2-bf16", "smollm2-4bit")}
+    ids = loaded["smollm2-f32"][1].encode_prompt(PROMPT)
 
-    def run(speculative: SpeculativeSettings | None) -> tuple[float, int, int]:
+    def run(name: str, speculative: SpeculativeSettings | None) -> tuple[float, int, int]:
+        model, tokenizer = loaded[name]
         first = None
         last = None
         for last in stream_generate(model, tokenizer, ids, tokens, speculative=speculative):
@@ -63,34 +64,36 @@ def mlxformer_runner(target: Path, draft: Path, tokens: int) -> dict[str, Callab
         return time.perf_counter() - first, last.proposed_tokens, last.accepted_tokens
 
     lookup = SpeculativeSettings(prompt_lookup=True, num_draft_tokens=8)
+    draft_model, draft_tokenizer = loaded["smollm2-4bit"]
     drafted = SpeculativeSettings(draft_model=draft_model, draft_tokenizer=draft_tokenizer, num_draft_tokens=4)
     return {
-        "mlxformer plain": lambda: run(None),
-        "mlxformer prompt lookup": lambda: run(lookup),
-        "mlxformer draft 4-bit": lambda: run(drafted),
+        "mlxformer f32 plain": lambda: run("smollm2-f32", None),
+        "mlxformer f32 prompt lookup": lambda: run("smollm2-f32", lookup),
+        "mlxformer f32 draft 4-bit": lambda: run("smollm2-f32", drafted),
+        "mlxformer bf16 plain": lambda: run("smollm2-bf16", None),
+        "mlxformer bf16 prompt lookup": lambda: run("smollm2-bf16", lookup),
     }
 
 
-def mlx_lm_runner(target: Path, draft: Path, tokens: int) -> dict[str, Callable[[], tuple[float, int, int]]]:
+def mlx_lm_runners(models: Path, tokens: int) -> dict[str, Callable[[], tuple[float, int, int]]]:
     from mlx_lm import load, stream_generate
 
-    model, tokenizer = load(str(target))
-    draft_model, _ = load(str(draft))
+    target, tokenizer = load(str(models / "smollm2-f32"))
+    draft_model, _ = load(str(models / "smollm2-4bit"))
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True)
 
-    def run(draft_model=None) -> tuple[float, int, int]:
+    def run(draft=None) -> tuple[float, int, int]:
         first = None
-        accepted = proposed = 0
-        for response in stream_generate(model, tokenizer, prompt, max_tokens=tokens, draft_model=draft_model,
-                                        **({"num_draft_tokens": 4} if draft_model is not None else {})):
+        accepted = 0
+        options = {"draft_model": draft, "num_draft_tokens": 4} if draft is not None else {}
+        for response in stream_generate(target, tokenizer, prompt, max_tokens=tokens, **options):
             if first is None:
                 first = time.perf_counter()
-            if draft_model is not None:
-                accepted += bool(getattr(response, "from_draft", False))
+            accepted += bool(getattr(response, "from_draft", False))
         assert first is not None
-        return time.perf_counter() - first, proposed, accepted
+        return time.perf_counter() - first, 0, accepted
 
-    return {"mlx-lm plain": lambda: run(None), "mlx-lm draft 4-bit": lambda: run(draft_model)}
+    return {"mlx-lm f32 plain": lambda: run(None), "mlx-lm f32 draft 4-bit": lambda: run(draft_model)}
 
 
 def main() -> None:
@@ -99,8 +102,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=128)
     args = parser.parse_args()
-    target, draft = args.models / "smollm2-f32", args.models / "smollm2-4bit"
-    runners = {**mlxformer_runner(target, draft, args.tokens), **mlx_lm_runner(target, draft, args.tokens)}
+    runners = {**mlxformer_runners(args.models, args.tokens), **mlx_lm_runners(args.models, args.tokens)}
     for run in runners.values():  # warm-up
         run()
     times: dict[str, list[float]] = {name: [] for name in runners}
@@ -111,20 +113,24 @@ def main() -> None:
             seconds, proposed, accepted = runners[name]()
             times[name].append(seconds)
             acceptance[name] = (accepted, proposed)
+            print(f"  round {round_index + 1}: {name}: {(args.tokens - 1) / seconds:.2f} tok/s", flush=True)
     tps = {name: median_tps(t, args.tokens - 1) for name, t in times.items()}
     print(f"decode tok/s (median of {args.rounds}, {args.tokens} tokens, greedy)")
     for name, value in tps.items():
         accepted, proposed = acceptance[name]
-        extra = f"  accepted {accepted}/{proposed}" if proposed else ""
-        print(f"  {name:26s} {value:7.2f}{extra}")
-    print("speed-up over plain decoding:")
-    for name in ("mlxformer prompt lookup", "mlxformer draft 4-bit"):
-        print(f"  {name:26s} {tps[name] / tps['mlxformer plain']:.2f}x")
-    print(f"  {'mlx-lm draft 4-bit':26s} {tps['mlx-lm draft 4-bit'] / tps['mlx-lm plain']:.2f}x")
-    print("mlxformer / mlx-lm:")
-    print(f"  plain                      {tps['mlxformer plain'] / tps['mlx-lm plain']:.2f}x")
-    print(f"  draft 4-bit                {tps['mlxformer draft 4-bit'] / tps['mlx-lm draft 4-bit']:.2f}x")
-    print(f"  prompt lookup vs mlx-lm's best {tps['mlxformer prompt lookup'] / max(tps['mlx-lm plain'], tps['mlx-lm draft 4-bit']):.2f}x")
+        extra = f"  accepted {accepted}/{proposed}" if proposed else (f"  {accepted} from draft" if accepted else "")
+        print(f"  {name:30s} {value:7.2f}{extra}")
+    print("speed-up over plain decoding, same runtime and model:")
+    for name, plain in (("mlxformer f32 prompt lookup", "mlxformer f32 plain"),
+                        ("mlxformer f32 draft 4-bit", "mlxformer f32 plain"),
+                        ("mlxformer bf16 prompt lookup", "mlxformer bf16 plain"),
+                        ("mlx-lm f32 draft 4-bit", "mlx-lm f32 plain")):
+        print(f"  {name:30s} {tps[name] / tps[plain]:.2f}x")
+    print("mlxformer / mlx-lm (float32 target):")
+    print(f"  plain                          {tps['mlxformer f32 plain'] / tps['mlx-lm f32 plain']:.2f}x")
+    print(f"  draft 4-bit                    {tps['mlxformer f32 draft 4-bit'] / tps['mlx-lm f32 draft 4-bit']:.2f}x")
+    best = max(tps["mlx-lm f32 plain"], tps["mlx-lm f32 draft 4-bit"])
+    print(f"  prompt lookup vs mlx-lm's best {tps['mlxformer f32 prompt lookup'] / best:.2f}x")
 
 
 if __name__ == "__main__":

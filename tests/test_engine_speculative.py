@@ -61,7 +61,7 @@ CACHES = {
 def speculative_settings(kind: str, models) -> SpeculativeSettings:
     model, tokenizer, _, (draft, draft_tokenizer) = models
     if kind == "lookup":
-        return SpeculativeSettings(prompt_lookup=True, num_draft_tokens=5)
+        return SpeculativeSettings(prompt_lookup=True, num_draft_tokens=5, ngram_min=1)  # random models: 1-grams too
     if kind == "self-draft":  # the target drafting for itself: nearly everything is accepted
         return SpeculativeSettings(draft_model=model, draft_tokenizer=tokenizer, num_draft_tokens=3)
     return SpeculativeSettings(draft_model=draft, draft_tokenizer=draft_tokenizer, num_draft_tokens=3)

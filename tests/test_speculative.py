@@ -76,7 +76,8 @@ def test_greedy_output_is_plain_output(family_models, model_type, cache_name):
     settings = CACHES[cache_name]
     plain, _ = tokens_of(model, tokenizer, settings=settings)
     proposers = {
-        "lookup": SpeculativeSettings(prompt_lookup=True, num_draft_tokens=5),
+        # a random model rarely repeats a 2-gram of the prompt: let single tokens propose
+        "lookup": SpeculativeSettings(prompt_lookup=True, num_draft_tokens=5, ngram_min=1),
         "self-draft": SpeculativeSettings(draft_model=model, draft_tokenizer=tokenizer, num_draft_tokens=3),
         "other-draft": SpeculativeSettings(draft_model=draft, draft_tokenizer=draft_tokenizer, num_draft_tokens=3),
     }
@@ -141,7 +142,7 @@ def test_sampled_tokens_follow_the_target_distribution(small_vocab, proposer):
     (model, tokenizer), (draft, draft_tokenizer) = small_vocab
     speculative = (
         SpeculativeSettings(draft_model=draft, draft_tokenizer=draft_tokenizer, num_draft_tokens=2)
-        if proposer == "draft" else SpeculativeSettings(prompt_lookup=True, num_draft_tokens=2)
+        if proposer == "draft" else SpeculativeSettings(prompt_lookup=True, num_draft_tokens=2, ngram_min=1)
     )
     second = []
     rounds_with_rejection = 0
@@ -165,11 +166,13 @@ def test_plain_sampling_fits_the_same_reference(small_vocab):
 
 
 def test_prompt_lookup_proposes_what_followed_the_longest_match():
-    lookup = PromptLookupProposer(ngram_max=3)
+    lookup = PromptLookupProposer(ngram_max=3, ngram_min=1)
     history = [1, 2, 3, 4, 5, 9, 2, 3, 7, 1, 2, 3]
     assert lookup.propose(history, 3) == ([4, 5, 9], None)  # [1,2,3] matched at 0
     assert lookup.propose([1, 2, 3, 2, 3], 2) == ([2, 3], None)  # [2,3] most recent earlier match
     assert lookup.propose([1, 2, 3], 4) == ([], None)
+    assert lookup.propose([1, 2, 3, 9, 3], 2) == ([9, 3], None)  # a single recurring token (n = 1)
+    assert PromptLookupProposer().propose([1, 2, 3, 9, 3], 2) == ([], None)  # the default needs n >= 2
 
 
 def test_adaptive_length():
