@@ -10,31 +10,16 @@ chunks through each cache, group size 64.
 from __future__ import annotations
 
 import argparse
-import math
 from pathlib import Path
-from typing import Any, Callable
 
-import mlx.core as mx
 
 from mlxformer.cache import CacheSettings, make_cache
 from mlxformer.default_model import default_model_path
 from mlxformer.loader import load
+from mlxformer.perplexity import cached_perplexity as chunked_perplexity
 
 EVAL_TEXT = Path(__file__).resolve().parent.parent / "tests" / "data" / "eval.txt"
 GROUP_SIZE = 64
-
-
-def chunked_perplexity(run: Callable[..., mx.array], cache: list[Any], ids: list[int], chunk: int) -> float:
-    """exp(mean NLL) of ``ids`` fed through ``cache`` in ``chunk``-token pieces."""
-    total, count = 0.0, 0
-    for start in range(0, len(ids) - 1, chunk):
-        piece = ids[start : start + chunk]
-        targets = mx.array(ids[start + 1 : start + 1 + len(piece)])
-        logits = run(mx.array(piece)[None], cache)[0, : targets.size].astype(mx.float32)
-        nll = mx.logsumexp(logits, axis=-1) - mx.take_along_axis(logits, targets[:, None], axis=-1)[:, 0]
-        total += float(nll.sum())
-        count += targets.size
-    return math.exp(total / count)
 
 
 def main() -> None:

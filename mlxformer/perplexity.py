@@ -8,6 +8,7 @@ token after the first is scored exactly once, with up to ``context - 1`` tokens 
 from __future__ import annotations
 
 import math
+from typing import Any, Callable, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -44,3 +45,23 @@ def perplexity(model: nn.Module, token_ids: list[int], context: int = 256, strid
         scored_until = end
         start += stride
     return math.exp(total_nll / n_scored)
+
+
+def cached_perplexity(
+    forward: Callable[[mx.array, Any], mx.array], cache: Sequence[Any], token_ids: list[int], chunk: int = 64
+) -> float:
+    """Perplexity of ``token_ids`` fed through one KV ``cache`` in ``chunk``-token pieces, as
+    generation sees them: each token is scored with every earlier token cached (the way to
+    measure what a quantized or rotating cache costs). ``forward(tokens (1, T), cache)`` returns
+    logits ``(1, T, vocab)``; any runtime's model and cache fit."""
+    if chunk < 1 or len(token_ids) < 2:
+        raise MlxformerError("need chunk >= 1 and at least 2 tokens")
+    total, count = 0.0, 0
+    for start in range(0, len(token_ids) - 1, chunk):
+        piece = token_ids[start : start + chunk]
+        targets = mx.array(token_ids[start + 1 : start + 1 + len(piece)])
+        logits = forward(mx.array(piece)[None], cache)[0, : targets.size].astype(mx.float32)
+        nll = mx.logsumexp(logits, axis=-1) - mx.take_along_axis(logits, targets[:, None], axis=-1)[:, 0]
+        total += float(nll.sum())
+        count += targets.size
+    return math.exp(total / count)

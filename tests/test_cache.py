@@ -8,7 +8,6 @@ References: ``mx.dequantize`` + ``mx.fast.scaled_dot_product_attention``, the pl
 from __future__ import annotations
 
 import json
-import math
 import os
 from pathlib import Path
 
@@ -30,6 +29,7 @@ from mlxformer.models.decoder import Model  # noqa: E402
 from mlxformer.cache.files import (  # noqa: E402
     cache_prompt, load_prompt_cache, save_prompt_cache, strip_cached_prefix,
 )
+from mlxformer.perplexity import cached_perplexity  # noqa: E402
 from mlxformer.tokenizer import HFBackend, Tokenizer  # noqa: E402
 
 EVAL_TEXT = Path(__file__).parent / "data" / "eval.txt"
@@ -455,17 +455,8 @@ def smollm():
 
 
 def chunked_perplexity(model: Model, ids: list[int], settings: CacheSettings, chunk: int = 64) -> float:
-    """exp(mean NLL) of ``ids`` fed through a cache in ``chunk``-token pieces."""
-    cache = make_cache(model, settings)
-    total, count = 0.0, 0
-    for start in range(0, len(ids) - 1, chunk):
-        piece = ids[start : start + chunk]
-        targets = mx.array(ids[start + 1 : start + 1 + len(piece)])
-        logits = model(mx.array(piece)[None], cache)[0, : targets.size].astype(mx.float32)
-        nll = mx.logsumexp(logits, axis=-1) - mx.take_along_axis(logits, targets[:, None], axis=-1)[:, 0]
-        total += float(nll.sum())
-        count += targets.size
-    return math.exp(total / count)
+    """exp(mean NLL) of ``ids`` fed through a new cache in ``chunk``-token pieces."""
+    return cached_perplexity(model, make_cache(model, settings), ids, chunk)
 
 
 def test_quantized_cache_perplexity_on_smollm(smollm) -> None:
