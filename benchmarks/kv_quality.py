@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-
 from mlxformer.cache import CacheSettings, make_cache
 from mlxformer.default_model import default_model_path
 from mlxformer.loader import load
