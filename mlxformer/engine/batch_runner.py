@@ -70,13 +70,16 @@ class BatchRunner:
         self.model = model
         self.window = model.args.sliding_window
 
-    def prefill(self, tokens: Sequence[int], cache: Sequence[Cache], want_logits: bool) -> mx.array | None:
+    def prefill(
+        self, tokens: Sequence[int], cache: Sequence[Cache], want_logits: bool, prompt_length: int | None = None
+    ) -> mx.array | None:
         """Run one prompt chunk through one sequence's caches; the last position's logits
-        ``(1, vocab)`` when ``want_logits`` (lazy), else None (the cache is evaluated)."""
+        ``(1, vocab)`` when ``want_logits`` (lazy), else None (the cache is evaluated).
+        ``prompt_length``: the whole prompt's (RoPE's dynamic base depends on it)."""
         inputs = mx.array(tokens)[None]  # (1, T)
         if want_logits:
-            return self.model.last_logits(inputs, cache)
-        self.model.hidden_states(inputs, cache)
+            return self.model.last_logits(inputs, cache, rope_length=prompt_length)
+        self.model.hidden_states(inputs, cache, rope_length=prompt_length)
         mx.eval([c.state for c in cache])
         return None
 
