@@ -32,12 +32,12 @@ REPEATS = 30
 def timed_generation(model, prompt: list[int], tokens: int) -> tuple[float, float]:
     """(prefill tok/s, decode seconds per token) of greedy generation with a fresh cache."""
     from mlxformer.cache import make_cache
-    from mlxformer.generation import generate_tokens
-    from mlxformer.sampling import make_sampler
+    from mlxformer.decoding import DecodingState
+    from mlxformer.generation import decode
 
-    cache = make_cache(model)
+    state = DecodingState(prompt, max_tokens=tokens, cache=make_cache(model))  # greedy, eos not checked
     start = time.perf_counter()
-    stream = generate_tokens(model, mx.array(prompt), cache, make_sampler(0.0), max_tokens=tokens)
+    stream = decode(model, state)
     next(stream)
     first = time.perf_counter()
     count = sum(1 for _ in stream)

@@ -56,28 +56,25 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="default: the offline SmolLM2-135M-Instruct GGUF")
     args = parser.parse_args()
 
-    import mlx.core as mx
-
     from mlxformer.cache import make_cache
     from mlxformer.constrained import make_constraint
     from mlxformer.default_model import default_model_path
-    from mlxformer.generation import generate_tokens
+    from mlxformer.decoding import DecodingState
+    from mlxformer.generation import decode
     from mlxformer.loader import load
-    from mlxformer.sampling import greedy
+    from mlxformer.options import SamplingSettings
 
     model, tokenizer = load(args.model or default_model_path())
-    prompt = mx.array(tokenizer.encode_prompt(PROMPT))
+    prompt = tokenizer.encode_prompt(PROMPT)
     vocab = model.args.vocab_size
-    keep = mx.ones((vocab,), dtype=mx.bool_)
-    keep[mx.array(tokenizer.eos_token_ids)] = False  # (vocab,)
-
-    def no_eos(history: mx.array, logits: mx.array) -> mx.array:
-        return mx.where(keep, logits, -float("inf"))
+    no_eos = SamplingSettings(logit_bias={t: -100.0 for t in tokenizer.eos_token_ids})
 
     def run(constrained: bool) -> tuple[float, int, float]:
         """(decode tok/s after the first token, tokens, next_mask ms per token)."""
         constraint = TimedConstraint(make_constraint(tokenizer, vocab, response_format=SCHEMA)) if constrained else None
-        tokens = generate_tokens(model, prompt, make_cache(model), greedy, [no_eos], args.tokens, constraint=constraint)
+        state = DecodingState(prompt, sampling=no_eos, max_tokens=args.tokens, constraint=constraint,
+                              cache=make_cache(model))
+        tokens = decode(model, state)
         count, first = 0, 0.0
         for count, _ in enumerate(tokens, start=1):
             if count == 1:

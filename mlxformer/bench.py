@@ -9,12 +9,12 @@ from typing import Callable, Iterator
 
 import mlx.core as mx
 
-from mlxformer.cache import CacheSettings, make_cache
+from mlxformer.cache import CacheSettings
+from mlxformer.decoding import open_sequence
 from mlxformer.errors import MlxformerError
-from mlxformer.generation import generate_tokens
+from mlxformer.generation import decode
 from mlxformer.models.decoder import Model
-from mlxformer.sampling import greedy
-from mlxformer.speculative import SpeculativeSettings, SpeculativeStats, make_proposer, speculative_tokens
+from mlxformer.speculative import SpeculativeSettings, SpeculativeStats, check_draft
 from mlxformer.tokenizer import Tokenizer
 
 # A token stream: given a prompt (T,) and a count, yields that many generated token ids.
@@ -69,13 +69,19 @@ def mlxformer_loop(
 ) -> TokenLoop:
     """mlxformer's greedy generation loop over a fresh cache (eos is not checked); with
     ``speculative`` (and the target's ``tokenizer``), the speculative loop counting into ``stats``."""
+    if speculative is not None and tokenizer is not None:
+        check_draft(speculative, tokenizer)
 
     def loop(prompt: mx.array, n: int) -> Iterator[int]:
-        cache = make_cache(model, settings)
-        if speculative is None or tokenizer is None:
-            return generate_tokens(model, prompt, cache, greedy, (), n)
-        proposer = make_proposer(speculative, tokenizer, prompt.tolist(), None, settings)
-        return speculative_tokens(model, prompt, cache, proposer, None, (), n, speculative.num_draft_tokens, stats)
+        spec = speculative if tokenizer is not None else None
+        state = open_sequence(model, prompt.tolist(), eos_ids=(), detokenizer=None, max_tokens=n,
+                              cache_settings=settings, speculative=spec)
+        for token, _ in decode(model, state):
+            yield token
+        if state.speculator is not None and stats is not None:
+            stats.proposed += state.speculator.stats.proposed
+            stats.accepted += state.speculator.stats.accepted
+            stats.rounds += state.speculator.stats.rounds
 
     return loop
 

@@ -2,30 +2,25 @@
 
 Each turn renders the whole conversation with the chat template, keeps the cached tokens that
 are a prefix of it (trimming the cache back to the common prefix when the re-rendered reply
-tokenizes differently), and prefills only the rest.
+tokenizes differently), and decodes a ``DecodingState`` over the whole conversation, so that
+only the rest is prefilled and a speculation proposer sees every earlier turn (a draft model
+keeps its own cache across turns too). After each turn the cache holds exactly the tokens
+the state handed out but the last (``DecodingState.settle``).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Iterator, Sequence
 
 from mlxformer.cache import Cache, CacheSettings, make_cache
-from mlxformer.errors import MlxformerError
-from mlxformer.generation import GenerationResponse, SamplingSettings, stream_generate
-from mlxformer.models.decoder import Model
-from mlxformer.speculative import SpeculativeSettings
 from mlxformer.cache.files import load_prompt_cache_file, save_prompt_cache
+from mlxformer.decoding import open_sequence, with_rewind
+from mlxformer.errors import MlxformerError
+from mlxformer.generation import GenerationResponse, decode, responses
+from mlxformer.models.decoder import Model
+from mlxformer.options import SamplingSettings
+from mlxformer.speculative import SpeculativeSettings, check_draft, common_prefix_length, new_proposer
 from mlxformer.tokenizer import Tokenizer
-
-def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many leading ids ``a`` and ``b`` share."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 class ChatSession:
@@ -46,8 +41,8 @@ class ChatSession:
         if not tokenizer.chat_template:
             raise MlxformerError("chat needs a model whose tokenizer has a chat template")
         self.model, self.tokenizer = model, tokenizer
-        if speculative is not None:  # rotating caches keep enough beyond their window to rewind
-            cache_settings = dataclasses.replace(cache_settings or CacheSettings(), rewind=speculative.num_draft_tokens)
+        if speculative is not None:
+            check_draft(speculative, tokenizer)
         self.system, self.sampling, self.settings = system, sampling, cache_settings
         self.max_tokens, self.stop, self.speculative = max_tokens, tuple(stop), speculative
         self.last_prefill_tokens = 0
@@ -56,8 +51,12 @@ class ChatSession:
     def reset(self) -> None:
         """Forget the conversation and empty the cache."""
         self.messages: list[dict[str, str]] = [{"role": "system", "content": self.system}] if self.system else []
-        self.cache: list[Cache] = make_cache(self.model, self.settings)
+        self.cache: list[Cache] = self._new_cache()
         self.cached_ids: list[int] = []  # the tokens the cache holds, in order
+        self.proposer = new_proposer(self.speculative, self.settings) if self.speculative is not None else None
+
+    def _new_cache(self) -> list[Cache]:
+        return make_cache(self.model, with_rewind(self.settings, self.speculative))
 
     @property
     def cache_nbytes(self) -> int:
@@ -71,7 +70,7 @@ class ChatSession:
         if drop > 0:
             trimmed = [c.trim(drop) for c in self.cache]
             if any(n != drop for n in trimmed):  # e.g. a rotating cache that already evicted tokens
-                self.cache = make_cache(self.model, self.settings)
+                self.cache = self._new_cache()
                 keep = 0
         self.cached_ids = self.cached_ids[:keep]
         return keep
@@ -85,20 +84,20 @@ class ChatSession:
             raise MlxformerError("the chat template rendered an empty prompt")
         reused = self._reuse_cached_prefix(ids)
         self.last_prefill_tokens = len(ids) - reused
+        state = open_sequence(
+            self.model, ids, eos_ids=self.tokenizer.eos_token_ids, detokenizer=self.tokenizer.detokenizer(),
+            sampling=self.sampling, max_tokens=self.max_tokens, stop=self.stop, cache=self.cache,
+            speculative=self.speculative, proposer=self.proposer, cache_settings=self.settings,
+        )
         pieces: list[str] = []
-        tokens: list[int] = []
+        tokens = decode(self.model, state)
         try:
-            for response in stream_generate(
-                self.model, self.tokenizer, ids[reused:], self.max_tokens,
-                sampling=self.sampling, stop=self.stop, cache=self.cache, speculative=self.speculative,
-            ):
+            for response in responses(state, tokens):
                 pieces.append(response.text)
-                if response.token is not None:
-                    tokens.append(response.token)
                 yield response
         finally:
-            # The cache holds the prompt and every reply token fed back so far (offset says how many).
-            self.cached_ids = (ids + tokens)[: self.cache[0].offset]
+            tokens.close()  # settles the state, also when the caller stopped early
+            self.cached_ids = state.cache_tokens
             self.messages = messages + [{"role": "assistant", "content": "".join(pieces)}]
 
     def save(self, path: str) -> None:

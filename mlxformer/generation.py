@@ -1,5 +1,6 @@
-"""The KV-cached generation loop: chunked ``prefill``, pipelined ``decode``, and the
-``stream_generate``/``generate`` API that orchestrates them."""
+"""Single-stream generation: ``decode`` drives one ``DecodingState`` (chunked ``prefill``, then
+pipelined decode steps or speculation rounds), and ``stream_generate``/``generate`` turn what it
+hands out into responses."""
 
 from __future__ import annotations
 
@@ -10,18 +11,17 @@ from typing import Any, Iterator, Sequence
 
 import mlx.core as mx
 
-from mlxformer.cache import Cache, CacheSettings, make_cache
+from mlxformer.cache import Cache, CacheSettings
 from mlxformer.constrained import make_constraint
+from mlxformer.decoding import DecodingState, open_sequence
 from mlxformer.errors import MlxformerError
 from mlxformer.models.decoder import Model
-from mlxformer.options import SamplingSettings, check_integer
-from mlxformer.sampling import (
-    LogitsProcessor, Sampler, TokenConstraint, make_distribution, make_logits_processors, make_sampler,
-)
-from mlxformer.speculative import SpeculativeSettings, SpeculativeStats, make_proposer, speculative_tokens
+from mlxformer.options import SamplingSettings  # noqa: F401 (re-exported)
+from mlxformer.sampling import TokenConstraint
+from mlxformer.speculative import SpeculativeSettings, check_draft
 from mlxformer.steps import decode_step, default_prefill_step, prefill  # noqa: F401 (re-exported)
-from mlxformer.stop import StopMatcher
-from mlxformer.tokenizer import StreamingDetokenizer, Tokenizer
+from mlxformer.tokenizer import Tokenizer
+
 
 @dataclass
 class GenerationResponse:
@@ -37,90 +37,95 @@ class GenerationResponse:
     finish_reason: str | None = None  # "stop" (eos or stop string), "length", or None while running
     proposed_tokens: int = 0  # speculative decoding: tokens proposed so far
     accepted_tokens: int = 0  # ... and accepted by the target
+    incomplete: bool = False  # structured output cut short by max_tokens or a stop string (last response)
 
 
-def _choose(
-    logits: mx.array, history: mx.array, sampler: Sampler, processors: Sequence[LogitsProcessor],
-    allowed: mx.array | None = None,
-) -> tuple[mx.array, mx.array]:
-    for process in processors:
-        logits = process(history, logits)
-    if allowed is not None:  # (vocab,) bool from a TokenConstraint
-        logits = mx.where(allowed, logits, -float("inf"))
-    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    return sampler(logprobs), logprobs
+def decode(model: Model, state: DecodingState, prefill_step_size: int | None = None) -> Iterator[tuple[int, str]]:
+    """Drive ``state`` on one stream until it finishes, yielding each ``(token, text piece)`` as it
+    is recorded; the state is settled (its cache holds exactly its tokens but the last) at the end."""
+    logits = prefill(model, mx.array(state.tokens[state.cache_offset :]), state.cache, prefill_step_size)
+    try:
+        if state.speculator is None:
+            yield from _pipelined(model, state, logits)
+        else:
+            yield from _speculative(model, state, logits)
+    finally:
+        state.settle()
 
 
-def generate_tokens(
-    model: Model,
-    prompt: mx.array,
-    cache: Sequence[Cache],
-    sampler: Sampler,
-    processors: Sequence[LogitsProcessor] = (),
-    max_tokens: int = 256,
-    prefill_step_size: int | None = None,
-    constraint: TokenConstraint | None = None,
-) -> Iterator[int]:
-    """Yield up to ``max_tokens`` token ids; the next step is queued with ``mx.async_eval``
-    before the current token is handed to the caller, so the device never waits on Python.
-
-    With a ``constraint``, each token is sampled among the ones it allows and reported to it;
-    generation ends when the constraint is ``done``."""
-    if constraint is not None:
-        yield from _constrained_tokens(model, prompt, cache, sampler, processors, max_tokens, prefill_step_size,
-                                       constraint)
-        return
-    history = prompt
-    token, _ = _choose(prefill(model, prompt, cache, prefill_step_size), history, sampler, processors)
+def _pipelined(model: Model, state: DecodingState, logits: mx.array) -> Iterator[tuple[int, str]]:
+    """One token per step; step n+1's forward pass is queued (``mx.async_eval``) before token n
+    is handed out, so the device never waits on Python. Under a constraint, the mask for step
+    n+1 needs token n: it is computed while the device runs that forward pass."""
+    constrained = state.constraint is not None
+    if constrained:
+        mx.async_eval(logits)
+    token, _ = state.choose(logits)
     mx.async_eval(token)
-    for n in range(max_tokens):
-        if n + 1 < max_tokens:
-            if processors:
-                history = mx.concatenate([history, token])
-            next_token, _ = _choose(decode_step(model, token, cache), history, sampler, processors)
-            mx.async_eval(next_token)
-        yield int(token.item())
-        if n + 1 < max_tokens:
-            token = next_token
-
-
-def _constrained_tokens(
-    model: Model,
-    prompt: mx.array,
-    cache: Sequence[Cache],
-    sampler: Sampler,
-    processors: Sequence[LogitsProcessor],
-    max_tokens: int,
-    prefill_step_size: int | None,
-    constraint: TokenConstraint,
-) -> Iterator[int]:
-    """``generate_tokens`` under a constraint. Step n+1's forward pass is queued before token n is
-    read (as without a constraint); its mask needs token n, so it is computed on the CPU while the
-    device runs that forward pass, and only the sampling waits for it."""
-    history = prompt
-    logits = prefill(model, prompt, cache, prefill_step_size)
-    mx.async_eval(logits)
-    token, _ = _choose(logits, history, sampler, processors, constraint.next_mask())
-    mx.async_eval(token)
-    for n in range(max_tokens):
-        more = n + 1 < max_tokens
+    while True:
+        more = state.room > 1
         if more:
-            if processors:
-                history = mx.concatenate([history, token])
-            logits = decode_step(model, token, cache)
-            mx.async_eval(logits)
+            logits = decode_step(model, token, state.cache)
+            if constrained:
+                mx.async_eval(logits)
+            else:
+                next_token, _ = state.choose(logits, pending=token)
+                mx.async_eval(next_token)
         value = int(token.item())
-        constraint.advance(value)
-        if not more or constraint.done:
-            yield value
+        text = state.record(value)
+        yield value, text
+        if state.finished:
             return
-        token, _ = _choose(logits, history, sampler, processors, constraint.next_mask())
-        mx.async_eval(token)
-        yield value
+        if constrained:
+            next_token, _ = state.choose(logits)
+            mx.async_eval(next_token)
+        token = next_token
+
+
+def _speculative(model: Model, state: DecodingState, logits: mx.array) -> Iterator[tuple[int, str]]:
+    """Speculation rounds: the proposals after the last token are verified in one forward pass of
+    ``k + 1`` positions; without proposals, a plain decode step."""
+    choices = [state.choose(logits)]
+    while True:
+        for token, _ in choices:
+            value = int(token.item())
+            yield value, state.record(value)
+            if state.finished:
+                return
+        state.settle()
+        proposed = state.propose()
+        if proposed:
+            logits = model(mx.array([[state.last_token, *proposed]]), state.cache)[0]  # (k + 1, vocab)
+            choices = state.verify(logits)
+        else:
+            choices = [state.choose(decode_step(model, mx.array([state.last_token]), state.cache))]
 
 
 def _peak_memory_gb() -> float:
     return mx.get_peak_memory() / 1e9
+
+
+def responses(state: DecodingState, tokens: Iterator[tuple[int, str]]) -> Iterator[GenerationResponse]:
+    """``GenerationResponse``s with running statistics for the ``(token, text)`` pairs that
+    ``decode`` yields for ``state``."""
+    mx.reset_peak_memory()
+    start = decode_start = time.perf_counter()
+    prompt_tokens = state.prompt_length - state.cache_offset
+    prompt_tps = generation_tps = 0.0
+    for n, (token, text) in enumerate(tokens, start=1):
+        now = time.perf_counter()
+        if n == 1:
+            prompt_tps = prompt_tokens / max(now - start, 1e-9)
+            decode_start = now
+        else:
+            generation_tps = (n - 1) / max(now - decode_start, 1e-9)
+        stats = state.speculator.stats if state.speculator is not None else None
+        yield GenerationResponse(
+            text, token, prompt_tokens=state.prompt_length, prompt_tps=prompt_tps, generation_tokens=n,
+            generation_tps=generation_tps, peak_memory_gb=_peak_memory_gb(), finish_reason=state.finish_reason,
+            proposed_tokens=stats.proposed if stats else 0, accepted_tokens=stats.accepted if stats else 0,
+            incomplete=state.incomplete,
+        )
 
 
 def stream_generate(
@@ -131,7 +136,7 @@ def stream_generate(
     *,
     sampling: SamplingSettings = SamplingSettings(),
     stop: Sequence[str] = (),
-    cache: Sequence[Cache] | None = None,
+    cache: list[Cache] | None = None,
     cache_settings: CacheSettings | None = None,
     prefill_step_size: int | None = None,
     speculative: SpeculativeSettings | None = None,
@@ -139,14 +144,15 @@ def stream_generate(
     regex: str | None = None,
     grammar: str | None = None,
     constraint: TokenConstraint | None = None,
-    **sampling_kwargs: float | int | None,
+    **sampling_kwargs: Any,
 ) -> Iterator[GenerationResponse]:
     """Stream a completion of ``prompt`` (raw text or token ids; no chat template is applied).
 
     Sampling may be given as ``sampling=SamplingSettings(...)`` or as its fields as keywords
     (``temp``, ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty``, ``presence_penalty``,
-    ``frequency_penalty``, ``logit_bias``, ``seed``; see ``mlxformer.options``). Pass a
-    ``cache`` to continue from earlier turns; otherwise a new one is made from ``cache_settings``.
+    ``frequency_penalty``, ``logit_bias``, ``seed``; see ``mlxformer.options``). ``cache``:
+    caches that already hold the first ``cache[0].offset`` tokens of ``prompt`` (an earlier
+    turn; only the rest is prefilled); otherwise a new one is made from ``cache_settings``.
     ``speculative`` turns on prompt-lookup or draft-model decoding (same greedy output).
     Each response carries the new text piece and token; the last one has ``finish_reason`` set.
 
@@ -163,72 +169,15 @@ def stream_generate(
         constraint = make_constraint(
             tokenizer, model.args.vocab_size, response_format=response_format, regex=regex, grammar=grammar
         )
-    if constraint is not None and speculative is not None:
-        raise MlxformerError("structured output is not supported with speculative decoding")
+    if speculative is not None:
+        check_draft(speculative, tokenizer)
     ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-    if not ids:
-        raise MlxformerError("empty prompt: nothing to generate from")
-    check_integer("max_tokens", max_tokens, low=1)
-    sampling.check_vocabulary(model.args.vocab_size)
-    if sampling.seed is not None and sampling.seed != -1:
-        mx.random.seed(sampling.seed)
-    if speculative is not None:  # rotating caches keep enough beyond their window to rewind a round
-        cache_settings = dataclasses.replace(cache_settings or CacheSettings(), rewind=speculative.num_draft_tokens)
-    if cache is None:
-        cache = make_cache(model, cache_settings)
-    sampler = make_sampler(sampling.temp, sampling.top_p, sampling.top_k, sampling.min_p)
-    processors = make_logits_processors(sampling, len(ids))
-    eos = set(tokenizer.eos_token_ids)
-    detokenizer = tokenizer.detokenizer()
-    stops = StopMatcher(stop)
-
-    mx.reset_peak_memory()
-    start = time.perf_counter()
-    prompt_tps = generation_tps = 0.0
-    decode_start = start
-    n = 0
-    spec_stats = SpeculativeStats()
-    if speculative is None:
-        tokens = generate_tokens(
-            model, mx.array(ids), cache, sampler, processors, max_tokens, prefill_step_size, constraint
-        )
-    else:
-        distribution = make_distribution(sampling.temp, sampling.top_p, sampling.top_k, sampling.min_p) if sampling.temp > 0 else None
-        proposer = make_proposer(speculative, tokenizer, ids, distribution, cache_settings)
-        tokens = speculative_tokens(
-            model, mx.array(ids), cache, proposer, distribution, processors, max_tokens,
-            speculative.num_draft_tokens, spec_stats, prefill_step_size,
-        )
-    for n, token in enumerate(tokens, start=1):
-        now = time.perf_counter()
-        if n == 1:
-            prompt_tps = len(ids) / max(now - start, 1e-9)
-            decode_start = now
-        else:
-            generation_tps = (n - 1) / max(now - decode_start, 1e-9)
-        stats = dict(
-            prompt_tokens=len(ids), prompt_tps=prompt_tps, generation_tokens=n,
-            generation_tps=generation_tps, peak_memory_gb=_peak_memory_gb(),
-            proposed_tokens=spec_stats.proposed, accepted_tokens=spec_stats.accepted,
-        )
-        if token in eos:
-            yield GenerationResponse(_final(detokenizer, stops), token, finish_reason="stop", **stats)
-            return
-        piece, stopped = stops.feed(detokenizer.add_token(token))
-        if stopped or (constraint is not None and constraint.done):
-            tail = "" if stopped else _final(detokenizer, stops)
-            yield GenerationResponse(piece + tail, token, finish_reason="stop", **stats)
-            return
-        if n == max_tokens:
-            yield GenerationResponse(piece + _final(detokenizer, stops), token, finish_reason="length", **stats)
-            return
-        yield GenerationResponse(piece, token, **stats)
-
-
-def _final(detokenizer: StreamingDetokenizer, stops: StopMatcher) -> str:
-    """Text still held back at the end: the detokenizer's tail, then the stop matcher's."""
-    piece, _ = stops.feed(detokenizer.finalize())
-    return piece + stops.flush()
+    state = open_sequence(
+        model, ids, eos_ids=tokenizer.eos_token_ids, detokenizer=tokenizer.detokenizer(), sampling=sampling,
+        max_tokens=max_tokens, stop=stop, cache=cache, cache_settings=cache_settings, speculative=speculative,
+        constraint=constraint,
+    )
+    yield from responses(state, decode(model, state, prefill_step_size))
 
 
 def generate(

@@ -1,8 +1,9 @@
 """Sliding-window perplexity of a model on a text file.
 
 The standard (Hugging Face) strided evaluation: windows of ``context`` tokens start every
-``stride`` tokens; each window scores only the tokens no earlier window scored, so every
-token after the first is scored exactly once, with up to ``context - 1`` tokens of history.
+``stride`` tokens (but always overlap the previous one by a token, so ``stride == context``
+skips nothing); each window scores only the tokens no earlier window scored, so every token
+after the first is scored exactly once, with up to ``context - 1`` tokens of history.
 """
 
 from __future__ import annotations
@@ -25,25 +26,32 @@ def window_negative_log_likelihood(model: nn.Module, window: list[int], n_scored
     return float(losses.item())
 
 
-def perplexity(model: nn.Module, token_ids: list[int], context: int = 256, stride: int = 128) -> float:
-    """Sliding-window perplexity of ``token_ids``: windows of ``context`` tokens every ``stride``.
+def windows(n_tokens: int, context: int, stride: int) -> list[tuple[int, int, int]]:
+    """The evaluation windows over ``n_tokens`` tokens: ``(start, end, n_scored)``, each scoring
+    its last ``n_scored`` tokens. Windows start every ``stride`` tokens, but never after the
+    token before the first unscored one (which needs history): so every token but the first
+    is scored exactly once, also when ``stride == context``."""
+    result: list[tuple[int, int, int]] = []
+    start, scored_until = 0, 1  # tokens [1, scored_until) are scored
+    while scored_until < n_tokens:
+        end = min(start + context, n_tokens)
+        result.append((start, end, end - scored_until))
+        scored_until = end
+        start = min(start + stride, end - 1)
+    return result
 
-    Token 0 is never scored (it has no history); every later token is scored once.
-    """
+
+def perplexity(model: nn.Module, token_ids: list[int], context: int = 256, stride: int = 128) -> float:
+    """Sliding-window perplexity of ``token_ids``: windows of ``context`` tokens every ``stride``
+    (``windows``). Token 0 is never scored (it has no history); every later token is scored once."""
     if context < 2 or not 1 <= stride <= context:
         raise MlxformerError("need --context >= 2 and 1 <= --stride <= --context")
     if len(token_ids) < 2:
         raise MlxformerError("the text has fewer than 2 tokens")
-    total_nll, n_scored, scored_until = 0.0, 0, 1  # tokens [1, scored_until) are scored
-    start = 0
-    while scored_until < len(token_ids):
-        end = min(start + context, len(token_ids))
-        window = token_ids[start:end]
-        new = min(end - scored_until, len(window) - 1)  # a window's first token has no history
-        total_nll += window_negative_log_likelihood(model, window, new)
+    total_nll, n_scored = 0.0, 0
+    for start, end, new in windows(len(token_ids), context, stride):
+        total_nll += window_negative_log_likelihood(model, token_ids[start:end], new)
         n_scored += new
-        scored_until = end
-        start += stride
     return math.exp(total_nll / n_scored)
 
 

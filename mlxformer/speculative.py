@@ -6,19 +6,21 @@ pass of ``k + 1`` positions costs little more, so every accepted proposal is nea
 - Proposers: ``PromptLookupProposer`` (the tokens that followed the last n-gram where it
   occurred earlier in the prompt or the output; no second model) and ``DraftModelProposer``
   (a small model with the same tokenizer).
-- Verification (``speculative_tokens``): greedy keeps the longest prefix of proposals that
+- Verification (``verify``, run by ``Speculator`` for one sequence's ``DecodingState``): greedy keeps the longest prefix of proposals that
   equals the target's argmax, so the output is token for token that of plain decoding. With
   sampling, the standard rejection rule (accept ``d`` with probability ``min(1, p(d)/q(d))``,
   else draw from ``max(p - q, 0)`` normalised) keeps the target's output distribution.
-- After a rejection the caches are rewound with ``trim``; a cache that cannot rewind is an error.
+- After a rejection the caches are rewound with ``trim`` (``DecodingState.settle``); a cache
+  that cannot rewind is an error. A draft model keeps its own cache in step with the history
+  it is shown (trimming it back to the common prefix), so it may serve several turns.
 - The proposal length adapts: one more after a round where everything was accepted, one
   fewer after a rejection, between 1 and ``num_draft_tokens``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Callable, Iterator, Protocol, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Callable, Protocol, Sequence
 
 import mlx.core as mx
 
@@ -40,6 +42,7 @@ class SpeculativeSettings:
     prompt_lookup: bool = False
     draft_model: Model | None = None
     draft_tokenizer: Tokenizer | None = None  # must map ids exactly as the target's tokenizer
+    draft_cache: CacheSettings | None = None  # the draft's KV cache (default: ``draft_cache_settings``)
     ngram_max: int = 3  # prompt lookup: longest suffix n-gram searched for
     # Shortest n-gram that may propose. A single recurring token is a weak cue: on SmolLM2
     # repeating a text, 2 took acceptance from 53% to 67% and decoding from 1.38x to 1.63x plain.
@@ -82,8 +85,9 @@ class Proposer(Protocol):
         (``None`` when the proposal is deterministic: a point mass on each token)."""
         ...
 
-    def verified(self, accepted: int, proposed: Sequence[int], next_token: int) -> None:
-        """``accepted`` leading proposals were kept, then ``next_token`` was chosen."""
+    def bind(self, distribution: Distribution | None, next_key: KeySource | None) -> None:
+        """Draw (where it samples) from ``distribution`` (None: greedy) with keys from ``next_key``:
+        those of the sequence it proposes for now."""
         ...
 
 
@@ -103,8 +107,8 @@ class PromptLookupProposer:
                     return list(history[start + n:start + n + k]), None
         return [], None
 
-    def verified(self, accepted: int, proposed: Sequence[int], next_token: int) -> None:
-        return None
+    def bind(self, distribution: Distribution | None, next_key: KeySource | None) -> None:
+        return None  # deterministic
 
 
 def same_vocabulary(a: Tokenizer, b: Tokenizer) -> bool:
@@ -116,20 +120,33 @@ def same_vocabulary(a: Tokenizer, b: Tokenizer) -> bool:
 
 @dataclass
 class DraftModelProposer:
-    """Proposals from a small draft model with its own KV cache. ``pending`` holds the tokens
-    the draft has not seen yet (the prompt at first, then the last verified tokens)."""
+    """Proposals from a small draft model with its own KV cache, which holds ``seen``: each
+    ``propose`` first trims it back to the longest prefix shared with the history (dropping
+    rejected proposals, or an earlier turn's tail) and feeds the rest."""
 
     model: Model
     cache: list[Cache]
-    distribution: Distribution | None  # None: greedy proposals
-    pending: list[int] = field(default_factory=list)
+    settings: CacheSettings | None = None  # to rebuild the cache when it cannot be trimmed
+    distribution: Distribution | None = None  # None: greedy proposals
     next_key: KeySource | None = None  # PRNG keys for sampled proposals (None: the global stream)
+    seen: list[int] = field(default_factory=list)
+
+    def bind(self, distribution: Distribution | None, next_key: KeySource | None) -> None:
+        self.distribution, self.next_key = distribution, next_key
+
+    def _sync(self, history: Sequence[int]) -> list[int]:
+        """Trim the cache to its common prefix with ``history``; the tokens left to feed."""
+        keep = min(common_prefix_length(self.seen, history), len(history) - 1)
+        drop = len(self.seen) - keep
+        if drop and any(c.trim(drop) != drop for c in self.cache):  # e.g. a rotating cache past its slack
+            self.cache, keep = make_cache(self.model, self.settings), 0
+        self.seen = list(history)
+        return list(history[keep:])
 
     def propose(self, history: Sequence[int], k: int) -> tuple[list[int], mx.array | None]:
         tokens: list[int] = []
         probs: list[mx.array] = []
-        logits = prefill(self.model, mx.array(self.pending), self.cache)  # (1, vocab)
-        self.pending = []
+        logits = prefill(self.model, mx.array(self._sync(history)), self.cache)  # (1, vocab)
         for i in range(k):
             if self.distribution is None:
                 token = int(mx.argmax(logits, axis=-1).item())
@@ -140,17 +157,18 @@ class DraftModelProposer:
             tokens.append(token)
             if i + 1 < k:
                 logits = self.model.last_logits(mx.array([[token]]), self.cache)
+                self.seen.append(token)
         return tokens, (mx.stack(probs) if probs else None)
 
-    def verified(self, accepted: int, proposed: Sequence[int], next_token: int) -> None:
-        # The draft cache holds what it was fed plus proposals[:-1]: keep the accepted ones.
-        if not proposed:
-            self.pending.append(next_token)
-        elif accepted < len(proposed):
-            rewind(self.cache, len(proposed) - 1 - accepted)
-            self.pending = [next_token]
-        else:
-            self.pending = [proposed[-1], next_token]
+
+def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading ids ``a`` and ``b`` share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def rewind(cache: Sequence[Cache], n: int) -> None:
@@ -225,51 +243,62 @@ def verify(
     raise AssertionError("unreachable")
 
 
-def speculative_tokens(
-    model: Model,
-    prompt: mx.array,
-    cache: Sequence[Cache],
-    proposer: Proposer,
-    distribution: Distribution | None,
-    processors: Sequence[LogitsProcessor] = (),
-    max_tokens: int = 256,
-    num_draft_tokens: int = 4,
-    stats: SpeculativeStats | None = None,
-    prefill_step_size: int | None = None,
-) -> Iterator[int]:
-    """Yield up to ``max_tokens`` token ids, several per target pass where proposals hold.
+@dataclass
+class Round:
+    """One speculation round in flight: the proposals awaiting verification."""
 
-    ``distribution`` is ``None`` for greedy decoding, else the sampling distribution
-    (``mlxformer.sampling.make_distribution``); ``stats`` is updated as rounds complete.
-    """
-    stats = stats if stats is not None else SpeculativeStats()
-    history = [int(t) for t in prompt.tolist()]
-    logits = prefill(model, prompt, cache, prefill_step_size)  # (1, vocab)
-    _, token = verify(logits, history, [], None, distribution, processors)
-    proposer.verified(0, [], token)
-    length = AdaptiveLength(num_draft_tokens)
-    emitted = 0
-    while True:
-        yield token
-        history.append(token)
-        emitted += 1
-        if emitted >= max_tokens:
-            return
-        k = min(length.current, max_tokens - emitted - 1)
-        proposed, draft_probs = proposer.propose(history, k) if k > 0 else ([], None)
-        logits = model(mx.array([[token, *proposed]]), cache)[0]  # (k + 1, vocab)
-        accepted, token = verify(logits, history, proposed, draft_probs, distribution, processors)
-        rewind(cache, len(proposed) - accepted)
-        proposer.verified(accepted, proposed, token)
+    proposed: list[int]
+    draft_probs: mx.array | None  # (k, vocab), None for point-mass proposals
+
+
+class Speculator:
+    """One sequence's speculation: proposer, adaptive proposal length, statistics, current round."""
+
+    def __init__(
+        self,
+        proposer: Proposer,
+        limit: int,
+        distribution: Distribution | None,
+        processors: Sequence[LogitsProcessor],
+        next_key: KeySource,
+    ) -> None:
+        self.proposer = proposer
+        self.length = AdaptiveLength(limit)
+        self.distribution = distribution  # None: greedy
+        self.processors = processors
+        self.next_key = next_key
+        self.stats = SpeculativeStats()
+        self.round: Round | None = None
+
+    def propose(self, history: list[int], room: int) -> list[int]:
+        """Proposals to follow ``history`` (at most ``room - 1``, so that the round's tokens fit in
+        ``room``); starts a round when there are any."""
+        k = min(self.length.current, room - 1)
+        if k <= 0:
+            return []
+        proposed, draft_probs = self.proposer.propose(history, k)
         if proposed:
-            length.update(accepted, len(proposed))
-            stats.proposed += len(proposed)
-            stats.accepted += accepted
-            stats.rounds += 1
-        for accepted_token in proposed[:accepted]:
-            yield accepted_token
-            history.append(accepted_token)
-            emitted += 1
+            self.round = Round(list(proposed), draft_probs)
+        return list(proposed)
+
+    def verify(self, logits: mx.array, history: list[int]) -> list[tuple[mx.array, mx.array]]:
+        """Decide the round from the target's ``logits`` ``(k + 1, vocab)``: the accepted proposals
+        then the next token, each as ``(token (1,), log-probabilities (1, vocab))`` (the
+        distribution after the processors, lazy) in order."""
+        assert self.round is not None
+        proposed = self.round.proposed
+        accepted, next_token = verify(
+            logits, history, proposed, self.round.draft_probs, self.distribution, self.processors, self.next_key
+        )
+        self.length.update(accepted, len(proposed))
+        self.stats.proposed += len(proposed)
+        self.stats.accepted += accepted
+        self.stats.rounds += 1
+        choices = []
+        for i, token in enumerate([*proposed[:accepted], next_token]):
+            row = apply_processors(logits[i : i + 1], history + proposed[:i], self.processors)  # (1, vocab)
+            choices.append((mx.array([token]), row - mx.logsumexp(row, axis=-1, keepdims=True)))
+        return choices
 
 
 def check_draft(settings: SpeculativeSettings, tokenizer: Tokenizer) -> None:
@@ -280,27 +309,23 @@ def check_draft(settings: SpeculativeSettings, tokenizer: Tokenizer) -> None:
         raise MlxformerError("the draft model's tokenizer differs from the target's; use a draft of the same family")
 
 
-def new_proposer(
-    settings: SpeculativeSettings,
-    prompt_ids: Sequence[int],
-    distribution: Distribution | None,
-    cache_settings: CacheSettings | None = None,
-    next_key: KeySource | None = None,
-) -> Proposer:
-    """The proposer ``settings`` ask for (a draft model already accepted by ``check_draft``)."""
+def draft_cache_settings(settings: SpeculativeSettings, target: CacheSettings | None) -> CacheSettings | None:
+    """The draft's cache settings: ``settings.draft_cache`` if given, else the target's where
+    they fit the draft (KV quantization needs a head dim that its groups divide; otherwise the
+    draft's cache stays float), with the rewind slack of a round."""
+    chosen = settings.draft_cache
+    if chosen is None and target is not None:
+        chosen = target
+        head_dim = settings.draft_model.args.head_dim if settings.draft_model is not None else 0
+        if target.kv_bits is not None and head_dim % target.kv_group_size:
+            chosen = replace(target, kv_bits=None)
+    return replace(chosen or CacheSettings(), rewind=settings.num_draft_tokens)
+
+
+def new_proposer(settings: SpeculativeSettings, cache_settings: CacheSettings | None = None) -> Proposer:
+    """The proposer ``settings`` ask for (a draft model already accepted by ``check_draft``);
+    ``cache_settings`` are the target's, from which the draft's default. ``bind`` it to a sequence."""
     if settings.draft_model is None:
         return PromptLookupProposer(settings.ngram_max, settings.ngram_min)
-    cache = make_cache(settings.draft_model, cache_settings)
-    return DraftModelProposer(settings.draft_model, cache, distribution, list(prompt_ids), next_key)
-
-
-def make_proposer(
-    settings: SpeculativeSettings,
-    tokenizer: Tokenizer,
-    prompt_ids: Sequence[int],
-    distribution: Distribution | None,
-    cache_settings: CacheSettings | None = None,
-) -> Proposer:
-    """The proposer ``settings`` ask for; a draft model's tokenizer must equal ``tokenizer``."""
-    check_draft(settings, tokenizer)
-    return new_proposer(settings, prompt_ids, distribution, cache_settings)
+    draft_settings = draft_cache_settings(settings, cache_settings)
+    return DraftModelProposer(settings.draft_model, make_cache(settings.draft_model, draft_settings), draft_settings)

@@ -15,8 +15,8 @@ def run_job(job: dict) -> dict:
     from mlxformer.distributed.pipeline import serve_stage
     from mlxformer.distributed.runner import load_distributed
     from mlxformer.errors import MlxformerError
-    from mlxformer.generation import generate_tokens
-    from mlxformer.sampling import make_sampler
+    from mlxformer.decoding import DecodingState
+    from mlxformer.generation import decode
 
     mx.clear_cache()
     base = mx.get_active_memory()
@@ -42,7 +42,8 @@ def run_job(job: dict) -> dict:
         serve_stage(dist.model, dist.group, dist.watchdog, settings)
         return {}
     cache = make_cache(dist.model, settings)
-    tokens = list(generate_tokens(dist.model, mx.array(job["prompt"]), cache, make_sampler(0.0), max_tokens=job["max_tokens"]))
+    state = DecodingState(job["prompt"], max_tokens=job["max_tokens"], cache=cache)  # greedy, eos not checked
+    tokens = [token for token, _ in decode(dist.model, state)]
     if dist.link is not None:
         dist.link.stop()
     stage = dist.stage

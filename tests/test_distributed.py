@@ -65,14 +65,15 @@ def kill_group(process: subprocess.Popen) -> None:
 def reference_tokens(directory: Path, cache: dict) -> list[int]:
     """Greedy tokens of the single-process decoder."""
     from mlxformer.cache import CacheSettings, make_cache
-    from mlxformer.generation import generate_tokens
+    from mlxformer.decoding import DecodingState
+    from mlxformer.generation import decode
     from mlxformer.loader import apply_dtype_policy, build_model, read_checkpoint
-    from mlxformer.sampling import make_sampler
 
     config, weights, _ = read_checkpoint(directory)
     model = build_model(config, weights)
     apply_dtype_policy(model, None)
-    return list(generate_tokens(model, mx.array(PROMPT), make_cache(model, CacheSettings(**cache)), make_sampler(0.0), max_tokens=MAX_TOKENS))
+    state = DecodingState(PROMPT, max_tokens=MAX_TOKENS, cache=make_cache(model, CacheSettings(**cache)))
+    return [token for token, _ in decode(model, state)]
 
 
 def test_two_ranks_match_single_process_and_split_memory(tmp_path, cpu_device, smollm_gguf):

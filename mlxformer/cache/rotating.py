@@ -204,6 +204,17 @@ class RotatingKVCache:
         )
         self.offset, self.idx = int(meta["offset"]), int(meta["idx"])
 
+    def reserve_rewind(self, slack: int) -> None:
+        """Keep at least ``slack`` tokens beyond the window from now on (a cache made or loaded
+        without them, before speculative decoding). A full ring is laid out in time order first,
+        so that the slots it grows by follow the newest token."""
+        if slack <= self.slack:
+            return
+        if self.keys is not None and self.values is not None and self.size == self.capacity:
+            self.keys, self.values, self.positions = self._time_order()
+        self.slack, self.capacity = slack, self.max_size + slack
+        self.idx = self.size
+
     def trim(self, n: int) -> int:
         """Forget the last ``n`` tokens. Possible while every token the next query may see is
         still stored: always before any eviction, and with ``slack`` for up to ``slack`` tokens

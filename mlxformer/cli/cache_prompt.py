@@ -7,8 +7,8 @@ import sys
 from pathlib import Path
 
 from mlxformer.cli.common import (
-    add_cache_args, add_model_args, add_prompt_args, add_verbose, cache_settings, load_for_cli, prompt_ids_for_cli,
-    read_prompt,
+    add_cache_args, add_model_args, add_prompt_args, add_verbose, cache_settings, check_output_path, load_for_cli,
+    prompt_ids_for_cli, read_prompt,
 )
 
 
@@ -32,6 +32,7 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.prompt_cache_file)
     if out.exists() and not args.force:
         raise MlxformerError(f"{out} already exists (use --force to overwrite)")
+    check_output_path(out)  # before loading the model
     prompt = read_prompt(args.prompt)
     settings = cache_settings(args)
     model, tokenizer = load_for_cli(args)

@@ -7,8 +7,8 @@ import sys
 from typing import TYPE_CHECKING, TextIO
 
 from mlxformer.cli.common import (
-    add_cache_args, add_model_args, add_sampling_args, add_speculative_args, add_verbose, cache_settings, load_for_cli,
-    sampling_settings, speculative_settings,
+    add_cache_args, add_model_args, add_sampling_args, add_speculative_args, add_verbose, cache_settings,
+    check_output_path, load_for_cli, sampling_settings, speculative_settings,
 )
 
 if TYPE_CHECKING:
@@ -29,6 +29,7 @@ def _command(session: ChatSession, line: str, out: TextIO) -> bool:
     elif name in ("/save", "/load") and not arg:
         out.write(f"usage: {name} FILE\n")
     elif name == "/save":
+        check_output_path(arg)
         session.save(arg)
         out.write(f"[saved {len(session.cached_ids)} tokens to {arg}]\n")
     elif name == "/load":
@@ -65,8 +66,9 @@ def run_repl(session: ChatSession, stdin: TextIO, stdout: TextIO) -> None:
                 stdout.write(response.text)
                 stdout.flush()
             stdout.write("\n")
-        except MlxformerError as exc:
-            stdout.write(f"[error: {exc}]\n")
+        except Exception as exc:  # reported; the conversation goes on
+            prefix = "" if isinstance(exc, MlxformerError) else f"{type(exc).__name__}: "
+            stdout.write(f"[error: {prefix}{exc}]\n")
         stdout.flush()
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -151,6 +152,17 @@ def load_for_cli(args: argparse.Namespace) -> tuple[Model, Tokenizer]:
         raise MlxformerError("--threads must be at least 1")
     source = args.model if args.model else default_model_path()
     return load(source, dtype=FLOAT_DTYPES[args.dtype] if args.dtype else None, threads=args.threads)
+
+
+def check_output_path(path: str | Path) -> None:
+    """Refuse, naming it, an output file path that is a directory or lies in a missing one."""
+    from mlxformer.errors import MlxformerError
+
+    path = Path(path)
+    if path.is_dir():
+        raise MlxformerError(f"{path} is a directory, not a file")
+    if not path.parent.is_dir():
+        raise MlxformerError(f"{path}: the directory {path.parent} does not exist")
 
 
 def read_prompt(value: str) -> str:

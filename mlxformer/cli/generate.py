@@ -76,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
         from mlxformer.cache.files import load_prompt_cache, strip_cached_prefix
 
         cache, cached_ids = load_prompt_cache(args.prompt_cache_file, model, tokenizer, settings)
-        ids = strip_cached_prefix(ids, cached_ids)
+        strip_cached_prefix(ids, cached_ids)  # the prompt must continue the cached tokens
     last = None
     try:
         for last in stream_generate(
@@ -90,8 +90,9 @@ def run(args: argparse.Namespace) -> int:
     sys.stdout.write("\n")
     if last is not None:
         print(format_stats(last, speculative is not None and verbose(args)), file=sys.stderr)
-        if constraint is not None and last.finish_reason == "length":
-            print("mlxformer: warning: --max-tokens cut the structured output short: it is incomplete", file=sys.stderr)
+        if last.incomplete:
+            cause = "--max-tokens" if last.finish_reason == "length" else "a --stop string"
+            print(f"mlxformer: warning: {cause} cut the structured output short: it is incomplete", file=sys.stderr)
     return 0
 
 
@@ -110,6 +111,8 @@ def run_parallel(args: argparse.Namespace) -> int:
         raise MlxformerError("speculative decoding is not supported with --parallel")
     if args.threads not in (None, 1):
         raise MlxformerError("--threads is not supported with --parallel (each rank runs one stream)")
+    if args.prompt == "-":  # mlx.launch forwards stdin to every rank but never closes it: reading would hang
+        raise MlxformerError("--prompt - is not supported with --parallel; pass the text, e.g. --prompt \"$(cat FILE)\"")
     prompt = read_prompt(args.prompt)
     sampling = sampling_settings(args)
     settings = cache_settings(args)

@@ -67,7 +67,7 @@ def load_distributed(
             link = PipelineLink(group, watchdog)
             model.use_remote_layers(link)
     else:
-        model = load_tensor_shard(reader, group, dtype)
+        model = load_tensor_shard(reader, group, dtype, watchdog)
     runs_loop = parallel == "tensor" or is_leader(group)
     tokenizer = reader.tokenizer() if with_tokenizer and runs_loop else None
     with watchdog.guard("waiting for the other ranks to load", timeout * LOAD_TIMEOUTS):
@@ -92,19 +92,15 @@ def stream_distributed(
         serve_stage(dist.model, dist.group, dist.watchdog, cache_settings)
         return
     if dist.parallel == "tensor":
-        sampling = dataclasses.replace(sampling, seed=shared_seed(dist.group, sampling.seed))
+        given = sampling.seed if sampling.seed != -1 else None  # -1: a random seed, the same on every rank
+        sampling = dataclasses.replace(sampling, seed=shared_seed(dist.group, given))
     if dist.tokenizer is None:
         raise MlxformerError("stream_distributed needs the model loaded with its tokenizer")
-    watching = dist.parallel == "tensor"  # pipeline waits are guarded one by one
-    try:
-        if watching:
-            dist.watchdog.arm("generating (the other ranks compute each step too)")
+    try:  # every wait for another rank is guarded where it happens (tensor.py, pipeline.py)
         for response in stream_generate(
             dist.model, dist.tokenizer, list(prompt), max_tokens, sampling=sampling, stop=stop,
             cache_settings=cache_settings,
         ):
-            if watching:
-                dist.watchdog.arm("generating (the other ranks compute each step too)")
             if dist.leader:
                 yield response
     except RuntimeError as exc:

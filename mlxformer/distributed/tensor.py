@@ -7,6 +7,10 @@ narrower MLP. ``o_proj`` and ``down_proj`` then hold partial sums, added up over
 ``mx.distributed.all_sum``; their biases are kept by rank 0 only. The embedding, norms and
 output projection are replicated, so every rank computes the same logits and runs the same
 generation loop (with the same sampling seed). Each rank caches its own K/V heads.
+
+The watchdog counts only the waits for the other ranks: each partial sum is evaluated first
+(this rank's own compute, however long a prefill takes, is outside the countdown), then the
+``all_sum`` runs under ``Watchdog.guard``.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlxformer.distributed.sharded_load import CheckpointReader, Piece, skipped
+from mlxformer.distributed.watchdog import Watchdog
 from mlxformer.errors import MlxformerError
 from mlxformer.loader import apply_dtype_policy, build_model
 from mlxformer.models.config import ModelArgs
@@ -29,9 +34,17 @@ class RankSummed:
     ranks are summed (``all_sum``), giving every rank the full projection."""
 
     group: mx.distributed.Group
+    watchdog: Watchdog | None = None
 
     def __call__(self, x: mx.array) -> mx.array:
-        return mx.distributed.all_sum(super().__call__(x), group=self.group)  # type: ignore[misc]
+        partial = super().__call__(x)  # type: ignore[misc]
+        if self.watchdog is None:
+            return mx.distributed.all_sum(partial, group=self.group)
+        mx.eval(partial)  # our own compute, outside the countdown
+        with self.watchdog.guard("waiting for the other ranks' partial sums"):
+            total = mx.distributed.all_sum(partial, group=self.group)
+            mx.eval(total)
+        return total
 
 
 class RankSummedLinear(RankSummed, nn.Linear):
@@ -95,9 +108,11 @@ def local_config(config: dict, args: ModelArgs, size: int) -> dict:
 
 
 def load_tensor_shard(
-    reader: CheckpointReader, group: mx.distributed.Group, dtype: mx.Dtype | None = None
+    reader: CheckpointReader, group: mx.distributed.Group, dtype: mx.Dtype | None = None,
+    watchdog: Watchdog | None = None,
 ) -> Model:
-    """This rank's shard of every layer, reading only its slices of the weights."""
+    """This rank's shard of every layer, reading only its slices of the weights; ``watchdog``
+    guards its waits for the other ranks."""
     args, size = reader.args, group.size()
     check_divisible(args, size)
     weights = reader.read(lambda name: not skipped(name, args), slice_for(group.rank(), size))
@@ -108,4 +123,5 @@ def load_tensor_shard(
             projection = owner[name]
             projection.__class__ = SUMMED_CLASS[type(projection)]
             projection.group = group
+            projection.watchdog = watchdog
     return model

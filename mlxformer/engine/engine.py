@@ -15,13 +15,12 @@ from mlxformer.cache import CacheSettings, make_cache
 from mlxformer.engine.batch_runner import BatchRunner
 from mlxformer.engine.prefix_cache import PrefixCache
 from mlxformer.engine.scheduler import Scheduler, Step
-from mlxformer.engine.speculation import Speculator
 from mlxformer.engine.sequence import (
     GenerationRequest, Sequence, Status, TokenEvent, check_request, choose_rows,
 )
-from mlxformer.generation import SamplingSettings
-from mlxformer.sampling import make_distribution
-from mlxformer.speculative import SpeculativeSettings, check_draft, new_proposer
+from mlxformer.decoding import with_rewind
+from mlxformer.options import SamplingSettings
+from mlxformer.speculative import SpeculativeSettings, check_draft
 from mlxformer.steps import default_prefill_step
 from mlxformer.models.decoder import Model
 from mlxformer.tokenizer import Tokenizer
@@ -103,7 +102,8 @@ class Engine:
     """Continuous-batching generation over one model: see the module docstring of ``mlxformer.engine``.
 
     ``speculative``: decode every request (unless it sets ``speculate=False`` or has a constraint)
-    speculatively; each one's proposals are verified in its own pass (``engine/speculation.py``)."""
+    speculatively; each one's proposals are verified in its own pass over its own caches (its
+    ``DecodingState`` decides the round and ``settle``s its caches)."""
 
     def __init__(
         self,
@@ -118,11 +118,10 @@ class Engine:
         speculative: SpeculativeSettings | None = None,
     ) -> None:
         self.model, self.tokenizer = model, tokenizer
-        self.cache_settings = cache_settings or CacheSettings()
         self.speculative = speculative
-        if speculative is not None:  # rotating caches keep enough beyond their window to rewind a round
+        if speculative is not None:
             check_draft(speculative, tokenizer)
-            self.cache_settings = dataclasses.replace(self.cache_settings, rewind=speculative.num_draft_tokens)
+        self.cache_settings = with_rewind(cache_settings, speculative) or CacheSettings()
         # Validate the settings in the caller's thread, and run one token through the model(s)
         # there: MLX arrays made lazily in a thread (weight views, for example) can only be
         # evaluated by that thread, so the engine's thread must find them all evaluated.
@@ -234,12 +233,7 @@ class Engine:
             sequence.processed = sequence.cached_tokens
         request = sequence.request
         if self.speculative is not None and request.speculate and request.constraint is None:
-            s = request.sampling
-            distribution = None if sequence.greedy else make_distribution(s.temp, s.top_p, s.top_k, s.min_p)
-            proposer = new_proposer(self.speculative, sequence.prompt, distribution, self.cache_settings,
-                                    sequence.next_key)
-            sequence.speculator = Speculator(proposer, self.speculative.num_draft_tokens, distribution,
-                                             sequence.processors, sequence.next_key)
+            sequence.speculate(self.speculative, self.cache_settings)
 
     def _run(self, step: Step) -> None:
         choices: list[tuple[Sequence, mx.array, mx.array]] = []
@@ -253,9 +247,8 @@ class Engine:
                 choices += self._choose_each(decode, [logits[i : i + 1] for i in range(len(decode))])
         for sequence, proposed in verifying:
             try:
-                assert sequence.speculator is not None
                 logits = self.runner.verify([sequence.last_token, *proposed], sequence.cache)
-                choices += [(sequence, *c) for c in sequence.speculator.verify(logits, sequence.tokens)]
+                choices += [(sequence, *c) for c in sequence.verify(logits)]
             except Exception as exc:
                 self._fail(sequence, exc)
         for chunk in step.prefill:
@@ -278,8 +271,7 @@ class Engine:
                 decode.append(sequence)
                 continue
             try:
-                room = sequence.request.max_tokens - len(sequence.generated)
-                proposed = sequence.speculator.propose(sequence.tokens, room)
+                proposed = sequence.propose()
             except Exception as exc:  # e.g. a draft model failing
                 self._fail(sequence, exc)
                 continue
@@ -327,9 +319,9 @@ class Engine:
         handles = {}
         for sequence in dict.fromkeys(s for s, _ in emitted):  # each sequence once, in order
             handles[id(sequence)] = self._handles.get(id(sequence))
-            if sequence.speculator is not None and sequence.finish_reason != "error":
+            if sequence.finish_reason != "error":
                 try:  # its caches must hold exactly its tokens before the prefix cache keeps them
-                    sequence.speculator.settle(sequence.cache, sequence.tokens, sequence.status is Status.FINISHED)
+                    sequence.settle()
                 except Exception as exc:
                     self._fail(sequence, exc)
                     continue

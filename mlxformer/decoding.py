@@ -1,0 +1,280 @@
+"""One sequence's decoding state, the object every generation loop drives.
+
+``DecodingState`` holds a sequence's token history (prompt, cached prefix included, then the
+generated tokens), its per-layer caches, its sampler and logits processors, its PRNG key, its
+constraint, its stop matcher and detokenizer, and its speculation (a ``Speculator`` whose
+proposer sees the whole history). Its invariant, kept by ``settle`` after every step: the
+cache holds exactly ``tokens[:-1]``, every token handed out but the last (one that a
+pipelined decode step already fed may stay if the cache cannot take it back). So a stop inside
+a speculation round, or past the last token, never leaves stray keys in the cache, and what
+the cache holds (``cache_tokens``) can be reused by the next turn or the prefix cache.
+
+The loops that drive it: ``mlxformer.generation.decode`` (one stream: ``stream_generate``,
+``ChatSession``, ``bench``, distributed generation) and the engine (one state per request,
+batched by its runner). ``open_sequence`` builds a state for one stream.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import mlx.core as mx
+
+from mlxformer.cache import Cache, CacheSettings, make_cache
+from mlxformer.cache.rotating import RotatingKVCache
+from mlxformer.errors import MlxformerError
+from mlxformer.models.decoder import Model
+from mlxformer.options import SamplingSettings, check_integer
+from mlxformer.sampling import TokenConstraint, make_distribution, make_logits_processors, make_sampler
+from mlxformer.speculative import Proposer, SpeculativeSettings, Speculator, new_proposer, rewind
+from mlxformer.stop import StopMatcher
+from mlxformer.tokenizer import StreamingDetokenizer
+
+
+def with_rewind(settings: CacheSettings | None, speculative: SpeculativeSettings | None) -> CacheSettings | None:
+    """``settings`` with the rewind slack speculation needs (rotating caches keep that many
+    tokens beyond their window so that a rejected round can be taken back)."""
+    if speculative is None:
+        return settings
+    return dataclasses.replace(settings or CacheSettings(), rewind=speculative.num_draft_tokens)
+
+
+def reserve_rewind(cache: Sequence[Cache], speculative: SpeculativeSettings | None) -> None:
+    """Give existing caches (e.g. loaded from a prompt-cache file) the rewind slack of ``with_rewind``."""
+    if speculative is None:
+        return
+    for layer_cache in cache:
+        if isinstance(layer_cache, RotatingKVCache):
+            layer_cache.reserve_rewind(speculative.num_draft_tokens)
+
+
+class DecodingState:
+    """A sequence being decoded: see the module docstring.
+
+    ``prompt``: every token before the first generated one (a prefix of them may already be in
+    the ``cache``: ``cache[0].offset`` of them). ``eos_ids`` end it with "stop", as do the
+    ``stop`` strings, and a ``constraint`` once it is done; ``max_tokens`` ends it with "length".
+    Without a ``detokenizer`` no text is made (and stop strings cannot match).
+    """
+
+    def __init__(
+        self,
+        prompt: Sequence[int],
+        *,
+        sampling: SamplingSettings = SamplingSettings(),
+        max_tokens: int = 256,
+        stop: Sequence[str] = (),
+        eos_ids: Sequence[int] = (),
+        detokenizer: StreamingDetokenizer | None = None,
+        constraint: TokenConstraint | None = None,
+        cache: list[Cache] | None = None,
+    ) -> None:
+        if not prompt:
+            raise MlxformerError("empty prompt: nothing to generate from")
+        check_integer("max_tokens", max_tokens, low=1)
+        self.tokens = [int(t) for t in prompt]
+        self.prompt_length = len(self.tokens)
+        self.max_tokens = max_tokens
+        self.sampling = sampling
+        self.sampler = make_sampler(sampling.temp, sampling.top_p, sampling.top_k, sampling.min_p)
+        self.processors = make_logits_processors(sampling, self.prompt_length)
+        self.seed = sampling.seeded().seed
+        self.key: mx.array | None = None  # made on first use (in the thread that decodes)
+        self.constraint = constraint
+        self.detokenizer = detokenizer
+        self.stops = StopMatcher(stop)
+        self.eos = set(eos_ids)
+        self.cache: list[Cache] = cache if cache is not None else []
+        self.speculator: Speculator | None = None
+        self.finish_reason: str | None = None
+
+    # --- tokens -------------------------------------------------------------------------
+
+    @property
+    def prompt(self) -> list[int]:
+        return self.tokens[: self.prompt_length]
+
+    @property
+    def generated(self) -> list[int]:
+        return self.tokens[self.prompt_length :]
+
+    @property
+    def last_token(self) -> int:
+        return self.tokens[-1]
+
+    @property
+    def cache_offset(self) -> int:
+        """How many tokens the cache holds."""
+        return int(self.cache[0].offset) if self.cache else 0  # type: ignore[arg-type]
+
+    @property
+    def cache_tokens(self) -> list[int]:
+        """The tokens whose keys and values the cache holds."""
+        return self.tokens[: self.cache_offset]
+
+    @property
+    def room(self) -> int:
+        """Tokens still allowed before ``max_tokens``."""
+        return self.max_tokens - (len(self.tokens) - self.prompt_length)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def incomplete(self) -> bool:
+        """Finished with its structured output cut short (by ``max_tokens`` or a stop string)."""
+        return self.finished and self.constraint is not None and not self.constraint.done
+
+    # --- choosing -----------------------------------------------------------------------
+
+    @property
+    def greedy(self) -> bool:
+        return self.sampling.greedy
+
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy with nothing altering the logits: its row can be chosen together with others."""
+        return self.greedy and not self.processors and self.constraint is None
+
+    def next_key(self) -> mx.array:
+        """A fresh key from the sequence's own PRNG stream (``split(key(seed))``)."""
+        if self.key is None:
+            self.key = mx.random.key(self.seed)
+        self.key, draw = mx.random.split(self.key)
+        return draw
+
+    def choose(self, logits: mx.array, pending: mx.array | None = None) -> tuple[mx.array, mx.array]:
+        """Next token ``(1,)`` and the processed log-probabilities ``(1, vocab)`` from logits
+        ``(1, vocab)``, lazily. ``pending``: a token ``(1,)`` already chosen but not yet recorded
+        (a pipelined loop), which the processors count as history."""
+        if self.processors:
+            history = mx.array(self.tokens)
+            if pending is not None:
+                history = mx.concatenate([history, pending.astype(history.dtype)])
+            for process in self.processors:
+                logits = process(history, logits)
+        if self.constraint is not None and (allowed := self.constraint.next_mask()) is not None:
+            vocab = logits.shape[-1]
+            if allowed.shape[0] < vocab:
+                allowed = mx.concatenate([allowed, mx.zeros((vocab - allowed.shape[0],), mx.bool_)])
+            logits = mx.where(allowed[:vocab], logits, mx.array(-mx.inf, logits.dtype))
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        if self.greedy:
+            return mx.argmax(logprobs, axis=-1), logprobs
+        return self.sampler(logprobs, self.next_key()), logprobs  # type: ignore[call-arg]
+
+    # --- recording ----------------------------------------------------------------------
+
+    def record(self, token: int) -> str:
+        """Hand out ``token``: append it, advance the constraint, and return its text piece;
+        ``finish``es the sequence when a stop condition is met."""
+        if self.finished:
+            raise MlxformerError("the sequence has already finished")
+        self.tokens.append(int(token))
+        if self.constraint is not None:
+            self.constraint.advance(token)
+        if token in self.eos:
+            self.finish("stop")
+            return self._final()
+        piece = self.detokenizer.add_token(token) if self.detokenizer is not None else ""
+        text, stopped = self.stops.feed(piece)
+        if stopped:
+            self.finish("stop")
+        elif self.constraint is not None and self.constraint.done:
+            self.finish("stop")
+            text += self._final()
+        elif self.room <= 0:
+            self.finish("length")
+            text += self._final()
+        return text
+
+    def finish(self, reason: str) -> None:
+        """End the sequence early (e.g. "cancelled", "error")."""
+        self.finish_reason = reason
+
+    def _final(self) -> str:
+        """Text still held back: the detokenizer's tail, then the stop matcher's."""
+        tail = self.detokenizer.finalize() if self.detokenizer is not None else ""
+        piece, _ = self.stops.feed(tail)
+        return piece + self.stops.flush()
+
+    # --- speculation --------------------------------------------------------------------
+
+    def speculate(self, settings: SpeculativeSettings, cache_settings: CacheSettings | None = None,
+                  proposer: Proposer | None = None) -> None:
+        """Decode speculatively: proposals from ``proposer`` (e.g. a chat's, kept across turns;
+        default: a new one as ``settings`` ask, a draft model getting ``settings.draft_cache`` or
+        what fits it of the target's ``cache_settings``), drawing from this sequence's stream."""
+        if self.constraint is not None:
+            raise MlxformerError("structured output is not supported with speculative decoding")
+        s = self.sampling
+        distribution = None if self.greedy else make_distribution(s.temp, s.top_p, s.top_k, s.min_p)
+        if proposer is None:
+            proposer = new_proposer(settings, cache_settings)
+        proposer.bind(distribution, self.next_key)
+        self.speculator = Speculator(proposer, settings.num_draft_tokens, distribution, self.processors, self.next_key)
+
+    def propose(self) -> list[int]:
+        """This round's proposals (none when not speculating or without a guess)."""
+        if self.speculator is None:
+            return []
+        return self.speculator.propose(self.tokens, self.room)
+
+    def verify(self, logits: mx.array) -> list[tuple[mx.array, mx.array]]:
+        """The round's outcome from the target's ``logits`` ``(k + 1, vocab)`` over the last
+        token and the proposals: ``(token (1,), log-probabilities (1, vocab))`` to record in order."""
+        assert self.speculator is not None
+        return self.speculator.verify(logits, self.tokens)
+
+    def settle(self) -> None:
+        """After a step's tokens were recorded: take back what the cache holds beyond
+        ``tokens[:-1]`` (rejected or unused proposals; a token fed past a stop)."""
+        if self.speculator is not None:
+            self.speculator.round = None
+        extra = self.cache_offset - (len(self.tokens) - 1)
+        if extra <= 0 or not self.cache:
+            return
+        if self.speculator is not None or extra > 1:
+            rewind(self.cache, extra)  # raises if the cache cannot
+            return
+        # One token fed by a pipelined decode step: taken back when the cache can (a rotating
+        # cache without slack that evicted cannot; it then holds every token handed out).
+        for layer_cache in self.cache:
+            layer_cache.trim(1)
+        if len({int(c.offset) for c in self.cache}) > 1:  # type: ignore[arg-type]
+            raise MlxformerError("the cache layers disagree after a rewind")
+
+
+def open_sequence(
+    model: Model,
+    prompt: Sequence[int],
+    *,
+    eos_ids: Sequence[int],
+    detokenizer: StreamingDetokenizer | None,
+    sampling: SamplingSettings = SamplingSettings(),
+    max_tokens: int = 256,
+    stop: Sequence[str] = (),
+    cache: list[Cache] | None = None,
+    cache_settings: CacheSettings | None = None,
+    speculative: SpeculativeSettings | None = None,
+    proposer: Proposer | None = None,
+    constraint: TokenConstraint | None = None,
+) -> DecodingState:
+    """A state ready for ``mlxformer.generation.decode``: ``cache`` (holding a prefix of
+    ``prompt``) or a new one from ``cache_settings``, with the rewind slack speculation needs."""
+    sampling.check_vocabulary(model.args.vocab_size)
+    if cache is None:
+        cache = make_cache(model, with_rewind(cache_settings, speculative))
+    else:
+        reserve_rewind(cache, speculative)
+    state = DecodingState(
+        prompt, sampling=sampling, max_tokens=max_tokens, stop=stop, eos_ids=eos_ids, detokenizer=detokenizer,
+        constraint=constraint, cache=cache,
+    )
+    if state.cache_offset >= len(prompt):
+        raise MlxformerError("the cache already holds the whole prompt: nothing is left to prefill")
+    if speculative is not None:
+        state.speculate(speculative, cache_settings, proposer)
+    return state
