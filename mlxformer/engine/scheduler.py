@@ -45,9 +45,11 @@ class Scheduler:
         self.lock = threading.Lock()
 
     def add(self, sequence: Sequence) -> None:
-        """Queue a new sequence; raises ``EngineOverloaded`` when the queue is full."""
+        """Queue a new sequence; raises ``EngineOverloaded`` when the queue is full. Sequences
+        that will get a free slot at the next step do not count: ``max_queue=0`` runs up to
+        ``max_batch`` requests and queues none."""
         with self.lock:
-            if len(self.waiting) >= self.max_queue:
+            if len(self.waiting) - (self.max_batch - self.active) >= self.max_queue:
                 raise EngineOverloaded(f"the engine's queue is full ({self.max_queue} waiting requests)")
             self.waiting.append(sequence)
 

@@ -12,10 +12,11 @@ class APIError(Exception):
 
     def __init__(
         self, message: str, status: int = 400, type: str = "invalid_request_error",
-        param: str | None = None, code: str | None = None,
+        param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.message, self.status, self.type, self.param, self.code = message, status, type, param, code
+        self.headers = headers
 
     def body(self) -> dict[str, Any]:
         """The JSON body of the response."""

@@ -11,16 +11,17 @@ import time
 import uuid
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 MAX_STOP_STRINGS = 16
 MAX_TOP_LOGPROBS = 20
 
 
 class Lenient(BaseModel):
-    """A request object: extra fields are ignored."""
+    """A request object: extra fields are ignored; types are strict (no ``false`` for ``0``, no
+    ``"1"`` for ``1``) and floats finite."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(Lenient):
@@ -51,6 +52,12 @@ class ChatMessage(Lenient):
 class ResponseFormat(Lenient):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: Optional[dict[str, Any]] = None
+
+    @model_validator(mode="after")
+    def schema_given(self) -> "ResponseFormat":
+        if self.type == "json_schema" and not isinstance((self.json_schema or {}).get("schema"), dict):
+            raise ValueError('type "json_schema" needs json_schema.schema, a JSON schema object')
+        return self
 
 
 class SamplingFields(Lenient):
@@ -90,7 +97,8 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: Union[str, list[int], list[str]]
+    prompt: Union[str, list[int], list[str], list[list[int]]]
+    max_tokens: Optional[int] = Field(default=None, ge=0)  # 0: only with echo (score the prompt)
     logprobs: Optional[int] = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
     suffix: Optional[str] = None
@@ -199,8 +207,8 @@ class ChatCompletionChunk(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    token_logprobs: list[Optional[float]] = Field(default_factory=list)  # the echoed prompt's first: null
+    top_logprobs: list[Optional[dict[str, float]]] = Field(default_factory=list)
     text_offset: list[int] = Field(default_factory=list)
 
 
