@@ -18,9 +18,8 @@ from typing import Any, Callable, Iterable, Sequence
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.params import Depends as Dependency
 from fastapi.responses import HTMLResponse, JSONResponse
-from fastapi.security import HTTPBearer
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.exceptions import HTTPException
 
 from mlxformer.engine import Engine
@@ -111,20 +110,22 @@ def mount_api(app: FastAPI, router: APIRouter, dependencies: list[Any]) -> None:
                        responses=error_responses((*GUARDED, *KEYED, 415)))
 
 
-def key_dependency(api_key: str | None) -> Dependency:
+def key_dependency(api_key: str | None) -> Any:
     """A dependency that requires ``Authorization: Bearer <api_key>`` (nothing when no key is set;
-    with a key, the document declares the bearer scheme)."""
-    bearer = [Depends(HTTPBearer(auto_error=False))] if api_key is not None else []
+    with a key, the OpenAPI document declares the bearer scheme)."""
+    if api_key is None:
+        def open_access() -> None:
+            return None
 
-    def check(request: Request) -> None:
-        if api_key is None:
-            return
-        scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), api_key.encode()):
+        return Depends(open_access)
+
+    def check(credentials: HTTPAuthorizationCredentials | None = Depends(HTTPBearer(auto_error=False))) -> None:
+        given = credentials.credentials.strip() if credentials is not None else ""
+        if not hmac.compare_digest(given.encode(), api_key.encode()):
             raise APIError("invalid or missing API key (Authorization: Bearer ...)", 401,
                            "authentication_error", None, "invalid_api_key")
 
-    return Depends(check, dependencies=bearer) if bearer else Depends(check)
+    return Depends(check)
 
 
 def require_json(request: Request) -> None:
