@@ -236,6 +236,13 @@ def test_stream_chunks_follow_openai_format(server):
 def test_prompt_fidelity(server):
     status, _, raw = http(server.url, "POST", "/v1/completions", {"prompt": "", "max_tokens": 2})
     assert status == 200 and json.loads(raw)["usage"]["completion_tokens"] == 2
+    for stream in (False, True):
+        status, _, raw = http(server.url, "POST", "/v1/completions",
+                              {"prompt": "Hello there", "max_tokens": 0, "echo": True, "stream": stream})
+        assert status == 200, raw
+        choices = [c["choices"][0] for c in sse_objects(raw)] if stream else json.loads(raw)["choices"]
+        assert "".join(c["text"] for c in choices) == "Hello there" and choices[-1]["finish_reason"] == "length"
+    assert json.loads(raw.split(b"data: ")[1])["choices"][0]["text"] == "Hello there"
     for bad, param in [
         ({"response_format": {"type": "json_schema"}}, "response_format"),
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),

@@ -45,11 +45,11 @@ class Scheduler:
         self.lock = threading.Lock()
 
     def add(self, sequence: Sequence) -> None:
-        """Queue a new sequence; raises ``EngineOverloaded`` when the queue is full. Sequences
-        that will get a free slot at the next step do not count: ``max_queue=0`` runs up to
-        ``max_batch`` requests and queues none."""
+        """Queue a new sequence; raises ``EngineOverloaded`` when the queue is full (the requests
+        that will take a free slot at the next step do not count)."""
         with self.lock:
-            if len(self.waiting) - (self.max_batch - self.active) >= self.max_queue:
+            free = max(0, self.max_batch - self.active)
+            if len(self.waiting) - free >= self.max_queue:
                 raise EngineOverloaded(f"the engine's queue is full ({self.max_queue} waiting requests)")
             self.waiting.append(sequence)
 

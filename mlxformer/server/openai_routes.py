@@ -63,6 +63,7 @@ def openai_router(ctx: ServerContext) -> APIRouter:
     async def completions(body: CompletionRequest, request: Request) -> Response:
         prepared = await ctx.prepare(lambda: prepare_completion(body, served))
         lease = ctx.submit(prepared.request)
+        lease.score_only = prepared.score_only
         request_id = new_id("cmpl")
         echo = echo_text(body, prepared.prompt_ids, ctx) if body.echo else ""
         logprobs = body.logprobs is not None

@@ -27,10 +27,12 @@ class PreparedChat:
 
 @dataclass
 class PreparedCompletion:
-    """A text-completion request ready to submit, with its prompt ids (for ``echo``)."""
+    """A text-completion request ready to submit, with its prompt ids (for ``echo``).
+    ``score_only`` (``max_tokens: 0``): the one token generated is not part of the reply."""
 
     request: GenerationRequest
     prompt_ids: list[int]
+    score_only: bool = False
 
 
 def prepare_chat(body: ChatCompletionRequest, served: ServedModel) -> PreparedChat:
@@ -59,6 +61,7 @@ def prepare_completion(body: CompletionRequest, served: ServedModel) -> Prepared
     if body.suffix:
         raise bad_request("suffix is not supported", param="suffix")
     ids = completion_prompt_ids(body, served)
-    request = engine_request(body, ids, served, max_tokens=body.max_tokens, logprobs=body.logprobs,
-                             prompt_param="prompt")
-    return PreparedCompletion(request, ids)
+    score_only = body.max_tokens == 0  # the engine makes at least one token: it is dropped
+    request = engine_request(body, ids, served, max_tokens=1 if score_only else body.max_tokens,
+                             logprobs=body.logprobs, prompt_param="prompt")
+    return PreparedCompletion(request, ids, score_only)

@@ -4,6 +4,7 @@ cancelled however the response ends (finished, client gone, error)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from contextlib import aclosing
@@ -37,7 +38,19 @@ class Lease:
     def __init__(self, handle: RequestHandle, inflight: InFlight) -> None:
         self.handle, self.inflight = handle, inflight
         self.finished = self.released = False
+        self.score_only = False  # max_tokens 0: the reply keeps none of the generated tokens
         inflight.count += 1
+
+    async def events(self) -> AsyncIterator[TokenEvent]:
+        """The request's events (with ``score_only``, one final event carrying no token)."""
+        async with aclosing(self.handle.aiter()) as events:
+            async for event in events:
+                if self.score_only:
+                    if event.finish_reason is None:
+                        continue
+                    event = dataclasses.replace(event, text="", token=None, logprob=None, top_logprobs=None,
+                                                finish_reason="length", completion_tokens=0)
+                yield event
 
     def release(self) -> None:
         if self.released:
@@ -85,7 +98,7 @@ async def stream(
     try:
         if first is not None:
             yield event_of(first)
-        async with aclosing(lease.handle.aiter()) as events:
+        async with aclosing(lease.events()) as events:
             async for event in events:
                 last = event
                 lease.finished = lease.finished or event.finish_reason is not None
@@ -105,7 +118,7 @@ async def stream(
 
 async def collect_unless_gone(lease: Lease, request: Request) -> Collected:
     """All of a request's events; cancels the request if the client disconnects meanwhile."""
-    task = asyncio.ensure_future(collect(lease.handle.aiter()))
+    task = asyncio.ensure_future(collect(lease.events()))
     try:
         while True:
             done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_SECONDS)
