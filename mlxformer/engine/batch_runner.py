@@ -38,13 +38,16 @@ class BatchRunner:
         self._rows: dict[StorageKind, list[Decoding]] = {}  # each batch's sequences, in row order
         self._members: dict[int, StorageKind] = {}  # id(sequence) -> the batch it is in
 
-    def prefill(self, tokens: Sequence[int], cache: Sequence[Cache], want_logits: bool) -> mx.array | None:
+    def prefill(
+        self, tokens: Sequence[int], cache: Sequence[Cache], want_logits: bool, prompt_length: int | None = None
+    ) -> mx.array | None:
         """Run one prompt chunk through one sequence's caches; the last position's logits
-        ``(1, vocab)`` when ``want_logits`` (lazy), else None (the cache is evaluated)."""
+        ``(1, vocab)`` when ``want_logits`` (lazy), else None (the cache is evaluated).
+        ``prompt_length``: the whole prompt's (RoPE's dynamic base depends on it)."""
         inputs = mx.array(tokens)[None]  # (1, T)
         if want_logits:
-            return self.model.last_logits(inputs, cache)
-        self.model.hidden_states(inputs, cache)
+            return self.model.last_logits(inputs, cache, rope_length=prompt_length)
+        self.model.hidden_states(inputs, cache, rope_length=prompt_length)
         mx.eval([c.state for c in cache])
         return None
 

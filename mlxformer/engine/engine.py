@@ -261,7 +261,7 @@ class Engine:
                 self._fail(sequence, exc)
         for chunk in step.prefill:
             sequence = chunk.sequence
-            logits = self.runner.prefill(chunk.tokens, sequence.cache, chunk.last)
+            logits = self.runner.prefill(chunk.tokens, sequence.cache, chunk.last, len(sequence.prompt))
             sequence.processed += len(chunk.tokens)
             if logits is not None:
                 mx.async_eval(logits)
