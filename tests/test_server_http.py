@@ -263,3 +263,27 @@ def test_prompt_fidelity(server):
 
     served = ServedModel.of("tiny", server.model, server.tokenizer)
     assert completion_budget(10, None, served, "prompt") == CONTEXT - 10  # no max_tokens: the rest of the context
+
+
+def test_validation_in_one_place_every_bound_a_400_naming_its_field(server):
+    """Values go through mlxformer.options.SamplingSettings (the library's one validation): each bad
+    one is a 400 whose param is the API's field name; NaN and infinities in any float too."""
+    hi = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
+    for field, value in [("seed", -2), ("seed", 2**64), ("temperature", -0.5), ("top_p", 0.0), ("top_p", 1.5),
+                         ("min_p", 1.0), ("top_k", -2), ("presence_penalty", 2.5), ("frequency_penalty", -3),
+                         ("repetition_penalty", 0), ("logit_bias", {"5": 101}), ("logit_bias", {"-1": 1}),
+                         ("logit_bias", {"x": 1}), ("logit_bias", {str(10**7): 1})]:
+        status, _, raw = http(server.url, "POST", "/v1/chat/completions", {**hi, field: value})
+        assert status == 400 and error_of(raw)["param"] == field, (field, value, raw)
+    for field in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+        for literal in ("NaN", "Infinity", "-Infinity"):
+            body = json.dumps(hi)[:-1] + f', "{field}": {literal}}}'
+            status, _, raw = http(server.url, "POST", "/v1/chat/completions", body.encode(),
+                                  {"Content-Type": "application/json"})
+            assert status == 400 and error_of(raw)["param"] == field, (field, literal, raw)
+    body = json.dumps(hi)[:-1] + ', "logit_bias": {"5": NaN}}'
+    status, _, raw = http(server.url, "POST", "/v1/chat/completions", body.encode(), {"Content-Type": "application/json"})
+    assert status == 400 and error_of(raw)["param"] == "logit_bias"
+    for seed in (-1, 0, 2**64 - 1):  # -1: random (llama.cpp); up to what mx.random.key takes
+        status, _, raw = http(server.url, "POST", "/v1/chat/completions", {**hi, "seed": seed, "stream": True})
+        assert status == 200 and b'"error"' not in raw, (seed, raw)

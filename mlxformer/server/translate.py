@@ -19,7 +19,7 @@ from mlxformer.server.tools import ToolPlan, chat_messages
 from mlxformer.tokenizer import Tokenizer
 
 OPENAI_DEFAULT_TEMPERATURE = 1.0
-MAX_LOGIT_BIAS = 100.0
+API_NAMES = {"temp": "temperature"}  # SamplingSettings field -> OpenAI request field, where they differ
 
 
 @dataclass(frozen=True)
@@ -121,42 +121,39 @@ def completion_budget(prompt_tokens: int, requested: int | None, served: ServedM
     return requested if requested is not None else context - prompt_tokens
 
 
-def logit_bias_ids(bias: dict[str, float] | None, vocab_size: int) -> dict[int, float] | None:
-    """``{"token id": bias}`` with string keys (JSON) as ``{id: bias}``, ids and values checked."""
+def logit_bias_ids(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """``{"token id": bias}`` with JSON's string keys as ``{id: bias}`` (the values and the ids'
+    range are checked by ``SamplingSettings``)."""
     if not bias:
         return None
-    result: dict[int, float] = {}
-    for key, value in bias.items():
-        try:
-            token = int(key)
-        except ValueError:
-            raise bad_request(f"logit_bias key {key!r} is not a token id", param="logit_bias") from None
-        if not 0 <= token < vocab_size:
-            raise bad_request(f"logit_bias token id {token} is outside the vocabulary", param="logit_bias")
-        if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
-            raise bad_request("logit_bias values must be between -100 and 100", param="logit_bias")
-        result[token] = float(value)
-    return result
+    try:
+        return {int(key): value for key, value in bias.items()}
+    except ValueError:
+        bad = next(k for k in bias if not k.strip().lstrip("+-").isdigit())
+        raise bad_request(f"logit_bias key {bad!r} is not a token id", param="logit_bias") from None
 
 
 def sampling_of(fields: SamplingFields, vocab_size: int) -> SamplingSettings:
-    """The engine's sampling settings (OpenAI defaults: temperature 1, top_p 1); a bad value is
-    a 400 naming the field (``SamplingSettings`` validates them)."""
+    """The engine's sampling settings (OpenAI defaults: temperature 1, top_p 1; ``top_k`` -1 is
+    off, as in vLLM). Every bound is ``SamplingSettings``'s own validation: its ``OptionError``
+    becomes a 400 naming the API's field."""
     temperature = OPENAI_DEFAULT_TEMPERATURE if fields.temperature is None else fields.temperature
     try:
-        return SamplingSettings(
+        settings = SamplingSettings(
             temp=temperature,
             top_p=1.0 if fields.top_p is None else fields.top_p,
-            top_k=max(fields.top_k or 0, 0),
+            top_k=0 if fields.top_k in (None, -1) else fields.top_k,
             min_p=fields.min_p or 0.0,
             repetition_penalty=fields.repetition_penalty,
-            presence_penalty=fields.presence_penalty,
-            frequency_penalty=fields.frequency_penalty,
-            logit_bias=logit_bias_ids(fields.logit_bias, vocab_size),
+            presence_penalty=fields.presence_penalty or 0.0,
+            frequency_penalty=fields.frequency_penalty or 0.0,
+            logit_bias=logit_bias_ids(fields.logit_bias),
             seed=fields.seed,
         )
+        settings.check_vocabulary(vocab_size)
+        return settings
     except OptionError as exc:
-        param = "temperature" if exc.param == "temp" else exc.param
+        param = API_NAMES.get(exc.param, exc.param)
         raise bad_request(f"{param} {exc.message}", param=param) from exc
 
 
