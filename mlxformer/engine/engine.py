@@ -13,7 +13,7 @@ import mlx.core as mx
 
 from mlxformer.cache import CacheSettings, make_cache
 from mlxformer.engine.batch_runner import BatchRunner
-from mlxformer.engine.prefix_cache import PrefixCache
+from mlxformer.engine.prompt_cache import PromptCacheSettings, build_prefix_cache
 from mlxformer.engine.scheduler import Scheduler, Step
 from mlxformer.engine.speculation import Speculator
 from mlxformer.engine.sequence import (
@@ -116,6 +116,7 @@ class Engine:
         prefix_cache_bytes: int = 512 * 2**20,
         prefill_chunk: int | None = None,
         speculative: SpeculativeSettings | None = None,
+        prompt_cache: PromptCacheSettings | None = None,
     ) -> None:
         self.model, self.tokenizer = model, tokenizer
         self.cache_settings = cache_settings or CacheSettings()
@@ -126,11 +127,16 @@ class Engine:
         # Validate the settings in the caller's thread, and run one token through the model(s)
         # there: MLX arrays made lazily in a thread (weight views, for example) can only be
         # evaluated by that thread, so the engine's thread must find them all evaluated.
-        for warm in (model, speculative.draft_model if speculative is not None else None):
+        for warm in (speculative.draft_model if speculative is not None else None, model):
             if warm is not None:
-                mx.eval(warm.last_logits(mx.array([[0]]), make_cache(warm, self.cache_settings)))
+                probe = make_cache(warm, self.cache_settings)
+                mx.eval(warm.last_logits(mx.array([[0]]), probe))
+        kv_dtype = next(a.dtype for a in probe[0].state if mx.issubdtype(a.dtype, mx.floating))  # the model's
         self.scheduler = Scheduler(max_batch, max_queue, prefill_chunk or default_prefill_step())
-        self.prefix_cache = PrefixCache(prefix_cache_bytes)
+        # ``prompt_cache`` sets the tiers (memory budget, disk directory); without it the memory
+        # tier gets ``prefix_cache_bytes``
+        tiers = prompt_cache or PromptCacheSettings(memory_bytes=prefix_cache_bytes)
+        self.prefix_cache = build_prefix_cache(model, tokenizer, self.cache_settings, tiers, kv_dtype)
         self.runner = BatchRunner(model)
         self.vocab_size = model.args.vocab_size
         self._handles: dict[int, RequestHandle] = {}
@@ -160,6 +166,7 @@ class Engine:
         self._thread = None
         for handle in list(self._handles.values()):
             self._end(handle.sequence, "cancelled")
+        self.prefix_cache.flush()  # the disk tier's writes are done when stop returns
 
     def __enter__(self) -> "Engine":
         return self.start()
