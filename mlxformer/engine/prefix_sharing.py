@@ -10,20 +10,11 @@ sequence that already has its cache, so waits never form a cycle.
 
 from __future__ import annotations
 
+import os
 from typing import Sequence as Seq
 
 from mlxformer.engine.prefix_cache import PrefixCache
 from mlxformer.engine.sequence import Sequence, Status
-
-
-def common_run(a: Seq[str], b: Seq[str]) -> int:
-    """How many leading keys two block-key lists share."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 class PrefixSharing:
@@ -67,7 +58,7 @@ class PrefixSharing:
         cached = self.prefix_cache.cached_blocks(mine)
         others = [s for s in prefilling if s.cache and s not in self.held] + list(going)
         for other in others:
-            if common_run(mine, self.keys(other)) > cached:
+            if len(os.path.commonprefix([mine, self.keys(other)])) > cached:  # blocks shared, not cached
                 return True
         return False
 
