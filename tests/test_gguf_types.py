@@ -21,8 +21,7 @@ from gguf import GGMLQuantizationType as T
 from conftest import write_tiny_checkpoint
 from gguf_helpers import _finish, write_gguf_from_hf
 from mlxformer import convert, load
-from mlxformer.formats.gguf import load_gguf
-from mlxformer.loader import apply_dtype_policy, build_model, is_quantized
+from mlxformer.loader import apply_dtype_policy, build_model, is_quantized, read_checkpoint
 
 TOKENS = [[3, 17, 200, 41, 9, 77, 128, 5, 250, 31, 64, 2, 99, 180, 7, 13] * 3]
 # Exact types: both sides compute fp32 math on identical weights; only summation order differs
@@ -111,7 +110,7 @@ def written(tmp_path_factory):
 @pytest.mark.parametrize("case", list(CASES))
 def test_gguf_matches_transformers(case, written):
     path, expected, original = written(case)
-    config, weights, _ = load_gguf(path)
+    config, weights, _ = read_checkpoint(path)
     got = _ours(config, weights)
     err = np.abs(log_softmax(got) - log_softmax(expected))
     if CASES[case][4] is None:  # within a third of the file types' own rounding effect
@@ -124,7 +123,7 @@ def test_gguf_matches_transformers(case, written):
 
 def test_mixed_file_gets_per_layer_bits(written):
     path, _, _ = written("qwen3-mixed-16")
-    config, weights, _ = load_gguf(path)
+    config, weights, _ = read_checkpoint(path)
     quant = config["quantization"]
     assert quant["bits"] == 4 and quant["group_size"] == 32  # Q4_K: the most common type
     for module in ("model.embed_tokens", "lm_head", "model.layers.1.mlp.down_proj", "model.layers.0.mlp.gate_proj",
@@ -144,8 +143,10 @@ def test_llama3_rope_freqs_match_transformers_on_original_checkpoint(tmp_path):
     path = tmp_path / "llama3.gguf"
     write_gguf_from_hf(path, hf_model, "llama", _all(T.F32))
     assert "rope_freqs.weight" in [t.name for t in gguf.GGUFReader(str(path)).tensors]
-    config, weights, _ = load_gguf(path)
-    assert config["rope_scaling"]["rope_type"] == "freq_factors"
+    config, weights, _ = read_checkpoint(path)
+    # the factors are recognised as llama3's, and its parameters recovered (low_freq_factor 1)
+    assert config["rope_scaling"] == {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
     with torch.no_grad():
         expected = hf_model(torch.tensor(TOKENS)).logits.numpy()  # the original float32 checkpoint
     got = _ours(config, weights)
@@ -194,7 +195,7 @@ def test_blocks_dequantize_like_gguf_py(qtype, tmp_path):
         getattr(writer, f"add_{key}")(value)
     writer.add_tensor("blk.0.ffn_down.weight", raw, raw_dtype=qtype)
     _finish(writer)
-    config, weights, _ = load_gguf(path)
+    config, weights, _ = read_checkpoint(path)
     expected = gguf.quants.dequantize(gguf.GGUFReader(str(path)).tensors[0].data, qtype)
     bits = config["quantization"]["bits"]
     w = {k: weights[f"model.layers.0.mlp.down_proj.{k}"] for k in ("weight", "scales", "biases")}
