@@ -116,6 +116,9 @@ class _Job:
         assert isinstance(weights, Tensors)
         self.weights = weights  # lazy: each tensor is read when its shard is written
         self.entries = weights.entries  # shapes and dtypes, from the headers
+        if self.args.rope.type == "freq_factors":
+            raise MlxformerError(f"{source.path}: its rope_freqs factors are not llama3's, and mlx-lm cannot read "
+                                 "a config with per-frequency rope factors; load the file directly instead")
         if self.source_quant and settings.quantize and not settings.dequantize and not source.is_gguf:
             raise MlxformerError("the source is already quantized; add --dequantize to requantize from its float values")
         self.modules = {path: m for path, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Embedding,

@@ -233,13 +233,13 @@ def open_gguf(path: Path) -> tuple[dict[str, Any], dict[str, TensorEntry], Calla
     arch = gguf.metadata.get("general.architecture")
     tensors = {name: info for name, info in gguf.tensors.items() if name not in CONFIG_TENSORS}
     names = {name: hf_name(name, str(arch)) for name in tensors}
-    config = config_from_metadata(gguf.metadata, set(tensors))
     entries: dict[str, TensorEntry] = {}
     sources: dict[str, tuple[TensorInfo, str]] = {}
-    for gguf_name, info in tensors.items():
+    for gguf_name, info in tensors.items():  # every name and type checked before the metadata
         for key, entry in _entries(path, info, names[gguf_name]).items():
             entries[entry.name] = entry
             sources[entry.name] = (info, key)
+    config = config_from_metadata(gguf.metadata, set(tensors))
     rope_freqs = gguf.tensors.get("rope_freqs.weight")
     if rope_freqs is not None:
         factors = _rope_factors(gguf, rope_freqs, config["head_dim"])
