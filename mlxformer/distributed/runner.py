@@ -13,11 +13,12 @@ from mlxformer.cache import CacheSettings
 from mlxformer.distributed.group import PARALLEL_MODES, init_group, is_leader, shared_seed
 from mlxformer.distributed.pipeline import PipelineLink, Stage, load_stage, serve_stage, stage_for
 from mlxformer.distributed.tensor import load_tensor_shard
-from mlxformer.distributed.watchdog import DEFAULT_TIMEOUT, Watchdog
+from mlxformer.distributed.watchdog import DEFAULT_TIMEOUT, Watchdog, check_timeout
 from mlxformer.errors import MlxformerError
 from mlxformer.formats.checkpoint import open_checkpoint
-from mlxformer.generation import GenerationResponse, SamplingSettings, stream_generate
+from mlxformer.generation import GenerationResponse, stream_generate
 from mlxformer.loader import load_tokenizer
+from mlxformer.options import SamplingSettings
 from mlxformer.models.decoder import Model
 from mlxformer.tokenizer import Tokenizer
 
@@ -55,6 +56,7 @@ def load_distributed(
     the generation loop also load the tokenizer, unless ``with_tokenizer`` is false."""
     if parallel not in PARALLEL_MODES:
         raise MlxformerError(f"unknown parallel mode {parallel!r} (choose from {', '.join(PARALLEL_MODES)})")
+    check_timeout(timeout)  # before joining the group
     group = init_group()
     watchdog = Watchdog(group.rank(), timeout)
     checkpoint = open_checkpoint(path_or_repo)
