@@ -35,6 +35,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="also keep prompt cache blocks in DIR, across restarts (default: memory only)")
     parser.add_argument("--prompt-cache-disk-bytes", type=int, default=4 * 2**30, metavar="BYTES",
                         help="most bytes of prompt cache files in --prompt-cache-dir (default 4 GiB)")
+    parser.add_argument("--no-prefix-sharing", action="store_true",
+                        help="let requests that share a prefix with one being prefilled compute it again "
+                             "(default: they wait for its cached blocks)")
     add_cache_args(parser)
     add_speculative_args(parser)
     add_verbose(parser)
@@ -54,7 +57,8 @@ def run(args: argparse.Namespace) -> int:
     if args.api_key is not None and not args.api_key.strip():
         raise MlxformerError("--api-key is empty")
     settings = cache_settings(args)
-    prompt_cache = PromptCacheSettings(args.prompt_cache_bytes, args.prompt_cache_dir, args.prompt_cache_disk_bytes)
+    prompt_cache = PromptCacheSettings(args.prompt_cache_bytes, args.prompt_cache_dir, args.prompt_cache_disk_bytes,
+                                       share_prefills=not args.no_prefix_sharing)
     model, tokenizer = load_for_cli(args)
     speculative = speculative_settings(args, tokenizer)
     name = args.served_model_name or args.model or default_model_name()
