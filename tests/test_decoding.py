@@ -198,9 +198,10 @@ TENSOR_WATCHDOG = """
 import sys, time
 import mlx.core as mx
 from mlxformer.distributed.runner import DistributedModel, stream_distributed
-from mlxformer.distributed.sharded_load import open_checkpoint
 from mlxformer.distributed.tensor import load_tensor_shard
 from mlxformer.distributed.watchdog import Watchdog
+from mlxformer.formats.checkpoint import open_checkpoint
+from mlxformer.loader import load_tokenizer
 
 group = mx.distributed.init()  # one rank: every all_sum is a wait that returns at once
 watchdog = Watchdog(0, timeout=0.5, poll=0.05)
@@ -212,7 +213,7 @@ def slow(self, *args, **kwargs):  # this rank's own compute: 0.8 s, longer than 
     time.sleep(0.8 if self is layer else 0.0)
     return forward(self, *args, **kwargs)
 type(layer).__call__ = slow
-dist = DistributedModel(group, "tensor", model, reader.tokenizer(), watchdog)
+dist = DistributedModel(group, "tensor", model, load_tokenizer(reader), watchdog)
 print(len(list(stream_distributed(dist, [1, 2, 3, 4], 3))))
 """
 
