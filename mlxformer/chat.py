@@ -19,7 +19,7 @@ from mlxformer.errors import MlxformerError
 from mlxformer.generation import GenerationResponse, decode, responses
 from mlxformer.models.decoder import Model
 from mlxformer.options import SamplingSettings
-from mlxformer.speculative import SpeculativeSettings, check_draft, common_prefix_length, new_proposer
+from mlxformer.speculative import SpeculativeSettings, check_draft, new_proposer, trim_to_common_prefix
 from mlxformer.tokenizer import Tokenizer
 
 
@@ -65,13 +65,9 @@ class ChatSession:
 
     def _reuse_cached_prefix(self, ids: list[int]) -> int:
         """Trim the cache to the longest cached prefix of ``ids`` (leaving one id to prefill)."""
-        keep = min(common_prefix_length(ids, self.cached_ids), len(ids) - 1)
-        drop = len(self.cached_ids) - keep
-        if drop > 0:
-            trimmed = [c.trim(drop) for c in self.cache]
-            if any(n != drop for n in trimmed):  # e.g. a rotating cache that already evicted tokens
-                self.cache = self._new_cache()
-                keep = 0
+        keep = trim_to_common_prefix(self.cache, self.cached_ids, ids)
+        if keep is None:  # e.g. a rotating cache that already evicted tokens
+            self.cache, keep = self._new_cache(), 0
         self.cached_ids = self.cached_ids[:keep]
         return keep
 

@@ -136,9 +136,8 @@ class DraftModelProposer:
 
     def _sync(self, history: Sequence[int]) -> list[int]:
         """Trim the cache to its common prefix with ``history``; the tokens left to feed."""
-        keep = min(common_prefix_length(self.seen, history), len(history) - 1)
-        drop = len(self.seen) - keep
-        if drop and any(c.trim(drop) != drop for c in self.cache):  # e.g. a rotating cache past its slack
+        keep = trim_to_common_prefix(self.cache, self.seen, history)
+        if keep is None:  # e.g. a rotating cache past its slack
             self.cache, keep = make_cache(self.model, self.settings), 0
         self.seen = list(history)
         return list(history[keep:])
@@ -169,6 +168,17 @@ def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
             break
         n += 1
     return n
+
+
+def trim_to_common_prefix(cache: Sequence[Cache], held: Sequence[int], wanted: Sequence[int]) -> int | None:
+    """Trim ``cache`` (holding ``held``) to the longest prefix it shares with ``wanted``, leaving
+    at least one token of ``wanted`` to feed; how many tokens it keeps, or None if it cannot
+    trim (a rotating cache that already evicted them: make a new one)."""
+    keep = min(common_prefix_length(held, wanted), len(wanted) - 1)
+    drop = len(held) - keep
+    if drop > 0 and any(c.trim(drop) != drop for c in cache):
+        return None
+    return keep
 
 
 def rewind(cache: Sequence[Cache], n: int) -> None:
