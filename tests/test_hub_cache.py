@@ -79,7 +79,7 @@ def test_repo_with_a_consolidated_copy_loads_only_the_hf_weights(hub_cache):
     under Mistral's names); it is neither fetched nor merged into the HF weights."""
     from safetensors.numpy import save_file
 
-    cache, hf_model = hub_cache
+    cache, _ = hub_cache
     source = cache / f"models--{REPO.replace('/', '--')}" / "snapshots" / COMMIT
     repo_dir = cache / "models--tinyorg--tiny-mistral-layout"
     shutil.copytree(source, repo_dir / "snapshots" / COMMIT)
