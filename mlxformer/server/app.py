@@ -33,6 +33,7 @@ from mlxformer.server.responses import (
     ChunkMaker, Collected, TokenStrings, chat_chunk_maker, chat_response, collect, completion_chunk_maker,
     completion_response, error_event, sse, usage_of,
 )
+from mlxformer.server.sse import SSE_PING_SECONDS, keepalive, prompt_progress
 from mlxformer.server.tools import call_constraint, calls_in, tool_chunk_maker, tool_plan
 from mlxformer.server.translate import (
     ServedModel, chat_prompt_ids, check_model_name, completion_prompt_ids, engine_request,
@@ -74,11 +75,14 @@ class Lease:
 
 class EventStream(StreamingResponse):
     """An SSE response that releases its request however the response ends (also when the
-    client is gone before the first chunk, when the chunk generator never runs)."""
+    client is gone before the first chunk, when the chunk generator never runs). While no chunk
+    comes it sends ``: ping`` comments every ``ping_seconds`` and ``progress()``'s events
+    (``server/sse.py``)."""
 
-    def __init__(self, chunks: AsyncIterator[str], lease: Lease) -> None:
+    def __init__(self, chunks: AsyncIterator[str], lease: Lease, ping_seconds: float | None = None,
+                 progress: Callable[[], str | None] | None = None) -> None:
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-        super().__init__(chunks, media_type="text/event-stream", headers=headers)
+        super().__init__(keepalive(chunks, ping_seconds, progress), media_type="text/event-stream", headers=headers)
         self.lease = lease
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
@@ -99,9 +103,11 @@ def create_app(
     *,
     api_key: str | None = None,
     cors_origins: Sequence[str] = (),
+    sse_ping_seconds: float | None = SSE_PING_SECONDS,
 ) -> FastAPI:
     """The API app over a started ``engine``; ``api_key`` requires ``Authorization: Bearer``
-    on /v1 routes; ``cors_origins`` (default none) are the origins allowed cross-origin access."""
+    on /v1 routes; ``cors_origins`` (default none) are the origins allowed cross-origin access;
+    streams send a keep-alive comment after ``sse_ping_seconds`` without data (None: never)."""
     app = FastAPI(title="mlxformer", docs_url=None, redoc_url=None)
     if cors_origins:
         app.add_middleware(
@@ -165,7 +171,12 @@ def create_app(
                 return ChatCompletionChunk(id=request_id, model=served.name, choices=[], usage=usage_of(last))
 
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return EventStream(stream(lease, make, first, usage_chunk if include_usage else None), lease)
+
+            def progress_chunk(progress: dict[str, int]) -> str:
+                return sse({**first.model_dump(exclude_none=True), "choices": [], "prompt_progress": progress})
+
+            return EventStream(stream(lease, make, first, usage_chunk if include_usage else None), lease,
+                               sse_ping_seconds, prompt_progress(lease.handle, progress_chunk) if body.return_progress else None)
         result = await collect_unless_gone(lease, request)
         calls = [call.to_openai() for call in calls_in(result.text, plan)]
         return JSONResponse(chat_response(request_id, served.name, result, text, body.logprobs, calls).model_dump())
@@ -189,7 +200,13 @@ def create_app(
                 return CompletionResponse(id=request_id, model=served.name, choices=[], usage=usage_of(last))
 
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return EventStream(stream(lease, make, None, usage_chunk if include_usage else None), lease)
+
+            def progress_chunk(progress: dict[str, int]) -> str:
+                return sse({"id": request_id, "object": "text_completion", "model": served.name, "choices": [],
+                            "prompt_progress": progress})
+
+            return EventStream(stream(lease, make, None, usage_chunk if include_usage else None), lease,
+                               sse_ping_seconds, prompt_progress(lease.handle, progress_chunk) if body.return_progress else None)
         result = await collect_unless_gone(lease, request)
         return JSONResponse(completion_response(request_id, served.name, result, text, logprobs, echo).model_dump())
 
