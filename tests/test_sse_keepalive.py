@@ -7,12 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 
-import mlx.core as mx
-import pytest
 
-from conftest import write_byte_tokenizer, write_tiny_checkpoint
-from mlxformer import load
-from mlxformer.engine import GenerationRequest
 from mlxformer.server.sse import PING, keepalive
 from server_support import MODEL_NAME, http, running_engine, running_server
 
@@ -44,14 +39,6 @@ def test_keepalive_pings_while_waiting_and_cleans_up():
     assert closed == [True]
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    directory, _ = write_tiny_checkpoint(tmp_path_factory.mktemp("tiny_sse"), "llama", head_dim=32,
-                                         hidden_size=128, num_attention_heads=4, num_key_value_heads=2)
-    write_byte_tokenizer(directory)
-    return load(directory, dtype=mx.float32)
-
-
 class SlowPrefill:
     """Makes every prompt chunk of an engine take ``seconds`` (a long prompt on a slow machine)."""
 
@@ -66,8 +53,8 @@ class SlowPrefill:
         runner.prefill = prefill
 
 
-def test_long_prefill_streams_pings_and_progress(tiny):
-    model, tokenizer = tiny
+def test_long_prefill_streams_pings_and_progress(tiny_byte_llama):
+    model, tokenizer = tiny_byte_llama
     prompt = "x" * 60
     with running_engine(model, tokenizer, prefill_chunk=16, prefix_cache_bytes=0) as engine:
         SlowPrefill(engine, 0.15)
