@@ -115,7 +115,7 @@ def load(
     source = resolve_source(path_or_repo)
     config, weights, metadata = read_checkpoint(source)
     model = build_model(config, weights)
-    tokenizer = load_tokenizer_from_gguf(metadata) if metadata is not None else load_tokenizer_from_dir(source)
+    tokenizer = load_tokenizer_from_gguf(metadata, source) if metadata is not None else load_tokenizer_from_dir(source)
     apply_dtype_policy(model, dtype)
     apply_thread_policy(model, threads)
     return model, tokenizer
