@@ -206,6 +206,7 @@ class Engine:
             try:
                 self.step()
             except Exception as exc:  # fail every request in flight, keep serving new ones
+                self.runner.reset()
                 for handle in list(self._handles.values()):
                     self.scheduler.release(handle.sequence)
                     with self.scheduler.lock:
@@ -245,7 +246,7 @@ class Engine:
         choices: list[tuple[Sequence, mx.array, mx.array]] = []
         decode, verifying = self._propose(step.decode)
         if decode:
-            logits = self.runner.decode([s.last_token for s in decode], [s.cache for s in decode])
+            logits = self.runner.decode(decode)
             mx.async_eval(logits)  # constraints compute their masks while the step runs
             if all(s.plain_greedy for s in decode):
                 choices += zip(decode, *zip(*choose_rows(decode, logits)))
@@ -343,6 +344,7 @@ class Engine:
     def _fail(self, sequence: Sequence, error: BaseException) -> None:
         """End one sequence with ``error`` (raised by its handle's iterator)."""
         sequence.finish("error")
+        self.runner.release(sequence)
         self.scheduler.release(sequence)
         handle = self._handles.pop(id(sequence), None)
         if handle is not None:
@@ -350,6 +352,7 @@ class Engine:
 
     def _retire(self, sequence: Sequence) -> None:
         """Free a finished sequence's slot and offer its cache for prefix reuse."""
+        self.runner.release(sequence)
         self.scheduler.release(sequence)
         self._handles.pop(id(sequence), None)
         if sequence.cache:
