@@ -1,0 +1,62 @@
+"""What every API router shares: the engine and the served model, the thread pool that
+prepares requests off the event loop, and submission with the HTTP mapping of engine refusals."""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Callable, TypeVar
+
+from mlxformer.engine import Engine, EngineOverloaded, GenerationRequest
+from mlxformer.errors import MlxformerError
+from mlxformer.server.errors import APIError
+from mlxformer.server.responses import TokenStrings
+from mlxformer.server.sse import SSE_PING_SECONDS, keepalive, prompt_progress
+from mlxformer.server.streaming import EventStream, InFlight, Lease
+from mlxformer.server.translate import ServedModel
+
+T = TypeVar("T")
+PREPARE_THREADS = 2  # templating, tokenization and grammar compilation run on at most this many threads
+RETRY_AFTER_SECONDS = 1
+
+
+@dataclass
+class ServerContext:
+    """The state one app's routers share (``create_app`` makes it; routers take it as an argument)."""
+
+    engine: Engine
+    served: ServedModel
+    text: TokenStrings
+    inflight: InFlight = field(default_factory=InFlight)
+    pool: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="mlxformer-prepare")
+    )
+    sse_ping_seconds: float | None = SSE_PING_SECONDS  # keep-alive comments after this long without data
+
+    def event_stream(
+        self, chunks: AsyncIterator[str], lease: Lease, progress: Callable[[dict[str, int]], str] | None = None
+    ) -> EventStream:
+        """The SSE response of every streaming route: ``chunks`` with keep-alive comments while
+        none comes (a long prefill) and, when ``progress`` is given (the request asked for
+        ``return_progress``), the prompt's progress as the events it makes (``server/sse.py``)."""
+        poll = prompt_progress(lease.handle, progress) if progress is not None else None
+        return EventStream(keepalive(chunks, self.sse_ping_seconds, poll), lease)
+
+    async def prepare(self, work: Callable[[], T]) -> T:
+        """Run ``work`` (CPU-bound request preparation) on the bounded pool, not on the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self.pool, work)
+
+    def submit(self, request: GenerationRequest) -> Lease:
+        """Queue ``request``: 429 with ``Retry-After`` when the engine's queue is full, 400 when
+        the engine refuses it."""
+        try:
+            handle = self.engine.submit(request)
+        except EngineOverloaded as exc:
+            raise APIError(
+                f"the server is busy ({exc}); retry later", 429, "rate_limit_error", None, "queue_full",
+                headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
+            ) from exc
+        except MlxformerError as exc:
+            raise APIError(str(exc), 400) from exc
+        return Lease(handle, self.inflight)
