@@ -58,6 +58,14 @@ class PrefixCache:
         while self.nbytes > self.budget:
             self._remove(next(iter(self.entries)))
 
+    def evict_to(self, nbytes: int) -> int:
+        """Evict least recently used entries until at most ``nbytes`` are held; returns the bytes held.
+
+        The engine's KV budget calls this: ``nbytes`` and ``evict_to`` are the whole interface it uses."""
+        while self.entries and self.nbytes > max(nbytes, 0):
+            self._remove(next(iter(self.entries)))
+        return self.nbytes
+
     def _remove(self, key: tuple[int, ...]) -> None:
         _, size = self.entries.pop(key)
         self.nbytes -= size

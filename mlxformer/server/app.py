@@ -21,7 +21,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
-from mlxformer.engine import Engine, EngineOverloaded, GenerationRequest, RequestHandle, TokenEvent
+from mlxformer.engine import Engine, EngineNotRunning, EngineOverloaded, GenerationRequest, RequestHandle, TokenEvent
 from mlxformer.errors import MlxformerError
 from mlxformer.server.errors import APIError, bad_request, error_body, validation_message
 from mlxformer.server.hooks import constraint_for
@@ -120,6 +120,8 @@ def create_app(
             raise APIError(
                 f"the server is busy ({exc}); retry later", 429, "rate_limit_error", None, "queue_full"
             ) from exc
+        except EngineNotRunning as exc:
+            raise APIError(str(exc), 503, "server_error", None, "engine_not_running") from exc
         except MlxformerError as exc:
             raise APIError(str(exc), 400) from exc
         return Lease(handle, inflight)
@@ -129,8 +131,10 @@ def create_app(
         return HTMLResponse(chat_page(), headers={"Content-Security-Policy": PAGE_SECURITY_POLICY})
 
     @app.get("/health")
-    async def health() -> dict[str, object]:
-        return {"status": "ok", "model": served.name, "running": inflight.count}
+    async def health() -> JSONResponse:
+        if not engine.running:
+            return JSONResponse({"status": "error", "reason": "the engine is not running", "model": served.name}, 503)
+        return JSONResponse({"status": "ok", "model": served.name, "running": inflight.count})
 
     @router.get("/models")
     async def models() -> ModelList:
