@@ -181,7 +181,7 @@ def test_queue_overflow(tiny):
 
 @pytest.mark.parametrize("bad", [
     dict(prompt_ids=[]), dict(prompt_ids=[10**6]), dict(max_tokens=0), dict(logprobs=-1),
-    dict(logit_bias={-1: 1.0}), dict(sampling=SamplingSettings(temp=-1.0)),
+    dict(sampling=SamplingSettings(logit_bias={10**6: 1.0})),
 ])
 def test_invalid_requests_are_refused(tiny, bad):
     model, tokenizer, _ = tiny

@@ -87,19 +87,18 @@ def poison(stage: str, engine: Engine, monkeypatch) -> None:
     if stage == "prefill":
         real_prefill = runner.prefill
 
-        def prefill(tokens, cache, want_logits):
+        def prefill(tokens, cache, want_logits, prompt_length=None):
             if POISON in tokens:
                 raise RuntimeError("injected prefill fault")
-            return real_prefill(tokens, cache, want_logits)
+            return real_prefill(tokens, cache, want_logits, prompt_length)
 
         monkeypatch.setattr(runner, "prefill", prefill)
     elif stage == "decode":
         real_decode = runner.decode
 
-        def decode(tokens, caches):
-            logits = real_decode(tokens, caches)  # every layer's cache is written, then the step fails
-            poisoned = [s.cache for s in engine.scheduler.running if POISON in s.prompt and len(s.generated) >= 3]
-            if any(c is p for c in caches for p in poisoned):
+        def decode(sequences):
+            logits = real_decode(sequences)  # every layer's cache is written, then the step fails
+            if any(POISON in s.prompt and len(s.generated) >= 3 for s in sequences):
                 raise RuntimeError("injected decode fault")
             return logits
 

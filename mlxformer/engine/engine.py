@@ -24,6 +24,7 @@ from mlxformer.engine.handle import RequestHandle
 from mlxformer.engine.memory import KVBudgetExceeded, KVSizer, MemoryPlanner, held, resolve_budget
 from mlxformer.engine.metrics import EngineMetrics
 from mlxformer.engine.prefix_cache import PrefixCache
+from mlxformer.engine.replay import Replays
 from mlxformer.engine.scheduler import Scheduler, Step
 from mlxformer.engine.speculation import Speculator
 from mlxformer.engine.sequence import (
@@ -91,7 +92,7 @@ class Engine:
         self.metrics.watch(lambda: len(self.scheduler.waiting), lambda: self.scheduler.active, self.kv_bytes,
                            self.budget.limit if self.budget is not None else 0)
         self._handles: dict[int, RequestHandle] = {}
-        self._replay: dict[int, int] = {}  # preempted sequences catching up: index of the next generated token to feed
+        self.replays = Replays()  # preempted sequences catching up
         self._wake = threading.Condition()
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -124,7 +125,7 @@ class Engine:
                 self._end(sequence, "cancelled")
             for handle in list(self._handles.values()):  # e.g. the loop ended before they were admitted
                 self._end(handle.sequence, "cancelled")
-            self._replay.clear()
+            self.replays.clear()
             if self._limits is not None:
                 self.budget.restore(self._limits)  # type: ignore[union-attr]
                 self._limits = None
@@ -166,10 +167,10 @@ class Engine:
         return self.scheduler.active
 
     def kv_bytes(self) -> int:
-        """KV bytes held now: every active sequence's caches and the prefix cache."""
+        """KV bytes held now: every active sequence's caches (its share of a batch's) and the prefix cache."""
         with self.scheduler.lock:
             active = self.scheduler.prefilling + self.scheduler.running
-        return sum(self.sizer.bytes_for(held(s)) for s in active) + self.prefix_cache.nbytes
+        return sum(c.nbytes for s in active for c in s.cache) + self.prefix_cache.nbytes
 
     # --- the loop -------------------------------------------------------------------------
 
@@ -199,8 +200,9 @@ class Engine:
                 self._fail_all(exc)
 
     def _fail_all(self, error: BaseException) -> None:
+        self.runner.reset()
         self.scheduler.clear()
-        self._replay.clear()
+        self.replays.clear()
         for handle in list(self._handles.values()):
             handle.sequence.finish("error")
             self._handles.pop(id(handle.sequence), None)
@@ -228,7 +230,7 @@ class Engine:
         cache (evicted down to the room left)."""
         if self.budget is None:
             return step
-        while (room := self.budget.limit - self.planner.step_need(self.scheduler, step)) < 0:
+        while (room := self.budget.limit - self.planner.step_need(self.scheduler, step, self.runner.batched)) < 0:
             victim = self.scheduler.latest_active()
             assert victim is not None
             if self.scheduler.active == 1:  # alone and still too big (submit's check prevents it)
@@ -244,11 +246,16 @@ class Engine:
         """Take ``sequence`` out of the batch to be recomputed when there is room again; its caches
         go to the prefix cache (kept while room allows) unless they cannot be trusted."""
         self.metrics.preemptions.inc()
+        self._unbatch(sequence)
         if keep_cache and held(sequence) > sequence.cached_tokens:  # it computed something worth keeping
             self.prefix_cache.insert(sequence.cache_tokens, sequence.cache)
         sequence.cache, sequence.processed = [], 0
-        self._replay.pop(id(sequence), None)
         self.scheduler.preempt(sequence)
+
+    def _unbatch(self, sequence: Sequence) -> None:
+        """Give a sequence leaving the batch its own caches and all its generated tokens back."""
+        self.replays.stop(sequence)
+        self.runner.release(sequence)
 
     def _attach_cache(self, sequence: Sequence) -> None:
         """Give an admitted sequence its caches: a prefix-cache copy when one serves, else new.
@@ -260,7 +267,7 @@ class Engine:
         if resumed:
             if cached >= len(sequence.prompt):
                 self.scheduler.start_decoding(sequence)
-                self._replay_from(sequence, cached - len(sequence.prompt))
+                self.replays.start(sequence, cached - len(sequence.prompt))
             return
         sequence.cached_tokens = cached
         self.metrics.prompt_tokens.inc(len(sequence.prompt))
@@ -273,12 +280,6 @@ class Engine:
                                     sequence.next_key)
             sequence.speculator = Speculator(proposer, self.speculative.num_draft_tokens, distribution,
                                              sequence.processors, sequence.next_key)
-
-    def _replay_from(self, sequence: Sequence, index: int) -> None:
-        """A resumed sequence whose caches hold its tokens up to ``generated[index]`` (excluded)
-        feeds its generated tokens again, one decode step each, until only the last is left."""
-        if index < len(sequence.generated) - 1:
-            self._replay[id(sequence)] = index
 
     # --- running a step -------------------------------------------------------------------
 
@@ -297,7 +298,7 @@ class Engine:
         for chunk in step.prefill:
             sequence = chunk.sequence
             try:
-                logits = self.runner.prefill(chunk.tokens, sequence.cache, chunk.last)
+                logits = self.runner.prefill(chunk.tokens, sequence.cache, chunk.last, len(sequence.prompt))
             except Exception as exc:
                 self._fail(sequence, exc)
                 continue
@@ -306,7 +307,7 @@ class Engine:
                 continue
             self.scheduler.start_decoding(sequence)
             if sequence.generated:  # resumed after preemption: its next token is known
-                self._replay_from(sequence, 0)
+                self.replays.start(sequence, 0)
                 continue
             mx.async_eval(logits)
             choices += self._choose_each([sequence], [logits])
@@ -316,15 +317,14 @@ class Engine:
     def _decode(self, decode: list[Sequence]) -> list[Choice]:
         """One batched decode step; the choices of the sequences that are not replaying.
 
-        If the step fails, the caches are rolled back and each sequence runs alone, so that the
-        one at fault fails alone (one that cannot be rolled back is recomputed)."""
-        tokens = [s.generated[self._replay[id(s)]] if id(s) in self._replay else s.last_token for s in decode]
-        offsets = [[int(c.offset) for c in s.cache] for s in decode]
-        keys = [s.key for s in decode]
+        If the step fails, each sequence leaves the batch with its caches rolled back and runs
+        alone, so that the one at fault fails alone (one that cannot be rolled back is recomputed)."""
+        replaying = {id(s) for s in decode if s in self.replays}
+        offsets, keys = [held(s) for s in decode], [s.key for s in decode]
         try:
-            logits = self.runner.decode(tokens, [s.cache for s in decode])
+            logits = self.runner.decode(decode)
             mx.async_eval(logits)  # constraints compute their masks while the step runs
-            rows = [i for i, s in enumerate(decode) if id(s) not in self._replay]
+            rows = [i for i, s in enumerate(decode) if id(s) not in replaying]
             choosing = [decode[i] for i in rows]
             if not choosing:
                 choices = []
@@ -337,47 +337,44 @@ class Engine:
         except Exception:
             for sequence, key in zip(decode, keys):
                 sequence.key = key
-            return self._decode_alone(decode, tokens, offsets)
-        self._replayed(decode)
+            return self._decode_alone(decode, offsets, replaying)
+        self.replays.advance(decode)
         return choices
 
-    def _decode_alone(self, decode: list[Sequence], tokens: list[int], offsets: list[list[int]]) -> list[Choice]:
-        choices: list[Choice] = []
-        for sequence, token, before in zip(decode, tokens, offsets):
+    def _decode_alone(self, decode: list[Sequence], offsets: list[int], replaying: set[int]) -> list[Choice]:
+        alone = []
+        for sequence, before in zip(decode, offsets):
             if sequence.status is Status.FINISHED:  # e.g. its constraint failed while the step was built
                 continue
-            if not rewind_caches(sequence.cache, before):  # recompute it
-                self._preempt(sequence, keep_cache=False)
-                continue
             try:
-                logits = self.runner.decode([token], [sequence.cache])
+                self.runner.release(sequence)
+                rolled_back = rewind_caches(sequence.cache, before)
+            except Exception:
+                rolled_back = False
+            if rolled_back:
+                alone.append(sequence)
+            else:  # recompute it
+                self._preempt(sequence, keep_cache=False)
+        choices: list[Choice] = []
+        for sequence in alone:
+            try:
+                logits = self.runner.decode([sequence])
                 mx.eval(logits)
+                self.runner.release(sequence)  # out of the batch again: the next one runs alone too
             except Exception as exc:
                 self._fail(sequence, exc)
                 continue
-            replaying = id(sequence) in self._replay
-            self._replayed([sequence])
-            if not replaying:
+            self.replays.advance([sequence])
+            if id(sequence) not in replaying:
                 choices += self._choose_each([sequence], [logits])
         return choices
-
-    def _replayed(self, decode: list[Sequence]) -> None:
-        """Advance the replaying sequences of a decode step that ran."""
-        for sequence in decode:
-            index = self._replay.get(id(sequence))
-            if index is None:
-                continue
-            if index + 1 < len(sequence.generated) - 1:
-                self._replay[id(sequence)] = index + 1
-            else:
-                del self._replay[id(sequence)]
 
     def _propose(self, running: list[Sequence]) -> tuple[list[Sequence], list[tuple[Sequence, list[int]]]]:
         """Split the running sequences into those decoding one token in the batch and those
         with proposals to verify (each with its proposals)."""
         decode, verifying = [], []
         for sequence in running:
-            if sequence.speculator is None or id(sequence) in self._replay:
+            if sequence.speculator is None or sequence in self.replays:
                 decode.append(sequence)
                 continue
             try:
@@ -460,8 +457,8 @@ class Engine:
     def _fail(self, sequence: Sequence, error: BaseException) -> None:
         """End one sequence with ``error`` (raised by its handle's iterator)."""
         sequence.finish("error")
+        self._unbatch(sequence)
         self.scheduler.release(sequence)
-        self._replay.pop(id(sequence), None)
         self.metrics.finished.labels("error").inc()
         handle = self._handles.pop(id(sequence), None)
         if handle is not None:
@@ -469,11 +466,13 @@ class Engine:
 
     def _retire(self, sequence: Sequence) -> None:
         """Free a finished sequence's slot and offer its cache for prefix reuse."""
+        self._unbatch(sequence)
         self.scheduler.release(sequence)
-        self._replay.pop(id(sequence), None)
         self._handles.pop(id(sequence), None)
         if sequence.cache:
             self.prefix_cache.insert(sequence.cache_tokens, sequence.cache)
+            if self.budget is not None:  # within what the active sequences leave
+                self.prefix_cache.evict_to(self.budget.limit - self.kv_bytes() + self.prefix_cache.nbytes)
 
     def _end(self, sequence: Sequence, reason: str) -> None:
         """End ``sequence`` early (cancelled) and tell its handle."""
@@ -486,9 +485,9 @@ class Engine:
             handle._put(event)
 
 
-def rewind_caches(cache: list[Cache], offsets: list[int]) -> bool:
-    """Trim each layer's cache back to its offset in ``offsets``; False if one cannot be."""
-    for layer, offset in zip(cache, offsets):
+def rewind_caches(cache: list[Cache], offset: int) -> bool:
+    """Trim each layer's cache back to ``offset`` tokens; False if one cannot be."""
+    for layer in cache:
         extra = int(layer.offset) - offset
         if extra > 0 and layer.trim(extra) != extra:
             return False

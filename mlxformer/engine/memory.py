@@ -13,6 +13,7 @@ import math
 import os
 import re
 from dataclasses import dataclass
+from typing import Callable
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
@@ -193,14 +194,22 @@ class MemoryPlanner:
         committed = sum(self.sizer.bytes_for(len(s.tokens) + 1) for s in scheduler.prefilling + scheduler.running)
         return committed + self.sizer.peak(len(sequence.tokens)) <= self.budget.limit
 
-    def step_need(self, scheduler: Scheduler, step: Step) -> int:
-        """KV bytes the active sequences need while ``step`` runs."""
+    def step_need(self, scheduler: Scheduler, step: Step, batched: Callable[[Sequence], bool]) -> int:
+        """KV bytes the active sequences need while ``step`` runs. The decoding sequences share a
+        batch buffer as wide as its longest row ever was (``cache/batch.py``): rows times a row's
+        bytes, plus the old buffer while it is rewritten (it grows, or rows join it)."""
         chunks = {id(c.sequence): len(c.tokens) for c in step.prefill}
-        need = 0
-        for sequence in scheduler.prefilling:
-            fed = chunks.get(id(sequence), 0)
-            need += self.sizer.step_need(held(sequence), fed)
+        need = sum(self.sizer.step_need(held(s), chunks.get(id(s), 0)) for s in scheduler.prefilling)
+        rows = []
         for sequence in scheduler.running:
-            fed = 1 + (self.draft_tokens if sequence.speculator is not None else 0)
-            need += self.sizer.step_need(held(sequence), fed)
+            if sequence.speculator is not None:  # decodes on its own caches
+                need += self.sizer.step_need(held(sequence), 1 + self.draft_tokens)
+            else:
+                rows.append(sequence)
+        if rows:  # the batch's buffers never narrow: count their real width
+            members = [s for s in rows if batched(s)]
+            current = sum(c.nbytes for s in members for c in s.cache)
+            row = max(self.sizer.bytes_for(max(held(s) for s in rows) + 1), current // max(1, len(members)))
+            after = len(rows) * row
+            need += after + (current if after > current else 0)  # the old buffers while rewritten
         return need
