@@ -18,19 +18,19 @@ from typing import Any
 import mlx.core as mx
 from prometheus_client import CollectorRegistry
 
-from mlxformer.cache import Cache, CacheSettings, make_cache
+from mlxformer.cache import CacheSettings, make_cache
 from mlxformer.engine.batch_runner import BatchRunner
 from mlxformer.engine.handle import RequestHandle
-from mlxformer.engine.memory import KVBudgetExceeded, KVSizer, MemoryPlanner, held, resolve_budget
+from mlxformer.engine.memory import KVBudgetExceeded, KVSizer, MemoryPlanner, held, nbytes, resolve_budget
 from mlxformer.engine.metrics import EngineMetrics
-from mlxformer.engine.prefix_cache import PrefixCache
-from mlxformer.engine.replay import Replays
-from mlxformer.engine.scheduler import Scheduler, Step
+from mlxformer.engine.prefix_sharing import PrefixSharing
+from mlxformer.engine.prompt_cache import PromptCacheSettings, build_prefix_cache
+from mlxformer.engine.replay import Replays, rewind_caches
+from mlxformer.engine.scheduler import EngineNotRunning, Scheduler, Step
 from mlxformer.engine.speculation import Speculator
 from mlxformer.engine.sequence import (
     GenerationRequest, Sequence, Status, TokenEvent, check_request, choose_rows,
 )
-from mlxformer.errors import MlxformerError
 from mlxformer.sampling import make_distribution
 from mlxformer.speculative import SpeculativeSettings, check_draft, new_proposer
 from mlxformer.steps import default_prefill_step
@@ -38,10 +38,6 @@ from mlxformer.models.decoder import Model
 from mlxformer.tokenizer import Tokenizer
 
 Choice = tuple[Sequence, mx.array, mx.array]  # a sequence, its next token (1,), its log-probabilities (1, vocab)
-
-
-class EngineNotRunning(MlxformerError):
-    """The engine is not running (not started, stopped, or its thread ended): it takes no requests."""
 
 
 class Engine:
@@ -65,6 +61,7 @@ class Engine:
         prefix_cache_bytes: int = 512 * 2**20,
         prefill_chunk: int | None = None,
         speculative: SpeculativeSettings | None = None,
+        prompt_cache: PromptCacheSettings | None = None,
         max_kv_memory: int | str | None = None,
         metrics: CollectorRegistry | None = None,
     ) -> None:
@@ -77,15 +74,22 @@ class Engine:
         # Validate the settings in the caller's thread, and run one token through the model(s)
         # there: MLX arrays made lazily in a thread (weight views, for example) can only be
         # evaluated by that thread, so the engine's thread must find them all evaluated.
-        for warm in (model, speculative.draft_model if speculative is not None else None):
+        for warm in (speculative.draft_model if speculative is not None else None, model):
             if warm is not None:
-                mx.eval(warm.last_logits(mx.array([[0]]), make_cache(warm, self.cache_settings)))
+                probe = make_cache(warm, self.cache_settings)
+                mx.eval(warm.last_logits(mx.array([[0]]), probe))
+        kv_dtype = next(a.dtype for a in probe[0].state if mx.issubdtype(a.dtype, mx.floating))  # the model's
         self.draft_tokens = speculative.num_draft_tokens if speculative is not None else 0
         self.budget = resolve_budget(model, max_kv_memory)
         self.sizer = KVSizer(model, self.cache_settings, self.draft_tokens)
         self.planner = MemoryPlanner(self.sizer, self.budget, self.draft_tokens)
         self.scheduler = Scheduler(max_batch, max_queue, prefill_chunk or default_prefill_step())
-        self.prefix_cache = PrefixCache(prefix_cache_bytes)
+        # ``prompt_cache`` sets the tiers (memory budget, disk directory); without it the memory
+        # tier gets ``prefix_cache_bytes``
+        tiers = prompt_cache or PromptCacheSettings(memory_bytes=prefix_cache_bytes)
+        self.prefix_cache = build_prefix_cache(model, tokenizer, self.cache_settings, tiers, kv_dtype)
+        self.sharing = PrefixSharing(self.prefix_cache, tiers.share_prefills)
+        self.prefilled_tokens = 0  # prompt tokens run through the model (not served by the prefix cache)
         self.runner = BatchRunner(model)
         self.vocab_size = model.args.vocab_size
         self.metrics = EngineMetrics(metrics)
@@ -126,6 +130,7 @@ class Engine:
             for handle in list(self._handles.values()):  # e.g. the loop ended before they were admitted
                 self._end(handle.sequence, "cancelled")
             self.replays.clear()
+            self.prefix_cache.flush()  # the disk tier's writes are done when stop returns
             if self._limits is not None:
                 self.budget.restore(self._limits)  # type: ignore[union-attr]
                 self._limits = None
@@ -170,7 +175,7 @@ class Engine:
         """KV bytes held now: every active sequence's caches (its share of a batch's) and the prefix cache."""
         with self.scheduler.lock:
             active = self.scheduler.prefilling + self.scheduler.running
-        return sum(c.nbytes for s in active for c in s.cache) + self.prefix_cache.nbytes
+        return sum(nbytes(s) for s in active) + self.prefix_cache.nbytes
 
     # --- the loop -------------------------------------------------------------------------
 
@@ -201,6 +206,7 @@ class Engine:
 
     def _fail_all(self, error: BaseException) -> None:
         self.runner.reset()
+        self.sharing.held.clear()
         self.scheduler.clear()
         self.replays.clear()
         for handle in list(self._handles.values()):
@@ -217,11 +223,13 @@ class Engine:
             if sequence.cancelled:
                 self._end(sequence, "cancelled")
         for sequence in self.scheduler.admit(lambda s: self.planner.admissible(self.scheduler, s)):
+            self.sharing.hold(sequence)  # until the blocks it shares with a running prefill are cached
+        for sequence in self.sharing.ready(self.scheduler.prefilling):
             try:
                 self._attach_cache(sequence)
             except Exception as exc:  # e.g. a draft model's cache
                 self._fail(sequence, exc)
-        self._run(self._fit(self.scheduler.plan()))
+        self._run(self._fit(self.scheduler.plan(skip=self.sharing.held)))
 
     # --- memory -------------------------------------------------------------------------
 
@@ -237,7 +245,7 @@ class Engine:
                 self._fail(victim, KVBudgetExceeded("the request outgrew the KV memory budget"))
             else:
                 self._preempt(victim)
-            step = self.scheduler.plan()
+            step = self.scheduler.plan(skip=self.sharing.held)
         if self.prefix_cache.nbytes > room:
             self.prefix_cache.evict_to(room)
         return step
@@ -246,6 +254,8 @@ class Engine:
         """Take ``sequence`` out of the batch to be recomputed when there is room again; its caches
         go to the prefix cache (kept while room allows) unless they cannot be trusted."""
         self.metrics.preemptions.inc()
+        if sequence in self.sharing.held:
+            self.sharing.held.remove(sequence)
         self._unbatch(sequence)
         if keep_cache and held(sequence) > sequence.cached_tokens:  # it computed something worth keeping
             self.prefix_cache.insert(sequence.cache_tokens, sequence.cache)
@@ -303,6 +313,8 @@ class Engine:
                 self._fail(sequence, exc)
                 continue
             sequence.processed += len(chunk.tokens)
+            self.prefilled_tokens += len(chunk.tokens)
+            self.sharing.publish(sequence)
             if logits is None:
                 continue
             self.scheduler.start_decoding(sequence)
@@ -483,12 +495,3 @@ class Engine:
             event = sequence.event("", None)
             self.metrics.event(handle, event)
             handle._put(event)
-
-
-def rewind_caches(cache: list[Cache], offset: int) -> bool:
-    """Trim each layer's cache back to ``offset`` tokens; False if one cannot be."""
-    for layer in cache:
-        extra = int(layer.offset) - offset
-        if extra > 0 and layer.trim(extra) != extra:
-            return False
-    return True

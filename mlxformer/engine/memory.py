@@ -111,11 +111,20 @@ class KVSizer:
         last, before = self.table[-1], self.table[-2]
         return last + (blocks - len(self.table) + 1) * (last - before)
 
-    def step_need(self, held: int, fed: int) -> int:
+    def step_need(self, held: int, fed: int, current: int | None = None) -> int:
         """Bytes while caches holding ``held`` tokens take ``fed`` more: the new buffers, plus the
-        old ones while a growing buffer is rewritten."""
+        old ones while a growing buffer is rewritten. ``current``: the bytes the caches really hold
+        (a cache assembled from prefix blocks is exactly as long as its tokens, and grows by a
+        whole block from there)."""
         after, before = self.bytes_for(held + fed), self.bytes_for(held)
-        return after + (before if after != before else 0)
+        if current is None:
+            return after + (before if after != before else 0)
+        per_token = self.table[1] / BLOCK
+        if fed == 0 or held + fed <= current / per_token:  # fits in the buffers it has
+            return max(after, current)
+        grown_tokens = held + math.ceil(fed / BLOCK) * BLOCK
+        grown = min(int(per_token * grown_tokens), self.bytes_for(grown_tokens))
+        return max(after, grown) + current
 
     def peak(self, tokens: int) -> int:
         """The most a lone sequence needs on its way to ``tokens`` tokens (at its last growth)."""
@@ -168,6 +177,11 @@ def held(sequence: Sequence) -> int:
     return int(sequence.cache[0].offset) if sequence.cache else 0
 
 
+def nbytes(sequence: Sequence) -> int:
+    """Bytes the sequence's caches hold (its share of a batch's buffers)."""
+    return sum(c.nbytes for c in sequence.cache)
+
+
 class MemoryPlanner:
     """What the scheduler's sequences need of the budget: at admission and for each step."""
 
@@ -199,11 +213,11 @@ class MemoryPlanner:
         batch buffer as wide as its longest row ever was (``cache/batch.py``): rows times a row's
         bytes, plus the old buffer while it is rewritten (it grows, or rows join it)."""
         chunks = {id(c.sequence): len(c.tokens) for c in step.prefill}
-        need = sum(self.sizer.step_need(held(s), chunks.get(id(s), 0)) for s in scheduler.prefilling)
+        need = sum(self.sizer.step_need(held(s), chunks.get(id(s), 0), nbytes(s)) for s in scheduler.prefilling)
         rows = []
         for sequence in scheduler.running:
             if sequence.speculator is not None:  # decodes on its own caches
-                need += self.sizer.step_need(held(sequence), 1 + self.draft_tokens)
+                need += self.sizer.step_need(held(sequence), 1 + self.draft_tokens, nbytes(sequence))
             else:
                 rows.append(sequence)
         if rows:  # the batch's buffers never narrow: count their real width

@@ -1,4 +1,5 @@
-"""Replaying a preempted sequence's generated tokens after its caches were recomputed.
+"""Replaying a preempted sequence's generated tokens after its caches were recomputed, and
+rolling caches back after a failed step.
 
 A resumed sequence whose caches hold its prompt and ``generated[:index]`` feeds the rest again,
 one decode step each (the same computation as when it generated them, so its caches and its
@@ -8,6 +9,7 @@ tokens after it wait here; their logits are not used."""
 
 from __future__ import annotations
 
+from mlxformer.cache import Cache
 from mlxformer.engine.sequence import Sequence
 
 
@@ -41,3 +43,12 @@ class Replays:
 
     def clear(self) -> None:
         self._pending.clear()
+
+
+def rewind_caches(cache: list[Cache], offset: int) -> bool:
+    """Trim each layer's cache back to ``offset`` tokens; False if one cannot be."""
+    for layer in cache:
+        extra = int(layer.offset) - offset
+        if extra > 0 and layer.trim(extra) != extra:
+            return False
+    return True

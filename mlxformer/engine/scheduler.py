@@ -8,7 +8,7 @@ import itertools
 import threading
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Container
 
 from mlxformer.engine.sequence import Sequence, Status
 from mlxformer.errors import MlxformerError
@@ -16,6 +16,10 @@ from mlxformer.errors import MlxformerError
 
 class EngineOverloaded(MlxformerError):
     """The engine's waiting queue is full: retry later."""
+
+
+class EngineNotRunning(MlxformerError):
+    """The engine is not running (not started, stopped, or its thread ended): it takes no requests."""
 
 
 @dataclass
@@ -91,15 +95,18 @@ class Scheduler:
                 self._arrival.pop(id(sequence), None)
         return dropped
 
-    def plan(self) -> Step:
+    def plan(self, skip: Container[Sequence] = ()) -> Step:
         """This step's work: every running sequence decodes one token, and newcomers' next
         prompt chunks run, oldest first, within ``prefill_chunk`` tokens (the oldest always).
 
         A prompt is cut as ``prefill`` cuts it alone (full chunks, then the rest), so that its
-        computation, and hence its output, is the same as when it runs alone."""
+        computation, and hence its output, is the same as when it runs alone. Sequences in
+        ``skip`` (waiting for a shared prefix) get no chunk."""
         step = Step(decode=list(self.running))
         budget = self.prefill_chunk
         for sequence in self.prefilling:
+            if sequence in skip:
+                continue
             remaining = len(sequence.prompt) - sequence.processed
             size = self.prefill_chunk if remaining > self.prefill_chunk else remaining
             if step.prefill and size > budget:
