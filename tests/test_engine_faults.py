@@ -87,10 +87,10 @@ def poison(stage: str, engine: Engine, monkeypatch) -> None:
     if stage == "prefill":
         real_prefill = runner.prefill
 
-        def prefill(tokens, cache, want_logits, prompt_length=None):
+        def prefill(tokens, *args):
             if POISON in tokens:
                 raise RuntimeError("injected prefill fault")
-            return real_prefill(tokens, cache, want_logits, prompt_length)
+            return real_prefill(tokens, *args)
 
         monkeypatch.setattr(runner, "prefill", prefill)
     elif stage == "decode":

@@ -84,8 +84,7 @@ class Engine:
         self.sizer = KVSizer(model, self.cache_settings, self.draft_tokens)
         self.planner = MemoryPlanner(self.sizer, self.budget, self.draft_tokens)
         self.scheduler = Scheduler(max_batch, max_queue, prefill_chunk or default_prefill_step())
-        # ``prompt_cache`` sets the tiers (memory budget, disk directory); without it the memory
-        # tier gets ``prefix_cache_bytes``
+        # ``prompt_cache``: the tiers (memory budget, disk directory); else memory of ``prefix_cache_bytes``
         tiers = prompt_cache or PromptCacheSettings(memory_bytes=prefix_cache_bytes)
         self.prefix_cache = build_prefix_cache(model, tokenizer, self.cache_settings, tiers, kv_dtype)
         self.sharing = PrefixSharing(self.prefix_cache, tiers.share_prefills)
@@ -204,7 +203,7 @@ class Engine:
             except Exception as exc:  # a fault outside any one sequence: fail those in flight, keep serving
                 self._fail_all(exc)
 
-    def _fail_all(self, error: BaseException) -> None:
+    def _fail_all(self, error: BaseException) -> None:  # every request in flight, with ``error``
         self.runner.reset()
         self.sharing.held.clear()
         self.scheduler.clear()
@@ -246,16 +245,14 @@ class Engine:
             else:
                 self._preempt(victim)
             step = self.scheduler.plan(skip=self.sharing.held)
-        if self.prefix_cache.nbytes > room:
-            self.prefix_cache.evict_to(room)
+        self.prefix_cache.evict_to(room)
         return step
 
     def _preempt(self, sequence: Sequence, keep_cache: bool = True) -> None:
         """Take ``sequence`` out of the batch to be recomputed when there is room again; its caches
         go to the prefix cache (kept while room allows) unless they cannot be trusted."""
         self.metrics.preemptions.inc()
-        if sequence in self.sharing.held:
-            self.sharing.held.remove(sequence)
+        self.sharing.held[:] = [s for s in self.sharing.held if s is not sequence]
         self._unbatch(sequence)
         if keep_cache and held(sequence) > sequence.cached_tokens:  # it computed something worth keeping
             self.prefix_cache.insert(sequence.cache_tokens, sequence.cache)
@@ -271,7 +268,8 @@ class Engine:
         """Give an admitted sequence its caches: a prefix-cache copy when one serves, else new.
         A preempted one looks up everything it had; what is missing it recomputes."""
         resumed = bool(sequence.generated)
-        hit = self.prefix_cache.lookup(sequence.tokens if resumed else sequence.prompt)
+        scoring = sequence.prompt_scores is not None and not resumed  # scores need every position
+        hit = None if scoring else self.prefix_cache.lookup(sequence.tokens if resumed else sequence.prompt)
         sequence.cache, cached = hit if hit is not None else (make_cache(self.model, self.cache_settings), 0)
         sequence.processed = min(cached, len(sequence.prompt))
         if resumed:
@@ -308,7 +306,8 @@ class Engine:
         for chunk in step.prefill:
             sequence = chunk.sequence
             try:
-                logits = self.runner.prefill(chunk.tokens, sequence.cache, chunk.last, len(sequence.prompt))
+                logits = self.runner.prefill(chunk.tokens, sequence.cache, chunk.last, len(sequence.prompt),
+                                             sequence.prompt_scores, sequence.processed)
             except Exception as exc:
                 self._fail(sequence, exc)
                 continue
