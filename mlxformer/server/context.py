@@ -6,13 +6,14 @@ from __future__ import annotations
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable, TypeVar
+from typing import AsyncIterator, Callable, TypeVar
 
 from mlxformer.engine import Engine, EngineNotRunning, EngineOverloaded, GenerationRequest
 from mlxformer.errors import MlxformerError
 from mlxformer.server.errors import APIError
 from mlxformer.server.responses import TokenStrings
-from mlxformer.server.streaming import InFlight, Lease
+from mlxformer.server.sse import SSE_PING_SECONDS, keepalive, prompt_progress
+from mlxformer.server.streaming import EventStream, InFlight, Lease
 from mlxformer.server.translate import ServedModel
 
 T = TypeVar("T")
@@ -31,6 +32,16 @@ class ServerContext:
     pool: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="mlxformer-prepare")
     )
+    sse_ping_seconds: float | None = SSE_PING_SECONDS  # keep-alive comments after this long without data
+
+    def event_stream(
+        self, chunks: AsyncIterator[str], lease: Lease, progress: Callable[[dict[str, int]], str] | None = None
+    ) -> EventStream:
+        """The SSE response of every streaming route: ``chunks`` with keep-alive comments while
+        none comes (a long prefill) and, when ``progress`` is given (the request asked for
+        ``return_progress``), the prompt's progress as the events it makes (``server/sse.py``)."""
+        poll = prompt_progress(lease.handle, progress) if progress is not None else None
+        return EventStream(keepalive(chunks, self.sse_ping_seconds, poll), lease)
 
     async def prepare(self, work: Callable[[], T]) -> T:
         """Run ``work`` (CPU-bound request preparation) on the bounded pool, not on the event loop."""
