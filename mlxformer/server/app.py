@@ -89,9 +89,11 @@ def create_app(
     async def index() -> HTMLResponse:
         return HTMLResponse(chat_page(), headers={"Content-Security-Policy": PAGE_SECURITY_POLICY})
 
-    @app.get("/health", responses=error_responses(GUARDED))
-    async def health() -> dict[str, object]:
-        return {"status": "ok", "model": served.name, "running": ctx.inflight.count}
+    @app.get("/health", responses=error_responses((*GUARDED, 503)))
+    async def health() -> JSONResponse:
+        if not engine.running:
+            return JSONResponse(error_body("the engine is not running", "server_error", None, "engine_not_running"), 503)
+        return JSONResponse({"status": "ok", "model": served.name, "running": ctx.inflight.count})
 
     install_openapi(app)
     if openapi:

@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable, TypeVar
 
-from mlxformer.engine import Engine, EngineOverloaded, GenerationRequest
+from mlxformer.engine import Engine, EngineNotRunning, EngineOverloaded, GenerationRequest
 from mlxformer.errors import MlxformerError
 from mlxformer.server.errors import APIError
 from mlxformer.server.responses import TokenStrings
@@ -48,8 +48,8 @@ class ServerContext:
         return await asyncio.get_running_loop().run_in_executor(self.pool, work)
 
     def submit(self, request: GenerationRequest) -> Lease:
-        """Queue ``request``: 429 with ``Retry-After`` when the engine's queue is full, 400 when
-        the engine refuses it."""
+        """Queue ``request``: 429 with ``Retry-After`` when the engine's queue is full, 503 when it
+        is not running, 400 when it refuses the request (its KV cache can never fit, for one)."""
         try:
             handle = self.engine.submit(request)
         except EngineOverloaded as exc:
@@ -57,6 +57,8 @@ class ServerContext:
                 f"the server is busy ({exc}); retry later", 429, "rate_limit_error", None, "queue_full",
                 headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
             ) from exc
+        except EngineNotRunning as exc:
+            raise APIError(str(exc), 503, "server_error", None, "engine_not_running") from exc
         except MlxformerError as exc:
             raise APIError(str(exc), 400) from exc
         return Lease(handle, self.inflight)
