@@ -73,12 +73,12 @@ class DecodingState:
         if not prompt:
             raise MlxformerError("empty prompt: nothing to generate from")
         check_integer("max_tokens", max_tokens, low=1)
-        self.tokens = [int(t) for t in prompt]
-        self.prompt_length = len(self.tokens)
+        self.prompt = [int(t) for t in prompt]
+        self.generated: list[int] = []  # (the engine's replay edits it in place)
         self.max_tokens = max_tokens
         self.sampling = sampling
         self.sampler = make_sampler(sampling.temp, sampling.top_p, sampling.top_k, sampling.min_p)
-        self.processors = make_logits_processors(sampling, self.prompt_length)
+        self.processors = make_logits_processors(sampling, len(self.prompt))
         self.seed = sampling.seeded().seed
         self.key: mx.array | None = None  # made on first use (in the thread that decodes)
         self.constraint = constraint
@@ -92,16 +92,17 @@ class DecodingState:
     # --- tokens -------------------------------------------------------------------------
 
     @property
-    def prompt(self) -> list[int]:
-        return self.tokens[: self.prompt_length]
+    def tokens(self) -> list[int]:
+        """Prompt then generated tokens."""
+        return self.prompt + self.generated
 
     @property
-    def generated(self) -> list[int]:
-        return self.tokens[self.prompt_length :]
+    def prompt_length(self) -> int:
+        return len(self.prompt)
 
     @property
     def last_token(self) -> int:
-        return self.tokens[-1]
+        return self.generated[-1] if self.generated else self.prompt[-1]
 
     @property
     def cache_offset(self) -> int:
@@ -116,7 +117,7 @@ class DecodingState:
     @property
     def room(self) -> int:
         """Tokens still allowed before ``max_tokens``."""
-        return self.max_tokens - (len(self.tokens) - self.prompt_length)
+        return self.max_tokens - len(self.generated)
 
     @property
     def finished(self) -> bool:
@@ -172,7 +173,7 @@ class DecodingState:
         ``finish``es the sequence when a stop condition is met."""
         if self.finished:
             raise MlxformerError("the sequence has already finished")
-        self.tokens.append(int(token))
+        self.generated.append(int(token))
         if self.constraint is not None:
             self.constraint.advance(token)
         if token in self.eos:
@@ -233,7 +234,7 @@ class DecodingState:
         ``tokens[:-1]`` (rejected or unused proposals; a token fed past a stop)."""
         if self.speculator is not None:
             self.speculator.round = None
-        extra = self.cache_offset - (len(self.tokens) - 1)
+        extra = self.cache_offset - (len(self.prompt) + len(self.generated) - 1)
         if extra <= 0 or not self.cache:
             return
         if self.speculator is not None or extra > 1:

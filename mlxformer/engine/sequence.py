@@ -10,6 +10,7 @@ from typing import Sequence as Seq
 import mlx.core as mx
 
 from mlxformer.decoding import DecodingState
+from mlxformer.engine.prompt_scores import PromptScores
 from mlxformer.errors import MlxformerError
 from mlxformer.options import SamplingSettings, check_integer
 from mlxformer.sampling import TokenConstraint
@@ -31,6 +32,7 @@ class GenerationRequest:
     sampling: SamplingSettings = SamplingSettings()
     stop: Seq[str] = ()
     logprobs: int | None = None
+    prompt_logprobs: int | None = None  # k >= 0: also score the prompt's tokens (k alternatives each)
     constraint: TokenConstraint | None = None
     speculate: bool = True  # decode speculatively when the engine has speculative settings (not with a constraint)
 
@@ -70,6 +72,8 @@ def check_request(request: GenerationRequest, vocab_size: int) -> None:
     request.sampling.check_vocabulary(vocab_size)
     if request.logprobs is not None:
         check_integer("logprobs", request.logprobs, low=0)
+    if request.prompt_logprobs is not None:
+        check_integer("prompt_logprobs", request.prompt_logprobs, low=0)
 
 
 class Sequence(DecodingState):
@@ -85,6 +89,8 @@ class Sequence(DecodingState):
         self.cached_tokens = 0  # prompt tokens reused from the prefix cache
         self.processed = 0  # prompt tokens already in the cache
         self.cancelled = False
+        k = request.prompt_logprobs
+        self.prompt_scores = PromptScores(self.prompt, k) if k is not None else None  # filled during prefill
 
     def accept(self, token: int, logprob: float | None, top: list[tuple[int, float]] | None) -> TokenEvent:
         """Record the chosen ``token`` and return its event (finished when a stop condition hit)."""
@@ -103,6 +109,11 @@ class Sequence(DecodingState):
             prompt_tokens=self.prompt_length, completion_tokens=len(self.generated), cached_tokens=self.cached_tokens,
             proposed_tokens=stats.proposed, accepted_tokens=stats.accepted, incomplete=self.incomplete,
         )
+
+    @property
+    def speculative_stats(self) -> SpeculativeStats | None:
+        """Proposed and accepted tokens so far (None when the sequence does not speculate)."""
+        return self.speculator.stats if self.speculator is not None else None
 
 
 def choose_rows(sequences: Seq[Sequence], logits: mx.array) -> list[tuple[mx.array, mx.array]]:
