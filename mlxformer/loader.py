@@ -74,11 +74,12 @@ def _more(names: list[str]) -> str:
 
 
 def build_model(
-    config: dict[str, Any], weights: dict[str, mx.array], num_layers: int | None = None, with_ends: bool = True
+    config: dict[str, Any], weights: dict[str, mx.array], num_layers: int | None = None, with_ends: bool = True,
+    first_layer: int = 0,
 ) -> Model:
     """Instantiate the decoder for ``config`` and load checked ``weights`` into it
-    (``num_layers``/``with_ends``: one pipeline stage, see ``Model``)."""
-    model = Model(ModelArgs.from_dict(config), num_layers, with_ends)
+    (``num_layers``/``with_ends``/``first_layer``: one pipeline stage, see ``Model``)."""
+    model = Model(ModelArgs.from_dict(config), num_layers, with_ends, first_layer)
     weights = model.sanitize(weights)
     quantization = quantization_of(config)
     if quantization:

@@ -115,6 +115,7 @@ def _gguf_footprint(path: Path) -> Footprint:
     header = read_gguf_header(path)
     config = config_from_metadata(header.metadata, {t.name for t in header.tensors})
     types = {t.name: t.type_name for t in header.tensors}
+    arch = str(header.metadata.get("general.architecture"))
     entries, float_bytes = [], 4
     for t in header.tensors:
         if t.name == "rope_freqs.weight":  # rope frequency factors: config, not a weight
@@ -124,8 +125,8 @@ def _gguf_footprint(path: Path) -> Footprint:
             loaded = t.nbytes
             if len(t.shape) == 2:
                 float_bytes = t.nbytes // max(t.size, 1)
-        entries.append(TensorEntry(_hf_name(t.name), t.shape, loaded))
-    return Footprint(ModelArgs.from_dict(config), entries, bool(_quantization_config(types)), float_bytes)
+        entries.append(TensorEntry(_hf_name(t.name, arch), t.shape, loaded))
+    return Footprint(ModelArgs.from_dict(config), entries, bool(_quantization_config(types, arch)), float_bytes)
 
 
 def _safetensors_footprint(directory: Path) -> Footprint:

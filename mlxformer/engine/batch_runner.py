@@ -40,9 +40,11 @@ class BatchedLayerCache:
         fetched = [c.update_and_fetch(keys[i : i + 1], values[i : i + 1]) for i, c in enumerate(self.caches)]
         return [k for k, _ in fetched], [v for _, v in fetched]
 
-    def attention(self, queries: mx.array, keys: Any, values: Any, scale: float, mask: Mask) -> mx.array:
+    def attention(
+        self, queries: mx.array, keys: Any, values: Any, scale: float, mask: Mask, softcap: float | None = None
+    ) -> mx.array:
         rows = [
-            c.attention(queries[i : i + 1], keys[i], values[i], scale, self._masks[i])
+            c.attention(queries[i : i + 1], keys[i], values[i], scale, self._masks[i], softcap)
             for i, c in enumerate(self.caches)
         ]
         return mx.concatenate(rows, axis=0)  # (B, n_heads, L, head_dim)
@@ -68,7 +70,6 @@ class BatchRunner:
 
     def __init__(self, model: Model) -> None:
         self.model = model
-        self.window = model.args.sliding_window
 
     def prefill(self, tokens: Sequence[int], cache: Sequence[Cache], want_logits: bool) -> mx.array | None:
         """Run one prompt chunk through one sequence's caches; the last position's logits
@@ -90,5 +91,5 @@ class BatchRunner:
         inputs = mx.array(tokens)[:, None]  # (B, 1)
         if len(caches) == 1:  # alone: exactly the single-stream path
             return self.model.last_logits(inputs, caches[0])
-        layers = [BatchedLayerCache(layer, self.window) for layer in zip(*caches)]
+        layers = [BatchedLayerCache(layer_caches, layer.window) for layer, layer_caches in zip(self.model.layers, zip(*caches))]
         return self.model.last_logits(inputs, layers)

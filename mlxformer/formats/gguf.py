@@ -20,6 +20,7 @@ import numpy as np
 from mlxformer.errors import MlxformerError
 from mlxformer.formats.gguf_quants import EXACT_TYPES, FLOAT_DECODED_TYPES, GROUP_SIZE, decode_codes, \
     decode_values, requantize
+from mlxformer.formats.gguf_families import GGUF_ARCHITECTURES, NORM_SHIFTED_ARCHS, arch_config
 from mlxformer.formats.gguf_reader import GGUFFile, TensorInfo, read_gguf
 
 FLOAT_TYPES = ("F32", "F16", "BF16")
@@ -42,7 +43,7 @@ def loaded_nbytes(type_name: str, size: int) -> int | None:
     scale_bytes = 2 if type_name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0") else 4
     return size * bits // 8 + size // GROUP_SIZE * 2 * scale_bytes
 
-SUPPORTED_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+SUPPORTED_ARCHITECTURES = GGUF_ARCHITECTURES
 
 # llama.cpp tensor name -> HF name; {i} is the layer index.
 TENSOR_NAME_MAP = {
@@ -61,6 +62,26 @@ TENSOR_NAME_MAP = {
     "blk.{i}.ffn_up": "model.layers.{i}.mlp.up_proj",
     "blk.{i}.ffn_down": "model.layers.{i}.mlp.down_proj",
 }
+_SANDWICH_NORMS = {
+    "blk.{i}.post_attention_norm": "model.layers.{i}.post_attention_layernorm",
+    "blk.{i}.ffn_norm": "model.layers.{i}.pre_feedforward_layernorm",
+    "blk.{i}.post_ffw_norm": "model.layers.{i}.post_feedforward_layernorm",
+}
+# Per-architecture rows, added to (or replacing) ``TENSOR_NAME_MAP``.
+ARCH_TENSOR_NAMES: dict[str, dict[str, str]] = {
+    "gemma2": _SANDWICH_NORMS,
+    "gemma3": _SANDWICH_NORMS,
+    "olmo2": {  # norms after the sublayers only
+        "blk.{i}.post_attention_norm": "model.layers.{i}.post_attention_layernorm",
+        "blk.{i}.post_ffw_norm": "model.layers.{i}.post_feedforward_layernorm",
+    },
+    "phi3": {  # fused projections, as Phi-3 checkpoints store them
+        "blk.{i}.attn_qkv": "model.layers.{i}.self_attn.qkv_proj",
+        "blk.{i}.ffn_up": "model.layers.{i}.mlp.gate_up_proj",
+    },
+}
+# Architectures whose Q/K rows llama.cpp's converter permuted (its LlamaModel and subclasses).
+PERMUTED_QK_ARCHS = ("llama", "granite", "smollm3")
 _LAYER_NAME = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 def _meta(metadata: dict[str, Any], key: str, default: Any = None) -> Any:
@@ -74,11 +95,13 @@ def config_from_metadata(metadata: dict[str, Any], tensor_names: set[str]) -> di
     """An HF ``config.json`` dict from GGUF metadata (as returned by ``read_gguf``)."""
     arch = _meta(metadata, "general.architecture")
     if not isinstance(arch, str) or arch not in SUPPORTED_ARCHITECTURES:
-        raise MlxformerError(f"unsupported GGUF architecture {arch!r} (supported: llama, qwen2, qwen3)")
+        raise MlxformerError(f"unsupported GGUF architecture {arch!r} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
 
-    def field(name: str, default: Any = None) -> Any:
-        value = _meta(metadata, f"{arch}.{name}", default)
+    def field(name: str, default: Any = ...) -> Any:
+        value = _meta(metadata, f"{arch}.{name}", None if default is ... else default)
         if value is None:
+            if default is None:
+                return None
             raise MlxformerError(f"GGUF metadata is missing {arch}.{name}")
         if not isinstance(value, (int, float)) or value != value or abs(value) == float("inf"):
             raise MlxformerError(f"GGUF metadata {arch}.{name} is not a finite number: {str(value)[:50]!r}")
@@ -113,6 +136,7 @@ def config_from_metadata(metadata: dict[str, Any], tensor_names: set[str]) -> di
         config["rope_scaling"] = {"rope_type": "linear", "factor": float(field("rope.scaling.factor"))}
     if arch == "qwen2":
         config["attention_bias"] = True
+    config.update(arch_config(arch, field, config))
     _check_against_tensors(config, tensor_names)
     return config
 
@@ -130,14 +154,15 @@ def _check_against_tensors(config: dict[str, Any], tensor_names: set[str]) -> No
                              f"tensors for {len(layers)} (indices up to {max(layers, default=-1)})")
 
 
-def _hf_name(gguf_name: str) -> str:
+def _hf_name(gguf_name: str, arch: str = "llama") -> str:
     """Map ``blk.3.attn_q.weight`` to ``model.layers.3.self_attn.q_proj.weight``; unknown names raise."""
     stem, _, suffix = gguf_name.rpartition(".")
     layer = _LAYER_NAME.match(stem)
     pattern, index = (f"blk.{{i}}.{layer.group(2)}", layer.group(1)) if layer else (stem, None)
-    if pattern not in TENSOR_NAME_MAP:
-        raise MlxformerError(f"GGUF tensor {gguf_name!r} has no mapping to this decoder")
-    return TENSOR_NAME_MAP[pattern].format(i=index) + "." + suffix
+    table = {**TENSOR_NAME_MAP, **ARCH_TENSOR_NAMES.get(arch, {})}
+    if pattern not in table:
+        raise MlxformerError(f"GGUF tensor {gguf_name!r} has no mapping to this decoder (architecture {arch})")
+    return table[pattern].format(i=index) + "." + suffix
 
 
 def _unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -217,24 +242,27 @@ def load_gguf(
     gguf = read_gguf(path)
     tensors = dict(gguf.tensors)
     rope_freqs = tensors.pop("rope_freqs.weight", None)
+    arch = str(_meta(gguf.metadata, "general.architecture"))
     for name, info in tensors.items():  # fail on an unknown name or type before decoding anything
-        _hf_name(name)
+        _hf_name(name, arch)
         if info.type_name not in SUPPORTED_TYPES:
             _decode(gguf, info, None)
     config = config_from_metadata(gguf.metadata, set(tensors))
     if rope_freqs is not None:
         config["rope_scaling"] = {"rope_type": "freq_factors", "factor": 1.0,
                                   "freq_factors": [float(f) for f in _rope_factors(gguf, rope_freqs)]}
-    permute = config["model_type"] == "llama"  # llama.cpp permutes Q/K only for the llama architecture
+    permute = arch in PERMUTED_QK_ARCHS
     heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
     weights: dict[str, mx.array] = {}
     for gguf_name, info in tensors.items():
-        name = _hf_name(gguf_name)
+        name = _hf_name(gguf_name, arch)
         if wanted is not None and not wanted(name):
             continue
         module, suffix = name.rsplit(".", 1)
         proj = module.rsplit(".", 1)[-1]
         arrays, bits = _decode(gguf, info, heads.get(proj) if permute else None)
+        if arch in NORM_SHIFTED_ARCHS and name.endswith("norm.weight"):
+            arrays["weight"] = arrays["weight"] - 1  # the converter stored 1 + weight
         if piece is not None:
             keys = {key: f"{module}.{key}" if bits else name for key in arrays}
             arrays = {key: mx.contiguous(piece(keys[key], value)) for key, value in arrays.items()}
@@ -245,7 +273,7 @@ def load_gguf(
             weights.update({f"{module}.{key}": value for key, value in arrays.items()})
         else:
             weights[name] = arrays["weight"]
-    quantization = _quantization_config({name: info.type_name for name, info in tensors.items()})
+    quantization = _quantization_config({name: info.type_name for name, info in tensors.items()}, arch)
     if quantization:
         config["quantization"] = quantization
     return config, weights, gguf.metadata
@@ -261,10 +289,10 @@ def _rope_factors(gguf: GGUFFile, info: TensorInfo) -> np.ndarray:
     return factors
 
 
-def _quantization_config(types: dict[str, str]) -> dict[str, Any]:
+def _quantization_config(types: dict[str, str], arch: str = "llama") -> dict[str, Any]:
     """mlx-lm style ``quantization`` entry from GGUF tensor types: the most common bits as
     default, others per layer."""
-    module_bits = {_hf_name(n).rsplit(".", 1)[0]: QUANT_BITS[t] for n, t in types.items()
+    module_bits = {_hf_name(n, arch).rsplit(".", 1)[0]: QUANT_BITS[t] for n, t in types.items()
                    if t in QUANT_BITS and n != "rope_freqs.weight"}
     if not module_bits:
         return {}

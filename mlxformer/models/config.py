@@ -1,11 +1,13 @@
 """The frozen model configuration that drives the one decoder.
 
-Every supported family (Llama 1-3.2, Mistral, Qwen2/2.5, Qwen3, SmolLM, TinyLlama) is a
-set of field values here, read from an HF ``config.json`` dict or from GGUF metadata.
+Every supported family (Llama 1-3.2, Mistral, Qwen2/2.5, Qwen3, SmolLM, TinyLlama, Gemma 1-3,
+Phi-3/3.5/4, Granite, OLMo 2, SmolLM3) is a set of field values here, read from an HF
+``config.json`` dict (``models.families`` maps each family's keys) or from GGUF metadata.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,8 +18,9 @@ from mlxformer.errors import MlxformerError
 # Floating dtypes users may name on the command line or in the API.
 FLOAT_DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "freq_factors")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "freq_factors", "longrope")
+# Older spellings of rope types.
+_ROPE_ALIASES = {"su": "longrope"}
 
 # Keys of a config.json that change the math but that this decoder does not implement.
 _UNSUPPORTED_TRUE_FLAGS = ("use_sliding_window",)
@@ -35,6 +38,11 @@ class RopeConfig:
     original_max_position_embeddings: int = 8192
     # Per-dimension period multipliers (llama.cpp's ``rope_freqs`` tensor), only for type "freq_factors".
     freq_factors: tuple[float, ...] = ()
+    # LongRoPE (Phi-3.5, Phi-4-mini): per-dimension period multipliers used up to / past
+    # ``original_max_position_embeddings``, and the factor the rotated features are scaled by.
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    attention_factor: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -58,15 +66,48 @@ class ModelArgs:
     mlp_bias: bool = False
     qk_norm: bool = False
     sliding_window: int | None = None
+    # --- family switches; the defaults are Llama's ---
+    hidden_act: str = "silu"  # the MLP gate: "silu" (SwiGLU) or "gelu_tanh" (GeGLU, Gemma)
+    mlp_type: str = "dense"  # a key of ``models.mlp.MLP_TYPES``
+    fused_qkv: bool = False  # one ``qkv_proj`` (Phi-3) instead of q/k/v projections
+    fused_gate_up: bool = False  # one ``gate_up_proj`` (Phi-3) instead of gate/up projections
+    norm_offset: float = 0.0  # RMSNorm scales by ``norm_offset + weight`` (Gemma: 1)
+    norm_layout: str = "pre"  # a key of ``models.norms.NORM_LAYOUTS``: pre, sandwich (Gemma 2/3), post (OLMo 2)
+    qk_norm_scope: str = "head"  # q/k RMSNorm per head (Qwen3, Gemma 3) or over the whole projection (OLMo 2)
+    attention_scale: float | None = None  # None: head_dim**-0.5 (Gemma: query_pre_attn_scalar**-0.5)
+    attn_logit_softcap: float | None = None  # Gemma 2: scores -> cap * tanh(scores / cap)
+    final_logit_softcap: float | None = None  # Gemma 2: the same on the output logits
+    # Per layer "sliding" or "full" (Gemma 2/3); empty: every layer uses ``sliding_window``.
+    layer_types: tuple[str, ...] = ()
+    rope_local: RopeConfig | None = None  # the RoPE of sliding layers, when it differs (Gemma 3)
+    rope_layers: tuple[bool, ...] = ()  # per layer, whether it applies RoPE (SmolLM3); empty: all do
+    partial_rotary_factor: float = 1.0  # the share of each head's features that is rotated
+    embedding_scale: float = 1.0  # Gemma: sqrt(hidden); Granite: embedding_multiplier
+    residual_scale: float = 1.0  # Granite: each sublayer's output is scaled before the residual add
+    logits_scale: float = 1.0  # Granite: 1 / logits_scaling
+
+    def layer_window(self, index: int) -> int | None:
+        """The sliding window layer ``index`` attends with (None: the whole context)."""
+        if not self.layer_types or self.layer_types[index] == "sliding":
+            return self.sliding_window
+        return None
+
+    def layer_rope(self, index: int) -> RopeConfig | None:
+        """The RoPE settings of layer ``index`` (None: the layer has no rotary embedding)."""
+        if self.rope_layers and not self.rope_layers[index]:
+            return None
+        if self.rope_local is not None and self.layer_types and self.layer_types[index] == "sliding":
+            return self.rope_local
+        return self.rope
 
     @classmethod
     def from_dict(cls, config: dict[str, Any]) -> "ModelArgs":
         """Build the args from an HF/mlx-lm ``config.json`` dict; unsupported settings raise."""
+        from mlxformer.models.families import FAMILIES, family_fields
+
         model_type = config.get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise MlxformerError(
-                f"unsupported model_type {model_type!r} (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
-            )
+        if model_type not in FAMILIES:
+            raise MlxformerError(f"unsupported model_type {model_type!r} (supported: {', '.join(FAMILIES)})")
         for flag in _UNSUPPORTED_TRUE_FLAGS:
             if config.get(flag):
                 raise MlxformerError(f"unsupported config setting {flag}=true for {model_type}")
@@ -75,8 +116,7 @@ class ModelArgs:
             heads = int(config["num_attention_heads"])
             head_dim = config.get("head_dim") or hidden // heads
             attention_bias = bool(config.get("attention_bias", False))
-            is_qwen2 = model_type == "qwen2"
-            return cls(
+            fields: dict[str, Any] = dict(
                 model_type=model_type,
                 hidden_size=hidden,
                 num_hidden_layers=int(config["num_hidden_layers"]),
@@ -89,14 +129,13 @@ class ModelArgs:
                 rope=rope_config_from_dict(config),
                 max_position_embeddings=int(config.get("max_position_embeddings") or 4096),
                 tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-                # Qwen2 always has q/k/v biases and never an o_proj bias; Llama-style
-                # ``attention_bias`` covers all four projections.
-                qkv_bias=True if is_qwen2 else attention_bias,
-                o_proj_bias=False if is_qwen2 else attention_bias,
+                # Llama-style ``attention_bias`` covers all four projections.
+                qkv_bias=attention_bias,
+                o_proj_bias=attention_bias,
                 mlp_bias=bool(config.get("mlp_bias", False)),
-                qk_norm=model_type == "qwen3",
-                sliding_window=_sliding_window(config),
             )
+            fields.update(family_fields(config, fields))
+            return cls(**fields)
         except KeyError as exc:
             raise MlxformerError(f"config.json is missing required key {exc.args[0]!r}") from None
 
@@ -104,7 +143,7 @@ class ModelArgs:
         """An HF-style ``config.json`` dict that ``from_dict`` reads back to equal args."""
         config: dict[str, Any] = {
             "model_type": self.model_type,
-            "architectures": [_ARCHITECTURES[self.model_type]],
+            "architectures": [ARCHITECTURES[self.model_type]],
             "hidden_size": self.hidden_size,
             "num_hidden_layers": self.num_hidden_layers,
             "intermediate_size": self.intermediate_size,
@@ -117,7 +156,7 @@ class ModelArgs:
             "tie_word_embeddings": self.tie_word_embeddings,
             "rope_theta": self.rope.theta,
             "rope_scaling": rope_scaling_dict(self.rope),
-            "hidden_act": "silu",
+            "hidden_act": "silu" if self.hidden_act == "silu" else "gelu_pytorch_tanh",
         }
         if self.model_type != "qwen2":
             config["attention_bias"] = self.o_proj_bias
@@ -128,44 +167,62 @@ class ModelArgs:
         return config
 
 
-_ARCHITECTURES = {
+ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma": "GemmaForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "granite": "GraniteForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
+    "smollm3": "SmolLM3ForCausalLM",
 }
 
 
-def _sliding_window(config: dict[str, Any]) -> int | None:
-    # Qwen2 configs carry a sliding_window value that is inactive unless use_sliding_window is set.
-    if config.get("model_type") != "mistral":
-        return None
-    window = config.get("sliding_window")
-    return int(window) if window else None
-
-
-def rope_config_from_dict(config: dict[str, Any]) -> RopeConfig:
-    """Normalize ``rope_theta``/``rope_scaling`` (classic) or ``rope_parameters`` (transformers 5)."""
+def rope_config_from_dict(config: dict[str, Any], layer_type: str = "full_attention") -> RopeConfig:
+    """Normalize ``rope_theta``/``rope_scaling`` (classic) or ``rope_parameters`` (transformers 5;
+    Gemma 3's is keyed by layer type, ``layer_type`` picks one)."""
     params = dict(config.get("rope_parameters") or {})
+    if isinstance(params.get(layer_type), dict):
+        params = dict(params[layer_type])
     scaling = dict(config.get("rope_scaling") or {})
     theta = config.get("rope_theta", params.get("rope_theta", 10000.0))
     merged = {**params, **scaling}
     rope_type = merged.get("rope_type") or merged.get("type") or "default"
+    rope_type = _ROPE_ALIASES.get(rope_type, rope_type)
     if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise MlxformerError(f"unsupported rope type {rope_type!r} (supported: default, linear, dynamic, llama3)")
+        raise MlxformerError(f"unsupported rope type {rope_type!r} (supported: default, linear, dynamic, llama3, longrope)")
     factor = float(merged.get("factor", 1.0))
     if rope_type in ("linear", "dynamic", "llama3") and "factor" not in merged:
         raise MlxformerError(f"rope type {rope_type!r} needs a 'factor'")
+    original = int(
+        merged.get("original_max_position_embeddings") or config.get("original_max_position_embeddings")
+        or config.get("max_position_embeddings") or 8192
+    )
+    short = tuple(float(f) for f in merged.get("short_factor") or ())
+    long = tuple(float(f) for f in merged.get("long_factor") or ())
+    attention_factor = 1.0
+    if rope_type == "longrope":
+        if not short or len(short) != len(long):
+            raise MlxformerError("rope type 'longrope' needs short_factor and long_factor lists of one length")
+        # transformers: the context ratio, and sqrt(1 + log(ratio) / log(original)) when it grows
+        ratio = float(merged.get("factor") or int(config.get("max_position_embeddings") or original) / original)
+        attention_factor = float(merged.get("attention_factor") or (
+            math.sqrt(1 + math.log(ratio) / math.log(original)) if ratio > 1 else 1.0))
     return RopeConfig(
         theta=float(theta),
         type=rope_type,
         factor=factor,
         low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
         high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=int(
-            merged.get("original_max_position_embeddings") or config.get("max_position_embeddings") or 8192
-        ),
+        original_max_position_embeddings=original,
         freq_factors=tuple(float(f) for f in merged.get("freq_factors", ())),
+        short_factor=short,
+        long_factor=long,
+        attention_factor=attention_factor,
     )
 
 
@@ -182,4 +239,8 @@ def rope_scaling_dict(rope: RopeConfig) -> dict[str, Any] | None:
         )
     if rope.type == "freq_factors":
         scaling["freq_factors"] = list(rope.freq_factors)
+    if rope.type == "longrope":
+        del scaling["factor"]
+        scaling.update(short_factor=list(rope.short_factor), long_factor=list(rope.long_factor),
+                       original_max_position_embeddings=rope.original_max_position_embeddings)
     return scaling
