@@ -18,7 +18,7 @@ import pytest
 import torch
 from mlx.utils import tree_flatten
 
-from conftest import cpu_default_device, write_byte_tokenizer, write_tiny_checkpoint
+from conftest import cpu_default_device, log_softmax, max_diff, write_byte_tokenizer, write_tiny_checkpoint
 from mlxformer import load, stream_generate
 from mlxformer.cache import CacheSettings, KVCache, RotatingKVCache, make_cache
 from mlxformer.engine import batch_generate
@@ -65,16 +65,6 @@ SWITCHES_OFF = {
     "olmo2": dict(qk_norm_scope="head", norm_layout="pre"),
     "smollm3": dict(rope_layers=()),
 }
-
-
-def log_softmax(x: np.ndarray) -> np.ndarray:
-    x = x.astype(np.float64)
-    m = x.max(-1, keepdims=True)
-    return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
-
-
-def max_diff(ours: np.ndarray, ref: np.ndarray) -> float:
-    return float(np.abs(log_softmax(ours) - log_softmax(ref)).max())
 
 
 def tokens(n: int = SEQ_LEN, seed: int = 1) -> np.ndarray:
