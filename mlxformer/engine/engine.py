@@ -13,7 +13,8 @@ import mlx.core as mx
 
 from mlxformer.cache import CacheSettings, make_cache
 from mlxformer.engine.batch_runner import BatchRunner
-from mlxformer.engine.prefix_cache import PrefixCache
+from mlxformer.engine.prefix_sharing import PrefixSharing
+from mlxformer.engine.prompt_cache import PromptCacheSettings, build_prefix_cache
 from mlxformer.engine.scheduler import Scheduler, Step
 from mlxformer.engine.speculation import Speculator
 from mlxformer.engine.sequence import (
@@ -116,6 +117,7 @@ class Engine:
         prefix_cache_bytes: int = 512 * 2**20,
         prefill_chunk: int | None = None,
         speculative: SpeculativeSettings | None = None,
+        prompt_cache: PromptCacheSettings | None = None,
     ) -> None:
         self.model, self.tokenizer = model, tokenizer
         self.cache_settings = cache_settings or CacheSettings()
@@ -126,11 +128,18 @@ class Engine:
         # Validate the settings in the caller's thread, and run one token through the model(s)
         # there: MLX arrays made lazily in a thread (weight views, for example) can only be
         # evaluated by that thread, so the engine's thread must find them all evaluated.
-        for warm in (model, speculative.draft_model if speculative is not None else None):
+        for warm in (speculative.draft_model if speculative is not None else None, model):
             if warm is not None:
-                mx.eval(warm.last_logits(mx.array([[0]]), make_cache(warm, self.cache_settings)))
+                probe = make_cache(warm, self.cache_settings)
+                mx.eval(warm.last_logits(mx.array([[0]]), probe))
+        kv_dtype = next(a.dtype for a in probe[0].state if mx.issubdtype(a.dtype, mx.floating))  # the model's
         self.scheduler = Scheduler(max_batch, max_queue, prefill_chunk or default_prefill_step())
-        self.prefix_cache = PrefixCache(prefix_cache_bytes)
+        # ``prompt_cache`` sets the tiers (memory budget, disk directory); without it the memory
+        # tier gets ``prefix_cache_bytes``
+        tiers = prompt_cache or PromptCacheSettings(memory_bytes=prefix_cache_bytes)
+        self.prefix_cache = build_prefix_cache(model, tokenizer, self.cache_settings, tiers, kv_dtype)
+        self.sharing = PrefixSharing(self.prefix_cache, tiers.share_prefills)
+        self.prefilled_tokens = 0  # prompt tokens run through the model (not served by the prefix cache)
         self.runner = BatchRunner(model)
         self.vocab_size = model.args.vocab_size
         self._handles: dict[int, RequestHandle] = {}
@@ -160,6 +169,7 @@ class Engine:
         self._thread = None
         for handle in list(self._handles.values()):
             self._end(handle.sequence, "cancelled")
+        self.prefix_cache.flush()  # the disk tier's writes are done when stop returns
 
     def __enter__(self) -> "Engine":
         return self.start()
@@ -206,6 +216,8 @@ class Engine:
             try:
                 self.step()
             except Exception as exc:  # fail every request in flight, keep serving new ones
+                self.runner.reset()
+                self.sharing.held.clear()
                 for handle in list(self._handles.values()):
                     self.scheduler.release(handle.sequence)
                     with self.scheduler.lock:
@@ -222,8 +234,10 @@ class Engine:
             if sequence.cancelled:
                 self._end(sequence, "cancelled")
         for sequence in self.scheduler.admit():
+            self.sharing.hold(sequence)  # until the blocks it shares with a running prefill are cached
+        for sequence in self.sharing.ready(self.scheduler.prefilling):
             self._attach_cache(sequence)
-        self._run(self.scheduler.plan())
+        self._run(self.scheduler.plan(skip=self.sharing.held))
 
     def _attach_cache(self, sequence: Sequence) -> None:
         hit = self.prefix_cache.lookup(sequence.prompt)
@@ -245,7 +259,7 @@ class Engine:
         choices: list[tuple[Sequence, mx.array, mx.array]] = []
         decode, verifying = self._propose(step.decode)
         if decode:
-            logits = self.runner.decode([s.last_token for s in decode], [s.cache for s in decode])
+            logits = self.runner.decode(decode)
             mx.async_eval(logits)  # constraints compute their masks while the step runs
             if all(s.plain_greedy for s in decode):
                 choices += zip(decode, *zip(*choose_rows(decode, logits)))
@@ -260,8 +274,10 @@ class Engine:
                 self._fail(sequence, exc)
         for chunk in step.prefill:
             sequence = chunk.sequence
-            logits = self.runner.prefill(chunk.tokens, sequence.cache, chunk.last)
+            logits = self.runner.prefill(chunk.tokens, sequence.cache, chunk.last, len(sequence.prompt))
             sequence.processed += len(chunk.tokens)
+            self.prefilled_tokens += len(chunk.tokens)
+            self.sharing.publish(sequence)
             if logits is not None:
                 mx.async_eval(logits)
                 self.scheduler.start_decoding(sequence)
@@ -343,6 +359,7 @@ class Engine:
     def _fail(self, sequence: Sequence, error: BaseException) -> None:
         """End one sequence with ``error`` (raised by its handle's iterator)."""
         sequence.finish("error")
+        self.runner.release(sequence)
         self.scheduler.release(sequence)
         handle = self._handles.pop(id(sequence), None)
         if handle is not None:
@@ -350,6 +367,7 @@ class Engine:
 
     def _retire(self, sequence: Sequence) -> None:
         """Free a finished sequence's slot and offer its cache for prefix reuse."""
+        self.runner.release(sequence)
         self.scheduler.release(sequence)
         self._handles.pop(id(sequence), None)
         if sequence.cache:

@@ -63,7 +63,7 @@ class Attention(nn.Module):
             return qkv[..., : self.q_dim], qkv[..., self.q_dim : self.q_dim + self.kv_dim], qkv[..., self.q_dim + self.kv_dim :]
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
-    def __call__(self, x: mx.array, mask: Mask, cache: Cache | None) -> mx.array:
+    def __call__(self, x: mx.array, mask: Mask, cache: Cache | None, rope_length: int | None = None) -> mx.array:
         B, L, _ = x.shape
         queries, keys, values = self.project(x)
         if self.qk_norm == "projection":
@@ -76,7 +76,7 @@ class Attention(nn.Module):
             queries, keys = self.q_norm(queries), self.k_norm(keys)
         offset = cache.offset if cache is not None else 0
         if self.rope is not None:
-            queries, keys = self.rope(queries, offset), self.rope(keys, offset)
+            queries, keys = self.rope(queries, offset, rope_length), self.rope(keys, offset, rope_length)
         if cache is not None:
             keys, values = cache.update_and_fetch(keys, values)
             out = cache.attention(queries, keys, values, scale=self.scale, mask=mask, softcap=self.softcap)
@@ -110,8 +110,8 @@ class DecoderLayer(nn.Module):
     def _residual(self, x: mx.array, out: mx.array) -> mx.array:
         return x + (out if self.residual_scale == 1.0 else out * self.residual_scale)
 
-    def __call__(self, x: mx.array, mask: Mask, cache: Cache | None) -> mx.array:
-        h = self._residual(x, self._norm(1, self.self_attn(self._norm(0, x), mask, cache)))
+    def __call__(self, x: mx.array, mask: Mask, cache: Cache | None, rope_length: int | None = None) -> mx.array:
+        h = self._residual(x, self._norm(1, self.self_attn(self._norm(0, x), mask, cache, rope_length)))
         return self._residual(h, self._norm(3, self.mlp(self._norm(2, h))))
 
 
@@ -150,17 +150,22 @@ class Model(nn.Module):
     def layers(self) -> list[DecoderLayer]:
         return self.model.layers
 
-    def hidden_states(self, inputs: mx.array, cache: Sequence[Cache] | None = None) -> mx.array:
-        """Final-norm hidden states ``(B, T, hidden)`` for token ids ``(B, T)``."""
+    def hidden_states(
+        self, inputs: mx.array, cache: Sequence[Cache] | None = None, rope_length: int | None = None
+    ) -> mx.array:
+        """Final-norm hidden states ``(B, T, hidden)`` for token ids ``(B, T)``. ``rope_length``:
+        the whole prompt's length when this is one chunk of it (see ``RoPE``)."""
         h = self.model.embed_tokens(inputs)  # (B, T, hidden)
         if self.args.embedding_scale != 1.0:  # in the activation dtype, as transformers does
             h = h * mx.array(self.args.embedding_scale, dtype=h.dtype)
-        h = self.run_layers(h, cache)
+        h = self.run_layers(h, cache, rope_length)
         if self._remote_layers is not None:
             h = self._remote_layers(h)
         return self.model.norm(h)
 
-    def run_layers(self, h: mx.array, cache: Sequence[Cache] | None = None) -> mx.array:
+    def run_layers(
+        self, h: mx.array, cache: Sequence[Cache] | None = None, rope_length: int | None = None
+    ) -> mx.array:
         """This model's decoder layers on hidden states ``(B, T, hidden)``."""
         if not self.layers:
             return h
@@ -171,7 +176,7 @@ class Model(nn.Module):
             if layer.window not in masks:
                 masks[layer.window] = (causal_mask_for(query_len, query_len, layer.window) if layer_cache is None
                                        else layer_cache.make_mask(query_len, layer.window))
-            h = layer(h, masks[layer.window], layer_cache)
+            h = layer(h, masks[layer.window], layer_cache, rope_length)
         return h
 
     def use_remote_layers(self, run: Callable[[mx.array], mx.array]) -> None:
@@ -192,10 +197,12 @@ class Model(nn.Module):
     def __call__(self, inputs: mx.array, cache: Sequence[Cache] | None = None) -> mx.array:
         return self.logits(self.hidden_states(inputs, cache))
 
-    def last_logits(self, inputs: mx.array, cache: Sequence[Cache] | None = None) -> mx.array:
+    def last_logits(
+        self, inputs: mx.array, cache: Sequence[Cache] | None = None, rope_length: int | None = None
+    ) -> mx.array:
         """Logits ``(B, vocab)`` of the last position only: the vocabulary projection, the
         largest matmul of a small model, is skipped for every other position."""
-        return self.logits(self.hidden_states(inputs, cache)[:, -1, :])
+        return self.logits(self.hidden_states(inputs, cache, rope_length)[:, -1, :])
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         """Drop checkpoint keys that carry no weights for this decoder."""

@@ -26,13 +26,15 @@ class LongRoPE(nn.Module):
         self._short = mx.array(rope.short_factor, dtype=mx.float32) * periods
         self._long = mx.array(rope.long_factor, dtype=mx.float32) * periods
 
-    def __call__(self, x: mx.array, offset: int | mx.array) -> mx.array:
+    def __call__(self, x: mx.array, offset: int | mx.array, length: int | None = None) -> mx.array:
         """Rotate ``x`` (B, heads, T, head_dim) for positions ``offset..offset+T-1`` (``offset``
-        an int or an int array ``(B,)``: each row picks its own factors)."""
+        an int or an int array ``(B,)``: each row picks its own factors). ``length``: the
+        sequence length that picks the factors (default ``offset + T``; a chunked prompt passes
+        its whole length, as transformers' one forward over it decides)."""
         if isinstance(offset, mx.array):
             rows = [self(x[i : i + 1], int(o)) for i, o in enumerate(offset.tolist())]
             return mx.concatenate(rows, axis=0)
-        periods = self._long if offset + x.shape[-2] > self.original else self._short
+        periods = self._long if max(offset + x.shape[-2], length or 0) > self.original else self._short
         if self.attention_factor != 1.0:
             rotated = x[..., : self.dims] * self.attention_factor
             x = rotated if self.dims == x.shape[-1] else mx.concatenate([rotated, x[..., self.dims :]], axis=-1)
