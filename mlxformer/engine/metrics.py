@@ -27,6 +27,7 @@ class EngineMetrics:
         self.prompt_tokens = Counter("mlxformer_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
         self.generated_tokens = Counter("mlxformer_generated_tokens", "Tokens generated", registry=r)
         self.prefix_hit_tokens = Counter("mlxformer_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache", registry=r)
+        self.prefilled_tokens = Counter("mlxformer_prefilled_tokens", "Prompt tokens run through the model (not served by the prompt cache)", registry=r)
         self.preemptions = Counter("mlxformer_preemptions", "Sequences preempted to keep KV memory within the budget", registry=r)
         self.finished = Counter("mlxformer_engine_requests", "Requests the engine ended, by finish reason", ["reason"], registry=r)
         self.ttft = Histogram("mlxformer_time_to_first_token_seconds", "From submit to the first token", buckets=TTFT_BUCKETS, registry=r)
