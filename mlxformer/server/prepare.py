@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mlxformer.engine import GenerationRequest
+from mlxformer.errors import MlxformerError
 from mlxformer.sampling import TokenConstraint
 from mlxformer.server.errors import bad_request
 from mlxformer.server.hooks import constraint_for
@@ -15,6 +16,8 @@ from mlxformer.server.tools import ToolPlan, call_constraint, tool_plan
 from mlxformer.server.translate import (
     ServedModel, chat_prompt_text, check_model_name, check_prompt_chars, completion_prompt_ids, engine_request,
 )
+
+MAX_MESSAGE_CHARS = 300  # a matcher error may quote the whole grammar
 
 
 @dataclass
@@ -49,10 +52,25 @@ def prepare_chat(body: ChatCompletionRequest, served: ServedModel) -> PreparedCh
     constraint: TokenConstraint | None = call_constraint(plan, served.tokenizer, served.vocab_size) or constraint_for(
         body.response_format, served.tokenizer, served.vocab_size
     )
+    check_first_mask(constraint, "tool_choice" if plan.forced else "response_format")
     top = (body.top_logprobs or 0) if body.logprobs else None
     request = engine_request(body, ids, served, max_tokens=max_tokens, logprobs=top, constraint=constraint,
                              prompt_param="messages", max_tokens_param=param)
     return PreparedChat(request, plan)
+
+
+def check_first_mask(constraint: TokenConstraint | None, param: str) -> None:
+    """Compute the constraint's first mask now: a grammar that compiles but overflows the matcher's
+    limits at once is a 400 for this request (with a short message), not a failure in the engine."""
+    if constraint is None:
+        return
+    try:
+        constraint.next_mask()
+    except MlxformerError as exc:
+        message = str(exc)
+        short = message if len(message) <= MAX_MESSAGE_CHARS else message[:MAX_MESSAGE_CHARS] + "..."
+        raise bad_request(f"the constraint cannot be applied: {short}", param=param,
+                          code="invalid_response_format") from None
 
 
 def prepare_completion(body: CompletionRequest, served: ServedModel) -> PreparedCompletion:
@@ -64,4 +82,6 @@ def prepare_completion(body: CompletionRequest, served: ServedModel) -> Prepared
     score_only = body.max_tokens == 0  # the engine makes at least one token: it is dropped
     request = engine_request(body, ids, served, max_tokens=1 if score_only else body.max_tokens,
                              logprobs=body.logprobs, prompt_param="prompt")
+    if body.echo and body.logprobs is not None:
+        request.prompt_logprobs = body.logprobs  # the engine scores the prompt while prefilling it
     return PreparedCompletion(request, ids, score_only)
