@@ -15,6 +15,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlxformer.models.mask import Mask
+from mlxformer.models.attention_ops import mask_scores, softcap_scores, softcapped_attention
 from mlxformer.errors import MlxformerError
 
 Pack = tuple[mx.array, ...]  # each (B, n_kv, S, ...), sequence on axis 2
@@ -198,18 +199,23 @@ class KVCodec:
         """Arrays to save beside the packs (the key centers, once set)."""
         return () if self.key_center is None else (self.key_center,)
 
-    def attention(self, queries: mx.array, keys: Pack, values: Pack, scale: float, mask: Mask,
-                  key_blocks: mx.array | None = None) -> mx.array:
-        """Attend ``(B, n_heads, L, D)`` queries over packed keys/values; ``key_blocks``: the
-        center block of each key, ``(S,)`` or per row ``(B, S)`` (default: key ``s`` is at position ``s``)."""
+    def attention(
+        self, queries: mx.array, keys: Pack, values: Pack, scale: float, mask: Mask, softcap: float | None = None,
+        key_blocks: mx.array | None = None,
+    ) -> mx.array:
+        """Attend ``(B, n_heads, L, D)`` queries over packed keys/values (scores soft-capped at
+        ``softcap`` when set); ``key_blocks``: the center block of each key, ``(S,)`` or per row
+        ``(B, S)`` (default: key ``s`` is at position ``s``)."""
         if self.bits is None:
+            if softcap is not None:
+                return softcapped_attention(queries, keys[0], values[0], scale, mask, softcap)
             return mx.fast.scaled_dot_product_attention(queries, keys[0], values[0], scale=scale, mask=mask)
         bias = None
         if self.key_center is not None:
             if key_blocks is None:
                 key_blocks = mx.arange(keys[0].shape[2]) // CENTER_BLOCK
             bias = _center_scores(queries, self.key_center, key_blocks, scale)
-        return quantized_attention(queries, keys, values, scale, mask, self.bits, self.group_size, bias)
+        return quantized_attention(queries, keys, values, scale, mask, self.bits, self.group_size, softcap, bias)
 
 
 def _center_scores(queries: mx.array, centers: mx.array, key_blocks: mx.array, scale: float) -> mx.array:
@@ -230,10 +236,13 @@ FLOAT_CODEC = KVCodec()
 
 def quantized_attention(
     queries: mx.array, keys: Pack, values: Pack, scale: float, mask: Mask, bits: int, group_size: int,
-    bias: mx.array | None = None,
+    softcap: float | None = None, bias: mx.array | None = None,
 ) -> mx.array:
-    """Softmax attention computed directly on quantized keys/values, GQA heads unrepeated;
-    ``bias`` ``(B, n_kv, n_rep, L, S)`` is added to the scores (the key centers' share)."""
+    """Softmax attention computed directly on quantized keys/values, GQA heads unrepeated.
+
+    ``bias`` ``(B, n_kv, n_rep, L, S)`` is added to the scores first: the part the centered keys
+    left out (``q . c_b``), so the scores are those of the keys themselves, which soft-capping
+    (``softcap``; not shift-invariant) needs."""
     B, n_heads, L, D = queries.shape
     n_kv = keys[0].shape[1]
     n_rep = n_heads // n_kv
@@ -248,14 +257,9 @@ def quantized_attention(
     scores = scores.astype(mx.float32)
     if bias is not None:
         scores = scores + bias
-    S = scores.shape[-1]
-    if isinstance(mask, str):  # "causal", aligned to the last keys
-        mask = mx.arange(S - L, S)[:, None] >= mx.arange(S)[None]  # (L, S)
-    if mask is not None:
-        if mask.dtype == mx.bool_:
-            scores = mx.where(mask, scores, mx.array(-mx.inf, mx.float32))
-        else:
-            scores = scores + mask.astype(mx.float32)
+    if softcap is not None:
+        scores = softcap_scores(scores, softcap)
+    scores = mask_scores(scores, mask)
     probs = mx.softmax(scores, axis=-1).astype(queries.dtype)
     out = mx.quantized_matmul(probs, *values, transpose=False, group_size=group_size, bits=bits)  # (B, n_kv, n_rep, L, D)
     out = unrotate(out)  # back from the rotated basis
