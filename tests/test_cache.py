@@ -109,7 +109,7 @@ def test_quantized_attention_matches_dequantized_sdpa(bits: int, mask_kind: str 
     mask = mx.random.uniform(shape=(L, S)) > 0.3 if mask_kind == "array" else mask_kind
     if mask_kind == "array":
         mask[:, 0] = True  # every query sees at least one key
-    got = codec.attention(q, kq, vq, 0.125, mask, mx.array(blocks))
+    got = codec.attention(q, kq, vq, 0.125, mask, key_blocks=mx.array(blocks))
     ref = mx.fast.scaled_dot_product_attention(q, k_ref, v_ref, scale=0.125, mask=mask)
     assert got.shape == (B, n_heads, L, D)
     assert mx.allclose(got, ref, atol=2e-4, rtol=2e-4)
