@@ -19,6 +19,7 @@ from mlxformer.cache.protocol import Cache
 from mlxformer.models.attention_ops import softcap_scores, softcapped_attention
 from mlxformer.models.config import ModelArgs
 from mlxformer.models.mlp import MLP, make_mlp, swiglu
+from mlxformer.models.moe import stack_experts  # also registers the "moe" MLP type
 from mlxformer.models.norms import NORM_LAYOUTS, RMSNorm
 from mlxformer.models.rope_variants import make_rope
 
@@ -96,7 +97,8 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.window = args.layer_window(layer_index)
         self.self_attn = Attention(args, layer_index)
-        self.mlp = make_mlp(args, layer_index)
+        self.mlp_name = args.mlp_name  # the checkpoint's name for the block (Mixtral: block_sparse_moe)
+        self[args.mlp_name] = make_mlp(args, layer_index)
         self.norm_layout = args.norm_layout  # a string: kept out of the parameter tree
         for name in NORM_LAYOUTS[args.norm_layout]:
             if name is not None:
@@ -112,7 +114,7 @@ class DecoderLayer(nn.Module):
 
     def __call__(self, x: mx.array, mask: Mask, cache: Cache | None, rope_length: int | None = None) -> mx.array:
         h = self._residual(x, self._norm(1, self.self_attn(self._norm(0, x), mask, cache, rope_length)))
-        return self._residual(h, self._norm(3, self.mlp(self._norm(2, h))))
+        return self._residual(h, self._norm(3, self[self.mlp_name](self._norm(2, h))))
 
 
 class DecoderStack(nn.Module):
@@ -207,6 +209,8 @@ class Model(nn.Module):
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         """Drop checkpoint keys that carry no weights for this decoder."""
         weights = {k: v for k, v in weights.items() if "rotary_emb.inv_freq" not in k}
+        if self.args.num_experts:  # HF's per-expert matrices -> stacked (experts, out, in)
+            weights = stack_experts(weights, self.args.num_experts)
         if self.args.tie_word_embeddings:
             weights.pop("lm_head.weight", None)
             weights.pop("lm_head.scales", None)
