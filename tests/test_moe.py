@@ -1,0 +1,130 @@
+"""Mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE) on tiny random checkpoints
+written by transformers' own config classes, against transformers' eager logits; mlx-lm's own
+(quantized) conversion of them against mlx-lm's logits; engine and speculative greedy identity.
+
+80-token forwards route 160 (token, expert) pairs through the expert-sorted gather, 10-token
+ones and decode steps through the unsorted one (``models.moe.SORT_THRESHOLD``).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import torch
+
+from conftest import cpu_default_device, edit_config, max_diff, write_byte_tokenizer, write_tiny_checkpoint
+from mlxformer import load, stream_generate
+from mlxformer.cache import CacheSettings, make_cache
+from mlxformer.engine import batch_generate
+from mlxformer.errors import MlxformerError
+from mlxformer.generation import decode_step, prefill
+from mlxformer.models.moe import SORT_THRESHOLD, SparseMoE, stack_experts
+from mlxformer.speculative import SpeculativeSettings
+
+BOUND = 3e-4  # fp32 on both sides; measured <= 1.7e-5
+CASES = {
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+    # a dense layer among sparse ones, and the gated shared expert
+    "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=48, mlp_only_layers=[1]),
+    "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+                      head_dim=16),
+    "olmoe": dict(num_experts=8, num_experts_per_tok=2),
+}
+
+
+def tokens(n: int, seed: int = 1) -> np.ndarray:
+    return np.random.default_rng(seed).integers(3, 256, size=n)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cpu_device():
+    with cpu_default_device():
+        yield
+
+
+def write_moe(directory, model_type):
+    """A tiny checkpoint whose config.json also carries the keys mlx-lm's model classes require
+    (real Qwen3-MoE configs have ``num_experts`` and ``rope_theta``; transformers 5 writes
+    ``num_local_experts`` and ``rope_parameters``)."""
+    directory, hf_model = write_tiny_checkpoint(directory, model_type, **CASES[model_type])
+    write_byte_tokenizer(directory)
+    config = edit_config(directory)
+    edit_config(directory, num_experts=config.get("num_experts") or config["num_local_experts"],
+                rope_theta=(config.get("rope_parameters") or {}).get("rope_theta", 1e4))
+    return directory, hf_model
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def case(request, tmp_path_factory):
+    directory, hf_model = write_moe(tmp_path_factory.mktemp(request.param), request.param)
+    model, tokenizer = load(directory, dtype=mx.float32, threads=2)  # the router and experts beside CPU shards
+    tokenizer.eos_token_ids = []
+    return request.param, directory, model, tokenizer, hf_model
+
+
+def reference(hf_model, ids: np.ndarray) -> np.ndarray:
+    with torch.no_grad():
+        return hf_model(torch.tensor(ids[None])).logits[0].numpy()
+
+
+def test_forward_sorted_and_unsorted(case):
+    name, _, model, _, hf_model = case
+    assert any(isinstance(layer[layer.mlp_name], SparseMoE) for layer in model.layers)
+    for length in (80, 10):
+        assert (length * 2 >= SORT_THRESHOLD) == (length == 80)
+        ids = tokens(length)
+        assert max_diff(np.array(model(mx.array(ids[None]))[0]), reference(hf_model, ids)) <= BOUND, length
+
+
+def test_chunked_prefill_then_decode(case):
+    name, _, model, _, hf_model = case
+    ids = tokens(40)
+    ref = reference(hf_model, ids)
+    cache = make_cache(model, CacheSettings())
+    steps = [np.array(prefill(model, mx.array(ids[:20]), cache, step_size=7)[0])]
+    for t in range(20, 40):
+        steps.append(np.array(decode_step(model, mx.array(ids[t : t + 1]), cache)[0]))
+    assert max_diff(np.stack(steps), ref[19:]) <= BOUND
+
+
+PROMPTS = ["Once upon a time, in a land far away,", "abcabcabcabc", "The quick brown fox jumps over"]
+
+
+def test_engine_batch_and_speculation_match_alone(case):
+    name, _, model, tokenizer, _ = case
+    alone = [[r.token for r in stream_generate(model, tokenizer, p, 12)] for p in PROMPTS]
+    assert batch_generate(model, tokenizer, PROMPTS, 12, max_batch=3) == [tokenizer.decode(t) for t in alone]
+    lookup = SpeculativeSettings(prompt_lookup=True, num_draft_tokens=4, ngram_min=1)
+    responses = list(stream_generate(model, tokenizer, PROMPTS[1], 12, speculative=lookup))
+    assert [r.token for r in responses] == alone[1]
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe"])
+def test_mlx_community_quantized_dir_matches_mlx_lm(model_type, tmp_path):
+    """mlx-lm's own 4-bit conversion (stacked ``switch_mlp`` experts, quantized) loads with
+    mlx-lm's logits."""
+    from mlx_lm import convert as mlx_lm_convert
+    from mlx_lm import load as mlx_lm_load
+
+    source, _ = write_moe(tmp_path / "hf", model_type)
+    mlx_lm_convert(str(source), str(tmp_path / "q4"), quantize=True, q_group_size=32, q_bits=4)
+    theirs, _ = mlx_lm_load(str(tmp_path / "q4"))
+    ours, _ = load(tmp_path / "q4", dtype=mx.float32, threads=1)
+    ids = mx.array(tokens(80)[None])
+    ref = np.array(theirs(ids)[0].astype(mx.float32))
+    assert max_diff(np.array(ours(ids)[0]), ref) <= 1e-4
+
+
+def test_missing_expert_is_named():
+    weights = {f"model.layers.0.mlp.experts.{e}.gate_proj.weight": mx.zeros((2, 2)) for e in (0, 1, 3)}
+    with pytest.raises(ValueError, match=r"model.layers.0.mlp.experts: .*missing \[2\]"):
+        stack_experts(weights, 4)
+
+
+def test_tensor_parallel_refuses_experts(case):
+    from mlxformer.distributed.tensor import check_divisible
+
+    with pytest.raises(MlxformerError, match="--parallel pipeline"):
+        check_divisible(case[2].args, 2)
