@@ -170,3 +170,15 @@ def smollm(smollm_gguf: Path):
 
     with cpu_default_device():
         return load(smollm_gguf, threads=2)
+
+
+@pytest.fixture(scope="session")
+def tiny_smol(tmp_path_factory, hf_smollm_tokenizer):
+    """A 2-layer random llama over SmolLM2's real tokenizer and chat template (8192-token context,
+    like SmolLM2's), saved with transformers: ``(directory, transformers model)``. Decoding costs
+    milliseconds, so server tests on it measure the server."""
+    directory = tmp_path_factory.mktemp("tiny_smol")
+    _, hf_model = write_tiny_checkpoint(directory, "llama", vocab_size=len(hf_smollm_tokenizer),
+                                        max_position_embeddings=8192, tie_word_embeddings=True)
+    hf_smollm_tokenizer.save_pretrained(directory)
+    return directory, hf_model

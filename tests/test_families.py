@@ -23,7 +23,7 @@ from mlxformer import load, stream_generate
 from mlxformer.cache import CacheSettings, KVCache, RotatingKVCache, make_cache
 from mlxformer.engine import batch_generate
 from mlxformer.generation import decode_step, prefill
-from mlxformer.models.config import RopeConfig
+from mlxformer.models.rope_config import RopeConfig
 from mlxformer.models.decoder import Model
 from mlxformer.speculative import SpeculativeSettings
 

@@ -53,6 +53,11 @@ CLASSIC = {
 }
 
 
+def hf_logits(hf_model, ids: np.ndarray) -> np.ndarray:
+    with torch.no_grad():
+        return hf_model(torch.tensor(ids[None], dtype=torch.long)).logits[0].float().numpy()
+
+
 def tokens(n: int = SEQ_LEN, seed: int = 1) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, size=n)
 

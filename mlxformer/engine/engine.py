@@ -240,7 +240,7 @@ class Engine:
         self._run(self.scheduler.plan(skip=self.sharing.held))
 
     def _attach_cache(self, sequence: Sequence) -> None:
-        hit = self.prefix_cache.lookup(sequence.prompt)
+        hit = self.prefix_cache.lookup(sequence.prompt) if sequence.prompt_scores is None else None  # scores need every position
         if hit is None:
             sequence.cache = make_cache(self.model, self.cache_settings)
         else:
@@ -274,7 +274,8 @@ class Engine:
                 self._fail(sequence, exc)
         for chunk in step.prefill:
             sequence = chunk.sequence
-            logits = self.runner.prefill(chunk.tokens, sequence.cache, chunk.last, len(sequence.prompt))
+            logits = self.runner.prefill(chunk.tokens, sequence.cache, chunk.last, len(sequence.prompt),
+                                         sequence.prompt_scores, sequence.processed)
             sequence.processed += len(chunk.tokens)
             self.prefilled_tokens += len(chunk.tokens)
             self.sharing.publish(sequence)

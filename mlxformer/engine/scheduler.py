@@ -46,9 +46,11 @@ class Scheduler:
         self.lock = threading.Lock()
 
     def add(self, sequence: Sequence) -> None:
-        """Queue a new sequence; raises ``EngineOverloaded`` when the queue is full."""
+        """Queue a new sequence; raises ``EngineOverloaded`` when the queue is full (the requests
+        that will take a free slot at the next step do not count)."""
         with self.lock:
-            if len(self.waiting) >= self.max_queue:
+            free = max(0, self.max_batch - self.active)
+            if len(self.waiting) - free >= self.max_queue:
                 raise EngineOverloaded(f"the engine's queue is full ({self.max_queue} waiting requests)")
             self.waiting.append(sequence)
 

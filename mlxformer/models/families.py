@@ -11,7 +11,7 @@ import math
 from typing import Any, Callable
 
 from mlxformer.errors import MlxformerError
-from mlxformer.models.config import RopeConfig, rope_config_from_dict
+from mlxformer.models.rope_config import RopeConfig, rope_config_from_dict
 
 Fields = dict[str, Any]
 # transformers' activation names -> the decoder's gate functions (``models.mlp.GATES``)

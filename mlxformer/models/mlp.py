@@ -39,10 +39,10 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=args.mlp_bias)
         self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=args.mlp_bias)
         self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
-        self.gate = GATES[args.hidden_act]
+        self.activation = args.hidden_act  # a GATES key (a name, so the module deep-copies)
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(self.gate(self.gate_proj(x), self.up_proj(x)))
+        return self.down_proj(GATES[self.activation](self.gate_proj(x), self.up_proj(x)))
 
 
 class FusedMLP(nn.Module):
@@ -52,11 +52,11 @@ class FusedMLP(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Linear(args.hidden_size, 2 * args.intermediate_size, bias=args.mlp_bias)
         self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
-        self.gate = GATES[args.hidden_act]
+        self.activation = args.hidden_act  # a GATES key (a name, so the module deep-copies)
 
     def __call__(self, x: mx.array) -> mx.array:
         gate, up = mx.split(self.gate_up_proj(x), 2, axis=-1)  # (B, T, 2 * inter) -> 2 x (B, T, inter)
-        return self.down_proj(self.gate(gate, up))
+        return self.down_proj(GATES[self.activation](gate, up))
 
 
 def dense_mlp(args: ModelArgs, layer_index: int) -> nn.Module:

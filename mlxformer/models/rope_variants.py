@@ -6,7 +6,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxformer.models.config import RopeConfig
+from mlxformer.models.rope_config import RopeConfig
 from mlxformer.models.rope import RoPE
 
 

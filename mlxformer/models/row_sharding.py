@@ -21,7 +21,7 @@ import mlx.nn as nn
 from mlxformer.device import available_cores, on_cpu
 from mlxformer.errors import MlxformerError
 from mlxformer.models.decoder import Model
-from mlxformer.models.mlp import MLP
+from mlxformer.models.mlp import GATES, MLP
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "gate_proj", "up_proj", "gate_up_proj", "down_proj")
 MAX_DEFAULT_THREADS = 4
@@ -164,7 +164,7 @@ SHARDED_CLASS: dict[type, type] = {
 
 
 class ShardedMLP(MLP):
-    """The gated MLP with ``gate(gate, up)`` computed shard by shard on each stream, so
+    """The gated MLP with its gate (SwiGLU/GeGLU) computed shard by shard on each stream, so
     the gate and up outputs are never concatenated: one join, before ``down_proj``."""
 
     def __call__(self, x: mx.array) -> mx.array:
@@ -175,7 +175,7 @@ class ShardedMLP(MLP):
         hidden = []
         for gate_shard, up_shard, stream in zip(gate_shards, up_shards, worker_streams(len(gate_shards))):
             with mx.stream(stream):
-                hidden.append(self.gate(gate.project_shard(x, gate_shard, stream), up.project_shard(x, up_shard, stream)))
+                hidden.append(GATES[self.activation](gate.project_shard(x, gate_shard, stream), up.project_shard(x, up_shard, stream)))
         return self.down_proj(mx.concatenate(hidden, axis=-1))
 
 

@@ -1,8 +1,16 @@
-"""From engine token events to API responses: whole responses, SSE chunks, usage and logprobs."""
+"""From engine token events to API responses: whole responses, SSE chunks, usage and logprobs.
+
+Logprobs are always finite JSON numbers: tokens a constraint masked (log-probability −inf) are
+left out of the alternatives, and a chosen token's −inf or NaN is reported as OpenAI's floor,
+−9999. A token is reported only once the text it starts in has been sent, so tokens wholly past
+a stop-string cut never are. Token strings and bytes are the token's own bytes.
+"""
 
 from __future__ import annotations
 
+import codecs
 import json
+import math
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
@@ -13,10 +21,18 @@ from mlxformer.engine import TokenEvent
 from mlxformer.server.errors import error_body
 from mlxformer.server.protocol import (
     AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionResponse, ChoiceLogprobs,
-    CompletionChoice, CompletionTokensDetails, CompletionLogprobs, CompletionResponse, Delta, PromptTokensDetails, TokenLogprob, TopLogprob,
-    Usage,
+    CompletionChoice, CompletionLogprobs, CompletionResponse, CompletionTokensDetails, Delta, PromptTokensDetails,
+    TokenLogprob, TopLogprob, Usage,
 )
 from mlxformer.tokenizer import Tokenizer
+
+LOGPROB_FLOOR = -9999.0  # what OpenAI reports for a token the model gives (next to) no probability
+SPECIAL_MARKER = b"\xff"  # the grammar vocabulary's mark on control tokens
+
+
+def finite(logprob: float) -> float:
+    """``logprob`` as a JSON-safe number: −inf and NaN become ``LOGPROB_FLOOR``."""
+    return logprob if math.isfinite(logprob) else (0.0 if logprob > 0 else LOGPROB_FLOOR)
 
 
 def usage_of(event: TokenEvent | None) -> Usage:
@@ -36,45 +52,112 @@ def usage_of(event: TokenEvent | None) -> Usage:
 
 
 class TokenStrings:
-    """The text of single token ids, as OpenAI's logprobs show them."""
+    """Single tokens as OpenAI's logprobs show them: their own bytes (a byte-fallback token is
+    its one byte), and as a string their UTF-8 text, or ``bytes:\\xNN...`` when that is not text."""
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int) -> None:
+        self.tokenizer, self.vocab_size = tokenizer, vocab_size
         self.eos = frozenset(tokenizer.eos_token_ids)
+        self._vocab: Any = None
+
+    @property
+    def vocab(self) -> Any:
+        """The grammar engine's vocabulary (token id -> bytes), built once per tokenizer, cached on it."""
+        if self._vocab is None:
+            from mlxformer.constrained.vocab import grammar_tokenizer
+
+            self._vocab = grammar_tokenizer(self.tokenizer, self.vocab_size)
+        return self._vocab
+
+    def bytes_of(self, token: int) -> bytes:
+        """The bytes ``token`` stands for (a control token: its name)."""
+        data = self.vocab.decode_bytes([token])
+        return data[len(SPECIAL_MARKER):] if data.startswith(SPECIAL_MARKER) else data
+
+    def text_bytes(self, token: int) -> bytes:
+        """The bytes ``token`` adds to the text: none for a control token (BOS adds no text)."""
+        return b"" if self.vocab.is_special_token(token) else self.bytes_of(token)
 
     def __call__(self, token: int) -> str:
-        return self.tokenizer.decode([token])
+        data = self.bytes_of(token)
+        try:
+            return data.decode("utf-8")
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in data)
 
     def scored(self, event: TokenEvent) -> bool:
         """Whether ``event`` carries a generated token to report logprobs for (EOS is not reported)."""
         return event.token is not None and event.logprob is not None and event.token not in self.eos
 
 
+@dataclass
+class Scored:
+    """A generated token to report: its event and where its text starts (characters into the output)."""
+
+    event: TokenEvent
+    offset: int
+
+
+class LogprobAligner:
+    """Releases each scored token once the output text sent so far reaches into it; at the end,
+    tokens that start at or past the end of the text (after a stop-string cut) are dropped."""
+
+    def __init__(self, text: TokenStrings) -> None:
+        self.text = text
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.chars = 0  # characters the scored tokens' bytes make so far
+        self.sent = 0  # characters of output text so far
+        self.pending: list[Scored] = []
+
+    def add(self, event: TokenEvent) -> list[Scored]:
+        """Feed one event; returns the tokens now due."""
+        if self.text.scored(event):
+            self.pending.append(Scored(event, self.chars))
+            self.chars += len(self.decoder.decode(self.text.text_bytes(event.token)))  # type: ignore[arg-type]
+        self.sent += len(event.text)
+        due = [s for s in self.pending if s.offset < self.sent]
+        self.pending = [] if event.finish_reason is not None else self.pending[len(due):]
+        return due
+
+
+def top_alternatives(event: TokenEvent) -> list[tuple[int, float]]:
+    """The event's alternatives with a finite log-probability (masked tokens left out)."""
+    return [(i, lp) for i, lp in (event.top_logprobs or []) if math.isfinite(lp)]
+
+
 def chat_token_logprob(event: TokenEvent, text: TokenStrings) -> TokenLogprob:
     """One ``logprobs.content`` entry of a chat completion."""
-    token = text(event.token)
-    top = [
-        TopLogprob(token=(t := text(i)), logprob=float(lp), bytes=list(t.encode("utf-8")))
-        for i, lp in (event.top_logprobs or [])
-    ]
-    return TokenLogprob(token=token, logprob=float(event.logprob), bytes=list(token.encode("utf-8")), top_logprobs=top)
+    assert event.token is not None and event.logprob is not None
+    top = [TopLogprob(token=text(i), logprob=lp, bytes=list(text.bytes_of(i))) for i, lp in top_alternatives(event)]
+    return TokenLogprob(token=text(event.token), logprob=finite(event.logprob),
+                        bytes=list(text.bytes_of(event.token)), top_logprobs=top)
 
 
-@dataclass
-class CompletionLogprobBuilder:
-    """Accumulates a text completion's ``logprobs`` object (tokens, their logprobs, top maps, offsets)."""
+def echo_logprobs(
+    ids: list[int], entries: list[tuple[float, list[tuple[int, float]]]], text: TokenStrings
+) -> CompletionLogprobs:
+    """A text completion's ``logprobs`` for its echoed prompt ``ids``: the first token has none
+    (``null``, as OpenAI reports it), each later one its log-probability given those before it."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    offsets, chars = [], 0
+    for token in ids:
+        offsets.append(chars)
+        chars += len(decoder.decode(text.text_bytes(token)))
+    top = [{text(i): lp for i, lp in alternatives if math.isfinite(lp)} for _, alternatives in entries]
+    return CompletionLogprobs(
+        tokens=[text(i) for i in ids], token_logprobs=[None, *(finite(lp) for lp, _ in entries)],
+        top_logprobs=[None, *top], text_offset=offsets,
+    )
 
-    text: TokenStrings
-    offset: int = 0  # text offset of the next token
-    logprobs: CompletionLogprobs = field(default_factory=CompletionLogprobs)
 
-    def add(self, event: TokenEvent) -> None:
-        token = self.text(event.token)
-        self.logprobs.tokens.append(token)
-        self.logprobs.token_logprobs.append(float(event.logprob))
-        self.logprobs.top_logprobs.append({self.text(i): float(lp) for i, lp in (event.top_logprobs or [])})
-        self.logprobs.text_offset.append(self.offset)
-        self.offset += len(token)
+def add_completion_logprob(logprobs: CompletionLogprobs, scored: Scored, text: TokenStrings, base: int) -> None:
+    """Append one generated token to a text completion's ``logprobs`` (``base``: the echo's length)."""
+    event = scored.event
+    assert event.token is not None and event.logprob is not None
+    logprobs.tokens.append(text(event.token))
+    logprobs.token_logprobs.append(finite(event.logprob))
+    logprobs.top_logprobs.append({text(i): lp for i, lp in top_alternatives(event)})
+    logprobs.text_offset.append(base + scored.offset)
 
 
 @dataclass
@@ -85,6 +168,11 @@ class Collected:
     finish_reason: str | None = None
     last: TokenEvent | None = None
     events: list[TokenEvent] = field(default_factory=list)
+
+    def scored(self, text: TokenStrings) -> list[Scored]:
+        """The tokens to report logprobs for (none past a stop-string cut)."""
+        aligner = LogprobAligner(text)
+        return [s for event in self.events for s in aligner.add(event)]
 
 
 async def collect(events: AsyncIterator[TokenEvent]) -> Collected:
@@ -108,7 +196,7 @@ def chat_response(
 ) -> ChatCompletionResponse:
     """The ``chat.completion`` object for a finished generation (``tool_calls``: the calls it made,
     which replace the text)."""
-    content = [chat_token_logprob(e, text) for e in result.events if text.scored(e)] if logprobs else None
+    content = [chat_token_logprob(s.event, text) for s in result.scored(text)] if logprobs else None
     message = AssistantMessage(content=None, tool_calls=tool_calls) if tool_calls else AssistantMessage(content=result.text)
     choice = ChatChoice(
         message=message,
@@ -119,25 +207,39 @@ def chat_response(
 
 
 def completion_response(
-    request_id: str, model: str, result: Collected, text: TokenStrings, logprobs: bool, echo: str = ""
+    request_id: str, model: str, result: Collected, text: TokenStrings, logprobs: bool, echo: str = "",
+    prompt_logprobs: CompletionLogprobs | None = None,
 ) -> CompletionResponse:
-    """The ``text_completion`` object for a finished generation (``echo``: the prompt text to prepend)."""
-    builder = CompletionLogprobBuilder(text, offset=len(echo))
-    for event in result.events:
-        if logprobs and text.scored(event):
-            builder.add(event)
+    """The ``text_completion`` object for a finished generation (``echo``: the prompt text to
+    prepend; ``prompt_logprobs``: its tokens' entries, which come first)."""
+    built = prompt_logprobs.model_copy(deep=True) if prompt_logprobs is not None else CompletionLogprobs()
+    for scored in result.scored(text) if logprobs else []:
+        add_completion_logprob(built, scored, text, len(echo))
     choice = CompletionChoice(
-        text=echo + result.text, logprobs=builder.logprobs if logprobs else None, finish_reason=result.finish_reason
+        text=echo + result.text, logprobs=built if logprobs else None, finish_reason=result.finish_reason
     )
     return CompletionResponse(id=request_id, model=model, choices=[choice], usage=usage_of(result.last))
 
 
-def sse(payload: BaseModel | dict[str, Any] | str) -> str:
+def chunk_json(payload: BaseModel, include_usage: bool) -> str:
+    """A streamed object as OpenAI sends it: ``finish_reason`` and ``logprobs`` always present
+    (``null`` until set), ``usage: null`` on every chunk when usage was asked for (else absent),
+    and a delta carrying only what it sets."""
+    data = payload.model_dump()
+    for choice in data.get("choices", []):
+        if isinstance(choice.get("delta"), dict):
+            choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
+    if data.get("usage") is None and not include_usage:
+        data.pop("usage", None)
+    return json.dumps(data, allow_nan=False, separators=(",", ":"), ensure_ascii=False)
+
+
+def sse(payload: BaseModel | dict[str, Any] | str, include_usage: bool = False) -> str:
     """One server-sent event: ``data: <json>`` and a blank line."""
     if isinstance(payload, BaseModel):
-        data = payload.model_dump_json(exclude_none=True)
+        data = chunk_json(payload, include_usage)
     elif isinstance(payload, dict):
-        data = json.dumps(payload)
+        data = json.dumps(payload, allow_nan=False)
     else:
         data = payload
     return f"data: {data}\n\n"
@@ -148,14 +250,16 @@ ChunkMaker = Callable[[TokenEvent], BaseModel | None]
 
 def chat_chunk_maker(request_id: str, model: str, text: TokenStrings, logprobs: bool) -> ChunkMaker:
     """Maps each event to a ``chat.completion.chunk`` (or None when it carries nothing to send)."""
+    aligner = LogprobAligner(text)
 
     def make(event: TokenEvent) -> BaseModel | None:
-        entry = [chat_token_logprob(event, text)] if logprobs and text.scored(event) else None
-        if not event.text and entry is None and event.finish_reason is None:
+        due = aligner.add(event)
+        entries = [chat_token_logprob(s.event, text) for s in due] if logprobs and due else None
+        if not event.text and entries is None and event.finish_reason is None:
             return None
         choice = ChatChunkChoice(
             delta=Delta(content=event.text),
-            logprobs=ChoiceLogprobs(content=entry) if entry is not None else None,
+            logprobs=ChoiceLogprobs(content=entries) if entries is not None else None,
             finish_reason=event.finish_reason,
         )
         return ChatCompletionChunk(id=request_id, model=model, choices=[choice])
@@ -163,22 +267,27 @@ def chat_chunk_maker(request_id: str, model: str, text: TokenStrings, logprobs: 
     return make
 
 
-def completion_chunk_maker(request_id: str, model: str, text: TokenStrings, logprobs: bool, echo: str) -> ChunkMaker:
-    """Maps each event to a streamed ``text_completion`` object (the first one carries ``echo``)."""
-    builder = CompletionLogprobBuilder(text, offset=len(echo))
+def completion_chunk_maker(
+    request_id: str, model: str, text: TokenStrings, logprobs: bool, echo: str,
+    prompt_logprobs: Callable[[], CompletionLogprobs | None] = lambda: None,
+) -> ChunkMaker:
+    """Maps each event to a streamed ``text_completion`` object (the first one carries ``echo``
+    and the prompt's logprobs, ready once the first event came)."""
+    aligner = LogprobAligner(text)
     pending_echo = [echo]
 
     def make(event: TokenEvent) -> BaseModel | None:
-        scored = logprobs and text.scored(event)
-        if scored:
-            builder.logprobs = CompletionLogprobs()
-            builder.add(event)
-        piece = pending_echo.pop() + event.text if pending_echo else event.text
-        if not piece and not scored and event.finish_reason is None:
+        piece, built = event.text, None
+        if pending_echo:
+            piece, built = pending_echo.pop() + piece, prompt_logprobs()
+        due = aligner.add(event) if logprobs else []
+        if due:
+            built = built or CompletionLogprobs()
+            for scored in due:
+                add_completion_logprob(built, scored, text, len(echo))
+        if not piece and built is None and event.finish_reason is None:
             return None
-        choice = CompletionChoice(
-            text=piece, logprobs=builder.logprobs if scored else None, finish_reason=event.finish_reason
-        )
+        choice = CompletionChoice(text=piece, logprobs=built, finish_reason=event.finish_reason)
         return CompletionResponse(id=request_id, model=model, choices=[choice])
 
     return make
