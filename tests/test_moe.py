@@ -8,18 +8,21 @@ ones and decode steps through the unsorted one (``models.moe.SORT_THRESHOLD``).
 
 from __future__ import annotations
 
+import json
+
 import mlx.core as mx
 import numpy as np
 import pytest
 import torch
+from mlx.utils import tree_flatten
 
 from conftest import cpu_default_device, edit_config, max_diff, write_byte_tokenizer, write_tiny_checkpoint
-from mlxformer import load, stream_generate
+from mlxformer import convert, load, stream_generate
 from mlxformer.cache import CacheSettings, make_cache
 from mlxformer.engine import batch_generate
 from mlxformer.errors import MlxformerError
 from mlxformer.generation import decode_step, prefill
-from mlxformer.models.moe import SORT_THRESHOLD, SparseMoE, stack_experts
+from mlxformer.models.moe import SORT_THRESHOLD, QuantizedSwitchLinear, SparseMoE, expert_groups
 from mlxformer.speculative import SpeculativeSettings
 
 BOUND = 3e-4  # fp32 on both sides; measured <= 1.7e-5
@@ -102,25 +105,42 @@ def test_engine_batch_and_speculation_match_alone(case):
 
 
 @pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe"])
-def test_mlx_community_quantized_dir_matches_mlx_lm(model_type, tmp_path):
-    """mlx-lm's own 4-bit conversion (stacked ``switch_mlp`` experts, quantized) loads with
-    mlx-lm's logits."""
+def test_quantized_dirs_match_mlx_lm(model_type, tmp_path):
+    """mlx-lm's own 4-bit conversion (stacked ``switch_mlp`` experts, quantized: an
+    mlx-community dir) loads with mlx-lm's logits, and so does what ``mlxformer convert -q``
+    writes, experts quantized."""
     from mlx_lm import convert as mlx_lm_convert
     from mlx_lm import load as mlx_lm_load
 
     source, _ = write_moe(tmp_path / "hf", model_type)
     mlx_lm_convert(str(source), str(tmp_path / "q4"), quantize=True, q_group_size=32, q_bits=4)
-    theirs, _ = mlx_lm_load(str(tmp_path / "q4"))
-    ours, _ = load(tmp_path / "q4", dtype=mx.float32, threads=1)
+    convert(source, tmp_path / "ours-q4", quantize=True, q_group_size=32, q_bits=4)
     ids = mx.array(tokens(80)[None])
-    ref = np.array(theirs(ids)[0].astype(mx.float32))
-    assert max_diff(np.array(ours(ids)[0]), ref) <= 1e-4
+    for directory in (tmp_path / "q4", tmp_path / "ours-q4"):  # mlx-lm's conversion, then ours
+        theirs, _ = mlx_lm_load(str(directory))
+        theirs.set_dtype(mx.float32)  # float32 activations on both sides; scales widen exactly
+        ours, _ = load(directory, dtype=mx.float32, threads=1)
+        assert any(".switch_mlp.down_proj.scales" in name for name, _ in tree_flatten(ours.parameters()))
+        ref = np.array(theirs(ids)[0])
+        assert max_diff(np.array(ours(ids)[0]), ref) <= 1e-4, directory.name
+    config = json.loads((tmp_path / "ours-q4" / "config.json").read_text())
+    assert config["quantization"]["bits"] == 4
+    experts = [layer[layer.mlp_name].switch_mlp.gate_proj for layer in ours.layers]
+    assert all(isinstance(e, QuantizedSwitchLinear) and e.bits == 4 for e in experts)
 
 
-def test_missing_expert_is_named():
-    weights = {f"model.layers.0.mlp.experts.{e}.gate_proj.weight": mx.zeros((2, 2)) for e in (0, 1, 3)}
-    with pytest.raises(ValueError, match=r"model.layers.0.mlp.experts: .*missing \[2\]"):
-        stack_experts(weights, 4)
+def test_missing_expert_is_named(tmp_path):
+    names = [f"model.layers.0.mlp.experts.{e}.gate_proj.weight" for e in (0, 1, 3)]
+    with pytest.raises(MlxformerError, match=r"model.layers.0.mlp.experts: .*missing or extra \[2\]"):
+        expert_groups(names, 4)
+    directory, _ = write_moe(tmp_path, "qwen3_moe")  # the same through load, from the file
+    from safetensors.numpy import load_file, save_file
+
+    tensors = load_file(directory / "model.safetensors")
+    del tensors["model.layers.1.mlp.experts.5.up_proj.weight"]
+    save_file(tensors, directory / "model.safetensors")
+    with pytest.raises(MlxformerError, match=r"model.layers.1.mlp.experts: .*\[5\]"):
+        load(directory)
 
 
 def test_tensor_parallel_refuses_experts(case):
@@ -128,3 +148,18 @@ def test_tensor_parallel_refuses_experts(case):
 
     with pytest.raises(MlxformerError, match="--parallel pipeline"):
         check_divisible(case[2].args, 2)
+
+
+def test_info_counts_total_and_active_parameters(case, tmp_path):
+    """Against transformers' own modules: every parameter, and per token the routed experts'
+    share ``k / experts`` of theirs."""
+    from mlxformer.planning import footprint
+
+    name, directory, model, _, hf_model = case
+    total = sum(p.numel() for p in hf_model.parameters())
+    routed = sum(p.numel() for n, p in hf_model.named_parameters() if ".experts." in n)
+    args = model.args
+    fp = footprint(directory)
+    assert fp.parameters == total
+    assert fp.active_parameters == total - routed + routed * args.num_experts_per_tok // args.num_experts
+    assert fp.active_parameters < total

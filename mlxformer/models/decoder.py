@@ -19,7 +19,7 @@ from mlxformer.cache.protocol import Cache
 from mlxformer.models.attention_ops import softcap_scores, softcapped_attention
 from mlxformer.models.config import ModelArgs
 from mlxformer.models.mlp import MLP, make_mlp, swiglu
-from mlxformer.models.moe import stack_experts  # also registers the "moe" MLP type
+import mlxformer.models.moe  # noqa: F401  registers the "moe" MLP type
 from mlxformer.models.norms import NORM_LAYOUTS, RMSNorm
 from mlxformer.models.rope_variants import make_rope
 
@@ -209,8 +209,6 @@ class Model(nn.Module):
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         """Drop checkpoint keys that carry no weights for this decoder."""
         weights = {k: v for k, v in weights.items() if "rotary_emb.inv_freq" not in k}
-        if self.args.num_experts:  # HF's per-expert matrices -> stacked (experts, out, in)
-            weights = stack_experts(weights, self.args.num_experts)
         if self.args.tie_word_embeddings:
             weights.pop("lm_head.weight", None)
             weights.pop("lm_head.scales", None)

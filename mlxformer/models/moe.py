@@ -6,7 +6,7 @@ renormalised); the routed experts are stacked ``(experts, out, in)`` matrices ap
 the (token, expert) pairs are sorted by expert first, so each expert's rows are contiguous.
 Qwen2-MoE adds a shared expert behind a sigmoid gate. Parameter names are mlx-lm's
 (``switch_mlp.{gate,up,down}_proj``), so mlx-community dirs load as they are; HF checkpoints'
-per-expert matrices are stacked at load by ``stack_experts``.
+per-expert matrices are stacked at load (``expert_groups``: lazily, by the checkpoint reader).
 """
 
 from __future__ import annotations
@@ -14,10 +14,12 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+from typing import Iterable
 
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlxformer.errors import MlxformerError
 from mlxformer.models.config import ModelArgs
 from mlxformer.models.mlp import GATES, MLP, MLP_TYPES
 
@@ -142,24 +144,32 @@ _EXPERT_NAMES = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj",
 _EXPERT_KEY = re.compile(r"^(.*)\.experts\.(\d+)\.(\w+)\.(weight|scales|biases)$")
 
 
-def stack_experts(weights: dict[str, mx.array], num_experts: int) -> dict[str, mx.array]:
-    """Replace HF's ``...experts.E.{w1,gate_proj,...}.weight`` by stacked ``...switch_mlp.*``
-    arrays ``(experts, out, in)``; a block missing an expert raises naming it."""
-    groups: dict[tuple[str, str, str], dict[int, mx.array]] = {}
-    out: dict[str, mx.array] = {}
-    for name, value in weights.items():
+def expert_groups(names: Iterable[str], num_experts: int) -> dict[str, list[str]]:
+    """HF's per-expert names (``...experts.E.{w1,gate_proj,...}.weight``) grouped under the
+    stacked name each becomes (``...switch_mlp.gate_proj.weight``), in expert order; a block
+    missing an expert raises naming it."""
+    found: dict[str, dict[int, str]] = {}
+    for name in names:
         match = _EXPERT_KEY.match(name)
-        if match is None or match.group(3) not in _EXPERT_NAMES:
-            out[name] = value
-            continue
-        prefix, expert, proj, kind = match.groups()
-        groups.setdefault((prefix, _EXPERT_NAMES[proj], kind), {})[int(expert)] = value
-    for (prefix, proj, kind), experts in groups.items():
-        missing = sorted(set(range(num_experts)) - set(experts))
-        if missing or len(experts) != num_experts:
-            raise ValueError(f"{prefix}.experts: expected experts 0..{num_experts - 1} for {proj}, "
-                             f"missing {missing[:4] or sorted(set(experts) - set(range(num_experts)))[:4]}")
-        out[f"{prefix}.switch_mlp.{proj}.{kind}"] = mx.stack([experts[e] for e in range(num_experts)])
+        if match is not None and match.group(3) in _EXPERT_NAMES:
+            prefix, expert, proj, kind = match.groups()
+            found.setdefault(f"{prefix}.switch_mlp.{_EXPERT_NAMES[proj]}.{kind}", {})[int(expert)] = name
+    groups = {}
+    for stacked, experts in found.items():
+        if sorted(experts) != list(range(num_experts)):
+            missing = sorted(set(range(num_experts)) - set(experts)) or sorted(set(experts) - set(range(num_experts)))
+            raise MlxformerError(f"{stacked.rsplit('.switch_mlp', 1)[0]}.experts: expected experts "
+                                 f"0..{num_experts - 1}, missing or extra {missing[:4]}")
+        groups[stacked] = [experts[e] for e in range(num_experts)]
+    return groups
+
+
+def stack_expert_arrays(weights: dict[str, mx.array], num_experts: int) -> dict[str, mx.array]:
+    """``weights`` with each expert group replaced by its stacked ``(experts, ...)`` array."""
+    groups = expert_groups(weights, num_experts)
+    members = {name for names in groups.values() for name in names}
+    out = {name: value for name, value in weights.items() if name not in members}
+    out.update({stacked: mx.stack([weights[n] for n in names]) for stacked, names in groups.items()})
     return out
 
 
