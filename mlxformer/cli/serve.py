@@ -21,6 +21,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--max-batch", type=int, default=8, help="most sequences decoded together (default 8)")
     parser.add_argument("--max-queue", type=int, default=64, help="most requests waiting; beyond, 429 (default 64)")
     parser.add_argument(
+        "--max-kv-memory", metavar="BYTES|auto", default=None,
+        help="KV cache memory budget of all requests and the prompt cache's memory tier (e.g. 4GiB, 500M; auto: the "
+             "device's memory less the weights and a margin); a request that can never fit gets 400 (default: none)",
+    )
+    parser.add_argument(
         "--api-key", default=os.environ.get(API_KEY_VARIABLE) or None,
         help=f"require 'Authorization: Bearer KEY' on /v1 (default: ${API_KEY_VARIABLE}, else none)",
     )
@@ -43,6 +48,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="also keep prompt cache blocks in DIR, across restarts (default: memory only)")
     parser.add_argument("--prompt-cache-disk-bytes", type=int, default=4 * 2**30, metavar="BYTES",
                         help="most bytes of prompt cache files in --prompt-cache-dir (default 4 GiB)")
+    parser.add_argument("--sse-ping-seconds", type=float, default=5.0, metavar="S",
+                        help="send an SSE comment after S seconds without data, e.g. during a long prefill "
+                             "(default 5; 0: never)")
     parser.add_argument("--no-prefix-sharing", action="store_true",
                         help="let requests that share a prefix with one being prefilled compute it again "
                              "(default: they wait for its cached blocks)")
@@ -54,6 +62,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Handler of ``mlxformer serve``."""
+    from mlxformer.engine.memory import parse_kv_memory
     from mlxformer.engine.prompt_cache import PromptCacheSettings
     from mlxformer.errors import MlxformerError
     from mlxformer.server.runner import serve
@@ -62,11 +71,14 @@ def run(args: argparse.Namespace) -> int:
         raise MlxformerError("--port must be between 0 and 65535")
     if args.max_batch < 1 or args.max_queue < 0:
         raise MlxformerError("need --max-batch >= 1 and --max-queue >= 0")
+    if not args.sse_ping_seconds >= 0:
+        raise MlxformerError("--sse-ping-seconds must be >= 0")
     if args.api_key is not None and not args.api_key.strip():
         raise MlxformerError("--api-key is empty")
     if args.max_body_bytes is not None and args.max_body_bytes < 1:
         raise MlxformerError("--max-body-bytes must be >= 1")
     settings = cache_settings(args)
+    max_kv_memory = parse_kv_memory(args.max_kv_memory) if args.max_kv_memory is not None else None
     prompt_cache = PromptCacheSettings(args.prompt_cache_bytes, args.prompt_cache_dir, args.prompt_cache_disk_bytes,
                                        share_prefills=not args.no_prefix_sharing)
     model, tokenizer = load_for_cli(args)
@@ -76,6 +88,7 @@ def run(args: argparse.Namespace) -> int:
         model, tokenizer, name, host=args.host, port=args.port, max_batch=args.max_batch, max_queue=args.max_queue,
         api_key=args.api_key, cors_origins=args.cors_origin, cache_settings=settings, speculative=speculative,
         allowed_hosts=args.allowed_host, openapi=not args.no_openapi, prompt_cache=prompt_cache,
+        sse_ping_seconds=args.sse_ping_seconds or None, max_kv_memory=max_kv_memory,
         **({"max_body_bytes": args.max_body_bytes} if args.max_body_bytes is not None else {}),
     )
     return 0

@@ -111,6 +111,10 @@ class BatchRunner:
             return logits
         return logits[mx.array(wanted)]
 
+    def batched(self, sequence: Decoding) -> bool:
+        """Whether ``sequence`` is in a batch (the KV budget counts its share of the buffers)."""
+        return id(sequence) in self._members
+
     def release(self, sequence: Decoding) -> None:
         """Take ``sequence`` out of its batch, if it is in one: its ``cache`` becomes its own
         per-sequence caches again (call before reusing or keeping them)."""

@@ -27,8 +27,10 @@ from mlxformer.server.context import ServerContext
 from mlxformer.server.errors import APIError, error_body, validation_message
 from mlxformer.server.guards import DEFAULT_MAX_BODY_BYTES, LOOPBACK_NAMES, BodyTooLarge, RequestGuard, host_name
 from mlxformer.server.openai_routes import openai_router
+from mlxformer.server.metrics import install_metrics
 from mlxformer.server.openapi import GUARDED, KEYED, error_responses, install_openapi
 from mlxformer.server.responses import TokenStrings
+from mlxformer.server.sse import SSE_PING_SECONDS
 from mlxformer.server.translate import ServedModel
 
 log = logging.getLogger("mlxformer.server")
@@ -65,6 +67,7 @@ def create_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     openapi: bool = True,
     routers: Sequence[RouterMaker] = API_ROUTERS,
+    sse_ping_seconds: float | None = SSE_PING_SECONDS,
 ) -> FastAPI:
     """The API app over a started ``engine``.
 
@@ -72,10 +75,12 @@ def create_app(
     ``cors_origins`` (default none) are the origins allowed cross-origin access; ``allowed_hosts``
     are the ``Host`` names served (default: the loopback names; ``None``: any); bodies over
     ``max_body_bytes`` get 413; ``openapi=False`` serves no /openapi.json; ``routers`` make the
-    API routers (each mounted under /v1)."""
+    API routers (each mounted under /v1); streams send a keep-alive comment after
+    ``sse_ping_seconds`` without data (None: never)."""
     app = FastAPI(title="mlxformer", docs_url=None, redoc_url=None, openapi_url=None)
     install_error_handlers(app)
-    ctx = ServerContext(engine, served, TokenStrings(served.tokenizer, served.vocab_size))
+    ctx = ServerContext(engine, served, TokenStrings(served.tokenizer, served.vocab_size),
+                        sse_ping_seconds=sse_ping_seconds)
     app.state.context = ctx
     keyed = [key_dependency(api_key), Depends(require_json)]
     for make in routers:
@@ -85,11 +90,14 @@ def create_app(
     async def index() -> HTMLResponse:
         return HTMLResponse(chat_page(), headers={"Content-Security-Policy": PAGE_SECURITY_POLICY})
 
-    @app.get("/health", responses=error_responses(GUARDED))
-    async def health() -> dict[str, object]:
-        return {"status": "ok", "model": served.name, "running": ctx.inflight.count}
+    @app.get("/health", responses=error_responses((*GUARDED, 503)))
+    async def health() -> JSONResponse:
+        if not engine.running:
+            return JSONResponse(error_body("the engine is not running", "server_error", None, "engine_not_running"), 503)
+        return JSONResponse({"status": "ok", "model": served.name, "running": ctx.inflight.count})
 
     install_openapi(app)
+    install_metrics(app, engine, keyed[:1])
     if openapi:
         @app.get("/openapi.json", include_in_schema=False, dependencies=keyed[:1])
         async def openapi_document() -> JSONResponse:

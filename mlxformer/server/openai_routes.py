@@ -19,9 +19,9 @@ from mlxformer.server.protocol import (
     CompletionResponse, ModelCard, ModelList, new_id,
 )
 from mlxformer.server.responses import (
-    chat_chunk_maker, chat_response, completion_chunk_maker, completion_response, echo_logprobs, usage_of,
+    chat_chunk_maker, chat_response, completion_chunk_maker, completion_response, echo_logprobs, sse, usage_of,
 )
-from mlxformer.server.streaming import EventStream, collect_unless_gone, stream
+from mlxformer.server.streaming import collect_unless_gone, stream
 from mlxformer.server.tools import calls_in, tool_chunk_maker
 
 
@@ -53,7 +53,12 @@ def openai_router(ctx: ServerContext) -> APIRouter:
                 return ChatCompletionChunk(id=request_id, model=served.name, choices=[], usage=usage_of(last))
 
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return EventStream(stream(lease, make, first, usage_chunk if include_usage else None), lease)
+
+            def progress_chunk(progress: dict[str, int]) -> str:
+                return sse({**first.model_dump(exclude_none=True), "choices": [], "prompt_progress": progress})
+
+            chunks = stream(lease, make, first, usage_chunk if include_usage else None)
+            return ctx.event_stream(chunks, lease, progress_chunk if body.return_progress else None)
         result = await collect_unless_gone(lease, request)
         calls = [call.to_openai() for call in calls_in(result.text, plan)]
         return JSONResponse(chat_response(request_id, served.name, result, text, body.logprobs, calls).model_dump())
@@ -79,7 +84,13 @@ def openai_router(ctx: ServerContext) -> APIRouter:
                 return CompletionResponse(id=request_id, model=served.name, choices=[], usage=usage_of(last))
 
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return EventStream(stream(lease, make, None, usage_chunk if include_usage else None), lease)
+
+            def progress_chunk(progress: dict[str, int]) -> str:
+                return sse({"id": request_id, "object": "text_completion", "model": served.name, "choices": [],
+                            "prompt_progress": progress})
+
+            chunks = stream(lease, make, None, usage_chunk if include_usage else None)
+            return ctx.event_stream(chunks, lease, progress_chunk if body.return_progress else None)
         result = await collect_unless_gone(lease, request)
         response = completion_response(request_id, served.name, result, text, logprobs, echo, echoed())
         return JSONResponse(response.model_dump())
