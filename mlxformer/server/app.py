@@ -23,20 +23,23 @@ from starlette.exceptions import HTTPException
 
 from mlxformer.engine import Engine, EngineOverloaded, GenerationRequest, RequestHandle, TokenEvent
 from mlxformer.errors import MlxformerError
-from mlxformer.server.errors import APIError, bad_request, error_body, validation_message
-from mlxformer.server.hooks import constraint_for
+from mlxformer.server.errors import APIError, error_body, validation_message
 from mlxformer.server.protocol import (
     ChatCompletionChunk, ChatCompletionRequest, CompletionRequest, CompletionResponse, ModelCard, ModelList,
     new_id,
 )
+from mlxformer.server.anthropic_api import is_anthropic_path, messages_router
+from mlxformer.server.anthropic_protocol import anthropic_error
+from mlxformer.server.chat_turn import chat_turn
+from mlxformer.server.hosting import Hosting
+from mlxformer.server.reply import whole_reply
+from mlxformer.server.responses_api import responses_router
 from mlxformer.server.responses import (
     ChunkMaker, Collected, TokenStrings, chat_chunk_maker, chat_response, collect, completion_chunk_maker,
     completion_response, error_event, sse, usage_of,
 )
-from mlxformer.server.tools import call_constraint, calls_in, tool_chunk_maker, tool_plan
-from mlxformer.server.translate import (
-    ServedModel, chat_prompt_ids, check_model_name, completion_prompt_ids, engine_request,
-)
+from mlxformer.server.translate import ServedModel, check_model_name, completion_prompt_ids, engine_request
+from mlxformer.server.turn import Traits, prepare
 
 log = logging.getLogger("mlxformer.server")
 
@@ -99,18 +102,23 @@ def create_app(
     *,
     api_key: str | None = None,
     cors_origins: Sequence[str] = (),
+    tool_parser: str | None = None,
+    any_model_name: bool = True,
 ) -> FastAPI:
     """The API app over a started ``engine``; ``api_key`` requires ``Authorization: Bearer``
-    on /v1 routes; ``cors_origins`` (default none) are the origins allowed cross-origin access."""
+    on /v1 routes; ``cors_origins`` (default none) are the origins allowed cross-origin access;
+    ``tool_parser`` names the tool-call format (default: the one the chat template teaches);
+    ``any_model_name``: the Anthropic and Responses routes serve any model name they are given."""
     app = FastAPI(title="mlxformer", docs_url=None, redoc_url=None)
     if cors_origins:
         app.add_middleware(
             CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
-            allow_headers=["Authorization", "Content-Type"],
+            allow_headers=["Authorization", "Content-Type", "x-api-key", "anthropic-version"],
         )
     install_error_handlers(app)
     inflight = InFlight()
     text = TokenStrings(served.tokenizer)
+    traits = Traits.of(served, tool_parser)
     router = APIRouter(prefix="/v1", dependencies=[Depends(key_checker(api_key))])
 
     def submit(request: GenerationRequest) -> Lease:
@@ -139,23 +147,11 @@ def create_app(
     @router.post("/chat/completions", dependencies=[Depends(require_json)])
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         check_model_name(body.model, served)
-        plan = tool_plan(body.tools, body.tool_choice)
-        if plan.forced and body.response_format is not None and body.response_format.type != "text":
-            raise bad_request("a forced tool call cannot also have a response_format", param="tool_choice")
-        constraint = call_constraint(plan, served.tokenizer, served.vocab_size) or constraint_for(
-            body.response_format, served.tokenizer, served.vocab_size
-        )
-        top = (body.top_logprobs or 0) if body.logprobs else None
-        ids = chat_prompt_ids(body, served.tokenizer, plan)
-        lease = submit(engine_request(
-            body, ids, served, max_tokens=body.max_completion_tokens or body.max_tokens, logprobs=top,
-            constraint=constraint, prompt_param="messages",
-        ))
+        prepared = prepare(chat_turn(body), served, traits)
+        lease = submit(prepared.request)
         request_id = new_id("chatcmpl")
         if body.stream:
-            make = chat_chunk_maker(request_id, served.name, text, body.logprobs)
-            if plan.active:
-                make = tool_chunk_maker(request_id, served.name, plan, make)
+            make = chat_chunk_maker(request_id, served.name, text, body.logprobs, prepared.parser())
             first = ChatCompletionChunk.model_validate({
                 "id": request_id, "model": served.name,
                 "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}],
@@ -167,8 +163,8 @@ def create_app(
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return EventStream(stream(lease, make, first, usage_chunk if include_usage else None), lease)
         result = await collect_unless_gone(lease, request)
-        calls = [call.to_openai() for call in calls_in(result.text, plan)]
-        return JSONResponse(chat_response(request_id, served.name, result, text, body.logprobs, calls).model_dump())
+        reply = whole_reply(prepared.parser(), result.events)
+        return JSONResponse(chat_response(request_id, served.name, reply, text, body.logprobs).model_dump())
 
     @router.post("/completions", dependencies=[Depends(require_json)])
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -193,6 +189,9 @@ def create_app(
         result = await collect_unless_gone(lease, request)
         return JSONResponse(completion_response(request_id, served.name, result, text, logprobs, echo).model_dump())
 
+    hosting = Hosting(served, traits, submit, EventStream, collect_unless_gone, any_model_name)
+    for agent_router in (messages_router(hosting), responses_router(hosting)):
+        router.include_router(agent_router, dependencies=[Depends(require_json)])
     app.include_router(router)
     return app
 
@@ -207,14 +206,17 @@ def echo_text(body: CompletionRequest, ids: list[int], served: ServedModel) -> s
 
 
 def key_checker(api_key: str | None) -> Callable[[Request], None]:
-    """A dependency that requires ``Authorization: Bearer <api_key>`` (nothing when no key is set)."""
+    """A dependency that requires ``Authorization: Bearer <api_key>`` or (Anthropic clients)
+    ``x-api-key: <api_key>`` (nothing when no key is set)."""
 
     def check(request: Request) -> None:
         if api_key is None:
             return
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), api_key.encode()):
-            raise APIError("invalid or missing API key (Authorization: Bearer ...)", 401,
+        if scheme.lower() != "bearer":
+            given = request.headers.get("x-api-key", "")
+        if not hmac.compare_digest(given.strip().encode(), api_key.encode()):
+            raise APIError("invalid or missing API key (Authorization: Bearer ... or x-api-key)", 401,
                            "authentication_error", None, "invalid_api_key")
 
     return check
@@ -229,26 +231,32 @@ def require_json(request: Request) -> None:
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    """Every error as an OpenAI-style body: 400 for invalid input, never a traceback."""
+    """Every error as an OpenAI-style body (Anthropic-style on the Messages routes): 400 for
+    invalid input, never a traceback."""
+
+    def respond(request: Request, body: dict[str, Any], status: int, headers: Any = None) -> JSONResponse:
+        if is_anthropic_path(request.url.path):
+            body = anthropic_error(status, body["error"]["message"])
+        return JSONResponse(body, status_code=status, headers=headers)
 
     @app.exception_handler(APIError)
-    async def api_error(_: Request, exc: APIError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        return respond(request, exc.body(), exc.status)
 
     @app.exception_handler(RequestValidationError)
-    async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = validation_message(list(exc.errors()))
-        return JSONResponse(error_body(message, "invalid_request_error", param), status_code=400)
+        return respond(request, error_body(message, "invalid_request_error", param), 400)
 
     @app.exception_handler(HTTPException)
-    async def http_error(_: Request, exc: HTTPException) -> JSONResponse:
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return JSONResponse(error_body(str(exc.detail), kind), status_code=exc.status_code, headers=exc.headers)
+        return respond(request, error_body(str(exc.detail), kind), exc.status_code, exc.headers)
 
     @app.exception_handler(Exception)
-    async def unexpected(_: Request, exc: Exception) -> JSONResponse:
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("internal error")
-        return JSONResponse(error_body(f"internal server error ({type(exc).__name__})", "server_error"), 500)
+        return respond(request, error_body(f"internal server error ({type(exc).__name__})", "server_error"), 500)
 
 
 async def stream(
