@@ -11,8 +11,9 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from mlxformer.converter import convert
-    from mlxformer.errors import MlxformerError
-    from mlxformer.generation import GenerationResponse, SamplingSettings, generate, stream_generate
+    from mlxformer.errors import MlxformerError, OptionError
+    from mlxformer.generation import GenerationResponse, generate, stream_generate
+    from mlxformer.options import SamplingSettings
     from mlxformer.loader import load
 
 # public name -> the module that defines it
@@ -21,9 +22,10 @@ _EXPORTS = {
     "generate": "mlxformer.generation",
     "stream_generate": "mlxformer.generation",
     "GenerationResponse": "mlxformer.generation",
-    "SamplingSettings": "mlxformer.generation",
+    "SamplingSettings": "mlxformer.options",
     "convert": "mlxformer.converter",
     "MlxformerError": "mlxformer.errors",
+    "OptionError": "mlxformer.errors",
 }
 
 __all__ = list(_EXPORTS)

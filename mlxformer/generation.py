@@ -14,6 +14,7 @@ from mlxformer.cache import Cache, CacheSettings, make_cache
 from mlxformer.constrained import make_constraint
 from mlxformer.errors import MlxformerError
 from mlxformer.models.decoder import Model
+from mlxformer.options import SamplingSettings, check_integer
 from mlxformer.sampling import (
     LogitsProcessor, Sampler, TokenConstraint, make_distribution, make_logits_processors, make_sampler,
 )
@@ -21,18 +22,6 @@ from mlxformer.speculative import SpeculativeSettings, SpeculativeStats, make_pr
 from mlxformer.steps import decode_step, default_prefill_step, prefill  # noqa: F401 (re-exported)
 from mlxformer.stop import StopMatcher
 from mlxformer.tokenizer import StreamingDetokenizer, Tokenizer
-
-@dataclass(frozen=True)
-class SamplingSettings:
-    """How each next token is chosen."""
-
-    temp: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float | None = None
-    seed: int | None = None
-
 
 @dataclass
 class GenerationResponse:
@@ -154,8 +143,9 @@ def stream_generate(
 ) -> Iterator[GenerationResponse]:
     """Stream a completion of ``prompt`` (raw text or token ids; no chat template is applied).
 
-    Sampling may be given as ``sampling=SamplingSettings(...)`` or as keywords
-    (``temp``, ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty``, ``seed``). Pass a
+    Sampling may be given as ``sampling=SamplingSettings(...)`` or as its fields as keywords
+    (``temp``, ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty``, ``presence_penalty``,
+    ``frequency_penalty``, ``logit_bias``, ``seed``; see ``mlxformer.options``). Pass a
     ``cache`` to continue from earlier turns; otherwise a new one is made from ``cache_settings``.
     ``speculative`` turns on prompt-lookup or draft-model decoding (same greedy output).
     Each response carries the new text piece and token; the last one has ``finish_reason`` set.
@@ -178,16 +168,16 @@ def stream_generate(
     ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
     if not ids:
         raise MlxformerError("empty prompt: nothing to generate from")
-    if max_tokens < 1:
-        raise MlxformerError("max_tokens must be at least 1")
-    if sampling.seed is not None:
+    check_integer("max_tokens", max_tokens, low=1)
+    sampling.check_vocabulary(model.args.vocab_size)
+    if sampling.seed is not None and sampling.seed != -1:
         mx.random.seed(sampling.seed)
     if speculative is not None:  # rotating caches keep enough beyond their window to rewind a round
         cache_settings = dataclasses.replace(cache_settings or CacheSettings(), rewind=speculative.num_draft_tokens)
     if cache is None:
         cache = make_cache(model, cache_settings)
     sampler = make_sampler(sampling.temp, sampling.top_p, sampling.top_k, sampling.min_p)
-    processors = make_logits_processors(sampling.repetition_penalty)
+    processors = make_logits_processors(sampling, len(ids))
     eos = set(tokenizer.eos_token_ids)
     detokenizer = tokenizer.detokenizer()
     stops = StopMatcher(stop)

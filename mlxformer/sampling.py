@@ -1,7 +1,8 @@
 """Sampling as small pure functions, composed once by ``make_sampler``.
 
 A sampler maps log-probabilities ``(B, vocab)`` to token ids ``(B,)``; a logits processor
-maps ``(history, logits)`` to new logits.
+maps ``(history, logits)`` to new logits (a new array: the caller's is never modified).
+The values are validated by ``mlxformer.options.SamplingSettings``, nowhere else.
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from __future__ import annotations
 from typing import Callable, Protocol
 
 import mlx.core as mx
+
+from mlxformer.options import SamplingSettings
 
 Sampler = Callable[[mx.array], mx.array]
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
@@ -56,15 +59,17 @@ def keep_top_p(logprobs: mx.array, top_p: float) -> mx.array:
     """Nucleus filtering: keep the smallest set of most likely tokens whose mass reaches ``top_p``.
 
     The mass is measured after renormalising the tokens still kept (e.g. by top-k), as
-    transformers and llama.cpp do.
+    transformers and llama.cpp do. The most likely token always stays, however small ``top_p``.
     """
     if top_p >= 1.0:
         return logprobs
-    order = mx.argsort(logprobs, axis=-1)  # ascending
+    order = mx.argsort(-logprobs, axis=-1)  # descending
     sorted_probs = mx.softmax(mx.take_along_axis(logprobs, order, axis=-1), axis=-1)
-    # A token is kept when the mass strictly above it is below top_p.
-    mass_above = 1.0 - mx.cumsum(sorted_probs, axis=-1)
+    # A token is kept when the mass strictly above it is below top_p: an exclusive cumsum,
+    # exactly 0 for the first token (``1 - cumsum`` from the other end rounds on a large vocabulary).
+    mass_above = mx.cumsum(sorted_probs, axis=-1) - sorted_probs
     keep_sorted = mass_above < top_p
+    keep_sorted = mx.concatenate([mx.ones_like(keep_sorted[..., :1]), keep_sorted[..., 1:]], axis=-1)
     keep = mx.put_along_axis(mx.zeros_like(keep_sorted), order, keep_sorted, axis=-1)
     return mx.where(keep, logprobs, -float("inf"))
 
@@ -78,9 +83,9 @@ def keep_min_p(logprobs: mx.array, min_p: float) -> mx.array:
 
 
 def make_sampler(temp: float = 0.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0) -> Sampler:
-    """Greedy at ``temp == 0``; otherwise top-k, top-p and min-p filtering, then temperature sampling."""
-    if temp < 0 or not 0.0 < top_p <= 1.0 or top_k < 0 or not 0.0 <= min_p < 1.0:
-        raise ValueError("need temp >= 0, 0 < top_p <= 1, top_k >= 0 and 0 <= min_p < 1")
+    """Greedy at ``temp == 0``; otherwise top-k, top-p and min-p filtering, then temperature sampling
+    (bad values raise ``OptionError``)."""
+    SamplingSettings(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p)
     if temp == 0:
         return greedy
 
@@ -100,7 +105,7 @@ def sampling_logits(logprobs: mx.array, temp: float, top_p: float = 1.0, top_k: 
 
 def make_distribution(temp: float, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0) -> Distribution:
     """The probabilities ``make_sampler(temp, ...)`` draws from (``temp > 0``), from logits."""
-    if temp <= 0:
+    if SamplingSettings(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p).greedy:
         raise ValueError("a sampling distribution needs temp > 0")
 
     def distribution(logits: mx.array) -> mx.array:
@@ -112,23 +117,47 @@ def make_distribution(temp: float, top_p: float = 1.0, top_k: int = 0, min_p: fl
 
 def repetition_penalty_processor(penalty: float, context: int = REPETITION_CONTEXT) -> LogitsProcessor:
     """CTRL-style penalty on the last ``context`` tokens: positive logits divided, negative multiplied."""
-    if penalty <= 0:
-        raise ValueError("repetition penalty must be positive")
+    SamplingSettings(repetition_penalty=penalty)
 
     def process(history: mx.array, logits: mx.array) -> mx.array:
         recent = history[-context:]
         if recent.size == 0:
             return logits
-        selected = logits[:, recent]
+        columns = mx.broadcast_to(recent[None], (logits.shape[0], recent.size))  # (B, n)
+        selected = mx.take_along_axis(logits, columns, axis=-1)
         penalized = mx.where(selected > 0, selected / penalty, selected * penalty)
-        logits[:, recent] = penalized
+        return mx.put_along_axis(logits, columns, penalized, axis=-1)  # a new array
+
+    return process
+
+
+def penalty_processor(
+    presence: float, frequency: float, bias: dict[int, float] | None, prompt_length: int
+) -> LogitsProcessor:
+    """OpenAI's presence/frequency penalties over the generated tokens (``history`` after its
+    first ``prompt_length``), plus the logit bias."""
+    bias_ids = mx.array(list(bias), dtype=mx.int32) if bias else None
+    bias_values = mx.array(list(bias.values()), dtype=mx.float32) if bias else None
+
+    def process(history: mx.array, logits: mx.array) -> mx.array:
+        generated = history[prompt_length:]
+        if generated.size and (presence or frequency):
+            counts = mx.zeros((logits.shape[-1],), mx.float32).at[generated].add(1.0)
+            logits = logits - (frequency * counts + presence * (counts > 0)).astype(logits.dtype)
+        if bias_ids is not None and bias_values is not None:
+            logits = logits.at[:, bias_ids].add(bias_values.astype(logits.dtype))
         return logits
 
     return process
 
 
-def make_logits_processors(repetition_penalty: float | None = None) -> list[LogitsProcessor]:
-    """The processors implied by the generation flags (none for default settings)."""
-    if repetition_penalty is None or repetition_penalty == 1.0:
-        return []
-    return [repetition_penalty_processor(repetition_penalty)]
+def make_logits_processors(sampling: SamplingSettings, prompt_length: int = 0) -> list[LogitsProcessor]:
+    """The processors ``sampling`` asks for (none for default settings); ``prompt_length`` is
+    where the generated tokens start in the history the processors are given."""
+    processors = []
+    if sampling.repetition_penalty is not None and sampling.repetition_penalty != 1.0:
+        processors.append(repetition_penalty_processor(sampling.repetition_penalty))
+    if sampling.presence_penalty or sampling.frequency_penalty or sampling.logit_bias:
+        processors.append(penalty_processor(
+            sampling.presence_penalty, sampling.frequency_penalty, dict(sampling.logit_bias or {}), prompt_length))
+    return processors

@@ -25,6 +25,7 @@ import mlx.core as mx
 from mlxformer.cache.protocol import Cache
 from mlxformer.errors import MlxformerError
 from mlxformer.models.decoder import Model
+from mlxformer.options import check_integer
 from mlxformer.cache import CacheSettings, make_cache
 from mlxformer.sampling import Distribution, LogitsProcessor
 from mlxformer.steps import prefill
@@ -45,12 +46,11 @@ class SpeculativeSettings:
     ngram_min: int = 2
 
     def __post_init__(self) -> None:
-        if self.num_draft_tokens < 1:
-            raise MlxformerError("--num-draft-tokens must be at least 1")
+        check_integer("num_draft_tokens", self.num_draft_tokens, low=1)
         if self.prompt_lookup == (self.draft_model is not None):
             raise MlxformerError("speculative decoding needs exactly one of prompt lookup or a draft model")
-        if not 1 <= self.ngram_min <= self.ngram_max:
-            raise MlxformerError("need 1 <= ngram_min <= ngram_max")
+        check_integer("ngram_min", self.ngram_min, low=1)
+        check_integer("ngram_max", self.ngram_max, low=self.ngram_min)
 
 
 @dataclass

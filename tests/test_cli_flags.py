@@ -19,7 +19,9 @@ Flag inventory (where each flag's effect is asserted; the other test modules are
 | --temp | here (with --seed) | here | n/a | n/a |
 | --top-k / --top-p / --min-p | here (draws inside transformers' filtered set; top-k 1 == greedy) | here | n/a | n/a |
 | --repetition-penalty | here (== transformers' penalised greedy) | here | n/a | n/a |
-| --seed | here (same seed same text, other seed other text) | here | n/a | n/a |
+| --seed | here (same seed same text, other seed other text; -1 shown with --verbose) | here | n/a | n/a |
+| --presence-penalty/--frequency-penalty/--logit-bias | here (== transformers with OpenAI's formula / its sequence bias) | n/a | n/a | n/a |
+| bad values (NaN, inf, out of range, --num-draft-tokens 0, --timeout nan) | here (one-line error naming the flag) | n/a | n/a | n/a |
 | --stop | here (cut at str.find) | here | n/a | n/a |
 | --kv-bits/--kv-group-size/--quantized-kv-start/--max-kv-size | here (== library) ; test_cache (file conflicts) | here (/stats bytes == packed layout) | here (used) | n/a |
 | --prompt-cache-file | test_cache (cached == fresh output) | n/a | n/a | n/a |
@@ -196,6 +198,61 @@ def test_generate_repetition_penalty_matches_transformers(tiny, capsys):
     assert expected != hf_greedy(tiny, ids, 16)
     text, _ = generate(capsys, tiny, "--prompt", PROMPT, "--max-tokens", "16", "--repetition-penalty", "1.5")
     assert text == expected
+
+
+class OpenAIPenalties:
+    """OpenAI's presence/frequency penalties (its API reference: ``mu[j] -> mu[j] - c[j] *
+    alpha_frequency - float(c[j] > 0) * alpha_presence`` over the tokens sampled so far), as a
+    transformers logits processor."""
+
+    def __init__(self, prompt_length: int, presence: float, frequency: float) -> None:
+        self.prompt_length, self.presence, self.frequency = prompt_length, presence, frequency
+
+    def __call__(self, input_ids, scores):
+        import torch
+
+        counts = torch.bincount(input_ids[0, self.prompt_length:], minlength=scores.shape[-1]).to(scores.dtype)
+        return scores - self.frequency * counts - self.presence * (counts > 0).to(scores.dtype)
+
+
+def test_generate_openai_penalties_and_logit_bias_match_transformers(tiny, capsys):
+    from transformers import LogitsProcessorList
+
+    ids = template_ids(tiny[2])
+    plain = hf_greedy(tiny, ids, 12)
+    penalties = LogitsProcessorList([OpenAIPenalties(len(ids), 0.7, 1.3)])
+    expected = hf_greedy(tiny, ids, 12, logits_processor=penalties)
+    assert expected != plain
+    text, _ = generate(capsys, tiny, "--prompt", PROMPT, "--max-tokens", "12", "--presence-penalty", "0.7",
+                       "--frequency-penalty", "1.3")
+    assert text == expected
+    token = int(np.argsort(-next_token_probs(tiny, ids, 1.0))[1])  # the runner-up first token
+    expected = hf_greedy(tiny, ids, 12, sequence_bias={(token,): 3.0})
+    assert expected != plain
+    text, _ = generate(capsys, tiny, "--prompt", PROMPT, "--max-tokens", "12", "--logit-bias", f"{token}=3")
+    assert text == expected
+
+
+def test_generate_seed_minus_one_is_random_and_shown_with_verbose(tiny, capsys):
+    flags = ("--prompt", PROMPT, "--max-tokens", "8", "--temp", "1.0")
+    text, err = generate(capsys, tiny, *flags, "--seed", "-1", "--verbose")
+    seed = int(err.split("mlxformer: seed ")[1].split()[0])
+    assert generate(capsys, tiny, *flags, "--seed", str(seed))[0] == text
+    assert generate(capsys, tiny, *flags, "--seed", str(2**64 - 1))[0]  # the largest seed MLX takes
+
+
+@pytest.mark.parametrize("flags,flag", [
+    (("--temp", "nan"), "--temp"), (("--temp", "1", "--top-p", "inf"), "--top-p"), (("--min-p", "nan"), "--min-p"),
+    (("--repetition-penalty", "nan"), "--repetition-penalty"), (("--presence-penalty", "inf"), "--presence-penalty"),
+    (("--frequency-penalty=-inf",), "--frequency-penalty"), (("--logit-bias", "5=nan"), "--logit-bias"),
+    (("--logit-bias", "five"), "--logit-bias"), (("--seed", "-2"), "--seed"), (("--seed", str(2**64)), "--seed"),
+    (("--prompt-lookup", "--num-draft-tokens", "0"), "--num-draft-tokens"),
+    (("--parallel", "tensor", "--timeout", "nan"), "--timeout"),
+])
+def test_bad_values_are_one_line_errors_naming_the_flag(tiny, capsys, flags, flag):
+    assert main(["generate", "--model", str(tiny[0]), "--prompt", PROMPT, "--max-tokens", "2", *flags]) == 1
+    out, err = capsys.readouterr()
+    assert not out and len(err.strip().splitlines()) == 1 and err.startswith(f"mlxformer: error: {flag} must"), err
 
 
 def test_generate_threads_do_not_change_the_output(tiny, capsys, cpu):

@@ -125,7 +125,7 @@ def test_logprobs_and_logit_bias_against_transformers(models):
     model, tokenizer, hf_model, _ = models
     bias = {7: 2.0, 8: 2.0, 60: -3.0}
     ids = PROMPTS[0]
-    request = GenerationRequest(ids, max_tokens=16, logprobs=3, logit_bias=bias)
+    request = GenerationRequest(ids, max_tokens=16, logprobs=3, sampling=SamplingSettings(logit_bias=bias))
     with Engine(model, tokenizer, speculative=speculative_settings("self-draft", models)) as engine:
         other = engine.submit(GenerationRequest(PROMPTS[3], max_tokens=10))
         tokens, events = collect(engine.submit(request))

@@ -167,6 +167,26 @@ def test_dynamic_rope_full_forward(tmp_path):
     assert max_diff(got, hf_logits(hf_model, ids)) <= BOUND
 
 
+def test_dynamic_rope_chunked_prefill_and_decode(tmp_path):
+    """Dynamic NTK with a prompt (64) past the trained length (32) prefilled in 16-token chunks:
+    every chunk is rotated with the base of the whole prompt, as transformers' one forward pass
+    does; the next token then matches transformers' cached decode step."""
+    directory, hf_model = write_tiny_checkpoint(
+        tmp_path, "llama", max_position_embeddings=32,
+        rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0},
+    )
+    ids = tokens(seed=5)
+    ours = load_ours(directory)
+    cache = make_cache(ours)
+    last = np.array(prefill(ours, mx.array(ids), cache, step_size=16)[0])
+    with torch.no_grad():
+        out = hf_model(torch.tensor(ids[None]), use_cache=True)
+        step = hf_model(torch.tensor([[7]]), past_key_values=out.past_key_values, use_cache=True)
+    assert max_diff(last, out.logits[0, -1].float().numpy()) <= BOUND
+    got = np.array(decode_step(ours, mx.array([7]), cache)[0])
+    assert max_diff(got, step.logits[0, -1].float().numpy()) <= BOUND
+
+
 def test_wrong_rope_setting_is_detected(tmp_path):
     """The comparison can fail: the same weights with the llama3 scaling dropped disagree."""
     directory, hf_model = write_tiny_checkpoint(

@@ -13,6 +13,7 @@ import pytest
 
 from conftest import write_tiny_checkpoint
 from mlxformer import generate, load, stream_generate
+from mlxformer.options import SamplingSettings
 from mlxformer.sampling import (
     greedy, keep_min_p, keep_top_k, keep_top_p, make_logits_processors, make_sampler,
     repetition_penalty_processor, sampling_logits,
@@ -176,7 +177,8 @@ def test_repetition_penalty_known_answer():
     logits = mx.array([[2.0, -2.0, 1.0, 0.5]])
     out = repetition_penalty_processor(2.0)(mx.array([0, 1, 0]), logits)
     assert np.allclose(np.array(out), [[1.0, -4.0, 1.0, 0.5]])
-    assert make_logits_processors(None) == [] and make_logits_processors(1.0) == []
+    assert make_logits_processors(SamplingSettings()) == []
+    assert make_logits_processors(SamplingSettings(repetition_penalty=1.0)) == []
     with pytest.raises(ValueError):
         repetition_penalty_processor(0.0)
 
@@ -188,7 +190,7 @@ def test_repetition_penalty_matches_transformers():
     rng = np.random.default_rng(4)
     logits = rng.normal(size=(1, 300)).astype(np.float32)
     history = rng.integers(0, 300, size=100)
-    (ours,) = make_logits_processors(1.3)
+    (ours,) = make_logits_processors(SamplingSettings(repetition_penalty=1.3))
     got = np.array(ours(mx.array(history), mx.array(logits)))
     # ours looks only at the last 64 tokens (llama.cpp's repeat_last_n); transformers at what it is given
     ref = RepetitionPenaltyLogitsProcessor(1.3)(torch.tensor(history[None, -64:]), torch.tensor(logits)).numpy()

@@ -2,9 +2,10 @@
 
 A file holds, per layer, the cache's ``state`` arrays (``layer.{i}.{j}``) and, as string
 metadata, its class name, ``meta_state``, the cached token ids, an optional chat conversation
-and the fingerprint of the model it was made with: config, per-layer quantization, a hash of
-a slice of every weight and a hash of the tokenizer's vocabulary. Classes are rebuilt only
-from ``CACHE_CLASSES``. Files are safetensors whatever their name.
+and the fingerprint of the model it was made with: config, per-layer quantization, a slice of
+every weight and a hash of the tokenizer's vocabulary. Classes are rebuilt only from
+``CACHE_CLASSES``, after ``file_checks`` has checked every field and array against the model.
+Files are safetensors whatever their name, written atomically with the umask's permissions.
 """
 
 from __future__ import annotations
@@ -13,16 +14,17 @@ import dataclasses
 import hashlib
 import json
 import os
-import tempfile
+import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from mlxformer.cache import CacheSettings, make_cache
+from mlxformer.cache.file_checks import check_layer
 from mlxformer.cache.protocol import Cache
 from mlxformer.cache.kv import KVCache
 from mlxformer.cache.rotating import RotatingKVCache
@@ -32,14 +34,14 @@ from mlxformer.models.decoder import Model
 from mlxformer.tokenizer import Tokenizer
 
 FORMAT = "mlxformer-prompt-cache"
-VERSION = "2"  # 2: the fingerprint covers quantization, weights and tokenizer
-WEIGHT_SAMPLE = 64  # leading elements of each weight hashed into the fingerprint
+VERSION = "3"  # 2: the fingerprint covers quantization, weights and tokenizer; 3: weight samples
+WEIGHT_SAMPLE = 64  # leading elements of each weight in the fingerprint
+SAMPLES_KEY = "fingerprint.weights"  # the float weight samples, an array beside the cache's
+# A float weight sample matches within one bfloat16 step (plus float16's subnormal step), the
+# rounding a cast of the same checkpoint to another compute dtype makes.
+SAMPLE_RTOL, SAMPLE_ATOL = 2.0**-7, 2.0**-24
 
-CACHE_CLASSES: dict[str, type] = {
-    "KVCache": KVCache,
-    "QuantizedKVCache": KVCache,  # written by version 0.1 files; the same class since
-    "RotatingKVCache": RotatingKVCache,
-}
+CACHE_CLASSES: dict[str, type] = {"KVCache": KVCache, "RotatingKVCache": RotatingKVCache}
 
 
 @dataclass
@@ -69,22 +71,31 @@ def quantization_fingerprint(model: Model) -> str:
     return json.dumps(layers, sort_keys=True)
 
 
-def weights_fingerprint(model: Model) -> str:
-    """SHA-256 of the first ``WEIGHT_SAMPLE`` values of every parameter (floats rounded to
-    bfloat16, so a compute-dtype cast of the same checkpoint keeps it): it tells apart models
-    of equal shapes, such as a base model and its instruct tune."""
+def weights_fingerprint(model: Model) -> tuple[str, mx.array]:
+    """The first ``WEIGHT_SAMPLE`` values of every parameter: they tell apart models of equal
+    shapes, such as a base model and its instruct tune. Returns the SHA-256 of every name,
+    shape and integer sample (packed quantized weights), and the float samples as one float32
+    array ``(n,)``, compared within ``SAMPLE_RTOL`` (see ``samples_match``): a float16, bfloat16
+    or float32 copy of the same checkpoint matches, which no hash of rounded values guarantees."""
     digest = hashlib.sha256()
-    samples = []
+    exact, floats = [], []
     for name, array in sorted(tree_flatten(model.parameters()), key=lambda item: item[0]):
         sample = array.reshape(-1)[:WEIGHT_SAMPLE]  # (n,)
-        if mx.issubdtype(sample.dtype, mx.floating):
-            sample = sample.astype(mx.bfloat16).view(mx.uint16)
-        samples.append((name, array.shape, sample))
-    mx.eval([sample for _, _, sample in samples])
-    for name, shape, sample in samples:
-        digest.update(f"{name}{tuple(shape)}".encode())
+        is_float = mx.issubdtype(sample.dtype, mx.floating)
+        (floats if is_float else exact).append(sample.astype(mx.float32) if is_float else sample)
+        digest.update(f"{name}{tuple(array.shape)}{'float' if is_float else array.dtype}".encode())
+    mx.eval(exact, floats)
+    for sample in exact:
         digest.update(memoryview(sample).tobytes())
-    return digest.hexdigest()
+    return digest.hexdigest(), mx.concatenate(floats) if floats else mx.zeros((0,), mx.float32)
+
+
+def samples_match(saved: mx.array, current: mx.array) -> bool:
+    """Whether two float weight samples are the same weights up to a compute-dtype rounding."""
+    if saved.shape != current.shape or saved.dtype != mx.float32:
+        return False
+    bound = SAMPLE_RTOL * mx.maximum(mx.abs(saved), mx.abs(current)) + SAMPLE_ATOL
+    return bool(mx.all(mx.abs(saved - current) <= bound).item())
 
 
 def tokenizer_fingerprint(tokenizer: Tokenizer) -> str:
@@ -94,14 +105,16 @@ def tokenizer_fingerprint(tokenizer: Tokenizer) -> str:
     return hashlib.sha256("\0".join(tokens).encode("utf-8", "surrogatepass")).hexdigest()
 
 
-def fingerprint(model: Model, tokenizer: Tokenizer) -> dict[str, str]:
-    """What a prompt cache file must match to be used: metadata key -> value."""
+def fingerprint(model: Model, tokenizer: Tokenizer) -> tuple[dict[str, str], mx.array]:
+    """What a prompt cache file must match to be used: metadata key -> value, and the float
+    weight samples (``weights_fingerprint``)."""
+    weights, samples = weights_fingerprint(model)
     return {
         "model_config": model_fingerprint(model),
         "quantization": quantization_fingerprint(model),
-        "weights": weights_fingerprint(model),
+        "weights": weights,
         "tokenizer": tokenizer_fingerprint(tokenizer),
-    }
+    }, samples
 
 
 _MISMATCH = {
@@ -135,19 +148,20 @@ def save_prompt_cache(
     if unknown:
         raise MlxformerError(f"cannot save cache class {sorted(unknown)[0]}")
     arrays = {f"layer.{i}.{j}": array for i, c in enumerate(cache) for j, array in enumerate(c.state)}
+    keys, arrays[SAMPLES_KEY] = fingerprint(model, tokenizer)
     metadata = {
         "format": FORMAT,
         "version": VERSION,
-        **fingerprint(model, tokenizer),
+        **keys,
         "classes": json.dumps([type(c).__name__ for c in cache]),
         "meta_states": json.dumps([c.meta_state for c in cache]),
         "token_ids": json.dumps([int(t) for t in token_ids]),
         "messages": json.dumps(list(messages)),
     }
     mx.eval(list(arrays.values()))
-    directory = path.parent if str(path.parent) else Path(".")
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{path.name}.", suffix=".safetensors")
-    os.close(fd)
+    # Created like any file (0666 less the umask), under a name no one else uses, then renamed.
+    tmp = path.parent / f".{path.name}.{secrets.token_hex(6)}.safetensors"
+    os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
     try:
         mx.save_safetensors(tmp, arrays, metadata)
         os.replace(tmp, path)
@@ -173,21 +187,26 @@ def load_prompt_cache_file(
         raise MlxformerError(f"{path} is not an mlxformer prompt cache file")
     if metadata.get("version") != VERSION:
         raise MlxformerError(f"prompt cache file {path} is from another mlxformer version: make it again")
-    for key, value in fingerprint(model, tokenizer).items():
+    keys, samples = fingerprint(model, tokenizer)
+    for key, value in keys.items():
         if metadata.get(key) != value:
             raise MlxformerError(f"prompt cache file {path} was made for a different model {_MISMATCH[key]}")
+    if SAMPLES_KEY not in arrays or not samples_match(arrays.pop(SAMPLES_KEY), samples):
+        raise MlxformerError(f"prompt cache file {path} was made for a different model weights")
     try:
         classes = json.loads(metadata["classes"])
         meta_states = json.loads(metadata["meta_states"])
-        token_ids = [int(t) for t in json.loads(metadata["token_ids"])]
+        token_ids = json.loads(metadata["token_ids"])
         messages = json.loads(metadata.get("messages", "[]"))
-        if len(classes) != len(model.layers) or len(meta_states) != len(classes):
-            raise ValueError("layer count")
-        cache = [_rebuild(i, name, meta, arrays) for i, (name, meta) in enumerate(zip(classes, meta_states))]
-    except (KeyError, ValueError, TypeError):
-        raise MlxformerError(f"prompt cache file {path} is corrupt") from None
-    if cache[0].offset != len(token_ids):
-        raise MlxformerError(f"prompt cache file {path} is corrupt")
+    except (KeyError, ValueError):
+        raise MlxformerError(f"prompt cache file {path} is corrupt: missing or unreadable metadata") from None
+    token_ids = _check_fields(path, classes, meta_states, token_ids, messages, model, tokenizer)
+    layers = [[arrays.pop(f"layer.{i}.{j}") for j in range(_count(arrays, i))] for i in range(len(classes))]
+    if arrays:
+        raise MlxformerError(f"prompt cache file {path}: unexpected array {sorted(arrays)[0]!r}")
+    for i, (name, meta, state) in enumerate(zip(classes, meta_states, layers)):
+        check_layer(path, i, name, meta, state, model.args, len(token_ids))
+    cache = [_rebuild(name, meta, state) for name, meta, state in zip(classes, meta_states, layers)]
     if settings is not None:
         check_cache_settings(path, cache, model, settings)
     return PromptCacheFile(cache, token_ids, messages)
@@ -223,16 +242,42 @@ def _describe(meta: dict[str, str]) -> str:
     return ", ".join(parts)
 
 
-def _rebuild(layer: int, name: str, meta: dict[str, str], arrays: dict[str, mx.array]) -> Cache:
-    cls = CACHE_CLASSES.get(name)
-    if cls is None:
-        raise MlxformerError(f"unknown cache class {name!r} in prompt cache file")
+def _check_fields(
+    path: Path, classes: Any, meta_states: Any, token_ids: Any, messages: Any, model: Model, tokenizer: Tokenizer
+) -> list[int]:
+    """The file-wide fields: one class and meta_state per layer, token ids in the vocabulary."""
+    where = f"prompt cache file {path}"
+    if not isinstance(classes, list) or len(classes) != len(model.layers):
+        raise MlxformerError(f"{where}: 'classes' must list one cache class per layer ({len(model.layers)})")
+    if not isinstance(meta_states, list) or len(meta_states) != len(classes):
+        raise MlxformerError(f"{where}: 'meta_states' must hold one object per layer ({len(model.layers)})")
+    if unknown := sorted({str(c) for c in classes} - set(CACHE_CLASSES)):
+        raise MlxformerError(f"{where}: unknown cache class {unknown[0]!r}")
+    if any(m != meta_states[0] for m in meta_states) or any(c != classes[0] for c in classes):
+        raise MlxformerError(f"{where}: the layers' cache settings differ")
+    n = max(tokenizer.vocab_size, model.args.vocab_size)
+    if not isinstance(token_ids, list) or not token_ids or not all(
+        isinstance(t, int) and not isinstance(t, bool) and 0 <= t < n for t in token_ids
+    ):
+        raise MlxformerError(f"{where}: 'token_ids' must be a non-empty list of token ids below {n}")
+    if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+        raise MlxformerError(f"{where}: 'messages' must be a list of objects")
+    return token_ids
+
+
+def _count(arrays: dict[str, mx.array], layer: int) -> int:
+    """How many arrays ``layer.{layer}.0``, ``.1``, ... the file holds."""
     count = 0
     while f"layer.{layer}.{count}" in arrays:
         count += 1
-    cache: Cache = cls()
+    return count
+
+
+def _rebuild(name: str, meta: dict[str, str], state: list[mx.array]) -> Cache:
+    """A cache of class ``name`` from fields and arrays ``file_checks`` has accepted."""
+    cache: Cache = CACHE_CLASSES[name]()
     cache.meta_state = meta  # type: ignore[misc]
-    cache.state = tuple(arrays[f"layer.{layer}.{j}"] for j in range(count))  # type: ignore[misc]
+    cache.state = tuple(state)  # type: ignore[misc]
     return cache
 
 

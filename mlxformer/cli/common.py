@@ -12,8 +12,9 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from mlxformer.cache import CacheSettings
-    from mlxformer.generation import SamplingSettings
+    from mlxformer.errors import OptionError
     from mlxformer.models.decoder import Model
+    from mlxformer.options import SamplingSettings
     from mlxformer.speculative import SpeculativeSettings
     from mlxformer.tokenizer import Tokenizer
 
@@ -57,7 +58,14 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (default 0: off)")
     parser.add_argument("--min-p", type=float, default=0.0, help="min probability relative to the top token (default 0: off)")
     parser.add_argument("--repetition-penalty", type=float, default=None, help="penalty on the last 64 tokens, e.g. 1.1")
-    parser.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    parser.add_argument("--presence-penalty", type=float, default=0.0,
+                        help="subtracted once from each generated token's logit, in [-2, 2] (OpenAI's; default 0)")
+    parser.add_argument("--frequency-penalty", type=float, default=0.0,
+                        help="subtracted per occurrence from each generated token's logit, in [-2, 2] (default 0)")
+    parser.add_argument("--logit-bias", action="append", default=[], metavar="ID=BIAS",
+                        help="add BIAS (in [-100, 100]) to token ID's logit (repeatable)")
+    parser.add_argument("--seed", type=int, default=None,
+                        help="random seed for sampling, 0 to 2**64-1; -1 picks one (shown with --verbose)")
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
 
@@ -69,20 +77,54 @@ def add_cache_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-kv-size", type=int, default=None, help="keep at most this many tokens (rotating cache)")
 
 
-def sampling_settings(args: argparse.Namespace) -> SamplingSettings:
-    """The sampling dataclass from parsed flags."""
-    from mlxformer.errors import MlxformerError
-    from mlxformer.generation import SamplingSettings
+def flag_error(exc: OptionError) -> OptionError:
+    """``exc`` named as the command-line flag of its field (``top_p`` -> ``--top-p``)."""
+    from mlxformer.errors import OptionError
 
-    settings = SamplingSettings(
-        temp=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-        repetition_penalty=args.repetition_penalty, seed=args.seed,
-    )
-    if settings.temp < 0 or not 0 < settings.top_p <= 1 or settings.top_k < 0 or not 0 <= settings.min_p < 1:
-        raise MlxformerError("need --temp >= 0, 0 < --top-p <= 1, --top-k >= 0 and 0 <= --min-p < 1")
-    if settings.repetition_penalty is not None and settings.repetition_penalty <= 0:
-        raise MlxformerError("--repetition-penalty must be positive")
+    flag = "--" + exc.param.replace("_", "-")
+    return OptionError(flag, exc.message)
+
+
+def parse_logit_bias(items: list[str]) -> dict[int, float]:
+    """``--logit-bias ID=BIAS`` flags as ``{id: bias}`` (the values are checked by ``SamplingSettings``)."""
+    from mlxformer.errors import OptionError
+
+    bias: dict[int, float] = {}
+    for item in items:
+        token, _, value = item.partition("=")
+        try:
+            bias[int(token)] = float(value)
+        except ValueError:
+            raise OptionError("logit_bias", f"must be ID=BIAS, e.g. 42=-5 (got {item!r})") from None
+    return bias
+
+
+def sampling_settings(args: argparse.Namespace) -> SamplingSettings:
+    """The sampling dataclass from parsed flags (validated there; errors name the flag). A random
+    seed (``--seed -1``, or none while sampling) is drawn here and shown with ``--verbose``."""
+    from mlxformer.errors import OptionError
+    from mlxformer.options import SamplingSettings
+
+    try:
+        bias = parse_logit_bias(args.logit_bias)
+        settings = SamplingSettings(
+            temp=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+            repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+            frequency_penalty=args.frequency_penalty, logit_bias=bias or None,
+            seed=args.seed,
+        )
+    except OptionError as exc:
+        raise flag_error(exc) from None
+    if settings.seed == -1 or (settings.seed is None and not settings.greedy):
+        settings = settings.seeded()
+        if verbose(args):
+            print(f"mlxformer: seed {settings.seed}", file=sys.stderr)
     return settings
+
+
+def verbose(args: argparse.Namespace) -> bool:
+    """Whether ``--verbose`` was given (before or after the subcommand)."""
+    return bool(getattr(args, "verbose_sub", False) or getattr(args, "verbose", False))
 
 
 def cache_settings(args: argparse.Namespace) -> CacheSettings:
@@ -143,7 +185,7 @@ def add_speculative_args(parser: argparse.ArgumentParser) -> None:
 
 def speculative_settings(args: argparse.Namespace, tokenizer: Tokenizer) -> SpeculativeSettings | None:
     """The speculative settings from flags (loading ``--draft-model``), or None."""
-    from mlxformer.errors import MlxformerError
+    from mlxformer.errors import MlxformerError, OptionError
     from mlxformer.loader import load
     from mlxformer.models.config import FLOAT_DTYPES
     from mlxformer.speculative import SpeculativeSettings
@@ -152,9 +194,14 @@ def speculative_settings(args: argparse.Namespace, tokenizer: Tokenizer) -> Spec
         if args.num_draft_tokens is not None:
             raise MlxformerError("--num-draft-tokens needs --prompt-lookup or --draft-model")
         return None
-    if args.prompt_lookup:
-        return SpeculativeSettings(num_draft_tokens=args.num_draft_tokens or 8, prompt_lookup=True)
+    default = 8 if args.prompt_lookup else 4
+    count = default if args.num_draft_tokens is None else args.num_draft_tokens
+    try:
+        if args.prompt_lookup:
+            return SpeculativeSettings(num_draft_tokens=count, prompt_lookup=True)
+        SpeculativeSettings(num_draft_tokens=count, prompt_lookup=True)  # the flags' values, before loading
+    except OptionError as exc:
+        raise flag_error(exc) from None
     draft, draft_tokenizer = load(args.draft_model, dtype=FLOAT_DTYPES[args.dtype] if args.dtype else None,
                                   threads=args.threads)
-    return SpeculativeSettings(num_draft_tokens=args.num_draft_tokens or 4, draft_model=draft,
-                               draft_tokenizer=draft_tokenizer)
+    return SpeculativeSettings(num_draft_tokens=count, draft_model=draft, draft_tokenizer=draft_tokenizer)

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from mlxformer.cli.common import (
     add_cache_args, add_model_args, add_prompt_args, add_sampling_args, add_speculative_args, add_verbose,
-    cache_settings, load_for_cli, prompt_ids_for_cli, read_prompt, sampling_settings, speculative_settings,
+    cache_settings, flag_error, load_for_cli, prompt_ids_for_cli, read_prompt, sampling_settings, speculative_settings, verbose,
 )
 from mlxformer.cli.structured import add_structured_args, structured_output_args
 
@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
     if args.parallel:
         return run_parallel(args)
     from mlxformer.constrained import make_constraint, validate_structured_output
-    from mlxformer.errors import MlxformerError
+    from mlxformer.errors import MlxformerError, OptionError
     from mlxformer.generation import stream_generate
 
     prompt = read_prompt(args.prompt)
@@ -78,16 +78,18 @@ def run(args: argparse.Namespace) -> int:
         cache, cached_ids = load_prompt_cache(args.prompt_cache_file, model, tokenizer, settings)
         ids = strip_cached_prefix(ids, cached_ids)
     last = None
-    for last in stream_generate(
-        model, tokenizer, ids, args.max_tokens, sampling=sampling, stop=args.stop, cache=cache, cache_settings=settings,
-        speculative=speculative, constraint=constraint,
-    ):
-        sys.stdout.write(last.text)
-        sys.stdout.flush()
+    try:
+        for last in stream_generate(
+            model, tokenizer, ids, args.max_tokens, sampling=sampling, stop=args.stop, cache=cache,
+            cache_settings=settings, speculative=speculative, constraint=constraint,
+        ):
+            sys.stdout.write(last.text)
+            sys.stdout.flush()
+    except OptionError as exc:  # e.g. a --logit-bias id outside the vocabulary
+        raise flag_error(exc) from None
     sys.stdout.write("\n")
     if last is not None:
-        verbose = bool(args.verbose_sub or getattr(args, "verbose", False))
-        print(format_stats(last, speculative is not None and verbose), file=sys.stderr)
+        print(format_stats(last, speculative is not None and verbose(args)), file=sys.stderr)
         if constraint is not None and last.finish_reason == "length":
             print("mlxformer: warning: --max-tokens cut the structured output short: it is incomplete", file=sys.stderr)
     return 0
@@ -97,7 +99,7 @@ def run_parallel(args: argparse.Namespace) -> int:
     """``generate --parallel``: every rank runs this; rank 0 alone prints."""
     from mlxformer.default_model import default_model_path
     from mlxformer.distributed.runner import load_distributed, stream_distributed
-    from mlxformer.errors import MlxformerError
+    from mlxformer.errors import MlxformerError, OptionError
     from mlxformer.models.config import FLOAT_DTYPES
 
     if args.prompt_cache_file:
@@ -112,7 +114,10 @@ def run_parallel(args: argparse.Namespace) -> int:
     sampling = sampling_settings(args)
     settings = cache_settings(args)
     dtype = FLOAT_DTYPES[args.dtype] if args.dtype else None
-    dist = load_distributed(args.model or default_model_path(), args.parallel, dtype, args.timeout)
+    try:
+        dist = load_distributed(args.model or default_model_path(), args.parallel, dtype, args.timeout)
+    except OptionError as exc:
+        raise flag_error(exc) from None
     ids = prompt_ids_for_cli(dist.tokenizer, prompt, args) if dist.tokenizer is not None else []
     last = None
     for last in stream_distributed(dist, ids, args.max_tokens, sampling=sampling, stop=args.stop, cache_settings=settings):

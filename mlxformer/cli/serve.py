@@ -29,6 +29,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="allow cross-origin requests from ORIGIN (repeatable; default: none)",
     )
     parser.add_argument("--served-model-name", help="the model name clients use (default: --model as given)")
+    parser.add_argument("--prompt-cache-bytes", type=int, default=512 * 2**20, metavar="BYTES",
+                        help="prompt cache kept in memory, least recently used out (default 512 MiB; 0: none)")
+    parser.add_argument("--prompt-cache-dir", metavar="DIR",
+                        help="also keep prompt cache blocks in DIR, across restarts (default: memory only)")
+    parser.add_argument("--prompt-cache-disk-bytes", type=int, default=4 * 2**30, metavar="BYTES",
+                        help="most bytes of prompt cache files in --prompt-cache-dir (default 4 GiB)")
     add_cache_args(parser)
     add_speculative_args(parser)
     add_verbose(parser)
@@ -37,6 +43,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Handler of ``mlxformer serve``."""
+    from mlxformer.engine.prompt_cache import PromptCacheSettings
     from mlxformer.errors import MlxformerError
     from mlxformer.server.runner import serve
 
@@ -47,12 +54,14 @@ def run(args: argparse.Namespace) -> int:
     if args.api_key is not None and not args.api_key.strip():
         raise MlxformerError("--api-key is empty")
     settings = cache_settings(args)
+    prompt_cache = PromptCacheSettings(args.prompt_cache_bytes, args.prompt_cache_dir, args.prompt_cache_disk_bytes)
     model, tokenizer = load_for_cli(args)
     speculative = speculative_settings(args, tokenizer)
     name = args.served_model_name or args.model or default_model_name()
     serve(
         model, tokenizer, name, host=args.host, port=args.port, max_batch=args.max_batch, max_queue=args.max_queue,
         api_key=args.api_key, cors_origins=args.cors_origin, cache_settings=settings, speculative=speculative,
+        prompt_cache=prompt_cache,
     )
     return 0
 

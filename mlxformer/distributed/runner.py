@@ -14,9 +14,10 @@ from mlxformer.distributed.group import PARALLEL_MODES, init_group, is_leader, s
 from mlxformer.distributed.pipeline import PipelineLink, Stage, load_stage, serve_stage, stage_for
 from mlxformer.distributed.sharded_load import open_checkpoint
 from mlxformer.distributed.tensor import load_tensor_shard
-from mlxformer.distributed.watchdog import DEFAULT_TIMEOUT, Watchdog
+from mlxformer.distributed.watchdog import DEFAULT_TIMEOUT, Watchdog, check_timeout
 from mlxformer.errors import MlxformerError
-from mlxformer.generation import GenerationResponse, SamplingSettings, stream_generate
+from mlxformer.generation import GenerationResponse, stream_generate
+from mlxformer.options import SamplingSettings
 from mlxformer.models.decoder import Model
 from mlxformer.tokenizer import Tokenizer
 
@@ -54,6 +55,7 @@ def load_distributed(
     the generation loop also load the tokenizer, unless ``with_tokenizer`` is false."""
     if parallel not in PARALLEL_MODES:
         raise MlxformerError(f"unknown parallel mode {parallel!r} (choose from {', '.join(PARALLEL_MODES)})")
+    check_timeout(timeout)  # before joining the group
     group = init_group()
     watchdog = Watchdog(group.rank(), timeout)
     reader = open_checkpoint(path_or_repo)

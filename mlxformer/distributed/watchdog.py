@@ -17,18 +17,22 @@ from contextlib import contextmanager
 from typing import Iterator
 
 from mlxformer.errors import MlxformerError
+from mlxformer.options import check_number
 
 EXIT_CODE = 1
 DEFAULT_TIMEOUT = 60.0
+
+
+def check_timeout(timeout: float) -> float:
+    """The timeout if it is a positive, finite number of seconds, else ``OptionError``."""
+    return check_number("timeout", timeout, low=0.0, low_open=True)
 
 
 class Watchdog:
     """Ends this process if a guarded wait lasts longer than ``timeout`` seconds."""
 
     def __init__(self, rank: int, timeout: float = DEFAULT_TIMEOUT, poll: float = 0.25) -> None:
-        if timeout <= 0:
-            raise MlxformerError("the distributed timeout must be positive")
-        self.rank, self.timeout, self._poll = rank, timeout, poll
+        self.rank, self.timeout, self._poll = rank, check_timeout(timeout), poll
         self._deadline: float | None = None
         self._what = ""
         self._lock = threading.Lock()

@@ -2,7 +2,8 @@
 
 ``Engine`` runs a background loop: each step it admits queued requests into free batch slots
 (at most ``max_batch``; the queue holds at most ``max_queue``), runs one prompt chunk of the
-oldest newcomer (reusing a cached prefix when a finished sequence shared one) and one decode
+oldest newcomer (reusing the cached blocks of a prefix it shares with earlier prompts:
+``prompt_cache=PromptCacheSettings(...)``, in memory and optionally on disk) and one decode
 step for every running sequence, then emits each sequence's ``TokenEvent``. Sequences keep
 their own sampling settings, seeds, stop strings, penalties and constraints; a finished one
 leaves at once. ``batch_generate`` completes a list of prompts this way. With
@@ -11,7 +12,11 @@ a draft model; ``speculation.py``), with the same greedy output.
 """
 
 from mlxformer.engine.engine import Engine, RequestHandle, batch_generate
+from mlxformer.engine.prompt_cache import PromptCacheSettings
 from mlxformer.engine.scheduler import EngineOverloaded
 from mlxformer.engine.sequence import GenerationRequest, TokenEvent
 
-__all__ = ["Engine", "EngineOverloaded", "GenerationRequest", "RequestHandle", "TokenEvent", "batch_generate"]
+__all__ = [
+    "Engine", "EngineOverloaded", "GenerationRequest", "PromptCacheSettings", "RequestHandle", "TokenEvent",
+    "batch_generate",
+]

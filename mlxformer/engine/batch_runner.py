@@ -1,66 +1,31 @@
-"""Runs the one decoder over a batch of sequences, each with its own per-layer caches.
+"""Runs the one decoder over a batch of sequences.
 
-A decode step feeds one token per sequence as a ``(B, 1)`` batch: the projections and the MLP
-(the weight reads that dominate decoding) run once for all sequences, each row is rotated at
-its own position (``mx.fast.rope`` with an offsets array), and each sequence attends over its
-own cache, so ragged lengths, float/quantized and rotating caches all work unchanged.
+Prompt chunks and speculation rounds run on one sequence's own caches. Decoding sequences live
+in ``DecodeBatch``es (``cache/batch.py``): their keys/values of each layer in one buffer, so a
+decode step is one forward for all rows — one cache write and one attention per layer, each row
+rotated at its own position and masked to its own slots. A sequence joins its batch on its first
+decode step and leaves it (as per-sequence caches again) through ``release``.
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Protocol, Sequence
 
 import mlx.core as mx
 
 from mlxformer.cache import Cache
+from mlxformer.cache.batch import DecodeBatch, StorageKind, quantizes_next, row_quantizes_next, storage_kind
 from mlxformer.models.decoder import Model
-from mlxformer.models.mask import Mask
 
 
-class BatchedLayerCache:
-    """One layer's view over B sequences' caches, implementing the cache protocol for ``(B, L)`` input.
+class Decoding(Protocol):
+    """What the runner needs of a decoding sequence."""
 
-    Each row is stored in, and attends over, its own cache with that cache's own mask, exactly as
-    when the sequence runs alone. ``make_mask`` returns None: the masks are per row and are taken
-    from each row's cache before it is updated.
-    """
-
-    def __init__(self, caches: Sequence[Cache], window: int | None) -> None:
-        self.caches = list(caches)
-        self.window = window
-        self.offset = mx.array([c.offset for c in self.caches])  # (B,)
-        self._masks: list[Mask] = []
-
-    def make_mask(self, query_len: int, window: int | None) -> Mask:
-        return None
-
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[list[Any], list[Any]]:
-        query_len = keys.shape[2]
-        self._masks = [c.make_mask(query_len, self.window) for c in self.caches]
-        fetched = [c.update_and_fetch(keys[i : i + 1], values[i : i + 1]) for i, c in enumerate(self.caches)]
-        return [k for k, _ in fetched], [v for _, v in fetched]
-
-    def attention(self, queries: mx.array, keys: Any, values: Any, scale: float, mask: Mask) -> mx.array:
-        rows = [
-            c.attention(queries[i : i + 1], keys[i], values[i], scale, self._masks[i])
-            for i, c in enumerate(self.caches)
-        ]
-        return mx.concatenate(rows, axis=0)  # (B, n_heads, L, head_dim)
+    cache: list  # its per-layer caches (stand-ins while it is in a batch)
+    speculator: object | None  # a speculating sequence decodes on its own caches
 
     @property
-    def state(self) -> tuple[mx.array, ...]:
-        return tuple(a for c in self.caches for a in c.state)
-
-    @property
-    def meta_state(self) -> dict[str, str]:
-        return {}
-
-    def trim(self, n: int) -> int:
-        return min(c.trim(n) for c in self.caches)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(c.nbytes for c in self.caches)
+    def last_token(self) -> int: ...
 
 
 class BatchRunner:
@@ -69,14 +34,20 @@ class BatchRunner:
     def __init__(self, model: Model) -> None:
         self.model = model
         self.window = model.args.sliding_window
+        self.batches: dict[StorageKind, DecodeBatch] = {}
+        self._rows: dict[StorageKind, list[Decoding]] = {}  # each batch's sequences, in row order
+        self._members: dict[int, StorageKind] = {}  # id(sequence) -> the batch it is in
 
-    def prefill(self, tokens: Sequence[int], cache: Sequence[Cache], want_logits: bool) -> mx.array | None:
+    def prefill(
+        self, tokens: Sequence[int], cache: Sequence[Cache], want_logits: bool, prompt_length: int | None = None
+    ) -> mx.array | None:
         """Run one prompt chunk through one sequence's caches; the last position's logits
-        ``(1, vocab)`` when ``want_logits`` (lazy), else None (the cache is evaluated)."""
+        ``(1, vocab)`` when ``want_logits`` (lazy), else None (the cache is evaluated).
+        ``prompt_length``: the whole prompt's (RoPE's dynamic base depends on it)."""
         inputs = mx.array(tokens)[None]  # (1, T)
         if want_logits:
-            return self.model.last_logits(inputs, cache)
-        self.model.hidden_states(inputs, cache)
+            return self.model.last_logits(inputs, cache, rope_length=prompt_length)
+        self.model.hidden_states(inputs, cache, rope_length=prompt_length)
         mx.eval([c.state for c in cache])
         return None
 
@@ -85,10 +56,61 @@ class BatchRunner:
         every position's logits ``(T, vocab)`` out (lazy)."""
         return self.model(mx.array(tokens)[None], cache)[0]  # (1, T, vocab) -> (T, vocab)
 
-    def decode(self, tokens: Sequence[int], caches: Sequence[Sequence[Cache]]) -> mx.array:
-        """One token per sequence in, next-token logits ``(B, vocab)`` out (lazy)."""
-        inputs = mx.array(tokens)[:, None]  # (B, 1)
-        if len(caches) == 1:  # alone: exactly the single-stream path
-            return self.model.last_logits(inputs, caches[0])
-        layers = [BatchedLayerCache(layer, self.window) for layer in zip(*caches)]
-        return self.model.last_logits(inputs, layers)
+    def decode(self, sequences: Sequence[Decoding]) -> mx.array:
+        """One token per sequence in, next-token logits ``(B, vocab)`` in the same order out (lazy).
+
+        Sequences not yet in a batch join one; one whose storage changes this step (a cache
+        turning quantized) or that speculates runs on its own caches."""
+        alone: list[Decoding] = []
+        joining: dict[StorageKind, list[Decoding]] = {}
+        for sequence in sequences:
+            if id(sequence) in self._members and row_quantizes_next(sequence.cache[0].row):
+                self.release(sequence)  # its storage turns quantized: it moves to the quantized batch
+            if id(sequence) in self._members:
+                continue
+            if sequence.speculator is not None or quantizes_next(sequence.cache[0]):
+                alone.append(sequence)
+            else:
+                joining.setdefault(storage_kind(sequence.cache[0]), []).append(sequence)
+        for kind, newcomers in joining.items():
+            batch = self.batches.setdefault(kind, DecodeBatch(kind, len(self.model.layers), self.window))
+            for sequence, views in zip(newcomers, batch.join([s.cache for s in newcomers])):
+                sequence.cache = views
+                self._members[id(sequence)] = kind
+            self._rows.setdefault(kind, []).extend(newcomers)
+        parts: list[mx.array] = []
+        order: list[int] = []  # id(sequence) of each row of the concatenated logits
+        for kind, batch in self.batches.items():
+            rows = self._rows.get(kind, [])
+            if not rows:
+                continue
+            tokens = mx.array([s.last_token for s in rows])[:, None]  # (B, 1)
+            parts.append(self.model.last_logits(tokens, batch.step_caches()))
+            batch.layout.commit()
+            order += [id(s) for s in rows]
+        for sequence in alone:
+            parts.append(self.model.last_logits(mx.array([[sequence.last_token]]), sequence.cache))
+            order.append(id(sequence))
+        logits = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)
+        where = {key: i for i, key in enumerate(order)}
+        wanted = [where[id(s)] for s in sequences]
+        if wanted == list(range(len(order))):
+            return logits
+        return logits[mx.array(wanted)]
+
+    def release(self, sequence: Decoding) -> None:
+        """Take ``sequence`` out of its batch, if it is in one: its ``cache`` becomes its own
+        per-sequence caches again (call before reusing or keeping them)."""
+        kind = self._members.pop(id(sequence), None)
+        if kind is None:
+            return
+        rows = self._rows[kind]
+        index = next(i for i, s in enumerate(rows) if s is sequence)
+        rows.pop(index)
+        sequence.cache = self.batches[kind].leave(index)
+
+    def reset(self) -> None:
+        """Forget every batch (after a failed step: the sequences in them have ended)."""
+        self.batches.clear()
+        self._rows.clear()
+        self._members.clear()

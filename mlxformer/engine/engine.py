@@ -13,7 +13,7 @@ import mlx.core as mx
 
 from mlxformer.cache import CacheSettings, make_cache
 from mlxformer.engine.batch_runner import BatchRunner
-from mlxformer.engine.prefix_cache import PrefixCache
+from mlxformer.engine.prompt_cache import PromptCacheSettings, build_prefix_cache
 from mlxformer.engine.scheduler import Scheduler, Step
 from mlxformer.engine.speculation import Speculator
 from mlxformer.engine.sequence import (
@@ -116,6 +116,7 @@ class Engine:
         prefix_cache_bytes: int = 512 * 2**20,
         prefill_chunk: int | None = None,
         speculative: SpeculativeSettings | None = None,
+        prompt_cache: PromptCacheSettings | None = None,
     ) -> None:
         self.model, self.tokenizer = model, tokenizer
         self.cache_settings = cache_settings or CacheSettings()
@@ -126,11 +127,16 @@ class Engine:
         # Validate the settings in the caller's thread, and run one token through the model(s)
         # there: MLX arrays made lazily in a thread (weight views, for example) can only be
         # evaluated by that thread, so the engine's thread must find them all evaluated.
-        for warm in (model, speculative.draft_model if speculative is not None else None):
+        for warm in (speculative.draft_model if speculative is not None else None, model):
             if warm is not None:
-                mx.eval(warm.last_logits(mx.array([[0]]), make_cache(warm, self.cache_settings)))
+                probe = make_cache(warm, self.cache_settings)
+                mx.eval(warm.last_logits(mx.array([[0]]), probe))
+        kv_dtype = next(a.dtype for a in probe[0].state if mx.issubdtype(a.dtype, mx.floating))  # the model's
         self.scheduler = Scheduler(max_batch, max_queue, prefill_chunk or default_prefill_step())
-        self.prefix_cache = PrefixCache(prefix_cache_bytes)
+        # ``prompt_cache`` sets the tiers (memory budget, disk directory); without it the memory
+        # tier gets ``prefix_cache_bytes``
+        tiers = prompt_cache or PromptCacheSettings(memory_bytes=prefix_cache_bytes)
+        self.prefix_cache = build_prefix_cache(model, tokenizer, self.cache_settings, tiers, kv_dtype)
         self.runner = BatchRunner(model)
         self.vocab_size = model.args.vocab_size
         self._handles: dict[int, RequestHandle] = {}
@@ -160,6 +166,7 @@ class Engine:
         self._thread = None
         for handle in list(self._handles.values()):
             self._end(handle.sequence, "cancelled")
+        self.prefix_cache.flush()  # the disk tier's writes are done when stop returns
 
     def __enter__(self) -> "Engine":
         return self.start()
@@ -206,6 +213,7 @@ class Engine:
             try:
                 self.step()
             except Exception as exc:  # fail every request in flight, keep serving new ones
+                self.runner.reset()
                 for handle in list(self._handles.values()):
                     self.scheduler.release(handle.sequence)
                     with self.scheduler.lock:
@@ -245,7 +253,7 @@ class Engine:
         choices: list[tuple[Sequence, mx.array, mx.array]] = []
         decode, verifying = self._propose(step.decode)
         if decode:
-            logits = self.runner.decode([s.last_token for s in decode], [s.cache for s in decode])
+            logits = self.runner.decode(decode)
             mx.async_eval(logits)  # constraints compute their masks while the step runs
             if all(s.plain_greedy for s in decode):
                 choices += zip(decode, *zip(*choose_rows(decode, logits)))
@@ -260,7 +268,7 @@ class Engine:
                 self._fail(sequence, exc)
         for chunk in step.prefill:
             sequence = chunk.sequence
-            logits = self.runner.prefill(chunk.tokens, sequence.cache, chunk.last)
+            logits = self.runner.prefill(chunk.tokens, sequence.cache, chunk.last, len(sequence.prompt))
             sequence.processed += len(chunk.tokens)
             if logits is not None:
                 mx.async_eval(logits)
@@ -343,6 +351,7 @@ class Engine:
     def _fail(self, sequence: Sequence, error: BaseException) -> None:
         """End one sequence with ``error`` (raised by its handle's iterator)."""
         sequence.finish("error")
+        self.runner.release(sequence)
         self.scheduler.release(sequence)
         handle = self._handles.pop(id(sequence), None)
         if handle is not None:
@@ -350,6 +359,7 @@ class Engine:
 
     def _retire(self, sequence: Sequence) -> None:
         """Free a finished sequence's slot and offer its cache for prefix reuse."""
+        self.runner.release(sequence)
         self.scheduler.release(sequence)
         self._handles.pop(id(sequence), None)
         if sequence.cache:

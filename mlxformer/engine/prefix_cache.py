@@ -1,80 +1,126 @@
-"""Prefix reuse: finished sequences' KV caches, looked up by the longest shared token prefix,
-bounded by a byte budget with least-recently-used eviction."""
+"""The prompt (prefix) cache: token blocks of finished sequences' caches, in memory within a
+byte budget (least recently used first out), optionally backed by a disk tier.
+
+Blocks are keyed by a hash chain (``prefix_blocks``): ``lookup(prompt)`` walks the prompt's
+blocks while they are cached, in memory or on disk, and rebuilds caches holding them (at least
+one prompt token is left to compute). Each block is stored once, whatever number of sequences
+share it. With a ``DiskBlockStore``, every block inserted is also written to disk in the
+background, and a block evicted from memory is still found there (after a restart too).
+
+For the engine's memory budget: ``nbytes`` is what the memory tier holds, ``evict_to(limit)``
+drops blocks until it holds at most ``limit`` bytes.
+"""
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Sequence
 
-from mlxformer.cache import Cache
+from mlxformer.cache import Cache, CacheSettings
+from mlxformer.cache.protocol import HasLayers
+from mlxformer.engine.prefix_blocks import Block, assemble, block_keys, cut_blocks
+
+if TYPE_CHECKING:
+    from mlxformer.engine.disk_cache import DiskBlockStore
+
+BLOCK_SIZE = 32  # tokens per block
 
 
-def copy_cache(cache: Cache) -> Cache:
-    """A new cache object with the same contents (MLX arrays are immutable: buffers are shared
-    until one side writes, which then copies)."""
-    clone: Cache = type(cache)()
-    clone.meta_state = cache.meta_state  # type: ignore[misc]
-    clone.state = cache.state  # type: ignore[misc]
-    return clone
+@dataclass
+class PrefixStats:
+    """Prompt tokens served by each tier so far."""
 
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the longest common prefix of two token lists."""
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
+    memory_tokens: int = 0
+    disk_tokens: int = 0
 
 
 class PrefixCache:
-    """Per-layer caches of finished sequences keyed by the tokens they hold.
+    """Blocks of finished sequences' caches: see the module docstring."""
 
-    ``lookup(prompt)`` returns a copy of the entry sharing the longest prefix with ``prompt``,
-    trimmed to that prefix (leaving at least one prompt token to compute the next logits from).
-    Entries count their caches' ``nbytes`` against ``budget``; the least recently used go first.
-    """
-
-    def __init__(self, budget: int) -> None:
-        self.budget = budget
-        self.entries: OrderedDict[tuple[int, ...], tuple[list[Cache], int]] = OrderedDict()
+    def __init__(
+        self, budget: int, model: HasLayers | None = None, settings: CacheSettings | None = None, *,
+        seed: str = "", block_size: int = BLOCK_SIZE, disk: "DiskBlockStore | None" = None,
+    ) -> None:
+        self.budget, self.model, self.settings = budget, model, settings or CacheSettings()
+        self.seed, self.block_size, self.disk = seed, block_size, disk
+        self.blocks: OrderedDict[str, Block] = OrderedDict()  # least recently used first
         self.nbytes = 0
+        self.stats = PrefixStats()
 
     def __len__(self) -> int:
-        return len(self.entries)
+        return len(self.blocks)
 
-    def insert(self, tokens: Sequence[int], caches: list[Cache]) -> None:
-        """Keep ``caches`` (holding exactly ``tokens``), replacing entries it extends."""
-        key = tuple(tokens)
-        if not key or self.budget <= 0:
-            return
-        size = sum(c.nbytes for c in caches)
-        if size > self.budget:
-            return
-        for other in [k for k in self.entries if len(k) <= len(key) and key[: len(k)] == k]:
-            self._remove(other)
-        self.entries[key] = (caches, size)
-        self.nbytes += size
-        while self.nbytes > self.budget:
-            self._remove(next(iter(self.entries)))
+    def keys_for(self, tokens: Sequence[int], count: int | None = None) -> list[str]:
+        """The chain keys of the full blocks of ``tokens``."""
+        return block_keys(self.seed, tokens, self.block_size, count)
 
-    def _remove(self, key: tuple[int, ...]) -> None:
-        _, size = self.entries.pop(key)
-        self.nbytes -= size
+    def insert(self, tokens: Sequence[int], caches: Sequence[Cache]) -> None:
+        """Keep the full blocks of ``caches`` (holding exactly ``tokens``) not kept yet."""
+        if self.budget <= 0 and self.disk is None:
+            return
+        keys = self.keys_for(tokens)
+        if not keys or not caches:
+            return
+        known = {k for k in keys if k in self.blocks}
+        fresh = cut_blocks(caches, tokens, keys, self.block_size, known)
+        for block in fresh:
+            if self.disk is not None:
+                self.disk.put(block)
+        self._touch([self.blocks[k] for k in keys if k in known])
+        for block in reversed(fresh):  # the first blocks end most recent: tails go first
+            self._add(block)
+        self.evict_to(self.budget)
+
+    def _add(self, block: Block) -> None:
+        if block.key in self.blocks or block.nbytes > self.budget:
+            return
+        self.blocks[block.key] = block
+        self.nbytes += block.nbytes
+
+    def _touch(self, run: Sequence[Block]) -> None:
+        for block in reversed(run):  # the chain's first block most recent
+            self.blocks.move_to_end(block.key)
+
+    def evict_to(self, limit: int) -> int:
+        """Drop least recently used blocks until at most ``limit`` bytes are held; returns the
+        bytes freed (blocks on disk stay there)."""
+        freed = 0
+        while self.blocks and self.nbytes > limit:
+            _, block = self.blocks.popitem(last=False)
+            self.nbytes -= block.nbytes
+            freed += block.nbytes
+        return freed
 
     def lookup(self, prompt: Sequence[int]) -> tuple[list[Cache], int] | None:
-        """``(caches, n)``: new caches holding the first ``n`` tokens of ``prompt``, or None."""
-        best, best_len = None, 0
-        for key in self.entries:
-            n = min(common_prefix(key, prompt), len(prompt) - 1)
-            if n > best_len:
-                best, best_len = key, n
-        if best is None:
+        """``(caches, n)``: new caches holding the first ``n`` tokens of ``prompt`` (a multiple
+        of the block size, less than the prompt's length), or None."""
+        if self.model is None:
             return None
-        self.entries.move_to_end(best)
-        caches, _ = self.entries[best]
-        copies = [copy_cache(c) for c in caches]
-        excess = len(best) - best_len
-        if excess and any(c.trim(excess) != excess for c in copies):
-            return None  # e.g. a rotating cache that already evicted tokens
-        return copies, best_len
+        run: list[Block] = []
+        from_disk = 0
+        for key in self.keys_for(prompt, (len(prompt) - 1) // self.block_size):
+            block = self.blocks.get(key)
+            on_disk = block is None and self.disk is not None
+            if on_disk:
+                start = len(run) * self.block_size
+                block = self.disk.get(key, tuple(prompt[start : start + self.block_size]))  # type: ignore[union-attr]
+            if block is None or (run and block.storage != run[0].storage):
+                break
+            if on_disk:
+                from_disk += len(block.tokens)
+                self._add(block)
+            run.append(block)
+        if not run:
+            return None
+        self._touch([b for b in run if b.key in self.blocks])
+        self.evict_to(self.budget)
+        n = len(run) * self.block_size
+        self.stats.memory_tokens += n - from_disk
+        self.stats.disk_tokens += from_disk
+        return assemble(self.model, self.settings, run), n
+
+    def flush(self) -> None:
+        """Wait for the disk tier's pending writes."""
+        if self.disk is not None:
+            self.disk.flush()

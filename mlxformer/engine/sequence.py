@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import enum
-import random
 from dataclasses import dataclass
 from typing import Sequence as Seq
 
@@ -12,9 +11,9 @@ import mlx.core as mx
 from mlxformer.cache import Cache
 from mlxformer.engine.speculation import Speculator
 from mlxformer.errors import MlxformerError
-from mlxformer.generation import SamplingSettings
+from mlxformer.options import SamplingSettings, check_integer
 from mlxformer.speculative import SpeculativeStats
-from mlxformer.sampling import LogitsProcessor, TokenConstraint, make_logits_processors, make_sampler
+from mlxformer.sampling import TokenConstraint, make_logits_processors, make_sampler
 from mlxformer.stop import StopMatcher
 from mlxformer.tokenizer import StreamingDetokenizer
 
@@ -24,9 +23,8 @@ class GenerationRequest:
     """What to generate: prompt token ids and per-request settings.
 
     ``logprobs``: ``None`` reports none; ``k >= 0`` reports the chosen token's log-probability
-    and the ``k`` most likely alternatives. ``presence_penalty`` / ``frequency_penalty`` are
-    OpenAI's (subtracted from the logits of tokens already generated, once / per occurrence);
-    ``logit_bias`` adds to the given tokens' logits; ``constraint`` restricts the next tokens.
+    and the ``k`` most likely alternatives. ``sampling`` holds every sampling option (penalties
+    and logit bias included; validated when made); ``constraint`` restricts the next tokens.
     """
 
     prompt_ids: list[int]
@@ -34,9 +32,6 @@ class GenerationRequest:
     sampling: SamplingSettings = SamplingSettings()
     stop: Seq[str] = ()
     logprobs: int | None = None
-    logit_bias: dict[int, float] | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
     constraint: TokenConstraint | None = None
     speculate: bool = True  # decode speculatively when the engine has speculative settings (not with a constraint)
 
@@ -73,34 +68,10 @@ def check_request(request: GenerationRequest, vocab_size: int) -> None:
         raise MlxformerError("empty prompt: nothing to generate from")
     if bad := [t for t in request.prompt_ids if not 0 <= t < vocab_size]:
         raise MlxformerError(f"token id {bad[0]} is outside the vocabulary (size {vocab_size})")
-    if request.max_tokens < 1:
-        raise MlxformerError("max_tokens must be at least 1")
-    if bad := [t for t in (request.logit_bias or {}) if not 0 <= t < vocab_size]:
-        raise MlxformerError(f"logit_bias token id {bad[0]} is outside the vocabulary (size {vocab_size})")
-    if request.logprobs is not None and request.logprobs < 0:
-        raise MlxformerError("logprobs must be >= 0")
-    s = request.sampling
-    if s.temp < 0 or not 0.0 < s.top_p <= 1.0 or s.top_k < 0 or not 0.0 <= s.min_p < 1.0:
-        raise MlxformerError("need temp >= 0, 0 < top_p <= 1, top_k >= 0 and 0 <= min_p < 1")
-    if s.repetition_penalty is not None and s.repetition_penalty <= 0:
-        raise MlxformerError("repetition penalty must be positive")
-
-
-def penalty_processor(presence: float, frequency: float, bias: dict[int, float] | None, prompt_len: int) -> LogitsProcessor:
-    """OpenAI's presence/frequency penalties over the generated tokens, plus the logit bias."""
-    bias_ids = mx.array(list(bias), dtype=mx.int32) if bias else None
-    bias_values = mx.array(list(bias.values()), dtype=mx.float32) if bias else None
-
-    def process(history: mx.array, logits: mx.array) -> mx.array:
-        generated = history[prompt_len:]
-        if generated.size and (presence or frequency):
-            counts = mx.zeros((logits.shape[-1],), mx.float32).at[generated].add(1.0)
-            logits = logits - (frequency * counts + presence * (counts > 0)).astype(logits.dtype)
-        if bias_ids is not None and bias_values is not None:
-            logits = logits.at[:, bias_ids].add(bias_values.astype(logits.dtype))
-        return logits
-
-    return process
+    check_integer("max_tokens", request.max_tokens, low=1)
+    request.sampling.check_vocabulary(vocab_size)
+    if request.logprobs is not None:
+        check_integer("logprobs", request.logprobs, low=0)
 
 
 class Sequence:
@@ -119,11 +90,8 @@ class Sequence:
         s = request.sampling
         self.sampler = make_sampler(s.temp, s.top_p, s.top_k, s.min_p)
         self.greedy = s.temp == 0
-        self.processors = make_logits_processors(s.repetition_penalty)
-        if request.presence_penalty or request.frequency_penalty or request.logit_bias:
-            self.processors.append(penalty_processor(
-                request.presence_penalty, request.frequency_penalty, request.logit_bias, len(self.prompt)))
-        self.seed = s.seed if s.seed is not None else random.getrandbits(63)
+        self.processors = make_logits_processors(s, len(self.prompt))
+        self.seed = s.seeded().seed
         self.key: mx.array | None = None  # made on first use, in the engine's thread
         self.speculator: Speculator | None = None  # set at admission when the request speculates
         self.detokenizer = detokenizer

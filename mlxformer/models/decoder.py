@@ -38,7 +38,7 @@ class Attention(nn.Module):
         self.qk_norm = args.qk_norm
         self.rope = RoPE(self.head_dim, args.rope, args.max_position_embeddings)
 
-    def __call__(self, x: mx.array, mask: Mask, cache: Cache | None) -> mx.array:
+    def __call__(self, x: mx.array, mask: Mask, cache: Cache | None, rope_length: int | None = None) -> mx.array:
         B, L, _ = x.shape
         # (B, L, heads * head_dim) -> (B, heads, L, head_dim)
         queries = self.q_proj(x).reshape(B, L, self.n_heads, self.head_dim).transpose(0, 2, 1, 3)
@@ -48,8 +48,8 @@ class Attention(nn.Module):
             queries = self.q_norm(queries)
             keys = self.k_norm(keys)
         offset = cache.offset if cache is not None else 0
-        queries = self.rope(queries, offset)
-        keys = self.rope(keys, offset)
+        queries = self.rope(queries, offset, rope_length)
+        keys = self.rope(keys, offset, rope_length)
         if cache is None:
             out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=self.scale, mask=mask)
         else:
@@ -88,8 +88,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
-    def __call__(self, x: mx.array, mask: Mask, cache: Cache | None) -> mx.array:
-        h = x + self.self_attn(self.input_layernorm(x), mask, cache)
+    def __call__(self, x: mx.array, mask: Mask, cache: Cache | None, rope_length: int | None = None) -> mx.array:
+        h = x + self.self_attn(self.input_layernorm(x), mask, cache, rope_length)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -128,15 +128,20 @@ class Model(nn.Module):
     def layers(self) -> list[DecoderLayer]:
         return self.model.layers
 
-    def hidden_states(self, inputs: mx.array, cache: Sequence[Cache] | None = None) -> mx.array:
-        """Final-norm hidden states ``(B, T, hidden)`` for token ids ``(B, T)``."""
+    def hidden_states(
+        self, inputs: mx.array, cache: Sequence[Cache] | None = None, rope_length: int | None = None
+    ) -> mx.array:
+        """Final-norm hidden states ``(B, T, hidden)`` for token ids ``(B, T)``. ``rope_length``:
+        the whole prompt's length when this is one chunk of it (see ``RoPE``)."""
         h = self.model.embed_tokens(inputs)  # (B, T, hidden)
-        h = self.run_layers(h, cache)
+        h = self.run_layers(h, cache, rope_length)
         if self._remote_layers is not None:
             h = self._remote_layers(h)
         return self.model.norm(h)
 
-    def run_layers(self, h: mx.array, cache: Sequence[Cache] | None = None) -> mx.array:
+    def run_layers(
+        self, h: mx.array, cache: Sequence[Cache] | None = None, rope_length: int | None = None
+    ) -> mx.array:
         """This model's decoder layers on hidden states ``(B, T, hidden)``."""
         if not self.layers:
             return h
@@ -148,7 +153,7 @@ class Model(nn.Module):
             mask = cache[0].make_mask(query_len, self.args.sliding_window)
             layer_caches = cache
         for layer, layer_cache in zip(self.layers, layer_caches):
-            h = layer(h, mask, layer_cache)
+            h = layer(h, mask, layer_cache, rope_length)
         return h
 
     def use_remote_layers(self, run: Callable[[mx.array], mx.array]) -> None:
@@ -165,10 +170,12 @@ class Model(nn.Module):
     def __call__(self, inputs: mx.array, cache: Sequence[Cache] | None = None) -> mx.array:
         return self.logits(self.hidden_states(inputs, cache))
 
-    def last_logits(self, inputs: mx.array, cache: Sequence[Cache] | None = None) -> mx.array:
+    def last_logits(
+        self, inputs: mx.array, cache: Sequence[Cache] | None = None, rope_length: int | None = None
+    ) -> mx.array:
         """Logits ``(B, vocab)`` of the last position only: the vocabulary projection, the
         largest matmul of a small model, is skipped for every other position."""
-        return self.logits(self.hidden_states(inputs, cache)[:, -1, :])
+        return self.logits(self.hidden_states(inputs, cache, rope_length)[:, -1, :])
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         """Drop checkpoint keys that carry no weights for this decoder."""

@@ -50,9 +50,13 @@ class RoPE(nn.Module):
         growth = rope.factor * seq_len / self.max_position_embeddings - (rope.factor - 1)
         return rope.theta * growth ** (self.dims / (self.dims - 2))
 
-    def __call__(self, x: mx.array, offset: int | mx.array) -> mx.array:
+    def __call__(self, x: mx.array, offset: int | mx.array, length: int | None = None) -> mx.array:
         """Rotate ``x`` (B, heads, T, head_dim) for positions ``offset..offset+T-1``; ``offset``
-        is an int or, for a batch of sequences at different positions, an int array ``(B,)``."""
+        is an int or, for a batch of sequences at different positions, an int array ``(B,)``.
+
+        ``length`` is the sequence length dynamic NTK scaling computes its base from (default
+        ``offset + T``): a prompt prefilled in chunks passes its whole length, so every chunk is
+        rotated as one forward pass over the whole prompt would rotate it (as transformers does)."""
         if isinstance(offset, mx.array) and self.config.type == "dynamic":
             # the dynamic base depends on each sequence's length: rotate row by row
             rows = [self(x[i : i + 1], int(o)) for i, o in enumerate(offset.tolist())]
@@ -61,5 +65,6 @@ class RoPE(nn.Module):
             return mx.fast.rope(
                 x, self.dims, traditional=False, base=None, scale=self.scale, offset=offset, freqs=self._periods
             )
-        base = self._base(0 if isinstance(offset, mx.array) else offset + x.shape[-2])
+        end = 0 if isinstance(offset, mx.array) else offset + x.shape[-2]
+        base = self._base(max(end, length or 0))
         return mx.fast.rope(x, self.dims, traditional=False, base=base, scale=self.scale, offset=offset)

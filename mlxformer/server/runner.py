@@ -15,6 +15,7 @@ from fastapi import FastAPI
 
 from mlxformer.cache import CacheSettings
 from mlxformer.engine import Engine
+from mlxformer.engine.prompt_cache import PromptCacheSettings
 from mlxformer.errors import MlxformerError
 from mlxformer.models.decoder import Model
 from mlxformer.server.app import create_app
@@ -49,13 +50,15 @@ def serve(
     cors_origins: Sequence[str] = (),
     cache_settings: CacheSettings | None = None,
     speculative: SpeculativeSettings | None = None,
+    prompt_cache: PromptCacheSettings | None = None,
 ) -> None:
     """Serve ``model`` as ``name`` until interrupted (Ctrl-C stops the server and the engine);
-    ``speculative`` decodes every request speculatively (prompt lookup or a draft model)."""
+    ``speculative`` decodes every request speculatively (prompt lookup or a draft model);
+    ``prompt_cache`` sets the prompt cache's memory and disk tiers."""
     if not is_loopback(host) and api_key is None:
         log.warning("serving on %s without --api-key: anyone who can reach this host can use the model", host)
     engine = Engine(model, tokenizer, max_batch=max_batch, max_queue=max_queue, cache_settings=cache_settings,
-                    speculative=speculative)
+                    speculative=speculative, prompt_cache=prompt_cache)
     served = ServedModel.of(name, model, tokenizer)
     app = create_app(engine, served, api_key=api_key, cors_origins=cors_origins)
     engine.start()

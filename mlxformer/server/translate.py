@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mlxformer.engine import GenerationRequest
-from mlxformer.generation import SamplingSettings
+from mlxformer.errors import OptionError
+from mlxformer.options import SamplingSettings
 from mlxformer.models.decoder import Model
 from mlxformer.sampling import TokenConstraint
 from mlxformer.server.errors import APIError, bad_request
@@ -93,17 +94,25 @@ def logit_bias_ids(bias: dict[str, float] | None, vocab_size: int) -> dict[int, 
     return result
 
 
-def sampling_of(fields: SamplingFields) -> SamplingSettings:
-    """The engine's sampling settings (OpenAI defaults: temperature 1, top_p 1)."""
+def sampling_of(fields: SamplingFields, vocab_size: int) -> SamplingSettings:
+    """The engine's sampling settings (OpenAI defaults: temperature 1, top_p 1); a bad value is
+    a 400 naming the field (``SamplingSettings`` validates them)."""
     temperature = OPENAI_DEFAULT_TEMPERATURE if fields.temperature is None else fields.temperature
-    return SamplingSettings(
-        temp=temperature,
-        top_p=1.0 if fields.top_p is None else fields.top_p,
-        top_k=max(fields.top_k or 0, 0),
-        min_p=fields.min_p or 0.0,
-        repetition_penalty=fields.repetition_penalty,
-        seed=fields.seed,
-    )
+    try:
+        return SamplingSettings(
+            temp=temperature,
+            top_p=1.0 if fields.top_p is None else fields.top_p,
+            top_k=max(fields.top_k or 0, 0),
+            min_p=fields.min_p or 0.0,
+            repetition_penalty=fields.repetition_penalty,
+            presence_penalty=fields.presence_penalty,
+            frequency_penalty=fields.frequency_penalty,
+            logit_bias=logit_bias_ids(fields.logit_bias, vocab_size),
+            seed=fields.seed,
+        )
+    except OptionError as exc:
+        param = "temperature" if exc.param == "temp" else exc.param
+        raise bad_request(f"{param} {exc.message}", param=param) from exc
 
 
 def engine_request(
@@ -126,11 +135,8 @@ def engine_request(
     return GenerationRequest(
         prompt_ids=prompt_ids,
         max_tokens=budget,
-        sampling=sampling_of(fields),
+        sampling=sampling_of(fields, served.vocab_size),
         stop=tuple(stops),
         logprobs=logprobs,
-        logit_bias=logit_bias_ids(fields.logit_bias, served.vocab_size),
-        presence_penalty=fields.presence_penalty,
-        frequency_penalty=fields.frequency_penalty,
         constraint=constraint,
     )

@@ -1,0 +1,295 @@
+"""Batched decode storage: B sequences' keys/values of one layer in one buffer of slots.
+
+A ``BatchLayout`` (host-side, shared by every layer) records which absolute position each slot
+of each row holds; a ``BatchLayerCache`` holds one layer's buffers ``(B, n_kv, C, ...)``. A
+decode step writes every row's new key/value at that row's own slot with one scatter per array
+and attends over all ``C`` slots of all rows in one call, masked by position. The slots are the
+ones the sequence's own cache would use (the growing cache appends; the rotating cache fills,
+then writes its ring after the sinks), so each row sees exactly the keys it sees alone.
+
+Rows join from, and leave as, ordinary per-sequence caches (``KVCache``, ``RotatingKVCache``):
+prefill, speculation and the prefix cache keep working on those.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from mlxformer.cache.codec import FLOAT_CODEC, KVCodec, Pack, pack_nbytes
+from mlxformer.cache.kv import KVCache
+from mlxformer.cache.protocol import Cache
+from mlxformer.cache.rotating import RotatingKVCache
+from mlxformer.models.mask import Mask
+
+STEP = 256  # slots are added in steps, like the growing cache's buffers
+
+
+@dataclass(frozen=True)
+class StorageKind:
+    """What rows must share to live in one batch: the cache class, its bounds and storage."""
+
+    rotating: bool
+    capacity: int | None  # slots per row at most (None: unbounded)
+    max_size: int | None  # tokens a query may see at most (the rotating window)
+    keep: int  # sink tokens a rotating cache never evicts
+    bits: int | None  # quantized storage bits now (None: float)
+    group_size: int
+
+
+def storage_kind(cache: Cache) -> StorageKind:
+    """The batch a per-sequence cache can join."""
+    if isinstance(cache, RotatingKVCache):
+        return StorageKind(True, cache.capacity, cache.max_size, cache.keep, cache.codec.bits, cache.group_size)
+    assert isinstance(cache, KVCache), f"cannot batch a {type(cache).__name__}"
+    return StorageKind(False, None, None, 0, cache.codec.bits, cache.group_size)
+
+
+def quantizes_next(cache: Cache) -> bool:
+    """Whether the cache's next update turns its float storage into quantized storage (its
+    storage kind changes, so it must take that step in its own cache)."""
+    assert isinstance(cache, (KVCache, RotatingKVCache))
+    return cache.bits is not None and cache.codec.bits is None and cache.offset >= cache.start
+
+
+def row_quantizes_next(row: "Row") -> bool:
+    """``quantizes_next`` for a sequence whose keys/values are in a batch."""
+    meta = row.metas[0]
+    return bool(meta["bits"]) and meta["quantized"] != "1" and row.offset >= int(meta["start"])
+
+
+@dataclass
+class Row:
+    """One sequence's place in the batch (host-side; the same for every layer)."""
+
+    positions: list[int]  # absolute position held by each used slot
+    offset: int  # tokens seen (the next token's position)
+    idx: int  # the next ring slot once every slot is used
+    metas: list[dict[str, str]] = field(default_factory=list)  # each layer's cache settings, to rebuild it
+
+
+class BatchLayout:
+    """Which position each slot of each row holds; the slots, offsets and mask of the next step."""
+
+    def __init__(self, kind: StorageKind, window: int | None) -> None:
+        self.kind, self.window = kind, window
+        self.rows: list[Row] = []
+        self.width = 0  # C: slots per row in the buffers
+        self.slots: mx.array | None = None  # (B,) this step's slot of each row
+        self.offsets: mx.array | None = None  # (B,) this step's position of each row
+        self.mask: mx.array | None = None  # (B, 1, 1, C) the slots each row's query sees
+
+    def slot_of(self, row: Row) -> int:
+        """Where ``row`` writes its next token."""
+        capacity = self.kind.capacity
+        return len(row.positions) if capacity is None or len(row.positions) < capacity else row.idx
+
+    def fit(self, slots_needed: int) -> None:
+        """Grow the width (in steps, never past the capacity) to hold ``slots_needed`` slots."""
+        if slots_needed > self.width:
+            width = -(-slots_needed // STEP) * STEP
+            self.width = width if self.kind.capacity is None else min(width, self.kind.capacity)
+
+    def prepare(self) -> None:
+        """Choose this step's slots and build its offsets and mask (call before the forward)."""
+        slots = [self.slot_of(r) for r in self.rows]
+        self.fit(max(slots) + 1)
+        positions = np.full((len(self.rows), self.width), -1, dtype=np.int64)  # (B, C)
+        for i, (row, slot) in enumerate(zip(self.rows, slots)):
+            positions[i, : len(row.positions)] = row.positions
+            positions[i, slot] = row.offset
+        query = np.array([r.offset for r in self.rows], dtype=np.int64)[:, None]  # (B, 1)
+        visible = (positions >= 0) & (positions <= query)
+        if self.kind.max_size is not None:
+            visible &= (positions < self.kind.keep) | (positions > query - (self.kind.max_size - self.kind.keep))
+        if self.window is not None:
+            visible &= positions > query - self.window
+        self.slots = mx.array(slots, dtype=mx.int32)
+        self.offsets = mx.array(query[:, 0].tolist(), dtype=mx.int32)
+        self.mask = mx.array(visible[:, None, None, :])  # (B, 1, 1, C)
+
+    def commit(self) -> None:
+        """Record this step's token in every row (call after the forward is built)."""
+        capacity, keep = self.kind.capacity, self.kind.keep
+        for row in self.rows:
+            slot = self.slot_of(row)
+            if slot == len(row.positions):
+                row.positions.append(row.offset)
+                row.idx = len(row.positions) if capacity is None or len(row.positions) < capacity else keep
+            else:
+                row.positions[slot] = row.offset
+                row.idx = slot + 1 if capacity is None or slot + 1 < capacity else keep
+            row.offset += 1
+
+
+def _pad(pack: Pack, width: int) -> Pack:
+    """``pack`` with zero slots appended up to ``width``."""
+    short = width - pack[0].shape[2]
+    if short <= 0:
+        return pack
+    return tuple(mx.concatenate([x, mx.zeros((*x.shape[:2], short, x.shape[3]), x.dtype)], axis=2) for x in pack)
+
+
+def _write(buffer: mx.array, slots: mx.array, new: mx.array) -> mx.array:
+    """``buffer`` (B, n_kv, C, d) with row b's slot ``slots[b]`` set to ``new[b]`` (B, n_kv, 1, d)."""
+    index = mx.broadcast_to(slots[:, None, None, None], new.shape)  # (B, n_kv, 1, d)
+    return mx.put_along_axis(buffer, index, new, axis=2)
+
+
+class BatchLayerCache:
+    """One layer's keys/values for the rows of a ``BatchLayout``, behind the cache protocol."""
+
+    def __init__(self, layout: BatchLayout, codec: KVCodec, keys: Pack, values: Pack) -> None:
+        self.layout, self.codec, self.keys, self.values = layout, codec, keys, values
+
+    @property
+    def offset(self) -> mx.array:  # type: ignore[override]
+        assert self.layout.offsets is not None, "prepare() the layout first"
+        return self.layout.offsets
+
+    def make_mask(self, query_len: int, window: int | None) -> Mask:
+        assert query_len == 1 and self.layout.mask is not None, "a batch decodes one token per row"
+        return self.layout.mask
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Pack, Pack]:
+        width, slots = self.layout.width, self.layout.slots
+        assert slots is not None
+        self.keys, self.values = _pad(self.keys, width), _pad(self.values, width)
+        new_keys, new_values = self.codec.encode_keys(keys), self.codec.encode(values)
+        self.keys = tuple(_write(b, slots, n) for b, n in zip(self.keys, new_keys))
+        self.values = tuple(_write(b, slots, n) for b, n in zip(self.values, new_values))
+        return self.keys, self.values
+
+    def attention(self, queries: mx.array, keys: Pack, values: Pack, scale: float, mask: Mask) -> mx.array:
+        if self.codec.bits is not None and isinstance(mask, mx.array):
+            mask = mask[:, None]  # (B, 1, 1, 1, C) against the (B, n_kv, n_rep, 1, C) scores
+        return self.codec.attention(queries, keys, values, scale, mask)
+
+    @property
+    def state(self) -> tuple[mx.array, ...]:
+        return self.keys + self.values + self.codec.state
+
+    @property
+    def meta_state(self) -> dict[str, str]:
+        return {}
+
+    def trim(self, n: int) -> int:
+        return 0
+
+    @property
+    def nbytes(self) -> int:
+        return pack_nbytes(self.keys) + pack_nbytes(self.values)
+
+
+class RowView:
+    """Stands in for a sequence's caches while its keys/values live in a batch: its offset and
+    its share of the batch's bytes (what accounting and ``cache_tokens`` read)."""
+
+    def __init__(self, batch: "DecodeBatch", row: Row, layer: int) -> None:
+        self.batch, self.row, self.layer = batch, row, layer
+
+    @property
+    def offset(self) -> int:
+        return self.row.offset
+
+    @property
+    def nbytes(self) -> int:
+        return self.batch.layers[self.layer].nbytes // max(1, len(self.batch.layout.rows))
+
+
+class DecodeBatch:
+    """Rows of one storage kind: the layout and one ``BatchLayerCache`` per layer."""
+
+    def __init__(self, kind: StorageKind, n_layers: int, window: int | None) -> None:
+        self.kind = kind
+        self.layout = BatchLayout(kind, window)
+        self.layers: list[BatchLayerCache] = []
+        self.n_layers = n_layers
+
+    def __len__(self) -> int:
+        return len(self.layout.rows)
+
+    def join(self, caches: Sequence[Sequence[Cache]]) -> list[list[RowView]]:
+        """Add rows from per-sequence caches (one list of layer caches each); returns each
+        new row's stand-in caches."""
+        rows = [_row_of(c) for c in caches]
+        self.layout.fit(max(len(r.positions) for r in rows) + 1)
+        width = self.layout.width
+        merged = []
+        for layer in range(self.n_layers):
+            parts = [_storage(c[layer]) for c in caches]
+            keys = [_pad(k, width) for k, _, _ in parts]
+            values = [_pad(v, width) for _, v, _ in parts]
+            centers = [center for _, _, center in parts if center is not None]
+            if self.layers:
+                old = self.layers[layer]
+                keys.insert(0, _pad(old.keys, width))
+                values.insert(0, _pad(old.values, width))
+                centers[:0] = list(old.codec.state)
+            codec = FLOAT_CODEC if self.kind.bits is None else KVCodec(
+                self.kind.bits, self.kind.group_size, mx.concatenate(centers, axis=0) if centers else None)
+            merged.append(BatchLayerCache(self.layout, codec, _cat_rows(keys), _cat_rows(values)))
+        self.layers = merged
+        self.layout.rows += rows
+        return [[RowView(self, row, i) for i in range(self.n_layers)] for row in rows]
+
+    def leave(self, index: int) -> list[Cache]:
+        """Remove row ``index``; returns its keys/values as per-sequence caches again."""
+        row = self.layout.rows.pop(index)
+        size = len(row.positions)
+        caches: list[Cache] = []
+        keep = mx.array([i for i in range(len(self.layout.rows) + 1) if i != index], dtype=mx.int32)
+        for layer, (meta, batched) in enumerate(zip(row.metas, self.layers)):
+            keys = tuple(mx.contiguous(x[index : index + 1, :, :size, :]) for x in batched.keys)
+            values = tuple(mx.contiguous(x[index : index + 1, :, :size, :]) for x in batched.values)
+            center = tuple(c[index : index + 1] for c in batched.codec.state)
+            caches.append(_rebuild(meta, row, keys + values + center))
+            batched.keys = tuple(x[keep] for x in batched.keys)
+            batched.values = tuple(x[keep] for x in batched.values)
+            if batched.codec.key_center is not None:
+                batched.codec = KVCodec(batched.codec.bits, batched.codec.group_size, batched.codec.key_center[keep])
+        return caches
+
+    def step_caches(self) -> list[BatchLayerCache]:
+        """The per-layer caches for this step's forward (the layout prepared)."""
+        self.layout.prepare()
+        return self.layers
+
+
+def _cat_rows(packs: list[Pack]) -> Pack:
+    """Packs of several rows stacked on the batch axis."""
+    return tuple(mx.concatenate(parts, axis=0) for parts in zip(*packs))
+
+
+def _storage(cache: Cache) -> tuple[Pack, Pack, mx.array | None]:
+    """A per-sequence cache's keys, values (its used slots, in slot order) and key center."""
+    assert isinstance(cache, (KVCache, RotatingKVCache)) and cache.keys is not None and cache.values is not None
+    used = len(cache.positions) if isinstance(cache, RotatingKVCache) else cache.offset
+    keys = tuple(x[..., :used, :] for x in cache.keys)
+    values = tuple(x[..., :used, :] for x in cache.values)
+    return keys, values, cache.codec.key_center
+
+
+def _row_of(caches: Sequence[Cache]) -> Row:
+    first = caches[0]
+    metas = [c.meta_state for c in caches]
+    if isinstance(first, RotatingKVCache):
+        return Row(list(first.positions), first.offset, first.idx, metas)
+    return Row(list(range(first.offset)), first.offset, first.offset, metas)
+
+
+def _rebuild(meta: dict[str, str], row: Row, arrays: tuple[mx.array, ...]) -> Cache:
+    """A per-sequence cache from a row's slots (through the protocol's ``meta_state``/``state``)."""
+    cache: Cache
+    if "max_size" in meta:
+        cache = RotatingKVCache()
+        cache.meta_state = {**meta, "offset": str(row.offset), "idx": str(row.idx)}  # type: ignore[misc]
+        cache.state = arrays + (mx.array(row.positions, dtype=mx.int32),)  # type: ignore[misc]
+    else:
+        cache = KVCache()
+        cache.meta_state = meta  # type: ignore[misc]
+        cache.state = arrays  # type: ignore[misc]
+    return cache

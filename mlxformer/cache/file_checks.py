@@ -1,0 +1,134 @@
+"""Checks of a prompt cache file's layers before any cache is rebuilt from them.
+
+A file's fingerprint says which model made it, but its arrays and string fields can still be
+edited or truncated. Every field a cache class reads (``meta_state``) and every array it holds
+(``state``) is checked here against the model's ``n_kv_heads``/``head_dim``/window, the cache
+type and the cached token count, so a bad file fails on load with one line naming the file,
+the layer and the key, never mid-generation.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+from mlxformer.cache.codec import KV_BITS, KV_GROUP_SIZES
+from mlxformer.errors import MlxformerError
+
+# class name -> the meta_state keys it reads (all integers but "bits", which may be "")
+META_KEYS = {
+    "KVCache": ("bits", "group_size", "start", "quantized"),
+    "RotatingKVCache": ("bits", "group_size", "start", "quantized", "max_size", "keep", "offset", "idx", "slack"),
+}
+
+
+class _Layer:
+    """One layer's fields, parsed; ``fail`` raises the one-line error for this file and layer."""
+
+    def __init__(self, path: Path, layer: int, name: str, meta: Any) -> None:
+        self.where = f"prompt cache file {path}: layer {layer}"
+        if name not in META_KEYS:
+            raise MlxformerError(f"{self.where}: unknown cache class {name!r}")
+        if not isinstance(meta, dict):
+            self.fail("meta_state is not an object")
+        self.ints: dict[str, int] = {}
+        for key in META_KEYS[name]:
+            value = meta.get(key)
+            if key == "bits" and value == "":
+                continue
+            if not isinstance(value, str) or not value.isdigit():
+                self.fail(f"{key}={value!r} is not a non-negative integer")
+            self.ints[key] = int(value)
+        self.bits = self.ints.get("bits")
+        if self.bits is not None and self.bits not in KV_BITS:
+            self.fail(f"bits={self.bits} (supported: {KV_BITS})")
+        if self.ints["group_size"] not in KV_GROUP_SIZES:
+            self.fail(f"group_size={self.ints['group_size']} (supported: {KV_GROUP_SIZES})")
+        if self.ints["quantized"] not in (0, 1) or (self.ints["quantized"] and self.bits is None):
+            self.fail(f"quantized={self.ints['quantized']} does not fit bits={self.bits}")
+
+    def fail(self, message: str) -> None:
+        raise MlxformerError(f"{self.where}: {message}")
+
+
+def check_layer(
+    path: Path, layer: int, name: str, meta: Any, arrays: list[mx.array], args: Any, n_tokens: int
+) -> None:
+    """Refuse a layer whose fields or arrays do not fit ``args`` (the model's ``ModelArgs``), its
+    cache class ``name`` or the ``n_tokens`` cached token ids."""
+    fields = _Layer(path, layer, name, meta)
+    rotating = name == "RotatingKVCache"
+    quantized = fields.ints["quantized"] == 1
+    per_pack = 3 if quantized else 1
+    expected = 2 * per_pack + int(quantized) + int(rotating)
+    if len(arrays) != expected:
+        fields.fail(f"{len(arrays)} arrays where a {name} of these settings holds {expected}")
+    # tokens stored: every cached token, or one per ring slot (the positions array's length)
+    stored = arrays[-1].shape[0] if rotating and arrays[-1].ndim == 1 else n_tokens
+    for j, (array, (shape, kind)) in enumerate(zip(arrays, _layouts(fields, args, stored, quantized, rotating))):
+        if tuple(array.shape) != shape:
+            fields.fail(f"array {j} has shape {tuple(array.shape)}, expected {shape} for this model")
+        if not _is(array.dtype, kind):
+            fields.fail(f"array {j} has dtype {array.dtype}, expected {kind}")
+    if rotating:
+        _check_ring(fields, arrays[-1], args, n_tokens)
+    elif args.sliding_window is not None:
+        fields.fail(f"a {name} for a model with a {args.sliding_window}-token sliding window")
+
+
+def _layouts(fields: _Layer, args: Any, stored: int, quantized: bool, rotating: bool):
+    """(shape, dtype kind) of each array of the layer, in ``state`` order."""
+    n_kv, dim = args.num_key_value_heads, args.head_dim
+    prefix = (1, n_kv, stored)
+    if quantized:
+        group, bits = fields.ints["group_size"], fields.bits
+        assert bits is not None
+        if dim % group:
+            fields.fail(f"group_size={group} does not divide head_dim {dim}")
+        pack = [(prefix + (dim * bits // 32,), "uint32"), (prefix + (dim // group,), "float"),
+                (prefix + (dim // group,), "float")]
+        layout = pack + pack + [((1, n_kv, 1, dim), "float")]  # keys, values, key center
+    else:
+        layout = [(prefix + (dim,), "float"), (prefix + (dim,), "float")]
+    if rotating:
+        layout.append(((stored,), "int32"))  # the absolute position of each slot
+    return layout
+
+
+def _is(dtype: mx.Dtype, kind: str) -> bool:
+    if kind == "float":
+        return mx.issubdtype(dtype, mx.floating)
+    return dtype == getattr(mx, kind)
+
+
+def _check_ring(fields: _Layer, positions: mx.array, args: Any, n_tokens: int) -> None:
+    """The ring's fields against its slots: the positions, read in the time order ``idx`` gives,
+    must be the sinks then every token of the window up to the last cached one."""
+    ints = fields.ints
+    max_size, keep, offset, idx, slack = ints["max_size"], ints["keep"], ints["offset"], ints["idx"], ints["slack"]
+    if not 0 <= keep < max_size:
+        fields.fail(f"keep={keep} does not fit max_size={max_size}")
+    window = args.sliding_window
+    if window is not None and (max_size > window or (max_size == window and keep)):
+        fields.fail(f"max_size={max_size}, keep={keep} does not fit the model's {window}-token sliding window")
+    if offset != n_tokens:
+        fields.fail(f"offset={offset} but the file lists {n_tokens} token ids")
+    slots = [int(p) for p in positions.tolist()]
+    size, capacity = len(slots), max_size + slack
+    if size > capacity or size > offset:
+        fields.fail(f"holds {size} slots, more than max_size + slack = {capacity} or offset={offset}")
+    full = size == capacity
+    if (full and not keep <= idx < capacity) or (not full and idx != size):
+        fields.fail(f"idx={idx} does not fit {size} slots of {capacity}")
+    ordered = slots if not full or idx == keep else slots[:keep] + slots[idx:] + slots[keep:idx]
+    sinks = min(keep, size)
+    needed = max(sinks, offset - (max_size - keep))  # the oldest token the next query sees
+    tail = ordered[sinks:]
+    if (
+        ordered[:sinks] != list(range(sinks))
+        or (tail and (tail != list(range(tail[0], offset)) or tail[0] > needed))
+        or (not tail and offset > sinks)
+    ):
+        fields.fail("the slot positions do not fit idx, offset and max_size")

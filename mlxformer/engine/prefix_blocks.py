@@ -1,0 +1,112 @@
+"""Prefix blocks: a cache cut into fixed-size token blocks, keyed by a hash chain (vLLM's
+prefix caching), and caches rebuilt from a run of blocks.
+
+Block ``i`` of a token list is keyed by ``sha256(key of block i-1, its tokens)``, the chain
+starting from a seed that names the model and cache settings: a key says which tokens the block
+holds *and* everything before them, so two prompts that share a system prompt share its blocks,
+and a hit can be partial. A block holds every layer's keys/values of its tokens (copies, so it
+owns exactly the bytes it counts), tagged with its storage (float, or the quantization and the
+digest of the sequence's key centers): a run of blocks is used only while the tags agree.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from mlxformer.cache import Cache, CacheSettings, KVCache, RotatingKVCache, make_cache
+from mlxformer.cache.codec import Pack, pack_nbytes
+from mlxformer.cache.protocol import HasLayers
+
+
+def block_keys(seed: str, tokens: Sequence[int], block_size: int, count: int | None = None) -> list[str]:
+    """Hash-chain keys (hex) of the first ``count`` full blocks of ``tokens`` (all by default)."""
+    full = len(tokens) // block_size if count is None else min(count, len(tokens) // block_size)
+    keys, parent = [], seed.encode()
+    for i in range(full):
+        block = np.asarray(tokens[i * block_size : (i + 1) * block_size], dtype=np.int64).tobytes()
+        parent = hashlib.sha256(parent + block).digest()
+        keys.append(parent.hex())
+    return keys
+
+
+@dataclass
+class Block:
+    """One block's keys/values in every layer: ``keys[l]``/``values[l]`` packs ``(1, n_kv, block, ...)``."""
+
+    key: str
+    tokens: tuple[int, ...]
+    storage: str  # "float", or "q{bits}g{group}:{digest of the key centers}"
+    keys: list[Pack]
+    values: list[Pack]
+    centers: list[mx.array] | None  # each layer's key center (1, n_kv, 1, D) when quantized
+
+    @property
+    def nbytes(self) -> int:
+        centers = sum(c.nbytes for c in self.centers) if self.centers else 0
+        return sum(pack_nbytes(k) + pack_nbytes(v) for k, v in zip(self.keys, self.values)) + centers
+
+    def arrays(self) -> list[mx.array]:
+        """Every array the block holds."""
+        return [x for pack in self.keys + self.values for x in pack] + list(self.centers or [])
+
+
+def storage_tag(cache: Sequence[Cache]) -> str | None:
+    """The storage tag of a sequence's caches, or None when they are not a plain prefix (a
+    rotating cache that has evicted tokens) or hold nothing."""
+    first = cache[0]
+    if not isinstance(first, (KVCache, RotatingKVCache)) or first.keys is None:
+        return None
+    if isinstance(first, RotatingKVCache) and len(first.positions) != first.offset:
+        return None
+    codec = first.codec
+    if codec.bits is None:
+        return "float"
+    centers = [c.codec.key_center for c in cache]  # type: ignore[attr-defined]
+    mx.eval(centers)
+    digest = hashlib.sha256(b"".join(np.asarray(c.astype(mx.float32)).tobytes() for c in centers)).hexdigest()[:16]
+    return f"q{codec.bits}g{codec.group_size}:{digest}"
+
+
+def cut_blocks(cache: Sequence[Cache], tokens: Sequence[int], keys: Sequence[str], block_size: int,
+               skip: set[str]) -> list[Block]:
+    """The blocks of ``cache`` (holding ``tokens``) named by ``keys``, except those in ``skip``;
+    their arrays are evaluated copies."""
+    tag = storage_tag(cache)
+    if tag is None:
+        return []
+    blocks = []
+    for i, key in enumerate(keys):
+        if key in skip:
+            continue
+        a, b = i * block_size, (i + 1) * block_size
+        layer_keys = [tuple(mx.contiguous(x[..., a:b, :]) for x in c.keys) for c in cache]  # type: ignore[attr-defined]
+        layer_values = [tuple(mx.contiguous(x[..., a:b, :]) for x in c.values) for c in cache]  # type: ignore[attr-defined]
+        centers = [c.codec.key_center for c in cache] if tag != "float" else None  # type: ignore[attr-defined]
+        blocks.append(Block(key, tuple(tokens[a:b]), tag, layer_keys, layer_values, centers))
+    mx.eval([x for block in blocks for x in block.arrays()])
+    return blocks
+
+
+def assemble(model: HasLayers, settings: CacheSettings, blocks: Sequence[Block]) -> list[Cache]:
+    """New per-layer caches holding the tokens of ``blocks`` (a run with one storage tag), built
+    like ``make_cache(model, settings)`` and filled through the protocol's ``meta_state``/``state``."""
+    caches = make_cache(model, settings)
+    quantized = blocks[0].centers is not None
+    n = sum(len(b.tokens) for b in blocks)
+    for layer, cache in enumerate(caches):
+        keys = tuple(mx.concatenate(parts, axis=2) for parts in zip(*(b.keys[layer] for b in blocks)))
+        values = tuple(mx.concatenate(parts, axis=2) for parts in zip(*(b.values[layer] for b in blocks)))
+        center = (blocks[0].centers[layer],) if quantized and blocks[0].centers else ()
+        meta = {**cache.meta_state, "quantized": str(int(quantized))}
+        if isinstance(cache, RotatingKVCache):
+            cache.meta_state = {**meta, "offset": str(n), "idx": str(n)}  # type: ignore[misc]
+            cache.state = keys + values + center + (mx.arange(n, dtype=mx.int32),)  # type: ignore[misc]
+        else:
+            cache.meta_state = meta  # type: ignore[misc]
+            cache.state = keys + values + center  # type: ignore[misc]
+    return caches

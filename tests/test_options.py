@@ -1,0 +1,75 @@
+"""``SamplingSettings``: every value validated once, when the settings are made, each bad value
+refused with an ``OptionError`` naming its field; the filters and processors it configures."""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlxformer.errors import MlxformerError, OptionError
+from mlxformer.options import MAX_SEED, SamplingSettings
+from mlxformer.sampling import keep_top_p, make_sampler, repetition_penalty_processor
+
+FLOAT_FIELDS = ["temp", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"]
+
+
+@pytest.mark.parametrize("field", FLOAT_FIELDS)
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
+def test_every_float_rejects_nan_and_infinities(field, value):
+    with pytest.raises(OptionError) as info:
+        SamplingSettings(**{field: value})
+    assert info.value.param == field and str(info.value).startswith(f"{field} must be a finite number")
+    assert isinstance(info.value, MlxformerError)
+    with pytest.raises(OptionError) as info:
+        SamplingSettings(logit_bias={3: value})
+    assert info.value.param == "logit_bias"
+
+
+@pytest.mark.parametrize("field,value", [
+    ("temp", -0.1), ("top_p", 0.0), ("top_p", 1.01), ("top_k", -1), ("min_p", 1.0), ("repetition_penalty", 0.0),
+    ("presence_penalty", 2.5), ("frequency_penalty", -2.5), ("seed", -2), ("seed", MAX_SEED + 1), ("seed", 1.5),
+    ("logit_bias", {-1: 1.0}), ("logit_bias", {1: 101.0}),
+])
+def test_out_of_range_values_name_their_field(field, value):
+    with pytest.raises(OptionError) as info:
+        SamplingSettings(**{field: value})
+    assert info.value.param == field
+
+
+def test_seed_range_is_what_mlx_accepts_and_minus_one_draws_one():
+    assert SamplingSettings(seed=MAX_SEED).seeded().seed == MAX_SEED
+    mx.random.key(MAX_SEED)  # the largest seed is one MLX takes
+    with pytest.raises((TypeError, OverflowError, ValueError)):
+        mx.random.key(MAX_SEED + 1)
+    drawn = {SamplingSettings(seed=-1, temp=1.0).seeded().seed for _ in range(4)}
+    assert len(drawn) > 1 and all(0 <= s <= MAX_SEED for s in drawn)  # type: ignore[operator]
+
+
+def test_logit_bias_ids_are_checked_against_the_vocabulary():
+    settings = SamplingSettings(logit_bias={99: 1.0})
+    settings.check_vocabulary(100)
+    with pytest.raises(OptionError, match="outside the vocabulary"):
+        settings.check_vocabulary(99)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_top_p_always_keeps_the_most_likely_token(seed):
+    """On a 49k vocabulary of close logits, ``1 - cumsum`` rounds above a tiny top-p for the top
+    token too: nothing was kept and the draw was uniform. The top token must always survive."""
+    logits = 0.1 * mx.random.normal((1, 49152), key=mx.random.key(seed))
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    kept = np.isfinite(np.array(keep_top_p(logprobs, 1e-6)))[0]
+    assert kept.sum() == 1 and kept[int(mx.argmax(logprobs).item())]
+    draws = make_sampler(temp=1.0, top_p=1e-6)(mx.broadcast_to(logprobs, (64, 49152)))
+    assert (np.array(draws) == int(mx.argmax(logprobs).item())).all()
+
+
+def test_repetition_penalty_returns_a_new_array():
+    logits = mx.array([[2.0, -2.0, 1.0, 0.5]])
+    before = np.array(logits)
+    out = repetition_penalty_processor(2.0)(mx.array([0, 1]), logits)
+    assert np.array_equal(np.array(logits), before)
+    assert np.allclose(np.array(out), [[1.0, -4.0, 1.0, 0.5]])

@@ -1,0 +1,218 @@
+"""The tiered prompt cache: hash-chained blocks shared between prompts (partial hits, each block
+counted once), LRU in memory and on disk, reuse after a restart, and files that must not be used
+(truncated, another model's, a write killed half-way) skipped and removed."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+from conftest import write_byte_tokenizer, write_tiny_checkpoint
+from mlxformer import load, stream_generate
+from mlxformer.cache import CacheSettings, make_cache
+from mlxformer.engine import Engine, GenerationRequest
+from mlxformer.engine.prompt_cache import PromptCacheSettings, build_prefix_cache
+
+BLOCK = 8
+SETTINGS = {
+    "float": CacheSettings(),
+    "kv8": CacheSettings(kv_bits=8, kv_group_size=32),
+    "rotating": CacheSettings(max_kv_size=48, keep=2),
+}
+
+
+def write_tiny(directory: Path, seed: int) -> Path:
+    write_tiny_checkpoint(directory, "llama", seed=seed, head_dim=32, hidden_size=128,
+                          num_attention_heads=4, num_key_value_heads=2)
+    write_byte_tokenizer(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return load(write_tiny(tmp_path_factory.mktemp("tiny_prefix"), 0), dtype=mx.float32)
+
+
+def prefilled(model, tokens, settings=None):
+    cache = make_cache(model, settings)
+    mx.eval(model.last_logits(mx.array([tokens]), cache))
+    return cache
+
+
+def tiers(model, tokenizer, settings=None, memory=2**30, directory=None, disk=2**30):
+    return build_prefix_cache(model, tokenizer, settings or CacheSettings(),
+                              PromptCacheSettings(memory, None if directory is None else str(directory), disk, BLOCK),
+                              mx.float32)
+
+
+SYSTEM = list(range(10, 34))  # 3 blocks
+
+
+def block_files(directory: Path) -> list[Path]:
+    """The block files (not the temporaries of writes in progress)."""
+    return [p for p in directory.glob("*.safetensors") if not p.name.startswith(".")]
+
+
+@pytest.mark.parametrize("cache", list(SETTINGS))
+def test_shared_blocks_partial_hit_and_exact_logits(tiny, cache):
+    """Two prompts share a 3-block system prompt: the second one's hit is those blocks (stored
+    once), and the caches rebuilt from them give exactly the logits of the first prompt's own
+    cache cut back to the system prompt."""
+    model, tokenizer = tiny
+    settings = SETTINGS[cache]
+    prefix = tiers(model, tokenizer, settings)
+    first = SYSTEM + list(range(40, 52))
+    prefix.insert(first, prefilled(model, first, settings))
+    assert len(prefix) == len(first) // BLOCK
+    one_block = prefix.nbytes // len(prefix)
+    second = SYSTEM + list(range(60, 70))
+    caches, n = prefix.lookup(second)
+    assert n == len(SYSTEM) and caches[0].offset == n
+    got = model.last_logits(mx.array([second[n:]]), caches)
+    reference = prefilled(model, first, settings)  # the first prompt's own cache, cut back to the system prompt
+    assert all(c.trim(len(first) - n) == len(first) - n for c in reference)
+    want = model.last_logits(mx.array([second[n:]]), reference)
+    assert mx.array_equal(got, want).item()
+    # the second prompt's own cache adds only its own blocks (issue 19: shared buffers counted twice)
+    prefix.insert(second, prefilled(model, second, settings))
+    assert len(prefix) == 4 + 1 and prefix.nbytes == 5 * one_block
+    prefix.insert(second, caches)  # a hit's caches put back: nothing new
+    assert prefix.nbytes == 5 * one_block
+
+
+def test_shorter_prefix_serves_when_the_longest_cannot(tiny):
+    """Issue 19: a rotating cache that has evicted tokens is not a prefix; a shorter one that
+    shares the prompt's start still serves it."""
+    model, tokenizer = tiny
+    settings = SETTINGS["rotating"]
+    prefix = tiers(model, tokenizer, settings)
+    long = SYSTEM + list(range(100, 140))  # 64 tokens > the 48-token window: evicted
+    prefix.insert(long, prefilled(model, long, settings))
+    assert len(prefix) == 0
+    short = SYSTEM + [100, 101]
+    prefix.insert(short, prefilled(model, short, settings))
+    caches, n = prefix.lookup(long)
+    assert n == len(SYSTEM)
+
+
+def test_memory_lru_at_the_byte_bound(tiny):
+    model, tokenizer = tiny
+    probe = tiers(model, tokenizer)
+    a, b, c = ([i] * 16 for i in (1, 2, 3))  # 2 blocks each
+    probe.insert(a, prefilled(model, a))
+    block = probe.nbytes // 2
+    prefix = tiers(model, tokenizer, memory=4 * block)
+    prefix.insert(a, prefilled(model, a))
+    prefix.insert(b, prefilled(model, b))
+    assert prefix.lookup(a + [9])[1] == 16  # a is now the most recent
+    prefix.insert(c, prefilled(model, c))  # b goes
+    assert prefix.nbytes == 4 * block
+    assert prefix.lookup(b + [9]) is None and prefix.lookup(c + [9])[1] == 16
+    prefix.evict_to(block)  # the budget's interface: tails first, so a chain keeps its start
+    assert prefix.nbytes == block and prefix.lookup(c + [9])[1] == BLOCK
+
+
+def test_engine_reuses_the_disk_after_a_restart(tiny, tmp_path):
+    """A new engine on the same directory serves the prompt's blocks from disk; the request's
+    ``cached_tokens`` counts them and its output is the one it gets alone."""
+    model, tokenizer = tiny
+    prompt = SYSTEM + list(range(40, 52))
+    request = GenerationRequest(prompt, max_tokens=6)
+    alone = [r.token for r in stream_generate(model, tokenizer, prompt, 6)]
+    disk = PromptCacheSettings(memory_bytes=2**30, directory=str(tmp_path), block_size=BLOCK)
+    with Engine(model, tokenizer, prompt_cache=disk) as engine:
+        events = list(engine.submit(request))
+    assert events[-1].cached_tokens == 0
+    assert len(block_files(tmp_path)) == (len(prompt) + 5) // BLOCK
+    with Engine(model, tokenizer, prompt_cache=disk) as engine:  # a restart: memory empty
+        events = list(engine.submit(request))
+        assert engine.prefix_cache.stats.disk_tokens == 32
+    assert events[-1].cached_tokens == 32
+    assert [e.token for e in events] == alone
+
+
+def test_disk_lru_at_the_byte_bound(tiny, tmp_path):
+    model, tokenizer = tiny
+    first = tiers(model, tokenizer, memory=0, directory=tmp_path / "probe")
+    first.insert([1] * 8, prefilled(model, [1] * 8))
+    first.flush()
+    size = block_files(tmp_path / "probe")[0].stat().st_size
+    prefix = tiers(model, tokenizer, memory=0, directory=tmp_path / "lru", disk=int(2.5 * size))
+    for i in (1, 2, 3):
+        prefix.insert([i] * 8, prefilled(model, [i] * 8))
+        prefix.flush()
+        if i == 2:
+            assert prefix.lookup([1] * 8 + [0])[1] == 8  # 1 becomes the most recent
+    assert prefix.lookup([2] * 8 + [0]) is None  # the least recently used file went
+    assert prefix.lookup([1] * 8 + [0])[1] == 8 and prefix.lookup([3] * 8 + [0])[1] == 8
+    assert len(block_files(tmp_path / "lru")) == 2
+
+
+def test_bad_files_are_skipped_and_removed(tiny, tmp_path, tmp_path_factory):
+    model, tokenizer = tiny
+    prompt = SYSTEM + [1]
+    prefix = tiers(model, tokenizer, memory=0, directory=tmp_path)
+    prefix.insert(prompt, prefilled(model, prompt))
+    prefix.flush()
+    keys = prefix.keys_for(prompt)
+    files = [tmp_path / f"{k}.safetensors" for k in keys]
+    data = files[1].read_bytes()
+    files[1].write_bytes(data[: len(data) // 2])  # truncated
+    other_model, other_tokenizer = load(write_tiny(tmp_path_factory.mktemp("other"), 1), dtype=mx.float32)
+    other = tiers(other_model, other_tokenizer, memory=0, directory=tmp_path / "other")
+    other.insert(prompt, prefilled(other_model, prompt))
+    other.flush()
+    other_file = tmp_path / "other" / f"{other.keys_for(prompt)[0]}.safetensors"
+    os.replace(other_file, files[0])  # another model's block under our first block's name
+    restarted = tiers(model, tokenizer, memory=0, directory=tmp_path)
+    assert restarted.lookup(prompt) is None  # block 0 is foreign: nothing is used
+    assert not files[0].exists() and files[1].exists() and files[2].exists()
+    fresh = prefilled(model, SYSTEM[:8])
+    restarted.insert(SYSTEM[:8], fresh)
+    restarted.flush()
+    assert restarted.lookup(prompt)[1] == BLOCK  # block 1 is truncated: the hit stops before it
+    assert not files[1].exists()
+
+
+def test_a_write_killed_half_way_leaves_no_entry(tiny, tmp_path):
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    write_tiny(model_dir, 0)
+    cache_dir = tmp_path / "cache"
+    script = textwrap.dedent(f"""
+        import os, signal
+        import mlx.core as mx
+        from mlxformer import load
+        from mlxformer.cache import CacheSettings, make_cache
+        from mlxformer.engine.prompt_cache import PromptCacheSettings, build_prefix_cache
+
+        def half_then_die(path, arrays, metadata):
+            with open(path, "wb") as f:
+                f.write(b"\\x00" * 1000)
+                f.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        mx.save_safetensors = half_then_die
+        model, tokenizer = load({str(model_dir)!r}, dtype=mx.float32)
+        prefix = build_prefix_cache(model, tokenizer, CacheSettings(),
+                                    PromptCacheSettings(0, {str(cache_dir)!r}, 2**30, {BLOCK}), mx.float32)
+        cache = make_cache(model)
+        tokens = list(range(10, 18))
+        mx.eval(model.last_logits(mx.array([tokens]), cache))
+        prefix.insert(tokens, cache)
+        prefix.flush()
+    """)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)}
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, timeout=120)
+    assert result.returncode == -9, result.stderr.decode()[-2000:]
+    assert [p.name for p in cache_dir.iterdir()] and not block_files(cache_dir)
+    model, tokenizer = tiny
+    restarted = tiers(model, tokenizer, memory=0, directory=cache_dir)
+    assert restarted.lookup(list(range(10, 19))) is None
+    assert not list(cache_dir.iterdir())  # the temporary was removed at start
