@@ -142,3 +142,25 @@ def test_chat_tool_call_deltas(client):
     assert all(d.id is None and d.function.name is None and d.index == 0 for d in deltas[1:])
     jsonschema.validate(json.loads("".join(d.function.arguments for d in deltas)), WEATHER_SCHEMA)
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_model_metadata_and_template_tools(server, client, smollm_gguf, hf_smollm_tokenizer):
+    from gguf import GGUFReader
+    from server_support import http
+
+    field = GGUFReader(str(smollm_gguf)).fields["llama.context_length"]
+    card = client.models.retrieve(MODEL_NAME)
+    assert card.id == MODEL_NAME and card.context_length == int(field.parts[field.data[0]][0])
+    assert card.capabilities == {"chat": True, "tools": True, "tool_parser": "json", "reasoning": False,
+                                 "structured_output": True}
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("another-model")
+    text = "Hello, world! Ünïcode."
+    status, _, body = http(server.url, "POST", "/tokenize", {"content": text})
+    ids = json.loads(body)["tokens"]
+    assert status == 200 and ids == hf_smollm_tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert json.loads(http(server.url, "POST", "/detokenize", {"tokens": ids})[2])["content"] == text
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": QUESTION}]
+    prompt = json.loads(http(server.url, "POST", "/apply-template", {"messages": messages})[2])["prompt"]
+    assert prompt == hf_smollm_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert http(server.url, "POST", "/detokenize", {"tokens": [10**9]})[0] == 400

@@ -22,13 +22,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--max-queue", type=int, default=64, help="most requests waiting; beyond, 429 (default 64)")
     parser.add_argument(
         "--api-key", default=os.environ.get(API_KEY_VARIABLE) or None,
-        help=f"require 'Authorization: Bearer KEY' on /v1 (default: ${API_KEY_VARIABLE}, else none)",
+        help=f"require 'Authorization: Bearer KEY' or 'x-api-key: KEY' on /v1 (default: ${API_KEY_VARIABLE}, else none)",
     )
     parser.add_argument(
         "--cors-origin", action="extend", nargs="+", default=[], metavar="ORIGIN",
         help="allow cross-origin requests from ORIGIN (repeatable; default: none)",
     )
     parser.add_argument("--served-model-name", help="the model name clients use (default: --model as given)")
+    parser.add_argument("--tool-parser", metavar="NAME",
+                        help="the tool-call format (hermes, qwen3_coder, llama3_json, mistral, mistral_v11, json; "
+                             "default: the one the chat template teaches)")
+    parser.add_argument("--strict-model-name", action="store_true",
+                        help="the Anthropic and Responses routes answer only the served model name (default: any "
+                             "name, e.g. Claude Code's claude-*, is served by the loaded model)")
     parser.add_argument("--prompt-cache-bytes", type=int, default=512 * 2**20, metavar="BYTES",
                         help="prompt cache kept in memory, least recently used out (default 512 MiB; 0: none)")
     parser.add_argument("--prompt-cache-dir", metavar="DIR",
@@ -53,6 +59,10 @@ def run(args: argparse.Namespace) -> int:
         raise MlxformerError("need --max-batch >= 1 and --max-queue >= 0")
     if args.api_key is not None and not args.api_key.strip():
         raise MlxformerError("--api-key is empty")
+    if args.tool_parser is not None:
+        from mlxformer.server.toolcalls import call_format
+
+        call_format(args.tool_parser)  # an unknown name fails before the model loads
     settings = cache_settings(args)
     prompt_cache = PromptCacheSettings(args.prompt_cache_bytes, args.prompt_cache_dir, args.prompt_cache_disk_bytes)
     model, tokenizer = load_for_cli(args)
@@ -61,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
     serve(
         model, tokenizer, name, host=args.host, port=args.port, max_batch=args.max_batch, max_queue=args.max_queue,
         api_key=args.api_key, cors_origins=args.cors_origin, cache_settings=settings, speculative=speculative,
-        prompt_cache=prompt_cache,
+        prompt_cache=prompt_cache, tool_parser=args.tool_parser, any_model_name=not args.strict_model_name,
     )
     return 0
 

@@ -1,7 +1,9 @@
 """The OpenAI-compatible HTTP API over an ``Engine``: a thin FastAPI app.
 
-Routes: ``GET /v1/models``, ``POST /v1/chat/completions``, ``POST /v1/completions``,
-``GET /health`` and the chat page at ``GET /``. Every error is an OpenAI-style JSON body;
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /health`` and the chat
+page at ``GET /``; mounted from their own modules: ``/v1/models`` (``meta_api``, also
+``/tokenize``, ``/detokenize``, ``/apply-template``), ``/v1/messages`` (``anthropic_api``) and
+``/v1/responses`` (``responses_api``). Every error is an OpenAI-style JSON body;
 bad input is a 4xx, a full queue a 429. A client that goes away cancels its request.
 """
 
@@ -23,21 +25,19 @@ from starlette.exceptions import HTTPException
 
 from mlxformer.engine import Engine, EngineOverloaded, GenerationRequest, RequestHandle, TokenEvent
 from mlxformer.errors import MlxformerError
-from mlxformer.server.errors import APIError, error_body, validation_message
-from mlxformer.server.protocol import (
-    ChatCompletionChunk, ChatCompletionRequest, CompletionRequest, CompletionResponse, ModelCard, ModelList,
-    new_id,
-)
 from mlxformer.server.anthropic_api import is_anthropic_path, messages_router
 from mlxformer.server.anthropic_protocol import anthropic_error
 from mlxformer.server.chat_turn import chat_turn
+from mlxformer.server.errors import APIError, error_body, validation_message
 from mlxformer.server.hosting import Hosting
+from mlxformer.server.meta_api import models_router, template_router
+from mlxformer.server.protocol import ChatCompletionChunk, ChatCompletionRequest, CompletionRequest, CompletionResponse, new_id
 from mlxformer.server.reply import whole_reply
-from mlxformer.server.responses_api import responses_router
 from mlxformer.server.responses import (
     ChunkMaker, Collected, TokenStrings, chat_chunk_maker, chat_response, collect, completion_chunk_maker,
     completion_response, error_event, sse, usage_of,
 )
+from mlxformer.server.responses_api import responses_router
 from mlxformer.server.translate import ServedModel, check_model_name, completion_prompt_ids, engine_request
 from mlxformer.server.turn import Traits, prepare
 
@@ -140,10 +140,6 @@ def create_app(
     async def health() -> dict[str, object]:
         return {"status": "ok", "model": served.name, "running": inflight.count}
 
-    @router.get("/models")
-    async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=served.name, context_length=served.context_length)])
-
     @router.post("/chat/completions", dependencies=[Depends(require_json)])
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         check_model_name(body.model, served)
@@ -190,9 +186,11 @@ def create_app(
         return JSONResponse(completion_response(request_id, served.name, result, text, logprobs, echo).model_dump())
 
     hosting = Hosting(served, traits, submit, EventStream, collect_unless_gone, any_model_name)
+    router.include_router(models_router(hosting))
     for agent_router in (messages_router(hosting), responses_router(hosting)):
         router.include_router(agent_router, dependencies=[Depends(require_json)])
     app.include_router(router)
+    app.include_router(template_router(hosting), dependencies=[Depends(key_checker(api_key)), Depends(require_json)])
     return app
 
 

@@ -241,6 +241,7 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=now)
     owned_by: str = "mlxformer"
     context_length: int
+    capabilities: Optional[dict[str, Any]] = None  # chat, tools (and their parser), reasoning, structured_output
 
 
 class ModelList(BaseModel):

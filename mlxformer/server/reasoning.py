@@ -15,6 +15,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlxformer.sampling import TokenConstraint
+from mlxformer.server.toolcalls.stream import held_suffix
 from mlxformer.tokenizer import Tokenizer
 
 OPEN, CLOSE = "<think>", "</think>"
@@ -69,7 +70,7 @@ class ThinkSplitter:
                     out.reasoning += self.buffer[:at]
                     self.state, self.buffer = "after", self.buffer[at + len(CLOSE):]
                     continue
-                keep = 0 if final else _partial_suffix(self.buffer, CLOSE)
+                keep = 0 if final else held_suffix(self.buffer, (CLOSE,))
                 out.reasoning += self.buffer[: len(self.buffer) - keep]
                 self.buffer = self.buffer[len(self.buffer) - keep:]
                 return out
@@ -81,13 +82,6 @@ class ThinkSplitter:
             out.content += self.buffer
             self.buffer = ""
             return out
-
-
-def _partial_suffix(text: str, tag: str) -> int:
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0
 
 
 class AnswerConstraint:

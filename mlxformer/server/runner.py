@@ -51,16 +51,20 @@ def serve(
     cache_settings: CacheSettings | None = None,
     speculative: SpeculativeSettings | None = None,
     prompt_cache: PromptCacheSettings | None = None,
+    tool_parser: str | None = None,
+    any_model_name: bool = True,
 ) -> None:
     """Serve ``model`` as ``name`` until interrupted (Ctrl-C stops the server and the engine);
     ``speculative`` decodes every request speculatively (prompt lookup or a draft model);
-    ``prompt_cache`` sets the prompt cache's memory and disk tiers."""
+    ``prompt_cache`` sets the prompt cache's memory and disk tiers; ``tool_parser`` and
+    ``any_model_name``: see ``create_app``."""
     if not is_loopback(host) and api_key is None:
         log.warning("serving on %s without --api-key: anyone who can reach this host can use the model", host)
     engine = Engine(model, tokenizer, max_batch=max_batch, max_queue=max_queue, cache_settings=cache_settings,
                     speculative=speculative, prompt_cache=prompt_cache)
     served = ServedModel.of(name, model, tokenizer)
-    app = create_app(engine, served, api_key=api_key, cors_origins=cors_origins)
+    app = create_app(engine, served, api_key=api_key, cors_origins=cors_origins, tool_parser=tool_parser,
+                     any_model_name=any_model_name)
     engine.start()
     try:
         uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
