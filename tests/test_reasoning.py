@@ -3,7 +3,7 @@ Qwen3's, QwQ's and DeepSeek-R1 distills') split into reasoning and answer, strea
 character at a time = whole; through chat completions on a tiny random model with QwQ's template:
 ``reasoning_content`` (+ ``reasoning``), streamed = whole, thinking off per request
 (``chat_template_kwargs``), and the reasoning budget forcing ``</think>`` at exactly the limit,
-after which a json_schema constraint holds for the answer only."""
+after which a json_schema constraint holds for the answer only; the chat page folds it away."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import jsonschema
 import openai
 import pytest
 from agent_support import render, rendered_reply, template, tiny_chat_model
-from server_support import running_engine, running_server
+from server_support import browser_page, running_engine, running_server
 
 from mlxformer.server.reasoning import CLOSING_TEXT, ThinkSplitter, starts_in_reasoning
 
@@ -52,11 +52,11 @@ def thinker(tmp_path_factory):
     with running_engine(model, tokenizer, max_batch=2) as engine:
         with running_server(engine, model, tokenizer) as url:
             client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
-            yield client, tokenizer
+            yield client, tokenizer, url
 
 
 def test_budget_closes_reasoning_at_the_limit(thinker):
-    client, tokenizer = thinker
+    client, tokenizer, _ = thinker
     reply = client.chat.completions.create(model="smollm2-test", messages=USER, max_tokens=24, temperature=0,
                                            logprobs=True, extra_body={"reasoning_budget": 5})
     tokens = [t.token for t in reply.choices[0].logprobs.content]
@@ -73,7 +73,7 @@ def test_budget_closes_reasoning_at_the_limit(thinker):
 
 
 def test_constraint_applies_to_the_answer_only(thinker):
-    client, _ = thinker
+    client, _, _ = thinker
     schema = {"type": "object", "properties": {"capital": {"enum": ["Paris", "Lyon"]}}, "required": ["capital"]}
     reply = client.chat.completions.create(
         model="smollm2-test", messages=USER, max_tokens=60, temperature=0, extra_body={"reasoning_budget": 4},
@@ -84,7 +84,24 @@ def test_constraint_applies_to_the_answer_only(thinker):
 
 
 def test_thinking_off_per_request(thinker):
-    client, _ = thinker
+    client, _, _ = thinker
     reply = client.chat.completions.create(model="smollm2-test", messages=USER, max_tokens=8, temperature=0,
                                            extra_body={"chat_template_kwargs": {"enable_thinking": False}})
     assert reply.choices[0].message.reasoning_content is None and reply.choices[0].message.content
+
+
+def test_chat_page_shows_reasoning_collapsed(thinker, tmp_path):
+    """The chat page (headless Chromium) puts the reasoning in a closed <details> above the answer."""
+    _, _, url = thinker
+    with browser_page(tmp_path / "profile") as page:
+        page.goto(url)
+        page.fill("#temperature", "0")
+        page.fill("#max_tokens", "12")
+        page.fill("#prompt", "Hi")
+        page.click("#send")
+        reply = page.locator(".msg.assistant").last
+        reply.and_(page.locator("[data-state='done']")).wait_for(timeout=120_000)
+        details = reply.locator("details.reasoning")
+        assert details.count() == 1 and details.get_attribute("open") is None
+        assert details.locator("div").text_content()  # the reasoning is there, folded away
+        assert reply.evaluate("b => b.firstElementChild.tagName") == "DETAILS"
