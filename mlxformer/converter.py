@@ -12,25 +12,23 @@ import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxformer.quant.calibration import CALIBRATION_TEXT, activation_importance
-from mlxformer.formats.checkpoint_stream import (
-    MAX_SHARD_BYTES, SourceCheckpoint, StreamedTensors, check_destination, open_source, plan_shards, staged_output, write_shards,
-)
-from mlxformer.models.config import FLOAT_DTYPES, ModelArgs
 from mlxformer.errors import MlxformerError
+from mlxformer.formats.checkpoint import Checkpoint, open_checkpoint
 from mlxformer.formats.hub import resolve_source
-from mlxformer.loader import check_weights, quantization_of, quantize_like_checkpoint
-from mlxformer.models.decoder import Model
+from mlxformer.formats.mlx_writer import MAX_SHARD_BYTES, check_destination, plan_shards, staged_output, write_shards
+from mlxformer.formats.tensors import Tensors
+from mlxformer.loader import checked_model, load_tokenizer, quantization_of
+from mlxformer.models.config import FLOAT_DTYPES
+from mlxformer.quant.calibration import CALIBRATION_TEXT, activation_importance
 from mlxformer.quant.quantize import (
     DEFAULT_RECIPE, QuantSpec, Recipe, bits_per_weight, check_spec, dequantize_matrix, get_recipe, layer_spec,
     quantization_entry, quantize_matrix,
 )
-from mlxformer.tokenizer import load_tokenizer_from_dir, load_tokenizer_from_gguf
 
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json", "added_tokens.json",
@@ -97,7 +95,7 @@ def convert(
         raise MlxformerError(f"{destination} already exists (pass --force to replace it)")
     source_path = resolve_source(hf_path)
     check_destination(destination, source_path, force)  # before any work; staged_output checks again
-    source = open_source(source_path)
+    source = open_checkpoint(source_path)
     job = _Job(source, settings)
     with staged_output(destination, source_path, force) as staging:
         units = job.units()
@@ -107,29 +105,21 @@ def convert(
     return destination
 
 
-def _sanitized(model: Model, tensors: Mapping[str, mx.array]) -> Mapping[str, mx.array]:
-    """``model.sanitize(tensors)``; streamed tensors stay streamed when sanitizing only drops
-    keys (the usual case), so that no evaluated source tensor outlives its output shard."""
-    snapshot = dict(tensors)  # lazy arrays: nothing is read
-    kept = model.sanitize(snapshot)
-    if isinstance(tensors, StreamedTensors) and all(kept[k] is snapshot.get(k) for k in kept):
-        return tensors.subset(kept)
-    return kept
-
-
 class _Job:
     """One conversion: the source, the per-matrix plan and the tensor producers."""
 
-    def __init__(self, source: SourceCheckpoint, settings: ConvertSettings):
+    def __init__(self, source: Checkpoint, settings: ConvertSettings):
         self.source, self.settings = source, settings
-        self.args = ModelArgs.from_dict(source.config)
+        self.args = source.args
         self.source_quant = quantization_of(source.config)
-        model = Model(self.args)  # parameters stay lazy: never evaluated
-        self.weights = _sanitized(model, source.tensors)
-        if self.source_quant:
-            quantize_like_checkpoint(model, self.source_quant, self.weights)
-        check_weights(model, self.weights)
-        if self.source_quant and settings.quantize and not settings.dequantize and source.gguf_metadata is None:
+        model, weights = checked_model(source.config, source.tensors)  # parameters lazy: never evaluated
+        assert isinstance(weights, Tensors)
+        self.weights = weights  # lazy: each tensor is read when its shard is written
+        self.entries = weights.entries  # shapes and dtypes, from the headers
+        if self.args.rope.type == "freq_factors":
+            raise MlxformerError(f"{source.path}: its rope_freqs factors are not llama3's, and mlx-lm cannot read "
+                                 "a config with per-frequency rope factors; load the file directly instead")
+        if self.source_quant and settings.quantize and not settings.dequantize and not source.is_gguf:
             raise MlxformerError("the source is already quantized; add --dequantize to requantize from its float values")
         self.modules = {path: m for path, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Embedding,
                         nn.QuantizedLinear, nn.QuantizedEmbedding))}
@@ -181,8 +171,7 @@ class _Job:
     def _calibrate(self) -> dict[str, mx.array]:
         """Activation importance of the float model on the calibration text, computed one
         decoder layer at a time (see ``activation_importance``)."""
-        meta, directory = self.source.gguf_metadata, self.source.directory
-        tokenizer = load_tokenizer_from_gguf(meta) if meta is not None else load_tokenizer_from_dir(directory)
+        tokenizer = load_tokenizer(self.source)
         importance = activation_importance(self.args, self._float32_params, tokenizer.encode(CALIBRATION_TEXT))
         mx.clear_cache()
         return importance
@@ -210,15 +199,16 @@ class _Job:
 
     def output_bytes(self, unit: str) -> int:
         """Size of a unit's output tensors, known without evaluating them."""
+        e = self.entries
         if unit not in self.modules:
-            return self.weights[unit].size * (self.float_dtype or self.weights[unit].dtype).size
+            return e[unit].size * (self.float_dtype or e[unit].dtype).size
         rows, cols = self._matrix_shape(unit)
         spec = self._output_spec(unit)
         if spec is None:
-            dtype = self.float_dtype or (self.weights[f"{unit}.scales"] if self._is_source_quantized(unit)
-                                         else self.weights[f"{unit}.weight"]).dtype
+            dtype = self.float_dtype or (e[f"{unit}.scales"] if self._is_source_quantized(unit)
+                                         else e[f"{unit}.weight"]).dtype
             return rows * cols * dtype.size
-        scale_dtype = self.float_dtype or self.weights.get(f"{unit}.scales", self.weights[f"{unit}.weight"]).dtype
+        scale_dtype = self.float_dtype or e.get(f"{unit}.scales", e[f"{unit}.weight"]).dtype
         return rows * cols * spec.bits // 8 + 2 * rows * (cols // spec.group_size) * scale_dtype.size
 
     def produce(self, units: list[str]) -> dict[str, mx.array]:
@@ -286,12 +276,12 @@ class _Job:
             config["quantization"] = quantization
             config["quantization_config"] = dict(quantization)
         (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
-        if self.source.gguf_metadata is not None:
-            load_tokenizer_from_gguf(self.source.gguf_metadata).save(directory, generation_config=True)
-        elif self.source.directory is not None:
+        if self.source.tokenizer_dir is None:
+            load_tokenizer(self.source).save(directory, generation_config=True)
+        else:
             for name in TOKENIZER_FILES:
-                if (self.source.directory / name).is_file():
-                    shutil.copyfile(self.source.directory / name, directory / name)
+                if (self.source.tokenizer_dir / name).is_file():
+                    shutil.copyfile(self.source.tokenizer_dir / name, directory / name)
         (directory / "README.md").write_text(self._model_card(source_path, quantization), encoding="utf-8")
 
     def _model_card(self, source_path: Path, quantization: dict[str, Any] | None) -> str:

@@ -7,23 +7,26 @@ name the offending key. Only safetensors and GGUF are read: never pickles, never
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from mlxformer.models.config import ModelArgs
 from mlxformer.errors import MlxformerError
-from mlxformer.formats.gguf import load_gguf
+from mlxformer.formats.checkpoint import Checkpoint, open_checkpoint
+from mlxformer.formats.tensors import Tensors
+from mlxformer.models.config import ModelArgs
 from mlxformer.models.decoder import Model
 from mlxformer.models.dtype_policy import apply_dtype_policy, cast_except_quantized_linears, is_quantized
 from mlxformer.models.row_sharding import apply_thread_policy
-from mlxformer.formats.hub import resolve_source
-from mlxformer.formats.safetensors import load_safetensors, read_config, safetensors_files
 from mlxformer.tokenizer import Tokenizer, load_tokenizer_from_dir, load_tokenizer_from_gguf
 
-__all__ = ["apply_dtype_policy", "build_model", "cast_except_quantized_linears", "is_quantized", "load", "read_checkpoint"]
+__all__ = ["apply_dtype_policy", "build_model", "cast_except_quantized_linears", "is_quantized", "load",
+           "read_checkpoint", "load_tokenizer", "used_tensors"]
+
+# What ``check_weights`` needs of a tensor: an ``mx.array`` or a header ``TensorEntry``.
+Shaped = Any
 
 
 def quantization_of(config: dict[str, Any]) -> dict[str, Any] | None:
@@ -34,7 +37,7 @@ def quantization_of(config: dict[str, Any]) -> dict[str, Any] | None:
     return quantization or None
 
 
-def quantize_like_checkpoint(model: nn.Module, quantization: dict[str, Any], weights: dict[str, mx.array]) -> None:
+def quantize_like_checkpoint(model: nn.Module, quantization: dict[str, Any], weights: Mapping[str, Shaped]) -> None:
     """Swap in quantized layers wherever the checkpoint has ``<layer>.scales``, with per-layer overrides."""
 
     def predicate(path: str, module: nn.Module) -> bool | dict[str, int]:
@@ -53,8 +56,10 @@ def quantize_like_checkpoint(model: nn.Module, quantization: dict[str, Any], wei
     )
 
 
-def check_weights(model: nn.Module, weights: dict[str, mx.array]) -> None:
-    """Raise naming the first missing, unexpected or mis-shaped key."""
+def check_weights(model: nn.Module, weights: Mapping[str, Shaped]) -> None:
+    """Raise naming the first missing, unexpected, mis-shaped or mis-typed key (a float
+    parameter needs a float tensor, a packed one the same integer dtype). ``weights`` may be
+    arrays or header entries: nothing is read."""
     expected = dict(tree_flatten(model.parameters()))
     missing = sorted(set(expected) - set(weights))
     if missing:
@@ -63,41 +68,75 @@ def check_weights(model: nn.Module, weights: dict[str, mx.array]) -> None:
     if unexpected:
         raise MlxformerError(f"checkpoint has unexpected weight {unexpected[0]!r}" + _more(unexpected))
     for name, param in expected.items():
-        if tuple(weights[name].shape) != tuple(param.shape):
+        given = weights[name]
+        if tuple(given.shape) != tuple(param.shape):
             raise MlxformerError(
-                f"weight {name!r} has shape {tuple(weights[name].shape)}, the config implies {tuple(param.shape)}"
+                f"weight {name!r} has shape {tuple(given.shape)}, the config implies {tuple(param.shape)}"
             )
+        floating = mx.issubdtype(param.dtype, mx.floating)
+        if floating != mx.issubdtype(given.dtype, mx.floating) or (not floating and given.dtype != param.dtype):
+            kind = "a floating dtype" if floating else str(param.dtype).removeprefix("mlx.core.")
+            raise MlxformerError(f"weight {name!r} has dtype {str(given.dtype).removeprefix('mlx.core.')}, "
+                                 f"the model needs {kind}")
 
 
 def _more(names: list[str]) -> str:
     return f" (and {len(names) - 1} more)" if len(names) > 1 else ""
 
 
+def used_tensors(args: ModelArgs, tensors: Tensors) -> Tensors:
+    """The tensors the decoder uses (``Model.sanitize``: no rotary tables, no tied output
+    projection), still lazy. Sanitizing must only drop keys here: it sees header entries."""
+    kept = Model(args, num_layers=0, with_ends=False).sanitize(dict(tensors.entries))
+    if any(kept[name] is not tensors.entries.get(name) for name in kept):
+        raise MlxformerError("Model.sanitize changed a tensor; streamed reading needs it to only drop keys")
+    return tensors.subset(kept)
+
+
+def checked_model(
+    config: dict[str, Any], weights: Mapping[str, mx.array], num_layers: int | None = None, with_ends: bool = True
+) -> tuple[Model, Mapping[str, mx.array]]:
+    """The decoder for ``config``, its parameters lazy and not loaded, quantized where the
+    checkpoint is, and the weights it uses, checked by name, shape and dtype. ``weights`` may
+    be a checkpoint's lazy ``Tensors``: then only their header entries are looked at, and the
+    tensors returned are still lazy."""
+    model = Model(ModelArgs.from_dict(config), num_layers, with_ends)
+    if isinstance(weights, Tensors):
+        weights = used_tensors(model.args, weights)
+        described: Mapping[str, Shaped] = weights.entries
+    else:
+        weights = described = model.sanitize(dict(weights))
+    quantization = quantization_of(config)
+    if quantization:
+        quantize_like_checkpoint(model, quantization, described)
+    check_weights(model, described)
+    return model, weights
+
+
 def build_model(
-    config: dict[str, Any], weights: dict[str, mx.array], num_layers: int | None = None, with_ends: bool = True
+    config: dict[str, Any], weights: Mapping[str, mx.array], num_layers: int | None = None, with_ends: bool = True
 ) -> Model:
     """Instantiate the decoder for ``config`` and load checked ``weights`` into it
     (``num_layers``/``with_ends``: one pipeline stage, see ``Model``)."""
-    model = Model(ModelArgs.from_dict(config), num_layers, with_ends)
-    weights = model.sanitize(weights)
-    quantization = quantization_of(config)
-    if quantization:
-        quantize_like_checkpoint(model, quantization, weights)
-    check_weights(model, weights)
-    model.load_weights(list(weights.items()), strict=True)
+    model, weights = checked_model(config, weights, num_layers, with_ends)
+    model.load_weights([(name, weights[name]) for name in weights], strict=True)
     model.eval()
     return model
 
 
-def read_checkpoint(source: Path) -> tuple[dict[str, Any], dict[str, mx.array], dict[str, Any] | None]:
-    """``(config, weights, gguf metadata or None)`` from a resolved local dir or GGUF file."""
-    if source.is_file():
-        if source.suffix.lower() != ".gguf":
-            raise MlxformerError(f"{source}: not a model dir or .gguf file")
-        return load_gguf(source)
-    config = read_config(source)
-    ModelArgs.from_dict(config)  # fail on an unsupported model before touching the weights
-    return config, load_safetensors(safetensors_files(source)), None
+def read_checkpoint(path: str | Path) -> tuple[dict[str, Any], Tensors, dict[str, Any] | None]:
+    """``(config, lazy tensors, GGUF metadata or None)`` of a dir, repo id or GGUF file, for
+    ``build_model``."""
+    checkpoint = open_checkpoint(path)
+    return checkpoint.config, checkpoint.tensors, checkpoint.gguf_metadata
+
+
+def load_tokenizer(checkpoint: Checkpoint) -> Tokenizer:
+    """The checkpoint's tokenizer: its dir's files, or the GGUF's vocabulary."""
+    if checkpoint.gguf_metadata is not None:
+        return load_tokenizer_from_gguf(checkpoint.gguf_metadata)
+    assert checkpoint.tokenizer_dir is not None
+    return load_tokenizer_from_dir(checkpoint.tokenizer_dir)
 
 
 def load(
@@ -112,10 +151,9 @@ def load(
         threads: CPU streams each projection is split over; ``None`` applies the backend
             policy (see ``models.row_sharding.apply_thread_policy``), 1 turns it off.
     """
-    source = resolve_source(path_or_repo)
-    config, weights, metadata = read_checkpoint(source)
-    model = build_model(config, weights)
-    tokenizer = load_tokenizer_from_gguf(metadata) if metadata is not None else load_tokenizer_from_dir(source)
+    checkpoint = open_checkpoint(path_or_repo)
+    model = build_model(checkpoint.config, checkpoint.tensors)
+    tokenizer = load_tokenizer(checkpoint)
     apply_dtype_policy(model, dtype)
     apply_thread_policy(model, threads)
     return model, tokenizer

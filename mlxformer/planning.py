@@ -9,14 +9,15 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-from mlxformer.errors import MlxformerError
-from mlxformer.formats.gguf import _hf_name, _quantization_config, config_from_metadata, loaded_nbytes
-from mlxformer.formats.gguf_header import read_gguf_header
-from mlxformer.formats.hub import resolve_source
-from mlxformer.formats.safetensors import _DTYPE_BYTES, read_config, read_safetensors_header, safetensors_files
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from mlxformer.formats.checkpoint import Checkpoint, open_checkpoint
+from mlxformer.loader import checked_model
 from mlxformer.models.config import ModelArgs
+from mlxformer.models.dtype_policy import DtypePlan, cast_floating, decide_dtype, floating_dtypes, is_quantized
 
 # Weight quantizations reported (bits; MLX affine, groups of 64 with 16-bit scales and biases).
 WEIGHT_BITS = (8, 6, 4)
@@ -29,12 +30,13 @@ USABLE_MEMORY_SHARE = 0.75
 
 
 @dataclass(frozen=True)
-class TensorEntry:
-    """One decoder weight as the headers describe it."""
+class WeightEntry:
+    """One decoder weight (a matrix with its scales and biases, or another parameter)."""
 
     name: str  # HF name
     shape: tuple[int, ...]  # logical shape (unpacked)
-    loaded_bytes: int  # bytes it takes in MLX as stored (quantized: packed + scales + biases)
+    stored_bytes: int  # bytes as the checkpoint stores it (quantized: packed + scales + biases)
+    loaded_bytes: int  # bytes once loaded with the compute dtype policy applied
 
 
 @dataclass(frozen=True)
@@ -42,9 +44,9 @@ class Footprint:
     """A model's sizes, read from its headers."""
 
     args: ModelArgs
-    tensors: list[TensorEntry]
+    tensors: list[WeightEntry]
     quantized: bool
-    float_bytes: int  # bytes per element of the checkpoint's float tensors
+    plan: DtypePlan  # the compute dtype ``load`` picks on the device planned for
 
     @property
     def parameters(self) -> int:
@@ -59,8 +61,13 @@ class Footprint:
         return 12 * a.num_hidden_layers * a.hidden_size**2 + embedding
 
     @property
-    def loaded_bytes(self) -> int:
+    def stored_bytes(self) -> int:
         """Weight bytes of this checkpoint as stored."""
+        return sum(t.stored_bytes for t in self.tensors)
+
+    @property
+    def loaded_bytes(self) -> int:
+        """Weight bytes once loaded on the device planned for (the dtype policy applied)."""
         return sum(t.loaded_bytes for t in self.tensors)
 
     def weight_bytes(self, bits: int) -> int:
@@ -78,11 +85,8 @@ class Footprint:
 
     @property
     def activation_bytes(self) -> int:
-        """Bytes per element of activations (and so of a float KV cache) on this device:
-        float32 for quantized models on the CPU (the load policy), else the checkpoint's."""
-        from mlxformer.device import on_cpu
-
-        return 4 if self.quantized and on_cpu() else self.float_bytes
+        """Bytes per element of activations (and so of a float KV cache): the compute dtype's."""
+        return self.plan.compute.size
 
     def kv_bytes(self, tokens: int, bits: int | None = None, group_size: int = KV_GROUP_SIZE) -> int:
         """Bytes of a filled ``KVCache`` holding ``tokens`` (buffers grow ``KV_STEP`` at a time):
@@ -101,63 +105,31 @@ class Footprint:
         return 2 * a.num_hidden_layers * a.num_key_value_heads * per_head
 
 
-def footprint(path_or_repo: str | Path) -> Footprint:
-    """The footprint of a local HF/MLX dir, hub repo id or ``.gguf`` file, from headers only."""
-    source = resolve_source(path_or_repo)
-    if source.is_file():
-        if source.suffix.lower() != ".gguf":
-            raise MlxformerError(f"{source}: not a model dir or .gguf file")
-        return _gguf_footprint(source)
-    return _safetensors_footprint(source)
-
-
-def _gguf_footprint(path: Path) -> Footprint:
-    header = read_gguf_header(path)
-    config = config_from_metadata(header.metadata, {t.name for t in header.tensors})
-    types = {t.name: t.type_name for t in header.tensors}
-    entries, float_bytes = [], 4
-    for t in header.tensors:
-        if t.name == "rope_freqs.weight":  # rope frequency factors: config, not a weight
+def footprint(path_or_repo: str | Path | Checkpoint, device: mx.DeviceType | None = None) -> Footprint:
+    """The footprint of a local HF/MLX dir, hub repo id or ``.gguf`` file, from headers only,
+    as ``load`` would place it on ``device`` (default: MLX's default device)."""
+    checkpoint = path_or_repo if isinstance(path_or_repo, Checkpoint) else open_checkpoint(path_or_repo)
+    model, tensors = checked_model(checkpoint.config, checkpoint.tensors)
+    # Placeholders of the stored shapes and dtypes (lazy: never allocated), cast by the policy.
+    model.load_weights([(n, mx.zeros(e.shape, e.dtype)) for n, e in tensors.entries.items()], strict=True)
+    stored = dict(tree_flatten(model.parameters()))
+    plan = decide_dtype(device or mx.default_device().type, floating_dtypes(model), is_quantized(model), None)
+    cast_floating(model, plan.compute, plan.keep_quantized_linear_scales)
+    loaded = dict(tree_flatten(model.parameters()))
+    entries = []
+    for path, module in model.named_modules():
+        names = [f"{path}.{k}" for k, v in module.items() if isinstance(v, mx.array)]
+        if not names:
             continue
-        loaded = loaded_nbytes(t.type_name, t.size)  # MLX triplet: packed codes + scale, bias per group
-        if loaded is None:
-            loaded = t.nbytes
-            if len(t.shape) == 2:
-                float_bytes = t.nbytes // max(t.size, 1)
-        entries.append(TensorEntry(_hf_name(t.name), t.shape, loaded))
-    return Footprint(ModelArgs.from_dict(config), entries, bool(_quantization_config(types)), float_bytes)
-
-
-def _safetensors_footprint(directory: Path) -> Footprint:
-    config = read_config(directory)
-    args = ModelArgs.from_dict(config)
-    header: dict[str, Any] = {}
-    for file in safetensors_files(directory):
-        header.update(read_safetensors_header(file))
-    quantization = config.get("quantization") or config.get("quantization_config") or {}
-    skip = {"lm_head.weight", "lm_head.scales", "lm_head.biases"} if args.tie_word_embeddings else set()
-    entries, float_bytes = [], 4
-    names = sorted(name for name in header if "rotary_emb.inv_freq" not in name and name not in skip)
-    for name in names:
-        module, _, leaf = name.rpartition(".")
-        if leaf in ("scales", "biases") and f"{module}.weight" in header:
-            continue
-        info = header[name]
-        shape = tuple(info["shape"])
-        loaded = math.prod(shape) * _DTYPE_BYTES[info["dtype"]]
-        if f"{module}.scales" in header and leaf == "weight":
-            override = quantization.get(module)
-            bits = int(override["bits"]) if isinstance(override, dict) else int(quantization.get("bits", 4))
-            shape = (*shape[:-1], shape[-1] * 32 // bits)
-            for companion in ("scales", "biases"):
-                if f"{module}.{companion}" in header:
-                    loaded += math.prod(header[f"{module}.{companion}"]["shape"]) * _DTYPE_BYTES[
-                        header[f"{module}.{companion}"]["dtype"]
-                    ]
-        elif len(shape) == 2:
-            float_bytes = _DTYPE_BYTES[info["dtype"]]
-        entries.append(TensorEntry(name, shape, loaded))
-    return Footprint(args, entries, bool(quantization), float_bytes)
+        if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+            rows, packed = module.weight.shape
+            units = [(f"{path}.weight", (rows, packed * 32 // module.bits), names)]
+        else:
+            units = [(name, tuple(stored[name].shape), [name]) for name in names]
+        for name, shape, parts in units:
+            entries.append(WeightEntry(name, shape, sum(stored[p].nbytes for p in parts),
+                                       sum(loaded[p].nbytes for p in parts)))
+    return Footprint(checkpoint.args, sorted(entries, key=lambda e: e.name), is_quantized(model), plan)
 
 
 def machine_memory() -> int:

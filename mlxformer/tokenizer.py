@@ -56,7 +56,9 @@ class HFBackend:
         )
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch releases the GIL (encode does not): a long prompt tokenized on one thread
+        # must not stall the others (the server's event loop, the engine).
+        return self.tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
         return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)

@@ -9,7 +9,7 @@ import pytest
 
 from conftest import write_byte_tokenizer, write_tiny_checkpoint
 from mlxformer.converter import _Job, _settings
-from mlxformer.formats.checkpoint_stream import open_source
+from mlxformer.formats.checkpoint import open_checkpoint
 from mlxformer.quant.calibration import CALIBRATION_TEXT
 
 
@@ -42,7 +42,7 @@ def test_importance_matches_transformers_hooks(tmp_path, model_type, config):
     directory, hf_model = write_tiny_checkpoint(tmp_path, model_type, seed=4, **config)
     write_byte_tokenizer(directory)
     ids = [ord(c) for c in CALIBRATION_TEXT][:128]  # the byte tokenizer's ids, computed independently
-    job = _Job(open_source(directory), _settings(True, None, None, None, "mixed", False, False))
+    job = _Job(open_checkpoint(directory), _settings(True, None, None, None, "mixed", False, False))
     expected = transformers_importance(hf_model, ids, config["tie_word_embeddings"])
     assert set(job.importance) == set(expected) and len(expected) == 2 * 7 + 1
     for path, values in expected.items():

@@ -222,8 +222,9 @@ SHARD_SCRIPT = textwrap.dedent("""
             return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
     from mlxformer.converter import convert
-    from mlxformer.tokenizer import load_tokenizer_from_dir
-    load_tokenizer_from_dir(sys.argv[1])  # the baseline holds what conversion imports and loads too
+    from mlxformer.formats.checkpoint import open_checkpoint
+    from mlxformer.loader import load_tokenizer
+    load_tokenizer(open_checkpoint(sys.argv[1]))  # the baseline holds what conversion imports and loads too
     if sys.argv[3] != "baseline":
         convert(sys.argv[1], sys.argv[2], quantize=sys.argv[3] == "mixed", max_shard_size=int(sys.argv[4]),
                 progress=False)
@@ -301,6 +302,21 @@ def test_sharded_conversion_streams_with_bounded_memory(tmp_path):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.tmp-")]
 
 
+def test_gguf_conversion_streams_with_bounded_memory(tmp_path, smollm_gguf):
+    """GGUF -> MLX decodes one tensor at a time (it used to decode the whole model first): the
+    real SmolLM2 Q4_1 (98 MB of weights) converts in 16 MB shards (its 30 MB Q8_0 embedding
+    gets one of its own) within 2x the largest."""
+    out, limit = tmp_path / "out", 16 * 1024**2
+    baseline = _conversion_rss(smollm_gguf, out, "baseline", limit)  # imports, header and vocabulary
+    peak = _conversion_rss(smollm_gguf, out, "float", limit)
+    files = sorted(out.glob("*.safetensors"))
+    largest = max(f.stat().st_size for f in files)
+    print(f"\nGGUF convert: peak RSS above baseline {(peak - baseline) / 2**20:.0f} MiB, largest output shard "
+          f"{largest / 2**20:.0f} MiB, {len(files)} shards")
+    assert len(files) >= 5
+    assert peak - baseline < 2 * largest, (peak - baseline, largest)
+
+
 def test_calibrated_mixed_conversion_streams_with_bounded_memory(tmp_path):
     """The default ``-q`` recipe calibrates on the float model: one decoder layer in float32 at a
     time, not a float32 copy of the whole model (4 bytes per parameter: ~4x this model's shards)."""
@@ -369,12 +385,12 @@ def test_refusals_are_one_line_and_write_nothing(case, tiny_hf, tmp_path, capsys
 
 
 def test_failure_mid_conversion_leaves_nothing(tiny_hf, tmp_path, monkeypatch):
-    from mlxformer.formats import checkpoint_stream
+    from mlxformer.formats import mlx_writer
 
     def boom(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr(checkpoint_stream.mx, "save_safetensors", boom)
+    monkeypatch.setattr(mlx_writer.mx, "save_safetensors", boom)
     with pytest.raises(OSError):
         convert(tiny_hf, tmp_path / "dst", progress=False)
     assert list(tmp_path.iterdir()) == []

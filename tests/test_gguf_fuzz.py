@@ -30,14 +30,13 @@ _LOADER = """
 import json, sys, time, traceback
 from pathlib import Path
 from mlxformer.errors import MlxformerError
-from mlxformer.formats.gguf import load_gguf
-from mlxformer.loader import build_model
+from mlxformer.loader import build_model, read_checkpoint
 
 results = []
 for path in sorted(Path(sys.argv[1]).glob("*.gguf")):
     start = time.perf_counter()
     try:
-        config, weights, _ = load_gguf(path)
+        config, weights, _ = read_checkpoint(path)
         build_model(config, weights)
         outcome = "ok"
     except MlxformerError as exc:

@@ -20,8 +20,7 @@ import torch
 
 from gguf_helpers import FloatSource, requantize_gguf
 from mlxformer.bench import mlxformer_loop
-from mlxformer.formats.gguf import load_gguf
-from mlxformer.loader import apply_dtype_policy, build_model
+from mlxformer.loader import apply_dtype_policy, build_model, read_checkpoint
 
 MIXES = ["Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0", "Q4_0"]
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at a temperature of"]
@@ -83,7 +82,7 @@ def test_smollm_mix_matches_transformers(mix, variants, prompt_ids):
     from transformers import AutoModelForCausalLM
 
     path, types = variants(mix)
-    config, weights, _ = load_gguf(path)
+    config, weights, _ = read_checkpoint(path)
     model = build_model(config, weights)
     apply_dtype_policy(model, None)  # CPU: float32 activations over the packed weights
 

@@ -21,8 +21,8 @@ from gguf import GGMLQuantizationType as T
 from conftest import write_tiny_checkpoint
 from gguf_helpers import _finish, write_gguf_from_hf
 from mlxformer import convert, load
-from mlxformer.formats.gguf import load_gguf
-from mlxformer.loader import apply_dtype_policy, build_model, is_quantized
+from mlxformer.errors import MlxformerError
+from mlxformer.loader import apply_dtype_policy, build_model, is_quantized, read_checkpoint
 
 TOKENS = [[3, 17, 200, 41, 9, 77, 128, 5, 250, 31, 64, 2, 99, 180, 7, 13] * 3]
 # Exact types: both sides compute fp32 math on identical weights; only summation order differs
@@ -111,7 +111,7 @@ def written(tmp_path_factory):
 @pytest.mark.parametrize("case", list(CASES))
 def test_gguf_matches_transformers(case, written):
     path, expected, original = written(case)
-    config, weights, _ = load_gguf(path)
+    config, weights, _ = read_checkpoint(path)
     got = _ours(config, weights)
     err = np.abs(log_softmax(got) - log_softmax(expected))
     if CASES[case][4] is None:  # within a third of the file types' own rounding effect
@@ -124,7 +124,7 @@ def test_gguf_matches_transformers(case, written):
 
 def test_mixed_file_gets_per_layer_bits(written):
     path, _, _ = written("qwen3-mixed-16")
-    config, weights, _ = load_gguf(path)
+    config, weights, _ = read_checkpoint(path)
     quant = config["quantization"]
     assert quant["bits"] == 4 and quant["group_size"] == 32  # Q4_K: the most common type
     for module in ("model.embed_tokens", "lm_head", "model.layers.1.mlp.down_proj", "model.layers.0.mlp.gate_proj",
@@ -144,14 +144,59 @@ def test_llama3_rope_freqs_match_transformers_on_original_checkpoint(tmp_path):
     path = tmp_path / "llama3.gguf"
     write_gguf_from_hf(path, hf_model, "llama", _all(T.F32))
     assert "rope_freqs.weight" in [t.name for t in gguf.GGUFReader(str(path)).tensors]
-    config, weights, _ = load_gguf(path)
-    assert config["rope_scaling"]["rope_type"] == "freq_factors"
+    config, weights, _ = read_checkpoint(path)
+    # the factors are recognised as llama3's, and its parameters recovered (low_freq_factor 1)
+    assert config["rope_scaling"] == {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
     with torch.no_grad():
         expected = hf_model(torch.tensor(TOKENS)).logits.numpy()  # the original float32 checkpoint
     got = _ours(config, weights)
     assert np.abs(log_softmax(got) - log_softmax(expected)).max() < EXACT_BOUND
     plain = dict(config, rope_scaling=None)  # without the factors the far positions go wrong
     assert np.abs(log_softmax(_ours(plain, weights)) - log_softmax(expected)).max() > 100 * EXACT_BOUND
+
+
+LLAMA31_ROPE = {"rope_type": "llama3", "rope_theta": 1000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+
+
+def test_llama3_gguf_converts_to_a_dir_mlx_lm_reads_with_the_same_logits(tmp_path):
+    """A Llama-3.1-style GGUF (``rope_freqs`` from llama3 scaling) used to convert to
+    ``rope_type: freq_factors``, which mlx-lm refuses ("Unsupported RoPE type")."""
+    from mlx_lm.utils import load_model
+
+    _, hf_model = write_tiny_checkpoint(tmp_path / "hf", "llama", rope_parameters=LLAMA31_ROPE,
+                                        max_position_embeddings=128)
+    path = tmp_path / "llama31.gguf"
+    write_gguf_from_hf(path, hf_model, "llama", _all(T.Q8_0))
+    out = convert(path, tmp_path / "converted", progress=False)
+    assert json.loads((out / "config.json").read_text())["rope_scaling"]["rope_type"] == "llama3"
+    ref, _ = load_model(out)  # mlx-lm's own reading of the converted dir
+    ref.set_dtype(mx.float32)
+    expected = np.array(ref(mx.array(TOKENS)))
+    direct, _ = load(path)  # float32 compute (CPU policy) over the same packed weights
+    got = np.array(direct(mx.array(TOKENS)))
+    assert np.abs(log_softmax(got) - log_softmax(expected)).max() < EXACT_BOUND
+    plain = dict(read_checkpoint(path)[0], rope_scaling=None)  # the comparison can fail: no scaling
+    assert np.abs(log_softmax(_ours(plain, read_checkpoint(path)[1])) - log_softmax(expected)).max() > 100 * EXACT_BOUND
+
+
+def test_gguf_with_other_rope_factors_loads_but_is_not_converted(tmp_path, monkeypatch):
+    import gguf_helpers
+
+    _, hf_model = write_tiny_checkpoint(tmp_path / "hf", "llama", rope_parameters=LLAMA31_ROPE,
+                                        max_position_embeddings=128)
+    factors = np.linspace(1.0, 3.0, 8, dtype=np.float32) ** 2  # smooth, but no llama3 curve
+    monkeypatch.setattr(gguf_helpers, "llama3_rope_factors", lambda config: factors)
+    path = tmp_path / "other.gguf"
+    write_gguf_from_hf(path, hf_model, "llama", _all(T.F32))
+    config, _, _ = read_checkpoint(path)
+    assert config["rope_scaling"]["rope_type"] == "freq_factors"
+    assert config["rope_scaling"]["freq_factors"] == [float(f) for f in factors]
+    load(path)
+    with pytest.raises(MlxformerError, match="rope_freqs factors are not llama3's"):
+        convert(path, tmp_path / "converted", progress=False)
+    assert not (tmp_path / "converted").exists()
 
 
 def test_convert_keeps_mixed_gguf_exact(written, tmp_path):
@@ -194,7 +239,7 @@ def test_blocks_dequantize_like_gguf_py(qtype, tmp_path):
         getattr(writer, f"add_{key}")(value)
     writer.add_tensor("blk.0.ffn_down.weight", raw, raw_dtype=qtype)
     _finish(writer)
-    config, weights, _ = load_gguf(path)
+    config, weights, _ = read_checkpoint(path)
     expected = gguf.quants.dequantize(gguf.GGUFReader(str(path)).tensors[0].data, qtype)
     bits = config["quantization"]["bits"]
     w = {k: weights[f"model.layers.0.mlp.down_proj.{k}"] for k in ("weight", "scales", "biases")}

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -52,18 +51,38 @@ def test_counts_and_kv_bytes_match_loaded_model(tmp_path, cpu_device, model_type
         assert fp.kv_bytes(300, bits, group) == sum(c.nbytes for c in cache), bits
 
 
-def test_gguf_counts_from_header_only(smollm_gguf):
-    from mlxformer.loader import build_model, read_checkpoint
+def test_gguf_counts_from_header_only(smollm_gguf, cpu_device, monkeypatch):
+    from mlxformer.formats import gguf
+    from mlxformer.loader import build_model, load, read_checkpoint
     from mlxformer.planning import footprint
 
-    start = time.perf_counter()
-    fp = footprint(smollm_gguf)
-    assert time.perf_counter() - start < 1.0  # headers only
+    with monkeypatch.context() as patch:  # headers only: no tensor is decoded
+        patch.setattr(gguf, "_decode", lambda *a: pytest.fail("footprint decoded a tensor"))
+        fp = footprint(smollm_gguf)
     config, weights, _ = read_checkpoint(smollm_gguf)
-    model = build_model(config, weights)
-    assert fp.loaded_bytes == sum(v.nbytes for _, v in tree_flatten(model.parameters()))
-    assert fp.parameters == loaded_parameter_count(model)
+    stored = build_model(config, weights)
+    assert fp.stored_bytes == sum(v.nbytes for _, v in tree_flatten(stored.parameters()))
+    assert fp.parameters == loaded_parameter_count(stored)
     assert fp.weight_bytes(32) == 4 * fp.parameters
+    # Issue 17, defect 11: on the CPU the quantized embedding's float16 scales are loaded as
+    # float32 (101.89 MB, not the 98.35 MB stored): the figure is what ``load`` holds.
+    loaded, _ = load(smollm_gguf, threads=1)
+    assert fp.loaded_bytes == sum(v.nbytes for _, v in tree_flatten(loaded.parameters())) > fp.stored_bytes
+    assert fp.activation_bytes == 4
+
+
+def test_float32_checkpoint_planned_in_the_dtype_each_device_computes(tmp_path):
+    """Issue 17, defect 11: a float32 checkpoint computes in bfloat16 on a GPU (the load policy),
+    so its weights and float KV cache take half the bytes they take on the CPU."""
+    from mlxformer.planning import footprint
+
+    directory, hf_model = write_tiny_checkpoint(tmp_path, "llama")
+    cpu = footprint(directory, device=mx.DeviceType.cpu)
+    gpu = footprint(directory, device=mx.DeviceType.gpu)
+    params = hf_model.num_parameters()
+    assert cpu.stored_bytes == gpu.stored_bytes == cpu.loaded_bytes == 4 * params
+    assert gpu.loaded_bytes == 2 * params and gpu.plan.compute == mx.bfloat16
+    assert cpu.kv_bytes_per_token() == 2 * gpu.kv_bytes_per_token()
 
 
 def test_info_cli(smollm_gguf):

@@ -216,3 +216,20 @@ def test_a_write_killed_half_way_leaves_no_entry(tiny, tmp_path):
     restarted = tiers(model, tokenizer, memory=0, directory=cache_dir)
     assert restarted.lookup(list(range(10, 19))) is None
     assert not list(cache_dir.iterdir())  # the temporary was removed at start
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_requests_sharing_a_prefix_prefill_it_once(tiny, share):
+    """Four requests sharing a 3-block system prompt arrive together: with sharing, the prefix is
+    prefilled once (the others wait for its blocks); without, four times. Outputs are the same."""
+    model, tokenizer = tiny
+    tails = [[40 + i, 50 + i, 60 + i] for i in range(4)]
+    requests = [GenerationRequest(SYSTEM + t, max_tokens=5) for t in tails]
+    alone = [[r.token for r in stream_generate(model, tokenizer, q.prompt_ids, 5)] for q in requests]
+    tiers_ = PromptCacheSettings(memory_bytes=2**30, block_size=BLOCK, share_prefills=share)
+    with Engine(model, tokenizer, max_batch=4, prefill_chunk=BLOCK, prompt_cache=tiers_) as engine:
+        handles = [engine.submit(r) for r in requests]
+        got = [[e.token for e in h] for h in handles]
+        prefilled = engine.prefilled_tokens
+    assert got == alone
+    assert prefilled == (len(SYSTEM) + sum(map(len, tails)) if share else sum(len(r.prompt_ids) for r in requests))

@@ -211,7 +211,7 @@ BAD_REQUESTS = [  # (body, expected status, expected param or None)
     ({"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"x": 1}}, 400, "logit_bias"),
     ({"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"99999999": 1}}, 400, "logit_bias"),
     ({"messages": [{"role": "user", "content": "hi"}], "model": "gpt-17"}, 404, "model"),
-    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**6}, 400, "messages"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**6}, 400, "max_tokens"),
     ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, 400, "tools"),
     ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {"name": "f"}}],
       "tool_choice": {"type": "function", "function": {"name": "g"}}}, 400, "tool_choice"),

@@ -32,6 +32,10 @@ def _size(n: int) -> str:
     return f"{n} B"
 
 
+def _dtype_name(fp: Footprint) -> str:
+    return str(fp.plan.compute).rpartition(".")[2]
+
+
 def format_report(fp: Footprint, context: int, memory: int) -> str:
     """The ``info`` report as text."""
     from mlxformer.planning import KV_BITS, KV_GROUP_SIZE, WEIGHT_BITS, WEIGHT_GROUP_SIZE, ranks_needed
@@ -42,7 +46,8 @@ def format_report(fp: Footprint, context: int, memory: int) -> str:
         f"{a.num_attention_heads} heads / {a.num_key_value_heads} KV heads of {a.head_dim}, vocab {a.vocab_size}",
         f"parameters: {fp.parameters:,} exact; {fp.estimate:,} by 12*L*d^2 + embedding "
         f"({fp.estimate / fp.parameters:.2f}x)",
-        f"weights as stored: {_size(fp.loaded_bytes)}",
+        f"weights as stored: {_size(fp.stored_bytes)}; as loaded here: {_size(fp.loaded_bytes)} "
+        f"({_dtype_name(fp)} compute)",
         "weight memory:",
         f"  float32  {_size(fp.weight_bytes(32))}",
         f"  16-bit   {_size(fp.weight_bytes(16))}  (float16 / bfloat16)",
@@ -57,7 +62,7 @@ def format_report(fp: Footprint, context: int, memory: int) -> str:
     ranks = ranks_needed(needed, memory)
     verdict = "fits on this machine" if ranks == 1 else f"needs a pipeline of {ranks} machines like this one"
     lines.append(
-        f"this machine: {_size(memory)}; weights as stored + float KV at {context:,} tokens = {_size(needed)}: {verdict}"
+        f"this machine: {_size(memory)}; weights as loaded + float KV at {context:,} tokens = {_size(needed)}: {verdict}"
     )
     return "\n".join(lines)
 

@@ -28,7 +28,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--cors-origin", action="extend", nargs="+", default=[], metavar="ORIGIN",
         help="allow cross-origin requests from ORIGIN (repeatable; default: none)",
     )
-    parser.add_argument("--served-model-name", help="the model name clients use (default: --model as given)")
+    parser.add_argument(
+        "--allowed-host", action="extend", nargs="+", default=[], metavar="NAME",
+        help="also answer requests whose Host header is NAME (repeatable; on a loopback --host only that "
+             "address and localhost are answered, against DNS rebinding)",
+    )
+    parser.add_argument("--max-body-bytes", type=int, help="largest request body; beyond, 413 (default 4 MiB)")
+    parser.add_argument("--no-openapi", action="store_true", help="do not serve /openapi.json")
+    parser.add_argument("--served-model-name",
+                        help="the model name clients use (default: the model's file or folder name)")
     parser.add_argument("--tool-parser", metavar="NAME",
                         help="the tool-call format (hermes, qwen3_coder, llama3_json, mistral, mistral_v11, json; "
                              "default: the one the chat template teaches)")
@@ -41,6 +49,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="also keep prompt cache blocks in DIR, across restarts (default: memory only)")
     parser.add_argument("--prompt-cache-disk-bytes", type=int, default=4 * 2**30, metavar="BYTES",
                         help="most bytes of prompt cache files in --prompt-cache-dir (default 4 GiB)")
+    parser.add_argument("--no-prefix-sharing", action="store_true",
+                        help="let requests that share a prefix with one being prefilled compute it again "
+                             "(default: they wait for its cached blocks)")
     add_cache_args(parser)
     add_speculative_args(parser)
     add_verbose(parser)
@@ -59,21 +70,39 @@ def run(args: argparse.Namespace) -> int:
         raise MlxformerError("need --max-batch >= 1 and --max-queue >= 0")
     if args.api_key is not None and not args.api_key.strip():
         raise MlxformerError("--api-key is empty")
+    if args.max_body_bytes is not None and args.max_body_bytes < 1:
+        raise MlxformerError("--max-body-bytes must be >= 1")
     if args.tool_parser is not None:
         from mlxformer.server.toolcalls import call_format
 
         call_format(args.tool_parser)  # an unknown name fails before the model loads
     settings = cache_settings(args)
-    prompt_cache = PromptCacheSettings(args.prompt_cache_bytes, args.prompt_cache_dir, args.prompt_cache_disk_bytes)
+    prompt_cache = PromptCacheSettings(args.prompt_cache_bytes, args.prompt_cache_dir, args.prompt_cache_disk_bytes,
+                                       share_prefills=not args.no_prefix_sharing)
     model, tokenizer = load_for_cli(args)
     speculative = speculative_settings(args, tokenizer)
-    name = args.served_model_name or args.model or default_model_name()
+    name = args.served_model_name or (model_name(args.model) if args.model else default_model_name())
     serve(
         model, tokenizer, name, host=args.host, port=args.port, max_batch=args.max_batch, max_queue=args.max_queue,
         api_key=args.api_key, cors_origins=args.cors_origin, cache_settings=settings, speculative=speculative,
-        prompt_cache=prompt_cache, tool_parser=args.tool_parser, any_model_name=not args.strict_model_name,
+        allowed_hosts=args.allowed_host, openapi=not args.no_openapi, prompt_cache=prompt_cache,
+        tool_parser=args.tool_parser, any_model_name=not args.strict_model_name,
+        **({"max_body_bytes": args.max_body_bytes} if args.max_body_bytes is not None else {}),
     )
     return 0
+
+
+def model_name(model: str) -> str:
+    """The served name of ``--model``: a local file's name without the extension, a local
+    folder's name (never a path: /health shows it), a hub id as given."""
+    from pathlib import Path
+
+    path = Path(model).expanduser()
+    if path.is_file():
+        return path.stem
+    if path.is_dir():
+        return path.resolve().name
+    return model
 
 
 def default_model_name() -> str:

@@ -18,10 +18,10 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from mlxformer.cache import Cache, CacheSettings, make_cache
-from mlxformer.distributed.sharded_load import CheckpointReader, skipped
 from mlxformer.distributed.watchdog import Watchdog
 from mlxformer.errors import MlxformerError
-from mlxformer.loader import apply_dtype_policy, build_model
+from mlxformer.formats.checkpoint import Checkpoint
+from mlxformer.loader import apply_dtype_policy, build_model, used_tensors
 from mlxformer.models.decoder import Model
 from mlxformer.planning import footprint
 
@@ -64,12 +64,11 @@ def plan_stages(layer_bytes: list[int], ends_bytes: int, size: int) -> list[Stag
     return [Stage(r, size, cuts[r], cuts[r + 1]) for r in range(size)]
 
 
-def stage_for(reader: CheckpointReader, rank: int, size: int) -> Stage:
-    """This rank's stage of ``reader``'s model, planned from the tensor headers."""
-    args = reader.args
-    layer_bytes = [0] * args.num_hidden_layers
+def stage_for(checkpoint: Checkpoint, rank: int, size: int) -> Stage:
+    """This rank's stage of ``checkpoint``'s model, planned from the tensor headers."""
+    layer_bytes = [0] * checkpoint.args.num_hidden_layers
     ends = 0
-    for entry in footprint(reader.source).tensors:
+    for entry in footprint(checkpoint).tensors:
         match = _LAYER_KEY.match(entry.name)
         if match:
             layer_bytes[int(match.group(1))] += entry.loaded_bytes
@@ -90,12 +89,12 @@ def _local_name(name: str, stage: Stage) -> str | None:
     return f"model.layers.{index - stage.start}.{match.group(2)}"
 
 
-def load_stage(reader: CheckpointReader, stage: Stage, dtype: mx.Dtype | None = None) -> Model:
+def load_stage(checkpoint: Checkpoint, stage: Stage, dtype: mx.Dtype | None = None) -> Model:
     """The decoder holding ``stage``'s layers (and ends), reading only their tensors."""
-    args = reader.args
-    weights = reader.read(lambda name: not skipped(name, args) and _local_name(name, stage) is not None)
+    used = used_tensors(checkpoint.args, checkpoint.tensors)
+    weights = checkpoint.read(name for name in used if _local_name(name, stage) is not None)
     local = {local_name: array for name, array in weights.items() if (local_name := _local_name(name, stage))}
-    config = dict(reader.config)
+    config = dict(checkpoint.config)
     quantization = config.get("quantization") or config.get("quantization_config")
     if quantization:  # per-layer overrides follow the renumbering
         overrides = {k: v for k, v in quantization.items() if isinstance(v, dict)}

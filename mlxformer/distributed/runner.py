@@ -12,11 +12,12 @@ import mlx.core as mx
 from mlxformer.cache import CacheSettings
 from mlxformer.distributed.group import PARALLEL_MODES, init_group, is_leader, shared_seed
 from mlxformer.distributed.pipeline import PipelineLink, Stage, load_stage, serve_stage, stage_for
-from mlxformer.distributed.sharded_load import open_checkpoint
 from mlxformer.distributed.tensor import load_tensor_shard
 from mlxformer.distributed.watchdog import DEFAULT_TIMEOUT, Watchdog, check_timeout
 from mlxformer.errors import MlxformerError
+from mlxformer.formats.checkpoint import open_checkpoint
 from mlxformer.generation import GenerationResponse, stream_generate
+from mlxformer.loader import load_tokenizer
 from mlxformer.options import SamplingSettings
 from mlxformer.models.decoder import Model
 from mlxformer.tokenizer import Tokenizer
@@ -58,18 +59,18 @@ def load_distributed(
     check_timeout(timeout)  # before joining the group
     group = init_group()
     watchdog = Watchdog(group.rank(), timeout)
-    reader = open_checkpoint(path_or_repo)
+    checkpoint = open_checkpoint(path_or_repo)
     stage = link = None
     if parallel == "pipeline":
-        stage = stage_for(reader, group.rank(), group.size())
-        model = load_stage(reader, stage, dtype)
+        stage = stage_for(checkpoint, group.rank(), group.size())
+        model = load_stage(checkpoint, stage, dtype)
         if group.size() > 1 and stage.with_ends:
             link = PipelineLink(group, watchdog)
             model.use_remote_layers(link)
     else:
-        model = load_tensor_shard(reader, group, dtype)
+        model = load_tensor_shard(checkpoint, group, dtype)
     runs_loop = parallel == "tensor" or is_leader(group)
-    tokenizer = reader.tokenizer() if with_tokenizer and runs_loop else None
+    tokenizer = load_tokenizer(checkpoint) if with_tokenizer and runs_loop else None
     with watchdog.guard("waiting for the other ranks to load", timeout * LOAD_TIMEOUTS):
         mx.eval(mx.distributed.all_sum(mx.array(1.0), group=group))
     return DistributedModel(group, parallel, model, tokenizer, watchdog, stage, link)

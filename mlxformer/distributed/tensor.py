@@ -11,12 +11,14 @@ generation loop (with the same sampling seed). Each rank caches its own K/V head
 
 from __future__ import annotations
 
+from typing import Callable
+
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxformer.distributed.sharded_load import CheckpointReader, Piece, skipped
 from mlxformer.errors import MlxformerError
-from mlxformer.loader import apply_dtype_policy, build_model
+from mlxformer.formats.checkpoint import Checkpoint
+from mlxformer.loader import apply_dtype_policy, build_model, used_tensors
 from mlxformer.models.config import ModelArgs
 from mlxformer.models.decoder import Model
 
@@ -59,6 +61,10 @@ def check_divisible(args: ModelArgs, size: int) -> None:
         )
 
 
+# ``piece(name, full_array)``: the part of a tensor this rank keeps.
+Piece = Callable[[str, mx.array], mx.array]
+
+
 def slice_for(rank: int, size: int) -> Piece:
     """What rank ``rank`` keeps of each checkpoint tensor."""
 
@@ -95,13 +101,13 @@ def local_config(config: dict, args: ModelArgs, size: int) -> dict:
 
 
 def load_tensor_shard(
-    reader: CheckpointReader, group: mx.distributed.Group, dtype: mx.Dtype | None = None
+    checkpoint: Checkpoint, group: mx.distributed.Group, dtype: mx.Dtype | None = None
 ) -> Model:
     """This rank's shard of every layer, reading only its slices of the weights."""
-    args, size = reader.args, group.size()
+    args, size = checkpoint.args, group.size()
     check_divisible(args, size)
-    weights = reader.read(lambda name: not skipped(name, args), slice_for(group.rank(), size))
-    model = build_model(local_config(reader.config, args, size), weights)
+    weights = checkpoint.read(used_tensors(args, checkpoint.tensors), slice_for(group.rank(), size))
+    model = build_model(local_config(checkpoint.config, args, size), weights)
     apply_dtype_policy(model, dtype)
     for layer in model.layers:
         for owner, name in ((layer.self_attn, "o_proj"), (layer.mlp, "down_proj")):

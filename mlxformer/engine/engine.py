@@ -13,6 +13,7 @@ import mlx.core as mx
 
 from mlxformer.cache import CacheSettings, make_cache
 from mlxformer.engine.batch_runner import BatchRunner
+from mlxformer.engine.prefix_sharing import PrefixSharing
 from mlxformer.engine.prompt_cache import PromptCacheSettings, build_prefix_cache
 from mlxformer.engine.scheduler import Scheduler, Step
 from mlxformer.engine.speculation import Speculator
@@ -137,6 +138,8 @@ class Engine:
         # tier gets ``prefix_cache_bytes``
         tiers = prompt_cache or PromptCacheSettings(memory_bytes=prefix_cache_bytes)
         self.prefix_cache = build_prefix_cache(model, tokenizer, self.cache_settings, tiers, kv_dtype)
+        self.sharing = PrefixSharing(self.prefix_cache, tiers.share_prefills)
+        self.prefilled_tokens = 0  # prompt tokens run through the model (not served by the prefix cache)
         self.runner = BatchRunner(model)
         self.vocab_size = model.args.vocab_size
         self._handles: dict[int, RequestHandle] = {}
@@ -214,6 +217,7 @@ class Engine:
                 self.step()
             except Exception as exc:  # fail every request in flight, keep serving new ones
                 self.runner.reset()
+                self.sharing.held.clear()
                 for handle in list(self._handles.values()):
                     self.scheduler.release(handle.sequence)
                     with self.scheduler.lock:
@@ -230,8 +234,10 @@ class Engine:
             if sequence.cancelled:
                 self._end(sequence, "cancelled")
         for sequence in self.scheduler.admit():
+            self.sharing.hold(sequence)  # until the blocks it shares with a running prefill are cached
+        for sequence in self.sharing.ready(self.scheduler.prefilling):
             self._attach_cache(sequence)
-        self._run(self.scheduler.plan())
+        self._run(self.scheduler.plan(skip=self.sharing.held))
 
     def _attach_cache(self, sequence: Sequence) -> None:
         hit = self.prefix_cache.lookup(sequence.prompt)
@@ -270,6 +276,8 @@ class Engine:
             sequence = chunk.sequence
             logits = self.runner.prefill(chunk.tokens, sequence.cache, chunk.last, len(sequence.prompt))
             sequence.processed += len(chunk.tokens)
+            self.prefilled_tokens += len(chunk.tokens)
+            self.sharing.publish(sequence)
             if logits is not None:
                 mx.async_eval(logits)
                 self.scheduler.start_decoding(sequence)

@@ -92,6 +92,15 @@ class PrefixCache:
             freed += block.nbytes
         return freed
 
+    def cached_blocks(self, keys: Sequence[str]) -> int:
+        """How many of the leading ``keys`` are cached, in memory or on disk."""
+        n = 0
+        for key in keys:
+            if key not in self.blocks and (self.disk is None or key not in self.disk):
+                break
+            n += 1
+        return n
+
     def lookup(self, prompt: Sequence[int]) -> tuple[list[Cache], int] | None:
         """``(caches, n)``: new caches holding the first ``n`` tokens of ``prompt`` (a multiple
         of the block size, less than the prompt's length), or None."""

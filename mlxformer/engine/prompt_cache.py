@@ -23,12 +23,15 @@ from mlxformer.tokenizer import Tokenizer
 @dataclass(frozen=True)
 class PromptCacheSettings:
     """The prompt cache's tiers: ``memory_bytes`` in memory (LRU), then, with ``directory``, up
-    to ``disk_bytes`` of block files there (LRU); ``block_size`` tokens per block."""
+    to ``disk_bytes`` of block files there (LRU); ``block_size`` tokens per block;
+    ``share_prefills``: a newcomer waits for the blocks it shares with a prompt being prefilled
+    instead of computing them too (``prefix_sharing.py``)."""
 
     memory_bytes: int = 512 * 2**20
     directory: str | None = None
     disk_bytes: int = 4 * 2**30
     block_size: int = BLOCK_SIZE
+    share_prefills: bool = True  # a newcomer waits for the blocks it shares with a prompt being prefilled
 
     def __post_init__(self) -> None:
         if self.memory_bytes < 0 or self.disk_bytes < 0:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Container
 
 from mlxformer.engine.sequence import Sequence, Status
 from mlxformer.errors import MlxformerError
@@ -45,9 +46,11 @@ class Scheduler:
         self.lock = threading.Lock()
 
     def add(self, sequence: Sequence) -> None:
-        """Queue a new sequence; raises ``EngineOverloaded`` when the queue is full."""
+        """Queue a new sequence; raises ``EngineOverloaded`` when the queue is full (the requests
+        that will take a free slot at the next step do not count)."""
         with self.lock:
-            if len(self.waiting) >= self.max_queue:
+            free = max(0, self.max_batch - self.active)
+            if len(self.waiting) - free >= self.max_queue:
                 raise EngineOverloaded(f"the engine's queue is full ({self.max_queue} waiting requests)")
             self.waiting.append(sequence)
 
@@ -80,15 +83,18 @@ class Scheduler:
             self.waiting = deque(s for s in self.waiting if not s.cancelled)
         return dropped
 
-    def plan(self) -> Step:
+    def plan(self, skip: Container[Sequence] = ()) -> Step:
         """This step's work: every running sequence decodes one token, and newcomers' next
         prompt chunks run, oldest first, within ``prefill_chunk`` tokens (the oldest always).
 
         A prompt is cut as ``prefill`` cuts it alone (full chunks, then the rest), so that its
-        computation, and hence its output, is the same as when it runs alone."""
+        computation, and hence its output, is the same as when it runs alone. Sequences in
+        ``skip`` (waiting for a shared prefix) get no chunk."""
         step = Step(decode=list(self.running))
         budget = self.prefill_chunk
         for sequence in self.prefilling:
+            if sequence in skip:
+                continue
             remaining = len(sequence.prompt) - sequence.processed
             size = self.prefill_chunk if remaining > self.prefill_chunk else remaining
             if step.prefill and size > budget:

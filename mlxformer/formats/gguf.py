@@ -1,16 +1,18 @@
-"""Read llama-architecture GGUF files into an HF-style config and HF-named MLX weights.
+"""GGUF files as a checkpoint: an HF-style config from the metadata and a lazy mapping of
+HF-named MLX tensors, each decoded alone when it is accessed.
 
 ``gguf_reader`` parses and checks the container; ``gguf_quants`` decodes the blocks. Each
 tensor keeps its own type: exact types become MLX affine triplets (``weight``/``scales``/
 ``biases``, group 32, their own bits), Q2_K/Q3_K/Q6_K are requantized to 8 bits (see
 ``INEXACT_BITS``), floats stay float. The per-layer bits go into an mlx-lm style
-``quantization`` config entry. Names map to HF names through one table, llama.cpp's Q/K row
-permutation is undone, and ``rope_freqs`` becomes the config's rope frequency factors.
+``quantization`` config entry. Names map to HF names through ``gguf_names``' table,
+llama.cpp's Q/K row permutation is undone, and ``rope_freqs`` becomes the config's rope
+scaling (``gguf_rope``).
 """
 
 from __future__ import annotations
 
-import re
+import math
 from pathlib import Path
 from typing import Any, Callable
 
@@ -20,7 +22,10 @@ import numpy as np
 from mlxformer.errors import MlxformerError
 from mlxformer.formats.gguf_quants import EXACT_TYPES, FLOAT_DECODED_TYPES, GROUP_SIZE, decode_codes, \
     decode_values, requantize
+from mlxformer.formats.gguf_names import CONFIG_TENSORS, PERMUTED_QK_ARCHS, hf_name
 from mlxformer.formats.gguf_reader import GGUFFile, TensorInfo, read_gguf
+from mlxformer.formats.gguf_rope import rope_scaling_from_factors
+from mlxformer.formats.tensors import TensorEntry
 
 FLOAT_TYPES = ("F32", "F16", "BF16")
 # Q2_K/Q3_K/Q6_K (16-value sub-blocks) are requantized to 8 bits, group 32: the measured
@@ -30,38 +35,10 @@ SUPPORTED_TYPES = FLOAT_TYPES + EXACT_TYPES + FLOAT_DECODED_TYPES
 # Bits of the MLX layer each quantized GGUF type becomes (all with groups of 32).
 QUANT_BITS = {"Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5, "Q8_0": 8, "Q4_K": 4, "Q5_K": 5,
               **dict.fromkeys(FLOAT_DECODED_TYPES, INEXACT_BITS)}
-GGUF_GROUP_SIZE = GROUP_SIZE
+LEGACY_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")  # float16 scales in the file, float16 in MLX
 
-
-def loaded_nbytes(type_name: str, size: int) -> int | None:
-    """Bytes a quantized tensor of ``size`` weights takes once loaded (packed codes plus a scale and
-    a bias per group: float16 for the legacy types, float32 for the K types), None for floats."""
-    bits = QUANT_BITS.get(type_name)
-    if bits is None:
-        return None
-    scale_bytes = 2 if type_name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0") else 4
-    return size * bits // 8 + size // GROUP_SIZE * 2 * scale_bytes
 
 SUPPORTED_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
-
-# llama.cpp tensor name -> HF name; {i} is the layer index.
-TENSOR_NAME_MAP = {
-    "token_embd": "model.embed_tokens",
-    "output_norm": "model.norm",
-    "output": "lm_head",
-    "blk.{i}.attn_norm": "model.layers.{i}.input_layernorm",
-    "blk.{i}.ffn_norm": "model.layers.{i}.post_attention_layernorm",
-    "blk.{i}.attn_q": "model.layers.{i}.self_attn.q_proj",
-    "blk.{i}.attn_k": "model.layers.{i}.self_attn.k_proj",
-    "blk.{i}.attn_v": "model.layers.{i}.self_attn.v_proj",
-    "blk.{i}.attn_output": "model.layers.{i}.self_attn.o_proj",
-    "blk.{i}.attn_q_norm": "model.layers.{i}.self_attn.q_norm",
-    "blk.{i}.attn_k_norm": "model.layers.{i}.self_attn.k_norm",
-    "blk.{i}.ffn_gate": "model.layers.{i}.mlp.gate_proj",
-    "blk.{i}.ffn_up": "model.layers.{i}.mlp.up_proj",
-    "blk.{i}.ffn_down": "model.layers.{i}.mlp.down_proj",
-}
-_LAYER_NAME = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 def _meta(metadata: dict[str, Any], key: str, default: Any = None) -> Any:
     value = metadata.get(key, default)
@@ -71,7 +48,8 @@ def _meta(metadata: dict[str, Any], key: str, default: Any = None) -> Any:
 
 
 def config_from_metadata(metadata: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]:
-    """An HF ``config.json`` dict from GGUF metadata (as returned by ``read_gguf``)."""
+    """An HF ``config.json`` dict from GGUF metadata (as returned by ``read_gguf``); its sizes
+    are checked against the tensors by ``checkpoint.check_config``."""
     arch = _meta(metadata, "general.architecture")
     if not isinstance(arch, str) or arch not in SUPPORTED_ARCHITECTURES:
         raise MlxformerError(f"unsupported GGUF architecture {arch!r} (supported: llama, qwen2, qwen3)")
@@ -80,7 +58,7 @@ def config_from_metadata(metadata: dict[str, Any], tensor_names: set[str]) -> di
         value = _meta(metadata, f"{arch}.{name}", default)
         if value is None:
             raise MlxformerError(f"GGUF metadata is missing {arch}.{name}")
-        if not isinstance(value, (int, float)) or value != value or abs(value) == float("inf"):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or abs(value) == float("inf"):
             raise MlxformerError(f"GGUF metadata {arch}.{name} is not a finite number: {str(value)[:50]!r}")
         return value
 
@@ -113,31 +91,7 @@ def config_from_metadata(metadata: dict[str, Any], tensor_names: set[str]) -> di
         config["rope_scaling"] = {"rope_type": "linear", "factor": float(field("rope.scaling.factor"))}
     if arch == "qwen2":
         config["attention_bias"] = True
-    _check_against_tensors(config, tensor_names)
     return config
-
-
-def _check_against_tensors(config: dict[str, Any], tensor_names: set[str]) -> None:
-    """Sizes must be positive and the layer count must be the file's: a corrupt count must not
-    make the decoder build millions of layers."""
-    for key in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-                "vocab_size", "max_position_embeddings"):
-        if not 0 < config[key] < 1 << 31:
-            raise MlxformerError(f"GGUF metadata gives an invalid {key}: {config[key]}")
-    layers = {int(m.group(1)) for name in tensor_names if (m := _LAYER_NAME.match(name))}
-    if layers != set(range(config["num_hidden_layers"])):
-        raise MlxformerError(f"GGUF metadata says {config['num_hidden_layers']} layers, but the file has "
-                             f"tensors for {len(layers)} (indices up to {max(layers, default=-1)})")
-
-
-def _hf_name(gguf_name: str) -> str:
-    """Map ``blk.3.attn_q.weight`` to ``model.layers.3.self_attn.q_proj.weight``; unknown names raise."""
-    stem, _, suffix = gguf_name.rpartition(".")
-    layer = _LAYER_NAME.match(stem)
-    pattern, index = (f"blk.{{i}}.{layer.group(2)}", layer.group(1)) if layer else (stem, None)
-    if pattern not in TENSOR_NAME_MAP:
-        raise MlxformerError(f"GGUF tensor {gguf_name!r} has no mapping to this decoder")
-    return TENSOR_NAME_MAP[pattern].format(i=index) + "." + suffix
 
 
 def _unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -149,12 +103,13 @@ def _unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _narrowest_exact(values: np.ndarray) -> np.ndarray:
-    """float16 when every value survives the round trip (legacy-type scales do), else float32."""
+def _half_exactly(values: np.ndarray, gguf: GGUFFile, info: TensorInfo) -> np.ndarray:
+    """A legacy type's scales or biases (float16 values, or ``-8 * d``-like multiples of them)
+    as float16; they round-trip exactly unless they overflow, which is refused."""
     half = values.astype(np.float16)
-    if np.all(np.isfinite(half)) and np.array_equal(half.astype(np.float32), values):
-        return half
-    return values
+    if not (np.all(np.isfinite(half)) and np.array_equal(half.astype(np.float32), values)):
+        raise MlxformerError(f"{gguf.path}: tensor {info.name!r} has block scales beyond float16's range")
+    return half
 
 
 def _float_tensor(gguf: GGUFFile, info: TensorInfo) -> mx.array:
@@ -166,34 +121,59 @@ def _float_tensor(gguf: GGUFFile, info: TensorInfo) -> mx.array:
     return mx.array(raw.view(np.uint16).reshape(info.shape)).view(mx.bfloat16)
 
 
-def _decode(gguf: GGUFFile, info: TensorInfo, heads: int | None) -> tuple[dict[str, np.ndarray | mx.array], int]:
-    """One tensor's output arrays (``weight`` or ``weight``/``scales``/``biases``) and its bits (0: float)."""
-    if info.type_name not in SUPPORTED_TYPES:
-        raise MlxformerError(
-            f"{gguf.path}: tensor {info.name!r} has GGUF type {info.type_name}, which is not supported "
-            f"(supported: {', '.join(SUPPORTED_TYPES)})"
-        )
+# Quantized tensors are decoded this many bytes of the file at a time, each run's pages
+# released once decoded: peak memory is the output plus one run, not twice the tensor.
+RUN_BYTES = 4 * 1024 * 1024
+
+
+def _decoded_rows(gguf: GGUFFile, info: TensorInfo, decode: Callable[[np.ndarray, int], Any]) -> dict[str, np.ndarray]:
+    """``decode(raw_rows, n_rows)`` (a dict of row-major arrays) over runs of whole rows of a
+    quantized tensor, assembled into full arrays."""
+    raw, rows = gguf.raw(info), math.prod(info.shape[:-1])
+    row_bytes = info.nbytes // rows
+    step = max(1, RUN_BYTES // row_bytes)
+    out: dict[str, np.ndarray] = {}
+    for start in range(0, rows, step):
+        stop = min(rows, start + step)
+        part = decode(raw[start * row_bytes : stop * row_bytes], stop - start)
+        for key, value in part.items():
+            if key not in out:
+                out[key] = np.empty((rows, *value.shape[1:]), dtype=value.dtype)
+            out[key][start:stop] = value
+        gguf.release(info, start * row_bytes, stop * row_bytes)
+    return out
+
+
+def _decode(gguf: GGUFFile, info: TensorInfo, heads: int | None) -> dict[str, mx.array]:
+    """One tensor's output arrays: ``weight`` (a float tensor, of whatever suffix), or
+    ``weight``/``scales``/``biases`` (a quantized matrix), with the shapes and dtypes
+    ``_entries`` announced."""
     if info.type_name in FLOAT_TYPES:
-        array = _float_tensor(gguf, info)
-        return {"weight": _unpermute_mx(array, heads)}, 0
-    cols = info.shape[-1]
-    rows = int(np.prod(info.shape[:-1]))
-    raw = gguf.raw(info)
-    if len(info.shape) != 2:  # a quantized vector: plain float values
-        values = decode_values(raw, info.type_name, rows, cols).reshape(info.shape)
-        return {"weight": _unpermute_mx(mx.array(values), heads)}, 0
-    if info.type_name in EXACT_TYPES:
-        codes = decode_codes(raw, info.type_name, rows, cols)
-        out = {"weight": codes.packed, "scales": _narrowest_exact(codes.scales),
-               "biases": _narrowest_exact(codes.biases)}
+        return {"weight": _unpermute_mx(_float_tensor(gguf, info), heads)}
+    cols, kind = info.shape[-1], info.type_name
+    if len(info.shape) != 2 or kind not in EXACT_TYPES:  # float values (a vector, or to requantize)
+        values = _decoded_rows(gguf, info, lambda raw, n: {"v": decode_values(raw, kind, n, cols)})["v"]
+        if len(info.shape) != 2:
+            return {"weight": _unpermute_mx(mx.array(values.reshape(info.shape)), heads)}
         if heads is not None:
-            out = {k: _unpermute_rows(v, heads) for k, v in out.items()}
-        return {k: mx.array(v) for k, v in out.items()}, codes.bits
-    values = decode_values(raw, info.type_name, rows, cols)
+            values = _unpermute_rows(values, heads)
+        weight, scales, biases = requantize(values, INEXACT_BITS)
+        return {"weight": weight, "scales": scales, "biases": biases}
+
+    def codes(raw: np.ndarray, n: int) -> dict[str, np.ndarray]:
+        c = decode_codes(raw, kind, n, cols)
+        if kind in LEGACY_TYPES:
+            return {"weight": c.packed, "scales": _half_exactly(c.scales, gguf, info),
+                    "biases": _half_exactly(c.biases, gguf, info)}
+        return {"weight": c.packed, "scales": c.scales, "biases": c.biases}
+
+    out = _decoded_rows(gguf, info, codes)
     if heads is not None:
-        values = _unpermute_rows(values, heads)
-    weight, scales, biases = requantize(values, INEXACT_BITS)
-    return {"weight": weight, "scales": scales, "biases": biases}, INEXACT_BITS
+        out = {k: _unpermute_rows(v, heads) for k, v in out.items()}
+    arrays = {}
+    for key in list(out):
+        arrays[key] = mx.array(out.pop(key))  # each numpy copy is freed as soon as MLX holds it
+    return arrays
 
 
 def _unpermute_mx(array: mx.array, heads: int | None) -> mx.array:
@@ -204,68 +184,92 @@ def _unpermute_mx(array: mx.array, heads: int | None) -> mx.array:
     return mx.array(_unpermute_rows(np.array(array), heads))
 
 
-def load_gguf(
-    path: Path,
-    wanted: Callable[[str], bool] | None = None,
-    piece: Callable[[str, mx.array], mx.array] | None = None,
-) -> tuple[dict[str, Any], dict[str, mx.array], dict[str, Any]]:
-    """Read a GGUF file: ``(config with quantization, HF-named weights, metadata)``.
+_FLOAT_DTYPES = {"F32": mx.float32, "F16": mx.float16, "BF16": mx.bfloat16}
 
-    ``wanted(hf_name)`` chooses the tensors to decode (default: all; the data of the others
-    is never read); ``piece(hf_name, array)`` cuts each decoded array to the part kept, one
-    tensor at a time (a pipeline or tensor-parallel rank's share)."""
+
+def _entries(path: Path, info: TensorInfo, name: str) -> dict[str, TensorEntry]:
+    """The HF-named arrays GGUF tensor ``info`` (HF name ``name``) becomes, by output key."""
+    if info.type_name not in SUPPORTED_TYPES:
+        raise MlxformerError(f"{path}: tensor {info.name!r} has GGUF type {info.type_name}, which is not supported "
+                             f"(supported: {', '.join(SUPPORTED_TYPES)})")
+    if info.type_name in FLOAT_TYPES:
+        return {"weight": TensorEntry(name, info.shape, _FLOAT_DTYPES[info.type_name], path)}
+    if len(info.shape) != 2:  # a quantized vector: decoded to float values
+        return {"weight": TensorEntry(name, info.shape, mx.float32, path)}
+    module, suffix = name.rsplit(".", 1)
+    if suffix != "weight":
+        raise MlxformerError(f"{path}: tensor {info.name!r} is quantized but is not a weight matrix")
+    rows, cols = info.shape
+    bits = QUANT_BITS[info.type_name]
+    scale_dtype = mx.float16 if info.type_name in LEGACY_TYPES else mx.float32
+    return {"weight": TensorEntry(f"{module}.weight", (rows, cols * bits // 32), mx.uint32, path),
+            "scales": TensorEntry(f"{module}.scales", (rows, cols // GROUP_SIZE), scale_dtype, path),
+            "biases": TensorEntry(f"{module}.biases", (rows, cols // GROUP_SIZE), scale_dtype, path)}
+
+
+class _Decoder:
+    """Decodes the GGUF tensor behind an HF-named entry; the last tensor's arrays are kept,
+    so that reading its ``weight``, ``scales`` and ``biases`` decodes it once."""
+
+    def __init__(self, gguf: GGUFFile, sources: dict[str, tuple[TensorInfo, str]], heads: dict[str, int]):
+        self.gguf, self.sources, self.heads = gguf, sources, heads
+        self._last: tuple[str, dict[str, mx.array]] | None = None
+
+    def __call__(self, entry: TensorEntry) -> mx.array:
+        info, key = self.sources[entry.name]
+        if self._last is None or self._last[0] != info.name or key not in self._last[1]:
+            projection = entry.name.rsplit(".", 2)[-2]
+            self._last = (info.name, _decode(self.gguf, info, self.heads.get(projection)))
+            mx.eval(self._last[1])  # requantized types are computed lazily from the mapped bytes
+            self.gguf.release(info)
+        return self._last[1].pop(key)
+
+
+def open_gguf(path: Path) -> tuple[dict[str, Any], dict[str, TensorEntry], Callable[[TensorEntry], mx.array],
+                                   dict[str, Any], int]:
+    """``(config with quantization, HF-named entries, loader of one entry, metadata, header
+    bytes)`` of a GGUF file; every name and type is checked, no tensor is decoded."""
     gguf = read_gguf(path)
-    tensors = dict(gguf.tensors)
-    rope_freqs = tensors.pop("rope_freqs.weight", None)
-    for name, info in tensors.items():  # fail on an unknown name or type before decoding anything
-        _hf_name(name)
-        if info.type_name not in SUPPORTED_TYPES:
-            _decode(gguf, info, None)
+    arch = gguf.metadata.get("general.architecture")
+    tensors = {name: info for name, info in gguf.tensors.items() if name not in CONFIG_TENSORS}
+    names = {name: hf_name(name, str(arch)) for name in tensors}
+    entries: dict[str, TensorEntry] = {}
+    sources: dict[str, tuple[TensorInfo, str]] = {}
+    for gguf_name, info in tensors.items():  # every name and type checked before the metadata
+        for key, entry in _entries(path, info, names[gguf_name]).items():
+            entries[entry.name] = entry
+            sources[entry.name] = (info, key)
     config = config_from_metadata(gguf.metadata, set(tensors))
+    rope_freqs = gguf.tensors.get("rope_freqs.weight")
     if rope_freqs is not None:
-        config["rope_scaling"] = {"rope_type": "freq_factors", "factor": 1.0,
-                                  "freq_factors": [float(f) for f in _rope_factors(gguf, rope_freqs)]}
-    permute = config["model_type"] == "llama"  # llama.cpp permutes Q/K only for the llama architecture
-    heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
-    weights: dict[str, mx.array] = {}
-    for gguf_name, info in tensors.items():
-        name = _hf_name(gguf_name)
-        if wanted is not None and not wanted(name):
-            continue
-        module, suffix = name.rsplit(".", 1)
-        proj = module.rsplit(".", 1)[-1]
-        arrays, bits = _decode(gguf, info, heads.get(proj) if permute else None)
-        if piece is not None:
-            keys = {key: f"{module}.{key}" if bits else name for key in arrays}
-            arrays = {key: mx.contiguous(piece(keys[key], value)) for key, value in arrays.items()}
-            mx.eval(arrays)
-        if bits:
-            if suffix != "weight":
-                raise MlxformerError(f"{path}: tensor {gguf_name!r} is quantized but is not a weight matrix")
-            weights.update({f"{module}.{key}": value for key, value in arrays.items()})
-        else:
-            weights[name] = arrays["weight"]
-    quantization = _quantization_config({name: info.type_name for name, info in tensors.items()})
+        factors = _rope_factors(gguf, rope_freqs, config["head_dim"])
+        config["rope_scaling"] = rope_scaling_from_factors(factors, config["rope_theta"], config["head_dim"])
+    permute = arch in PERMUTED_QK_ARCHS
+    heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]} if permute else {}
+    quantization = _quantization_config({names[n]: info.type_name for n, info in tensors.items()
+                                         if len(info.shape) == 2})
     if quantization:
         config["quantization"] = quantization
-    return config, weights, gguf.metadata
+    return config, entries, _Decoder(gguf, sources, heads), gguf.metadata, gguf.header_bytes
 
 
-def _rope_factors(gguf: GGUFFile, info: TensorInfo) -> np.ndarray:
+def _rope_factors(gguf: GGUFFile, info: TensorInfo, head_dim: Any) -> np.ndarray:
+    """``rope_freqs.weight``: one positive float32 factor per rotary frequency (head_dim / 2)."""
     if info.type_name != "F32" or len(info.shape) != 1:
         raise MlxformerError(f"{gguf.path}: rope_freqs.weight must be a float32 vector, not {info.type_name} "
                              f"{info.shape}")
+    if not isinstance(head_dim, int) or info.shape[0] * 2 != head_dim:
+        raise MlxformerError(f"{gguf.path}: rope_freqs.weight has {info.shape[0]} factors, the head dim "
+                             f"{head_dim} needs {head_dim // 2 if isinstance(head_dim, int) else '?'}")
     factors = gguf.raw(info).view(np.float32)
     if not np.all(np.isfinite(factors)) or np.any(factors <= 0):
         raise MlxformerError(f"{gguf.path}: rope_freqs.weight has non-positive or non-finite factors")
     return factors
 
-
 def _quantization_config(types: dict[str, str]) -> dict[str, Any]:
-    """mlx-lm style ``quantization`` entry from GGUF tensor types: the most common bits as
-    default, others per layer."""
-    module_bits = {_hf_name(n).rsplit(".", 1)[0]: QUANT_BITS[t] for n, t in types.items()
-                   if t in QUANT_BITS and n != "rope_freqs.weight"}
+    """mlx-lm style ``quantization`` entry from the GGUF types of HF-named tensors: the most
+    common bits as default, others per layer."""
+    module_bits = {n.rsplit(".", 1)[0]: QUANT_BITS[t] for n, t in types.items() if t in QUANT_BITS}
     if not module_bits:
         return {}
     bits_values = list(module_bits.values())

@@ -58,10 +58,22 @@ class GGUFFile:
     metadata: dict[str, Any]
     tensors: dict[str, TensorInfo]
     data: np.memmap | np.ndarray
+    header_bytes: int  # where the tensor data starts
+    file_map: mmap.mmap | None = None
 
     def raw(self, info: TensorInfo) -> np.ndarray:
         """The tensor's bytes as a read-only uint8 view of the map."""
         return self.data[info.offset : info.offset + info.nbytes]
+
+    def release(self, info: TensorInfo, start: int = 0, end: int | None = None) -> None:
+        """Drop bytes ``start:end`` of the tensor's data (default: all) from this process's
+        memory; they are re-read from the file if touched again. A decoded tensor then no
+        longer counts twice, as file pages and as arrays."""
+        if self.file_map is None or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        first = (info.offset + start) // mmap.PAGESIZE * mmap.PAGESIZE
+        last = info.offset + (info.nbytes if end is None else end)
+        self.file_map.madvise(mmap.MADV_DONTNEED, first, last - first)
 
 
 class _Cursor:
@@ -159,7 +171,7 @@ def read_gguf(path: Path) -> GGUFFile:
         raise MlxformerError(f"{path}: corrupt GGUF header ({str(exc).splitlines()[0][:200]})") from None
     tensors = _place_tensors(path, infos, data_start, alignment, size)
     data = np.frombuffer(buf, dtype=np.uint8)
-    return GGUFFile(path, metadata, tensors, data)
+    return GGUFFile(path, metadata, tensors, data, data_start, buf)
 
 
 def _parse_header(path: Path, cur: _Cursor) -> tuple[dict[str, Any], list[tuple], int, int]:

@@ -7,9 +7,11 @@ import re
 from pathlib import Path
 
 from mlxformer.errors import MlxformerError
+from mlxformer.formats.safetensors import WEIGHT_GLOB
 
-# Only data files are fetched: never pickles, never code.
-HUB_ALLOW_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "*.jinja", "*.txt"]
+# Only data files are fetched: never pickles, never code. The weights are ``model*.safetensors``
+# (as mlx-lm fetches them): a Mistral repo's ``consolidated.safetensors`` copy is left out.
+HUB_ALLOW_PATTERNS = ["*.json", WEIGHT_GLOB, "tokenizer.model", "*.jinja", "*.txt"]
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 

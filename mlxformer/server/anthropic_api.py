@@ -14,7 +14,9 @@ from pydantic import ValidationError
 from mlxformer.engine import TokenEvent
 from mlxformer.server.anthropic_protocol import Block, Message, MessagesRequest, TokenCountRequest, anthropic_error
 from mlxformer.server.errors import bad_request, validation_message
-from mlxformer.server.hosting import Hosting, frames, named_event
+from mlxformer.server.context import ServerContext
+from mlxformer.server.hosting import check_model, frames, named_event
+from mlxformer.server.streaming import EventStream, collect_unless_gone
 from mlxformer.server.protocol import ResponseFormat, SamplingFields, new_id
 from mlxformer.server.segments import Segment, SegmentEvent, Segmenter
 from mlxformer.server.turn import Turn, effort_budget, prepare, render_prompt
@@ -144,24 +146,27 @@ def whole_block(segment: Segment) -> dict[str, Any]:
     return {"type": "text", "text": segment.text}
 
 
-def messages_router(hosting: Hosting) -> APIRouter:
+def messages_router(ctx: ServerContext) -> APIRouter:
     """The Messages routes (mounted under the app's authenticated ``/v1``)."""
     router = APIRouter()
-    served = hosting.served
+    served = ctx.served
     eos = frozenset(served.tokenizer.eos_token_ids)
 
     @router.post("/messages/count_tokens")
     async def count_tokens(body: TokenCountRequest) -> dict[str, int]:
-        hosting.check_model(body.model)
-        turn = anthropic_turn(body)
-        text = render_prompt(turn, served, tool_plan(turn.tools, turn.tool_choice), hosting.traits)
-        return {"input_tokens": len(served.tokenizer.encode(text, add_special_tokens=False))}
+        check_model(ctx, body.model)
+        def count() -> int:
+            turn = anthropic_turn(body)
+            text = render_prompt(turn, served, tool_plan(turn.tools, turn.tool_choice), ctx.traits)
+            return len(served.tokenizer.encode(text, add_special_tokens=False))
+
+        return {"input_tokens": await ctx.prepare(count)}
 
     @router.post("/messages")
     async def messages(body: MessagesRequest, request: Request) -> Response:
-        hosting.check_model(body.model)
-        prepared = prepare(anthropic_turn(body), served, hosting.traits)
-        lease = hosting.submit(prepared.request)
+        check_model(ctx, body.model)
+        prepared = await ctx.prepare(lambda: prepare(anthropic_turn(body), served, ctx.traits))
+        lease = ctx.submit(prepared.request)
         parser, segmenter = prepared.parser(), Segmenter()
         message_id, stops = new_id("msg").replace("-", "_"), body.stop_sequences or []
         head = {"id": message_id, "type": "message", "role": "assistant", "model": body.model}
@@ -193,8 +198,8 @@ def messages_router(hosting: Hosting) -> APIRouter:
             def on_error(message: str) -> list[str]:
                 return [named_event(anthropic_error(500, message))]
 
-            return hosting.open_stream(frames(lease, on_event, on_error), lease)
-        result = await hosting.collect(lease, request)
+            return EventStream(frames(lease, on_event, on_error), lease)
+        result = await collect_unless_gone(lease, request)
         for event in result.events:
             generated.extend([event.token] if event.token is not None else [])
             segmenter.feed(parser.feed(event))

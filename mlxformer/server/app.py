@@ -1,94 +1,62 @@
 """The OpenAI-compatible HTTP API over an ``Engine``: a thin FastAPI app.
 
-Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /health`` and the chat
-page at ``GET /``; mounted from their own modules: ``/v1/models`` (``meta_api``, also
-``/tokenize``, ``/detokenize``, ``/apply-template``), ``/v1/messages`` (``anthropic_api``) and
-``/v1/responses`` (``responses_api``). Every error is an OpenAI-style JSON body;
-bad input is a 4xx, a full queue a 429. A client that goes away cancels its request.
+Routes: ``GET /v1/models``, ``POST /v1/chat/completions``, ``POST /v1/completions``
+(``openai_routes``), ``POST /v1/messages`` (``anthropic_api``), ``POST /v1/responses``
+(``responses_api``), ``GET /v1/models/{id}`` and ``POST /tokenize``, ``/detokenize``,
+``/apply-template`` (``meta_api``), ``GET /health``, ``GET /openapi.json`` and the chat page at
+``GET /``.
+Every API router is made from the shared ``ServerContext`` and mounted by ``mount_api``: under
+``/v1``, behind the API key, JSON bodies only. Every route, mounted or not, is behind the
+``RequestGuard`` (Host allow-list, body limit). Every error is an OpenAI-style JSON body; bad
+input is a 4xx, a full queue a 429. A client that goes away cancels its request.
 """
 
 from __future__ import annotations
 
-import asyncio
 import hmac
-from contextlib import aclosing
 import logging
 from importlib import resources
-from typing import Any, AsyncIterator, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel
+from fastapi.responses import HTMLResponse, JSONResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.exceptions import HTTPException
 
-from mlxformer.engine import Engine, EngineOverloaded, GenerationRequest, RequestHandle, TokenEvent
-from mlxformer.errors import MlxformerError
+from mlxformer.engine import Engine
 from mlxformer.server.anthropic_api import is_anthropic_path, messages_router
 from mlxformer.server.anthropic_protocol import anthropic_error
-from mlxformer.server.chat_turn import chat_turn
+from mlxformer.server.context import ServerContext
 from mlxformer.server.errors import APIError, error_body, validation_message
-from mlxformer.server.hosting import Hosting
+from mlxformer.server.guards import DEFAULT_MAX_BODY_BYTES, LOOPBACK_NAMES, BodyTooLarge, RequestGuard, host_name
 from mlxformer.server.meta_api import models_router, template_router
-from mlxformer.server.protocol import ChatCompletionChunk, ChatCompletionRequest, CompletionRequest, CompletionResponse, new_id
-from mlxformer.server.reply import whole_reply
-from mlxformer.server.responses import (
-    ChunkMaker, Collected, TokenStrings, chat_chunk_maker, chat_response, collect, completion_chunk_maker,
-    completion_response, error_event, sse, usage_of,
-)
+from mlxformer.server.openai_routes import openai_router
+from mlxformer.server.openapi import GUARDED, KEYED, error_responses, install_openapi
+from mlxformer.server.responses import TokenStrings
 from mlxformer.server.responses_api import responses_router
-from mlxformer.server.translate import ServedModel, check_model_name, completion_prompt_ids, engine_request
-from mlxformer.server.turn import Traits, prepare
+from mlxformer.server.translate import ServedModel
+from mlxformer.server.turn import Traits
 
 log = logging.getLogger("mlxformer.server")
 
-DISCONNECT_POLL_SECONDS = 0.25  # how often a non-streamed request checks that its client is still there
 PAGE_SECURITY_POLICY = (
     "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; connect-src 'self'; "
     "img-src 'self' data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
 )
-
-
-class InFlight:
-    """Counts the requests the engine is working on for this app (reported by /health)."""
-
-    def __init__(self) -> None:
-        self.count = 0
-
-
-class Lease:
-    """A submitted request held by one HTTP response: ``release`` (idempotent) cancels it unless
-    it finished, and stops counting it."""
-
-    def __init__(self, handle: RequestHandle, inflight: InFlight) -> None:
-        self.handle, self.inflight = handle, inflight
-        self.finished = self.released = False
-        inflight.count += 1
-
-    def release(self) -> None:
-        if self.released:
-            return
-        self.released = True
-        self.inflight.count -= 1
-        if not self.finished:
-            self.handle.cancel()
-
-
-class EventStream(StreamingResponse):
-    """An SSE response that releases its request however the response ends (also when the
-    client is gone before the first chunk, when the chunk generator never runs)."""
-
-    def __init__(self, chunks: AsyncIterator[str], lease: Lease) -> None:
-        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-        super().__init__(chunks, media_type="text/event-stream", headers=headers)
-        self.lease = lease
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self.lease.release()
+# What the official OpenAI and Anthropic SDKs send from a browser (x-stainless-*: the SDKs' telemetry headers).
+CORS_HEADERS = (
+    "authorization", "content-type", "openai-organization", "openai-project", "openai-beta", "idempotency-key",
+    "x-api-key", "anthropic-version", "anthropic-beta", "anthropic-dangerous-direct-browser-access",
+    "x-stainless-arch", "x-stainless-lang", "x-stainless-os", "x-stainless-package-version",
+    "x-stainless-retry-count", "x-stainless-runtime", "x-stainless-runtime-version", "x-stainless-timeout",
+    "x-stainless-read-timeout", "x-stainless-async", "x-stainless-helper-method", "x-stainless-poll-helper",
+    "x-stainless-custom-poll-interval",
+)
+RouterMaker = Callable[[ServerContext], APIRouter]
+# each mounted under /v1 behind the key
+API_ROUTERS: tuple[RouterMaker, ...] = (openai_router, models_router, messages_router, responses_router)
 
 
 def chat_page() -> str:
@@ -102,126 +70,85 @@ def create_app(
     *,
     api_key: str | None = None,
     cors_origins: Sequence[str] = (),
+    allowed_hosts: Iterable[str] | None = LOOPBACK_NAMES,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    openapi: bool = True,
+    routers: Sequence[RouterMaker] = API_ROUTERS,
     tool_parser: str | None = None,
     any_model_name: bool = True,
 ) -> FastAPI:
-    """The API app over a started ``engine``; ``api_key`` requires ``Authorization: Bearer``
-    on /v1 routes; ``cors_origins`` (default none) are the origins allowed cross-origin access;
-    ``tool_parser`` names the tool-call format (default: the one the chat template teaches);
-    ``any_model_name``: the Anthropic and Responses routes serve any model name they are given."""
-    app = FastAPI(title="mlxformer", docs_url=None, redoc_url=None)
-    if cors_origins:
-        app.add_middleware(
-            CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
-            allow_headers=["Authorization", "Content-Type", "x-api-key", "anthropic-version"],
-        )
-    install_error_handlers(app)
-    inflight = InFlight()
-    text = TokenStrings(served.tokenizer)
-    traits = Traits.of(served, tool_parser)
-    router = APIRouter(prefix="/v1", dependencies=[Depends(key_checker(api_key))])
+    """The API app over a started ``engine``.
 
-    def submit(request: GenerationRequest) -> Lease:
-        try:
-            handle = engine.submit(request)
-        except EngineOverloaded as exc:
-            raise APIError(
-                f"the server is busy ({exc}); retry later", 429, "rate_limit_error", None, "queue_full"
-            ) from exc
-        except MlxformerError as exc:
-            raise APIError(str(exc), 400) from exc
-        return Lease(handle, inflight)
+    ``api_key`` requires ``Authorization: Bearer`` on /v1 routes and /openapi.json;
+    ``cors_origins`` (default none) are the origins allowed cross-origin access; ``allowed_hosts``
+    are the ``Host`` names served (default: the loopback names; ``None``: any); bodies over
+    ``max_body_bytes`` get 413; ``openapi=False`` serves no /openapi.json; ``routers`` make the
+    API routers (each mounted under /v1); ``tool_parser`` names the tool-call format (default: the
+    one the chat template teaches); ``any_model_name``: the Anthropic and Responses routes serve
+    any model name they are sent."""
+    app = FastAPI(title="mlxformer", docs_url=None, redoc_url=None, openapi_url=None)
+    install_error_handlers(app)
+    ctx = ServerContext(engine, served, TokenStrings(served.tokenizer, served.vocab_size),
+                        traits=Traits.of(served, tool_parser), any_model_name=any_model_name)
+    app.state.context = ctx
+    keyed = [key_dependency(api_key), Depends(require_json)]
+    for make in routers:
+        mount_api(app, make(ctx), keyed)
+    app.include_router(template_router(ctx), dependencies=keyed, responses=error_responses((*GUARDED, *KEYED, 415)))
 
     @app.get("/", include_in_schema=False)
     async def index() -> HTMLResponse:
         return HTMLResponse(chat_page(), headers={"Content-Security-Policy": PAGE_SECURITY_POLICY})
 
-    @app.get("/health")
+    @app.get("/health", responses=error_responses(GUARDED))
     async def health() -> dict[str, object]:
-        return {"status": "ok", "model": served.name, "running": inflight.count}
+        return {"status": "ok", "model": served.name, "running": ctx.inflight.count}
 
-    @router.post("/chat/completions", dependencies=[Depends(require_json)])
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        check_model_name(body.model, served)
-        prepared = prepare(chat_turn(body), served, traits)
-        lease = submit(prepared.request)
-        request_id = new_id("chatcmpl")
-        if body.stream:
-            make = chat_chunk_maker(request_id, served.name, text, body.logprobs, prepared.parser())
-            first = ChatCompletionChunk.model_validate({
-                "id": request_id, "model": served.name,
-                "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}],
-            })
+    install_openapi(app)
+    if openapi:
+        @app.get("/openapi.json", include_in_schema=False, dependencies=keyed[:1])
+        async def openapi_document() -> JSONResponse:
+            return JSONResponse(app.openapi())
 
-            def usage_chunk(last: TokenEvent | None) -> BaseModel:
-                return ChatCompletionChunk(id=request_id, model=served.name, choices=[], usage=usage_of(last))
-
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return EventStream(stream(lease, make, first, usage_chunk if include_usage else None), lease)
-        result = await collect_unless_gone(lease, request)
-        reply = whole_reply(prepared.parser(), result.events)
-        return JSONResponse(chat_response(request_id, served.name, reply, text, body.logprobs).model_dump())
-
-    @router.post("/completions", dependencies=[Depends(require_json)])
-    async def completions(body: CompletionRequest, request: Request) -> Response:
-        check_model_name(body.model, served)
-        if body.suffix:
-            raise APIError("suffix is not supported", 400, param="suffix")
-        ids = completion_prompt_ids(body, served.tokenizer, served.vocab_size)
-        lease = submit(engine_request(
-            body, ids, served, max_tokens=body.max_tokens, logprobs=body.logprobs, prompt_param="prompt",
-        ))
-        request_id = new_id("cmpl")
-        echo = echo_text(body, ids, served) if body.echo else ""
-        logprobs = body.logprobs is not None
-        if body.stream:
-            make = completion_chunk_maker(request_id, served.name, text, logprobs, echo)
-
-            def usage_chunk(last: TokenEvent | None) -> BaseModel:
-                return CompletionResponse(id=request_id, model=served.name, choices=[], usage=usage_of(last))
-
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return EventStream(stream(lease, make, None, usage_chunk if include_usage else None), lease)
-        result = await collect_unless_gone(lease, request)
-        return JSONResponse(completion_response(request_id, served.name, result, text, logprobs, echo).model_dump())
-
-    hosting = Hosting(served, traits, submit, EventStream, collect_unless_gone, any_model_name)
-    router.include_router(models_router(hosting))
-    for agent_router in (messages_router(hosting), responses_router(hosting)):
-        router.include_router(agent_router, dependencies=[Depends(require_json)])
-    app.include_router(router)
-    app.include_router(template_router(hosting), dependencies=[Depends(key_checker(api_key)), Depends(require_json)])
+    if cors_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
+                           allow_headers=list(CORS_HEADERS))
+    hosts = None if allowed_hosts is None else frozenset(host_name(h) for h in allowed_hosts)
+    app.add_middleware(RequestGuard, allowed_hosts=hosts, max_body_bytes=max_body_bytes)
     return app
 
 
-def echo_text(body: CompletionRequest, ids: list[int], served: ServedModel) -> str:
-    """The prompt as text, for ``echo``."""
-    if isinstance(body.prompt, str):
-        return body.prompt
-    if body.prompt and isinstance(body.prompt[0], str):
-        return str(body.prompt[0])
-    return served.tokenizer.decode(ids)
+def mount_api(app: FastAPI, router: APIRouter, dependencies: list[Any]) -> None:
+    """Mount an API router under /v1 behind ``dependencies`` (the API key, JSON bodies), its
+    operations documenting the guard's and the key's errors."""
+    app.include_router(router, prefix="/v1", dependencies=dependencies,
+                       responses=error_responses((*GUARDED, *KEYED, 415)))
 
 
-def key_checker(api_key: str | None) -> Callable[[Request], None]:
-    """A dependency that requires ``Authorization: Bearer <api_key>`` or (Anthropic clients)
-    ``x-api-key: <api_key>`` (nothing when no key is set)."""
+def key_dependency(api_key: str | None) -> Any:
+    """A dependency that requires ``Authorization: Bearer <api_key>`` or (Anthropic's clients)
+    ``x-api-key: <api_key>`` (nothing when no key is set; with a key, the OpenAPI document
+    declares the bearer scheme)."""
+    if api_key is None:
+        def open_access() -> None:
+            return None
 
-    def check(request: Request) -> None:
-        if api_key is None:
-            return
-        scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer":
-            given = request.headers.get("x-api-key", "")
+        return Depends(open_access)
+
+    def check(request: Request,
+              credentials: HTTPAuthorizationCredentials | None = Depends(HTTPBearer(auto_error=False))) -> None:
+        given = credentials.credentials.strip() if credentials is not None else request.headers.get("x-api-key", "")
         if not hmac.compare_digest(given.strip().encode(), api_key.encode()):
             raise APIError("invalid or missing API key (Authorization: Bearer ... or x-api-key)", 401,
                            "authentication_error", None, "invalid_api_key")
 
-    return check
+    return Depends(check)
 
 
 def require_json(request: Request) -> None:
     """POST bodies must be declared JSON: a cross-origin page cannot send that without CORS."""
+    if request.method != "POST":
+        return
     media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if media_type != "application/json":
         raise APIError("the request body must be JSON (Content-Type: application/json)", 415,
@@ -239,7 +166,11 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
-        return respond(request, exc.body(), exc.status)
+        return respond(request, exc.body(), exc.status, exc.headers)
+
+    @app.exception_handler(BodyTooLarge)
+    async def too_large(request: Request, exc: BodyTooLarge) -> JSONResponse:
+        return respond(request, error_body(str(exc), "invalid_request_error", None, "request_too_large"), 413)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -248,6 +179,9 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        if isinstance(exc.__cause__, BodyTooLarge):  # FastAPI wraps errors while reading the body
+            too_big = error_body(str(exc.__cause__), "invalid_request_error", None, "request_too_large")
+            return respond(request, too_big, 413)
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return respond(request, error_body(str(exc.detail), kind), exc.status_code, exc.headers)
 
@@ -255,50 +189,3 @@ def install_error_handlers(app: FastAPI) -> None:
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("internal error")
         return respond(request, error_body(f"internal server error ({type(exc).__name__})", "server_error"), 500)
-
-
-async def stream(
-    lease: Lease,
-    make: ChunkMaker,
-    first: BaseModel | None,
-    usage_chunk: Callable[[TokenEvent | None], BaseModel] | None,
-) -> AsyncIterator[str]:
-    """SSE chunks for a request's events, then the usage chunk (if asked) and ``[DONE]``.
-    If the client goes away (the response task is cancelled) the request is cancelled."""
-    last: TokenEvent | None = None
-    try:
-        if first is not None:
-            yield sse(first)
-        async with aclosing(lease.handle.aiter()) as events:
-            async for event in events:
-                last = event
-                lease.finished = lease.finished or event.finish_reason is not None
-                chunk = make(event)
-                if chunk is not None:
-                    yield sse(chunk)
-        if usage_chunk is not None:
-            yield sse(usage_chunk(last))
-        yield "data: [DONE]\n\n"
-    except Exception as exc:  # the stream has started: report in-band
-        log.exception("generation failed")
-        yield error_event(f"generation failed ({type(exc).__name__})")
-        yield "data: [DONE]\n\n"
-    finally:
-        lease.release()
-
-
-async def collect_unless_gone(lease: Lease, request: Request) -> Collected:
-    """All of a request's events; cancels the request if the client disconnects meanwhile."""
-    task = asyncio.ensure_future(collect(lease.handle.aiter()))
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_SECONDS)
-            if done:
-                lease.finished = True
-                return task.result()
-            if await request.is_disconnected():
-                raise APIError("client disconnected", 499, "invalid_request_error", None, "client_closed_request")
-    finally:
-        lease.release()
-        if not task.done():
-            task.cancel()

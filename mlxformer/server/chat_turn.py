@@ -16,7 +16,8 @@ def chat_turn(body: ChatCompletionRequest) -> Turn:
     budget = body.reasoning_budget if body.reasoning_budget is not None else effort_budget(body.reasoning_effort)
     return Turn(
         messages=[m.template_dict() for m in body.messages], fields=body,
-        max_tokens=body.max_completion_tokens or body.max_tokens,
+        max_tokens=body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens,
+        max_tokens_param="max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens",
         tools=body.tools, tool_choice=body.tool_choice, response_format=body.response_format,
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
         template_kwargs=kwargs, thinking=None if thinking is None else bool(thinking), reasoning_budget=budget,

@@ -12,10 +12,11 @@ class APIError(Exception):
 
     def __init__(
         self, message: str, status: int = 400, type: str = "invalid_request_error",
-        param: str | None = None, code: str | None = None,
+        param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.message, self.status, self.type, self.param, self.code = message, status, type, param, code
+        self.headers = headers
 
     def body(self) -> dict[str, Any]:
         """The JSON body of the response."""
@@ -38,8 +39,9 @@ def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
         return "invalid request", None
     first = errors[0]
     location = [str(part) for part in first.get("loc", ()) if part != "body"]
-    param = ".".join(location) or None
+    param = location[0] if location else None  # the request field (not the path inside it)
     if first.get("type") == "json_invalid":
         return f"the request body is not valid JSON: {first.get('msg', '')}", None
     message = first.get("msg", "invalid value")
-    return (f"{param}: {message}" if param else message), param
+    where = ".".join(location)
+    return (f"{where}: {message}" if where else message), param

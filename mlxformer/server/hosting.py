@@ -1,52 +1,37 @@
-"""What the agent APIs' routes (Anthropic Messages, Responses, metadata) get from the app: the
-served model and its traits, and the app's own ways to submit a request, stream a response and
-collect a whole one (so that leases, cancellation and disconnects work as on every route)."""
+"""What the agent APIs' routes (Anthropic Messages, Responses) share beyond the ``ServerContext``:
+the model-name policy, and SSE streams of named events made from the engine's events."""
 
 from __future__ import annotations
 
 import json
 import logging
 from contextlib import aclosing
-from dataclasses import dataclass
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncIterator, Callable
 
-from fastapi import Request
-from fastapi.responses import Response
-
-from mlxformer.engine import GenerationRequest, TokenEvent
+from mlxformer.engine import TokenEvent
+from mlxformer.server.context import ServerContext
 from mlxformer.server.errors import APIError
-from mlxformer.server.responses import Collected
-from mlxformer.server.translate import ServedModel
-from mlxformer.server.turn import Traits
+from mlxformer.server.streaming import Lease
 
 log = logging.getLogger("mlxformer.server")
 
 
-@dataclass(frozen=True)
-class Hosting:
-    served: ServedModel
-    traits: Traits
-    submit: Callable[[GenerationRequest], Any]  # -> a lease (``app.Lease``)
-    open_stream: Callable[[AsyncIterator[str], Any], Response]  # (SSE text, lease) -> response
-    collect: Callable[[Any, Request], Awaitable[Collected]]  # (lease, request) -> all events
-    any_model_name: bool = True  # serve whatever model name a request gives (Claude Code sends claude-*)
-
-    def check_model(self, requested: str | None) -> None:
-        """404 for another model's name, when the server is told to be strict about names."""
-        if not self.any_model_name and requested and requested != self.served.name:
-            raise APIError(f"the model {requested!r} does not exist; this server serves {self.served.name!r}",
-                           404, "invalid_request_error", "model", "model_not_found")
+def check_model(ctx: ServerContext, requested: str | None) -> None:
+    """404 for another model's name, when the server is told to be strict about names."""
+    if not ctx.any_model_name and requested and requested != ctx.served.name:
+        raise APIError(f"the model {requested!r} does not exist; this server serves {ctx.served.name!r}",
+                       404, "invalid_request_error", "model", "model_not_found")
 
 
 async def frames(
-    lease: Any,
+    lease: Lease,
     on_event: Callable[[TokenEvent], list[str]],
     on_error: Callable[[str], list[str]],
 ) -> AsyncIterator[str]:
     """The SSE frames ``on_event`` makes of each of a request's events; a failure after the stream
     started is reported in-band with ``on_error``. The request is released however this ends."""
     try:
-        async with aclosing(lease.handle.aiter()) as events:
+        async with aclosing(lease.events()) as events:
             async for event in events:
                 lease.finished = lease.finished or event.finish_reason is not None
                 for frame in on_event(event):

@@ -1,5 +1,5 @@
-"""Model metadata and template tools: ``GET /v1/models`` and ``/v1/models/{id}`` (context length
-and capabilities), and llama-server's ``POST /tokenize``, ``/detokenize`` and ``/apply-template``."""
+"""Model metadata and template tools: the ``/v1/models`` entry (context length and
+capabilities), ``GET /v1/models/{id}``, and llama-server's ``POST /tokenize``, ``/detokenize`` and ``/apply-template``."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from pydantic import Field
 
 from mlxformer.errors import MlxformerError
 from mlxformer.server.errors import APIError, bad_request
-from mlxformer.server.hosting import Hosting
-from mlxformer.server.protocol import ChatMessage, Lenient, ModelCard, ModelList
+from mlxformer.server.context import ServerContext
+from mlxformer.server.protocol import ChatMessage, Lenient, ModelCard
 from mlxformer.server.turn import Turn, render_prompt
 from mlxformer.server.tools import tool_plan
 
@@ -34,33 +34,32 @@ class ApplyTemplateRequest(Lenient):
     chat_template_kwargs: Optional[dict[str, Any]] = None
 
 
-def models_router(hosting: Hosting) -> APIRouter:
-    """``/models`` and ``/models/{id}`` (under ``/v1``)."""
+def model_card(ctx: ServerContext) -> ModelCard:
+    """The served model's ``/v1/models`` entry: context length and capabilities."""
+    assert ctx.traits is not None
+    return ModelCard(id=ctx.served.name, context_length=ctx.served.context_length,
+                     capabilities=ctx.traits.capabilities(ctx.served))
+
+
+def models_router(ctx: ServerContext) -> APIRouter:
+    """``/models/{id}`` (under ``/v1``; the list is in ``openai_routes``)."""
     router = APIRouter()
-    served = hosting.served
-
-    def card() -> ModelCard:
-        return ModelCard(id=served.name, context_length=served.context_length,
-                         capabilities=hosting.traits.capabilities(served))
-
-    @router.get("/models")
-    async def models() -> ModelList:
-        return ModelList(data=[card()])
+    served = ctx.served
 
     @router.get("/models/{model_id:path}")
     async def model(model_id: str) -> ModelCard:
         if model_id != served.name:
             raise APIError(f"the model {model_id!r} does not exist; this server serves {served.name!r}",
                            404, "invalid_request_error", "model", "model_not_found")
-        return card()
+        return model_card(ctx)
 
     return router
 
 
-def template_router(hosting: Hosting) -> APIRouter:
+def template_router(ctx: ServerContext) -> APIRouter:
     """``/tokenize``, ``/detokenize`` and ``/apply-template`` (llama-server's shapes)."""
     router = APIRouter()
-    served = hosting.served
+    served = ctx.served
     tokenizer = served.tokenizer
 
     @router.post("/tokenize")
@@ -86,6 +85,6 @@ def template_router(hosting: Hosting) -> APIRouter:
         thinking = kwargs.pop("enable_thinking", None)
         turn = Turn(messages=[m.template_dict() for m in body.messages], fields=None,  # type: ignore[arg-type]
                     tools=body.tools, template_kwargs=kwargs, thinking=None if thinking is None else bool(thinking))
-        return {"prompt": render_prompt(turn, served, tool_plan(body.tools, None), hosting.traits)}
+        return {"prompt": await ctx.prepare(lambda: render_prompt(turn, served, tool_plan(body.tools, None), ctx.traits))}
 
     return router

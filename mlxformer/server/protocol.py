@@ -11,16 +11,19 @@ import time
 import uuid
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from mlxformer.options import MAX_PENALTY, MAX_SEED, RANDOM_SEED
 
 MAX_STOP_STRINGS = 16
 MAX_TOP_LOGPROBS = 20
 
 
 class Lenient(BaseModel):
-    """A request object: extra fields are ignored."""
+    """A request object: extra fields are ignored; types are strict (no ``false`` for ``0``, no
+    ``"1"`` for ``1``) and floats finite."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(Lenient):
@@ -60,22 +63,37 @@ class ResponseFormat(Lenient):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: Optional[dict[str, Any]] = None
 
+    @model_validator(mode="after")
+    def schema_given(self) -> "ResponseFormat":
+        if self.type == "json_schema" and not isinstance((self.json_schema or {}).get("schema"), dict):
+            raise ValueError('type "json_schema" needs json_schema.schema, a JSON schema object')
+        return self
+
+
+def bounds(minimum: float | None = None, maximum: float | None = None, *, above: float | None = None,
+           below: float | None = None) -> Any:
+    """A field's documented range (``above``/``below``: exclusive), for the OpenAPI document only:
+    the values are checked by ``mlxformer.options.SamplingSettings``, the one validation of
+    sampling options for every entry point."""
+    rule = {"minimum": minimum, "maximum": maximum, "exclusiveMinimum": above, "exclusiveMaximum": below}
+    return Field(default=None, json_schema_extra={k: v for k, v in rule.items() if v is not None})
+
 
 class SamplingFields(Lenient):
     """The fields shared by chat and text completions."""
 
     model: Optional[str] = None
     max_tokens: Optional[int] = Field(default=None, ge=1)
-    temperature: Optional[float] = Field(default=None, ge=0.0, le=100.0)
-    top_p: Optional[float] = Field(default=None, gt=0.0, le=1.0)
-    top_k: Optional[int] = Field(default=None, ge=-1)  # -1 or 0: off (vLLM / OpenAI-style)
-    min_p: Optional[float] = Field(default=None, ge=0.0, lt=1.0)
-    seed: Optional[int] = None
+    temperature: Optional[float] = bounds(minimum=0.0)
+    top_p: Optional[float] = bounds(above=0.0, maximum=1.0)
+    top_k: Optional[int] = bounds(minimum=-1)  # -1 or 0: off (vLLM / OpenAI-style)
+    min_p: Optional[float] = bounds(minimum=0.0, below=1.0)
+    seed: Optional[int] = bounds(minimum=RANDOM_SEED, maximum=MAX_SEED)  # -1: a random seed (llama.cpp)
     stop: Union[str, list[str], None] = None
-    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    repetition_penalty: Optional[float] = Field(default=None, gt=0.0)
-    logit_bias: Optional[dict[str, float]] = None
+    presence_penalty: Optional[float] = bounds(minimum=-MAX_PENALTY, maximum=MAX_PENALTY)
+    frequency_penalty: Optional[float] = bounds(minimum=-MAX_PENALTY, maximum=MAX_PENALTY)
+    repetition_penalty: Optional[float] = bounds(above=0.0)
+    logit_bias: Optional[dict[str, float]] = None  # token id -> bias in [-100, 100]
     n: int = Field(default=1, ge=1)
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
@@ -101,7 +119,8 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: Union[str, list[int], list[str]]
+    prompt: Union[str, list[int], list[str], list[list[int]]]
+    max_tokens: Optional[int] = Field(default=None, ge=0)  # 0: only with echo (score the prompt)
     logprobs: Optional[int] = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
     suffix: Optional[str] = None
@@ -214,8 +233,8 @@ class ChatCompletionChunk(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    token_logprobs: list[Optional[float]] = Field(default_factory=list)  # the echoed prompt's first: null
+    top_logprobs: list[Optional[dict[str, float]]] = Field(default_factory=list)
     text_offset: list[int] = Field(default_factory=list)
 
 

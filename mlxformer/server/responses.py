@@ -1,8 +1,16 @@
-"""From engine token events to API responses: whole responses, SSE chunks, usage and logprobs."""
+"""From engine token events to API responses: whole responses, SSE chunks, usage and logprobs.
+
+Logprobs are always finite JSON numbers: tokens a constraint masked (log-probability −inf) are
+left out of the alternatives, and a chosen token's −inf or NaN is reported as OpenAI's floor,
+−9999. A token is reported only once the text it starts in has been sent, so tokens wholly past
+a stop-string cut never are. Token strings and bytes are the token's own bytes.
+"""
 
 from __future__ import annotations
 
+import codecs
 import json
+import math
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
@@ -13,12 +21,20 @@ from mlxformer.engine import TokenEvent
 from mlxformer.server.errors import error_body
 from mlxformer.server.protocol import (
     AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionResponse, ChoiceLogprobs,
-    CompletionChoice, CompletionTokensDetails, CompletionLogprobs, CompletionResponse, Delta, PromptTokensDetails, TokenLogprob, TopLogprob,
-    Usage,
+    CompletionChoice, CompletionLogprobs, CompletionResponse, CompletionTokensDetails, Delta, PromptTokensDetails,
+    TokenLogprob, TopLogprob, Usage,
 )
 from mlxformer.server.reply import Reply, ReplyParser
 from mlxformer.server.toolcalls import CallDelta
 from mlxformer.tokenizer import Tokenizer
+
+LOGPROB_FLOOR = -9999.0  # what OpenAI reports for a token the model gives (next to) no probability
+SPECIAL_MARKER = b"\xff"  # the grammar vocabulary's mark on control tokens
+
+
+def finite(logprob: float) -> float:
+    """``logprob`` as a JSON-safe number: −inf and NaN become ``LOGPROB_FLOOR``."""
+    return logprob if math.isfinite(logprob) else (0.0 if logprob > 0 else LOGPROB_FLOOR)
 
 
 def usage_of(event: TokenEvent | None) -> Usage:
@@ -38,45 +54,86 @@ def usage_of(event: TokenEvent | None) -> Usage:
 
 
 class TokenStrings:
-    """The text of single token ids, as OpenAI's logprobs show them."""
+    """Single tokens as OpenAI's logprobs show them: their own bytes (a byte-fallback token is
+    its one byte), and as a string their UTF-8 text, or ``bytes:\\xNN...`` when that is not text."""
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int) -> None:
+        self.tokenizer, self.vocab_size = tokenizer, vocab_size
         self.eos = frozenset(tokenizer.eos_token_ids)
+        self._vocab: Any = None
+
+    def bytes_of(self, token: int) -> bytes:
+        """The bytes ``token`` stands for (a control token: its name)."""
+        if self._vocab is None:
+            from mlxformer.constrained.vocab import grammar_tokenizer  # built once per tokenizer, cached on it
+
+            self._vocab = grammar_tokenizer(self.tokenizer, self.vocab_size)
+        data = self._vocab.decode_bytes([token])
+        return data[len(SPECIAL_MARKER):] if data.startswith(SPECIAL_MARKER) else data
 
     def __call__(self, token: int) -> str:
-        return self.tokenizer.decode([token])
+        data = self.bytes_of(token)
+        try:
+            return data.decode("utf-8")
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in data)
 
     def scored(self, event: TokenEvent) -> bool:
         """Whether ``event`` carries a generated token to report logprobs for (EOS is not reported)."""
         return event.token is not None and event.logprob is not None and event.token not in self.eos
 
 
+@dataclass
+class Scored:
+    """A generated token to report: its event and where its text starts (characters into the output)."""
+
+    event: TokenEvent
+    offset: int
+
+
+class LogprobAligner:
+    """Releases each scored token once the output text sent so far reaches into it; at the end,
+    tokens that start at or past the end of the text (after a stop-string cut) are dropped."""
+
+    def __init__(self, text: TokenStrings) -> None:
+        self.text = text
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.chars = 0  # characters the scored tokens' bytes make so far
+        self.sent = 0  # characters of output text so far
+        self.pending: list[Scored] = []
+
+    def add(self, event: TokenEvent) -> list[Scored]:
+        """Feed one event; returns the tokens now due."""
+        if self.text.scored(event):
+            self.pending.append(Scored(event, self.chars))
+            self.chars += len(self.decoder.decode(self.text.bytes_of(event.token)))  # type: ignore[arg-type]
+        self.sent += len(event.text)
+        due = [s for s in self.pending if s.offset < self.sent]
+        self.pending = [] if event.finish_reason is not None else self.pending[len(due):]
+        return due
+
+
+def top_alternatives(event: TokenEvent) -> list[tuple[int, float]]:
+    """The event's alternatives with a finite log-probability (masked tokens left out)."""
+    return [(i, lp) for i, lp in (event.top_logprobs or []) if math.isfinite(lp)]
+
+
 def chat_token_logprob(event: TokenEvent, text: TokenStrings) -> TokenLogprob:
     """One ``logprobs.content`` entry of a chat completion."""
-    token = text(event.token)
-    top = [
-        TopLogprob(token=(t := text(i)), logprob=float(lp), bytes=list(t.encode("utf-8")))
-        for i, lp in (event.top_logprobs or [])
-    ]
-    return TokenLogprob(token=token, logprob=float(event.logprob), bytes=list(token.encode("utf-8")), top_logprobs=top)
+    assert event.token is not None and event.logprob is not None
+    top = [TopLogprob(token=text(i), logprob=lp, bytes=list(text.bytes_of(i))) for i, lp in top_alternatives(event)]
+    return TokenLogprob(token=text(event.token), logprob=finite(event.logprob),
+                        bytes=list(text.bytes_of(event.token)), top_logprobs=top)
 
 
-@dataclass
-class CompletionLogprobBuilder:
-    """Accumulates a text completion's ``logprobs`` object (tokens, their logprobs, top maps, offsets)."""
-
-    text: TokenStrings
-    offset: int = 0  # text offset of the next token
-    logprobs: CompletionLogprobs = field(default_factory=CompletionLogprobs)
-
-    def add(self, event: TokenEvent) -> None:
-        token = self.text(event.token)
-        self.logprobs.tokens.append(token)
-        self.logprobs.token_logprobs.append(float(event.logprob))
-        self.logprobs.top_logprobs.append({self.text(i): float(lp) for i, lp in (event.top_logprobs or [])})
-        self.logprobs.text_offset.append(self.offset)
-        self.offset += len(token)
+def add_completion_logprob(logprobs: CompletionLogprobs, scored: Scored, text: TokenStrings, base: int) -> None:
+    """Append one generated token to a text completion's ``logprobs`` (``base``: the echo's length)."""
+    event = scored.event
+    assert event.token is not None and event.logprob is not None
+    logprobs.tokens.append(text(event.token))
+    logprobs.token_logprobs.append(finite(event.logprob))
+    logprobs.top_logprobs.append({text(i): lp for i, lp in top_alternatives(event)})
+    logprobs.text_offset.append(base + scored.offset)
 
 
 @dataclass
@@ -87,6 +144,11 @@ class Collected:
     finish_reason: str | None = None
     last: TokenEvent | None = None
     events: list[TokenEvent] = field(default_factory=list)
+
+    def scored(self, text: TokenStrings) -> list[Scored]:
+        """The tokens to report logprobs for (none past a stop-string cut)."""
+        aligner = LogprobAligner(text)
+        return [s for event in self.events for s in aligner.add(event)]
 
 
 async def collect(events: AsyncIterator[TokenEvent]) -> Collected:
@@ -104,10 +166,11 @@ async def collect(events: AsyncIterator[TokenEvent]) -> Collected:
     return result
 
 
-def chat_response(request_id: str, model: str, reply: Reply, text: TokenStrings, logprobs: bool
+def chat_response(request_id: str, model: str, result: Collected, reply: Reply, text: TokenStrings, logprobs: bool
                   ) -> ChatCompletionResponse:
-    """The ``chat.completion`` object for a finished reply (content, reasoning and calls)."""
-    content = [chat_token_logprob(e, text) for e in reply.events if text.scored(e)] if logprobs else None
+    """The ``chat.completion`` object for a finished generation, as ``reply`` reads it (content,
+    reasoning and calls)."""
+    content = [chat_token_logprob(s.event, text) for s in result.scored(text)] if logprobs else None
     message = AssistantMessage(
         content=reply.content if reply.content or not reply.calls else None,
         reasoning_content=reply.reasoning or None, reasoning=reply.reasoning or None,
@@ -118,29 +181,43 @@ def chat_response(request_id: str, model: str, reply: Reply, text: TokenStrings,
         logprobs=ChoiceLogprobs(content=content) if logprobs else None,
         finish_reason=reply.finish_reason,
     )
-    return ChatCompletionResponse(id=request_id, model=model, choices=[choice], usage=usage_of(reply.last))
+    return ChatCompletionResponse(id=request_id, model=model, choices=[choice], usage=usage_of(result.last))
 
 
 def completion_response(
-    request_id: str, model: str, result: Collected, text: TokenStrings, logprobs: bool, echo: str = ""
+    request_id: str, model: str, result: Collected, text: TokenStrings, logprobs: bool, echo: str = "",
+    prompt_logprobs: CompletionLogprobs | None = None,
 ) -> CompletionResponse:
-    """The ``text_completion`` object for a finished generation (``echo``: the prompt text to prepend)."""
-    builder = CompletionLogprobBuilder(text, offset=len(echo))
-    for event in result.events:
-        if logprobs and text.scored(event):
-            builder.add(event)
+    """The ``text_completion`` object for a finished generation (``echo``: the prompt text to
+    prepend; ``prompt_logprobs``: its tokens' entries, which come first)."""
+    built = prompt_logprobs.model_copy(deep=True) if prompt_logprobs is not None else CompletionLogprobs()
+    for scored in result.scored(text) if logprobs else []:
+        add_completion_logprob(built, scored, text, len(echo))
     choice = CompletionChoice(
-        text=echo + result.text, logprobs=builder.logprobs if logprobs else None, finish_reason=result.finish_reason
+        text=echo + result.text, logprobs=built if logprobs else None, finish_reason=result.finish_reason
     )
     return CompletionResponse(id=request_id, model=model, choices=[choice], usage=usage_of(result.last))
 
 
-def sse(payload: BaseModel | dict[str, Any] | str) -> str:
+def chunk_json(payload: BaseModel, include_usage: bool) -> str:
+    """A streamed object as OpenAI sends it: ``finish_reason`` and ``logprobs`` always present
+    (``null`` until set), ``usage: null`` on every chunk when usage was asked for (else absent),
+    and a delta carrying only what it sets."""
+    data = payload.model_dump()
+    for choice in data.get("choices", []):
+        if isinstance(choice.get("delta"), dict):
+            choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
+    if data.get("usage") is None and not include_usage:
+        data.pop("usage", None)
+    return json.dumps(data, allow_nan=False, separators=(",", ":"), ensure_ascii=False)
+
+
+def sse(payload: BaseModel | dict[str, Any] | str, include_usage: bool = False) -> str:
     """One server-sent event: ``data: <json>`` and a blank line."""
     if isinstance(payload, BaseModel):
-        data = payload.model_dump_json(exclude_none=True)
+        data = chunk_json(payload, include_usage)
     elif isinstance(payload, dict):
-        data = json.dumps(payload)
+        data = json.dumps(payload, allow_nan=False)
     else:
         data = payload
     return f"data: {data}\n\n"
@@ -153,20 +230,23 @@ def chat_chunk_maker(request_id: str, model: str, text: TokenStrings, logprobs: 
                      ) -> ChunkMaker:
     """Maps each event to a ``chat.completion.chunk`` of what ``parser`` makes of it (content,
     reasoning, ``tool_calls`` deltas: index, id and name first, then argument fragments), or None
-    when it carries nothing to send. Held-back text keeps its logprobs: they ride on the chunk
-    of the event that produced them."""
+    when it carries nothing to send. Logprobs are reported as the engine's text reaches each
+    token, also while the parser holds that text back."""
+    aligner = LogprobAligner(text)
 
     def make(event: TokenEvent) -> BaseModel | None:
+        due = aligner.add(event)
         delta = parser.feed(event)
-        entry = [chat_token_logprob(event, text)] if logprobs and text.scored(event) else None
+        entries = [chat_token_logprob(s.event, text) for s in due] if logprobs and due else None
         finish = parser.finish_reason(event.finish_reason)
-        if not (delta.content or delta.reasoning or delta.calls) and entry is None and finish is None:
+        if not (delta.content or delta.reasoning or delta.calls) and entries is None and finish is None:
             return None
         calls = [_call_delta(c) for c in delta.calls] or None
+        content = (delta.content or None) if calls or delta.reasoning else delta.content
         choice = ChatChunkChoice(
-            delta=Delta(content=delta.content or None if calls or delta.reasoning else delta.content,
-                        reasoning_content=delta.reasoning or None, reasoning=delta.reasoning or None, tool_calls=calls),
-            logprobs=ChoiceLogprobs(content=entry) if entry is not None else None,
+            delta=Delta(content=content, reasoning_content=delta.reasoning or None, reasoning=delta.reasoning or None,
+                        tool_calls=calls),
+            logprobs=ChoiceLogprobs(content=entries) if entries is not None else None,
             finish_reason=finish,
         )
         return ChatCompletionChunk(id=request_id, model=model, choices=[choice])
@@ -182,22 +262,28 @@ def _call_delta(delta: CallDelta) -> dict[str, Any]:
     return {"index": delta.index, "function": {"arguments": delta.arguments}}
 
 
-def completion_chunk_maker(request_id: str, model: str, text: TokenStrings, logprobs: bool, echo: str) -> ChunkMaker:
-    """Maps each event to a streamed ``text_completion`` object (the first one carries ``echo``)."""
-    builder = CompletionLogprobBuilder(text, offset=len(echo))
-    pending_echo = [echo]
+def completion_chunk_maker(
+    request_id: str, model: str, text: TokenStrings, logprobs: bool, echo: str,
+    prompt_logprobs: CompletionLogprobs | None = None,
+) -> ChunkMaker:
+    """Maps each event to a streamed ``text_completion`` object (the first one carries ``echo``
+    and the prompt's logprobs)."""
+    aligner = LogprobAligner(text)
+    pending_echo = [(echo, prompt_logprobs)]
 
     def make(event: TokenEvent) -> BaseModel | None:
-        scored = logprobs and text.scored(event)
-        if scored:
-            builder.logprobs = CompletionLogprobs()
-            builder.add(event)
-        piece = pending_echo.pop() + event.text if pending_echo else event.text
-        if not piece and not scored and event.finish_reason is None:
+        piece, built = event.text, None
+        if pending_echo:
+            head, built = pending_echo.pop()
+            piece = head + piece
+        due = aligner.add(event) if logprobs else []
+        if due:
+            built = built or CompletionLogprobs()
+            for scored in due:
+                add_completion_logprob(built, scored, text, len(echo))
+        if not piece and built is None and event.finish_reason is None:
             return None
-        choice = CompletionChoice(
-            text=piece, logprobs=builder.logprobs if scored else None, finish_reason=event.finish_reason
-        )
+        choice = CompletionChoice(text=piece, logprobs=built, finish_reason=event.finish_reason)
         return CompletionResponse(id=request_id, model=model, choices=[choice])
 
     return make

@@ -14,7 +14,9 @@ from pydantic import ValidationError
 
 from mlxformer.engine import TokenEvent
 from mlxformer.server.errors import APIError, bad_request, validation_message
-from mlxformer.server.hosting import Hosting, frames, named_event
+from mlxformer.server.context import ServerContext
+from mlxformer.server.hosting import check_model, frames, named_event
+from mlxformer.server.streaming import EventStream, collect_unless_gone
 from mlxformer.server.protocol import ResponseFormat, SamplingFields, new_id
 from mlxformer.server.responses_protocol import InputItem, ResponsesRequest
 from mlxformer.server.segments import Segment, SegmentEvent, Segmenter
@@ -175,19 +177,19 @@ def continued(history: list[dict[str, Any]], segments: list[Segment]) -> list[di
     return [*history, message]
 
 
-def responses_router(hosting: Hosting) -> APIRouter:
+def responses_router(ctx: ServerContext) -> APIRouter:
     """The Responses route (mounted under the app's authenticated ``/v1``)."""
     router = APIRouter()
     store = ResponseStore()
-    served = hosting.served
+    served = ctx.served
 
     @router.post("/responses")
     async def responses(body: ResponsesRequest, request: Request) -> Response:
-        hosting.check_model(body.model)
+        check_model(ctx, body.model)
         previous = store.get(body.previous_response_id) if body.previous_response_id else []
         history = [*previous, *input_messages(body.input)]
-        prepared = prepare(responses_turn(body, history), served, hosting.traits)
-        lease = hosting.submit(prepared.request)
+        prepared = await ctx.prepare(lambda: prepare(responses_turn(body, history), served, ctx.traits))
+        lease = ctx.submit(prepared.request)
         parser, segmenter = prepared.parser(), Segmenter()
         response_id, created = new_id("resp").replace("-", "_"), time.time()
         reasoning_tokens = [0]
@@ -242,8 +244,8 @@ def responses_router(hosting: Hosting) -> APIRouter:
             def on_error(message: str) -> list[str]:
                 return [numbered({"type": "error", "code": "server_error", "message": message, "param": None})]
 
-            return hosting.open_stream(frames(lease, on_event, on_error), lease)
-        result = await hosting.collect(lease, request)
+            return EventStream(frames(lease, on_event, on_error), lease)
+        result = await collect_unless_gone(lease, request)
         for event in result.events:
             absorb(event)
         status = finished(result.events[-1]) if result.events else "completed"

@@ -19,6 +19,7 @@ from mlxformer.engine.prompt_cache import PromptCacheSettings
 from mlxformer.errors import MlxformerError
 from mlxformer.models.decoder import Model
 from mlxformer.server.app import create_app
+from mlxformer.server.guards import DEFAULT_MAX_BODY_BYTES, loopback_hosts
 from mlxformer.server.translate import ServedModel
 from mlxformer.speculative import SpeculativeSettings
 from mlxformer.tokenizer import Tokenizer
@@ -37,6 +38,13 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def served_hosts(host: str, extra: Sequence[str]) -> frozenset[str] | None:
+    """The ``Host`` names a server bound to ``host`` answers (``None``: any)."""
+    if is_loopback(host):
+        return loopback_hosts(host, extra)
+    return frozenset(extra) if extra else None
+
+
 def serve(
     model: Model,
     tokenizer: Tokenizer,
@@ -51,20 +59,25 @@ def serve(
     cache_settings: CacheSettings | None = None,
     speculative: SpeculativeSettings | None = None,
     prompt_cache: PromptCacheSettings | None = None,
+    allowed_hosts: Sequence[str] = (),
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    openapi: bool = True,
     tool_parser: str | None = None,
     any_model_name: bool = True,
 ) -> None:
     """Serve ``model`` as ``name`` until interrupted (Ctrl-C stops the server and the engine);
     ``speculative`` decodes every request speculatively (prompt lookup or a draft model);
-    ``prompt_cache`` sets the prompt cache's memory and disk tiers; ``tool_parser`` and
-    ``any_model_name``: see ``create_app``."""
+    ``prompt_cache`` sets the prompt cache's memory and disk tiers. ``allowed_hosts`` adds
+    ``Host`` names to those served (on a loopback address: that address and ``localhost``;
+    elsewhere: any, unless names are given). ``tool_parser`` and ``any_model_name``: see ``create_app``."""
     if not is_loopback(host) and api_key is None:
         log.warning("serving on %s without --api-key: anyone who can reach this host can use the model", host)
     engine = Engine(model, tokenizer, max_batch=max_batch, max_queue=max_queue, cache_settings=cache_settings,
                     speculative=speculative, prompt_cache=prompt_cache)
     served = ServedModel.of(name, model, tokenizer)
-    app = create_app(engine, served, api_key=api_key, cors_origins=cors_origins, tool_parser=tool_parser,
-                     any_model_name=any_model_name)
+    app = create_app(engine, served, api_key=api_key, cors_origins=cors_origins,
+                     allowed_hosts=served_hosts(host, allowed_hosts), max_body_bytes=max_body_bytes, openapi=openapi,
+                     tool_parser=tool_parser, any_model_name=any_model_name)
     engine.start()
     try:
         uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)

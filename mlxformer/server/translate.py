@@ -3,6 +3,7 @@ template for chat), the context-length check, sampling settings, stops and logit
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from mlxformer.engine import GenerationRequest
@@ -16,9 +17,8 @@ from mlxformer.server.protocol import (
 )
 from mlxformer.tokenizer import Tokenizer
 
-DEFAULT_MAX_TOKENS = 512  # completion length when the request gives none (capped by the context)
 OPENAI_DEFAULT_TEMPERATURE = 1.0
-MAX_LOGIT_BIAS = 100.0
+API_NAMES = {"temp": "temperature"}  # SamplingSettings field -> OpenAI request field, where they differ
 
 
 @dataclass(frozen=True)
@@ -29,7 +29,13 @@ class ServedModel:
     tokenizer: Tokenizer
     context_length: int  # the model's max_position_embeddings
     vocab_size: int  # the model's logits width (may exceed the tokenizer's vocabulary)
-    default_max_tokens: int = DEFAULT_MAX_TOKENS
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters one token stands for (its vocabulary entry's length bounds it):
+        a prompt of more than ``context_length`` times this many characters cannot fit."""
+        backend = self.tokenizer.backend
+        return max((len(backend.id_to_token(i) or "") for i in range(self.tokenizer.vocab_size)), default=1) or 1
 
     @classmethod
     def of(cls, name: str, model: Model, tokenizer: Tokenizer) -> ServedModel:
@@ -46,72 +52,95 @@ def check_model_name(requested: str | None, served: ServedModel) -> None:
         )
 
 
-def completion_prompt_ids(request: CompletionRequest, tokenizer: Tokenizer, vocab_size: int) -> list[int]:
-    """Token ids of a completion prompt: text (BOS added as the tokenizer is configured) or ids."""
-    prompt = request.prompt
-    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+def context_exceeded(served: ServedModel, wanted: str, param: str) -> APIError:
+    """The 400 of a request that cannot fit the context."""
+    return bad_request(
+        f"this model's maximum context length is {served.context_length} tokens; the request needs {wanted}",
+        param=param, code="context_length_exceeded",
+    )
+
+
+def check_prompt_chars(chars: int, served: ServedModel, param: str) -> None:
+    """Refuse, before tokenizing it, a prompt whose length in characters already proves it longer
+    than the context (no token stands for more than ``served.max_token_chars`` characters)."""
+    if chars > served.context_length * served.max_token_chars:
+        raise context_exceeded(served, f"more than that for a prompt of {chars} characters", param)
+
+
+def completion_prompt_ids(request: CompletionRequest, served: ServedModel) -> list[int]:
+    """Token ids of a completion prompt: text (BOS added as the tokenizer is configured) or ids,
+    alone or as a one-element list. An empty prompt starts from the BOS (else the EOS) token, as
+    OpenAI's models start from ``<|endoftext|>``."""
+    tokenizer, prompt = served.tokenizer, request.prompt
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
         if len(prompt) != 1:
             raise bad_request("only one prompt per request is supported", param="prompt")
         prompt = prompt[0]
     if isinstance(prompt, str):
-        return tokenizer.encode(prompt)
-    vocab = min(tokenizer.vocab_size, vocab_size)
-    if bad := [i for i in prompt if not 0 <= i < vocab]:
-        raise bad_request(f"token id {bad[0]} is outside the vocabulary (size {vocab})", param="prompt")
-    return list(prompt)
+        check_prompt_chars(len(prompt), served, "prompt")
+        ids = tokenizer.encode(prompt)
+    else:
+        vocab = min(tokenizer.vocab_size, served.vocab_size)
+        if bad := [i for i in prompt if not 0 <= i < vocab]:
+            raise bad_request(f"token id {bad[0]} is outside the vocabulary (size {vocab})", param="prompt")
+        ids = list(prompt)
+    if not ids:
+        start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_ids[0]
+        ids = [start]
+    return ids
 
 
-def completion_budget(prompt_tokens: int, requested: int | None, served: ServedModel, param: str) -> int:
-    """The max tokens to generate; 400 when the prompt (plus an explicit ``requested``) exceeds the context."""
+def completion_budget(prompt_tokens: int, requested: int | None, served: ServedModel, param: str,
+                      max_tokens_param: str = "max_tokens") -> int:
+    """The max tokens to generate: ``requested``, or by default the rest of the context (OpenAI's
+    default); 400 when the prompt (``param``) or the prompt plus ``requested`` (``max_tokens_param``)
+    exceeds the context."""
     context = served.context_length
     if prompt_tokens == 0:
         raise bad_request("the prompt is empty", param=param)
-    if prompt_tokens >= context or (requested is not None and prompt_tokens + requested > context):
-        wanted = prompt_tokens + (requested or 0)
-        raise bad_request(
-            f"this model's maximum context length is {context} tokens; the request needs {wanted} "
-            f"({prompt_tokens} in the prompt, {requested or 0} for the completion)",
-            param=param, code="context_length_exceeded",
+    if prompt_tokens >= context:
+        raise context_exceeded(served, f"{prompt_tokens} tokens for the prompt alone", param)
+    if requested is not None and prompt_tokens + requested > context:
+        raise context_exceeded(
+            served, f"{prompt_tokens + requested} ({prompt_tokens} in the prompt, {requested} for the completion)",
+            max_tokens_param,
         )
-    return requested if requested is not None else min(served.default_max_tokens, context - prompt_tokens)
+    return requested if requested is not None else context - prompt_tokens
 
 
-def logit_bias_ids(bias: dict[str, float] | None, vocab_size: int) -> dict[int, float] | None:
-    """``{"token id": bias}`` with string keys (JSON) as ``{id: bias}``, ids and values checked."""
+def logit_bias_ids(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """``{"token id": bias}`` with JSON's string keys as ``{id: bias}`` (the values and the ids'
+    range are checked by ``SamplingSettings``)."""
     if not bias:
         return None
-    result: dict[int, float] = {}
-    for key, value in bias.items():
-        try:
-            token = int(key)
-        except ValueError:
-            raise bad_request(f"logit_bias key {key!r} is not a token id", param="logit_bias") from None
-        if not 0 <= token < vocab_size:
-            raise bad_request(f"logit_bias token id {token} is outside the vocabulary", param="logit_bias")
-        if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
-            raise bad_request("logit_bias values must be between -100 and 100", param="logit_bias")
-        result[token] = float(value)
-    return result
+    try:
+        return {int(key): value for key, value in bias.items()}
+    except ValueError:
+        bad = next(k for k in bias if not k.strip().lstrip("+-").isdigit())
+        raise bad_request(f"logit_bias key {bad!r} is not a token id", param="logit_bias") from None
 
 
 def sampling_of(fields: SamplingFields, vocab_size: int) -> SamplingSettings:
-    """The engine's sampling settings (OpenAI defaults: temperature 1, top_p 1); a bad value is
-    a 400 naming the field (``SamplingSettings`` validates them)."""
+    """The engine's sampling settings (OpenAI defaults: temperature 1, top_p 1; ``top_k`` -1 is
+    off, as in vLLM). Every bound is ``SamplingSettings``'s own validation: its ``OptionError``
+    becomes a 400 naming the API's field."""
     temperature = OPENAI_DEFAULT_TEMPERATURE if fields.temperature is None else fields.temperature
     try:
-        return SamplingSettings(
+        settings = SamplingSettings(
             temp=temperature,
             top_p=1.0 if fields.top_p is None else fields.top_p,
-            top_k=max(fields.top_k or 0, 0),
+            top_k=0 if fields.top_k in (None, -1) else fields.top_k,
             min_p=fields.min_p or 0.0,
             repetition_penalty=fields.repetition_penalty,
-            presence_penalty=fields.presence_penalty,
-            frequency_penalty=fields.frequency_penalty,
-            logit_bias=logit_bias_ids(fields.logit_bias, vocab_size),
+            presence_penalty=fields.presence_penalty or 0.0,
+            frequency_penalty=fields.frequency_penalty or 0.0,
+            logit_bias=logit_bias_ids(fields.logit_bias),
             seed=fields.seed,
         )
+        settings.check_vocabulary(vocab_size)
+        return settings
     except OptionError as exc:
-        param = "temperature" if exc.param == "temp" else exc.param
+        param = API_NAMES.get(exc.param, exc.param)
         raise bad_request(f"{param} {exc.message}", param=param) from exc
 
 
@@ -124,6 +153,7 @@ def engine_request(
     logprobs: int | None,
     constraint: TokenConstraint | None = None,
     prompt_param: str = "messages",
+    max_tokens_param: str = "max_tokens",
 ) -> GenerationRequest:
     """The engine request for a validated API request whose prompt is ``prompt_ids``."""
     if fields.n != 1:
@@ -131,7 +161,7 @@ def engine_request(
     stops = fields.stop_strings()
     if len(stops) > MAX_STOP_STRINGS:
         raise bad_request(f"at most {MAX_STOP_STRINGS} stop strings", param="stop")
-    budget = completion_budget(len(prompt_ids), max_tokens, served, prompt_param)
+    budget = completion_budget(len(prompt_ids), max_tokens, served, prompt_param, max_tokens_param)
     return GenerationRequest(
         prompt_ids=prompt_ids,
         max_tokens=budget,

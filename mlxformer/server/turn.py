@@ -20,7 +20,7 @@ from mlxformer.server.reasoning import (
 from mlxformer.server.reply import ReplyParser
 from mlxformer.server.toolcalls import CallFormat, ToolCallStream, call_format, format_for_template
 from mlxformer.server.tools import ToolPlan, call_constraint, chat_messages, tool_plan
-from mlxformer.server.translate import ServedModel, engine_request
+from mlxformer.server.translate import ServedModel, check_prompt_chars, engine_request
 
 
 @dataclass(frozen=True)
@@ -62,6 +62,7 @@ class Turn:
     thinking: bool | None = None
     reasoning_budget: int | None = None
     prompt_param: str = "messages"
+    max_tokens_param: str = "max_tokens"
 
 
 @dataclass
@@ -117,7 +118,9 @@ def prepare(turn: Turn, served: ServedModel, traits: Traits) -> Prepared:
     budget = 0 if turn.thinking is False else turn.reasoning_budget
     if traits.reasons:
         constraint = answer_constraint(constraint, tokenizer, vocab, in_reasoning=in_reasoning, budget=budget)
+    check_prompt_chars(len(text), served, turn.prompt_param)
     ids = tokenizer.encode(text, add_special_tokens=False)
     request = engine_request(turn.fields, ids, served, max_tokens=turn.max_tokens, logprobs=turn.logprobs,
-                             constraint=constraint, prompt_param=turn.prompt_param)
+                             constraint=constraint, prompt_param=turn.prompt_param,
+                             max_tokens_param=turn.max_tokens_param)
     return Prepared(request, plan, traits, in_reasoning)

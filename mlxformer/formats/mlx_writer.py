@@ -1,12 +1,9 @@
-"""Lazy checkpoint reading and sharded safetensors writing, for conversion.
+"""Writing an MLX model dir: sharded safetensors, staged in a temporary sibling dir.
 
-Reading: each safetensors file is validated, and every access to a tensor opens it anew with
-``mx.load``, which maps tensors lazily: nothing is read until a tensor is evaluated, and an
-evaluated tensor is freed with the arrays computed from it. (A dict of loaded arrays would
-keep each tensor in memory from its first evaluation on: the whole model by the end.)
-Writing: output tensors are planned into shards by their (computable) sizes, and each shard
-is evaluated, written and freed before the next, so peak memory stays near one shard rather
-than the model size.
+Output tensors are planned into shards by their (computable) sizes, and each shard is
+evaluated, written and freed before the next, so peak memory stays near one shard rather
+than the model size. The destination is checked before anything is written and replaced
+only when the new dir is complete.
 """
 
 from __future__ import annotations
@@ -16,70 +13,16 @@ import json
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from typing import Callable, Iterator
 
 import mlx.core as mx
 from tqdm import tqdm
 
 from mlxformer.errors import MlxformerError
-from mlxformer.formats.gguf import load_gguf
-from mlxformer.formats.safetensors import read_config, read_safetensors_header, safetensors_files
+from mlxformer.formats.safetensors import INDEX_NAME
 
 MAX_SHARD_BYTES = 5 * 1024**3
-INDEX_NAME = "model.safetensors.index.json"
-
-
-class StreamedTensors(Mapping[str, mx.array]):
-    """The tensors of validated safetensors files by name, in file order; each access returns
-    a fresh lazy array (a new ``mx.load`` of its file: a header parse, no data read)."""
-
-    def __init__(self, file_of: dict[str, Path]):
-        self._file_of = file_of
-
-    @classmethod
-    def open(cls, files: list[Path]) -> StreamedTensors:
-        """Validate ``files`` and index their tensors (a later file wins a duplicate name)."""
-        return cls({name: file for file in files for name in read_safetensors_header(file)})
-
-    def subset(self, names: Iterable[str]) -> StreamedTensors:
-        """The same files restricted to ``names``."""
-        return StreamedTensors({name: self._file_of[name] for name in names})
-
-    def __getitem__(self, name: str) -> mx.array:
-        file = self._file_of[name]
-        try:
-            return mx.load(str(file))[name]
-        except (RuntimeError, ValueError) as exc:
-            raise MlxformerError(f"{file}: cannot read safetensors ({exc})") from None
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._file_of)
-
-    def __len__(self) -> int:
-        return len(self._file_of)
-
-
-@dataclass
-class SourceCheckpoint:
-    """A checkpoint opened lazily: its config, its tensors in file order, GGUF metadata if any."""
-
-    config: dict[str, Any]
-    tensors: Mapping[str, mx.array]  # StreamedTensors for safetensors; the GGUF's arrays (one read)
-    gguf_metadata: dict[str, Any] | None
-    directory: Path | None  # the model dir (tokenizer files live here); None for GGUF
-
-
-def open_source(source: Path) -> SourceCheckpoint:
-    """Open a resolved local HF/MLX dir or ``.gguf`` file without reading tensor data (GGUF: one read)."""
-    if source.is_file():
-        if source.suffix.lower() != ".gguf":
-            raise MlxformerError(f"{source}: not a model dir or .gguf file")
-        config, weights, metadata = load_gguf(source)
-        return SourceCheckpoint(config, weights, metadata, None)
-    config = read_config(source)
-    return SourceCheckpoint(config, StreamedTensors.open(safetensors_files(source)), None, source)
 
 
 def plan_shards(sizes: list[tuple[str, int]], max_bytes: int) -> list[list[str]]:

@@ -1,0 +1,118 @@
+"""The one checkpoint reader: ``open_checkpoint(path)`` for HF dirs, MLX dirs and GGUF files.
+
+It returns a ``Checkpoint``: the config (an HF ``config.json`` dict; for GGUF, made from the
+metadata), a lazy ``Tensors`` mapping of HF names to arrays (shape and dtype known from the
+headers, each tensor loaded alone on access), where the tokenizer comes from and the header
+sizes. Every count, shape, dtype and path of the files is checked while opening, before any
+tensor is read or any model is built; errors name the file and the key. The loader, the
+converter, ``info`` and distributed loading all read through it.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping
+
+import mlx.core as mx
+
+from mlxformer.errors import MlxformerError
+from mlxformer.formats.gguf import open_gguf
+from mlxformer.formats.hub import resolve_source
+from mlxformer.formats.safetensors import ShardReader, read_config, read_safetensors_header, weight_files
+from mlxformer.formats.tensors import TensorEntry, Tensors
+from mlxformer.models.config import ModelArgs
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+# Config sizes a decoder is built from: each must be a positive int below 2**31.
+SIZE_KEYS = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+             "vocab_size", "max_position_embeddings")
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """An opened checkpoint (see the module docstring)."""
+
+    path: Path  # the resolved model dir or .gguf file
+    config: dict[str, Any]
+    args: ModelArgs
+    tensors: Tensors
+    tokenizer_dir: Path | None  # where tokenizer files live (HF/MLX dirs)
+    gguf_metadata: dict[str, Any] | None  # the GGUF's metadata (its vocabulary), else None
+    header_bytes: int  # bytes of all headers read to open it
+
+    @property
+    def is_gguf(self) -> bool:
+        return self.gguf_metadata is not None
+
+    def read(self, names: Iterable[str], piece: Callable[[str, mx.array], mx.array] | None = None
+             ) -> dict[str, mx.array]:
+        """The tensors ``names``, each cut by ``piece(name, array)`` if given (a distributed
+        rank's share) and evaluated before the next is read: peak memory is what is kept plus
+        one full tensor."""
+        out: dict[str, mx.array] = {}
+        for name in names:
+            array = self.tensors[name]
+            if piece is not None:
+                array = mx.contiguous(piece(name, array))  # a copy: the full tensor is freed
+            mx.eval(array)
+            out[name] = array
+        return out
+
+
+def open_checkpoint(path_or_repo: str | Path) -> Checkpoint:
+    """Open a local HF/MLX dir, a hub repo id or a ``.gguf`` file: headers and config only,
+    all checked (the config against the tensor names too); no tensor data is read."""
+    source = resolve_source(path_or_repo)
+    if source.is_file():
+        if source.suffix.lower() != ".gguf":
+            raise MlxformerError(f"{source}: not a model dir or .gguf file")
+        config, entries, load, metadata, header_bytes = open_gguf(source)
+        tensors, tokenizer_dir = Tensors(entries, load), None
+    else:
+        config = read_config(source)
+        tensors, header_bytes = _open_safetensors(source)
+        metadata, tokenizer_dir = None, source
+    args = check_config(config, tensors.entries, source)
+    return Checkpoint(source, config, args, tensors, tokenizer_dir, metadata, header_bytes)
+
+
+def _open_safetensors(directory: Path) -> tuple[Tensors, int]:
+    entries: dict[str, TensorEntry] = {}
+    header_bytes = 0
+    for file, listed in weight_files(directory).items():
+        header, size = read_safetensors_header(file)
+        header_bytes += size
+        if listed is not None:
+            absent = [n for n in listed if n not in header]
+            if absent:
+                raise MlxformerError(f"{file}: tensor {absent[0]!r}, which the shard index places here, is not in it")
+        for name in header if listed is None else listed:
+            if name in entries:
+                raise MlxformerError(f"{file}: tensor {name!r} is also in {entries[name].file.name}")
+            shape, dtype = header[name]
+            entries[name] = TensorEntry(name, shape, dtype, file)
+    reader = ShardReader()
+    return Tensors(entries, lambda entry: reader(entry.file, entry.name)), header_bytes
+
+
+def check_config(config: dict[str, Any], entries: Mapping[str, TensorEntry], source: Path) -> ModelArgs:
+    """The model args of ``config``, after checking its sizes and that its layer count is the
+    tensors' (a corrupt count must not make the decoder build millions of layers)."""
+    where = f"{source}: config" if source.is_dir() else f"{source}: metadata"
+    for key in SIZE_KEYS:
+        value = config.get(key)
+        if value is None and key in ("num_key_value_heads", "head_dim", "max_position_embeddings"):
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 < value < 1 << 31:
+            raise MlxformerError(f"{where} {key} is not a positive integer below 2**31: {str(value)[:40]}")
+    try:
+        args = ModelArgs.from_dict(config)
+    except MlxformerError as exc:
+        raise MlxformerError(f"{source}: {exc}") from None
+    layers = {int(m.group(1)) for name in entries if (m := _LAYER.match(name))}
+    if layers != set(range(args.num_hidden_layers)):
+        raise MlxformerError(f"{where} says {config.get('num_hidden_layers')} layers, but the tensors are for "
+                             f"{len(layers)} (indices up to {max(layers, default=-1)})")
+    return args

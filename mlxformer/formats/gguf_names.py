@@ -1,0 +1,51 @@
+"""llama.cpp tensor names -> HF names: one explicit table with a ``{i}`` layer placeholder.
+
+``TENSOR_NAMES`` holds the names every supported architecture shares; ``ARCH_TENSOR_NAMES``
+adds or overrides rows for one ``general.architecture``. A GGUF tensor whose name has no row
+is an error naming it (never a silent skip or a guessed name). To support a new architecture,
+add its rows here and its metadata keys in ``gguf.config_from_metadata``.
+"""
+
+from __future__ import annotations
+
+import re
+
+from mlxformer.errors import MlxformerError
+
+# llama.cpp name (without the ``.weight``/``.bias`` suffix) -> HF module name; {i}: layer index.
+TENSOR_NAMES: dict[str, str] = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+    "blk.{i}.attn_norm": "model.layers.{i}.input_layernorm",
+    "blk.{i}.ffn_norm": "model.layers.{i}.post_attention_layernorm",
+    "blk.{i}.attn_q": "model.layers.{i}.self_attn.q_proj",
+    "blk.{i}.attn_k": "model.layers.{i}.self_attn.k_proj",
+    "blk.{i}.attn_v": "model.layers.{i}.self_attn.v_proj",
+    "blk.{i}.attn_output": "model.layers.{i}.self_attn.o_proj",
+    "blk.{i}.attn_q_norm": "model.layers.{i}.self_attn.q_norm",
+    "blk.{i}.attn_k_norm": "model.layers.{i}.self_attn.k_norm",
+    "blk.{i}.ffn_gate": "model.layers.{i}.mlp.gate_proj",
+    "blk.{i}.ffn_up": "model.layers.{i}.mlp.up_proj",
+    "blk.{i}.ffn_down": "model.layers.{i}.mlp.down_proj",
+}
+# Per-architecture rows, added to (or replacing) ``TENSOR_NAMES``.
+ARCH_TENSOR_NAMES: dict[str, dict[str, str]] = {"llama": {}, "qwen2": {}, "qwen3": {}}
+# Architectures whose Q/K rows llama.cpp's converter permuted (interleaved rotary pairs).
+PERMUTED_QK_ARCHS = ("llama",)
+# Tensors that are config, not weights: read into the config by ``gguf.py``.
+CONFIG_TENSORS = ("rope_freqs.weight",)
+
+_LAYER_NAME = re.compile(r"^blk\.(\d+)\.(.+)$")
+
+
+def hf_name(gguf_name: str, arch: str) -> str:
+    """Map e.g. ``blk.3.attn_q.weight`` to ``model.layers.3.self_attn.q_proj.weight``; a name
+    without a row in the table raises."""
+    stem, _, suffix = gguf_name.rpartition(".")
+    layer = _LAYER_NAME.match(stem)
+    pattern, index = (f"blk.{{i}}.{layer.group(2)}", layer.group(1)) if layer else (stem, None)
+    table = {**TENSOR_NAMES, **ARCH_TENSOR_NAMES.get(arch, {})}
+    if pattern not in table or suffix not in ("weight", "bias"):
+        raise MlxformerError(f"GGUF tensor {gguf_name!r} has no mapping to this decoder (architecture {arch})")
+    return table[pattern].format(i=index) + "." + suffix

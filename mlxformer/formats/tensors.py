@@ -1,0 +1,57 @@
+"""Tensor entries and the lazy name -> array mapping every checkpoint format provides."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable, Iterator, Mapping
+
+import mlx.core as mx
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor as its header describes it: HF name, shape and dtype as loaded, its file."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: mx.Dtype
+    file: Path
+
+    @property
+    def size(self) -> int:
+        """Number of elements."""
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes once loaded."""
+        return self.size * self.dtype.size
+
+
+class Tensors(Mapping[str, mx.array]):
+    """HF name -> array, lazily: ``entries`` (shapes, dtypes) come from the headers, and
+    ``tensors[name]`` loads that tensor alone (safetensors: a lazy ``mx.load`` array; GGUF:
+    the decoded tensor). Iteration is in file order; ``in`` never loads anything."""
+
+    def __init__(self, entries: dict[str, TensorEntry], load: Callable[[TensorEntry], mx.array]):
+        self.entries = entries
+        self._load = load
+
+    def subset(self, names: Iterable[str]) -> Tensors:
+        """The same tensors restricted to ``names`` (in this mapping's order)."""
+        wanted = set(names)
+        return Tensors({n: e for n, e in self.entries.items() if n in wanted}, self._load)
+
+    def __getitem__(self, name: str) -> mx.array:
+        return self._load(self.entries[name])
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.entries
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.entries)
+
+    def __len__(self) -> int:
+        return len(self.entries)

@@ -1,0 +1,58 @@
+"""What every API router shares: the engine and the served model, the thread pool that
+prepares requests off the event loop, and submission with the HTTP mapping of engine refusals."""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Callable, Optional, TypeVar
+
+from mlxformer.engine import Engine, EngineOverloaded, GenerationRequest
+from mlxformer.errors import MlxformerError
+from mlxformer.server.errors import APIError
+from mlxformer.server.responses import TokenStrings
+from mlxformer.server.streaming import InFlight, Lease
+from mlxformer.server.translate import ServedModel
+from mlxformer.server.turn import Traits
+
+T = TypeVar("T")
+PREPARE_THREADS = 2  # templating, tokenization and grammar compilation run on at most this many threads
+RETRY_AFTER_SECONDS = 1
+
+
+@dataclass
+class ServerContext:
+    """The state one app's routers share (``create_app`` makes it; routers take it as an argument)."""
+
+    engine: Engine
+    served: ServedModel
+    text: TokenStrings
+    inflight: InFlight = field(default_factory=InFlight)
+    pool: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="mlxformer-prepare")
+    )
+    traits: Optional[Traits] = None  # the model's call format and reasoning (default: read from its template)
+    any_model_name: bool = True  # the Anthropic and Responses routes serve any model name they are sent
+
+    def __post_init__(self) -> None:
+        if self.traits is None:
+            self.traits = Traits.of(self.served)
+
+    async def prepare(self, work: Callable[[], T]) -> T:
+        """Run ``work`` (CPU-bound request preparation) on the bounded pool, not on the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self.pool, work)
+
+    def submit(self, request: GenerationRequest) -> Lease:
+        """Queue ``request``: 429 with ``Retry-After`` when the engine's queue is full, 400 when
+        the engine refuses it."""
+        try:
+            handle = self.engine.submit(request)
+        except EngineOverloaded as exc:
+            raise APIError(
+                f"the server is busy ({exc}); retry later", 429, "rate_limit_error", None, "queue_full",
+                headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
+            ) from exc
+        except MlxformerError as exc:
+            raise APIError(str(exc), 400) from exc
+        return Lease(handle, self.inflight)

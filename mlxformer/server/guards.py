@@ -1,0 +1,84 @@
+"""Checks every request passes before any route runs (pure ASGI, so they cover every router,
+including those mounted later): a ``Host`` allow-list against DNS rebinding (403) and a body
+size limit (413, answered from ``Content-Length`` before the body is read)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Awaitable, Callable, Iterable
+
+from mlxformer.server.errors import error_body
+
+ASGIApp = Callable[[dict[str, Any], Callable[[], Awaitable[dict]], Callable[[dict], Awaitable[None]]], Awaitable[None]]
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
+DEFAULT_MAX_BODY_BYTES = 4 * 2**20
+
+
+class BodyTooLarge(Exception):
+    """A streamed (chunked) body went past the limit while the app was reading it."""
+
+
+def host_name(header: str) -> str:
+    """The name in a ``Host`` header, without its port and brackets, lower-cased."""
+    header = header.strip().lower()
+    if header.startswith("["):  # "[::1]:8080"
+        return header[1:].split("]", 1)[0]
+    if header.count(":") == 1:
+        return header.rsplit(":", 1)[0]
+    return header
+
+
+def loopback_hosts(bound: str, extra: Iterable[str] = ()) -> frozenset[str]:
+    """The ``Host`` names a server bound to the loopback address ``bound`` answers: that address,
+    ``localhost`` and the other loopback spellings, and ``extra``."""
+    return frozenset(host_name(h) for h in (bound, *LOOPBACK_NAMES, *extra))
+
+
+async def send_error(send: Callable[[dict], Awaitable[None]], status: int, message: str, code: str) -> None:
+    """Answer with an OpenAI error body and close the connection."""
+    kind = "permission_error" if status == 403 else "invalid_request_error"
+    body = json.dumps(error_body(message, kind, None, code)).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+               (b"connection", b"close")]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+class RequestGuard:
+    """ASGI middleware: 403 for a ``Host`` not in ``allowed_hosts`` (``None``: any host), 413 for a
+    body over ``max_body_bytes`` (declared by ``Content-Length``, or counted as it streams in)."""
+
+    def __init__(self, app: ASGIApp, allowed_hosts: frozenset[str] | None, max_body_bytes: int) -> None:
+        self.app, self.allowed_hosts, self.max_body_bytes = app, allowed_hosts, max_body_bytes
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        if self.allowed_hosts is not None and host_name(headers.get("host", "")) not in self.allowed_hosts:
+            await send_error(send, 403, "this server does not answer to that Host name (see --allowed-host)",
+                             "host_not_allowed")
+            return
+        declared = headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > self.max_body_bytes:
+            await send_error(send, 413, self.too_large(), "request_too_large")
+            return
+        await self.app(scope, self.counting(receive), send)
+
+    def too_large(self) -> str:
+        return f"the request body is larger than the limit of {self.max_body_bytes} bytes (--max-body-bytes)"
+
+    def counting(self, receive: Any) -> Any:
+        """``receive`` that raises ``BodyTooLarge`` once more than the limit has arrived."""
+        seen = [0]
+
+        async def wrapped() -> dict:
+            message = await receive()
+            if message["type"] == "http.request":
+                seen[0] += len(message.get("body", b""))
+                if seen[0] > self.max_body_bytes:
+                    raise BodyTooLarge(self.too_large())
+            return message
+
+        return wrapped

@@ -1,0 +1,89 @@
+"""OpenAI's ``/v1/models``, ``/v1/chat/completions`` and ``/v1/completions`` over a ``ServerContext``.
+
+Each generation route prepares its request on the context's thread pool (``prepare``), submits
+it, and streams (SSE) or collects the engine's events.
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
+
+from mlxformer.engine import TokenEvent
+from mlxformer.server.context import ServerContext
+from mlxformer.server.meta_api import model_card
+from mlxformer.server.openapi import GENERATION, error_responses, streamed_ok
+from mlxformer.server.prepare import prepare_chat, prepare_completion
+from mlxformer.server.protocol import (
+    ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
+    ModelList, new_id,
+)
+from mlxformer.server.responses import (
+    chat_chunk_maker, chat_response, completion_chunk_maker, completion_response, usage_of,
+)
+from mlxformer.server.streaming import EventStream, collect_unless_gone, stream
+from mlxformer.server.reply import whole_reply
+
+
+def openai_router(ctx: ServerContext) -> APIRouter:
+    """The OpenAI routes (mounted under ``/v1`` behind the API key by ``create_app``)."""
+    router = APIRouter()
+    served, text = ctx.served, ctx.text
+
+    @router.get("/models", responses=error_responses([500]))
+    async def models() -> ModelList:
+        return ModelList(data=[model_card(ctx)])
+
+    @router.post("/chat/completions", response_model=ChatCompletionResponse,
+                 responses={**streamed_ok(ChatCompletionResponse, ChatCompletionChunk), **error_responses(GENERATION)})
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        prepared = await ctx.prepare(lambda: prepare_chat(body, served, ctx.traits))
+        lease = ctx.submit(prepared.request)
+        request_id = new_id("chatcmpl")
+        if body.stream:
+            make = chat_chunk_maker(request_id, served.name, text, body.logprobs, prepared.parser())
+            first = ChatCompletionChunk.model_validate({
+                "id": request_id, "model": served.name,
+                "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}],
+            })
+
+            def usage_chunk(last: TokenEvent | None) -> BaseModel:
+                return ChatCompletionChunk(id=request_id, model=served.name, choices=[], usage=usage_of(last))
+
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return EventStream(stream(lease, make, first, usage_chunk if include_usage else None), lease)
+        result = await collect_unless_gone(lease, request)
+        reply = whole_reply(prepared.parser(), result.events)
+        return JSONResponse(chat_response(request_id, served.name, result, reply, text, body.logprobs).model_dump())
+
+    @router.post("/completions", response_model=CompletionResponse,
+                 responses={**streamed_ok(CompletionResponse, CompletionResponse), **error_responses(GENERATION)})
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        prepared = await ctx.prepare(lambda: prepare_completion(body, served))
+        lease = ctx.submit(prepared.request)
+        lease.score_only = prepared.score_only
+        request_id = new_id("cmpl")
+        echo = echo_text(body, prepared.prompt_ids, ctx) if body.echo else ""
+        logprobs = body.logprobs is not None
+        if body.stream:
+            make = completion_chunk_maker(request_id, served.name, text, logprobs, echo)
+
+            def usage_chunk(last: TokenEvent | None) -> BaseModel:
+                return CompletionResponse(id=request_id, model=served.name, choices=[], usage=usage_of(last))
+
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return EventStream(stream(lease, make, None, usage_chunk if include_usage else None), lease)
+        result = await collect_unless_gone(lease, request)
+        return JSONResponse(completion_response(request_id, served.name, result, text, logprobs, echo).model_dump())
+
+    return router
+
+
+def echo_text(body: CompletionRequest, ids: list[int], ctx: ServerContext) -> str:
+    """The prompt as text, for ``echo``."""
+    if isinstance(body.prompt, str):
+        return body.prompt
+    if body.prompt and isinstance(body.prompt[0], str):
+        return str(body.prompt[0])
+    return ctx.served.tokenizer.decode(ids)

@@ -1,0 +1,133 @@
+"""A submitted request held by one HTTP response: streamed as SSE or collected whole, and
+cancelled however the response ends (finished, client gone, error)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from contextlib import aclosing
+from typing import Any, AsyncIterator, Callable
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel
+
+from mlxformer.engine import RequestHandle, TokenEvent
+from mlxformer.server.errors import APIError
+from mlxformer.server.responses import ChunkMaker, Collected, collect, error_event, sse
+
+log = logging.getLogger("mlxformer.server")
+
+DISCONNECT_POLL_SECONDS = 0.25  # how often a non-streamed request checks that its client is still there
+SSE_MEDIA_TYPE = "text/event-stream"
+
+
+class InFlight:
+    """Counts the requests the engine is working on for this app (reported by /health)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+
+class Lease:
+    """A submitted request held by one HTTP response: ``release`` (idempotent) cancels it unless
+    it finished, and stops counting it."""
+
+    def __init__(self, handle: RequestHandle, inflight: InFlight) -> None:
+        self.handle, self.inflight = handle, inflight
+        self.finished = self.released = False
+        self.score_only = False  # max_tokens 0: the reply keeps none of the generated tokens
+        inflight.count += 1
+
+    async def events(self) -> AsyncIterator[TokenEvent]:
+        """The request's events (with ``score_only``, one final event carrying no token)."""
+        async with aclosing(self.handle.aiter()) as events:
+            async for event in events:
+                if self.score_only:
+                    if event.finish_reason is None:
+                        continue
+                    event = dataclasses.replace(event, text="", token=None, logprob=None, top_logprobs=None,
+                                                finish_reason="length", completion_tokens=0)
+                yield event
+
+    def release(self) -> None:
+        if self.released:
+            return
+        self.released = True
+        self.inflight.count -= 1
+        if not self.finished:
+            self.handle.cancel()
+
+
+class EventStream(StreamingResponse):
+    """An SSE response that releases its request however the response ends (also when the
+    client is gone before the first chunk, when the chunk generator never runs)."""
+
+    def __init__(self, chunks: AsyncIterator[str], lease: Lease) -> None:
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        super().__init__(chunks, media_type=SSE_MEDIA_TYPE, headers=headers)
+        self.lease = lease
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.lease.release()
+
+
+async def stream(
+    lease: Lease,
+    make: ChunkMaker,
+    first: BaseModel | None,
+    usage_chunk: Callable[[TokenEvent | None], BaseModel] | None,
+) -> AsyncIterator[str]:
+    """SSE chunks for a request's events, then the usage chunk (if asked) and ``[DONE]``; every
+    chunk has the same ``created`` time. If the client goes away (the response task is
+    cancelled) the request is cancelled."""
+    last: TokenEvent | None = None
+    created = int(time.time())
+    include_usage = usage_chunk is not None
+
+    def event_of(chunk: BaseModel) -> str:
+        if hasattr(chunk, "created"):
+            chunk.created = created  # type: ignore[attr-defined]
+        return sse(chunk, include_usage)
+
+    try:
+        if first is not None:
+            yield event_of(first)
+        async with aclosing(lease.events()) as events:
+            async for event in events:
+                last = event
+                lease.finished = lease.finished or event.finish_reason is not None
+                chunk = make(event)
+                if chunk is not None:
+                    yield event_of(chunk)
+        if usage_chunk is not None:
+            yield event_of(usage_chunk(last))
+        yield "data: [DONE]\n\n"
+    except Exception as exc:  # the stream has started: report in-band
+        log.exception("generation failed")
+        yield error_event(f"generation failed ({type(exc).__name__})")
+        yield "data: [DONE]\n\n"
+    finally:
+        lease.release()
+
+
+async def collect_unless_gone(lease: Lease, request: Request) -> Collected:
+    """All of a request's events; cancels the request if the client disconnects meanwhile."""
+    task = asyncio.ensure_future(collect(lease.events()))
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_SECONDS)
+            if done:
+                lease.finished = True
+                return task.result()
+            if await request.is_disconnected():
+                raise APIError("client disconnected", 499, "invalid_request_error", None, "client_closed_request")
+    finally:
+        lease.release()
+        if not task.done():
+            task.cancel()

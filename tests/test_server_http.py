@@ -1,0 +1,292 @@
+"""The HTTP layer under abuse, on a tiny random llama with SmolLM2's real tokenizer (so decoding
+costs milliseconds and what is measured is the server): a free event loop while huge bodies and
+prompts are refused or tokenized, the body limit, the Host allow-list, the API key on the
+OpenAPI document, CORS for the SDKs' headers, the waiting queue, and OpenAI's stream format."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from http.client import HTTPConnection
+from types import SimpleNamespace
+from urllib.parse import urlsplit
+
+import httpx
+import openai
+import pytest
+from conftest import write_tiny_checkpoint
+from server_support import error_of, http, running_engine, running_server
+
+CONTEXT = 8192  # SmolLM2's
+MAX_GAP_SECONDS = 1.0
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, hf_smollm_tokenizer):
+    """(model, tokenizer): a 2-layer random llama over SmolLM2's tokenizer and chat template."""
+    from mlxformer import load
+
+    directory = tmp_path_factory.mktemp("tiny_smol")
+    write_tiny_checkpoint(directory, "llama", vocab_size=len(hf_smollm_tokenizer), max_position_embeddings=CONTEXT,
+                          tie_word_embeddings=True)
+    hf_smollm_tokenizer.save_pretrained(directory)
+    return load(directory, threads=1)
+
+
+@pytest.fixture(scope="module")
+def server(tiny):
+    model, tokenizer = tiny
+    with running_engine(model, tokenizer, max_batch=4) as engine:
+        with running_server(engine, model, tokenizer) as url:
+            yield SimpleNamespace(url=url, engine=engine, model=model, tokenizer=tokenizer)
+
+
+def no_eos(tokenizer) -> dict[str, float]:
+    return {str(i): -100.0 for i in tokenizer.eos_token_ids}
+
+
+def open_stream(url: str, body: dict) -> tuple[HTTPConnection, object]:
+    parts = urlsplit(url)
+    connection = HTTPConnection(parts.hostname, parts.port, timeout=60)
+    connection.request("POST", "/v1/completions", json.dumps({**body, "stream": True}),
+                       {"Content-Type": "application/json"})
+    return connection, connection.getresponse()
+
+
+def post_raw(url: str, path: str, body_size: int) -> tuple[int, float]:
+    """POST a ``body_size``-byte body on a raw socket; returns (status, seconds to the status line).
+    The body is sent from another thread: the server may answer (and close) before reading it."""
+    parts = urlsplit(url)
+    sock = socket.create_connection((parts.hostname, parts.port), timeout=30)
+    head = (f"POST {path} HTTP/1.1\r\nHost: {parts.hostname}:{parts.port}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {body_size}\r\n\r\n").encode()
+    start = time.monotonic()
+
+    def send_all() -> None:
+        try:
+            sock.sendall(head + b" " * body_size)
+        except OSError:
+            pass  # the server answered and closed
+
+    sender = threading.Thread(target=send_all, daemon=True)
+    sender.start()
+    status_line = sock.makefile("rb").readline()
+    elapsed = time.monotonic() - start
+    sock.close()
+    sender.join(timeout=10)
+    return int(status_line.split()[1]), elapsed
+
+
+def test_event_loop_stays_free_while_big_requests_are_refused_or_tokenized(server):
+    """Done-when 3: a 10 MB body is a 413 within 1 s, and a concurrent stream's longest gap between
+    chunks stays under 1 s while a 1 MB prompt is refused (by its length in characters) and a
+    600 kB one (under that bound) is tokenized to be refused."""
+    connection, response = open_stream(server.url, {"prompt": "Once upon a time", "max_tokens": 3000,
+                                                    "temperature": 0, "logit_bias": no_eos(server.tokenizer)})
+    arrivals: list[float] = []
+
+    def read() -> None:
+        try:
+            for line in response:
+                if line.startswith(b"data: {"):
+                    arrivals.append(time.monotonic())
+        except (OSError, AttributeError, ValueError):  # the test closed the connection
+            pass
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        while len(arrivals) < 20:
+            time.sleep(0.01)
+        window_start = time.monotonic()
+        status, seconds = post_raw(server.url, "/v1/completions", 10 * 2**20)
+        assert status == 413 and seconds < 1.0
+        served = server.engine.tokenizer
+        megabyte = "hello world, this is a test. " * 36_000  # 1 MB: more characters than 8192 tokens can hold
+        started = time.monotonic()
+        status, _, raw = http(server.url, "POST", "/v1/completions", {"prompt": megabyte, "max_tokens": 1})
+        assert status == 400 and error_of(raw)["code"] == "context_length_exceeded"
+        assert time.monotonic() - started < 1.0  # refused before tokenizing (which takes seconds)
+        tokenized = "hello world, this is a test. " * 20_000  # 580 kB: within the bound, so it is tokenized
+        assert len(tokenized) < CONTEXT * 81 and len(served.encode(tokenized[:2900])) * 200 > CONTEXT
+        status, _, raw = http(server.url, "POST", "/v1/chat/completions",
+                              {"messages": [{"role": "user", "content": tokenized}], "max_tokens": 1})
+        assert status == 400 and error_of(raw)["code"] == "context_length_exceeded"
+        window_end = time.monotonic()
+        time.sleep(0.3)
+    finally:
+        connection.close()
+    during = [t for t in arrivals if window_start <= t <= window_end + 0.3]
+    gaps = [b - a for a, b in zip(during, during[1:])]
+    assert len(during) > 20 and max(gaps) < MAX_GAP_SECONDS, max(gaps)
+    print(f"longest gap between chunks: {max(gaps):.3f} s over {len(during)} chunks")
+
+
+def test_a_chunked_body_over_the_limit_is_413(server, tiny):
+    model, tokenizer = tiny
+    with running_server(server.engine, model, tokenizer, max_body_bytes=1000) as url:
+        chunks = (b'{"prompt": "' + b"a" * 500 + b'"' for _ in range(1))
+        status, _, raw = http(url, "POST", "/v1/completions", b"".join(chunks) + b" " * 2000 + b"}",
+                              headers={"Content-Type": "application/json"})
+        assert status == 413 and error_of(raw)["code"] == "request_too_large"
+        parts = urlsplit(url)
+        with httpx.Client() as client:  # no Content-Length: chunked transfer encoding
+            reply = client.post(f"http://{parts.hostname}:{parts.port}/v1/completions",
+                                content=iter([b'{"prompt": "' + b"a" * 800, b"a" * 800 + b'"}']),
+                                headers={"Content-Type": "application/json"})
+        assert reply.status_code == 413 and reply.json()["error"]["code"] == "request_too_large"
+        assert http(url, "POST", "/v1/completions", {"prompt": "hi", "max_tokens": 1})[0] == 200
+
+
+def test_host_header_allow_list(server, tiny):
+    from mlxformer.server.runner import served_hosts
+
+    for host in ("attacker.example", "attacker.example:80", "127.0.0.1.attacker.example", "localhost.example"):
+        status, _, raw = http(server.url, "GET", "/v1/models", headers={"Host": host})
+        assert status == 403 and error_of(raw)["code"] == "host_not_allowed", host
+    status, _, raw = http(server.url, "GET", "/health", headers={"Host": "attacker.example"})
+    assert status == 403  # every route, not only /v1
+    port = urlsplit(server.url).port
+    for host in (f"localhost:{port}", f"127.0.0.1:{port}", "LOCALHOST", f"[::1]:{port}"):
+        assert http(server.url, "GET", "/v1/models", headers={"Host": host})[0] == 200, host
+    assert served_hosts("0.0.0.0", []) is None  # not loopback: any name (the operator picked the exposure)
+    hosts = served_hosts("127.0.0.1", ["box.lan"])
+    assert {"127.0.0.1", "localhost", "box.lan"} <= hosts and "attacker.example" not in hosts
+    model, tokenizer = tiny
+    with running_server(server.engine, model, tokenizer, allowed_hosts=sorted(hosts)) as url:
+        assert http(url, "GET", "/v1/models", headers={"Host": "box.lan:8080"})[0] == 200
+
+
+def test_openapi_document_behind_the_key_or_off(server, tiny):
+    model, tokenizer = tiny
+    with running_server(server.engine, model, tokenizer, api_key="k3y") as url:
+        status, _, raw = http(url, "GET", "/openapi.json")
+        assert status == 401 and error_of(raw)["type"] == "authentication_error"
+        status, _, raw = http(url, "GET", "/openapi.json", headers={"Authorization": "Bearer k3y"})
+        assert status == 200 and "/v1/chat/completions" in json.loads(raw)["paths"]
+    with running_server(server.engine, model, tokenizer, openapi=False) as url:
+        assert http(url, "GET", "/openapi.json")[0] == 404
+
+
+def test_cors_preflight_allows_the_sdk_headers(server, tiny):
+    """The headers the official openai client really sends (captured from its request) pass a preflight."""
+    sent: list[httpx.Headers] = []
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="k", max_retries=0,
+                           http_client=httpx.Client(event_hooks={"request": [lambda r: sent.append(r.headers)]}))
+    client.models.list()
+    names = sorted({n.lower() for n in sent[0]} - {"host", "accept", "accept-encoding", "connection", "user-agent",
+                                                    "content-length"})
+    assert any(n.startswith("x-stainless-") for n in names)
+    model, tokenizer = tiny
+    with running_server(server.engine, model, tokenizer, cors_origins=["http://app.example"]) as url:
+        preflight = {"Origin": "http://app.example", "Access-Control-Request-Method": "POST",
+                     "Access-Control-Request-Headers": ",".join([*names, "content-type"])}
+        status, headers, raw = http(url, "OPTIONS", "/v1/chat/completions", headers=preflight)
+        assert status == 200, raw
+        assert headers["access-control-allow-origin"] == "http://app.example"
+
+
+def test_served_model_id_is_a_name_not_a_path(smollm_gguf, tmp_path):
+    from mlxformer.cli.serve import model_name
+
+    assert model_name(str(smollm_gguf)) == smollm_gguf.stem
+    assert model_name(str(tmp_path)) == tmp_path.name and "/" not in model_name(str(tmp_path) + "/")
+    assert model_name("HuggingFaceTB/SmolLM2-135M-Instruct") == "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+def test_max_queue_zero_admits_free_slots_and_429s_the_rest(tiny):
+    model, tokenizer = tiny
+    long = {"prompt": "Once", "max_tokens": 4000, "temperature": 0, "logit_bias": no_eos(tokenizer)}
+    with running_engine(model, tokenizer, max_batch=2, max_queue=0) as engine:
+        with running_server(engine, model, tokenizer) as url:
+            first, second = open_stream(url, long), open_stream(url, long)  # back to back: both have a slot
+            try:
+                assert first[1].status == 200 and second[1].status == 200
+                status, headers, raw = http(url, "POST", "/v1/completions", long)
+                assert status == 429 and error_of(raw)["code"] == "queue_full"
+                assert int(headers["retry-after"]) >= 1
+            finally:
+                first[0].close()
+                second[0].close()
+
+
+def sse_objects(raw: bytes) -> list[dict]:
+    lines = [line[6:] for line in raw.decode().split("\n\n") if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+def test_stream_chunks_follow_openai_format(server):
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 40, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}, "logit_bias": no_eos(server.tokenizer)}
+    status, _, raw = http(server.url, "POST", "/v1/chat/completions", body)
+    assert status == 200
+    chunks = sse_objects(raw)
+    assert len({c["created"] for c in chunks}) == 1
+    choices = [c for c in chunks if c["choices"]]
+    for chunk in choices[:-1]:
+        assert chunk["choices"][0]["finish_reason"] is None and "finish_reason" in chunk["choices"][0]
+        assert "usage" in chunk and chunk["usage"] is None
+    assert choices[-1]["choices"][0]["finish_reason"] == "length"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 40
+    body.pop("stream_options")
+    chunks = sse_objects(http(server.url, "POST", "/v1/completions", {**body, "prompt": "Hi", "messages": None})[2])
+    assert all("usage" not in c for c in chunks) and chunks[0]["choices"][0]["finish_reason"] is None
+
+
+def test_prompt_fidelity(server):
+    status, _, raw = http(server.url, "POST", "/v1/completions", {"prompt": "", "max_tokens": 2})
+    assert status == 200 and json.loads(raw)["usage"]["completion_tokens"] == 2
+    for stream in (False, True):
+        status, _, raw = http(server.url, "POST", "/v1/completions",
+                              {"prompt": "Hello there", "max_tokens": 0, "echo": True, "stream": stream})
+        assert status == 200, raw
+        choices = [c["choices"][0] for c in sse_objects(raw)] if stream else json.loads(raw)["choices"]
+        assert "".join(c["text"] for c in choices) == "Hello there" and choices[-1]["finish_reason"] == "length"
+    assert json.loads(raw.split(b"data: ")[1])["choices"][0]["text"] == "Hello there"
+    for bad, param in [
+        ({"response_format": {"type": "json_schema"}}, "response_format"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
+        ({"logprobs": True, "top_logprobs": False}, "top_logprobs"),
+        ({"max_tokens": True}, "max_tokens"),
+        ({"stream": 1}, "stream"),
+        ({"logprobs": 1}, "logprobs"),
+        ({"max_tokens": 2.0}, "max_tokens"),
+        ({"max_tokens": CONTEXT}, "max_tokens"),
+    ]:
+        body = {"messages": [{"role": "user", "content": "Hi"}], **bad}
+        status, _, raw = http(server.url, "POST", "/v1/chat/completions", body)
+        assert status == 400 and error_of(raw)["param"] == param, (bad, raw)
+    body = b'{"messages": [{"role": "user", "content": "Hi"}], "temperature": NaN}'
+    status, _, raw = http(server.url, "POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+    assert status == 400 and error_of(raw)["param"] == "temperature"
+    from mlxformer.server.translate import ServedModel, completion_budget
+
+    served = ServedModel.of("tiny", server.model, server.tokenizer)
+    assert completion_budget(10, None, served, "prompt") == CONTEXT - 10  # no max_tokens: the rest of the context
+
+
+def test_validation_in_one_place_every_bound_a_400_naming_its_field(server):
+    """Values go through mlxformer.options.SamplingSettings (the library's one validation): each bad
+    one is a 400 whose param is the API's field name; NaN and infinities in any float too."""
+    hi = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
+    for field, value in [("seed", -2), ("seed", 2**64), ("temperature", -0.5), ("top_p", 0.0), ("top_p", 1.5),
+                         ("min_p", 1.0), ("top_k", -2), ("presence_penalty", 2.5), ("frequency_penalty", -3),
+                         ("repetition_penalty", 0), ("logit_bias", {"5": 101}), ("logit_bias", {"-1": 1}),
+                         ("logit_bias", {"x": 1}), ("logit_bias", {str(10**7): 1})]:
+        status, _, raw = http(server.url, "POST", "/v1/chat/completions", {**hi, field: value})
+        assert status == 400 and error_of(raw)["param"] == field, (field, value, raw)
+    for field in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+        for literal in ("NaN", "Infinity", "-Infinity"):
+            body = json.dumps(hi)[:-1] + f', "{field}": {literal}}}'
+            status, _, raw = http(server.url, "POST", "/v1/chat/completions", body.encode(),
+                                  {"Content-Type": "application/json"})
+            assert status == 400 and error_of(raw)["param"] == field, (field, literal, raw)
+    body = json.dumps(hi)[:-1] + ', "logit_bias": {"5": NaN}}'
+    status, _, raw = http(server.url, "POST", "/v1/chat/completions", body.encode(), {"Content-Type": "application/json"})
+    assert status == 400 and error_of(raw)["param"] == "logit_bias"
+    for seed in (-1, 0, 2**64 - 1):  # -1: random (llama.cpp); up to what mx.random.key takes
+        status, _, raw = http(server.url, "POST", "/v1/chat/completions", {**hi, "seed": seed, "stream": True})
+        assert status == 200 and b'"error"' not in raw, (seed, raw)
