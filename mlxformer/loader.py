@@ -134,7 +134,7 @@ def read_checkpoint(path: str | Path) -> tuple[dict[str, Any], Tensors, dict[str
 def load_tokenizer(checkpoint: Checkpoint) -> Tokenizer:
     """The checkpoint's tokenizer: its dir's files, or the GGUF's vocabulary."""
     if checkpoint.gguf_metadata is not None:
-        return load_tokenizer_from_gguf(checkpoint.gguf_metadata)
+        return load_tokenizer_from_gguf(checkpoint.gguf_metadata, checkpoint.path)
     assert checkpoint.tokenizer_dir is not None
     return load_tokenizer_from_dir(checkpoint.tokenizer_dir)
 

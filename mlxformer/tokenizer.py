@@ -1,28 +1,29 @@
 """Tokenizers for mlxformer: HF `tokenizer.json`, SentencePiece `tokenizer.model`, or GGUF metadata.
 
-`Tokenizer` wraps one of two backends (`tokenizers.Tokenizer` or `sentencepiece`) and adds what
-lives outside them: BOS/EOS ids, the chat template and streaming detokenization. Files in a
-model directory are only read, never executed (no remote code).
+`Tokenizer` wraps one of two backends (`tokenizer_hf.HFBackend` over `tokenizers`, or
+`tokenizer_spm.SPMBackend` over `sentencepiece`) and adds what lives outside them: BOS/EOS ids,
+the chat template and streaming detokenization. Files in a model directory are only read,
+never executed (no remote code).
 """
 
 import json
 import pathlib
-import re
 from datetime import datetime
 from typing import Any, Protocol
 
 import jinja2
-import sentencepiece as spm
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken
 from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import processors
 
 from mlxformer.detokenizer import StreamingDetokenizer
 from mlxformer.errors import MlxformerError
 from mlxformer.formats.gguf_vocab import build_gguf_vocab
 from mlxformer.formats.jsonio import read_json_object
+from mlxformer.tokenizer_hf import HFBackend
+from mlxformer.tokenizer_spm import SPMBackend, spm_backend, spm_special_tokens
 
-_BYTE_TOKEN = re.compile(r"^<0x[0-9A-Fa-f]{2}>$")
+__all__ = ["Backend", "HFBackend", "SPMBackend", "Tokenizer", "load_tokenizer_from_dir", "load_tokenizer_from_gguf"]
 
 
 class Backend(Protocol):
@@ -37,160 +38,6 @@ class Backend(Protocol):
     def vocab_size(self) -> int: ...
     def holds(self, token_id: int) -> bool: ...
     def save(self, directory: pathlib.Path) -> None: ...
-
-
-class HFBackend:
-    """A `tokenizers.Tokenizer` (from tokenizer.json or built from GGUF metadata)."""
-
-    def __init__(self, tok: HFTokenizer, add_bos_token: bool | None = None, add_eos_token: bool = False,
-                 bos_token: str | None = None, eos_token: str | None = None) -> None:
-        self.tok = tok
-        self.add_bos_token = add_bos_token
-        if add_bos_token is not None:
-            tok.post_processor = _template_processor(tok, bos_token if add_bos_token else None,
-                                                     eos_token if add_eos_token else None)
-        decoder = tok.decoder
-        byte_fallback = decoder is not None and "ByteFallback" in decoder.__getstate__().decode("utf-8")
-        self._byte_ids = frozenset(
-            i for t, i in tok.get_vocab(with_added_tokens=False).items() if byte_fallback and _BYTE_TOKEN.match(t)
-        )
-
-    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        # encode_batch releases the GIL (encode does not): a long prompt tokenized on one thread
-        # must not stall the others (the server's event loop, the engine).
-        return self.tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
-
-    def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
-        return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
-
-    def token_to_id(self, token: str) -> int | None:
-        return self.tok.token_to_id(token)
-
-    def id_to_token(self, token_id: int) -> str | None:
-        return self.tok.id_to_token(token_id)
-
-    def vocab_size(self) -> int:
-        return self.tok.get_vocab_size(with_added_tokens=True)
-
-    def holds(self, token_id: int) -> bool:
-        """Byte-fallback tokens are decoded as a group, so the stream waits for the group to end."""
-        return token_id in self._byte_ids
-
-    def save(self, directory: pathlib.Path) -> None:
-        self.tok.save(str(directory / "tokenizer.json"))
-
-
-class SPMBackend:
-    """A SentencePiece model used through the `sentencepiece` library itself."""
-
-    def __init__(
-        self, proto: bytes, add_bos_token: bool | None = None, add_eos_token: bool = False, legacy: bool = False
-    ) -> None:
-        self.sp = spm.SentencePieceProcessor(model_proto=proto)
-        self.model_proto = proto  # the serialized tokenizer.model
-        self.add_bos_token = True if add_bos_token is None else add_bos_token  # SentencePiece/LLaMA default
-        self.add_eos_token = add_eos_token
-        self.legacy = legacy
-        n = self.sp.get_piece_size()
-        self._control = frozenset(i for i in range(n) if self.sp.is_control(i))
-        # Control and unknown pieces written in the text ("<s>", "</s>", "<unk>") encode to their
-        # ids, as transformers' added special tokens do; sentencepiece would spell them out.
-        specials = {self.sp.id_to_piece(i): i for i in range(n) if self.sp.is_control(i) or self.sp.is_unknown(i)}
-        self._specials = {piece: i for piece, i in specials.items() if piece}
-        pattern = "|".join(re.escape(p) for p in sorted(self._specials, key=len, reverse=True))
-        self._special_split = re.compile(f"({pattern})") if pattern else None
-        self._no_prefix = _without_dummy_prefix(proto)
-        # A one-character piece that decodes to itself: decoding `[sentinel] + run` and dropping the
-        # sentinel keeps the spaces sentencepiece would strip at the very start of the text.
-        self._sentinel = next(
-            (i for i in range(n) if self._is_plain(i) and len(p := self.sp.id_to_piece(i)) == 1
-             and not p.isspace() and self.sp.decode([i]) == p),
-            None,
-        )
-
-    def _is_plain(self, i: int) -> bool:
-        sp = self.sp
-        return not (sp.is_control(i) or sp.is_unknown(i) or sp.is_unused(i) or sp.is_byte(i))
-
-    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        parts = self._special_split.split(text) if self._special_split else [text]
-        ids: list[int] = []
-        for k, part in enumerate(parts):  # text, special, text, special, ..., text
-            if k % 2:
-                ids.append(self._specials[part])
-            elif part:
-                ids += self._encode_text(part, first=k == 0)
-        if add_special_tokens and self.add_bos_token and self.sp.bos_id() >= 0:
-            ids = [self.sp.bos_id()] + ids
-        if add_special_tokens and self.add_eos_token and self.sp.eos_id() >= 0:
-            ids = ids + [self.sp.eos_id()]
-        return ids
-
-    def _encode_text(self, text: str, first: bool) -> list[int]:
-        """sentencepiece on text between special tokens. After a special token, transformers'
-        Llama tokenizer adds the dummy-prefix space only in legacy mode, and never before a space."""
-        if first or (self.legacy and not text.startswith(" ")):
-            return self.sp.encode(text)
-        return self._no_prefix.encode(text)
-
-    def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
-        # sentencepiece drops control tokens; show them as text unless asked to skip, like transformers.
-        parts: list[str] = []
-        run: list[int] = []
-        for i in ids:
-            if i in self._control:
-                parts.append(self._decode_run(run, first=not any(parts)))
-                run = []
-                parts.append("" if skip_special_tokens else self.sp.id_to_piece(i))
-            else:
-                run.append(i)
-        parts.append(self._decode_run(run, first=not any(parts)))
-        return "".join(parts)
-
-    def _decode_run(self, run: list[int], first: bool) -> str:
-        if not run:
-            return ""
-        if first or self._sentinel is None:
-            return self.sp.decode(run)
-        # Not the start of the text: keep leading spaces that sentencepiece strips at the start.
-        return self.sp.decode([self._sentinel] + run)[1:]
-
-    def token_to_id(self, token: str) -> int | None:
-        i = self.sp.piece_to_id(token)
-        return None if i == self.sp.unk_id() and token != self.sp.id_to_piece(i) else i
-
-    def id_to_token(self, token_id: int) -> str | None:
-        return self.sp.id_to_piece(token_id) if 0 <= token_id < self.sp.get_piece_size() else None
-
-    def vocab_size(self) -> int:
-        return self.sp.get_piece_size()
-
-    def holds(self, token_id: int) -> bool:
-        return False  # sentencepiece decodes bytes locally: trailing U+FFFD handling is enough
-
-    def save(self, directory: pathlib.Path) -> None:
-        (directory / "tokenizer.model").write_bytes(self.model_proto)
-
-
-def _without_dummy_prefix(proto: bytes) -> spm.SentencePieceProcessor:
-    """The model of ``proto`` with ``add_dummy_prefix`` off (as transformers' LlamaTokenizer builds it)."""
-    from sentencepiece import sentencepiece_model_pb2
-
-    model = sentencepiece_model_pb2.ModelProto()
-    model.ParseFromString(proto)
-    model.normalizer_spec.add_dummy_prefix = False
-    return spm.SentencePieceProcessor(model_proto=model.SerializeToString())
-
-
-def _template_processor(tok: HFTokenizer, bos: str | None, eos: str | None) -> processors.TemplateProcessing:
-    """The post-processor transformers builds for explicit add_bos_token / add_eos_token."""
-    special = [(t, tok.token_to_id(t)) for t in (bos, eos) if t is not None]
-    for t, i in special:
-        if i is None:
-            raise MlxformerError(f"special token {t!r} is not in the vocabulary")
-    single = " ".join(([f"{bos}:0"] if bos else []) + ["$A:0"] + ([f"{eos}:0"] if eos else []))
-    pair = single + " " + " ".join(([f"{bos}:1"] if bos else []) + ["$B:1"] + ([f"{eos}:1"] if eos else []))
-    return processors.TemplateProcessing(single=single, pair=pair, special_tokens=list(dict.fromkeys(special)))
 
 
 class Tokenizer:
@@ -269,7 +116,11 @@ class Tokenizer:
         config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False}
         if isinstance(self.backend, SPMBackend):
             config["tokenizer_class"] = "LlamaTokenizer"
-            config["legacy"] = self.backend.legacy
+            config["added_tokens_decoder"] = {
+                str(i): {"content": t.content, "special": t.special, "lstrip": t.lstrip, "rstrip": t.rstrip,
+                         "normalized": t.normalized, "single_word": t.single_word}
+                for i, t in self.backend.added
+            }
         config.update(self.special_tokens)
         if self.backend.add_bos_token is not None:
             config["add_bos_token"] = self.backend.add_bos_token
@@ -341,6 +192,32 @@ def _chat_template(path: pathlib.Path, config: dict[str, Any]) -> str | None:
     return template if isinstance(template, str) else None
 
 
+def _added_tokens(
+    path: pathlib.Path, config: dict[str, Any], special: dict[str, str], extra_special: list[str]
+) -> list[tuple[int, AddedToken]]:
+    """A SentencePiece dir's added tokens: tokenizer_config.json's ``added_tokens_decoder``
+    (``{id: {content, special, lstrip, ...}}``) and ``added_tokens.json`` (``{content: id}``;
+    special when named as bos/eos/unk/pad or an additional special token), as transformers reads them."""
+    where = path / "tokenizer_config.json"
+    decoder = config.get("added_tokens_decoder") or {}
+    if not isinstance(decoder, dict):
+        raise MlxformerError(f"{where}: added_tokens_decoder must be an object")
+    added: dict[int, AddedToken] = {}
+    for key, entry in decoder.items():
+        content = entry.get("content") if isinstance(entry, dict) else None
+        if not str(key).isdigit() or not isinstance(content, str) or not content:
+            raise MlxformerError(f"{where}: added_tokens_decoder[{key!r}] must map an id to {{\"content\": ...}}")
+        flags = {k: bool(entry.get(k, False)) for k in ("lstrip", "rstrip", "single_word")}
+        added[int(key)] = AddedToken(content, special=bool(entry.get("special", False)),
+                                     normalized=bool(entry.get("normalized", False)), **flags)
+    named = set(special.values()) | set(extra_special)
+    for content, token_id in _read_json(path / "added_tokens.json").items():
+        if not isinstance(token_id, int) or isinstance(token_id, bool) or token_id < 0:
+            raise MlxformerError(f"{path / 'added_tokens.json'}: the id of {content!r} must be a non-negative integer")
+        added.setdefault(token_id, AddedToken(content, special=content in named, normalized=False))
+    return sorted(added.items(), key=lambda item: item[0])
+
+
 def load_tokenizer_from_dir(path: pathlib.Path) -> Tokenizer:
     """Load a HF-layout tokenizer: tokenizer.json (preferred) or SentencePiece tokenizer.model."""
     path = pathlib.Path(path)
@@ -361,11 +238,12 @@ def load_tokenizer_from_dir(path: pathlib.Path) -> Tokenizer:
         legacy = config.get("legacy", False)  # transformers' default for LlamaTokenizer
         if not isinstance(legacy, bool):
             raise MlxformerError(f"{path / 'tokenizer_config.json'}: legacy must be true or false")
-        backend = SPMBackend((path / "tokenizer.model").read_bytes(), add_bos, add_eos, legacy)
-        sp = backend.sp
-        for key, sp_id in (("bos_token", sp.bos_id()), ("eos_token", sp.eos_id()), ("unk_token", sp.unk_id())):
-            if sp_id >= 0:
-                special.setdefault(key, sp.id_to_piece(sp_id))
+        proto = (path / "tokenizer.model").read_bytes()
+        special = {**spm_special_tokens(proto, str(path / "tokenizer.model")), **special}
+        extra = config.get("additional_special_tokens", config.get("extra_special_tokens"))
+        extra_special = [t for t in map(_token_text, extra) if t] if isinstance(extra, list) else None
+        backend = spm_backend(proto, str(path / "tokenizer.model"), add_bos, add_eos, legacy,
+                              _added_tokens(path, config, special, extra_special or []), special, extra_special)
     else:
         raise MlxformerError(f"no tokenizer.json or tokenizer.model in {path}")
 
@@ -385,9 +263,10 @@ def load_tokenizer_from_dir(path: pathlib.Path) -> Tokenizer:
     return Tokenizer(backend, bos_id, eos_ids, _chat_template(path, config), special)
 
 
-def load_tokenizer_from_gguf(metadata: dict[str, Any]) -> Tokenizer:
-    """Build the tokenizer stored in GGUF metadata (as returned by `mx.load(path, return_metadata=True)[1]`)."""
-    vocab = build_gguf_vocab(metadata)
+def load_tokenizer_from_gguf(metadata: dict[str, Any], source: str | pathlib.Path = "GGUF file") -> Tokenizer:
+    """Build the tokenizer stored in GGUF metadata (as returned by `mx.load(path, return_metadata=True)[1]`);
+    ``source`` (the file) is named in errors."""
+    vocab = build_gguf_vocab(metadata, str(source))
     backend = HFBackend(vocab.tokenizer, vocab.add_bos_token, vocab.add_eos_token,
                         vocab.special_tokens.get("bos_token"), vocab.special_tokens.get("eos_token"))
     return Tokenizer(backend, vocab.bos_token_id, vocab.eos_token_ids, vocab.chat_template, vocab.special_tokens)

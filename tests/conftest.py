@@ -132,6 +132,24 @@ def write_byte_tokenizer(directory: Path) -> None:
     Tokenizer(models.BPE(vocab={chr(i): i for i in range(256)}, merges=[])).save(str(directory / "tokenizer.json"))
 
 
+def write_tiny_byte_llama(directory: Path, seed: int = 0) -> Path:
+    """A tiny random Llama (head_dim 32, so quantized KV groups of 32 fit) with the byte tokenizer."""
+    write_tiny_checkpoint(directory, "llama", seed=seed, head_dim=32, hidden_size=128,
+                          num_attention_heads=4, num_key_value_heads=2)
+    write_byte_tokenizer(directory)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def tiny_byte_llama(tmp_path_factory):
+    """``write_tiny_byte_llama`` loaded in float32: (model, tokenizer)."""
+    import mlx.core as mx
+
+    from mlxformer import load
+
+    return load(write_tiny_byte_llama(tmp_path_factory.mktemp("tiny_byte_llama")), dtype=mx.float32)
+
+
 def edit_config(directory: Path, **changes: Any) -> dict[str, Any]:
     """Rewrite ``directory/config.json`` with ``changes`` (a ``None`` value deletes the key)."""
     path = directory / "config.json"
@@ -154,3 +172,15 @@ def smollm(smollm_gguf: Path):
 
     with cpu_default_device():
         return load(smollm_gguf, threads=2)
+
+
+@pytest.fixture(scope="session")
+def tiny_smol(tmp_path_factory, hf_smollm_tokenizer):
+    """A 2-layer random llama over SmolLM2's real tokenizer and chat template (8192-token context,
+    like SmolLM2's), saved with transformers: ``(directory, transformers model)``. Decoding costs
+    milliseconds, so server tests on it measure the server."""
+    directory = tmp_path_factory.mktemp("tiny_smol")
+    _, hf_model = write_tiny_checkpoint(directory, "llama", vocab_size=len(hf_smollm_tokenizer),
+                                        max_position_embeddings=8192, tie_word_embeddings=True)
+    hf_smollm_tokenizer.save_pretrained(directory)
+    return directory, hf_model

@@ -10,8 +10,7 @@ from types import SimpleNamespace
 import mlx.core as mx
 import pytest
 
-from conftest import write_byte_tokenizer, write_tiny_checkpoint
-from mlxformer import load, stream_generate
+from mlxformer import stream_generate
 from mlxformer.cache import CacheSettings, make_cache
 from mlxformer.engine import Engine, GenerationRequest
 from mlxformer.engine.batch_runner import BatchRunner
@@ -21,14 +20,6 @@ SETTINGS = {
     "kv8": CacheSettings(kv_bits=8, kv_group_size=32),
     "rotating": CacheSettings(max_kv_size=24, keep=2),
 }
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    directory, _ = write_tiny_checkpoint(tmp_path_factory.mktemp("tiny_batch"), "llama", head_dim=32,
-                                         hidden_size=128, num_attention_heads=4, num_key_value_heads=2)
-    write_byte_tokenizer(directory)
-    return load(directory, dtype=mx.float32)
 
 
 def graph_ops(array: mx.array, path) -> int:
@@ -51,8 +42,8 @@ def ops_per_step(model, batch: int, settings: CacheSettings, path) -> int:
 
 
 @pytest.mark.parametrize("cache", list(SETTINGS))
-def test_step_ops_do_not_grow_with_batch(tiny, cache, tmp_path):
-    model, _ = tiny
+def test_step_ops_do_not_grow_with_batch(tiny_byte_llama, cache, tmp_path):
+    model, _ = tiny_byte_llama
     counts = [ops_per_step(model, b, SETTINGS[cache], tmp_path / f"b{b}.dot") for b in (1, 4, 8)]
     assert counts[0] > 10 * len(model.layers)  # the graph was really walked
     # B = 1 may be a few ops smaller: MLX's CPU rope treats a one-element offsets array as a scalar
@@ -60,10 +51,10 @@ def test_step_ops_do_not_grow_with_batch(tiny, cache, tmp_path):
     assert counts[1] - counts[0] <= 2 * len(model.layers) * 2, counts
 
 
-def test_quantized_start_crossed_in_a_batch(tiny):
+def test_quantized_start_crossed_in_a_batch(tiny_byte_llama):
     """Rows cross ``quantized_kv_start`` at different steps: each moves from the float batch to
     the quantized one, and every output is the one it gets alone."""
-    model, tokenizer = tiny
+    model, tokenizer = tiny_byte_llama
     settings = CacheSettings(kv_bits=4, kv_group_size=32, quantized_kv_start=40)
     prompts = ["abcdefghij" * 3, "hello world, " * 4, "xyz"]
     requests = [GenerationRequest(tokenizer.encode(p), max_tokens=24) for p in prompts]

@@ -159,3 +159,17 @@ def test_rope_freqs_of_the_wrong_length_are_refused(tmp_path, monkeypatch, lengt
     with pytest.raises(MlxformerError, match=f"rope_freqs.weight has {length} factors, the head dim 16 needs 8") as info:
         open_checkpoint(path)
     assert str(path) in str(info.value)
+
+
+@pytest.mark.parametrize("changes, complaint", [
+    ({"rms_norm_eps": "tiny"}, "wrong type"),
+    ({"hidden_size": "64"}, "hidden_size is not a positive integer"),
+    ({"quantization": {"group_size": 64, "bits": "4"}}, "group_size/bits are not positive integers"),
+    ({"quantization": {"group_size": 64, "bits": 4, "model.layers.0.mlp.up_proj": 4}}, "'model.layers.0.mlp.up_proj'"),
+    ({"quantization_config": {"quant_method": "gptq", "bits": 4}}, "quantization method 'gptq'"),
+])
+def test_ill_typed_config_values_are_one_line_errors(tiny_dir, tmp_path, capsys, changes, complaint):
+    model = copy_of(tiny_dir, tmp_path / "m")
+    edit_config(model, **changes)
+    line = one_line_error(capsys, "info", "--model", str(model))
+    assert complaint in line and "config" in line, line

@@ -126,12 +126,14 @@ def test_cancel_frees_the_slot(tiny):
 
 def test_queue_overflow(tiny):
     model, tokenizer, _ = tiny
-    engine = Engine(model, tokenizer, max_batch=1, max_queue=2)  # not started: nothing leaves the queue
     ids = tokenizer.encode("Hi")
-    handles = [engine.submit(GenerationRequest(ids, max_tokens=3)) for _ in range(2)]
-    with pytest.raises(EngineOverloaded):
-        engine.submit(GenerationRequest(ids, max_tokens=3))
-    with engine:  # once running, the queued ones complete
+    with Engine(model, tokenizer, max_batch=1, max_queue=2) as engine:
+        long = engine.submit(GenerationRequest(ids, max_tokens=10_000))
+        next(iter(long))  # it holds the only slot: the next ones wait
+        handles = [engine.submit(GenerationRequest(ids, max_tokens=3)) for _ in range(2)]
+        with pytest.raises(EngineOverloaded):
+            engine.submit(GenerationRequest(ids, max_tokens=3))
+        long.cancel()  # the queued ones complete
         assert all(len(collect(h)[1]) == 3 for h in handles)
 
 

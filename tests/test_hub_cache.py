@@ -72,3 +72,24 @@ def test_uncached_repo_offline_is_one_line_error(hub_cache):
     assert result.returncode != 0
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("mlxformer: error:") and "tinyorg/not-there" in lines[0]
+
+
+def test_repo_with_a_consolidated_copy_loads_only_the_hf_weights(hub_cache):
+    """Issue 18: a Mistral-style repo also holds ``consolidated.safetensors`` (the same weights
+    under Mistral's names); it is neither fetched nor merged into the HF weights."""
+    from safetensors.numpy import save_file
+
+    cache, _ = hub_cache
+    source = cache / f"models--{REPO.replace('/', '--')}" / "snapshots" / COMMIT
+    repo_dir = cache / "models--tinyorg--tiny-mistral-layout"
+    shutil.copytree(source, repo_dir / "snapshots" / COMMIT)
+    save_file({"layers.0.attention.wq.weight": np.zeros((64, 64), np.float32)},
+              str(repo_dir / "snapshots" / COMMIT / "consolidated.safetensors"))
+    (repo_dir / "refs").mkdir()
+    (repo_dir / "refs" / "main").write_text(COMMIT)
+    code = ("from mlxformer.formats.checkpoint import open_checkpoint\n"
+            "c = open_checkpoint('tinyorg/tiny-mistral-layout')\n"
+            "print(sorted({e.file.name for e in c.tensors.entries.values()}))\n")
+    result = run_offline(cache, code)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "['model.safetensors']"

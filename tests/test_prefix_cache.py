@@ -13,7 +13,7 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from conftest import write_byte_tokenizer, write_tiny_checkpoint
+from conftest import write_tiny_byte_llama
 from mlxformer import load, stream_generate
 from mlxformer.cache import CacheSettings, make_cache
 from mlxformer.engine import Engine, GenerationRequest
@@ -25,18 +25,6 @@ SETTINGS = {
     "kv8": CacheSettings(kv_bits=8, kv_group_size=32),
     "rotating": CacheSettings(max_kv_size=48, keep=2),
 }
-
-
-def write_tiny(directory: Path, seed: int) -> Path:
-    write_tiny_checkpoint(directory, "llama", seed=seed, head_dim=32, hidden_size=128,
-                          num_attention_heads=4, num_key_value_heads=2)
-    write_byte_tokenizer(directory)
-    return directory
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return load(write_tiny(tmp_path_factory.mktemp("tiny_prefix"), 0), dtype=mx.float32)
 
 
 def prefilled(model, tokens, settings=None):
@@ -60,11 +48,11 @@ def block_files(directory: Path) -> list[Path]:
 
 
 @pytest.mark.parametrize("cache", list(SETTINGS))
-def test_shared_blocks_partial_hit_and_exact_logits(tiny, cache):
+def test_shared_blocks_partial_hit_and_exact_logits(tiny_byte_llama, cache):
     """Two prompts share a 3-block system prompt: the second one's hit is those blocks (stored
     once), and the caches rebuilt from them give exactly the logits of the first prompt's own
     cache cut back to the system prompt."""
-    model, tokenizer = tiny
+    model, tokenizer = tiny_byte_llama
     settings = SETTINGS[cache]
     prefix = tiers(model, tokenizer, settings)
     first = SYSTEM + list(range(40, 52))
@@ -86,10 +74,10 @@ def test_shared_blocks_partial_hit_and_exact_logits(tiny, cache):
     assert prefix.nbytes == 5 * one_block
 
 
-def test_shorter_prefix_serves_when_the_longest_cannot(tiny):
+def test_shorter_prefix_serves_when_the_longest_cannot(tiny_byte_llama):
     """Issue 19: a rotating cache that has evicted tokens is not a prefix; a shorter one that
     shares the prompt's start still serves it."""
-    model, tokenizer = tiny
+    model, tokenizer = tiny_byte_llama
     settings = SETTINGS["rotating"]
     prefix = tiers(model, tokenizer, settings)
     long = SYSTEM + list(range(100, 140))  # 64 tokens > the 48-token window: evicted
@@ -101,8 +89,8 @@ def test_shorter_prefix_serves_when_the_longest_cannot(tiny):
     assert n == len(SYSTEM)
 
 
-def test_memory_lru_at_the_byte_bound(tiny):
-    model, tokenizer = tiny
+def test_memory_lru_at_the_byte_bound(tiny_byte_llama):
+    model, tokenizer = tiny_byte_llama
     probe = tiers(model, tokenizer)
     a, b, c = ([i] * 16 for i in (1, 2, 3))  # 2 blocks each
     probe.insert(a, prefilled(model, a))
@@ -118,10 +106,10 @@ def test_memory_lru_at_the_byte_bound(tiny):
     assert prefix.nbytes == block and prefix.lookup(c + [9])[1] == BLOCK
 
 
-def test_engine_reuses_the_disk_after_a_restart(tiny, tmp_path):
+def test_engine_reuses_the_disk_after_a_restart(tiny_byte_llama, tmp_path):
     """A new engine on the same directory serves the prompt's blocks from disk; the request's
     ``cached_tokens`` counts them and its output is the one it gets alone."""
-    model, tokenizer = tiny
+    model, tokenizer = tiny_byte_llama
     prompt = SYSTEM + list(range(40, 52))
     request = GenerationRequest(prompt, max_tokens=6)
     alone = [r.token for r in stream_generate(model, tokenizer, prompt, 6)]
@@ -137,8 +125,8 @@ def test_engine_reuses_the_disk_after_a_restart(tiny, tmp_path):
     assert [e.token for e in events] == alone
 
 
-def test_disk_lru_at_the_byte_bound(tiny, tmp_path):
-    model, tokenizer = tiny
+def test_disk_lru_at_the_byte_bound(tiny_byte_llama, tmp_path):
+    model, tokenizer = tiny_byte_llama
     first = tiers(model, tokenizer, memory=0, directory=tmp_path / "probe")
     first.insert([1] * 8, prefilled(model, [1] * 8))
     first.flush()
@@ -154,8 +142,8 @@ def test_disk_lru_at_the_byte_bound(tiny, tmp_path):
     assert len(block_files(tmp_path / "lru")) == 2
 
 
-def test_bad_files_are_skipped_and_removed(tiny, tmp_path, tmp_path_factory):
-    model, tokenizer = tiny
+def test_bad_files_are_skipped_and_removed(tiny_byte_llama, tmp_path, tmp_path_factory):
+    model, tokenizer = tiny_byte_llama
     prompt = SYSTEM + [1]
     prefix = tiers(model, tokenizer, memory=0, directory=tmp_path)
     prefix.insert(prompt, prefilled(model, prompt))
@@ -164,7 +152,7 @@ def test_bad_files_are_skipped_and_removed(tiny, tmp_path, tmp_path_factory):
     files = [tmp_path / f"{k}.safetensors" for k in keys]
     data = files[1].read_bytes()
     files[1].write_bytes(data[: len(data) // 2])  # truncated
-    other_model, other_tokenizer = load(write_tiny(tmp_path_factory.mktemp("other"), 1), dtype=mx.float32)
+    other_model, other_tokenizer = load(write_tiny_byte_llama(tmp_path_factory.mktemp("other"), 1), dtype=mx.float32)
     other = tiers(other_model, other_tokenizer, memory=0, directory=tmp_path / "other")
     other.insert(prompt, prefilled(other_model, prompt))
     other.flush()
@@ -180,10 +168,10 @@ def test_bad_files_are_skipped_and_removed(tiny, tmp_path, tmp_path_factory):
     assert not files[1].exists()
 
 
-def test_a_write_killed_half_way_leaves_no_entry(tiny, tmp_path):
+def test_a_write_killed_half_way_leaves_no_entry(tiny_byte_llama, tmp_path):
     model_dir = tmp_path / "model"
     model_dir.mkdir()
-    write_tiny(model_dir, 0)
+    write_tiny_byte_llama(model_dir, 0)
     cache_dir = tmp_path / "cache"
     script = textwrap.dedent(f"""
         import os, signal
@@ -212,17 +200,17 @@ def test_a_write_killed_half_way_leaves_no_entry(tiny, tmp_path):
     result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, timeout=120)
     assert result.returncode == -9, result.stderr.decode()[-2000:]
     assert [p.name for p in cache_dir.iterdir()] and not block_files(cache_dir)
-    model, tokenizer = tiny
+    model, tokenizer = tiny_byte_llama
     restarted = tiers(model, tokenizer, memory=0, directory=cache_dir)
     assert restarted.lookup(list(range(10, 19))) is None
     assert not list(cache_dir.iterdir())  # the temporary was removed at start
 
 
 @pytest.mark.parametrize("share", [True, False])
-def test_requests_sharing_a_prefix_prefill_it_once(tiny, share):
+def test_requests_sharing_a_prefix_prefill_it_once(tiny_byte_llama, share):
     """Four requests sharing a 3-block system prompt arrive together: with sharing, the prefix is
     prefilled once (the others wait for its blocks); without, four times. Outputs are the same."""
-    model, tokenizer = tiny
+    model, tokenizer = tiny_byte_llama
     tails = [[40 + i, 50 + i, 60 + i] for i in range(4)]
     requests = [GenerationRequest(SYSTEM + t, max_tokens=5) for t in tails]
     alone = [[r.token for r in stream_generate(model, tokenizer, q.prompt_ids, 5)] for q in requests]

@@ -31,7 +31,8 @@ def test_serve_subprocess_with_key_and_cors(smollm_gguf):
 
 
 def test_serve_bad_flags_are_one_line_errors():
-    for flags in (["--max-batch", "0"], ["--port", "70000"], ["--api-key", " "]):
+    for flags in (["--max-batch", "0"], ["--port", "70000"], ["--api-key", " "], ["--prompt-cache-bytes", "-1"],
+                  ["--sse-ping-seconds", "-1"]):
         result = subprocess.run(
             [sys.executable, "-m", "mlxformer", "serve", *flags], capture_output=True, text=True, timeout=120,
             env={**os.environ, "MLXFORMER_API_KEY": ""},

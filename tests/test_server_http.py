@@ -16,7 +16,6 @@ from urllib.parse import urlsplit
 import httpx
 import openai
 import pytest
-from conftest import write_tiny_checkpoint
 from server_support import error_of, http, running_engine, running_server
 
 CONTEXT = 8192  # SmolLM2's
@@ -24,15 +23,11 @@ MAX_GAP_SECONDS = 1.0
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory, hf_smollm_tokenizer):
-    """(model, tokenizer): a 2-layer random llama over SmolLM2's tokenizer and chat template."""
+def tiny(tiny_smol):
+    """(model, tokenizer) of the tiny llama over SmolLM2's tokenizer (conftest's ``tiny_smol``)."""
     from mlxformer import load
 
-    directory = tmp_path_factory.mktemp("tiny_smol")
-    write_tiny_checkpoint(directory, "llama", vocab_size=len(hf_smollm_tokenizer), max_position_embeddings=CONTEXT,
-                          tie_word_embeddings=True)
-    hf_smollm_tokenizer.save_pretrained(directory)
-    return load(directory, threads=1)
+    return load(tiny_smol[0], threads=1)
 
 
 @pytest.fixture(scope="module")

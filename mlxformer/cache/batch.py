@@ -242,13 +242,16 @@ class DecodeBatch:
         size = len(row.positions)
         caches: list[Cache] = []
         keep = mx.array([i for i in range(len(self.layout.rows) + 1) if i != index], dtype=mx.int32)
+        # narrowed to what the rows left need (the KV budget counts each row by its own length)
+        self.layout.width = 0
+        self.layout.fit(max((len(r.positions) for r in self.layout.rows), default=0) + 1)
         for layer, (meta, batched) in enumerate(zip(row.metas, self.layers)):
             keys = tuple(mx.contiguous(x[index : index + 1, :, :size, :]) for x in batched.keys)
             values = tuple(mx.contiguous(x[index : index + 1, :, :size, :]) for x in batched.values)
             center = tuple(c[index : index + 1] for c in batched.codec.state)
             caches.append(_rebuild(meta, row, keys + values + center))
-            batched.keys = tuple(x[keep] for x in batched.keys)
-            batched.values = tuple(x[keep] for x in batched.values)
+            batched.keys = tuple(x[keep][:, :, : self.layout.width] for x in batched.keys)
+            batched.values = tuple(x[keep][:, :, : self.layout.width] for x in batched.values)
             if batched.codec.key_center is not None:
                 batched.codec = KVCodec(batched.codec.bits, batched.codec.group_size, batched.codec.key_center[keep])
         return caches

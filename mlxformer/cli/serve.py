@@ -49,6 +49,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="also keep prompt cache blocks in DIR, across restarts (default: memory only)")
     parser.add_argument("--prompt-cache-disk-bytes", type=int, default=4 * 2**30, metavar="BYTES",
                         help="most bytes of prompt cache files in --prompt-cache-dir (default 4 GiB)")
+    parser.add_argument("--sse-ping-seconds", type=float, default=5.0, metavar="S",
+                        help="send an SSE comment after S seconds without data, e.g. during a long prefill "
+                             "(default 5; 0: never)")
     parser.add_argument("--no-prefix-sharing", action="store_true",
                         help="let requests that share a prefix with one being prefilled compute it again "
                              "(default: they wait for its cached blocks)")
@@ -68,6 +71,8 @@ def run(args: argparse.Namespace) -> int:
         raise MlxformerError("--port must be between 0 and 65535")
     if args.max_batch < 1 or args.max_queue < 0:
         raise MlxformerError("need --max-batch >= 1 and --max-queue >= 0")
+    if not args.sse_ping_seconds >= 0:
+        raise MlxformerError("--sse-ping-seconds must be >= 0")
     if args.api_key is not None and not args.api_key.strip():
         raise MlxformerError("--api-key is empty")
     if args.max_body_bytes is not None and args.max_body_bytes < 1:
@@ -87,6 +92,7 @@ def run(args: argparse.Namespace) -> int:
         api_key=args.api_key, cors_origins=args.cors_origin, cache_settings=settings, speculative=speculative,
         allowed_hosts=args.allowed_host, openapi=not args.no_openapi, prompt_cache=prompt_cache,
         tool_parser=args.tool_parser, any_model_name=not args.strict_model_name,
+        sse_ping_seconds=args.sse_ping_seconds or None,
         **({"max_body_bytes": args.max_body_bytes} if args.max_body_bytes is not None else {}),
     )
     return 0

@@ -11,12 +11,15 @@ leaves at once. ``batch_generate`` completes a list of prompts this way. With
 a draft model; ``speculation.py``), with the same greedy output.
 """
 
-from mlxformer.engine.engine import Engine, RequestHandle, batch_generate
+from mlxformer.engine.batch import batch_generate
+from mlxformer.engine.engine import Engine, EngineNotRunning
+from mlxformer.engine.handle import RequestHandle
+from mlxformer.engine.memory import KVBudgetExceeded
 from mlxformer.engine.prompt_cache import PromptCacheSettings
 from mlxformer.engine.scheduler import EngineOverloaded
 from mlxformer.engine.sequence import GenerationRequest, TokenEvent
 
 __all__ = [
-    "Engine", "EngineOverloaded", "GenerationRequest", "PromptCacheSettings", "RequestHandle", "TokenEvent",
-    "batch_generate",
+    "Engine", "EngineNotRunning", "EngineOverloaded", "GenerationRequest", "KVBudgetExceeded", "PromptCacheSettings",
+    "RequestHandle", "TokenEvent", "batch_generate",
 ]

@@ -14,6 +14,7 @@ from typing import Protocol, Sequence
 import mlx.core as mx
 
 from mlxformer.cache import Cache
+from mlxformer.engine.prompt_scores import PromptScores
 from mlxformer.cache.batch import DecodeBatch, StorageKind, quantizes_next, row_quantizes_next, storage_kind
 from mlxformer.models.decoder import Model
 
@@ -39,12 +40,19 @@ class BatchRunner:
         self._members: dict[int, StorageKind] = {}  # id(sequence) -> the batch it is in
 
     def prefill(
-        self, tokens: Sequence[int], cache: Sequence[Cache], want_logits: bool, prompt_length: int | None = None
+        self, tokens: Sequence[int], cache: Sequence[Cache], want_logits: bool, prompt_length: int | None = None,
+        scores: PromptScores | None = None, start: int = 0,
     ) -> mx.array | None:
         """Run one prompt chunk through one sequence's caches; the last position's logits
         ``(1, vocab)`` when ``want_logits`` (lazy), else None (the cache is evaluated).
-        ``prompt_length``: the whole prompt's (RoPE's dynamic base depends on it)."""
+        ``prompt_length``: the whole prompt's (RoPE's dynamic base depends on it). ``scores``:
+        every position's logits also score the prompt's tokens (the chunk starts at ``start``)."""
         inputs = mx.array(tokens)[None]  # (1, T)
+        if scores is not None:
+            hidden = self.model.hidden_states(inputs, cache, rope_length=prompt_length)
+            logits = self.model.logits(hidden)[0]  # (1, T, vocab) -> (T, vocab)
+            mx.eval([*scores.add(start, logits), *(c.state for c in cache)])  # on this (the engine's) thread
+            return logits[-1:] if want_logits else None
         if want_logits:
             return self.model.last_logits(inputs, cache, rope_length=prompt_length)
         self.model.hidden_states(inputs, cache, rope_length=prompt_length)
@@ -97,6 +105,10 @@ class BatchRunner:
         if wanted == list(range(len(order))):
             return logits
         return logits[mx.array(wanted)]
+
+    def batched(self, sequence: Decoding) -> bool:
+        """Whether ``sequence`` is in a batch (the KV budget counts its share of the buffers)."""
+        return id(sequence) in self._members
 
     def release(self, sequence: Decoding) -> None:
         """Take ``sequence`` out of its batch, if it is in one: its ``cache`` becomes its own

@@ -1,110 +1,54 @@
-"""The engine: a background thread that loops schedule -> run -> postprocess, and the handles
-through which callers submit requests, iterate (or await) their tokens and cancel them."""
+"""The engine: a background thread that loops schedule -> run -> postprocess over the requests
+submitted through ``RequestHandle``s (``handle.py``).
+
+Error boundaries: whatever fails in one sequence's prefill, decode step, speculation,
+constraint or detokenization ends that request alone (its handle raises the error); a batched
+decode step that fails is rolled back and rerun sequence by sequence to find which one.
+With a KV budget (``max_kv_memory``, ``memory.py``) each step is planned to fit it: prefix
+entries are evicted, then the most recently admitted sequences are preempted (their caches go
+to the prefix cache; the rest is recomputed when they are admitted again: the prompt as a
+prefill, the generated tokens replayed through decode steps, so the output does not change)."""
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import threading
-from collections import deque
-from typing import Any, AsyncIterator, Iterator, Sequence as Seq
+from typing import Any
 
 import mlx.core as mx
+from prometheus_client import CollectorRegistry
 
 from mlxformer.cache import CacheSettings, make_cache
 from mlxformer.engine.batch_runner import BatchRunner
+from mlxformer.engine.handle import RequestHandle
+from mlxformer.engine.memory import KVBudgetExceeded, KVSizer, MemoryPlanner, held, nbytes, resolve_budget
+from mlxformer.engine.metrics import EngineMetrics
 from mlxformer.engine.prefix_sharing import PrefixSharing
 from mlxformer.engine.prompt_cache import PromptCacheSettings, build_prefix_cache
-from mlxformer.engine.scheduler import Scheduler, Step
+from mlxformer.engine.replay import Replays, rewind_caches
+from mlxformer.engine.scheduler import EngineNotRunning, Scheduler, Step
 from mlxformer.engine.speculation import Speculator
 from mlxformer.engine.sequence import (
     GenerationRequest, Sequence, Status, TokenEvent, check_request, choose_rows,
 )
-from mlxformer.generation import SamplingSettings
 from mlxformer.sampling import make_distribution
 from mlxformer.speculative import SpeculativeSettings, check_draft, new_proposer
 from mlxformer.steps import default_prefill_step
 from mlxformer.models.decoder import Model
 from mlxformer.tokenizer import Tokenizer
 
-
-class RequestHandle:
-    """A submitted request: iterate it (``for event in handle``, or ``async for`` over
-    ``handle.aiter()``) to get its ``TokenEvent``s; ``cancel()`` ends it and frees its slot."""
-
-    def __init__(self, engine: "Engine", sequence: Sequence) -> None:
-        self._engine = engine
-        self.sequence = sequence
-        self._events: deque[TokenEvent] = deque()
-        self._error: BaseException | None = None
-        self._cond = threading.Condition()
-        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
-
-    # called on the engine thread
-    def _put(self, event: TokenEvent | None = None, error: BaseException | None = None) -> None:
-        with self._cond:
-            if event is not None:
-                self._events.append(event)
-            if error is not None:
-                self._error = error
-            self._cond.notify_all()
-            waiters = list(self._waiters)
-        for loop, ready in waiters:
-            try:
-                loop.call_soon_threadsafe(ready.set)
-            except RuntimeError:  # the loop was closed
-                pass
-
-    def _pop(self) -> TokenEvent | None:
-        """The next event if any; raises the engine's error once the events are drained."""
-        if self._events:
-            return self._events.popleft()
-        if self._error is not None:
-            raise self._error
-        return None
-
-    def __iter__(self) -> Iterator[TokenEvent]:
-        while True:
-            with self._cond:
-                while (event := self._pop()) is None:
-                    self._cond.wait()
-            yield event
-            if event.finish_reason is not None:
-                return
-
-    async def aiter(self) -> AsyncIterator[TokenEvent]:
-        """The events as an async iterator (woken by the engine thread, no polling)."""
-        ready = asyncio.Event()
-        waiter = (asyncio.get_running_loop(), ready)
-        with self._cond:
-            self._waiters.append(waiter)
-        try:
-            while True:
-                ready.clear()
-                with self._cond:
-                    event = self._pop()
-                if event is None:
-                    await ready.wait()
-                    continue
-                yield event
-                if event.finish_reason is not None:
-                    return
-        finally:
-            with self._cond:
-                self._waiters.remove(waiter)
-
-    def cancel(self) -> None:
-        """Stop generating: the slot is freed before the engine's next step and the last event
-        has ``finish_reason == "cancelled"`` (unless the request had already finished)."""
-        self.sequence.cancelled = True
-        self._engine._notify()
+Choice = tuple[Sequence, mx.array, mx.array]  # a sequence, its next token (1,), its log-probabilities (1, vocab)
 
 
 class Engine:
     """Continuous-batching generation over one model: see the module docstring of ``mlxformer.engine``.
 
     ``speculative``: decode every request (unless it sets ``speculate=False`` or has a constraint)
-    speculatively; each one's proposals are verified in its own pass (``engine/speculation.py``)."""
+    speculatively; each one's proposals are verified in its own pass (``engine/speculation.py``).
+    ``max_kv_memory``: the bytes of KV cache (sequences and prefix cache together) the engine may
+    hold, or ``"auto"`` (the device's memory less the weights and a margin); while it runs, MLX's
+    memory and cache limits are set from the same figure. ``metrics``: the Prometheus registry
+    to register the engine's metrics in (default: a new one, ``engine.metrics.registry``)."""
 
     def __init__(
         self,
@@ -118,6 +62,8 @@ class Engine:
         prefill_chunk: int | None = None,
         speculative: SpeculativeSettings | None = None,
         prompt_cache: PromptCacheSettings | None = None,
+        max_kv_memory: int | str | None = None,
+        metrics: CollectorRegistry | None = None,
     ) -> None:
         self.model, self.tokenizer = model, tokenizer
         self.cache_settings = cache_settings or CacheSettings()
@@ -133,19 +79,27 @@ class Engine:
                 probe = make_cache(warm, self.cache_settings)
                 mx.eval(warm.last_logits(mx.array([[0]]), probe))
         kv_dtype = next(a.dtype for a in probe[0].state if mx.issubdtype(a.dtype, mx.floating))  # the model's
+        self.draft_tokens = speculative.num_draft_tokens if speculative is not None else 0
+        self.budget = resolve_budget(model, max_kv_memory)
+        self.sizer = KVSizer(model, self.cache_settings, self.draft_tokens)
+        self.planner = MemoryPlanner(self.sizer, self.budget, self.draft_tokens)
         self.scheduler = Scheduler(max_batch, max_queue, prefill_chunk or default_prefill_step())
-        # ``prompt_cache`` sets the tiers (memory budget, disk directory); without it the memory
-        # tier gets ``prefix_cache_bytes``
+        # ``prompt_cache``: the tiers (memory budget, disk directory); else memory of ``prefix_cache_bytes``
         tiers = prompt_cache or PromptCacheSettings(memory_bytes=prefix_cache_bytes)
         self.prefix_cache = build_prefix_cache(model, tokenizer, self.cache_settings, tiers, kv_dtype)
         self.sharing = PrefixSharing(self.prefix_cache, tiers.share_prefills)
         self.prefilled_tokens = 0  # prompt tokens run through the model (not served by the prefix cache)
         self.runner = BatchRunner(model)
         self.vocab_size = model.args.vocab_size
+        self.metrics = EngineMetrics(metrics)
+        self.metrics.watch(lambda: len(self.scheduler.waiting), lambda: self.scheduler.active, self.kv_bytes,
+                           self.budget.limit if self.budget is not None else 0)
         self._handles: dict[int, RequestHandle] = {}
+        self.replays = Replays()  # preempted sequences catching up
         self._wake = threading.Condition()
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._limits: tuple[int, int] | None = None  # MLX's limits before start(), restored by stop()
 
     # --- public API ---------------------------------------------------------------------
 
@@ -154,22 +108,31 @@ class Engine:
         with self._wake:
             if self._thread is None or not self._thread.is_alive():
                 self._stopping = False
+                if self.budget is not None and self._limits is None:
+                    self._limits = self.budget.apply()
                 self._thread = threading.Thread(target=self._loop, name="mlxformer-engine", daemon=True)
                 self._thread.start()
         return self
 
     def stop(self) -> None:
-        """Stop the loop and join it; requests still in flight end as cancelled."""
+        """Stop the loop and join it; requests in flight or waiting end as cancelled."""
         with self._wake:
             self._stopping = True
             self._wake.notify_all()
             thread = self._thread
         if thread is not None:
             thread.join()
-        self._thread = None
-        for handle in list(self._handles.values()):
-            self._end(handle.sequence, "cancelled")
-        self.prefix_cache.flush()  # the disk tier's writes are done when stop returns
+        with self._wake:
+            self._thread = None
+            for sequence in self.scheduler.clear():
+                self._end(sequence, "cancelled")
+            for handle in list(self._handles.values()):  # e.g. the loop ended before they were admitted
+                self._end(handle.sequence, "cancelled")
+            self.replays.clear()
+            self.prefix_cache.flush()  # the disk tier's writes are done when stop returns
+            if self._limits is not None:
+                self.budget.restore(self._limits)  # type: ignore[union-attr]
+                self._limits = None
 
     def __enter__(self) -> "Engine":
         return self.start()
@@ -177,15 +140,28 @@ class Engine:
     def __exit__(self, *exc: Any) -> None:
         self.stop()
 
+    @property
+    def running(self) -> bool:
+        """Whether the loop is running and takes requests."""
+        return self._thread is not None and self._thread.is_alive() and not self._stopping
+
     def submit(self, request: GenerationRequest) -> RequestHandle:
-        """Queue ``request``; raises ``EngineOverloaded`` when the queue is full and
-        ``MlxformerError`` on an invalid request."""
+        """Queue ``request``; raises ``MlxformerError`` on an invalid request, ``KVBudgetExceeded``
+        when its KV cache can never fit the budget, ``EngineOverloaded`` when the queue is full and
+        ``EngineNotRunning`` unless the engine is running."""
         check_request(request, self.vocab_size)
+        self.planner.check(request)
         sequence = Sequence(request, self.tokenizer.detokenizer(), self.tokenizer.eos_token_ids)
-        handle = RequestHandle(self, sequence)
+        handle = RequestHandle(sequence, self._notify)
         with self._wake:
-            self.scheduler.add(sequence)
-            self._handles[id(sequence)] = handle
+            if not self.running:
+                raise EngineNotRunning("the engine is not running (call start() first; it is stopped, or its thread ended)")
+            self._handles[id(sequence)] = handle  # before the loop can see the sequence: no event is missed
+            try:
+                self.scheduler.add(sequence)
+            except Exception:
+                del self._handles[id(sequence)]
+                raise
             self._wake.notify_all()
         return handle
 
@@ -193,6 +169,12 @@ class Engine:
     def active(self) -> int:
         """Requests holding a batch slot."""
         return self.scheduler.active
+
+    def kv_bytes(self) -> int:
+        """KV bytes held now: every active sequence's caches (its share of a batch's) and the prefix cache."""
+        with self.scheduler.lock:
+            active = self.scheduler.prefilling + self.scheduler.running
+        return sum(nbytes(s) for s in active) + self.prefix_cache.nbytes
 
     # --- the loop -------------------------------------------------------------------------
 
@@ -205,6 +187,9 @@ class Engine:
             self._serve()
         finally:  # an MLX thread must release its streams before it ends, or exit may abort
             mx.clear_streams()
+            if not self._stopping:  # the loop died: nothing will serve the requests it had
+                with self._wake:
+                    self._fail_all(EngineNotRunning("the engine's thread ended"))
 
     def _serve(self) -> None:
         while True:
@@ -215,37 +200,86 @@ class Engine:
                     return
             try:
                 self.step()
-            except Exception as exc:  # fail every request in flight, keep serving new ones
-                self.runner.reset()
-                self.sharing.held.clear()
-                for handle in list(self._handles.values()):
-                    self.scheduler.release(handle.sequence)
-                    with self.scheduler.lock:
-                        if handle.sequence in self.scheduler.waiting:
-                            self.scheduler.waiting.remove(handle.sequence)
-                    self._handles.pop(id(handle.sequence), None)
-                    handle._put(error=exc)
+            except Exception as exc:  # a fault outside any one sequence: fail those in flight, keep serving
+                self._fail_all(exc)
+
+    def _fail_all(self, error: BaseException) -> None:  # every request in flight, with ``error``
+        self.runner.reset()
+        self.sharing.held.clear()
+        self.scheduler.clear()
+        self.replays.clear()
+        for handle in list(self._handles.values()):
+            handle.sequence.finish("error")
+            self._handles.pop(id(handle.sequence), None)
+            handle._put(error=error)
 
     def step(self) -> None:
-        """One engine step: drop cancelled, admit, run a prompt chunk and a decode step, emit."""
+        """One engine step: drop cancelled, admit, fit the step into the KV budget, run a prompt
+        chunk and a decode step, emit."""
         for sequence in self.scheduler.drop_cancelled_waiting():
             self._end(sequence, "cancelled")
         for sequence in self.scheduler.prefilling + self.scheduler.running:
             if sequence.cancelled:
                 self._end(sequence, "cancelled")
-        for sequence in self.scheduler.admit():
+        for sequence in self.scheduler.admit(lambda s: self.planner.admissible(self.scheduler, s)):
             self.sharing.hold(sequence)  # until the blocks it shares with a running prefill are cached
         for sequence in self.sharing.ready(self.scheduler.prefilling):
-            self._attach_cache(sequence)
-        self._run(self.scheduler.plan(skip=self.sharing.held))
+            try:
+                self._attach_cache(sequence)
+            except Exception as exc:  # e.g. a draft model's cache
+                self._fail(sequence, exc)
+        self._run(self._fit(self.scheduler.plan(skip=self.sharing.held)))
+
+    # --- memory -------------------------------------------------------------------------
+
+    def _fit(self, step: Step) -> Step:
+        """``step``, or a smaller one after preemptions, whose KV fits the budget beside the prefix
+        cache (evicted down to the room left)."""
+        if self.budget is None:
+            return step
+        while (room := self.budget.limit - self.planner.step_need(self.scheduler, step, self.runner.batched)) < 0:
+            victim = self.scheduler.latest_active()
+            assert victim is not None
+            if self.scheduler.active == 1:  # alone and still too big (submit's check prevents it)
+                self._fail(victim, KVBudgetExceeded("the request outgrew the KV memory budget"))
+            else:
+                self._preempt(victim)
+            step = self.scheduler.plan(skip=self.sharing.held)
+        self.prefix_cache.evict_to(room)
+        return step
+
+    def _preempt(self, sequence: Sequence, keep_cache: bool = True) -> None:
+        """Take ``sequence`` out of the batch to be recomputed when there is room again; its caches
+        go to the prefix cache (kept while room allows) unless they cannot be trusted."""
+        self.metrics.preemptions.inc()
+        self.sharing.held[:] = [s for s in self.sharing.held if s is not sequence]
+        self._unbatch(sequence)
+        if keep_cache and held(sequence) > sequence.cached_tokens:  # it computed something worth keeping
+            self.prefix_cache.insert(sequence.cache_tokens, sequence.cache)
+        sequence.cache, sequence.processed = [], 0
+        self.scheduler.preempt(sequence)
+
+    def _unbatch(self, sequence: Sequence) -> None:
+        """Give a sequence leaving the batch its own caches and all its generated tokens back."""
+        self.replays.stop(sequence)
+        self.runner.release(sequence)
 
     def _attach_cache(self, sequence: Sequence) -> None:
-        hit = self.prefix_cache.lookup(sequence.prompt)
-        if hit is None:
-            sequence.cache = make_cache(self.model, self.cache_settings)
-        else:
-            sequence.cache, sequence.cached_tokens = hit
-            sequence.processed = sequence.cached_tokens
+        """Give an admitted sequence its caches: a prefix-cache copy when one serves, else new.
+        A preempted one looks up everything it had; what is missing it recomputes."""
+        resumed = bool(sequence.generated)
+        scoring = sequence.prompt_scores is not None and not resumed  # scores need every position
+        hit = None if scoring else self.prefix_cache.lookup(sequence.tokens if resumed else sequence.prompt)
+        sequence.cache, cached = hit if hit is not None else (make_cache(self.model, self.cache_settings), 0)
+        sequence.processed = min(cached, len(sequence.prompt))
+        if resumed:
+            if cached >= len(sequence.prompt):
+                self.scheduler.start_decoding(sequence)
+                self.replays.start(sequence, cached - len(sequence.prompt))
+            return
+        sequence.cached_tokens = cached
+        self.metrics.prompt_tokens.inc(len(sequence.prompt))
+        self.metrics.prefix_hit_tokens.inc(cached)
         request = sequence.request
         if self.speculative is not None and request.speculate and request.constraint is None:
             s = request.sampling
@@ -255,16 +289,13 @@ class Engine:
             sequence.speculator = Speculator(proposer, self.speculative.num_draft_tokens, distribution,
                                              sequence.processors, sequence.next_key)
 
+    # --- running a step -------------------------------------------------------------------
+
     def _run(self, step: Step) -> None:
-        choices: list[tuple[Sequence, mx.array, mx.array]] = []
+        choices: list[Choice] = []
         decode, verifying = self._propose(step.decode)
         if decode:
-            logits = self.runner.decode(decode)
-            mx.async_eval(logits)  # constraints compute their masks while the step runs
-            if all(s.plain_greedy for s in decode):
-                choices += zip(decode, *zip(*choose_rows(decode, logits)))
-            else:
-                choices += self._choose_each(decode, [logits[i : i + 1] for i in range(len(decode))])
+            choices += self._decode(decode)
         for sequence, proposed in verifying:
             try:
                 assert sequence.speculator is not None
@@ -274,23 +305,87 @@ class Engine:
                 self._fail(sequence, exc)
         for chunk in step.prefill:
             sequence = chunk.sequence
-            logits = self.runner.prefill(chunk.tokens, sequence.cache, chunk.last, len(sequence.prompt))
+            try:
+                logits = self.runner.prefill(chunk.tokens, sequence.cache, chunk.last, len(sequence.prompt),
+                                             sequence.prompt_scores, sequence.processed)
+            except Exception as exc:
+                self._fail(sequence, exc)
+                continue
             sequence.processed += len(chunk.tokens)
             self.prefilled_tokens += len(chunk.tokens)
             self.sharing.publish(sequence)
-            if logits is not None:
-                mx.async_eval(logits)
-                self.scheduler.start_decoding(sequence)
-                choices += self._choose_each([sequence], [logits])
+            if logits is None:
+                continue
+            self.scheduler.start_decoding(sequence)
+            if sequence.generated:  # resumed after preemption: its next token is known
+                self.replays.start(sequence, 0)
+                continue
+            mx.async_eval(logits)
+            choices += self._choose_each([sequence], [logits])
         if choices:
             self._emit(choices)
+
+    def _decode(self, decode: list[Sequence]) -> list[Choice]:
+        """One batched decode step; the choices of the sequences that are not replaying.
+
+        If the step fails, each sequence leaves the batch with its caches rolled back and runs
+        alone, so that the one at fault fails alone (one that cannot be rolled back is recomputed)."""
+        replaying = {id(s) for s in decode if s in self.replays}
+        offsets, keys = [held(s) for s in decode], [s.key for s in decode]
+        try:
+            logits = self.runner.decode(decode)
+            mx.async_eval(logits)  # constraints compute their masks while the step runs
+            rows = [i for i, s in enumerate(decode) if id(s) not in replaying]
+            choosing = [decode[i] for i in rows]
+            if not choosing:
+                choices = []
+            elif all(s.plain_greedy for s in choosing):
+                chosen = logits[mx.array(rows)] if len(rows) < len(decode) else logits
+                choices = list(zip(choosing, *zip(*choose_rows(choosing, chosen))))
+            else:
+                choices = self._choose_each(choosing, [logits[i : i + 1] for i in rows])
+            mx.eval(logits)
+        except Exception:
+            for sequence, key in zip(decode, keys):
+                sequence.key = key
+            return self._decode_alone(decode, offsets, replaying)
+        self.replays.advance(decode)
+        return choices
+
+    def _decode_alone(self, decode: list[Sequence], offsets: list[int], replaying: set[int]) -> list[Choice]:
+        alone = []
+        for sequence, before in zip(decode, offsets):
+            if sequence.status is Status.FINISHED:  # e.g. its constraint failed while the step was built
+                continue
+            try:
+                self.runner.release(sequence)
+                rolled_back = rewind_caches(sequence.cache, before)
+            except Exception:
+                rolled_back = False
+            if rolled_back:
+                alone.append(sequence)
+            else:  # recompute it
+                self._preempt(sequence, keep_cache=False)
+        choices: list[Choice] = []
+        for sequence in alone:
+            try:
+                logits = self.runner.decode([sequence])
+                mx.eval(logits)
+                self.runner.release(sequence)  # out of the batch again: the next one runs alone too
+            except Exception as exc:
+                self._fail(sequence, exc)
+                continue
+            self.replays.advance([sequence])
+            if id(sequence) not in replaying:
+                choices += self._choose_each([sequence], [logits])
+        return choices
 
     def _propose(self, running: list[Sequence]) -> tuple[list[Sequence], list[tuple[Sequence, list[int]]]]:
         """Split the running sequences into those decoding one token in the batch and those
         with proposals to verify (each with its proposals)."""
         decode, verifying = [], []
         for sequence in running:
-            if sequence.speculator is None:
+            if sequence.speculator is None or sequence in self.replays:
                 decode.append(sequence)
                 continue
             try:
@@ -305,7 +400,7 @@ class Engine:
                 decode.append(sequence)
         return decode, verifying
 
-    def _choose_each(self, sequences: list[Sequence], logits: list[mx.array]) -> list[tuple[Sequence, mx.array, mx.array]]:
+    def _choose_each(self, sequences: list[Sequence], logits: list[mx.array]) -> list[Choice]:
         """Each sequence's own choice; one whose processors or constraint fail ends alone."""
         choices = []
         for sequence, row in zip(sequences, logits):
@@ -315,7 +410,9 @@ class Engine:
                 self._fail(sequence, exc)
         return choices
 
-    def _emit(self, choices: list[tuple[Sequence, mx.array, mx.array]]) -> None:
+    # --- output -------------------------------------------------------------------------
+
+    def _emit(self, choices: list[Choice]) -> None:
         """Evaluate the chosen tokens (and logprobs asked for), record them, send the events."""
         picked = []
         for sequence, token, logprobs in choices:
@@ -324,7 +421,10 @@ class Engine:
             top_ids = mx.argsort(-logprobs, axis=-1)[:, :k] if k else None
             top_values = mx.take_along_axis(logprobs, top_ids, axis=-1) if top_ids is not None else None
             picked.append((sequence, token, chosen, top_ids, top_values))
-        mx.eval([x for p in picked for x in p[1:] if x is not None])
+        try:
+            mx.eval([x for p in picked for x in p[1:] if x is not None])
+        except Exception:  # find whose arrays fail
+            picked = [p for p in picked if self._evaluates(p[0], [x for x in p[1:] if x is not None])]
         emitted: list[tuple[Sequence, TokenEvent]] = []
         for sequence, token, chosen, top_ids, top_values in picked:
             if sequence.status is Status.FINISHED:  # a stop ended it earlier in its speculation round
@@ -336,7 +436,7 @@ class Engine:
                 top = []
             try:
                 event = sequence.accept(int(token.item()), float(chosen.item()) if chosen is not None else None, top)
-            except Exception as exc:  # e.g. a constraint refusing the token
+            except Exception as exc:  # e.g. a constraint refusing the token, or the detokenizer failing
                 self._fail(sequence, exc)
                 continue
             emitted.append((sequence, event))
@@ -354,67 +454,43 @@ class Engine:
         for sequence, event in emitted:
             handle = handles.get(id(sequence))
             if handle is not None:
+                self.metrics.event(handle, event)
                 handle._put(event)
+
+    def _evaluates(self, sequence: Sequence, arrays: list[mx.array]) -> bool:
+        """Evaluate one sequence's arrays; on failure the sequence fails alone."""
+        try:
+            mx.eval(arrays)
+        except Exception as exc:
+            self._fail(sequence, exc)
+        return sequence.finish_reason != "error"
 
     def _fail(self, sequence: Sequence, error: BaseException) -> None:
         """End one sequence with ``error`` (raised by its handle's iterator)."""
         sequence.finish("error")
-        self.runner.release(sequence)
+        self._unbatch(sequence)
         self.scheduler.release(sequence)
+        self.metrics.finished.labels("error").inc()
         handle = self._handles.pop(id(sequence), None)
         if handle is not None:
             handle._put(error=error)
 
     def _retire(self, sequence: Sequence) -> None:
         """Free a finished sequence's slot and offer its cache for prefix reuse."""
-        self.runner.release(sequence)
+        self._unbatch(sequence)
         self.scheduler.release(sequence)
         self._handles.pop(id(sequence), None)
         if sequence.cache:
             self.prefix_cache.insert(sequence.cache_tokens, sequence.cache)
+            if self.budget is not None:  # within what the active sequences leave
+                self.prefix_cache.evict_to(self.budget.limit - self.kv_bytes() + self.prefix_cache.nbytes)
 
     def _end(self, sequence: Sequence, reason: str) -> None:
         """End ``sequence`` early (cancelled) and tell its handle."""
         handle = self._handles.get(id(sequence))
-        if sequence.status is not Status.WAITING:
-            sequence.finish(reason)
-            self._retire(sequence)
-        else:
-            sequence.finish(reason)
-            self._handles.pop(id(sequence), None)
+        sequence.finish(reason)
+        self._retire(sequence)
         if handle is not None:
-            handle._put(sequence.event("", None))
-
-
-def batch_generate(
-    model: Model,
-    tokenizer: Tokenizer,
-    prompts: Seq[str | Seq[int]],
-    max_tokens: int = 256,
-    *,
-    sampling: SamplingSettings = SamplingSettings(),
-    stop: Seq[str] = (),
-    cache_settings: CacheSettings | None = None,
-    max_batch: int = 8,
-    prefill_chunk: int | None = None,
-    prefix_cache_bytes: int = 512 * 2**20,
-    speculative: SpeculativeSettings | None = None,
-    **sampling_kwargs: Any,
-) -> list[str]:
-    """Complete every prompt (raw text or token ids, no chat template) in one continuous batch;
-    returns the completions in order. Sampling may be given as ``sampling=`` or as keywords
-    (``temp``, ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty``, ``seed``);
-    ``speculative`` decodes each sequence speculatively (same greedy output)."""
-    if sampling_kwargs:
-        sampling = dataclasses.replace(sampling, **sampling_kwargs)
-    engine = Engine(
-        model, tokenizer, max_batch=max_batch, max_queue=max(len(prompts), 1), cache_settings=cache_settings,
-        prefix_cache_bytes=prefix_cache_bytes, prefill_chunk=prefill_chunk, speculative=speculative,
-    )
-    requests = [
-        GenerationRequest(tokenizer.encode(p) if isinstance(p, str) else list(p), max_tokens, sampling, stop)
-        for p in prompts
-    ]
-    with engine:
-        handles = [engine.submit(r) for r in requests]
-        return ["".join(event.text for event in handle) for handle in handles]
+            event = sequence.event("", None)
+            self.metrics.event(handle, event)
+            handle._put(event)

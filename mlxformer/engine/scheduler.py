@@ -1,12 +1,14 @@
-"""Which sequences run at each engine step: admission bounded by ``max_batch``, a bounded
-waiting queue, one prompt chunk per step for newcomers, one decode step for the running."""
+"""Which sequences run at each engine step: admission bounded by ``max_batch`` (and by what the
+engine says fits), a bounded waiting queue, one prompt chunk per step for newcomers, one decode
+step for the running; preempted sequences go back to the front of the queue."""
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Container
+from typing import Callable, Container
 
 from mlxformer.engine.sequence import Sequence, Status
 from mlxformer.errors import MlxformerError
@@ -14,6 +16,10 @@ from mlxformer.errors import MlxformerError
 
 class EngineOverloaded(MlxformerError):
     """The engine's waiting queue is full: retry later."""
+
+
+class EngineNotRunning(MlxformerError):
+    """The engine is not running (not started, stopped, or its thread ended): it takes no requests."""
 
 
 @dataclass
@@ -44,6 +50,8 @@ class Scheduler:
         self.prefilling: list[Sequence] = []
         self.running: list[Sequence] = []
         self.lock = threading.Lock()
+        self._arrival: dict[int, int] = {}  # id(sequence) -> submission order
+        self._counter = itertools.count()
 
     def add(self, sequence: Sequence) -> None:
         """Queue a new sequence; raises ``EngineOverloaded`` when the queue is full (the requests
@@ -53,6 +61,7 @@ class Scheduler:
             if len(self.waiting) - free >= self.max_queue:
                 raise EngineOverloaded(f"the engine's queue is full ({self.max_queue} waiting requests)")
             self.waiting.append(sequence)
+            self._arrival[id(sequence)] = next(self._counter)
 
     @property
     def active(self) -> int:
@@ -63,14 +72,15 @@ class Scheduler:
         with self.lock:
             return bool(self.waiting or self.prefilling or self.running)
 
-    def admit(self) -> list[Sequence]:
-        """Move waiting sequences into free batch slots; returns them (to be given caches)."""
+    def admit(self, fits: Callable[[Sequence], bool] = lambda s: True) -> list[Sequence]:
+        """Move waiting sequences into free batch slots, in order while ``fits`` says the next one
+        does; returns them (to be given caches)."""
         admitted = []
         with self.lock:
             while self.waiting and self.active < self.max_batch:
+                if self.waiting[0].cancelled or not fits(self.waiting[0]):
+                    break  # a cancelled one is dropped (and told) at the next step
                 sequence = self.waiting.popleft()
-                if sequence.cancelled:
-                    continue
                 sequence.status = Status.PREFILLING
                 self.prefilling.append(sequence)
                 admitted.append(sequence)
@@ -81,6 +91,8 @@ class Scheduler:
         with self.lock:
             dropped = [s for s in self.waiting if s.cancelled]
             self.waiting = deque(s for s in self.waiting if not s.cancelled)
+            for sequence in dropped:
+                self._arrival.pop(id(sequence), None)
         return dropped
 
     def plan(self, skip: Container[Sequence] = ()) -> Step:
@@ -112,7 +124,39 @@ class Scheduler:
 
     def release(self, sequence: Sequence) -> None:
         """Free the sequence's slot (finished or cancelled)."""
-        if sequence in self.prefilling:
-            self.prefilling.remove(sequence)
-        if sequence in self.running:
-            self.running.remove(sequence)
+        with self.lock:
+            if sequence in self.prefilling:
+                self.prefilling.remove(sequence)
+            if sequence in self.running:
+                self.running.remove(sequence)
+            if sequence in self.waiting:
+                self.waiting.remove(sequence)
+            self._arrival.pop(id(sequence), None)
+
+    def latest_active(self) -> Sequence | None:
+        """The active sequence submitted last (the first to preempt)."""
+        active = self.prefilling + self.running
+        return max(active, key=lambda s: self._arrival[id(s)]) if active else None
+
+    def preempt(self, sequence: Sequence) -> None:
+        """Take an active sequence out of the batch, back to the queue in submission order
+        (ahead of every newer request: it is readmitted first)."""
+        with self.lock:
+            if sequence in self.prefilling:
+                self.prefilling.remove(sequence)
+            if sequence in self.running:
+                self.running.remove(sequence)
+            sequence.status = Status.WAITING
+            order = self._arrival[id(sequence)]
+            at = next((i for i, s in enumerate(self.waiting) if self._arrival.get(id(s), order) > order), len(self.waiting))
+            self.waiting.insert(at, sequence)
+
+    def clear(self) -> list[Sequence]:
+        """Remove every sequence (waiting or active); returns them."""
+        with self.lock:
+            everything = [*self.waiting, *self.prefilling, *self.running]
+            self.waiting.clear()
+            self.prefilling.clear()
+            self.running.clear()
+            self._arrival.clear()
+        return everything

@@ -9,6 +9,7 @@ from typing import Sequence as Seq
 import mlx.core as mx
 
 from mlxformer.cache import Cache
+from mlxformer.engine.prompt_scores import PromptScores
 from mlxformer.engine.speculation import Speculator
 from mlxformer.errors import MlxformerError
 from mlxformer.options import SamplingSettings, check_integer
@@ -32,6 +33,7 @@ class GenerationRequest:
     sampling: SamplingSettings = SamplingSettings()
     stop: Seq[str] = ()
     logprobs: int | None = None
+    prompt_logprobs: int | None = None  # k >= 0: also score the prompt's tokens (k alternatives each)
     constraint: TokenConstraint | None = None
     speculate: bool = True  # decode speculatively when the engine has speculative settings (not with a constraint)
 
@@ -72,6 +74,8 @@ def check_request(request: GenerationRequest, vocab_size: int) -> None:
     request.sampling.check_vocabulary(vocab_size)
     if request.logprobs is not None:
         check_integer("logprobs", request.logprobs, low=0)
+    if request.prompt_logprobs is not None:
+        check_integer("prompt_logprobs", request.prompt_logprobs, low=0)
 
 
 class Sequence:
@@ -96,6 +100,8 @@ class Sequence:
         self.speculator: Speculator | None = None  # set at admission when the request speculates
         self.detokenizer = detokenizer
         self.stops = StopMatcher(request.stop)
+        k = request.prompt_logprobs
+        self.prompt_scores = PromptScores(self.prompt, k) if k is not None else None  # filled during prefill
         self.eos = set(eos_ids)
 
     # --- tokens -------------------------------------------------------------------------

@@ -107,12 +107,42 @@ def check_config(config: dict[str, Any], entries: Mapping[str, TensorEntry], sou
             continue
         if not isinstance(value, int) or isinstance(value, bool) or not 0 < value < 1 << 31:
             raise MlxformerError(f"{where} {key} is not a positive integer below 2**31: {str(value)[:40]}")
+    _check_quantization(config, where)
     try:
         args = ModelArgs.from_dict(config)
     except MlxformerError as exc:
         raise MlxformerError(f"{source}: {exc}") from None
+    except (TypeError, ValueError) as exc:
+        raise MlxformerError(f"{where} has a value of the wrong type ({exc})") from None
     layers = {int(m.group(1)) for name in entries if (m := _LAYER.match(name))}
     if layers != set(range(args.num_hidden_layers)):
         raise MlxformerError(f"{where} says {config.get('num_hidden_layers')} layers, but the tensors are for "
                              f"{len(layers)} (indices up to {max(layers, default=-1)})")
     return args
+
+
+def _check_quantization(config: dict[str, Any], where: str) -> None:
+    """mlx-lm's ``quantization`` entry: ints ``group_size``/``bits``, and per-layer entries that
+    are such a dict or a bool."""
+    quantization = config.get("quantization") or config.get("quantization_config")
+    if quantization is None:
+        return
+    if not isinstance(quantization, dict):
+        raise MlxformerError(f"{where} quantization is not an object")
+
+    def spec_ok(spec: dict[str, Any]) -> bool:
+        return all(isinstance(spec.get(k, 1), int) and not isinstance(spec.get(k, 1), bool) and spec.get(k, 1) > 0
+                   for k in ("group_size", "bits"))
+
+    if "quant_method" in quantization:  # transformers' GPTQ/AWQ/bitsandbytes/... checkpoints
+        raise MlxformerError(f"{where} uses quantization method {str(quantization['quant_method'])[:40]!r}, "
+                             "which is not supported (only MLX affine quantization)")
+    if not spec_ok(quantization):
+        raise MlxformerError(f"{where} quantization group_size/bits are not positive integers")
+    for key, value in quantization.items():
+        if key in ("group_size", "bits", "mode"):
+            continue
+        if not (isinstance(value, bool) or (isinstance(value, dict) and {"group_size", "bits"} <= set(value)
+                                            and spec_ok(value))):
+            raise MlxformerError(f"{where} quantization entry for {key[:80]!r} is not true/false or "
+                                 "{group_size, bits}")

@@ -3,15 +3,19 @@
 GGUF stores the vocabulary under llama.cpp's key names (`tokenizer.ggml.*`) instead of a
 `tokenizer.json`. Two vocabulary kinds are supported:
 
-- `gpt2`: byte-level BPE from tokens + merges; the split regex is picked from `tokenizer.ggml.pre`
-  the way llama.cpp does.
+- `gpt2`: byte-level BPE from tokens + merges; the split regex and `ignore_merges` are picked
+  from `tokenizer.ggml.pre` the way llama.cpp does. Control and user-defined tokens are stored
+  as their text (`<｜User｜>`), not in the byte alphabet, and keep their ids.
 - `llama`: SentencePiece-style BPE with byte fallback; merges are recovered from the scores,
   as transformers' GGUF converter does.
+
+Every value is type-checked first: an ill-typed one is a one-line error naming the file and key.
 """
 
 from dataclasses import dataclass
 from typing import Any
 
+import mlx.core as mx
 import numpy as np
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
@@ -45,6 +49,11 @@ _SPLIT_REGEX: dict[str, str] = {
 # Pre-tokenizers that isolate every digit before the GPT-2 regex (llama.cpp: "\p{N}" first;
 # HF's own SmolLM/StarCoder tokenizer.json: Digits(individual_digits=True) + ByteLevel).
 _DIGIT_SPLIT = frozenset(("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"))
+# Pre-tokenizers llama.cpp (llama-vocab.cpp) runs with ``ignore_merges`` (a pre-token that is
+# itself in the vocabulary is one token, as HF's Llama-3 tokenizer.json says too) and for which
+# it adds a BOS when the file has no tokenizer.ggml.add_bos_token.
+_IGNORE_MERGES = frozenset(("llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral"))
+_BOS_BY_DEFAULT = _IGNORE_MERGES
 
 
 _SPECIAL_IDS = {
@@ -85,35 +94,100 @@ def bytes_to_unicode() -> dict[int, str]:
     return dict(zip(printable, (chr(c) for c in chars)))
 
 
-def _scalar(metadata: dict[str, Any], key: str) -> Any:
-    """A scalar metadata value as a Python object, or None when absent."""
-    value = metadata.get(key)
-    if value is None or isinstance(value, (str, int, float, bool)):
+class _Metadata:
+    """Typed reads of GGUF metadata values (``mx.load``'s arrays or the reader's numpy/Python
+    values); an ill-typed value raises one line naming the file and the key."""
+
+    def __init__(self, metadata: dict[str, Any], source: str) -> None:
+        self.metadata, self.source = metadata, source
+
+    def fail(self, key: str, message: str) -> None:
+        raise MlxformerError(f"{self.source}: {key} {message}")
+
+    def scalar(self, key: str, kind: type | tuple[type, ...]) -> Any:
+        """A single value of Python type ``kind`` (int, bool, str), or None when absent."""
+        value = self.metadata.get(key)
+        if value is None:
+            return None
+        if isinstance(value, (mx.array, np.ndarray, np.generic)):
+            if value.ndim != 0:
+                self.fail(key, f"must be a single value, got an array of shape {tuple(value.shape)}")
+            value = value.item()
+        elif isinstance(value, (list, tuple)):
+            self.fail(key, f"must be a single value, got a list of {len(value)}")
+        kinds = kind if isinstance(kind, tuple) else (kind,)
+        if int in kinds and bool not in kinds and isinstance(value, bool):
+            self.fail(key, f"must be an integer, got {value!r}")
+        if not isinstance(value, kinds):
+            self.fail(key, f"must be {' or '.join(k.__name__ for k in kinds)}, got {type(value).__name__} {value!r:.40}")
         return value
-    return np.asarray(value).item()
 
-
-def _array(metadata: dict[str, Any], key: str) -> list | None:
-    value = metadata.get(key)
-    if value is None:
-        return None
-    if isinstance(value, list):
+    def strings(self, key: str) -> list[str] | None:
+        """An array of non-empty strings, or None when absent."""
+        value = self.metadata.get(key)
+        if value is None:
+            return None
+        if not isinstance(value, list):
+            self.fail(key, f"must be an array of strings, got {type(value).__name__}")
+        for i, item in enumerate(value):
+            if not isinstance(item, str) or not item:
+                self.fail(f"{key}[{i}]", f"must be a non-empty string, got {item!r:.40}")
         return value
-    return np.asarray(value).tolist()
+
+    def token_id(self, key: str, n_tokens: int) -> int | None:
+        """A token id inside the vocabulary, or None when absent."""
+        value = self.scalar(key, int)
+        if value is not None and not 0 <= value < n_tokens:
+            self.fail(key, f"={value} is outside the vocabulary of {n_tokens}")
+        return value
+
+    def merges(self) -> list[tuple[str, str]]:
+        """The byte-level BPE merges, each ``"left right"``."""
+        key = "tokenizer.ggml.merges"
+        merges = self.strings(key)
+        if merges is None:
+            self.fail(key, "is missing (a byte-level gpt2 tokenizer needs it)")
+        pairs = []
+        for i, merge in enumerate(merges or ()):
+            left, space, right = merge.partition(" ")
+            if not (left and space and right):
+                self.fail(f"{key}[{i}]", f"must be two tokens separated by a space, got {merge!r:.40}")
+            pairs.append((left, right))
+        return pairs
+
+    def numbers(self, key: str, length: int, integer: bool) -> list | None:
+        """A numeric array of ``length`` values, or None when absent."""
+        value = self.metadata.get(key)
+        if value is None:
+            return None
+        array = np.asarray(value) if isinstance(value, (mx.array, np.ndarray)) else None
+        if array is None or array.ndim != 1 or not (
+            np.issubdtype(array.dtype, np.integer) if integer else np.issubdtype(array.dtype, np.number)
+        ):
+            self.fail(key, f"must be an array of {'integers' if integer else 'numbers'}")
+        if len(array) != length:
+            self.fail(key, f"has {len(array)} values for {length} tokens")
+        return array.tolist()
 
 
-def _byte_level_model(tokens: list[str], merges: list[str] | None) -> tuple[HFTokenizer, set[str]]:
+def _byte_level_model(
+    tokens: list[str], token_type: list[int] | None, merges: list[tuple[str, str]], pre: str | None
+) -> HFTokenizer:
+    """Byte-level BPE. Normal tokens are stored in GPT-2's byte alphabet; control and
+    user-defined ones as their text (llama.cpp's converter writes them so, and matches them
+    whole), so they keep their ids, whatever characters they have."""
     alphabet = set(bytes_to_unicode().values())
     spell = bytes_to_unicode()
+    raw = {i for i, kind in enumerate(token_type or ()) if kind in (CONTROL, USER_DEFINED)}
     vocab = {
-        tok if set(tok) <= alphabet else "".join(spell[b] for b in tok.encode("utf-8")): i
+        tok if i in raw or set(tok) <= alphabet else "".join(spell[b] for b in tok.encode("utf-8")): i
         for i, tok in enumerate(tokens)
     }
-    if merges is None:
-        raise MlxformerError("GGUF byte-level (gpt2) tokenizer has no tokenizer.ggml.merges")
-    pairs = [tuple(m.split(" ", 1)) for m in merges]
-    model = models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False)
-    return HFTokenizer(model), alphabet
+    model = models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False, ignore_merges=pre in _IGNORE_MERGES)
+    tok = HFTokenizer(model)
+    tok.pre_tokenizer = _byte_level_pre_tokenizer(pre)
+    tok.decoder = decoders.ByteLevel()
+    return tok
 
 
 def _byte_level_pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
@@ -146,15 +220,17 @@ def spm_merges(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
     return [(left, right) for left, right, _ in merges]
 
 
-def _spm_model(tokens: list[str], scores: list[float] | None, add_prefix_space: bool) -> HFTokenizer:
-    if scores is None:
-        raise MlxformerError("GGUF SentencePiece (llama) tokenizer has no tokenizer.ggml.scores")
+def spm_bpe_tokenizer(
+    tokens: list[str], scores: list[float], add_prefix_space: bool, legacy: bool = False
+) -> HFTokenizer:
+    """A SentencePiece BPE vocabulary as a `tokenizers` BPE with byte fallback, as transformers'
+    LlamaTokenizer builds it: a Metaspace pre-tokenizer that adds the dummy-prefix space at the
+    start of the text, or (``legacy``) also after every added token."""
     vocab = {tok: i for i, tok in enumerate(tokens)}
     model = models.BPE(vocab=vocab, merges=spm_merges(tokens, scores), fuse_unk=True, byte_fallback=True)
     tok = HFTokenizer(model)
-    tok.pre_tokenizer = pre_tokenizers.Metaspace(
-        replacement="▁", prepend_scheme="first" if add_prefix_space else "never", split=False
-    )
+    scheme = ("always" if legacy else "first") if add_prefix_space else "never"
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme=scheme, split=False)
     steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
     if add_prefix_space:
         steps.append(decoders.Strip(content=" ", left=1, right=0))
@@ -162,18 +238,15 @@ def _spm_model(tokens: list[str], scores: list[float] | None, add_prefix_space: 
     return tok
 
 
-def _add_typed_tokens(
-    tok: HFTokenizer, tokens: list[str], token_type: list[int] | None, alphabet: set[str] | None
-) -> None:
-    """Control tokens become special added tokens, user-defined ones plain added tokens (never split)."""
+def add_typed_tokens(tok: HFTokenizer, tokens: list[str], token_type: list[int] | None) -> None:
+    """Control tokens become special added tokens, user-defined ones plain added tokens: both
+    are matched whole in text, under their ids in the file (as llama.cpp's tokenizer does).
+    The type numbers are llama.cpp's, which are SentencePiece's too."""
     if token_type is None:
         return
-    control = [
-        AddedToken(t, normalized=False, special=True)
-        for t, kind in zip(tokens, token_type)
-        if kind == CONTROL and (alphabet is None or set(t) <= alphabet)
-    ]
-    tok.add_special_tokens(control)
+    tok.add_special_tokens(
+        [AddedToken(t, normalized=False, special=True) for t, kind in zip(tokens, token_type) if kind == CONTROL]
+    )
     vocab = tok.get_vocab(with_added_tokens=False)
     user = [
         AddedToken(t, normalized=False, special=False)
@@ -183,49 +256,44 @@ def _add_typed_tokens(
     tok.add_tokens(user)
 
 
-def build_gguf_vocab(metadata: dict[str, Any]) -> GGUFVocab:
-    """Build the tokenizer described by `mx.load(path, return_metadata=True)[1]`."""
-    kind = _scalar(metadata, "tokenizer.ggml.model")
-    tokens = _array(metadata, "tokenizer.ggml.tokens")
+def build_gguf_vocab(metadata: dict[str, Any], source: str = "GGUF file") -> GGUFVocab:
+    """Build the tokenizer described by GGUF ``metadata`` (e.g. ``mx.load(path,
+    return_metadata=True)[1]``); ``source`` (the file) names where an ill-typed key was found.
+    Every key is read and checked before anything is built."""
+    meta = _Metadata(metadata, str(source))
+    kind = meta.scalar("tokenizer.ggml.model", str)
+    tokens = meta.strings("tokenizer.ggml.tokens")
     if kind is None or tokens is None:
-        raise MlxformerError("GGUF file has no tokenizer (missing tokenizer.ggml.model / tokenizer.ggml.tokens)")
-    token_type = _array(metadata, "tokenizer.ggml.token_type")
-    alphabet: set[str] | None = None
+        raise MlxformerError(f"{source}: no tokenizer (missing tokenizer.ggml.model / tokenizer.ggml.tokens)")
+    if kind not in ("gpt2", "llama"):
+        raise MlxformerError(f"{source}: unsupported tokenizer.ggml.model {kind!r} (supported: 'gpt2', 'llama')")
+    token_type = meta.numbers("tokenizer.ggml.token_type", len(tokens), integer=True)
+    pre = meta.scalar("tokenizer.ggml.pre", str)
+    ids = {name: meta.token_id(f"tokenizer.ggml.{key}", len(tokens)) for name, key in _SPECIAL_IDS.items()}
+    add_bos = meta.scalar("tokenizer.ggml.add_bos_token", bool)
+    add_eos = meta.scalar("tokenizer.ggml.add_eos_token", bool)
+    chat_template = meta.scalar("tokenizer.chat_template", str)
     if kind == "gpt2":
-        tok, alphabet = _byte_level_model(tokens, _array(metadata, "tokenizer.ggml.merges"))
-        tok.pre_tokenizer = _byte_level_pre_tokenizer(_scalar(metadata, "tokenizer.ggml.pre"))
-        tok.decoder = decoders.ByteLevel()
-        default_bos = False
-    elif kind == "llama":
-        prefix = _scalar(metadata, "tokenizer.ggml.add_space_prefix")
-        tok = _spm_model(tokens, _array(metadata, "tokenizer.ggml.scores"), True if prefix is None else bool(prefix))
-        default_bos = True  # llama.cpp adds BOS to a SentencePiece vocabulary that does not say otherwise
+        tok = _byte_level_model(tokens, token_type, meta.merges(), pre)
+        default_bos = pre in _BOS_BY_DEFAULT  # llama.cpp's default for these pre-tokenizers
     else:
-        raise MlxformerError(f"unsupported GGUF tokenizer model {kind!r} (supported: 'gpt2', 'llama')")
-    _add_typed_tokens(tok, tokens, token_type, alphabet)
-
-    def token_id(key: str) -> int | None:
-        value = _scalar(metadata, f"tokenizer.ggml.{key}")
-        if value is None:
-            return None
-        if not 0 <= int(value) < len(tokens):
-            raise MlxformerError(f"GGUF tokenizer.ggml.{key}={value} is outside the vocabulary of {len(tokens)}")
-        return int(value)
-
-    ids = {name: token_id(key) for name, key in _SPECIAL_IDS.items()}
+        prefix = meta.scalar("tokenizer.ggml.add_space_prefix", bool)
+        scores = meta.numbers("tokenizer.ggml.scores", len(tokens), integer=False)
+        if scores is None:
+            meta.fail("tokenizer.ggml.scores", "is missing (a SentencePiece llama tokenizer needs it)")
+        tok = spm_bpe_tokenizer(tokens, scores, True if prefix is None else prefix)
+        default_bos = True  # llama.cpp adds BOS to a SentencePiece vocabulary that does not say otherwise
+    add_typed_tokens(tok, tokens, token_type)
     special = {name: tokens[i] for name, i in ids.items() if i is not None and name in _SPECIAL_NAMES}
     # transformers registers bos/eos/unk/pad as special tokens too, so they match whole in text.
     tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in special.values()])
     eos_ids = list(dict.fromkeys(i for name in ("eos_token", "eot_token", "eom_token") if (i := ids[name]) is not None))
-    add_bos = _scalar(metadata, "tokenizer.ggml.add_bos_token")
-    add_eos = _scalar(metadata, "tokenizer.ggml.add_eos_token")
     return GGUFVocab(
         tokenizer=tok,
         bos_token_id=ids["bos_token"],
         eos_token_ids=eos_ids,
-        add_bos_token=default_bos if add_bos is None else bool(add_bos),
+        add_bos_token=default_bos if add_bos is None else add_bos,
         add_eos_token=bool(add_eos),
         special_tokens=special,
-        chat_template=_scalar(metadata, "tokenizer.chat_template"),
+        chat_template=chat_template,
     )
-

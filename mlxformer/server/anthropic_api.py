@@ -16,7 +16,7 @@ from mlxformer.server.anthropic_protocol import Block, Message, MessagesRequest,
 from mlxformer.server.errors import bad_request, validation_message
 from mlxformer.server.context import ServerContext
 from mlxformer.server.hosting import check_model, frames, named_event
-from mlxformer.server.streaming import EventStream, collect_unless_gone
+from mlxformer.server.streaming import collect_unless_gone
 from mlxformer.server.protocol import ResponseFormat, SamplingFields, new_id
 from mlxformer.server.segments import Segment, SegmentEvent, Segmenter
 from mlxformer.server.turn import Turn, effort_budget, prepare, render_prompt
@@ -198,7 +198,7 @@ def messages_router(ctx: ServerContext) -> APIRouter:
             def on_error(message: str) -> list[str]:
                 return [named_event(anthropic_error(500, message))]
 
-            return EventStream(frames(lease, on_event, on_error), lease)
+            return ctx.event_stream(frames(lease, on_event, on_error), lease)
         result = await collect_unless_gone(lease, request)
         for event in result.events:
             generated.extend([event.token] if event.token is not None else [])

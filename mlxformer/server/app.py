@@ -36,6 +36,7 @@ from mlxformer.server.openai_routes import openai_router
 from mlxformer.server.openapi import GUARDED, KEYED, error_responses, install_openapi
 from mlxformer.server.responses import TokenStrings
 from mlxformer.server.responses_api import responses_router
+from mlxformer.server.sse import SSE_PING_SECONDS
 from mlxformer.server.translate import ServedModel
 from mlxformer.server.turn import Traits
 
@@ -76,6 +77,7 @@ def create_app(
     routers: Sequence[RouterMaker] = API_ROUTERS,
     tool_parser: str | None = None,
     any_model_name: bool = True,
+    sse_ping_seconds: float | None = SSE_PING_SECONDS,
 ) -> FastAPI:
     """The API app over a started ``engine``.
 
@@ -85,11 +87,13 @@ def create_app(
     ``max_body_bytes`` get 413; ``openapi=False`` serves no /openapi.json; ``routers`` make the
     API routers (each mounted under /v1); ``tool_parser`` names the tool-call format (default: the
     one the chat template teaches); ``any_model_name``: the Anthropic and Responses routes serve
-    any model name they are sent."""
+    any model name they are sent; streams send a keep-alive comment after ``sse_ping_seconds``
+    without data (None: never)."""
     app = FastAPI(title="mlxformer", docs_url=None, redoc_url=None, openapi_url=None)
     install_error_handlers(app)
     ctx = ServerContext(engine, served, TokenStrings(served.tokenizer, served.vocab_size),
-                        traits=Traits.of(served, tool_parser), any_model_name=any_model_name)
+                        sse_ping_seconds=sse_ping_seconds, traits=Traits.of(served, tool_parser),
+                        any_model_name=any_model_name)
     app.state.context = ctx
     keyed = [key_dependency(api_key), Depends(require_json)]
     for make in routers:
@@ -100,9 +104,11 @@ def create_app(
     async def index() -> HTMLResponse:
         return HTMLResponse(chat_page(), headers={"Content-Security-Policy": PAGE_SECURITY_POLICY})
 
-    @app.get("/health", responses=error_responses(GUARDED))
-    async def health() -> dict[str, object]:
-        return {"status": "ok", "model": served.name, "running": ctx.inflight.count}
+    @app.get("/health", responses=error_responses((*GUARDED, 503)))
+    async def health() -> JSONResponse:
+        if not engine.running:
+            return JSONResponse(error_body("the engine is not running", "server_error", None, "engine_not_running"), 503)
+        return JSONResponse({"status": "ok", "model": served.name, "running": ctx.inflight.count})
 
     install_openapi(app)
     if openapi:

@@ -6,13 +6,14 @@ from __future__ import annotations
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable, Optional, TypeVar
+from typing import AsyncIterator, Callable, Optional, TypeVar
 
-from mlxformer.engine import Engine, EngineOverloaded, GenerationRequest
+from mlxformer.engine import Engine, EngineNotRunning, EngineOverloaded, GenerationRequest
 from mlxformer.errors import MlxformerError
 from mlxformer.server.errors import APIError
 from mlxformer.server.responses import TokenStrings
-from mlxformer.server.streaming import InFlight, Lease
+from mlxformer.server.sse import SSE_PING_SECONDS, keepalive, prompt_progress
+from mlxformer.server.streaming import EventStream, InFlight, Lease
 from mlxformer.server.translate import ServedModel
 from mlxformer.server.turn import Traits
 
@@ -34,6 +35,16 @@ class ServerContext:
     )
     traits: Optional[Traits] = None  # the model's call format and reasoning (default: read from its template)
     any_model_name: bool = True  # the Anthropic and Responses routes serve any model name they are sent
+    sse_ping_seconds: float | None = SSE_PING_SECONDS  # keep-alive comments after this long without data
+
+    def event_stream(
+        self, chunks: AsyncIterator[str], lease: Lease, progress: Callable[[dict[str, int]], str] | None = None
+    ) -> EventStream:
+        """The SSE response of every streaming route: ``chunks`` with keep-alive comments while
+        none comes (a long prefill) and, when ``progress`` is given (the request asked for
+        ``return_progress``), the prompt's progress as the events it makes (``server/sse.py``)."""
+        poll = prompt_progress(lease.handle, progress) if progress is not None else None
+        return EventStream(keepalive(chunks, self.sse_ping_seconds, poll), lease)
 
     def __post_init__(self) -> None:
         if self.traits is None:
@@ -44,8 +55,8 @@ class ServerContext:
         return await asyncio.get_running_loop().run_in_executor(self.pool, work)
 
     def submit(self, request: GenerationRequest) -> Lease:
-        """Queue ``request``: 429 with ``Retry-After`` when the engine's queue is full, 400 when
-        the engine refuses it."""
+        """Queue ``request``: 429 with ``Retry-After`` when the engine's queue is full, 503 when it
+        is not running, 400 when it refuses the request (its KV cache can never fit, for one)."""
         try:
             handle = self.engine.submit(request)
         except EngineOverloaded as exc:
@@ -53,6 +64,8 @@ class ServerContext:
                 f"the server is busy ({exc}); retry later", 429, "rate_limit_error", None, "queue_full",
                 headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
             ) from exc
+        except EngineNotRunning as exc:
+            raise APIError(str(exc), 503, "server_error", None, "engine_not_running") from exc
         except MlxformerError as exc:
             raise APIError(str(exc), 400) from exc
         return Lease(handle, self.inflight)

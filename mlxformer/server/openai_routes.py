@@ -16,14 +16,14 @@ from mlxformer.server.meta_api import model_card
 from mlxformer.server.openapi import GENERATION, error_responses, streamed_ok
 from mlxformer.server.prepare import prepare_chat, prepare_completion
 from mlxformer.server.protocol import (
-    ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
-    ModelList, new_id,
+    ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, CompletionLogprobs, CompletionRequest,
+    CompletionResponse, ModelList, new_id,
 )
 from mlxformer.server.responses import (
-    chat_chunk_maker, chat_response, completion_chunk_maker, completion_response, usage_of,
+    chat_chunk_maker, chat_response, completion_chunk_maker, completion_response, echo_logprobs, sse, usage_of,
 )
-from mlxformer.server.streaming import EventStream, collect_unless_gone, stream
 from mlxformer.server.reply import whole_reply
+from mlxformer.server.streaming import collect_unless_gone, stream
 
 
 def openai_router(ctx: ServerContext) -> APIRouter:
@@ -52,7 +52,12 @@ def openai_router(ctx: ServerContext) -> APIRouter:
                 return ChatCompletionChunk(id=request_id, model=served.name, choices=[], usage=usage_of(last))
 
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return EventStream(stream(lease, make, first, usage_chunk if include_usage else None), lease)
+
+            def progress_chunk(progress: dict[str, int]) -> str:
+                return sse({**first.model_dump(exclude_none=True), "choices": [], "prompt_progress": progress})
+
+            chunks = stream(lease, make, first, usage_chunk if include_usage else None)
+            return ctx.event_stream(chunks, lease, progress_chunk if body.return_progress else None)
         result = await collect_unless_gone(lease, request)
         reply = whole_reply(prepared.parser(), result.events)
         return JSONResponse(chat_response(request_id, served.name, result, reply, text, body.logprobs).model_dump())
@@ -66,16 +71,28 @@ def openai_router(ctx: ServerContext) -> APIRouter:
         request_id = new_id("cmpl")
         echo = echo_text(body, prepared.prompt_ids, ctx) if body.echo else ""
         logprobs = body.logprobs is not None
+        scores = lease.handle.sequence.prompt_scores
+
+        def echoed() -> CompletionLogprobs | None:  # once the first event came: the prompt is scored
+            return echo_logprobs(prepared.prompt_ids, scores.entries(), text) if scores is not None else None
+
         if body.stream:
-            make = completion_chunk_maker(request_id, served.name, text, logprobs, echo)
+            make = completion_chunk_maker(request_id, served.name, text, logprobs, echo, echoed)
 
             def usage_chunk(last: TokenEvent | None) -> BaseModel:
                 return CompletionResponse(id=request_id, model=served.name, choices=[], usage=usage_of(last))
 
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return EventStream(stream(lease, make, None, usage_chunk if include_usage else None), lease)
+
+            def progress_chunk(progress: dict[str, int]) -> str:
+                return sse({"id": request_id, "object": "text_completion", "model": served.name, "choices": [],
+                            "prompt_progress": progress})
+
+            chunks = stream(lease, make, None, usage_chunk if include_usage else None)
+            return ctx.event_stream(chunks, lease, progress_chunk if body.return_progress else None)
         result = await collect_unless_gone(lease, request)
-        return JSONResponse(completion_response(request_id, served.name, result, text, logprobs, echo).model_dump())
+        response = completion_response(request_id, served.name, result, text, logprobs, echo, echoed())
+        return JSONResponse(response.model_dump())
 
     return router
 

@@ -23,10 +23,11 @@ ERROR_MEANINGS = {
     415: "the body is not declared as JSON",
     429: "the server is busy (see Retry-After)",
     500: "internal error",
+    503: "the engine is not running",
 }
 GUARDED = (403, 413)  # every route: the request guard answers these before routing
 KEYED = (401,)  # routes behind the API key
-GENERATION = (400, 404, 405, 415, 429, 500)  # the generation routes
+GENERATION = (400, 404, 405, 415, 429, 500, 503)  # the generation routes
 
 
 def error_responses(statuses: Iterable[int]) -> dict[int | str, dict[str, Any]]:

@@ -97,6 +97,7 @@ class SamplingFields(Lenient):
     n: int = Field(default=1, ge=1)
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
+    return_progress: bool = False  # llama-server's: stream prompt_progress objects while the prompt is prefilled
     user: Optional[str] = None
 
     def stop_strings(self) -> list[str]:

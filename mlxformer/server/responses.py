@@ -62,14 +62,23 @@ class TokenStrings:
         self.eos = frozenset(tokenizer.eos_token_ids)
         self._vocab: Any = None
 
-    def bytes_of(self, token: int) -> bytes:
-        """The bytes ``token`` stands for (a control token: its name)."""
+    @property
+    def vocab(self) -> Any:
+        """The grammar engine's vocabulary (token id -> bytes), built once per tokenizer, cached on it."""
         if self._vocab is None:
-            from mlxformer.constrained.vocab import grammar_tokenizer  # built once per tokenizer, cached on it
+            from mlxformer.constrained.vocab import grammar_tokenizer
 
             self._vocab = grammar_tokenizer(self.tokenizer, self.vocab_size)
-        data = self._vocab.decode_bytes([token])
+        return self._vocab
+
+    def bytes_of(self, token: int) -> bytes:
+        """The bytes ``token`` stands for (a control token: its name)."""
+        data = self.vocab.decode_bytes([token])
         return data[len(SPECIAL_MARKER):] if data.startswith(SPECIAL_MARKER) else data
+
+    def text_bytes(self, token: int) -> bytes:
+        """The bytes ``token`` adds to the text: none for a control token (BOS adds no text)."""
+        return b"" if self.vocab.is_special_token(token) else self.bytes_of(token)
 
     def __call__(self, token: int) -> str:
         data = self.bytes_of(token)
@@ -106,7 +115,7 @@ class LogprobAligner:
         """Feed one event; returns the tokens now due."""
         if self.text.scored(event):
             self.pending.append(Scored(event, self.chars))
-            self.chars += len(self.decoder.decode(self.text.bytes_of(event.token)))  # type: ignore[arg-type]
+            self.chars += len(self.decoder.decode(self.text.text_bytes(event.token)))  # type: ignore[arg-type]
         self.sent += len(event.text)
         due = [s for s in self.pending if s.offset < self.sent]
         self.pending = [] if event.finish_reason is not None else self.pending[len(due):]
@@ -124,6 +133,23 @@ def chat_token_logprob(event: TokenEvent, text: TokenStrings) -> TokenLogprob:
     top = [TopLogprob(token=text(i), logprob=lp, bytes=list(text.bytes_of(i))) for i, lp in top_alternatives(event)]
     return TokenLogprob(token=text(event.token), logprob=finite(event.logprob),
                         bytes=list(text.bytes_of(event.token)), top_logprobs=top)
+
+
+def echo_logprobs(
+    ids: list[int], entries: list[tuple[float, list[tuple[int, float]]]], text: TokenStrings
+) -> CompletionLogprobs:
+    """A text completion's ``logprobs`` for its echoed prompt ``ids``: the first token has none
+    (``null``, as OpenAI reports it), each later one its log-probability given those before it."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    offsets, chars = [], 0
+    for token in ids:
+        offsets.append(chars)
+        chars += len(decoder.decode(text.text_bytes(token)))
+    top = [{text(i): lp for i, lp in alternatives if math.isfinite(lp)} for _, alternatives in entries]
+    return CompletionLogprobs(
+        tokens=[text(i) for i in ids], token_logprobs=[None, *(finite(lp) for lp, _ in entries)],
+        top_logprobs=[None, *top], text_offset=offsets,
+    )
 
 
 def add_completion_logprob(logprobs: CompletionLogprobs, scored: Scored, text: TokenStrings, base: int) -> None:
@@ -264,18 +290,17 @@ def _call_delta(delta: CallDelta) -> dict[str, Any]:
 
 def completion_chunk_maker(
     request_id: str, model: str, text: TokenStrings, logprobs: bool, echo: str,
-    prompt_logprobs: CompletionLogprobs | None = None,
+    prompt_logprobs: Callable[[], CompletionLogprobs | None] = lambda: None,
 ) -> ChunkMaker:
     """Maps each event to a streamed ``text_completion`` object (the first one carries ``echo``
-    and the prompt's logprobs)."""
+    and the prompt's logprobs, ready once the first event came)."""
     aligner = LogprobAligner(text)
-    pending_echo = [(echo, prompt_logprobs)]
+    pending_echo = [echo]
 
     def make(event: TokenEvent) -> BaseModel | None:
         piece, built = event.text, None
         if pending_echo:
-            head, built = pending_echo.pop()
-            piece = head + piece
+            piece, built = pending_echo.pop() + piece, prompt_logprobs()
         due = aligner.add(event) if logprobs else []
         if due:
             built = built or CompletionLogprobs()

@@ -16,7 +16,7 @@ from mlxformer.engine import TokenEvent
 from mlxformer.server.errors import APIError, bad_request, validation_message
 from mlxformer.server.context import ServerContext
 from mlxformer.server.hosting import check_model, frames, named_event
-from mlxformer.server.streaming import EventStream, collect_unless_gone
+from mlxformer.server.streaming import collect_unless_gone
 from mlxformer.server.protocol import ResponseFormat, SamplingFields, new_id
 from mlxformer.server.responses_protocol import InputItem, ResponsesRequest
 from mlxformer.server.segments import Segment, SegmentEvent, Segmenter
@@ -244,7 +244,7 @@ def responses_router(ctx: ServerContext) -> APIRouter:
             def on_error(message: str) -> list[str]:
                 return [numbered({"type": "error", "code": "server_error", "message": message, "param": None})]
 
-            return EventStream(frames(lease, on_event, on_error), lease)
+            return ctx.event_stream(frames(lease, on_event, on_error), lease)
         result = await collect_unless_gone(lease, request)
         for event in result.events:
             absorb(event)

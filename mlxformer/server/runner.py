@@ -20,6 +20,7 @@ from mlxformer.errors import MlxformerError
 from mlxformer.models.decoder import Model
 from mlxformer.server.app import create_app
 from mlxformer.server.guards import DEFAULT_MAX_BODY_BYTES, loopback_hosts
+from mlxformer.server.sse import SSE_PING_SECONDS
 from mlxformer.server.translate import ServedModel
 from mlxformer.speculative import SpeculativeSettings
 from mlxformer.tokenizer import Tokenizer
@@ -64,12 +65,15 @@ def serve(
     openapi: bool = True,
     tool_parser: str | None = None,
     any_model_name: bool = True,
+    sse_ping_seconds: float | None = SSE_PING_SECONDS,
 ) -> None:
     """Serve ``model`` as ``name`` until interrupted (Ctrl-C stops the server and the engine);
     ``speculative`` decodes every request speculatively (prompt lookup or a draft model);
     ``prompt_cache`` sets the prompt cache's memory and disk tiers. ``allowed_hosts`` adds
     ``Host`` names to those served (on a loopback address: that address and ``localhost``;
-    elsewhere: any, unless names are given). ``tool_parser`` and ``any_model_name``: see ``create_app``."""
+    elsewhere: any, unless names are given). ``tool_parser``, ``any_model_name``: see ``create_app``. Streams
+    send a keep-alive comment after
+    ``sse_ping_seconds`` without data."""
     if not is_loopback(host) and api_key is None:
         log.warning("serving on %s without --api-key: anyone who can reach this host can use the model", host)
     engine = Engine(model, tokenizer, max_batch=max_batch, max_queue=max_queue, cache_settings=cache_settings,
@@ -77,7 +81,8 @@ def serve(
     served = ServedModel.of(name, model, tokenizer)
     app = create_app(engine, served, api_key=api_key, cors_origins=cors_origins,
                      allowed_hosts=served_hosts(host, allowed_hosts), max_body_bytes=max_body_bytes, openapi=openapi,
-                     tool_parser=tool_parser, any_model_name=any_model_name)
+                     tool_parser=tool_parser, any_model_name=any_model_name,
+                     sse_ping_seconds=sse_ping_seconds)
     engine.start()
     try:
         uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)

@@ -1,0 +1,229 @@
+"""The KV memory budget: what a sequence's caches hold at ``n`` tokens, the budget itself (bytes
+or ``"auto"``), what each engine step needs of it, and MLX's memory and cache limits set from it.
+
+The engine never measures memory after the fact: before each step it adds up what every active
+sequence will hold once the step has run (``KVSizer.step_need``: the cache at its new length,
+plus the old buffers while a growing cache is rewritten), and the prefix cache's bytes, and
+keeps that sum within ``KVBudget.limit`` by evicting prefix entries, then preempting.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from dataclasses import dataclass
+from typing import Callable
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from mlxformer.cache import CacheSettings, make_cache
+from mlxformer.engine.scheduler import Scheduler, Step
+from mlxformer.engine.sequence import GenerationRequest, Sequence
+from mlxformer.errors import MlxformerError
+from mlxformer.models.decoder import Model
+
+BLOCK = 256  # tokens: the caches grow their buffers in blocks of this size
+MIN_MARGIN = 512 * 2**20  # bytes kept free beside weights and KV for activations and MLX's buffer cache
+_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+
+
+class KVBudgetExceeded(MlxformerError):
+    """A request whose KV cache can never fit in the engine's KV memory budget."""
+
+
+def parse_kv_memory(text: str) -> int | str:
+    """``"auto"`` or a byte count such as ``"1500000000"``, ``"512MiB"``, ``"2G"``, ``"1.5GB"``."""
+    value = text.strip().lower()
+    if value == "auto":
+        return "auto"
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([kmgt]i?)?b?", value)
+    if match is None:
+        raise MlxformerError(f"--max-kv-memory must be a byte count (e.g. 2GiB, 512M, 1000000) or auto, got {text!r}")
+    number = float(match.group(1)) * _UNITS[match.group(2) or ""]
+    if number < 1:
+        raise MlxformerError("--max-kv-memory must be at least 1 byte")
+    return int(number)
+
+
+def weights_nbytes(model: Model) -> int:
+    """Bytes of the model's parameters."""
+    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+
+
+def device_memory() -> int:
+    """The memory MLX may use on the default device: the recommended working set on Apple
+    silicon (what MLX reports), else the device's memory, else the machine's RAM."""
+    info = mx.device_info()
+    for key in ("max_recommended_working_set_size", "total_memory", "memory_size"):
+        if isinstance(info.get(key), int) and int(info[key]) > 0:
+            return int(info[key])
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def margin_for(total: int) -> int:
+    """Memory kept free for activations and freed-buffer reuse: a tenth of ``total``, at least 512 MiB."""
+    return max(MIN_MARGIN, total // 10)
+
+
+def auto_kv_budget(model: Model) -> int:
+    """``auto``: the device's memory less the weights and a margin."""
+    memory = device_memory()
+    budget = memory - weights_nbytes(model) - margin_for(memory)
+    if budget <= 0:
+        raise MlxformerError(
+            f"--max-kv-memory auto: the weights ({weights_nbytes(model) / 2**30:.1f} GiB) leave no room for a KV cache "
+            f"in {memory / 2**30:.1f} GiB; give a byte count"
+        )
+    return budget
+
+
+class KVSizer:
+    """Bytes a sequence's per-layer caches hold at ``n`` tokens, for the engine's cache settings.
+
+    Probed once per block count from the cache classes themselves (lazy zero keys/values:
+    shapes only, nothing is allocated), so quantized, rotating and sliding-window caches are
+    sized exactly as they store: the table covers the model's context; beyond it the last
+    block's increment is extrapolated."""
+
+    def __init__(self, model: Model, settings: CacheSettings, extra_tokens: int = 0) -> None:
+        args = model.args
+        dtype = model.hidden_states(mx.array([[0]])).dtype  # the keys' dtype (lazy: never evaluated)
+        shape = (1, args.num_key_value_heads, 0, args.head_dim)
+        start = settings.quantized_kv_start if settings.kv_bits is not None else 0
+        blocks = math.ceil((args.max_position_embeddings + extra_tokens) / BLOCK) + 1
+        self.table = [0]
+        for b in range(1, blocks + 1):
+            n, total = b * BLOCK, 0
+            for cache in make_cache(model, settings):
+                for length in ([start, n - start] if 0 < start < n else [n]):
+                    size = (*shape[:2], length, shape[3])
+                    cache.update_and_fetch(mx.zeros(size, dtype), mx.zeros(size, dtype))
+                total += cache.nbytes
+            self.table.append(total)
+
+    def bytes_for(self, tokens: int) -> int:
+        """Bytes of caches holding ``tokens`` tokens (their buffers, rounded up to whole blocks)."""
+        blocks = math.ceil(max(tokens, 0) / BLOCK)
+        if blocks < len(self.table):
+            return self.table[blocks]
+        last, before = self.table[-1], self.table[-2]
+        return last + (blocks - len(self.table) + 1) * (last - before)
+
+    def step_need(self, held: int, fed: int, current: int | None = None) -> int:
+        """Bytes while caches holding ``held`` tokens take ``fed`` more: the new buffers, plus the
+        old ones while a growing buffer is rewritten. ``current``: the bytes the caches really hold
+        (a cache assembled from prefix blocks is exactly as long as its tokens, and grows by a
+        whole block from there)."""
+        after, before = self.bytes_for(held + fed), self.bytes_for(held)
+        if current is None:
+            return after + (before if after != before else 0)
+        per_token = self.table[1] / BLOCK
+        if fed == 0 or held + fed <= current / per_token:  # fits in the buffers it has
+            return max(after, current)
+        grown_tokens = held + math.ceil(fed / BLOCK) * BLOCK
+        grown = min(int(per_token * grown_tokens), self.bytes_for(grown_tokens))
+        return max(after, grown) + current
+
+    def peak(self, tokens: int) -> int:
+        """The most a lone sequence needs on its way to ``tokens`` tokens (at its last growth)."""
+        return self.bytes_for(tokens) + self.bytes_for(tokens - BLOCK)
+
+
+@dataclass
+class KVBudget:
+    """The KV bytes the engine may hold (sequences and prefix cache together), and the MLX
+    memory and cache limits derived from it, set while the engine runs."""
+
+    limit: int
+    weights: int
+
+    @property
+    def mlx_memory_limit(self) -> int:
+        """MLX's memory limit: weights, KV budget and the margin."""
+        return self.weights + self.limit + margin_for(self.weights + self.limit)
+
+    @property
+    def mlx_cache_limit(self) -> int:
+        """MLX's freed-buffer cache limit: the margin (so that kept buffers stay within the memory limit)."""
+        return margin_for(self.weights + self.limit)
+
+    def apply(self) -> tuple[int, int]:
+        """Set MLX's limits; returns the previous ``(memory limit, cache limit)``."""
+        return mx.set_memory_limit(self.mlx_memory_limit), mx.set_cache_limit(self.mlx_cache_limit)
+
+    @staticmethod
+    def restore(previous: tuple[int, int]) -> None:
+        """Put back the limits ``apply`` returned."""
+        mx.set_memory_limit(previous[0])
+        mx.set_cache_limit(previous[1])
+
+
+def resolve_budget(model: Model, max_kv_memory: int | str | None) -> KVBudget | None:
+    """The budget for ``max_kv_memory`` (bytes, ``"auto"`` or None for none)."""
+    if max_kv_memory is None:
+        return None
+    if isinstance(max_kv_memory, str):
+        max_kv_memory = parse_kv_memory(max_kv_memory)
+    limit = auto_kv_budget(model) if max_kv_memory == "auto" else int(max_kv_memory)
+    if limit < 1:
+        raise MlxformerError("max_kv_memory must be at least 1 byte")
+    return KVBudget(limit, weights_nbytes(model))
+
+
+def held(sequence: Sequence) -> int:
+    """Tokens the sequence's caches hold."""
+    return int(sequence.cache[0].offset) if sequence.cache else 0
+
+
+def nbytes(sequence: Sequence) -> int:
+    """Bytes the sequence's caches hold (its share of a batch's buffers)."""
+    return sum(c.nbytes for c in sequence.cache)
+
+
+class MemoryPlanner:
+    """What the scheduler's sequences need of the budget: at admission and for each step."""
+
+    def __init__(self, sizer: KVSizer, budget: KVBudget | None, draft_tokens: int) -> None:
+        self.sizer, self.budget, self.draft_tokens = sizer, budget, draft_tokens
+
+    def check(self, request: GenerationRequest) -> None:
+        """Raise ``KVBudgetExceeded`` for a request that can never fit the budget, even alone."""
+        if self.budget is None:
+            return
+        tokens = len(request.prompt_ids) + request.max_tokens + self.draft_tokens
+        if (need := self.sizer.peak(tokens)) > self.budget.limit:
+            raise KVBudgetExceeded(
+                f"this request needs up to {need / 2**20:.1f} MiB of KV cache ({len(request.prompt_ids)} prompt tokens "
+                f"+ max_tokens {request.max_tokens}), more than the engine's budget of {self.budget.limit / 2**20:.1f} MiB; "
+                "use a shorter prompt or a smaller max_tokens"
+            )
+
+    def admissible(self, scheduler: Scheduler, sequence: Sequence) -> bool:
+        """Whether ``sequence`` fits beside the active ones (the prefix cache can be evicted):
+        theirs at one more token each, its own tokens with room to rewrite its buffers."""
+        if self.budget is None or not scheduler.active:
+            return True
+        committed = sum(self.sizer.bytes_for(len(s.tokens) + 1) for s in scheduler.prefilling + scheduler.running)
+        return committed + self.sizer.peak(len(sequence.tokens)) <= self.budget.limit
+
+    def step_need(self, scheduler: Scheduler, step: Step, batched: Callable[[Sequence], bool]) -> int:
+        """KV bytes the active sequences need while ``step`` runs. The decoding sequences share a
+        batch buffer as wide as its longest row ever was (``cache/batch.py``): rows times a row's
+        bytes, plus the old buffer while it is rewritten (it grows, or rows join it)."""
+        chunks = {id(c.sequence): len(c.tokens) for c in step.prefill}
+        need = sum(self.sizer.step_need(held(s), chunks.get(id(s), 0), nbytes(s)) for s in scheduler.prefilling)
+        rows = []
+        for sequence in scheduler.running:
+            if sequence.speculator is not None:  # decodes on its own caches
+                need += self.sizer.step_need(held(sequence), 1 + self.draft_tokens, nbytes(sequence))
+            else:
+                rows.append(sequence)
+        if rows:  # the batch's buffers never narrow: count their real width
+            members = [s for s in rows if batched(s)]
+            current = sum(c.nbytes for s in members for c in s.cache)
+            row = max(self.sizer.bytes_for(max(held(s) for s in rows) + 1), current // max(1, len(members)))
+            after = len(rows) * row
+            need += after + (current if after > current else 0)  # the old buffers while rewritten
+        return need

@@ -1,0 +1,54 @@
+"""The log-probabilities of a prompt's own tokens, gathered while the prompt is prefilled
+(OpenAI's ``echo`` with ``logprobs``: what lm-evaluation-harness's loglikelihood tasks read).
+
+Row ``j`` of a chunk starting at prompt position ``s`` predicts token ``s + j + 1``; the prompt's
+first token has no prediction. The arrays stay lazy until the prefill step evaluates them.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+
+class PromptScores:
+    """Each prompt token's log-probability given the tokens before it, and the ``top`` most
+    likely tokens at each position (``GenerationRequest.prompt_logprobs``)."""
+
+    def __init__(self, prompt: list[int], top: int) -> None:
+        self.prompt, self.top = prompt, top
+        self.scored = 1  # the next prompt position to score (position 0 has no prediction)
+        self._chosen: list[mx.array] = []  # (k,) each
+        self._top_ids: list[mx.array] = []  # (k, top) each
+        self._top_values: list[mx.array] = []
+
+    def add(self, start: int, logits: mx.array) -> list[mx.array]:
+        """Score the tokens predicted by a chunk's logits ``(T, vocab)`` (the chunk starts at prompt
+        position ``start``); returns the new arrays, to be evaluated with the step. A chunk seen
+        before (a recomputed prefill) adds nothing."""
+        if start + 1 != self.scored:
+            return []
+        targets = self.prompt[start + 1 : start + 1 + logits.shape[0]]
+        if not targets:
+            return []
+        rows = logits[: len(targets)].astype(mx.float32)  # (k, vocab)
+        logprobs = rows - mx.logsumexp(rows, axis=-1, keepdims=True)
+        chosen = mx.take_along_axis(logprobs, mx.array(targets)[:, None], axis=-1)[:, 0]  # (k,)
+        top_ids = mx.argsort(-logprobs, axis=-1)[:, : self.top]  # (k, top)
+        top_values = mx.take_along_axis(logprobs, top_ids, axis=-1)
+        self._chosen.append(chosen)
+        self._top_ids.append(top_ids)
+        self._top_values.append(top_values)
+        self.scored += len(targets)
+        return [chosen, top_ids, top_values]
+
+    @property
+    def complete(self) -> bool:
+        return self.scored >= len(self.prompt)
+
+    def entries(self) -> list[tuple[float, list[tuple[int, float]]]]:
+        """For prompt positions 1.. (once the prefill is done): ``(logprob, [(id, logprob), ...])``."""
+        result: list[tuple[float, list[tuple[int, float]]]] = []
+        for chosen, ids, values in zip(self._chosen, self._top_ids, self._top_values):
+            for lp, row_ids, row_values in zip(chosen.tolist(), ids.tolist(), values.tolist()):
+                result.append((lp, list(zip(row_ids, row_values))))
+        return result

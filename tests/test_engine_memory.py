@@ -1,0 +1,93 @@
+"""The KV memory budget: with room for about two full-context sequences, eight concurrent
+requests that each fill the context all complete (some after preemption) with the greedy reply
+each gives alone through ``generate`` — float, 8-bit and rotating caches — while the caches
+held never exceed the budget; a request that can never fit is refused at once (a 400 from the
+server); ``--max-kv-memory`` parses byte counts and ``auto``."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+from conftest import write_byte_tokenizer, write_tiny_checkpoint
+from mlxformer import generate, load
+from mlxformer.cache import CacheSettings
+from mlxformer.engine import Engine, GenerationRequest, KVBudgetExceeded
+from mlxformer.engine.memory import auto_kv_budget, parse_kv_memory, weights_nbytes
+from mlxformer.errors import MlxformerError
+from server_support import error_of, http, running_server
+
+CONTEXT = 264  # tokens: prompts of 246-253 tokens cross the caches' 256-token block as they grow
+CHUNK = 64
+PROMPTS = [[(11 * i + 5 * j) % 250 + 1 for j in range(246 + i)] for i in range(8)]
+CACHES = {
+    "float": CacheSettings(),
+    "kv8": CacheSettings(kv_bits=8, kv_group_size=32),
+    "rotating": CacheSettings(max_kv_size=160, keep=4),
+}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny random Llama (head_dim 32, so 8-bit groups of 32 fit) with a 264-token context, a
+    byte tokenizer and no end-of-sequence token: every request runs to its ``max_tokens``."""
+    directory, _ = write_tiny_checkpoint(
+        tmp_path_factory.mktemp("tiny_memory"), "llama", head_dim=32, max_position_embeddings=CONTEXT)
+    write_byte_tokenizer(directory)
+    model, tokenizer = load(directory, dtype=mx.float32)
+    tokenizer.eos_token_ids = []
+    return model, tokenizer
+
+
+@pytest.mark.parametrize("cache", list(CACHES))
+def test_eight_full_contexts_in_a_two_sequence_budget(tiny, cache):
+    model, tokenizer = tiny
+    settings = CACHES[cache]
+    probe = Engine(model, tokenizer, cache_settings=settings)
+    full = probe.sizer.bytes_for(CONTEXT)
+    budget = 2 * full + full // 2  # two full sequences, and room to rewrite a growing buffer
+    engine = Engine(model, tokenizer, max_batch=8, cache_settings=settings, prefill_chunk=CHUNK,
+                    max_kv_memory=budget)
+    held: list[int] = []
+    real_run = engine._run
+
+    def run(step):  # what the caches really hold after each step
+        real_run(step)
+        active = engine.scheduler.prefilling + engine.scheduler.running
+        held.append(sum(c.nbytes for s in active for c in s.cache) + engine.prefix_cache.nbytes)
+
+    engine._run = run
+    with engine:
+        handles = [engine.submit(GenerationRequest(p, CONTEXT - len(p))) for p in PROMPTS]
+        replies = ["".join(e.text for e in h) for h in handles]
+    expected = [generate(model, tokenizer, p, CONTEXT - len(p), cache_settings=settings, prefill_step_size=CHUNK)
+                for p in PROMPTS]
+    assert replies == expected
+    assert max(held) <= budget
+    if cache != "rotating":  # a rotating cache never grows past its window: nothing to preempt
+        assert engine.metrics.registry.get_sample_value("mlxformer_preemptions_total") > 0
+
+
+def test_a_request_that_can_never_fit_is_refused(tiny):
+    model, tokenizer = tiny
+    engine = Engine(model, tokenizer, max_kv_memory=300_000)  # one 256-token block (262 kB), not two
+    with engine:
+        assert len(list(engine.submit(GenerationRequest(PROMPTS[0][:20], 10)))) == 10
+        with pytest.raises(KVBudgetExceeded, match="budget"):
+            engine.submit(GenerationRequest(PROMPTS[0], 12))
+        with running_server(engine, model, tokenizer) as url:
+            status, _, body = http(url, "POST", "/v1/completions", {"prompt": "x" * 200, "max_tokens": 60})
+            assert status == 400 and "KV" in error_of(body)["message"]
+
+
+def test_kv_memory_values(tiny):
+    model, _ = tiny
+    assert parse_kv_memory("1000") == 1000
+    assert parse_kv_memory("512MiB") == 512 * 2**20
+    assert parse_kv_memory("1.5G") == 1_500_000_000
+    assert parse_kv_memory(" auto ") == "auto"
+    for bad in ("", "-1", "12 parsecs", "0"):
+        with pytest.raises(MlxformerError):
+            parse_kv_memory(bad)
+    total = weights_nbytes(model) + auto_kv_budget(model)
+    assert 0 < auto_kv_budget(model) < total <= __import__("os").sysconf("SC_PHYS_PAGES") * __import__("os").sysconf("SC_PAGE_SIZE")
