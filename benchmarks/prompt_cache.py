@@ -61,7 +61,7 @@ class Server:
         if kind == "mlxformer":
             command = [sys.executable, "-m", "mlxformer", "serve", "--model", str(model), "--port", str(self.port),
                        "--max-batch", "8", *extra]
-            self.name = str(model)
+            self.name = model.name  # a local folder is served under its name
         else:
             command = [sys.executable, "-m", "mlx_lm", "server", "--model", str(model), "--port", str(self.port),
                        "--log-level", "WARNING", *extra]

@@ -119,7 +119,7 @@ def bench_server(server: str, model_dir: Path, args: argparse.Namespace, kv_bits
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_healthy(port, process)
-        name = str(model_dir) if server == "mlxformer" else "default_model"
+        name = model_dir.name if server == "mlxformer" else "default_model"
         stream_one(port, name, "Hello", 4, eos_ids)  # warm-up
         return {c: run_round(port, name, c, args.max_tokens, eos_ids) for c in args.clients}
     finally:

@@ -94,13 +94,14 @@ def used_tensors(args: ModelArgs, tensors: Tensors) -> Tensors:
 
 
 def checked_model(
-    config: dict[str, Any], weights: Mapping[str, mx.array], num_layers: int | None = None, with_ends: bool = True
+    config: dict[str, Any], weights: Mapping[str, mx.array], num_layers: int | None = None, with_ends: bool = True,
+    first_layer: int = 0,
 ) -> tuple[Model, Mapping[str, mx.array]]:
     """The decoder for ``config``, its parameters lazy and not loaded, quantized where the
     checkpoint is, and the weights it uses, checked by name, shape and dtype. ``weights`` may
     be a checkpoint's lazy ``Tensors``: then only their header entries are looked at, and the
     tensors returned are still lazy."""
-    model = Model(ModelArgs.from_dict(config), num_layers, with_ends)
+    model = Model(ModelArgs.from_dict(config), num_layers, with_ends, first_layer)
     if isinstance(weights, Tensors):
         weights = used_tensors(model.args, weights)
         described: Mapping[str, Shaped] = weights.entries
@@ -114,11 +115,12 @@ def checked_model(
 
 
 def build_model(
-    config: dict[str, Any], weights: Mapping[str, mx.array], num_layers: int | None = None, with_ends: bool = True
+    config: dict[str, Any], weights: Mapping[str, mx.array], num_layers: int | None = None, with_ends: bool = True,
+    first_layer: int = 0,
 ) -> Model:
     """Instantiate the decoder for ``config`` and load checked ``weights`` into it
-    (``num_layers``/``with_ends``: one pipeline stage, see ``Model``)."""
-    model, weights = checked_model(config, weights, num_layers, with_ends)
+    (``num_layers``/``with_ends``/``first_layer``: one pipeline stage, see ``Model``)."""
+    model, weights = checked_model(config, weights, num_layers, with_ends, first_layer)
     model.load_weights([(name, weights[name]) for name in weights], strict=True)
     model.eval()
     return model

@@ -86,6 +86,22 @@ def smollm_hf_dir(hf_smollm, hf_smollm_tokenizer, tmp_path_factory) -> Path:
     return directory
 
 
+def log_softmax(x):
+    """Log-probabilities of logits ``(..., vocab)`` in float64 (numpy)."""
+    import numpy as np
+
+    x = x.astype(np.float64)
+    m = x.max(-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
+
+
+def max_diff(ours, ref) -> float:
+    """Largest log-probability difference between two logits arrays."""
+    import numpy as np
+
+    return float(np.abs(log_softmax(ours) - log_softmax(ref)).max())
+
+
 def perturb_(model, seed: int = 0) -> None:
     """Give every parameter O(1)-scale random values in place, so the logits are far from uniform
     and every weight (norm scales, biases) visibly changes the output. transformers' default

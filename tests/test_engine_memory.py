@@ -91,3 +91,29 @@ def test_kv_memory_values(tiny):
             parse_kv_memory(bad)
     total = weights_nbytes(model) + auto_kv_budget(model)
     assert 0 < auto_kv_budget(model) < total <= __import__("os").sysconf("SC_PHYS_PAGES") * __import__("os").sysconf("SC_PAGE_SIZE")
+
+
+def test_metrics_in_prometheus_format(tiny):
+    """``GET /metrics`` read by prometheus-client's own parser: responses by status, tokens,
+    the budget, the latency histograms."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    model, tokenizer = tiny
+    with Engine(model, tokenizer, max_kv_memory=300_000).start() as engine:
+        with running_server(engine, model, tokenizer) as url:
+            for _ in range(2):
+                assert http(url, "POST", "/v1/completions", {"prompt": "abc", "max_tokens": 5})[0] == 200
+            assert http(url, "POST", "/v1/completions", {"prompt": "x" * 200, "max_tokens": 60})[0] == 400
+            status, headers, body = http(url, "GET", "/metrics")
+    assert status == 200 and headers["content-type"].startswith("text/plain")
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in text_string_to_metric_families(body.decode()) for s in family.samples}
+    assert samples[("mlxformer_http_requests_total", (("route", "/v1/completions"), ("status", "200")))] == 2
+    assert samples[("mlxformer_http_requests_total", (("route", "/v1/completions"), ("status", "400")))] == 1
+    assert samples[("mlxformer_generated_tokens_total", ())] == 10
+    assert samples[("mlxformer_prompt_tokens_total", ())] >= 6
+    assert samples[("mlxformer_kv_bytes_budget", ())] == 300_000
+    assert samples[("mlxformer_time_to_first_token_seconds_count", ())] == 2
+    assert samples[("mlxformer_inter_token_latency_seconds_count", ())] == 8
+    assert samples[("mlxformer_engine_requests_total", (("reason", "length"),))] == 2
+    assert ("mlxformer_preemptions_total", ()) in samples and ("mlxformer_queue_depth", ()) in samples

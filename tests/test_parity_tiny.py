@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import cpu_default_device, edit_config, write_tiny_checkpoint
+from conftest import cpu_default_device, edit_config, log_softmax, max_diff, write_tiny_checkpoint
 from mlxformer.cache import make_cache
 from mlxformer.errors import MlxformerError
 from mlxformer.generation import decode_step, prefill
@@ -51,16 +51,6 @@ CLASSIC = {
     ),
     "qwen2-bias": dict(rope_theta=5e4, rope_scaling=None),
 }
-
-
-def log_softmax(x: np.ndarray) -> np.ndarray:
-    x = x.astype(np.float64)
-    m = x.max(-1, keepdims=True)
-    return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
-
-
-def max_diff(ours: np.ndarray, ref: np.ndarray) -> float:
-    return float(np.abs(log_softmax(ours) - log_softmax(ref)).max())
 
 
 def hf_logits(hf_model, ids: np.ndarray) -> np.ndarray:

@@ -218,6 +218,6 @@ def test_requests_sharing_a_prefix_prefill_it_once(tiny_byte_llama, share):
     with Engine(model, tokenizer, max_batch=4, prefill_chunk=BLOCK, prompt_cache=tiers_) as engine:
         handles = [engine.submit(r) for r in requests]
         got = [[e.token for e in h] for h in handles]
-        prefilled = engine.prefilled_tokens
+        prefilled = engine.metrics.registry.get_sample_value("mlxformer_prefilled_tokens_total")  # /metrics
     assert got == alone
     assert prefilled == (len(SYSTEM) + sum(map(len, tails)) if share else sum(len(r.prompt_ids) for r in requests))

@@ -23,8 +23,9 @@ class CacheSettings:
 
     ``kv_bits`` (4 or 8) quantizes keys/values in groups of ``kv_group_size`` once the cache
     holds ``quantized_kv_start`` tokens; ``max_kv_size`` bounds the cache to a rotating window
-    that always keeps the first ``keep`` tokens. A sliding-window model (Mistral) always gets
-    a rotating cache of its window without sinks, unless ``max_kv_size`` is smaller.
+    that always keeps the first ``keep`` tokens. A sliding-window layer (Mistral's, Gemma's
+    local ones) always gets a rotating cache of its window without sinks, unless
+    ``max_kv_size`` is smaller; a global layer a growing one.
     """
 
     kv_bits: int | None = None
@@ -36,7 +37,7 @@ class CacheSettings:
 
 
 def make_cache(model: HasLayers, settings: CacheSettings | None = None) -> list[Cache]:
-    """One cache per decoder layer, as ``settings`` asks."""
+    """One cache per decoder layer, as ``settings`` asks and each layer's window needs."""
     settings = settings or CacheSettings()
     bits, group, start = settings.kv_bits, settings.kv_group_size, settings.quantized_kv_start
     if bits is not None:
@@ -45,13 +46,17 @@ def make_cache(model: HasLayers, settings: CacheSettings | None = None) -> list[
         raise MlxformerError("quantized_kv_start must be >= 0")
     if settings.max_kv_size is not None and settings.max_kv_size < 1:
         raise MlxformerError("max_kv_size must be positive")
-    window = model.args.sliding_window
+    return [_layer_cache(layer.window, settings) for layer in model.layers]
+
+
+def _layer_cache(window: int | None, settings: CacheSettings) -> Cache:
+    """The cache of one layer attending with ``window`` (None: the whole context)."""
+    bits, group, start = settings.kv_bits, settings.kv_group_size, settings.quantized_kv_start
     if window is not None and (settings.max_kv_size is None or settings.max_kv_size >= window):
-        # The model never attends further back than its window: keep exactly the window
+        # The layer never attends further back than its window: keep exactly the window
         # (no sinks), so memory stays bounded and the logits are those of the full cache.
-        return [RotatingKVCache(window, 0, bits, group, start, settings.rewind) for _ in model.layers]
+        return RotatingKVCache(window, 0, bits, group, start, settings.rewind)
     if settings.max_kv_size is not None:
         keep = min(settings.keep, settings.max_kv_size - 1)
-        size = settings.max_kv_size
-        return [RotatingKVCache(size, keep, bits, group, start, settings.rewind) for _ in model.layers]
-    return [KVCache(bits, group, start) for _ in model.layers]
+        return RotatingKVCache(settings.max_kv_size, keep, bits, group, start, settings.rewind)
+    return KVCache(bits, group, start)

@@ -163,10 +163,12 @@ class BatchLayerCache:
         self.values = tuple(_write(b, slots, n) for b, n in zip(self.values, new_values))
         return self.keys, self.values
 
-    def attention(self, queries: mx.array, keys: Pack, values: Pack, scale: float, mask: Mask) -> mx.array:
-        if self.codec.bits is not None and isinstance(mask, mx.array):
+    def attention(
+        self, queries: mx.array, keys: Pack, values: Pack, scale: float, mask: Mask, softcap: float | None = None
+    ) -> mx.array:
+        if (self.codec.bits is not None or softcap is not None) and isinstance(mask, mx.array):
             mask = mask[:, None]  # (B, 1, 1, 1, C) against the (B, n_kv, n_rep, 1, C) scores
-        return self.codec.attention(queries, keys, values, scale, mask)
+        return self.codec.attention(queries, keys, values, scale, mask, softcap)
 
     @property
     def state(self) -> tuple[mx.array, ...]:

@@ -14,6 +14,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlxformer.models.mask import Mask
+from mlxformer.models.attention_ops import mask_scores, softcap_scores, softcapped_attention
 from mlxformer.errors import MlxformerError
 
 Pack = tuple[mx.array, ...]  # each (B, n_kv, S, ...), sequence on axis 2
@@ -149,23 +150,39 @@ class KVCodec:
         """Arrays to save beside the packs (the key center, once set)."""
         return () if self.key_center is None else (self.key_center,)
 
-    def attention(self, queries: mx.array, keys: Pack, values: Pack, scale: float, mask: Mask) -> mx.array:
-        """Attend ``(B, n_heads, L, D)`` queries over packed keys/values."""
+    def attention(
+        self, queries: mx.array, keys: Pack, values: Pack, scale: float, mask: Mask, softcap: float | None = None
+    ) -> mx.array:
+        """Attend ``(B, n_heads, L, D)`` queries over packed keys/values (scores soft-capped at
+        ``softcap`` when set)."""
         if self.bits is None:
+            if softcap is not None:
+                return softcapped_attention(queries, keys[0], values[0], scale, mask, softcap)
             return mx.fast.scaled_dot_product_attention(queries, keys[0], values[0], scale=scale, mask=mask)
-        return quantized_attention(queries, keys, values, scale, mask, self.bits, self.group_size)
+        return quantized_attention(queries, keys, values, scale, mask, self.bits, self.group_size, softcap,
+                                   self.key_center)
 
 
 FLOAT_CODEC = KVCodec()
 
 
 def quantized_attention(
-    queries: mx.array, keys: Pack, values: Pack, scale: float, mask: Mask, bits: int, group_size: int
+    queries: mx.array, keys: Pack, values: Pack, scale: float, mask: Mask, bits: int, group_size: int,
+    softcap: float | None = None, key_center: mx.array | None = None,
 ) -> mx.array:
-    """Softmax attention computed directly on quantized keys/values, GQA heads unrepeated."""
+    """Softmax attention computed directly on quantized keys/values, GQA heads unrepeated.
+
+    With ``softcap`` the scores are soft-capped first; soft-capping is not shift-invariant, so
+    the part of each score the centered keys (``key_center``, (B, n_kv, 1, D)) left out is
+    added back before it."""
     B, n_heads, L, D = queries.shape
     n_kv = keys[0].shape[1]
     n_rep = n_heads // n_kv
+    shift = None
+    if softcap is not None and key_center is not None:
+        # (B, n_kv, n_rep, L, D) @ (B, n_kv, 1, D, 1) -> (B, n_kv, n_rep, L, 1): q . center
+        grouped = queries.reshape(B, n_kv, n_rep, L, D).astype(mx.float32)
+        shift = (grouped @ mx.expand_dims(key_center.astype(mx.float32), 2).swapaxes(-1, -2)) * scale
     # The packs hold rotated keys/values (see ``rotate``): rotate the queries too, with the
     # attention scale folded into the transform's normalization.
     # (B, n_heads, L, D) -> (B, n_kv, n_rep, L, D): each K/V head serves n_rep query heads.
@@ -175,14 +192,9 @@ def quantized_attention(
     values = tuple(mx.expand_dims(x, 2) for x in values)
     scores = mx.quantized_matmul(queries, *keys, transpose=True, group_size=group_size, bits=bits)  # (B, n_kv, n_rep, L, S)
     scores = scores.astype(mx.float32)
-    S = scores.shape[-1]
-    if isinstance(mask, str):  # "causal", aligned to the last keys
-        mask = mx.arange(S - L, S)[:, None] >= mx.arange(S)[None]  # (L, S)
-    if mask is not None:
-        if mask.dtype == mx.bool_:
-            scores = mx.where(mask, scores, mx.array(-mx.inf, mx.float32))
-        else:
-            scores = scores + mask.astype(mx.float32)
+    if softcap is not None:
+        scores = softcap_scores(scores if shift is None else scores + shift, softcap)
+    scores = mask_scores(scores, mask)
     probs = mx.softmax(scores, axis=-1).astype(queries.dtype)
     out = mx.quantized_matmul(probs, *values, transpose=False, group_size=group_size, bits=bits)  # (B, n_kv, n_rep, L, D)
     out = unrotate(out)  # back from the rotated basis

@@ -66,8 +66,10 @@ class KVCache:
         self.offset += length
         return pack_slice(self.keys, 0, self.offset), pack_slice(self.values, 0, self.offset)
 
-    def attention(self, queries: mx.array, keys: Pack, values: Pack, scale: float, mask: Mask) -> mx.array:
-        return self.codec.attention(queries, keys, values, scale, mask)
+    def attention(
+        self, queries: mx.array, keys: Pack, values: Pack, scale: float, mask: Mask, softcap: float | None = None
+    ) -> mx.array:
+        return self.codec.attention(queries, keys, values, scale, mask, softcap)
 
     def make_mask(self, query_len: int, window: int | None) -> Mask:
         return causal_mask_for(query_len, self.offset + query_len, window)

@@ -14,20 +14,19 @@ from mlxformer.models.mask import Mask
 
 
 class HasWindow(Protocol):
-    """Model settings the caches depend on."""
+    """A decoder layer, as the caches see it."""
 
     @property
-    def sliding_window(self) -> int | None: ...
+    def window(self) -> int | None:
+        """The sliding window the layer attends with (None: the whole context)."""
+        ...
 
 
 class HasLayers(Protocol):
-    """Anything with a sequence of decoder layers and its settings (the model)."""
+    """Anything with a sequence of decoder layers (the model)."""
 
     @property
-    def layers(self) -> Sequence[Any]: ...
-
-    @property
-    def args(self) -> HasWindow: ...
+    def layers(self) -> Sequence[HasWindow]: ...
 
 
 class Cache(Protocol):
@@ -41,8 +40,11 @@ class Cache(Protocol):
         """Store new ``(B, n_kv, L, D)`` keys/values; return everything to attend over."""
         ...
 
-    def attention(self, queries: mx.array, keys: Any, values: Any, scale: float, mask: Mask) -> mx.array:
-        """Attend ``(B, n_heads, L, D)`` queries over what ``update_and_fetch`` returned."""
+    def attention(
+        self, queries: mx.array, keys: Any, values: Any, scale: float, mask: Mask, softcap: float | None = None
+    ) -> mx.array:
+        """Attend ``(B, n_heads, L, D)`` queries over what ``update_and_fetch`` returned (scores
+        soft-capped as ``cap * tanh(s / cap)`` when ``softcap`` is set: Gemma 2)."""
         ...
 
     def make_mask(self, query_len: int, window: int | None) -> Mask:

@@ -133,8 +133,10 @@ class RotatingKVCache:
 
     # --- attention -----------------------------------------------------------------------
 
-    def attention(self, queries: mx.array, keys: Pack, values: Pack, scale: float, mask: Mask) -> mx.array:
-        return self.codec.attention(queries, keys, values, scale, mask)
+    def attention(
+        self, queries: mx.array, keys: Pack, values: Pack, scale: float, mask: Mask, softcap: float | None = None
+    ) -> mx.array:
+        return self.codec.attention(queries, keys, values, scale, mask, softcap)
 
     def make_mask(self, query_len: int, window: int | None) -> Mask:
         if self.offset + query_len <= self.max_size:  # nothing evicted: same as the plain cache

@@ -21,6 +21,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--max-batch", type=int, default=8, help="most sequences decoded together (default 8)")
     parser.add_argument("--max-queue", type=int, default=64, help="most requests waiting; beyond, 429 (default 64)")
     parser.add_argument(
+        "--max-kv-memory", metavar="BYTES|auto", default=None,
+        help="KV cache memory budget of all requests and the prompt cache's memory tier (e.g. 4GiB, 500M; auto: the "
+             "device's memory less the weights and a margin); a request that can never fit gets 400 (default: none)",
+    )
+    parser.add_argument(
         "--api-key", default=os.environ.get(API_KEY_VARIABLE) or None,
         help=f"require 'Authorization: Bearer KEY' or 'x-api-key: KEY' on /v1 (default: ${API_KEY_VARIABLE}, else none)",
     )
@@ -63,6 +68,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Handler of ``mlxformer serve``."""
+    from mlxformer.engine.memory import parse_kv_memory
     from mlxformer.engine.prompt_cache import PromptCacheSettings
     from mlxformer.errors import MlxformerError
     from mlxformer.server.runner import serve
@@ -82,6 +88,7 @@ def run(args: argparse.Namespace) -> int:
 
         call_format(args.tool_parser)  # an unknown name fails before the model loads
     settings = cache_settings(args)
+    max_kv_memory = parse_kv_memory(args.max_kv_memory) if args.max_kv_memory is not None else None
     prompt_cache = PromptCacheSettings(args.prompt_cache_bytes, args.prompt_cache_dir, args.prompt_cache_disk_bytes,
                                        share_prefills=not args.no_prefix_sharing)
     model, tokenizer = load_for_cli(args)
@@ -92,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
         api_key=args.api_key, cors_origins=args.cors_origin, cache_settings=settings, speculative=speculative,
         allowed_hosts=args.allowed_host, openapi=not args.no_openapi, prompt_cache=prompt_cache,
         tool_parser=args.tool_parser, any_model_name=not args.strict_model_name,
-        sse_ping_seconds=args.sse_ping_seconds or None,
+        sse_ping_seconds=args.sse_ping_seconds or None, max_kv_memory=max_kv_memory,
         **({"max_body_bytes": args.max_body_bytes} if args.max_body_bytes is not None else {}),
     )
     return 0

@@ -102,7 +102,7 @@ def load_stage(checkpoint: Checkpoint, stage: Stage, dtype: mx.Dtype | None = No
         renamed.update({_local_name(k, stage): v for k, v in overrides.items() if _local_name(k, stage)})
         config["quantization"] = renamed
         config.pop("quantization_config", None)
-    model = build_model(config, local, stage.stop - stage.start, stage.with_ends)
+    model = build_model(config, local, stage.stop - stage.start, stage.with_ends, stage.start)
     apply_dtype_policy(model, dtype)
     return model
 

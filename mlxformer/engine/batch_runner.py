@@ -34,7 +34,12 @@ class BatchRunner:
 
     def __init__(self, model: Model) -> None:
         self.model = model
-        self.window = model.args.sliding_window
+        windows = {layer.window for layer in model.layers}
+        # Rows of a batch share one slot layout for every layer, so only a model whose layers all
+        # attend alike batches; one mixing sliding and global layers (Gemma 2/3) decodes each
+        # sequence on its own per-layer caches.
+        self.window = next(iter(windows)) if len(windows) == 1 else None
+        self.batchable = len(windows) <= 1
         self.batches: dict[StorageKind, DecodeBatch] = {}
         self._rows: dict[StorageKind, list[Decoding]] = {}  # each batch's sequences, in row order
         self._members: dict[int, StorageKind] = {}  # id(sequence) -> the batch it is in
@@ -76,7 +81,7 @@ class BatchRunner:
                 self.release(sequence)  # its storage turns quantized: it moves to the quantized batch
             if id(sequence) in self._members:
                 continue
-            if sequence.speculator is not None or quantizes_next(sequence.cache[0]):
+            if sequence.speculator is not None or not self.batchable or quantizes_next(sequence.cache[0]):
                 alone.append(sequence)
             else:
                 joining.setdefault(storage_kind(sequence.cache[0]), []).append(sequence)

@@ -88,7 +88,6 @@ class Engine:
         tiers = prompt_cache or PromptCacheSettings(memory_bytes=prefix_cache_bytes)
         self.prefix_cache = build_prefix_cache(model, tokenizer, self.cache_settings, tiers, kv_dtype)
         self.sharing = PrefixSharing(self.prefix_cache, tiers.share_prefills)
-        self.prefilled_tokens = 0  # prompt tokens run through the model (not served by the prefix cache)
         self.runner = BatchRunner(model)
         self.vocab_size = model.args.vocab_size
         self.metrics = EngineMetrics(metrics)
@@ -312,7 +311,7 @@ class Engine:
                 self._fail(sequence, exc)
                 continue
             sequence.processed += len(chunk.tokens)
-            self.prefilled_tokens += len(chunk.tokens)
+            self.metrics.prefilled_tokens.inc(len(chunk.tokens))
             self.sharing.publish(sequence)
             if logits is None:
                 continue

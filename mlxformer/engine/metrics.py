@@ -22,10 +22,12 @@ class EngineMetrics:
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
+        self._extra: dict[str, Counter] = {}
         r = self.registry
         self.prompt_tokens = Counter("mlxformer_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
         self.generated_tokens = Counter("mlxformer_generated_tokens", "Tokens generated", registry=r)
         self.prefix_hit_tokens = Counter("mlxformer_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache", registry=r)
+        self.prefilled_tokens = Counter("mlxformer_prefilled_tokens", "Prompt tokens run through the model (not served by the prompt cache)", registry=r)
         self.preemptions = Counter("mlxformer_preemptions", "Sequences preempted to keep KV memory within the budget", registry=r)
         self.finished = Counter("mlxformer_engine_requests", "Requests the engine ended, by finish reason", ["reason"], registry=r)
         self.ttft = Histogram("mlxformer_time_to_first_token_seconds", "From submit to the first token", buckets=TTFT_BUCKETS, registry=r)
@@ -34,6 +36,12 @@ class EngineMetrics:
         self.running = Gauge("mlxformer_running_sequences", "Sequences holding a batch slot", registry=r)
         self.kv_used = Gauge("mlxformer_kv_bytes_used", "KV cache bytes held by sequences and the prefix cache", registry=r)
         self.kv_budget = Gauge("mlxformer_kv_bytes_budget", "The KV memory budget in bytes (0: none)", registry=r)
+
+    def counter(self, name: str, documentation: str, labels: tuple[str, ...] = ()) -> Counter:
+        """A counter in this registry, made on first use (so that two apps over one engine share it)."""
+        if name not in self._extra:
+            self._extra[name] = Counter(name, documentation, list(labels), registry=self.registry)
+        return self._extra[name]
 
     def watch(self, queue: Callable[[], float], running: Callable[[], float], kv_used: Callable[[], float], budget: int) -> None:
         """Read the gauges from the engine at each scrape."""

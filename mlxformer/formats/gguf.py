@@ -22,6 +22,7 @@ import numpy as np
 from mlxformer.errors import MlxformerError
 from mlxformer.formats.gguf_quants import EXACT_TYPES, FLOAT_DECODED_TYPES, GROUP_SIZE, decode_codes, \
     decode_values, requantize
+from mlxformer.formats.gguf_families import GGUF_ARCHITECTURES, NORM_SHIFTED_ARCHS, arch_config
 from mlxformer.formats.gguf_names import CONFIG_TENSORS, PERMUTED_QK_ARCHS, hf_name
 from mlxformer.formats.gguf_reader import GGUFFile, TensorInfo, read_gguf
 from mlxformer.formats.gguf_rope import rope_scaling_from_factors
@@ -38,7 +39,7 @@ QUANT_BITS = {"Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5, "Q8_0": 8, "Q4_K": 4, 
 LEGACY_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")  # float16 scales in the file, float16 in MLX
 
 
-SUPPORTED_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+SUPPORTED_ARCHITECTURES = GGUF_ARCHITECTURES
 
 def _meta(metadata: dict[str, Any], key: str, default: Any = None) -> Any:
     value = metadata.get(key, default)
@@ -52,11 +53,14 @@ def config_from_metadata(metadata: dict[str, Any], tensor_names: set[str]) -> di
     are checked against the tensors by ``checkpoint.check_config``."""
     arch = _meta(metadata, "general.architecture")
     if not isinstance(arch, str) or arch not in SUPPORTED_ARCHITECTURES:
-        raise MlxformerError(f"unsupported GGUF architecture {arch!r} (supported: llama, qwen2, qwen3)")
+        raise MlxformerError(f"unsupported GGUF architecture {arch!r} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
 
-    def field(name: str, default: Any = None) -> Any:
-        value = _meta(metadata, f"{arch}.{name}", default)
+    def field(name: str, default: Any = ...) -> Any:
+        """``{arch}.{name}`` as a finite number; ``default`` when absent (None: None; none: an error)."""
+        value = _meta(metadata, f"{arch}.{name}", None if default is ... else default)
         if value is None:
+            if default is None:
+                return None
             raise MlxformerError(f"GGUF metadata is missing {arch}.{name}")
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or abs(value) == float("inf"):
             raise MlxformerError(f"GGUF metadata {arch}.{name} is not a finite number: {str(value)[:50]!r}")
@@ -91,6 +95,7 @@ def config_from_metadata(metadata: dict[str, Any], tensor_names: set[str]) -> di
         config["rope_scaling"] = {"rope_type": "linear", "factor": float(field("rope.scaling.factor"))}
     if arch == "qwen2":
         config["attention_bias"] = True
+    config.update(arch_config(arch, field, config))
     return config
 
 
@@ -211,15 +216,20 @@ class _Decoder:
     """Decodes the GGUF tensor behind an HF-named entry; the last tensor's arrays are kept,
     so that reading its ``weight``, ``scales`` and ``biases`` decodes it once."""
 
-    def __init__(self, gguf: GGUFFile, sources: dict[str, tuple[TensorInfo, str]], heads: dict[str, int]):
+    def __init__(self, gguf: GGUFFile, sources: dict[str, tuple[TensorInfo, str]], heads: dict[str, int],
+                 shift_norms: bool = False):
         self.gguf, self.sources, self.heads = gguf, sources, heads
+        self.shift_norms = shift_norms  # Gemma: the converter stored every RMSNorm weight as 1 + weight
         self._last: tuple[str, dict[str, mx.array]] | None = None
 
     def __call__(self, entry: TensorEntry) -> mx.array:
         info, key = self.sources[entry.name]
         if self._last is None or self._last[0] != info.name or key not in self._last[1]:
             projection = entry.name.rsplit(".", 2)[-2]
-            self._last = (info.name, _decode(self.gguf, info, self.heads.get(projection)))
+            arrays = _decode(self.gguf, info, self.heads.get(projection))
+            if self.shift_norms and entry.name.endswith("norm.weight"):
+                arrays["weight"] = arrays["weight"] - 1
+            self._last = (info.name, arrays)
             mx.eval(self._last[1])  # requantized types are computed lazily from the mapped bytes
             self.gguf.release(info)
         return self._last[1].pop(key)
@@ -250,7 +260,8 @@ def open_gguf(path: Path) -> tuple[dict[str, Any], dict[str, TensorEntry], Calla
                                          if len(info.shape) == 2})
     if quantization:
         config["quantization"] = quantization
-    return config, entries, _Decoder(gguf, sources, heads), gguf.metadata, gguf.header_bytes
+    decoder = _Decoder(gguf, sources, heads, arch in NORM_SHIFTED_ARCHS)
+    return config, entries, decoder, gguf.metadata, gguf.header_bytes
 
 
 def _rope_factors(gguf: GGUFFile, info: TensorInfo, head_dim: Any) -> np.ndarray:

@@ -29,10 +29,28 @@ TENSOR_NAMES: dict[str, str] = {
     "blk.{i}.ffn_up": "model.layers.{i}.mlp.up_proj",
     "blk.{i}.ffn_down": "model.layers.{i}.mlp.down_proj",
 }
+_SANDWICH_NORMS = {  # Gemma 2/3: four norms a layer
+    "blk.{i}.post_attention_norm": "model.layers.{i}.post_attention_layernorm",
+    "blk.{i}.ffn_norm": "model.layers.{i}.pre_feedforward_layernorm",
+    "blk.{i}.post_ffw_norm": "model.layers.{i}.post_feedforward_layernorm",
+}
 # Per-architecture rows, added to (or replacing) ``TENSOR_NAMES``.
-ARCH_TENSOR_NAMES: dict[str, dict[str, str]] = {"llama": {}, "qwen2": {}, "qwen3": {}}
-# Architectures whose Q/K rows llama.cpp's converter permuted (interleaved rotary pairs).
-PERMUTED_QK_ARCHS = ("llama",)
+ARCH_TENSOR_NAMES: dict[str, dict[str, str]] = {
+    "llama": {}, "qwen2": {}, "qwen3": {}, "gemma": {}, "granite": {}, "smollm3": {},
+    "gemma2": _SANDWICH_NORMS,
+    "gemma3": _SANDWICH_NORMS,
+    "olmo2": {  # norms after the sublayers only
+        "blk.{i}.post_attention_norm": "model.layers.{i}.post_attention_layernorm",
+        "blk.{i}.post_ffw_norm": "model.layers.{i}.post_feedforward_layernorm",
+    },
+    "phi3": {  # fused projections, as Phi-3 checkpoints store them
+        "blk.{i}.attn_qkv": "model.layers.{i}.self_attn.qkv_proj",
+        "blk.{i}.ffn_up": "model.layers.{i}.mlp.gate_up_proj",
+    },
+}
+# Architectures whose Q/K rows llama.cpp's converter permuted (interleaved rotary pairs): its
+# LlamaModel and the converters derived from it.
+PERMUTED_QK_ARCHS = ("llama", "granite", "smollm3")
 # Tensors that are config, not weights: read into the config by ``gguf.py``.
 CONFIG_TENSORS = ("rope_freqs.weight",)
 

@@ -1,7 +1,8 @@
 """The frozen model configuration that drives the one decoder.
 
-Every supported family (Llama 1-3.2, Mistral, Qwen2/2.5, Qwen3, SmolLM, TinyLlama) is a
-set of field values here, read from an HF ``config.json`` dict or from GGUF metadata.
+Every supported family (Llama 1-3.2, Mistral, Qwen2/2.5, Qwen3, SmolLM, TinyLlama, Gemma 1-3,
+Phi-3/3.5/4, Granite, OLMo 2, SmolLM3) is a set of field values here, read from an HF
+``config.json`` dict (``models.families`` maps each family's keys) or from GGUF metadata.
 """
 
 from __future__ import annotations
@@ -12,29 +13,16 @@ from typing import Any
 import mlx.core as mx
 
 from mlxformer.errors import MlxformerError
+from mlxformer.models.families import FAMILIES, family_fields
+from mlxformer.models.rope_config import SUPPORTED_ROPE_TYPES, RopeConfig, rope_config_from_dict, rope_scaling_dict
+
+__all__ = ["FLOAT_DTYPES", "ModelArgs", "RopeConfig", "SUPPORTED_ROPE_TYPES", "rope_config_from_dict", "rope_scaling_dict"]
 
 # Floating dtypes users may name on the command line or in the API.
 FLOAT_DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "freq_factors")
-
 # Keys of a config.json that change the math but that this decoder does not implement.
 _UNSUPPORTED_TRUE_FLAGS = ("use_sliding_window",)
-
-
-@dataclass(frozen=True)
-class RopeConfig:
-    """Rotary embedding settings, normalized from ``rope_theta``/``rope_scaling``/``rope_parameters``."""
-
-    theta: float = 10000.0
-    type: str = "default"
-    factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
-    # Per-dimension period multipliers (llama.cpp's ``rope_freqs`` tensor), only for type "freq_factors".
-    freq_factors: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -58,15 +46,46 @@ class ModelArgs:
     mlp_bias: bool = False
     qk_norm: bool = False
     sliding_window: int | None = None
+    # --- family switches; the defaults are Llama's ---
+    hidden_act: str = "silu"  # the MLP gate: "silu" (SwiGLU) or "gelu_tanh" (GeGLU, Gemma)
+    mlp_type: str = "dense"  # a key of ``models.mlp.MLP_TYPES``
+    fused_qkv: bool = False  # one ``qkv_proj`` (Phi-3) instead of q/k/v projections
+    fused_gate_up: bool = False  # one ``gate_up_proj`` (Phi-3) instead of gate/up projections
+    norm_offset: float = 0.0  # RMSNorm scales by ``norm_offset + weight`` (Gemma: 1)
+    norm_layout: str = "pre"  # a key of ``models.norms.NORM_LAYOUTS``: pre, sandwich (Gemma 2/3), post (OLMo 2)
+    qk_norm_scope: str = "head"  # q/k RMSNorm per head (Qwen3, Gemma 3) or over the whole projection (OLMo 2)
+    attention_scale: float | None = None  # None: head_dim**-0.5 (Gemma: query_pre_attn_scalar**-0.5)
+    attn_logit_softcap: float | None = None  # Gemma 2: scores -> cap * tanh(scores / cap)
+    final_logit_softcap: float | None = None  # Gemma 2: the same on the output logits
+    # Per layer "sliding" or "full" (Gemma 2/3); empty: every layer uses ``sliding_window``.
+    layer_types: tuple[str, ...] = ()
+    rope_local: RopeConfig | None = None  # the RoPE of sliding layers, when it differs (Gemma 3)
+    rope_layers: tuple[bool, ...] = ()  # per layer, whether it applies RoPE (SmolLM3); empty: all do
+    partial_rotary_factor: float = 1.0  # the share of each head's features that is rotated
+    embedding_scale: float = 1.0  # Gemma: sqrt(hidden); Granite: embedding_multiplier
+    residual_scale: float = 1.0  # Granite: each sublayer's output is scaled before the residual add
+    logits_scale: float = 1.0  # Granite: 1 / logits_scaling
+
+    def layer_window(self, index: int) -> int | None:
+        """The sliding window layer ``index`` attends with (None: the whole context)."""
+        if not self.layer_types or self.layer_types[index] == "sliding":
+            return self.sliding_window
+        return None
+
+    def layer_rope(self, index: int) -> RopeConfig | None:
+        """The RoPE settings of layer ``index`` (None: the layer has no rotary embedding)."""
+        if self.rope_layers and not self.rope_layers[index]:
+            return None
+        if self.rope_local is not None and self.layer_types and self.layer_types[index] == "sliding":
+            return self.rope_local
+        return self.rope
 
     @classmethod
     def from_dict(cls, config: dict[str, Any]) -> "ModelArgs":
         """Build the args from an HF/mlx-lm ``config.json`` dict; unsupported settings raise."""
         model_type = config.get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise MlxformerError(
-                f"unsupported model_type {model_type!r} (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
-            )
+        if model_type not in FAMILIES:
+            raise MlxformerError(f"unsupported model_type {model_type!r} (supported: {', '.join(FAMILIES)})")
         for flag in _UNSUPPORTED_TRUE_FLAGS:
             if config.get(flag):
                 raise MlxformerError(f"unsupported config setting {flag}=true for {model_type}")
@@ -75,8 +94,7 @@ class ModelArgs:
             heads = int(config["num_attention_heads"])
             head_dim = config.get("head_dim") or hidden // heads
             attention_bias = bool(config.get("attention_bias", False))
-            is_qwen2 = model_type == "qwen2"
-            return cls(
+            fields: dict[str, Any] = dict(
                 model_type=model_type,
                 hidden_size=hidden,
                 num_hidden_layers=int(config["num_hidden_layers"]),
@@ -89,14 +107,13 @@ class ModelArgs:
                 rope=rope_config_from_dict(config),
                 max_position_embeddings=int(config.get("max_position_embeddings") or 4096),
                 tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-                # Qwen2 always has q/k/v biases and never an o_proj bias; Llama-style
-                # ``attention_bias`` covers all four projections.
-                qkv_bias=True if is_qwen2 else attention_bias,
-                o_proj_bias=False if is_qwen2 else attention_bias,
+                # Llama-style ``attention_bias`` covers all four projections.
+                qkv_bias=attention_bias,
+                o_proj_bias=attention_bias,
                 mlp_bias=bool(config.get("mlp_bias", False)),
-                qk_norm=model_type == "qwen3",
-                sliding_window=_sliding_window(config),
             )
+            fields.update(family_fields(config, fields))
+            return cls(**fields)
         except KeyError as exc:
             raise MlxformerError(f"config.json is missing required key {exc.args[0]!r}") from None
 
@@ -104,7 +121,7 @@ class ModelArgs:
         """An HF-style ``config.json`` dict that ``from_dict`` reads back to equal args."""
         config: dict[str, Any] = {
             "model_type": self.model_type,
-            "architectures": [_ARCHITECTURES[self.model_type]],
+            "architectures": [ARCHITECTURES[self.model_type]],
             "hidden_size": self.hidden_size,
             "num_hidden_layers": self.num_hidden_layers,
             "intermediate_size": self.intermediate_size,
@@ -117,7 +134,7 @@ class ModelArgs:
             "tie_word_embeddings": self.tie_word_embeddings,
             "rope_theta": self.rope.theta,
             "rope_scaling": rope_scaling_dict(self.rope),
-            "hidden_act": "silu",
+            "hidden_act": "silu" if self.hidden_act == "silu" else "gelu_pytorch_tanh",
         }
         if self.model_type != "qwen2":
             config["attention_bias"] = self.o_proj_bias
@@ -128,58 +145,16 @@ class ModelArgs:
         return config
 
 
-_ARCHITECTURES = {
+ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma": "GemmaForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "granite": "GraniteForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
+    "smollm3": "SmolLM3ForCausalLM",
 }
-
-
-def _sliding_window(config: dict[str, Any]) -> int | None:
-    # Qwen2 configs carry a sliding_window value that is inactive unless use_sliding_window is set.
-    if config.get("model_type") != "mistral":
-        return None
-    window = config.get("sliding_window")
-    return int(window) if window else None
-
-
-def rope_config_from_dict(config: dict[str, Any]) -> RopeConfig:
-    """Normalize ``rope_theta``/``rope_scaling`` (classic) or ``rope_parameters`` (transformers 5)."""
-    params = dict(config.get("rope_parameters") or {})
-    scaling = dict(config.get("rope_scaling") or {})
-    theta = config.get("rope_theta", params.get("rope_theta", 10000.0))
-    merged = {**params, **scaling}
-    rope_type = merged.get("rope_type") or merged.get("type") or "default"
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise MlxformerError(f"unsupported rope type {rope_type!r} (supported: default, linear, dynamic, llama3)")
-    factor = float(merged.get("factor", 1.0))
-    if rope_type in ("linear", "dynamic", "llama3") and "factor" not in merged:
-        raise MlxformerError(f"rope type {rope_type!r} needs a 'factor'")
-    return RopeConfig(
-        theta=float(theta),
-        type=rope_type,
-        factor=factor,
-        low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
-        high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=int(
-            merged.get("original_max_position_embeddings") or config.get("max_position_embeddings") or 8192
-        ),
-        freq_factors=tuple(float(f) for f in merged.get("freq_factors", ())),
-    )
-
-
-def rope_scaling_dict(rope: RopeConfig) -> dict[str, Any] | None:
-    """The ``rope_scaling`` entry of a config.json for these settings (None for plain RoPE)."""
-    if rope.type == "default":
-        return None
-    scaling: dict[str, Any] = {"rope_type": rope.type, "type": rope.type, "factor": rope.factor}
-    if rope.type == "llama3":
-        scaling.update(
-            low_freq_factor=rope.low_freq_factor,
-            high_freq_factor=rope.high_freq_factor,
-            original_max_position_embeddings=rope.original_max_position_embeddings,
-        )
-    if rope.type == "freq_factors":
-        scaling["freq_factors"] = list(rope.freq_factors)
-    return scaling

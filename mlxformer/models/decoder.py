@@ -1,12 +1,14 @@
-"""The one LLaMA-style decoder: pre-norm blocks, GQA attention with RoPE, SwiGLU MLP.
+"""The one LLaMA-style decoder: residual blocks of GQA attention with RoPE and a gated MLP.
 
-Module names follow the Hugging Face checkpoint keys (``model.layers.N.self_attn.q_proj``)
-so safetensors weights load without a renaming table.
+Every family is a set of ``ModelArgs`` fields: where the norms sit (``models.norms``), the MLP
+(``models.mlp``), the rotary variant (``models.rope_variants``), soft-capping
+(``models.attention_ops``), per-layer windows and RoPE, and a few scalars. Module names follow
+the Hugging Face checkpoint keys (``model.layers.N.self_attn.q_proj``) so safetensors weights
+load without a renaming table.
 """
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Callable, Sequence
 
 import mlx.core as mx
@@ -14,99 +16,119 @@ import mlx.nn as nn
 
 from mlxformer.models.mask import Mask, causal_mask_for
 from mlxformer.cache.protocol import Cache
+from mlxformer.models.attention_ops import softcap_scores, softcapped_attention
 from mlxformer.models.config import ModelArgs
-from mlxformer.models.rope import RoPE
+from mlxformer.models.mlp import MLP, make_mlp, swiglu
+from mlxformer.models.norms import NORM_LAYOUTS, RMSNorm
+from mlxformer.models.rope_variants import make_rope
+
+__all__ = ["Attention", "DecoderLayer", "DecoderStack", "MLP", "Model", "swiglu"]
 
 
 class Attention(nn.Module):
-    """Multi-head attention with grouped K/V heads, passed unrepeated to the fused kernel."""
+    """Multi-head attention with grouped K/V heads, passed unrepeated to the fused kernel.
 
-    def __init__(self, args: ModelArgs):
+    ``layer_index`` (in the whole model) picks the layer's RoPE (none, local or global)."""
+
+    def __init__(self, args: ModelArgs, layer_index: int = 0):
         super().__init__()
         self.n_heads = args.num_attention_heads
         self.n_kv_heads = args.num_key_value_heads
         self.head_dim = args.head_dim
-        self.scale = args.head_dim**-0.5
-        q_dim, kv_dim = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-        self.q_proj = nn.Linear(args.hidden_size, q_dim, bias=args.qkv_bias)
-        self.k_proj = nn.Linear(args.hidden_size, kv_dim, bias=args.qkv_bias)
-        self.v_proj = nn.Linear(args.hidden_size, kv_dim, bias=args.qkv_bias)
-        self.o_proj = nn.Linear(q_dim, args.hidden_size, bias=args.o_proj_bias)
+        self.scale = args.head_dim**-0.5 if args.attention_scale is None else args.attention_scale
+        self.softcap = args.attn_logit_softcap
+        self.q_dim, self.kv_dim = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        self.fused_qkv = args.fused_qkv
+        if args.fused_qkv:
+            self.qkv_proj = nn.Linear(args.hidden_size, self.q_dim + 2 * self.kv_dim, bias=args.qkv_bias)
+        else:
+            self.q_proj = nn.Linear(args.hidden_size, self.q_dim, bias=args.qkv_bias)
+            self.k_proj = nn.Linear(args.hidden_size, self.kv_dim, bias=args.qkv_bias)
+            self.v_proj = nn.Linear(args.hidden_size, self.kv_dim, bias=args.qkv_bias)
+        self.o_proj = nn.Linear(self.q_dim, args.hidden_size, bias=args.o_proj_bias)
+        # q/k RMSNorm per head (Qwen3, Gemma 3) or over the whole projection (OLMo 2)
+        self.qk_norm = args.qk_norm_scope if args.qk_norm else None
         if args.qk_norm:
-            self.q_norm = nn.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
-            self.k_norm = nn.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
-        self.qk_norm = args.qk_norm
-        self.rope = RoPE(self.head_dim, args.rope, args.max_position_embeddings)
+            q_dims, k_dims = (self.q_dim, self.kv_dim) if self.qk_norm == "projection" else (self.head_dim,) * 2
+            self.q_norm = RMSNorm(q_dims, eps=args.rms_norm_eps, offset=args.norm_offset)
+            self.k_norm = RMSNorm(k_dims, eps=args.rms_norm_eps, offset=args.norm_offset)
+        rope = args.layer_rope(layer_index)
+        rotary_dims = int(self.head_dim * args.partial_rotary_factor)
+        self.rope = None if rope is None else make_rope(rotary_dims, rope, args.max_position_embeddings)
+
+    def project(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        """Queries, keys and values ``(B, L, heads * head_dim)`` (split from ``qkv_proj`` if fused)."""
+        if self.fused_qkv:
+            qkv = self.qkv_proj(x)  # (B, L, q_dim + 2 * kv_dim)
+            return qkv[..., : self.q_dim], qkv[..., self.q_dim : self.q_dim + self.kv_dim], qkv[..., self.q_dim + self.kv_dim :]
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
     def __call__(self, x: mx.array, mask: Mask, cache: Cache | None, rope_length: int | None = None) -> mx.array:
         B, L, _ = x.shape
+        queries, keys, values = self.project(x)
+        if self.qk_norm == "projection":
+            queries, keys = self.q_norm(queries), self.k_norm(keys)
         # (B, L, heads * head_dim) -> (B, heads, L, head_dim)
-        queries = self.q_proj(x).reshape(B, L, self.n_heads, self.head_dim).transpose(0, 2, 1, 3)
-        keys = self.k_proj(x).reshape(B, L, self.n_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
-        values = self.v_proj(x).reshape(B, L, self.n_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
-        if self.qk_norm:
-            queries = self.q_norm(queries)
-            keys = self.k_norm(keys)
+        queries = queries.reshape(B, L, self.n_heads, self.head_dim).transpose(0, 2, 1, 3)
+        keys = keys.reshape(B, L, self.n_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
+        values = values.reshape(B, L, self.n_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
+        if self.qk_norm == "head":
+            queries, keys = self.q_norm(queries), self.k_norm(keys)
         offset = cache.offset if cache is not None else 0
-        queries = self.rope(queries, offset, rope_length)
-        keys = self.rope(keys, offset, rope_length)
-        if cache is None:
-            out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=self.scale, mask=mask)
-        else:
+        if self.rope is not None:
+            queries, keys = self.rope(queries, offset, rope_length), self.rope(keys, offset, rope_length)
+        if cache is not None:
             keys, values = cache.update_and_fetch(keys, values)
-            out = cache.attention(queries, keys, values, scale=self.scale, mask=mask)
+            out = cache.attention(queries, keys, values, scale=self.scale, mask=mask, softcap=self.softcap)
+        elif self.softcap is not None:
+            out = softcapped_attention(queries, keys, values, self.scale, mask, self.softcap)
+        else:
+            out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=self.scale, mask=mask)
         # (B, heads, L, head_dim) -> (B, L, heads * head_dim)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
-@partial(mx.compile, shapeless=True)
-def swiglu(gate: mx.array, up: mx.array) -> mx.array:
-    """``silu(gate) * up`` as one fused kernel: no temporaries the size of the hidden layer."""
-    return nn.silu(gate) * up
-
-
-class MLP(nn.Module):
-    """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))``."""
-
-    def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=args.mlp_bias)
-        self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=args.mlp_bias)
-        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
-
-    def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
-
-
 class DecoderLayer(nn.Module):
-    """Pre-norm residual block: attention then MLP."""
+    """Residual block: attention then the MLP, with the norms where ``args.norm_layout`` puts
+    them. ``window`` is the sliding window this layer attends with (None: all the context)."""
 
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, layer_index: int = 0):
         super().__init__()
-        self.self_attn = Attention(args)
-        self.mlp = MLP(args)
-        self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-        self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.window = args.layer_window(layer_index)
+        self.self_attn = Attention(args, layer_index)
+        self.mlp = make_mlp(args, layer_index)
+        self.norm_layout = args.norm_layout  # a string: kept out of the parameter tree
+        for name in NORM_LAYOUTS[args.norm_layout]:
+            if name is not None:
+                self[name] = RMSNorm(args.hidden_size, eps=args.rms_norm_eps, offset=args.norm_offset)
+        self.residual_scale = args.residual_scale
+
+    def _norm(self, index: int, x: mx.array) -> mx.array:
+        name = NORM_LAYOUTS[self.norm_layout][index]
+        return x if name is None else self[name](x)
+
+    def _residual(self, x: mx.array, out: mx.array) -> mx.array:
+        return x + (out if self.residual_scale == 1.0 else out * self.residual_scale)
 
     def __call__(self, x: mx.array, mask: Mask, cache: Cache | None, rope_length: int | None = None) -> mx.array:
-        h = x + self.self_attn(self.input_layernorm(x), mask, cache, rope_length)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        h = self._residual(x, self._norm(1, self.self_attn(self._norm(0, x), mask, cache, rope_length)))
+        return self._residual(h, self._norm(3, self.mlp(self._norm(2, h))))
 
 
 class DecoderStack(nn.Module):
     """Embedding, the layer stack and the final norm (HF's ``model.`` prefix).
 
-    A pipeline stage holds ``num_layers`` consecutive layers (numbered from 0 here) and, when
-    ``with_ends``, the embedding and final norm too."""
+    A pipeline stage holds ``num_layers`` consecutive layers from the model's ``first_layer``
+    (numbered from 0 here) and, when ``with_ends``, the embedding and final norm too."""
 
-    def __init__(self, args: ModelArgs, num_layers: int | None = None, with_ends: bool = True):
+    def __init__(self, args: ModelArgs, num_layers: int | None = None, with_ends: bool = True, first_layer: int = 0):
         super().__init__()
         if with_ends:
             self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         count = args.num_hidden_layers if num_layers is None else num_layers
-        self.layers = [DecoderLayer(args) for _ in range(count)]
+        self.layers = [DecoderLayer(args, first_layer + i) for i in range(count)]
         if with_ends:
-            self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+            self.norm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps, offset=args.norm_offset)
 
 
 class Model(nn.Module):
@@ -115,12 +137,12 @@ class Model(nn.Module):
     ``num_layers``/``with_ends`` build one pipeline stage (see ``DecoderStack``); a stage
     without ends only runs ``run_layers``."""
 
-    def __init__(self, args: ModelArgs, num_layers: int | None = None, with_ends: bool = True):
+    def __init__(self, args: ModelArgs, num_layers: int | None = None, with_ends: bool = True, first_layer: int = 0):
         super().__init__()
         self.args = args
         # Set by ``use_remote_layers``: the layers other pipeline stages run after ours.
         self._remote_layers: Callable[[mx.array], mx.array] | None = None
-        self.model = DecoderStack(args, num_layers, with_ends)
+        self.model = DecoderStack(args, num_layers, with_ends, first_layer)
         if with_ends and not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 
@@ -134,6 +156,8 @@ class Model(nn.Module):
         """Final-norm hidden states ``(B, T, hidden)`` for token ids ``(B, T)``. ``rope_length``:
         the whole prompt's length when this is one chunk of it (see ``RoPE``)."""
         h = self.model.embed_tokens(inputs)  # (B, T, hidden)
+        if self.args.embedding_scale != 1.0:  # in the activation dtype, as transformers does
+            h = h * mx.array(self.args.embedding_scale, dtype=h.dtype)
         h = self.run_layers(h, cache, rope_length)
         if self._remote_layers is not None:
             h = self._remote_layers(h)
@@ -146,14 +170,13 @@ class Model(nn.Module):
         if not self.layers:
             return h
         query_len = h.shape[1]
-        if cache is None:
-            mask = causal_mask_for(query_len, query_len, self.args.sliding_window)
-            layer_caches: Sequence[Cache | None] = [None] * len(self.layers)
-        else:
-            mask = cache[0].make_mask(query_len, self.args.sliding_window)
-            layer_caches = cache
+        layer_caches: Sequence[Cache | None] = [None] * len(self.layers) if cache is None else cache
+        masks: dict[int | None, Mask] = {}  # one mask per window, from the first cache of that window
         for layer, layer_cache in zip(self.layers, layer_caches):
-            h = layer(h, mask, layer_cache, rope_length)
+            if layer.window not in masks:
+                masks[layer.window] = (causal_mask_for(query_len, query_len, layer.window) if layer_cache is None
+                                       else layer_cache.make_mask(query_len, layer.window))
+            h = layer(h, masks[layer.window], layer_cache, rope_length)
         return h
 
     def use_remote_layers(self, run: Callable[[mx.array], mx.array]) -> None:
@@ -163,9 +186,13 @@ class Model(nn.Module):
 
     def logits(self, hidden: mx.array) -> mx.array:
         """Project hidden states ``(B, T, hidden)`` to vocabulary logits ``(B, T, vocab)``."""
-        if self.args.tie_word_embeddings:
-            return self.model.embed_tokens.as_linear(hidden)
-        return self.lm_head(hidden)
+        a = self.args
+        logits = self.model.embed_tokens.as_linear(hidden) if a.tie_word_embeddings else self.lm_head(hidden)
+        if a.logits_scale != 1.0:
+            logits = logits * a.logits_scale
+        if a.final_logit_softcap is not None:
+            logits = softcap_scores(logits, a.final_logit_softcap)
+        return logits
 
     def __call__(self, inputs: mx.array, cache: Sequence[Cache] | None = None) -> mx.array:
         return self.logits(self.hidden_states(inputs, cache))

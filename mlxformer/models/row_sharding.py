@@ -20,9 +20,10 @@ import mlx.nn as nn
 
 from mlxformer.device import available_cores, on_cpu
 from mlxformer.errors import MlxformerError
-from mlxformer.models.decoder import MLP, Model, swiglu
+from mlxformer.models.decoder import Model
+from mlxformer.models.mlp import GATES, MLP
 
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "gate_proj", "up_proj", "gate_up_proj", "down_proj")
 MAX_DEFAULT_THREADS = 4
 # Measured on SmolLM2 float32, 2 streams: a 55/45 split decodes 4-5% faster than 50/50.
 LEAD_SHARE = 1.2
@@ -163,7 +164,7 @@ SHARDED_CLASS: dict[type, type] = {
 
 
 class ShardedMLP(MLP):
-    """The SwiGLU MLP with ``swiglu(gate, up)`` computed shard by shard on each stream, so
+    """The gated MLP with its gate (SwiGLU/GeGLU) computed shard by shard on each stream, so
     the gate and up outputs are never concatenated: one join, before ``down_proj``."""
 
     def __call__(self, x: mx.array) -> mx.array:
@@ -174,7 +175,7 @@ class ShardedMLP(MLP):
         hidden = []
         for gate_shard, up_shard, stream in zip(gate_shards, up_shards, worker_streams(len(gate_shards))):
             with mx.stream(stream):
-                hidden.append(swiglu(gate.project_shard(x, gate_shard, stream), up.project_shard(x, up_shard, stream)))
+                hidden.append(GATES[self.activation](gate.project_shard(x, gate_shard, stream), up.project_shard(x, up_shard, stream)))
         return self.down_proj(mx.concatenate(hidden, axis=-1))
 
 
@@ -230,7 +231,8 @@ def apply_thread_policy(model: Model, threads: int | None) -> None:
             for name in PROJECTIONS:
                 if name in owner:
                     owner[name] = shard_rows(owner[name], threads)
-        layer.mlp = shard_mlp(layer.mlp)
+        if type(layer.mlp) is MLP:  # a fused or mixture-of-experts block keeps its own class
+            layer.mlp = shard_mlp(layer.mlp)
     # the vocabulary projection: the tied embedding's ``as_linear`` or ``lm_head`` (absent
     # from a pipeline stage without the model's ends)
     owner, name = (model.model, "embed_tokens") if model.args.tie_word_embeddings else (model, "lm_head")

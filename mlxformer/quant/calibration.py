@@ -119,7 +119,6 @@ def activation_importance(
     h = embedding(tokens)  # (1, T, hidden)
     mx.eval(h)
     del embedding, model.model.embed_tokens  # the stage is done: free its float32 matrix
-    mask = causal_mask_for(tokens.shape[1], tokens.shape[1], args.sliding_window)
     layers = model.layers
     for index in range(len(layers)):
         prefix = f"model.layers.{index}"
@@ -131,7 +130,7 @@ def activation_importance(
         layer.load_weights(list(params.items()), strict=True)
         del params
         _record_linear_inputs(layer, prefix, stats)
-        h = layer(h, mask, None)
+        h = layer(h, causal_mask_for(tokens.shape[1], tokens.shape[1], layer.window), None)
         mx.eval(h, stats.sums)
         del layer
     norm = model.model.norm

@@ -33,6 +33,7 @@ from mlxformer.server.errors import APIError, error_body, validation_message
 from mlxformer.server.guards import DEFAULT_MAX_BODY_BYTES, LOOPBACK_NAMES, BodyTooLarge, RequestGuard, host_name
 from mlxformer.server.meta_api import models_router, template_router
 from mlxformer.server.openai_routes import openai_router
+from mlxformer.server.metrics import install_metrics
 from mlxformer.server.openapi import GUARDED, KEYED, error_responses, install_openapi
 from mlxformer.server.responses import TokenStrings
 from mlxformer.server.responses_api import responses_router
@@ -111,6 +112,7 @@ def create_app(
         return JSONResponse({"status": "ok", "model": served.name, "running": ctx.inflight.count})
 
     install_openapi(app)
+    install_metrics(app, engine, keyed[:1])
     if openapi:
         @app.get("/openapi.json", include_in_schema=False, dependencies=keyed[:1])
         async def openapi_document() -> JSONResponse:

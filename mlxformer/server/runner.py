@@ -66,18 +66,19 @@ def serve(
     tool_parser: str | None = None,
     any_model_name: bool = True,
     sse_ping_seconds: float | None = SSE_PING_SECONDS,
+    max_kv_memory: int | str | None = None,
 ) -> None:
     """Serve ``model`` as ``name`` until interrupted (Ctrl-C stops the server and the engine);
     ``speculative`` decodes every request speculatively (prompt lookup or a draft model);
     ``prompt_cache`` sets the prompt cache's memory and disk tiers. ``allowed_hosts`` adds
     ``Host`` names to those served (on a loopback address: that address and ``localhost``;
-    elsewhere: any, unless names are given). ``tool_parser``, ``any_model_name``: see ``create_app``. Streams
-    send a keep-alive comment after
-    ``sse_ping_seconds`` without data."""
+    elsewhere: any, unless names are given). Streams send a keep-alive comment after
+    ``sse_ping_seconds`` without data. ``max_kv_memory``: the engine's KV memory budget (bytes or
+    ``"auto"``). ``tool_parser``, ``any_model_name``: see ``create_app``."""
     if not is_loopback(host) and api_key is None:
         log.warning("serving on %s without --api-key: anyone who can reach this host can use the model", host)
     engine = Engine(model, tokenizer, max_batch=max_batch, max_queue=max_queue, cache_settings=cache_settings,
-                    speculative=speculative, prompt_cache=prompt_cache)
+                    speculative=speculative, prompt_cache=prompt_cache, max_kv_memory=max_kv_memory)
     served = ServedModel.of(name, model, tokenizer)
     app = create_app(engine, served, api_key=api_key, cors_origins=cors_origins,
                      allowed_hosts=served_hosts(host, allowed_hosts), max_body_bytes=max_body_bytes, openapi=openapi,

@@ -1,0 +1,89 @@
+"""What each GGUF ``general.architecture`` is for the decoder: its HF ``model_type`` and the
+config keys only that architecture has (llama.cpp's metadata keys, and the settings llama.cpp
+hard-codes for it rather than writing them).
+
+The tensor names of each architecture are rows of the one name table (``ARCH_TENSOR_NAMES``);
+the shared keys (sizes, eps, rope base, linear rope scaling) are read by ``gguf.config_from_metadata``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+# general.architecture -> HF model_type
+GGUF_ARCHITECTURES = {
+    "llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma": "gemma", "gemma2": "gemma2",
+    "gemma3": "gemma3_text", "phi3": "phi3", "olmo2": "olmo2", "granite": "granite", "smollm3": "smollm3",
+}
+# Architectures whose converter stored every RMSNorm weight as ``1 + weight`` (Gemma's offset).
+NORM_SHIFTED_ARCHS = ("gemma", "gemma2", "gemma3")
+
+# ``field(name, default)`` reads ``{arch}.{name}`` as a finite number (default when absent; a
+# missing key without a default raises); ``field(name, None)`` is None when absent.
+Field = Callable[[str, Any], Any]
+
+
+def _gemma_scalar(field: Field, config: dict[str, Any], big_layers: int) -> float:
+    """llama.cpp's Gemma 2/3 attention scale: 1/sqrt(head_dim), or 1/sqrt(hidden/heads) for
+    the 27B (``big_layers`` blocks)."""
+    if config["num_hidden_layers"] == big_layers:
+        return config["hidden_size"] // config["num_attention_heads"]
+    return config["head_dim"]
+
+
+def _gemma2(field: Field, config: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "attn_logit_softcapping": float(field("attn_logit_softcapping", 50.0)),
+        "final_logit_softcapping": float(field("final_logit_softcapping", 30.0)),
+        "sliding_window": int(field("attention.sliding_window", 4096)),
+        "query_pre_attn_scalar": _gemma_scalar(field, config, 46),
+    }
+
+
+def _gemma3(field: Field, config: dict[str, Any]) -> dict[str, Any]:
+    # llama.cpp: every sixth layer global, the others sliding with an unscaled base of 10k
+    extra: dict[str, Any] = {
+        "sliding_window": int(field("attention.sliding_window", 4096)),
+        "sliding_window_pattern": 6,
+        "rope_local_base_freq": 10000.0,
+        "query_pre_attn_scalar": _gemma_scalar(field, config, 62),
+    }
+    softcap = field("final_logit_softcapping", None)
+    if softcap is not None:
+        extra["final_logit_softcapping"] = float(softcap)
+    return extra
+
+
+def _phi3(field: Field, config: dict[str, Any]) -> dict[str, Any]:
+    rotary = int(field("rope.dimension_count", config["head_dim"]))
+    window = int(field("attention.sliding_window", 0))
+    return {
+        "partial_rotary_factor": rotary / config["head_dim"],
+        "original_max_position_embeddings": int(field("rope.scaling.original_context_length",
+                                                      config["max_position_embeddings"])),
+        "sliding_window": window or None,  # 0: none (Phi-4)
+    }
+
+
+def _granite(field: Field, config: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "embedding_multiplier": float(field("embedding_scale", 1.0)),
+        "residual_multiplier": float(field("residual_scale", 1.0)),
+        "attention_multiplier": float(field("attention.scale", config["head_dim"] ** -0.5)),
+        "logits_scaling": float(field("logit_scale", 1.0)),
+    }
+
+
+def _smollm3(field: Field, config: dict[str, Any]) -> dict[str, Any]:
+    return {"no_rope_layer_interval": 4}  # llama.cpp: every fourth layer has no RoPE
+
+
+_ARCH_KEYS: dict[str, Callable[[Field, dict[str, Any]], dict[str, Any]]] = {
+    "gemma2": _gemma2, "gemma3": _gemma3, "phi3": _phi3, "granite": _granite, "smollm3": _smollm3,
+}
+
+
+def arch_config(arch: str, field: Field, config: dict[str, Any]) -> dict[str, Any]:
+    """The config.json keys of ``arch`` beyond the shared ones already in ``config``."""
+    reader = _ARCH_KEYS.get(arch)
+    return reader(field, config) if reader else {}

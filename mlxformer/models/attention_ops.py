@@ -1,0 +1,40 @@
+"""Attention with Gemma 2's logit soft-capping, which the fused kernel cannot apply."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from mlxformer.models.mask import Mask
+
+
+def softcap_scores(scores: mx.array, cap: float) -> mx.array:
+    """``cap * tanh(scores / cap)``."""
+    return mx.tanh(scores / cap) * cap
+
+
+def mask_scores(scores: mx.array, mask: Mask) -> mx.array:
+    """Apply a ``Mask`` to float32 scores ``(..., L, S)`` (keys aligned to the last queries)."""
+    L, S = scores.shape[-2:]
+    if isinstance(mask, str):  # "causal", aligned to the last keys
+        mask = mx.arange(S - L, S)[:, None] >= mx.arange(S)[None]  # (L, S)
+    if mask is None:
+        return scores
+    if mask.dtype == mx.bool_:
+        return mx.where(mask, scores, mx.array(-mx.inf, mx.float32))
+    return scores + mask.astype(mx.float32)
+
+
+def softcapped_attention(
+    queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Mask, softcap: float
+) -> mx.array:
+    """Softmax attention of ``(B, n_heads, L, D)`` queries over ``(B, n_kv, S, D)`` keys/values
+    with soft-capped scores; GQA heads unrepeated."""
+    B, n_heads, L, D = queries.shape
+    n_kv = keys.shape[1]
+    # (B, n_heads, L, D) -> (B, n_kv, n_rep, L, D): each K/V head serves n_rep query heads.
+    q = (queries * scale).reshape(B, n_kv, n_heads // n_kv, L, D)
+    scores = (q @ mx.expand_dims(keys, 2).swapaxes(-1, -2)).astype(mx.float32)  # (B, n_kv, n_rep, L, S)
+    scores = mask_scores(softcap_scores(scores, softcap), mask)
+    weights = mx.softmax(scores, axis=-1).astype(values.dtype)
+    out = weights @ mx.expand_dims(values, 2)  # (B, n_kv, n_rep, L, D)
+    return out.reshape(B, n_heads, L, D)

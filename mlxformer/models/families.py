@@ -1,0 +1,161 @@
+"""Each family's config.json keys, mapped onto the one decoder's ``ModelArgs`` fields.
+
+``ModelArgs.from_dict`` reads what every family shares (sizes, eps, RoPE, Llama-style biases);
+the reader of a ``model_type`` here returns only the fields where that family differs. A
+family is a row of this table, never a copy of the decoder.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+from mlxformer.errors import MlxformerError
+from mlxformer.models.rope_config import RopeConfig, rope_config_from_dict
+
+Fields = dict[str, Any]
+# transformers' activation names -> the decoder's gate functions (``models.mlp.GATES``)
+_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
+
+
+def _activation(config: dict[str, Any], default: str, *keys: str) -> str:
+    name = next((config[k] for k in keys if config.get(k)), default)
+    if name not in _ACTIVATIONS:
+        raise MlxformerError(f"unsupported activation {name!r} for {config.get('model_type')}")
+    return _ACTIVATIONS[name]
+
+
+def _layer_types(config: dict[str, Any], sliding: Callable[[int], bool]) -> tuple[str, ...]:
+    """Per layer "sliding" or "full": the config's ``layer_types`` or the family's pattern."""
+    layers = int(config["num_hidden_layers"])
+    written = config.get("layer_types")
+    if written is None:
+        return tuple("sliding" if sliding(i) else "full" for i in range(layers))
+    names = {"sliding_attention": "sliding", "full_attention": "full"}
+    if len(written) != layers or any(t not in names for t in written):
+        raise MlxformerError(f"config.json layer_types must name {layers} layers as sliding_attention/full_attention")
+    return tuple(names[t] for t in written)
+
+
+def _window(config: dict[str, Any]) -> int | None:
+    window = config.get("sliding_window")
+    return int(window) if window else None
+
+
+def _llama(config: dict[str, Any], base: Fields) -> Fields:
+    return {}
+
+
+def _mistral(config: dict[str, Any], base: Fields) -> Fields:
+    return {"sliding_window": _window(config)}
+
+
+def _qwen2(config: dict[str, Any], base: Fields) -> Fields:
+    # q/k/v biases, never an o_proj bias; its sliding_window is inactive without use_sliding_window
+    return {"qkv_bias": True, "o_proj_bias": False}
+
+
+def _qwen3(config: dict[str, Any], base: Fields) -> Fields:
+    return {"qk_norm": True}
+
+
+def _gemma(config: dict[str, Any], base: Fields) -> Fields:
+    """GeGLU, ``(1 + w)`` RMSNorms, embeddings scaled by sqrt(hidden), tied output."""
+    return {
+        "hidden_act": _activation(config, "gelu_pytorch_tanh", "hidden_activation", "hidden_act"),
+        "norm_offset": 1.0,
+        "embedding_scale": math.sqrt(base["hidden_size"]),
+        "tie_word_embeddings": bool(config.get("tie_word_embeddings", True)),
+    }
+
+
+def _gemma2(config: dict[str, Any], base: Fields) -> Fields:
+    """Gemma plus four norms a layer, query_pre_attn_scalar, soft-capping, alternating windows."""
+    return {
+        **_gemma(config, base),
+        "norm_layout": "sandwich",
+        "attention_scale": float(config.get("query_pre_attn_scalar") or 256) ** -0.5,
+        "attn_logit_softcap": _float_or_none(config.get("attn_logit_softcapping", 50.0)),
+        "final_logit_softcap": _float_or_none(config.get("final_logit_softcapping", 30.0)),
+        "sliding_window": _window(config),
+        "layer_types": _layer_types(config, lambda i: i % 2 == 0),
+    }
+
+
+def _gemma3(config: dict[str, Any], base: Fields) -> Fields:
+    """Gemma 2 without soft-capping by default, per-head q/k norms, five sliding layers to one
+    global, and a local RoPE (base 10k, unscaled) for the sliding layers."""
+    pattern = int(config.get("sliding_window_pattern") or config.get("_sliding_window_pattern") or 6)
+    params = config.get("rope_parameters") or {}
+    if isinstance(params.get("sliding_attention"), dict):
+        local = rope_config_from_dict({"rope_parameters": params["sliding_attention"],
+                                       "max_position_embeddings": base["max_position_embeddings"]})
+    else:
+        local = RopeConfig(theta=float(config.get("rope_local_base_freq", 10000.0)))
+    return {
+        **_gemma2(config, base),
+        "attn_logit_softcap": _float_or_none(config.get("attn_logit_softcapping")),
+        "final_logit_softcap": _float_or_none(config.get("final_logit_softcapping")),
+        "qk_norm": True,
+        "rope_local": local,
+        "layer_types": _layer_types(config, lambda i: (i + 1) % pattern != 0),
+    }
+
+
+def _phi3(config: dict[str, Any], base: Fields) -> Fields:
+    """Fused qkv_proj and gate_up_proj, partial rotary dimensions, LongRoPE, a sliding window."""
+    params = config.get("rope_parameters") or {}
+    factor = config.get("partial_rotary_factor", params.get("partial_rotary_factor", 1.0))
+    return {"fused_qkv": True, "fused_gate_up": True, "partial_rotary_factor": float(factor),
+            "sliding_window": _window(config)}
+
+
+def _granite(config: dict[str, Any], base: Fields) -> Fields:
+    """Embedding, residual, attention and logits multipliers."""
+    return {
+        "embedding_scale": float(config.get("embedding_multiplier", 1.0)),
+        "residual_scale": float(config.get("residual_multiplier", 1.0)),
+        "attention_scale": float(config.get("attention_multiplier", base["head_dim"] ** -0.5)),
+        "logits_scale": 1.0 / float(config.get("logits_scaling", 1.0)),
+    }
+
+
+def _olmo2(config: dict[str, Any], base: Fields) -> Fields:
+    """Norms after each sublayer, q/k RMSNorm over the whole projection."""
+    return {"norm_layout": "post", "qk_norm": True, "qk_norm_scope": "projection"}
+
+
+def _smollm3(config: dict[str, Any], base: Fields) -> Fields:
+    """Every ``no_rope_layer_interval``-th layer has no RoPE (``no_rope_layers``: 1 = RoPE)."""
+    layers = int(config["num_hidden_layers"])
+    flags = config.get("no_rope_layers")
+    if flags is None:
+        interval = int(config.get("no_rope_layer_interval", 4))
+        flags = [int((i + 1) % interval != 0) for i in range(layers)]
+    if len(flags) != layers:
+        raise MlxformerError(f"config.json no_rope_layers must have {layers} entries, not {len(flags)}")
+    return {"rope_layers": tuple(bool(f) for f in flags)}
+
+
+def _float_or_none(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+FAMILIES: dict[str, Callable[[dict[str, Any], Fields], Fields]] = {
+    "llama": _llama,
+    "mistral": _mistral,
+    "qwen2": _qwen2,
+    "qwen3": _qwen3,
+    "gemma": _gemma,
+    "gemma2": _gemma2,
+    "gemma3_text": _gemma3,
+    "phi3": _phi3,
+    "granite": _granite,
+    "olmo2": _olmo2,
+    "smollm3": _smollm3,
+}
+
+
+def family_fields(config: dict[str, Any], base: Fields) -> Fields:
+    """The ``ModelArgs`` fields where ``config``'s family differs from ``base`` (the shared reading)."""
+    return FAMILIES[config["model_type"]](config, base)

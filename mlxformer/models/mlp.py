@@ -1,0 +1,72 @@
+"""The feed-forward block: a pluggable component chosen by ``ModelArgs.mlp_type``.
+
+``MLP_TYPES`` maps a type to a builder ``(args, layer_index) -> module``; a mixture-of-experts
+block registers itself here and may return a dense MLP for some layers. Every block maps
+``(B, T, hidden) -> (B, T, hidden)``.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Callable
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mlxformer.models.config import ModelArgs
+
+
+@partial(mx.compile, shapeless=True)
+def swiglu(gate: mx.array, up: mx.array) -> mx.array:
+    """``silu(gate) * up`` as one fused kernel: no temporaries the size of the hidden layer."""
+    return nn.silu(gate) * up
+
+
+@partial(mx.compile, shapeless=True)
+def geglu(gate: mx.array, up: mx.array) -> mx.array:
+    """``gelu_tanh(gate) * up`` (Gemma's GeGLU; transformers' ``gelu_pytorch_tanh``)."""
+    return nn.gelu_approx(gate) * up
+
+
+GATES: dict[str, Callable[[mx.array, mx.array], mx.array]] = {"silu": swiglu, "gelu_tanh": geglu}
+
+
+class MLP(nn.Module):
+    """Gated feed-forward: ``down(act(gate(x)) * up(x))``, SwiGLU or GeGLU."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=args.mlp_bias)
+        self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=args.mlp_bias)
+        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
+        self.activation = args.hidden_act  # a GATES key (a name, so the module deep-copies)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(GATES[self.activation](self.gate_proj(x), self.up_proj(x)))
+
+
+class FusedMLP(nn.Module):
+    """The gated MLP with gate and up in one ``gate_up_proj`` (Phi-3's layout, kept as stored)."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(args.hidden_size, 2 * args.intermediate_size, bias=args.mlp_bias)
+        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
+        self.activation = args.hidden_act  # a GATES key (a name, so the module deep-copies)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        gate, up = mx.split(self.gate_up_proj(x), 2, axis=-1)  # (B, T, 2 * inter) -> 2 x (B, T, inter)
+        return self.down_proj(GATES[self.activation](gate, up))
+
+
+def dense_mlp(args: ModelArgs, layer_index: int) -> nn.Module:
+    """The dense gated MLP, fused or not as the checkpoint stores it."""
+    return FusedMLP(args) if args.fused_gate_up else MLP(args)
+
+
+MLP_TYPES: dict[str, Callable[[ModelArgs, int], nn.Module]] = {"dense": dense_mlp}
+
+
+def make_mlp(args: ModelArgs, layer_index: int) -> nn.Module:
+    """The feed-forward block of layer ``layer_index``."""
+    return MLP_TYPES[args.mlp_type](args, layer_index)

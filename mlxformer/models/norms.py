@@ -1,0 +1,28 @@
+"""RMSNorm with Gemma's ``(1 + weight)`` offset, and where each layout puts a layer's norms."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+# Per layout, the norm (HF name) applied to: the attention input, the attention output, the
+# MLP input, the MLP output (None: no norm there).
+NORM_LAYOUTS: dict[str, tuple[str | None, str | None, str | None, str | None]] = {
+    "pre": ("input_layernorm", None, "post_attention_layernorm", None),  # Llama
+    "sandwich": ("input_layernorm", "post_attention_layernorm",  # Gemma 2/3
+                 "pre_feedforward_layernorm", "post_feedforward_layernorm"),
+    "post": (None, "post_attention_layernorm", None, "post_feedforward_layernorm"),  # OLMo 2
+}
+
+
+class RMSNorm(nn.RMSNorm):
+    """``nn.RMSNorm`` scaling by ``offset + weight`` (Gemma stores the weight minus one)."""
+
+    def __init__(self, dims: int, eps: float = 1e-5, offset: float = 0.0):
+        super().__init__(dims, eps=eps)
+        self.offset = offset
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if not self.offset:
+            return super().__call__(x)
+        return mx.fast.rms_norm(x, self.offset + self.weight, self.eps)

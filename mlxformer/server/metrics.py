@@ -1,0 +1,44 @@
+"""``GET /metrics``: the engine's Prometheus registry (``engine.metrics.registry``) in the text
+exposition format, with the server's HTTP responses counted by route and status."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from fastapi import FastAPI, Response
+from fastapi.params import Depends
+from prometheus_client import CONTENT_TYPE_LATEST, Counter, generate_latest
+
+from mlxformer.engine import Engine
+
+
+class CountResponses:
+    """Pure ASGI middleware (streams pass through untouched): one count per response status."""
+
+    def __init__(self, app: Any, counter: Counter) -> None:
+        self.app, self.counter = app, counter
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def sending(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                matched = scope.get("route") is not None  # unmatched paths share one label
+                self.counter.labels(scope["path"] if matched else "unmatched", str(message["status"])).inc()
+            await send(message)
+
+        await self.app(scope, receive, sending)
+
+
+def install_metrics(app: FastAPI, engine: Engine, dependencies: Sequence[Depends] = ()) -> None:
+    """Count every response into the engine's registry and serve the registry at ``/metrics``
+    (behind ``dependencies``: the API key when there is one)."""
+    registry = engine.metrics.registry
+    counter = engine.metrics.counter("mlxformer_http_requests", "HTTP responses by route and status", ("route", "status"))
+    app.add_middleware(CountResponses, counter=counter)
+
+    @app.get("/metrics", include_in_schema=False, dependencies=list(dependencies))
+    async def metrics() -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
