@@ -39,8 +39,14 @@ def streamed_ok(model: type[BaseModel], chunk: type[BaseModel]) -> dict[int | st
     """The 200 of a route that answers ``model`` as JSON, or (``stream: true``) SSE events each
     carrying a ``chunk`` JSON object (``data: {...}``), ending with ``data: [DONE]``."""
     description = f"a {model.__name__}, or with stream: true server-sent events of {chunk.__name__} objects"
-    return {200: {"model": model, "description": description,
-                  "content": {SSE_MEDIA_TYPE: {"schema": {"type": "string"}}}}}
+    event = {  # OpenAPI < 3.2: the schema of an event stream describes one event
+        "type": "object", "required": ["data"],
+        "properties": {
+            "data": {"type": "string", "description": f"a {chunk.__name__} (or an error) as JSON; the last: [DONE]"},
+            "event": {"type": "string"}, "id": {"type": "string"}, "retry": {"type": "integer"},
+        },
+    }
+    return {200: {"model": model, "description": description, "content": {SSE_MEDIA_TYPE: {"schema": event}}}}
 
 
 def install_openapi(app: FastAPI) -> None:
