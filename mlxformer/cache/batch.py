@@ -19,7 +19,7 @@ from typing import Sequence
 import mlx.core as mx
 import numpy as np
 
-from mlxformer.cache.codec import FLOAT_CODEC, KVCodec, Pack, pack_nbytes
+from mlxformer.cache.codec import CENTER_BLOCK, FLOAT_CODEC, KVCodec, Pack, pack_nbytes
 from mlxformer.cache.kv import KVCache
 from mlxformer.cache.protocol import Cache
 from mlxformer.cache.rotating import RotatingKVCache
@@ -81,6 +81,8 @@ class BatchLayout:
         self.slots: mx.array | None = None  # (B,) this step's slot of each row
         self.offsets: mx.array | None = None  # (B,) this step's position of each row
         self.mask: mx.array | None = None  # (B, 1, 1, C) the slots each row's query sees
+        self.key_blocks: mx.array | None = None  # (B, C) each slot's key-center block
+        self.query_blocks: mx.array | None = None  # (B, 1) the key-center block of this step's token
 
     def slot_of(self, row: Row) -> int:
         """Where ``row`` writes its next token."""
@@ -110,6 +112,8 @@ class BatchLayout:
         self.slots = mx.array(slots, dtype=mx.int32)
         self.offsets = mx.array(query[:, 0].tolist(), dtype=mx.int32)
         self.mask = mx.array(visible[:, None, None, :])  # (B, 1, 1, C)
+        self.key_blocks = mx.array(np.maximum(positions, 0) // CENTER_BLOCK, dtype=mx.int32)
+        self.query_blocks = mx.array(query // CENTER_BLOCK, dtype=mx.int32)
 
     def commit(self) -> None:
         """Record this step's token in every row (call after the forward is built)."""
@@ -158,7 +162,10 @@ class BatchLayerCache:
         width, slots = self.layout.width, self.layout.slots
         assert slots is not None
         self.keys, self.values = _pad(self.keys, width), _pad(self.values, width)
-        new_keys, new_values = self.codec.encode_keys(keys), self.codec.encode(values)
+        if self.codec.key_center is not None:  # a row entering a new block keeps its last center
+            self.codec = self.codec.covering(max(r.offset for r in self.layout.rows) // CENTER_BLOCK + 1)
+        assert self.layout.query_blocks is not None
+        new_keys, new_values = self.codec.encode_keys(keys, self.layout.query_blocks), self.codec.encode(values)
         self.keys = tuple(_write(b, slots, n) for b, n in zip(self.keys, new_keys))
         self.values = tuple(_write(b, slots, n) for b, n in zip(self.values, new_values))
         return self.keys, self.values
@@ -168,7 +175,7 @@ class BatchLayerCache:
     ) -> mx.array:
         if (self.codec.bits is not None or softcap is not None) and isinstance(mask, mx.array):
             mask = mask[:, None]  # (B, 1, 1, 1, C) against the (B, n_kv, n_rep, 1, C) scores
-        return self.codec.attention(queries, keys, values, scale, mask, softcap)
+        return self.codec.attention(queries, keys, values, scale, mask, softcap, self.layout.key_blocks)
 
     @property
     def state(self) -> tuple[mx.array, ...]:
@@ -231,6 +238,8 @@ class DecodeBatch:
                 keys.insert(0, _pad(old.keys, width))
                 values.insert(0, _pad(old.values, width))
                 centers[:0] = list(old.codec.state)
+            n_blocks = max((c.shape[2] for c in centers), default=0)  # rows' centers, padded alike
+            centers = [KVCodec(self.kind.bits, self.kind.group_size, c).covering(n_blocks).key_center for c in centers]
             codec = FLOAT_CODEC if self.kind.bits is None else KVCodec(
                 self.kind.bits, self.kind.group_size, mx.concatenate(centers, axis=0) if centers else None)
             merged.append(BatchLayerCache(self.layout, codec, _cat_rows(keys), _cat_rows(values)))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -105,25 +106,61 @@ def unrotate(x: mx.array) -> mx.array:
 # --- the codec: float or quantized storage, and attention over it -------------------------
 
 
+CENTER_BLOCK = 128  # tokens per key center: keys at positions b*128 .. b*128+127 share center b
+CENTER_MIN = 16  # a block's center is the mean of its first keys when at least this many come at once
+
+
+def center_blocks(positions: Sequence[int]) -> list[int]:
+    """The key-center block of each absolute position."""
+    return [p // CENTER_BLOCK for p in positions]
+
+
 @dataclass(frozen=True)
 class KVCodec:
     """How one cache stores keys/values: ``bits=None`` is float, else ``mx.quantize``d.
 
-    Quantized keys are stored centered, ``(k - key_center) @ R``: softmax is unchanged by a
-    shift common to all keys (``q . (k - c) = q . k - q . c``, the same for every key of a
-    query), and removing each channel's offset keeps it from widening every group's range.
-    ``key_center`` is fixed once (the mean of the first keys quantized) and saved with the cache.
+    Quantized keys are stored centered, ``(k - c_b) @ R``, with one center ``c_b`` per block of
+    ``CENTER_BLOCK`` positions: the mean of the block's keys when a chunk brings at least
+    ``CENTER_MIN`` of them, else the previous block's center. Removing each channel's offset
+    keeps it from widening every group's range; after RoPE a channel's offset turns with the
+    position (slowly, for the long-wavelength channels that carry most of it), so one center
+    fixed from the first chunk grows stale along the context. Attention adds ``q . c_b`` back
+    to each key's score (``q . k = q . (k - c_b) + q . c_b``). The centers are saved with the cache.
     """
 
     bits: int | None = None
     group_size: int = 64
-    key_center: mx.array | None = None  # (B, n_kv, 1, D)
+    key_center: mx.array | None = None  # (B, n_kv, n_blocks, D): block b's center
 
-    def with_key_center(self, keys: mx.array) -> "KVCodec":
-        """This codec centered on the mean of ``keys`` (B, n_kv, S, D); unchanged if already set."""
-        if self.bits is None or self.key_center is not None:
+    def with_key_center(self, keys: mx.array, positions: Sequence[int]) -> "KVCodec":
+        """This codec with centers for every block that ``keys`` (B, n_kv, L, D), at absolute
+        ``positions`` (L,), reach; existing centers never change (stored keys depend on them)."""
+        if self.bits is None:
             return self
-        return KVCodec(self.bits, self.group_size, mx.mean(keys, axis=2, keepdims=True))
+        have = 0 if self.key_center is None else self.key_center.shape[2]
+        blocks = center_blocks(positions)
+        if max(blocks) < have:
+            return self
+        centers = [] if self.key_center is None else [self.key_center]
+        previous = None if self.key_center is None else self.key_center[:, :, -1:]
+        for block in range(have, max(blocks) + 1):
+            mine = [j for j, b in enumerate(blocks) if b == block]
+            if mine and (len(mine) >= CENTER_MIN or previous is None):
+                picked = keys[:, :, mine[0] : mine[-1] + 1] if mine == list(range(mine[0], mine[-1] + 1)) else (
+                    mx.take(keys, mx.array(mine), axis=2))
+                previous = mx.mean(picked, axis=2, keepdims=True)  # (B, n_kv, 1, D)
+            elif previous is None:  # a block before any key (deferred quantization): the first keys' mean
+                previous = mx.mean(keys, axis=2, keepdims=True)
+            centers.append(previous)
+        return KVCodec(self.bits, self.group_size, mx.concatenate(centers, axis=2))
+
+    def covering(self, n_blocks: int) -> "KVCodec":
+        """This codec with at least ``n_blocks`` centers, new ones repeating the last (a batch of
+        single-token decode steps)."""
+        if self.key_center is None or self.key_center.shape[2] >= n_blocks:
+            return self
+        extra = mx.repeat(self.key_center[:, :, -1:], n_blocks - self.key_center.shape[2], axis=2)
+        return KVCodec(self.bits, self.group_size, mx.concatenate([self.key_center, extra], axis=2))
 
     def encode(self, x: mx.array) -> Pack:
         """``(B, n_kv, L, D)`` values to a pack."""
@@ -133,11 +170,23 @@ class KVCodec:
             raise MlxformerError(f"head_dim {x.shape[-1]} is not a multiple of the kv group size {self.group_size}")
         return tuple(mx.quantize(rotate(x), group_size=self.group_size, bits=self.bits))
 
-    def encode_keys(self, keys: mx.array) -> Pack:
-        """``(B, n_kv, L, D)`` keys to a pack, centered when quantized (call ``with_key_center`` first)."""
+    def encode_keys(self, keys: mx.array, blocks: Sequence[int] | mx.array) -> Pack:
+        """``(B, n_kv, L, D)`` keys to a pack, centered when quantized (``with_key_center``
+        first); ``blocks``: each key's center block, ``(L,)`` or per row ``(B, L)``."""
         if self.bits is None or self.key_center is None:
             return self.encode(keys)
-        return self.encode(keys - self.key_center.astype(keys.dtype))
+        return self.encode(keys - self._centers_of(blocks).astype(keys.dtype))
+
+    def _centers_of(self, blocks: Sequence[int] | mx.array) -> mx.array:
+        """The center of each key: ``(B, n_kv, L, D)`` (or ``(B, n_kv, 1, D)`` when all share one)."""
+        assert self.key_center is not None
+        if not isinstance(blocks, mx.array):
+            if len(set(blocks)) == 1:
+                return self.key_center[:, :, blocks[0] : blocks[0] + 1]
+            return mx.take(self.key_center, mx.array(list(blocks)), axis=2)
+        B, n_kv, _, D = self.key_center.shape
+        index = mx.broadcast_to(blocks[:, None, :, None], (B, n_kv, blocks.shape[-1], D))  # per row
+        return mx.take_along_axis(self.key_center, index, axis=2)
 
     def decode(self, pack: Pack) -> mx.array:
         """A pack back to a float ``(B, n_kv, S, D)`` array (keys come back centered)."""
@@ -147,20 +196,39 @@ class KVCodec:
 
     @property
     def state(self) -> tuple[mx.array, ...]:
-        """Arrays to save beside the packs (the key center, once set)."""
+        """Arrays to save beside the packs (the key centers, once set)."""
         return () if self.key_center is None else (self.key_center,)
 
     def attention(
-        self, queries: mx.array, keys: Pack, values: Pack, scale: float, mask: Mask, softcap: float | None = None
+        self, queries: mx.array, keys: Pack, values: Pack, scale: float, mask: Mask, softcap: float | None = None,
+        key_blocks: mx.array | None = None,
     ) -> mx.array:
         """Attend ``(B, n_heads, L, D)`` queries over packed keys/values (scores soft-capped at
-        ``softcap`` when set)."""
+        ``softcap`` when set); ``key_blocks``: the center block of each key, ``(S,)`` or per row
+        ``(B, S)`` (default: key ``s`` is at position ``s``)."""
         if self.bits is None:
             if softcap is not None:
                 return softcapped_attention(queries, keys[0], values[0], scale, mask, softcap)
             return mx.fast.scaled_dot_product_attention(queries, keys[0], values[0], scale=scale, mask=mask)
-        return quantized_attention(queries, keys, values, scale, mask, self.bits, self.group_size, softcap,
-                                   self.key_center)
+        bias = None
+        if self.key_center is not None:
+            if key_blocks is None:
+                key_blocks = mx.arange(keys[0].shape[2]) // CENTER_BLOCK
+            bias = _center_scores(queries, self.key_center, key_blocks, scale)
+        return quantized_attention(queries, keys, values, scale, mask, self.bits, self.group_size, softcap, bias)
+
+
+def _center_scores(queries: mx.array, centers: mx.array, key_blocks: mx.array, scale: float) -> mx.array:
+    """``scale * q . c_b`` for every query and key: ``(B, n_kv, n_rep, L, S)``."""
+    B, n_heads, L, D = queries.shape
+    n_kv = centers.shape[1]
+    # (B, n_heads, L, D) -> (B, n_kv, n_rep, L, D); centers (B, n_kv, NB, D) -> (B, n_kv, 1, D, NB)
+    q = queries.reshape(B, n_kv, n_heads // n_kv, L, D).astype(mx.float32)
+    per_block = (q * scale) @ mx.expand_dims(centers.astype(mx.float32).swapaxes(-1, -2), 2)  # (B, n_kv, n_rep, L, NB)
+    if key_blocks.ndim == 1:
+        return mx.take(per_block, key_blocks, axis=-1)  # (B, n_kv, n_rep, L, S)
+    index = mx.broadcast_to(key_blocks[:, None, None, None, :], (*per_block.shape[:-1], key_blocks.shape[-1]))
+    return mx.take_along_axis(per_block, index, axis=-1)
 
 
 FLOAT_CODEC = KVCodec()
@@ -168,21 +236,16 @@ FLOAT_CODEC = KVCodec()
 
 def quantized_attention(
     queries: mx.array, keys: Pack, values: Pack, scale: float, mask: Mask, bits: int, group_size: int,
-    softcap: float | None = None, key_center: mx.array | None = None,
+    softcap: float | None = None, bias: mx.array | None = None,
 ) -> mx.array:
     """Softmax attention computed directly on quantized keys/values, GQA heads unrepeated.
 
-    With ``softcap`` the scores are soft-capped first; soft-capping is not shift-invariant, so
-    the part of each score the centered keys (``key_center``, (B, n_kv, 1, D)) left out is
-    added back before it."""
+    ``bias`` ``(B, n_kv, n_rep, L, S)`` is added to the scores first: the part the centered keys
+    left out (``q . c_b``), so the scores are those of the keys themselves, which soft-capping
+    (``softcap``; not shift-invariant) needs."""
     B, n_heads, L, D = queries.shape
     n_kv = keys[0].shape[1]
     n_rep = n_heads // n_kv
-    shift = None
-    if softcap is not None and key_center is not None:
-        # (B, n_kv, n_rep, L, D) @ (B, n_kv, 1, D, 1) -> (B, n_kv, n_rep, L, 1): q . center
-        grouped = queries.reshape(B, n_kv, n_rep, L, D).astype(mx.float32)
-        shift = (grouped @ mx.expand_dims(key_center.astype(mx.float32), 2).swapaxes(-1, -2)) * scale
     # The packs hold rotated keys/values (see ``rotate``): rotate the queries too, with the
     # attention scale folded into the transform's normalization.
     # (B, n_heads, L, D) -> (B, n_kv, n_rep, L, D): each K/V head serves n_rep query heads.
@@ -192,8 +255,10 @@ def quantized_attention(
     values = tuple(mx.expand_dims(x, 2) for x in values)
     scores = mx.quantized_matmul(queries, *keys, transpose=True, group_size=group_size, bits=bits)  # (B, n_kv, n_rep, L, S)
     scores = scores.astype(mx.float32)
+    if bias is not None:
+        scores = scores + bias
     if softcap is not None:
-        scores = softcap_scores(scores if shift is None else scores + shift, softcap)
+        scores = softcap_scores(scores, softcap)
     scores = mask_scores(scores, mask)
     probs = mx.softmax(scores, axis=-1).astype(queries.dtype)
     out = mx.quantized_matmul(probs, *values, transpose=False, group_size=group_size, bits=bits)  # (B, n_kv, n_rep, L, D)

@@ -14,7 +14,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from mlxformer.cache.codec import KV_BITS, KV_GROUP_SIZES
+from mlxformer.cache.codec import CENTER_BLOCK, KV_BITS, KV_GROUP_SIZES
 from mlxformer.errors import MlxformerError
 
 # class name -> the meta_state keys it reads (all integers but "bits", which may be "")
@@ -67,9 +67,11 @@ def check_layer(
         fields.fail(f"{len(arrays)} arrays where a {name} of these settings holds {expected}")
     # tokens stored: every cached token, or one per ring slot (the positions array's length)
     stored = arrays[-1].shape[0] if rotating and arrays[-1].ndim == 1 else n_tokens
+    blocks = (n_tokens - 1) // CENTER_BLOCK + 1  # key centers needed (one per block up to the last token)
     for j, (array, (shape, kind)) in enumerate(zip(arrays, _layouts(fields, args, stored, quantized, rotating))):
-        if tuple(array.shape) != shape:
-            fields.fail(f"array {j} has shape {tuple(array.shape)}, expected {shape} for this model")
+        if not _fits(tuple(array.shape), shape, blocks):
+            expected = tuple(f">={blocks}" if n is None else n for n in shape)
+            fields.fail(f"array {j} has shape {tuple(array.shape)}, expected {expected} for this model")
         if not _is(array.dtype, kind):
             fields.fail(f"array {j} has dtype {array.dtype}, expected {kind}")
     if rotating:
@@ -89,12 +91,17 @@ def _layouts(fields: _Layer, args: Any, stored: int, quantized: bool, rotating: 
             fields.fail(f"group_size={group} does not divide head_dim {dim}")
         pack = [(prefix + (dim * bits // 32,), "uint32"), (prefix + (dim // group,), "float"),
                 (prefix + (dim // group,), "float")]
-        layout = pack + pack + [((1, n_kv, 1, dim), "float")]  # keys, values, key center
+        layout: list[tuple[tuple[int | None, ...], str]] = pack + pack + [((1, n_kv, None, dim), "float")]
     else:
         layout = [(prefix + (dim,), "float"), (prefix + (dim,), "float")]
     if rotating:
         layout.append(((stored,), "int32"))  # the absolute position of each slot
     return layout
+
+
+def _fits(shape: tuple[int, ...], expected: tuple[int | None, ...], blocks: int) -> bool:
+    """``shape`` is ``expected``, where None stands for at least ``blocks``."""
+    return len(shape) == len(expected) and all(n >= blocks if e is None else n == e for n, e in zip(shape, expected))
 
 
 def _is(dtype: mx.Dtype, kind: str) -> bool:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import mlx.core as mx
 
 from mlxformer.cache.codec import (
-    FLOAT_CODEC, KVCodec, Pack, check_kv_quantization, pack_concat, pack_nbytes, pack_slice, pack_write,
-    pack_zeros_like,
+    FLOAT_CODEC, KVCodec, Pack, center_blocks, check_kv_quantization, pack_concat, pack_nbytes, pack_slice,
+    pack_write, pack_zeros_like,
 )
 from mlxformer.models.mask import Mask, causal_mask_for
 
@@ -44,15 +44,17 @@ class KVCache:
         if self.keys is not None and self.values is not None:
             keys = float_codec.decode(pack_slice(self.keys, 0, self.offset))
             values = float_codec.decode(pack_slice(self.values, 0, self.offset))
-            self.codec = self.codec.with_key_center(keys)
-            self.keys, self.values = self.codec.encode_keys(keys), self.codec.encode(values)
+            positions = range(self.offset)
+            self.codec = self.codec.with_key_center(keys, positions)
+            self.keys, self.values = self.codec.encode_keys(keys, center_blocks(positions)), self.codec.encode(values)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Pack, Pack]:
         if self.bits is not None and not self.quantized and self.offset >= self.start:
             self._quantize_storage()
-        self.codec = self.codec.with_key_center(keys)
-        new_keys, new_values = self.codec.encode_keys(keys), self.codec.encode(values)
         start, length = self.offset, keys.shape[2]
+        positions = range(start, start + length)
+        self.codec = self.codec.with_key_center(keys, positions)
+        new_keys, new_values = self.codec.encode_keys(keys, center_blocks(positions)), self.codec.encode(values)
         if self.keys is None or self.values is None or start + length > self.keys[0].shape[2]:
             n_new = ((length + self.step - 1) // self.step) * self.step
             grown_keys, grown_values = pack_zeros_like(new_keys, n_new), pack_zeros_like(new_values, n_new)

@@ -11,8 +11,8 @@ import mlx.core as mx
 
 from mlxformer.models.mask import Mask, causal_mask_for
 from mlxformer.cache.codec import (
-    FLOAT_CODEC, KVCodec, Pack, check_kv_quantization, pack_concat, pack_nbytes, pack_slice, pack_write,
-    pack_zeros_like,
+    CENTER_BLOCK, FLOAT_CODEC, KVCodec, Pack, center_blocks, check_kv_quantization, pack_concat, pack_nbytes,
+    pack_slice, pack_write, pack_zeros_like,
 )
 from mlxformer.errors import MlxformerError
 
@@ -51,6 +51,7 @@ class RotatingKVCache:
         self.keys: Pack | None = None  # (B, n_kv, capacity, ...) slots
         self.values: Pack | None = None
         self.positions: list[int] = []  # absolute token position held by each used slot
+        self._fetched: list[int] = []  # the position of each key the last update_and_fetch returned
         self.idx = 0  # next slot to write once the ring is full
         self.offset = 0
 
@@ -78,8 +79,8 @@ class RotatingKVCache:
         self.codec, float_codec = KVCodec(self.bits, self.group_size), self.codec
         if self.keys is not None and self.values is not None:
             keys = float_codec.decode(pack_slice(self.keys, 0, self.size))
-            self.codec = self.codec.with_key_center(keys)
-            self.keys = self.codec.encode_keys(keys)
+            self.codec = self.codec.with_key_center(keys, self.positions)
+            self.keys = self.codec.encode_keys(keys, center_blocks(self.positions))
             self.values = self.codec.encode(float_codec.decode(pack_slice(self.values, 0, self.size)))
 
     def _append_one(self, keys: Pack, values: Pack) -> None:
@@ -104,9 +105,10 @@ class RotatingKVCache:
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Pack, Pack]:
         if self.bits is not None and self.codec.bits is None and self.offset >= self.start:
             self._quantize_storage()
-        self.codec = self.codec.with_key_center(keys)
-        new_keys, new_values = self.codec.encode_keys(keys), self.codec.encode(values)
         length = keys.shape[2]
+        new_positions = range(self.offset, self.offset + length)
+        self.codec = self.codec.with_key_center(keys, new_positions)
+        new_keys, new_values = self.codec.encode_keys(keys, center_blocks(new_positions)), self.codec.encode(values)
         if self.keys is None or self.values is None:
             self.keys, self.values = pack_zeros_like(new_keys, 0), pack_zeros_like(new_values, 0)
         if length == 1:
@@ -115,6 +117,7 @@ class RotatingKVCache:
             else:
                 self._write_ring(new_keys, new_values)
             self.offset += 1
+            self._fetched = self.positions
             return pack_slice(self.keys, 0, self.size), pack_slice(self.values, 0, self.size)
         old_keys, old_values, positions = self._time_order()
         all_keys, all_values = pack_concat([old_keys, new_keys]), pack_concat([old_values, new_values])
@@ -129,6 +132,7 @@ class RotatingKVCache:
             self.values = pack_concat([pack_slice(all_values, 0, keep), pack_slice(all_values, tail, total)])
             self.positions = positions[:keep] + positions[tail:]
         self.idx = self.size if self.size < self.capacity else keep
+        self._fetched = positions
         return all_keys, all_values
 
     # --- attention -----------------------------------------------------------------------
@@ -136,7 +140,10 @@ class RotatingKVCache:
     def attention(
         self, queries: mx.array, keys: Pack, values: Pack, scale: float, mask: Mask, softcap: float | None = None
     ) -> mx.array:
-        return self.codec.attention(queries, keys, values, scale, mask, softcap)
+        blocks = None  # the key centers' block of each fetched key (slots are not positions here)
+        if self.codec.key_center is not None:
+            blocks = mx.array(self._fetched, dtype=mx.int32) // CENTER_BLOCK
+        return self.codec.attention(queries, keys, values, scale, mask, softcap, blocks)
 
     def make_mask(self, query_len: int, window: int | None) -> Mask:
         if self.offset + query_len <= self.max_size:  # nothing evicted: same as the plain cache
