@@ -4,6 +4,9 @@
   offline GGUF by transformers (the reference implementation) and saved as safetensors.
 - smollm2-8bit, smollm2-4bit: mlx-lm's own conversions of smollm2-bf16 (its default settings).
 - llama-1b-bf16: a random checkpoint of the Llama-3.2-1B shape (1.24B parameters, bf16).
+- qwen3moe-f32, qwen3moe-4bit: a random Qwen3-MoE-shaped checkpoint (Qwen3-30B-A3B's 128
+  experts and top-8 routing, smaller widths: 4 layers, hidden 512, experts of 128), written by
+  transformers, and mlx-lm's 4-bit conversion of it.
 
 Usage: python benchmarks/prepare_models.py [--out .bench/models] [--skip-1b]
 """
@@ -92,6 +95,32 @@ def write_llama_1b(out: Path) -> None:
             shutil.copy(source, target / name)
 
 
+def write_qwen3_moe(out: Path) -> None:
+    import torch
+    from mlx_lm.convert import convert
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    target = out / "qwen3moe-f32"
+    if not target.exists():
+        config = Qwen3MoeConfig(
+            vocab_size=49152, hidden_size=512, intermediate_size=1024, moe_intermediate_size=128,
+            num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
+            num_experts=128, num_local_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+            max_position_embeddings=4096, tie_word_embeddings=True,
+        )
+        torch.manual_seed(0)
+        Qwen3MoeForCausalLM(config).to(torch.float32).save_pretrained(target)
+        saved = json.loads((target / "config.json").read_text())
+        # the keys real Qwen3-MoE configs carry and mlx-lm's model class requires
+        saved.update(num_experts=128, rope_theta=(saved.get("rope_parameters") or {}).get("rope_theta", 1e6))
+        (target / "config.json").write_text(json.dumps(saved, indent=2))
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            if (out / "smollm2-bf16" / name).exists():
+                shutil.copy(out / "smollm2-bf16" / name, target / name)
+    if not (out / "qwen3moe-4bit").exists():
+        convert(hf_path=str(target), mlx_path=str(out / "qwen3moe-4bit"), quantize=True, q_bits=4)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path(".bench/models"))
@@ -102,6 +131,7 @@ def main() -> None:
     write_mlx_lm_quantized(args.out)
     if not args.skip_1b:
         write_llama_1b(args.out)
+    write_qwen3_moe(args.out)
     print(f"models in {args.out}: {', '.join(sorted(p.name for p in args.out.iterdir()))}")
 
 

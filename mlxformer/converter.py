@@ -9,6 +9,7 @@ sibling dir that replaces the destination only when complete.
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,7 @@ from mlxformer.formats.mlx_writer import MAX_SHARD_BYTES, check_destination, pla
 from mlxformer.formats.tensors import Tensors
 from mlxformer.loader import checked_model, load_tokenizer, quantization_of
 from mlxformer.models.config import FLOAT_DTYPES
+from mlxformer.models.moe import QuantizedSwitchLinear, SwitchLinear
 from mlxformer.quant.calibration import CALIBRATION_TEXT, activation_importance
 from mlxformer.quant.quantize import (
     DEFAULT_RECIPE, QuantSpec, Recipe, bits_per_weight, check_spec, dequantize_matrix, get_recipe, layer_spec,
@@ -122,7 +124,7 @@ class _Job:
         if self.source_quant and settings.quantize and not settings.dequantize and not source.is_gguf:
             raise MlxformerError("the source is already quantized; add --dequantize to requantize from its float values")
         self.modules = {path: m for path, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Embedding,
-                        nn.QuantizedLinear, nn.QuantizedEmbedding))}
+                        nn.QuantizedLinear, nn.QuantizedEmbedding, SwitchLinear, QuantizedSwitchLinear))}
         # quantized outputs default to float16 scales/floats (more precise than bfloat16 for scales)
         self.float_dtype = settings.dtype or (mx.float16 if settings.quantize else None)
         self.specs = self._plan() if settings.quantize else {}
@@ -131,14 +133,16 @@ class _Job:
             self.importance = self._calibrate()
 
     def _is_source_quantized(self, path: str) -> bool:
-        return isinstance(self.modules[path], (nn.QuantizedLinear, nn.QuantizedEmbedding))
+        return isinstance(self.modules[path], (nn.QuantizedLinear, nn.QuantizedEmbedding, QuantizedSwitchLinear))
 
     def _matrix_shape(self, path: str) -> tuple[int, int]:
+        """``(rows, columns)`` of a matrix; stacked experts ``(experts, out, in)`` count
+        ``experts * out`` rows (each expert's rows are quantized like a matrix's)."""
         module = self.modules[path]
+        *lead, cols = module.weight.shape
         if self._is_source_quantized(path):
-            rows, packed_cols = module.weight.shape
-            return rows, packed_cols * 32 // module.bits
-        return tuple(module.weight.shape)  # type: ignore[return-value]
+            cols = cols * 32 // module.bits
+        return math.prod(lead), cols
 
     def _plan(self) -> dict[str, QuantSpec | None]:
         assert self.settings.base is not None and self.settings.recipe is not None
@@ -152,7 +156,10 @@ class _Job:
         module = self.modules[path]
         spec = QuantSpec(module.bits, module.group_size)
         w = self.weights
-        return dequantize_matrix(w[f"{path}.weight"], w[f"{path}.scales"], w[f"{path}.biases"], spec)
+        packed, scales, biases = (w[f"{path}.{k}"] for k in ("weight", "scales", "biases"))
+        lead = packed.shape[:-1]  # (out,) or (experts, out)
+        matrix = dequantize_matrix(*(a.reshape(-1, a.shape[-1]) for a in (packed, scales, biases)), spec)
+        return matrix.reshape(*lead, -1)
 
     def _float32_params(self, prefix: str) -> dict[str, mx.array]:
         """The parameters of the module at ``prefix`` in float32, named relative to it, with
@@ -230,9 +237,11 @@ class _Job:
         spec = self._output_spec(path)
         if self.settings.quantize and spec is not None:
             scale_dtype = self.float_dtype or mx.float16
-            packed = quantize_matrix(self._float_matrix(path), spec, self.importance.get(path), dtype=scale_dtype,
-                                     search=self.settings.recipe.search if self.settings.recipe else True)
-            return dict(zip(keys, packed))
+            matrix = self._float_matrix(path)
+            lead = matrix.shape[:-1]  # (out,) or (experts, out): experts' rows quantized as one matrix's
+            packed = quantize_matrix(matrix.reshape(-1, matrix.shape[-1]), spec, self.importance.get(path),
+                                     dtype=scale_dtype, search=self.settings.recipe.search if self.settings.recipe else True)
+            return {key: array.reshape(*lead, -1) for key, array in zip(keys, packed)}
         if spec is not None:  # packed source kept exactly as it is
             return {keys[0]: w[keys[0]], keys[1]: self._cast(w[keys[1]]), keys[2]: self._cast(w[keys[2]])}
         if self._is_source_quantized(path):

@@ -18,6 +18,7 @@ from mlxformer.formats.checkpoint import Checkpoint, open_checkpoint
 from mlxformer.formats.tensors import Tensors
 from mlxformer.models.config import ModelArgs
 from mlxformer.models.decoder import Model
+from mlxformer.models.moe import expert_groups, stack_expert_arrays
 from mlxformer.models.dtype_policy import apply_dtype_policy, cast_except_quantized_linears, is_quantized
 from mlxformer.models.row_sharding import apply_thread_policy
 from mlxformer.tokenizer import Tokenizer, load_tokenizer_from_dir, load_tokenizer_from_gguf
@@ -87,6 +88,8 @@ def _more(names: list[str]) -> str:
 def used_tensors(args: ModelArgs, tensors: Tensors) -> Tensors:
     """The tensors the decoder uses (``Model.sanitize``: no rotary tables, no tied output
     projection), still lazy. Sanitizing must only drop keys here: it sees header entries."""
+    if args.num_experts:  # HF's per-expert matrices -> stacked (experts, out, in), still lazy
+        tensors = tensors.stacked(expert_groups(tensors.entries, args.num_experts))
     kept = Model(args, num_layers=0, with_ends=False).sanitize(dict(tensors.entries))
     if any(kept[name] is not tensors.entries.get(name) for name in kept):
         raise MlxformerError("Model.sanitize changed a tensor; streamed reading needs it to only drop keys")
@@ -106,7 +109,10 @@ def checked_model(
         weights = used_tensors(model.args, weights)
         described: Mapping[str, Shaped] = weights.entries
     else:
-        weights = described = model.sanitize(dict(weights))
+        weights = dict(weights)
+        if model.args.num_experts:
+            weights = stack_expert_arrays(weights, model.args.num_experts)
+        weights = described = model.sanitize(weights)
     quantization = quantization_of(config)
     if quantization:
         quantize_like_checkpoint(model, quantization, described)

@@ -18,6 +18,7 @@ from mlxformer.formats.checkpoint import Checkpoint, open_checkpoint
 from mlxformer.loader import checked_model
 from mlxformer.models.config import ModelArgs
 from mlxformer.models.dtype_policy import DtypePlan, cast_floating, decide_dtype, floating_dtypes, is_quantized
+from mlxformer.models.moe import QuantizedSwitchLinear
 
 # Weight quantizations reported (bits; MLX affine, groups of 64 with 16-bit scales and biases).
 WEIGHT_BITS = (8, 6, 4)
@@ -54,6 +55,16 @@ class Footprint:
         return sum(math.prod(t.shape) for t in self.tensors)
 
     @property
+    def active_parameters(self) -> int:
+        """Weights one token computes with: a mixture-of-experts model's routed experts count
+        ``num_experts_per_tok / num_experts`` of theirs (equal to ``parameters`` for dense models)."""
+        a = self.args
+        routed = sum(math.prod(t.shape) for t in self.tensors if ".switch_mlp." in t.name)
+        if not routed:
+            return self.parameters
+        return self.parameters - routed + routed * a.num_experts_per_tok // a.num_experts
+
+    @property
     def estimate(self) -> int:
         """The LLaMA formula ``12·L·d²`` plus the embedding (and an untied output projection)."""
         a = self.args
@@ -77,7 +88,7 @@ class Footprint:
         total = 0
         for t in self.tensors:
             size = math.prod(t.shape)
-            if len(t.shape) == 2 and t.shape[-1] % WEIGHT_GROUP_SIZE == 0:
+            if len(t.shape) >= 2 and t.shape[-1] % WEIGHT_GROUP_SIZE == 0:  # matrices, stacked experts too
                 total += size * bits // 8 + size // WEIGHT_GROUP_SIZE * 4  # + 16-bit scale and bias per group
             else:
                 total += size * 2  # norms stay 16-bit
@@ -121,9 +132,9 @@ def footprint(path_or_repo: str | Path | Checkpoint, device: mx.DeviceType | Non
         names = [f"{path}.{k}" for k, v in module.items() if isinstance(v, mx.array)]
         if not names:
             continue
-        if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
-            rows, packed = module.weight.shape
-            units = [(f"{path}.weight", (rows, packed * 32 // module.bits), names)]
+        if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding, QuantizedSwitchLinear)):
+            *lead, packed = module.weight.shape  # (out, packed) or (experts, out, packed)
+            units = [(f"{path}.weight", (*lead, packed * 32 // module.bits), names)]
         else:
             units = [(name, tuple(stored[name].shape), [name]) for name in names]
         for name, shape, parts in units:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -116,3 +117,29 @@ def serve_subprocess(command: list[str]) -> Iterator[str]:
             process.kill()
             process.wait()
     assert process.returncode == 0
+
+
+# Debian's package (scripts/install_test_deps.sh installs it); elsewhere point MLXFORMER_CHROMIUM at a Chromium.
+CHROMIUM = os.environ.get("MLXFORMER_CHROMIUM", "/usr/bin/chromium")
+CHROMIUM_FLAGS = [
+    "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+    "--disable-component-update", "--disable-sync",
+]
+
+
+@contextlib.contextmanager
+def browser_page(profile: Path) -> Iterator[Any]:
+    """A page of headless Chromium driven by Playwright (profile in ``profile``), closed at the end."""
+    import shutil
+
+    from playwright.sync_api import sync_playwright
+
+    assert shutil.which(CHROMIUM), "chromium is not installed: run scripts/install_test_deps.sh"
+    with sync_playwright() as playwright:
+        context = playwright.chromium.launch_persistent_context(
+            str(profile), executable_path=CHROMIUM, headless=True, args=CHROMIUM_FLAGS,
+        )
+        try:
+            yield context.new_page()
+        finally:
+            context.close()

@@ -14,6 +14,7 @@ from conftest import write_tiny_checkpoint
 from mlxformer import load, stream_generate
 from mlxformer.cache import CacheSettings, make_cache
 from mlxformer.engine import Engine, GenerationRequest, batch_generate
+from mlxformer.engine.prompt_cache import PromptCacheSettings
 from mlxformer.errors import MlxformerError
 from mlxformer.generation import SamplingSettings
 from mlxformer.speculative import SpeculativeSettings
@@ -173,12 +174,17 @@ def test_prefix_cache_holds_exactly_the_tokens_after_rewinds(models):
     request = GenerationRequest(ids, max_tokens=30, stop=stop)
     expected = plain_tokens(model, tokenizer, request)
     assert len(expected) == stop_at + 1
-    with Engine(model, tokenizer, prefill_chunk=CHUNK, speculative=speculative_settings("self-draft", models)) as engine:
+    # one-token blocks: the prefix cache keeps every token, the rewound tail included
+    tiers = PromptCacheSettings(block_size=1)
+    with Engine(model, tokenizer, prefill_chunk=CHUNK, speculative=speculative_settings("self-draft", models),
+                prompt_cache=tiers) as engine:
         tokens, events = collect(engine.submit(request))
         assert tokens == expected and events[-1].finish_reason == "stop"
         assert events[-1].accepted_tokens > 0
-        (key, (caches, _)), = engine.prefix_cache.entries.items()
-        assert list(key) == ids + tokens[:-1]
+        key = ids + tokens[:-1]
+        assert engine.prefix_cache.cached_blocks(engine.prefix_cache.keys_for(key + [tokens[-1]])) == len(key)
+        caches, n = engine.prefix_cache.lookup(key + [tokens[-1]])
+        assert n == len(key)
         fresh = make_cache(model)
         mx.eval(model.hidden_states(mx.array([list(key)]), fresh))
         for kept, reference in zip(caches, fresh):

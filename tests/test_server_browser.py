@@ -5,19 +5,11 @@ Paris), and its stop button ends a long reply and frees the server's slot."""
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import time
 
 import pytest
-from server_support import http, load_for_engine, running_engine, running_server
+from server_support import browser_page, http, load_for_engine, running_engine, running_server
 
-# Debian's package (scripts/install_test_deps.sh installs it); elsewhere point MLXFORMER_CHROMIUM at a Chromium.
-CHROMIUM = os.environ.get("MLXFORMER_CHROMIUM", "/usr/bin/chromium")
-CHROMIUM_FLAGS = [
-    "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-    "--disable-component-update", "--disable-sync",
-]
 REPLY_TIMEOUT_MS = 240_000
 
 
@@ -31,17 +23,8 @@ def server(smollm_gguf):
 
 @pytest.fixture
 def page(tmp_path):
-    from playwright.sync_api import sync_playwright
-
-    assert shutil.which(CHROMIUM), "chromium is not installed: run scripts/install_test_deps.sh"
-    with sync_playwright() as playwright:
-        context = playwright.chromium.launch_persistent_context(
-            str(tmp_path / "profile"), executable_path=CHROMIUM, headless=True, args=CHROMIUM_FLAGS,
-        )
-        try:
-            yield context.new_page()
-        finally:
-            context.close()
+    with browser_page(tmp_path / "profile") as page:
+        yield page
 
 
 def test_chat_page_streams_the_answer(server, page):

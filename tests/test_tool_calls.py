@@ -1,17 +1,16 @@
 """Tool calling over structured output: tools/tool_choice checks, the forced-call schema (checked
-with ``jsonschema``), reading calls back from text, the tools in the prompt. Forced calls on the
+with ``jsonschema``), the tools in the prompt (reading calls back: ``test_toolcall_formats.py``). Forced calls on the
 real model, through the openai client: ``test_server_tools.py``."""
 
 from __future__ import annotations
 
-import json
 import re
 
 import jsonschema
 import pytest
 
 from mlxformer.constrained.tools import (
-    forced_functions, parse_tool_calls, template_takes_tools, tool_call_schema, with_tools,
+    forced_functions, template_takes_tools, tool_call_schema, with_tools,
 )
 from mlxformer.errors import MlxformerError
 
@@ -60,18 +59,6 @@ def test_call_schema_accepts_exactly_calls():
                   {"name": "get_time", "arguments": {"zone": "UTC"}, "extra": 1}]:
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate(wrong, schema)
-
-
-def test_parse_tool_calls():
-    call = '{"name": "get_time", "arguments": {"zone": "CET"}}'
-    for text in [call, f"```json\n{call}\n```", f"<tool_call>\n{call}\n</tool_call>", f"[{call}]"]:
-        (parsed,) = parse_tool_calls(text, TOOLS)
-        assert parsed.name == "get_time" and json.loads(parsed.arguments) == {"zone": "CET"}
-        assert parsed.to_openai()["type"] == "function" and parsed.id.startswith("call_")
-    two = parse_tool_calls(f"<tool_call>{call}</tool_call>\n<tool_call>{call}</tool_call>", TOOLS)
-    assert len(two) == 2 and two[0].id != two[1].id
-    for text in ["The time is noon.", '{"name": "unknown", "arguments": {}}', '{"zone": "CET"}', "{broken"]:
-        assert parse_tool_calls(text, TOOLS) == []
 
 
 def test_tools_reach_the_prompt():

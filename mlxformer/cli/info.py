@@ -45,7 +45,9 @@ def format_report(fp: Footprint, context: int, memory: int) -> str:
         f"model: {a.model_type}, {a.num_hidden_layers} layers, hidden {a.hidden_size}, "
         f"{a.num_attention_heads} heads / {a.num_key_value_heads} KV heads of {a.head_dim}, vocab {a.vocab_size}",
         f"parameters: {fp.parameters:,} exact; {fp.estimate:,} by 12*L*d^2 + embedding "
-        f"({fp.estimate / fp.parameters:.2f}x)",
+        f"({fp.estimate / fp.parameters:.2f}x)"
+        + (f"; {fp.active_parameters:,} active per token ({a.num_experts_per_tok} of {a.num_experts} experts)"
+           if a.num_experts else ""),
         f"weights as stored: {_size(fp.stored_bytes)}; as loaded here: {_size(fp.loaded_bytes)} "
         f"({_dtype_name(fp)} compute)",
         "weight memory:",

@@ -27,7 +27,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--api-key", default=os.environ.get(API_KEY_VARIABLE) or None,
-        help=f"require 'Authorization: Bearer KEY' on /v1 (default: ${API_KEY_VARIABLE}, else none)",
+        help=f"require 'Authorization: Bearer KEY' or 'x-api-key: KEY' on /v1 (default: ${API_KEY_VARIABLE}, else none)",
     )
     parser.add_argument(
         "--cors-origin", action="extend", nargs="+", default=[], metavar="ORIGIN",
@@ -42,6 +42,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--no-openapi", action="store_true", help="do not serve /openapi.json")
     parser.add_argument("--served-model-name",
                         help="the model name clients use (default: the model's file or folder name)")
+    parser.add_argument("--tool-parser", metavar="NAME",
+                        help="the tool-call format (hermes, qwen3_coder, llama3_json, mistral, mistral_v11, json; "
+                             "default: the one the chat template teaches)")
+    parser.add_argument("--strict-model-name", action="store_true",
+                        help="the Anthropic and Responses routes answer only the served model name (default: any "
+                             "name, e.g. Claude Code's claude-*, is served by the loaded model)")
     parser.add_argument("--prompt-cache-bytes", type=int, default=512 * 2**20, metavar="BYTES",
                         help="prompt cache kept in memory, least recently used out (default 512 MiB; 0: none)")
     parser.add_argument("--prompt-cache-dir", metavar="DIR",
@@ -77,6 +83,10 @@ def run(args: argparse.Namespace) -> int:
         raise MlxformerError("--api-key is empty")
     if args.max_body_bytes is not None and args.max_body_bytes < 1:
         raise MlxformerError("--max-body-bytes must be >= 1")
+    if args.tool_parser is not None:
+        from mlxformer.server.toolcalls import call_format
+
+        call_format(args.tool_parser)  # an unknown name fails before the model loads
     settings = cache_settings(args)
     max_kv_memory = parse_kv_memory(args.max_kv_memory) if args.max_kv_memory is not None else None
     prompt_cache = PromptCacheSettings(args.prompt_cache_bytes, args.prompt_cache_dir, args.prompt_cache_disk_bytes,
@@ -88,6 +98,7 @@ def run(args: argparse.Namespace) -> int:
         model, tokenizer, name, host=args.host, port=args.port, max_batch=args.max_batch, max_queue=args.max_queue,
         api_key=args.api_key, cors_origins=args.cors_origin, cache_settings=settings, speculative=speculative,
         allowed_hosts=args.allowed_host, openapi=not args.no_openapi, prompt_cache=prompt_cache,
+        tool_parser=args.tool_parser, any_model_name=not args.strict_model_name,
         sse_ping_seconds=args.sse_ping_seconds or None, max_kv_memory=max_kv_memory,
         **({"max_body_bytes": args.max_body_bytes} if args.max_body_bytes is not None else {}),
     )

@@ -43,6 +43,36 @@ def response_format_schema(response_format: dict[str, Any]) -> dict[str, Any] | 
     return response_format
 
 
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
+_SUBSCHEMAS = ("items", "additionalProperties", "not", "if", "then", "else", "contains")
+
+
+def closed_schema(schema: Any) -> Any:
+    """``schema`` with every object that lists ``properties`` but says nothing of
+    ``additionalProperties`` closed (``"additionalProperties": false``), as llama.cpp's and
+    xgrammar's JSON-schema grammars do: a small model cannot then add keys until ``max_tokens``.
+    ``"additionalProperties": true`` keeps extra keys allowed."""
+    if isinstance(schema, list):
+        return [closed_schema(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    result = dict(schema)
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(result.get(key), list):
+            result[key] = [closed_schema(s) for s in result[key]]
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(result.get(key), dict):
+            result[key] = {name: closed_schema(s) for name, s in result[key].items()}
+    for key in _SUBSCHEMAS:
+        if isinstance(result.get(key), dict):
+            result[key] = closed_schema(result[key])
+    open_keys = ("additionalProperties", "patternProperties", "unevaluatedProperties")
+    if isinstance(result.get("properties"), dict) and not any(k in result for k in open_keys):
+        result["additionalProperties"] = False
+    return result
+
+
 def is_gbnf(text: str) -> bool:
     """Whether grammar text is llama.cpp GBNF (``rule ::= ...``) rather than Lark (``rule: ...``)."""
     return _GBNF_RULE.search(text) is not None
@@ -73,7 +103,7 @@ def grammar_spec(
             return None
         try:
             compiled = llguidance.LLMatcher.grammar_from_json_schema(
-                json.dumps(schema), defaults={"whitespace_pattern": JSON_WHITESPACE}
+                json.dumps(closed_schema(schema)), defaults={"whitespace_pattern": JSON_WHITESPACE}
             )
         except (ValueError, TypeError) as exc:
             raise MlxformerError(f"invalid JSON schema: {_one_line(exc)}") from exc

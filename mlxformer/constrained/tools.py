@@ -1,6 +1,6 @@
 """OpenAI-style tool calling over structured output: check ``tools``/``tool_choice``, build the
-JSON Schema a forced call must follow, describe the tools to templates that do not take them,
-and read tool calls back out of the generated text.
+JSON Schema a forced call must follow and describe the tools to templates that do not take
+them (reading calls back out of the text: ``mlxformer.server.toolcalls``).
 
 A call is generated as ``{"name": ..., "arguments": {...}}``; with ``tool_choice`` ``"required"``
 or a named function the output is constrained to that shape, with ``arguments`` following the
@@ -11,27 +11,9 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
-from dataclasses import dataclass
 from typing import Any
 
 from mlxformer.errors import MlxformerError
-
-_TAGGED_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
-_FENCED = re.compile(r"^```(?:json)?\s*(.*?)\s*```$", re.DOTALL)
-
-
-@dataclass(frozen=True)
-class ToolCall:
-    """One call of a function, as OpenAI returns it (``arguments`` is a JSON string)."""
-
-    id: str
-    name: str
-    arguments: str
-
-    def to_openai(self) -> dict[str, Any]:
-        """The ``tool_calls`` entry of an OpenAI chat message."""
-        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
 
 
 def function_specs(tools: list[dict[str, Any]] | None) -> dict[str, dict[str, Any]]:
@@ -76,11 +58,18 @@ def forced_functions(tools: list[dict[str, Any]] | None, tool_choice: str | dict
 def tool_call_schema(tools: list[dict[str, Any]] | None, names: list[str]) -> dict[str, Any]:
     """The JSON Schema of one call of any of the functions ``names``."""
     specs = function_specs(tools)
+    return call_schema({name: spec["parameters"] for name, spec in specs.items()}, names)
+
+
+def call_schema(parameters: dict[str, dict[str, Any]], names: list[str], arguments_key: str = "arguments"
+                ) -> dict[str, Any]:
+    """The JSON Schema of one ``{"name": ..., "<arguments_key>": {...}}`` call of any of ``names``
+    (``parameters``: each function's parameter schema)."""
     branches = [
         {
             "type": "object",
-            "properties": {"name": {"const": name}, "arguments": specs[name]["parameters"]},
-            "required": ["name", "arguments"],
+            "properties": {"name": {"const": name}, arguments_key: parameters[name]},
+            "required": ["name", arguments_key],
             "additionalProperties": False,
         }
         for name in names
@@ -114,31 +103,3 @@ def with_tools(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | Non
     if messages and messages[0].get("role") == "system" and isinstance(messages[0].get("content"), str):
         return [{**messages[0], "content": messages[0]["content"] + "\n\n" + text}, *messages[1:]], {}
     return [{"role": "system", "content": text}, *messages], {}
-
-
-def parse_tool_calls(text: str, tools: list[dict[str, Any]] | None) -> list[ToolCall]:
-    """The calls in generated ``text``: a lone JSON object (or list of them), bare, in a ```json
-    fence or in ``<tool_call>`` tags, naming one of ``tools``; ``[]`` when the text is no call."""
-    names = set(function_specs(tools))
-    tagged = _TAGGED_CALL.findall(text)
-    candidates = tagged or [text.strip()]
-    calls: list[ToolCall] = []
-    for candidate in candidates:
-        fenced = _FENCED.match(candidate)
-        try:
-            value = json.loads(fenced.group(1) if fenced else candidate)
-        except json.JSONDecodeError:
-            return []
-        for item in value if isinstance(value, list) else [value]:
-            if not (isinstance(item, dict) and item.get("name") in names):
-                return []
-            arguments = item.get("arguments", item.get("parameters", {}))
-            if isinstance(arguments, str):
-                try:
-                    arguments = json.loads(arguments)
-                except json.JSONDecodeError:
-                    return []
-            if not isinstance(arguments, dict):
-                return []
-            calls.append(ToolCall(f"call_{uuid.uuid4().hex[:24]}", item["name"], json.dumps(arguments, ensure_ascii=False)))
-    return calls

@@ -61,7 +61,11 @@ SUMMED_CLASS = {nn.Linear: RankSummedLinear, nn.QuantizedLinear: RankSummedQuant
 
 
 def check_divisible(args: ModelArgs, size: int) -> None:
-    """Raise, suggesting pipeline parallel, when heads or MLP width do not split over ``size`` ranks."""
+    """Raise, suggesting pipeline parallel, when heads or MLP width do not split over ``size`` ranks
+    (or the model routes experts, which tensor parallel does not split)."""
+    if args.num_experts:
+        raise MlxformerError("tensor parallel does not split mixture-of-experts blocks; use --parallel pipeline, "
+                             "which splits layers instead")
     counts = {
         "attention heads": args.num_attention_heads, "KV heads": args.num_key_value_heads,
         "MLP width": args.intermediate_size,

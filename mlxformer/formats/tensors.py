@@ -9,6 +9,8 @@ from typing import Callable, Iterable, Iterator, Mapping
 
 import mlx.core as mx
 
+from mlxformer.errors import MlxformerError
+
 
 @dataclass(frozen=True)
 class TensorEntry:
@@ -30,6 +32,13 @@ class TensorEntry:
         return self.size * self.dtype.size
 
 
+@dataclass(frozen=True)
+class StackedEntry(TensorEntry):
+    """A tensor made by stacking ``parts`` (same shape and dtype) along a new first axis."""
+
+    parts: tuple[TensorEntry, ...] = ()
+
+
 class Tensors(Mapping[str, mx.array]):
     """HF name -> array, lazily: ``entries`` (shapes, dtypes) come from the headers, and
     ``tensors[name]`` loads that tensor alone (safetensors: a lazy ``mx.load`` array; GGUF:
@@ -43,6 +52,28 @@ class Tensors(Mapping[str, mx.array]):
         """The same tensors restricted to ``names`` (in this mapping's order)."""
         wanted = set(names)
         return Tensors({n: e for n, e in self.entries.items() if n in wanted}, self._load)
+
+    def stacked(self, groups: Mapping[str, list[str]]) -> Tensors:
+        """The same tensors with each group of ``groups`` (stacked name -> member names) replaced
+        by one lazy tensor stacking its members (mixture-of-experts matrices); shapes and dtypes
+        of the members must agree."""
+        entries = dict(self.entries)
+        for stacked, names in groups.items():
+            parts = tuple(entries.pop(n) for n in names)
+            first = parts[0]
+            for part in parts[1:]:
+                if (part.shape, part.dtype) != (first.shape, first.dtype):
+                    raise MlxformerError(f"{part.file}: {part.name} is {part.dtype} {list(part.shape)}, but "
+                                         f"{first.name} is {first.dtype} {list(first.shape)}")
+            entries[stacked] = StackedEntry(stacked, (len(parts), *first.shape), first.dtype, first.file, parts)
+        base = self._load
+
+        def load(entry: TensorEntry) -> mx.array:
+            if isinstance(entry, StackedEntry):
+                return mx.stack([base(part) for part in entry.parts])
+            return base(entry)
+
+        return Tensors(entries, load)
 
     def __getitem__(self, name: str) -> mx.array:
         return self._load(self.entries[name])

@@ -65,6 +65,15 @@ class ModelArgs:
     embedding_scale: float = 1.0  # Gemma: sqrt(hidden); Granite: embedding_multiplier
     residual_scale: float = 1.0  # Granite: each sublayer's output is scaled before the residual add
     logits_scale: float = 1.0  # Granite: 1 / logits_scaling
+    # --- mixture of experts (``mlp_type="moe"``, ``models.moe``) ---
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0  # each routed expert's hidden size
+    norm_topk_prob: bool = False  # renormalise the top-k router weights to sum to 1
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's sigmoid-gated shared expert (0: none)
+    decoder_sparse_step: int = 1  # every n-th layer is sparse
+    mlp_only_layers: tuple[int, ...] = ()  # layers kept dense
+    mlp_name: str = "mlp"  # the block's attribute, as the checkpoint names it (Mixtral: block_sparse_moe)
 
     def layer_window(self, index: int) -> int | None:
         """The sliding window layer ``index`` attends with (None: the whole context)."""
@@ -142,6 +151,12 @@ class ModelArgs:
             config["mlp_bias"] = True
         if self.sliding_window is not None:
             config["sliding_window"] = self.sliding_window
+        if self.num_experts:
+            config.update(num_experts=self.num_experts, num_local_experts=self.num_experts,
+                          num_experts_per_tok=self.num_experts_per_tok, norm_topk_prob=self.norm_topk_prob,
+                          moe_intermediate_size=self.moe_intermediate_size,
+                          shared_expert_intermediate_size=self.shared_expert_intermediate_size,
+                          decoder_sparse_step=self.decoder_sparse_step, mlp_only_layers=list(self.mlp_only_layers))
         return config
 
 
@@ -157,4 +172,8 @@ ARCHITECTURES = {
     "granite": "GraniteForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
 }

@@ -19,6 +19,7 @@ from mlxformer.cache.protocol import Cache
 from mlxformer.models.attention_ops import softcap_scores, softcapped_attention
 from mlxformer.models.config import ModelArgs
 from mlxformer.models.mlp import MLP, make_mlp, swiglu
+import mlxformer.models.moe  # noqa: F401  registers the "moe" MLP type
 from mlxformer.models.norms import NORM_LAYOUTS, RMSNorm
 from mlxformer.models.rope_variants import make_rope
 
@@ -96,7 +97,8 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.window = args.layer_window(layer_index)
         self.self_attn = Attention(args, layer_index)
-        self.mlp = make_mlp(args, layer_index)
+        self.mlp_name = args.mlp_name  # the checkpoint's name for the block (Mixtral: block_sparse_moe)
+        self[args.mlp_name] = make_mlp(args, layer_index)
         self.norm_layout = args.norm_layout  # a string: kept out of the parameter tree
         for name in NORM_LAYOUTS[args.norm_layout]:
             if name is not None:
@@ -112,7 +114,7 @@ class DecoderLayer(nn.Module):
 
     def __call__(self, x: mx.array, mask: Mask, cache: Cache | None, rope_length: int | None = None) -> mx.array:
         h = self._residual(x, self._norm(1, self.self_attn(self._norm(0, x), mask, cache, rope_length)))
-        return self._residual(h, self._norm(3, self.mlp(self._norm(2, h))))
+        return self._residual(h, self._norm(3, self[self.mlp_name](self._norm(2, h))))
 
 
 class DecoderStack(nn.Module):

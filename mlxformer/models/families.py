@@ -137,6 +137,51 @@ def _smollm3(config: dict[str, Any], base: Fields) -> Fields:
     return {"rope_layers": tuple(bool(f) for f in flags)}
 
 
+def _experts(config: dict[str, Any], size_key: str, norm_default: bool) -> Fields:
+    """The mixture-of-experts fields shared by the MoE families (``models.moe``). The expert
+    count is ``num_experts`` or ``num_local_experts`` (Mixtral; transformers 5's Qwen3-MoE)."""
+    count_key = "num_experts" if config.get("num_experts") else "num_local_experts"
+    count, top_k = int(config[count_key]), int(config["num_experts_per_tok"])
+    if not 0 < top_k <= count:
+        raise MlxformerError(f"config.json num_experts_per_tok must be 1..{count}, not {top_k}")
+    layers = int(config["num_hidden_layers"])
+    dense = tuple(int(i) for i in config.get("mlp_only_layers") or ())
+    if any(not 0 <= i < layers for i in dense):
+        raise MlxformerError(f"config.json mlp_only_layers must name layers 0..{layers - 1}")
+    return {
+        "mlp_type": "moe", "num_experts": count, "num_experts_per_tok": top_k,
+        "moe_intermediate_size": int(config[size_key]),
+        "norm_topk_prob": bool(config.get("norm_topk_prob", norm_default)),
+        "shared_expert_intermediate_size": int(config.get("shared_expert_intermediate_size") or 0),
+        "decoder_sparse_step": max(1, int(config.get("decoder_sparse_step") or 1)),
+        "mlp_only_layers": dense,
+    }
+
+
+def _mixtral(config: dict[str, Any], base: Fields) -> Fields:
+    """Mistral with a sparse block named ``block_sparse_moe`` (experts w1/w2/w3), top-k renormalised."""
+    return {**_mistral(config, base), **_experts(config, "intermediate_size", True),
+            "norm_topk_prob": True, "mlp_name": "block_sparse_moe"}
+
+
+def _qwen2_moe(config: dict[str, Any], base: Fields) -> Fields:
+    """Qwen2 with routed experts and a sigmoid-gated shared expert."""
+    return {**_qwen2(config, base), **_experts(config, "moe_intermediate_size", False)}
+
+
+def _qwen3_moe(config: dict[str, Any], base: Fields) -> Fields:
+    """Qwen3 with routed experts."""
+    return {**_qwen3(config, base), **_experts(config, "moe_intermediate_size", False)}
+
+
+def _olmoe(config: dict[str, Any], base: Fields) -> Fields:
+    """Llama's layout with q/k RMSNorm over the whole projection and routed experts."""
+    if config.get("clip_qkv") is not None:
+        raise MlxformerError("unsupported config setting clip_qkv for olmoe")
+    return {"qk_norm": True, "qk_norm_scope": "projection",
+            **_experts(config, "intermediate_size", False)}
+
+
 def _float_or_none(value: Any) -> float | None:
     return None if value is None else float(value)
 
@@ -153,6 +198,10 @@ FAMILIES: dict[str, Callable[[dict[str, Any], Fields], Fields]] = {
     "granite": _granite,
     "olmo2": _olmo2,
     "smollm3": _smollm3,
+    "mixtral": _mixtral,
+    "qwen2_moe": _qwen2_moe,
+    "qwen3_moe": _qwen3_moe,
+    "olmoe": _olmoe,
 }
 
 

@@ -227,12 +227,13 @@ def apply_thread_policy(model: Model, threads: int | None) -> None:
     if not on_cpu():
         raise MlxformerError(f"threads > 1 splits work over CPU streams, but the default device is {mx.default_device()}")
     for layer in model.layers:
-        for owner in (layer.self_attn, layer.mlp):
+        block = layer[layer.mlp_name]
+        for owner in (layer.self_attn, block):
             for name in PROJECTIONS:
                 if name in owner:
                     owner[name] = shard_rows(owner[name], threads)
-        if type(layer.mlp) is MLP:  # a fused or mixture-of-experts block keeps its own class
-            layer.mlp = shard_mlp(layer.mlp)
+        if type(block) is MLP:  # a fused or mixture-of-experts block keeps its own class
+            layer[layer.mlp_name] = shard_mlp(block)
     # the vocabulary projection: the tied embedding's ``as_linear`` or ``lm_head`` (absent
     # from a pipeline stage without the model's ends)
     owner, name = (model.model, "embed_tokens") if model.args.tie_word_embeddings else (model, "lm_head")

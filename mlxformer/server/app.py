@@ -1,7 +1,10 @@
 """The OpenAI-compatible HTTP API over an ``Engine``: a thin FastAPI app.
 
 Routes: ``GET /v1/models``, ``POST /v1/chat/completions``, ``POST /v1/completions``
-(``openai_routes``), ``GET /health``, ``GET /openapi.json`` and the chat page at ``GET /``.
+(``openai_routes``), ``POST /v1/messages`` (``anthropic_api``), ``POST /v1/responses``
+(``responses_api``), ``GET /v1/models/{id}`` and ``POST /tokenize``, ``/detokenize``,
+``/apply-template`` (``meta_api``), ``GET /health``, ``GET /openapi.json`` and the chat page at
+``GET /``.
 Every API router is made from the shared ``ServerContext`` and mounted by ``mount_api``: under
 ``/v1``, behind the API key, JSON bodies only. Every route, mounted or not, is behind the
 ``RequestGuard`` (Host allow-list, body limit). Every error is an OpenAI-style JSON body; bad
@@ -23,15 +26,20 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.exceptions import HTTPException
 
 from mlxformer.engine import Engine
+from mlxformer.server.anthropic_api import is_anthropic_path, messages_router
+from mlxformer.server.anthropic_protocol import anthropic_error
 from mlxformer.server.context import ServerContext
 from mlxformer.server.errors import APIError, error_body, validation_message
 from mlxformer.server.guards import DEFAULT_MAX_BODY_BYTES, LOOPBACK_NAMES, BodyTooLarge, RequestGuard, host_name
+from mlxformer.server.meta_api import models_router, template_router
 from mlxformer.server.openai_routes import openai_router
 from mlxformer.server.metrics import install_metrics
 from mlxformer.server.openapi import GUARDED, KEYED, error_responses, install_openapi
 from mlxformer.server.responses import TokenStrings
+from mlxformer.server.responses_api import responses_router
 from mlxformer.server.sse import SSE_PING_SECONDS
 from mlxformer.server.translate import ServedModel
+from mlxformer.server.turn import Traits
 
 log = logging.getLogger("mlxformer.server")
 
@@ -49,7 +57,8 @@ CORS_HEADERS = (
     "x-stainless-custom-poll-interval",
 )
 RouterMaker = Callable[[ServerContext], APIRouter]
-API_ROUTERS: tuple[RouterMaker, ...] = (openai_router,)  # each mounted under /v1 behind the key
+# each mounted under /v1 behind the key
+API_ROUTERS: tuple[RouterMaker, ...] = (openai_router, models_router, messages_router, responses_router)
 
 
 def chat_page() -> str:
@@ -67,6 +76,8 @@ def create_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     openapi: bool = True,
     routers: Sequence[RouterMaker] = API_ROUTERS,
+    tool_parser: str | None = None,
+    any_model_name: bool = True,
     sse_ping_seconds: float | None = SSE_PING_SECONDS,
 ) -> FastAPI:
     """The API app over a started ``engine``.
@@ -75,16 +86,20 @@ def create_app(
     ``cors_origins`` (default none) are the origins allowed cross-origin access; ``allowed_hosts``
     are the ``Host`` names served (default: the loopback names; ``None``: any); bodies over
     ``max_body_bytes`` get 413; ``openapi=False`` serves no /openapi.json; ``routers`` make the
-    API routers (each mounted under /v1); streams send a keep-alive comment after
-    ``sse_ping_seconds`` without data (None: never)."""
+    API routers (each mounted under /v1); ``tool_parser`` names the tool-call format (default: the
+    one the chat template teaches); ``any_model_name``: the Anthropic and Responses routes serve
+    any model name they are sent; streams send a keep-alive comment after ``sse_ping_seconds``
+    without data (None: never)."""
     app = FastAPI(title="mlxformer", docs_url=None, redoc_url=None, openapi_url=None)
     install_error_handlers(app)
     ctx = ServerContext(engine, served, TokenStrings(served.tokenizer, served.vocab_size),
-                        sse_ping_seconds=sse_ping_seconds)
+                        sse_ping_seconds=sse_ping_seconds, traits=Traits.of(served, tool_parser),
+                        any_model_name=any_model_name)
     app.state.context = ctx
     keyed = [key_dependency(api_key), Depends(require_json)]
     for make in routers:
         mount_api(app, make(ctx), keyed)
+    app.include_router(template_router(ctx), dependencies=keyed, responses=error_responses((*GUARDED, *KEYED, 415)))
 
     @app.get("/", include_in_schema=False)
     async def index() -> HTMLResponse:
@@ -119,18 +134,20 @@ def mount_api(app: FastAPI, router: APIRouter, dependencies: list[Any]) -> None:
 
 
 def key_dependency(api_key: str | None) -> Any:
-    """A dependency that requires ``Authorization: Bearer <api_key>`` (nothing when no key is set;
-    with a key, the OpenAPI document declares the bearer scheme)."""
+    """A dependency that requires ``Authorization: Bearer <api_key>`` or (Anthropic's clients)
+    ``x-api-key: <api_key>`` (nothing when no key is set; with a key, the OpenAPI document
+    declares the bearer scheme)."""
     if api_key is None:
         def open_access() -> None:
             return None
 
         return Depends(open_access)
 
-    def check(credentials: HTTPAuthorizationCredentials | None = Depends(HTTPBearer(auto_error=False))) -> None:
-        given = credentials.credentials.strip() if credentials is not None else ""
-        if not hmac.compare_digest(given.encode(), api_key.encode()):
-            raise APIError("invalid or missing API key (Authorization: Bearer ...)", 401,
+    def check(request: Request,
+              credentials: HTTPAuthorizationCredentials | None = Depends(HTTPBearer(auto_error=False))) -> None:
+        given = credentials.credentials.strip() if credentials is not None else request.headers.get("x-api-key", "")
+        if not hmac.compare_digest(given.strip().encode(), api_key.encode()):
+            raise APIError("invalid or missing API key (Authorization: Bearer ... or x-api-key)", 401,
                            "authentication_error", None, "invalid_api_key")
 
     return Depends(check)
@@ -147,29 +164,36 @@ def require_json(request: Request) -> None:
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    """Every error as an OpenAI-style body: 400 for invalid input, never a traceback."""
+    """Every error as an OpenAI-style body (Anthropic-style on the Messages routes): 400 for
+    invalid input, never a traceback."""
+
+    def respond(request: Request, body: dict[str, Any], status: int, headers: Any = None) -> JSONResponse:
+        if is_anthropic_path(request.url.path):
+            body = anthropic_error(status, body["error"]["message"])
+        return JSONResponse(body, status_code=status, headers=headers)
 
     @app.exception_handler(APIError)
-    async def api_error(_: Request, exc: APIError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        return respond(request, exc.body(), exc.status, exc.headers)
 
     @app.exception_handler(BodyTooLarge)
-    async def too_large(_: Request, exc: BodyTooLarge) -> JSONResponse:
-        return JSONResponse(error_body(str(exc), "invalid_request_error", None, "request_too_large"), 413)
+    async def too_large(request: Request, exc: BodyTooLarge) -> JSONResponse:
+        return respond(request, error_body(str(exc), "invalid_request_error", None, "request_too_large"), 413)
 
     @app.exception_handler(RequestValidationError)
-    async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = validation_message(list(exc.errors()))
-        return JSONResponse(error_body(message, "invalid_request_error", param), status_code=400)
+        return respond(request, error_body(message, "invalid_request_error", param), 400)
 
     @app.exception_handler(HTTPException)
-    async def http_error(_: Request, exc: HTTPException) -> JSONResponse:
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
         if isinstance(exc.__cause__, BodyTooLarge):  # FastAPI wraps errors while reading the body
-            return JSONResponse(error_body(str(exc.__cause__), "invalid_request_error", None, "request_too_large"), 413)
+            too_big = error_body(str(exc.__cause__), "invalid_request_error", None, "request_too_large")
+            return respond(request, too_big, 413)
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return JSONResponse(error_body(str(exc.detail), kind), status_code=exc.status_code, headers=exc.headers)
+        return respond(request, error_body(str(exc.detail), kind), exc.status_code, exc.headers)
 
     @app.exception_handler(Exception)
-    async def unexpected(_: Request, exc: Exception) -> JSONResponse:
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("internal error")
-        return JSONResponse(error_body(f"internal server error ({type(exc).__name__})", "server_error"), 500)
+        return respond(request, error_body(f"internal server error ({type(exc).__name__})", "server_error"), 500)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Callable, TypeVar
+from typing import AsyncIterator, Callable, Optional, TypeVar
 
 from mlxformer.engine import Engine, EngineNotRunning, EngineOverloaded, GenerationRequest
 from mlxformer.errors import MlxformerError
@@ -15,6 +15,7 @@ from mlxformer.server.responses import TokenStrings
 from mlxformer.server.sse import SSE_PING_SECONDS, keepalive, prompt_progress
 from mlxformer.server.streaming import EventStream, InFlight, Lease
 from mlxformer.server.translate import ServedModel
+from mlxformer.server.turn import Traits
 
 T = TypeVar("T")
 PREPARE_THREADS = 2  # templating, tokenization and grammar compilation run on at most this many threads
@@ -32,6 +33,8 @@ class ServerContext:
     pool: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="mlxformer-prepare")
     )
+    traits: Optional[Traits] = None  # the model's call format and reasoning (default: read from its template)
+    any_model_name: bool = True  # the Anthropic and Responses routes serve any model name they are sent
     sse_ping_seconds: float | None = SSE_PING_SECONDS  # keep-alive comments after this long without data
 
     def event_stream(
@@ -42,6 +45,10 @@ class ServerContext:
         ``return_progress``), the prompt's progress as the events it makes (``server/sse.py``)."""
         poll = prompt_progress(lease.handle, progress) if progress is not None else None
         return EventStream(keepalive(chunks, self.sse_ping_seconds, poll), lease)
+
+    def __post_init__(self) -> None:
+        if self.traits is None:
+            self.traits = Traits.of(self.served)
 
     async def prepare(self, work: Callable[[], T]) -> T:
         """Run ``work`` (CPU-bound request preparation) on the bounded pool, not on the event loop."""

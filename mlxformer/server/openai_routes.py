@@ -12,17 +12,18 @@ from pydantic import BaseModel
 
 from mlxformer.engine import TokenEvent
 from mlxformer.server.context import ServerContext
+from mlxformer.server.meta_api import model_card
 from mlxformer.server.openapi import GENERATION, error_responses, streamed_ok
 from mlxformer.server.prepare import prepare_chat, prepare_completion
 from mlxformer.server.protocol import (
     ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, CompletionLogprobs, CompletionRequest,
-    CompletionResponse, ModelCard, ModelList, new_id,
+    CompletionResponse, ModelList, new_id,
 )
 from mlxformer.server.responses import (
     chat_chunk_maker, chat_response, completion_chunk_maker, completion_response, echo_logprobs, sse, usage_of,
 )
+from mlxformer.server.reply import whole_reply
 from mlxformer.server.streaming import collect_unless_gone, stream
-from mlxformer.server.tools import calls_in, tool_chunk_maker
 
 
 def openai_router(ctx: ServerContext) -> APIRouter:
@@ -32,18 +33,16 @@ def openai_router(ctx: ServerContext) -> APIRouter:
 
     @router.get("/models", responses=error_responses([500]))
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=served.name, context_length=served.context_length)])
+        return ModelList(data=[model_card(ctx)])
 
     @router.post("/chat/completions", response_model=ChatCompletionResponse,
                  responses={**streamed_ok(ChatCompletionResponse, ChatCompletionChunk), **error_responses(GENERATION)})
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        prepared = await ctx.prepare(lambda: prepare_chat(body, served))
+        prepared = await ctx.prepare(lambda: prepare_chat(body, served, ctx.traits))
         lease = ctx.submit(prepared.request)
-        request_id, plan = new_id("chatcmpl"), prepared.plan
+        request_id = new_id("chatcmpl")
         if body.stream:
-            make = chat_chunk_maker(request_id, served.name, text, body.logprobs)
-            if plan.active:
-                make = tool_chunk_maker(request_id, served.name, plan, make)
+            make = chat_chunk_maker(request_id, served.name, text, body.logprobs, prepared.parser())
             first = ChatCompletionChunk.model_validate({
                 "id": request_id, "model": served.name,
                 "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}],
@@ -60,8 +59,8 @@ def openai_router(ctx: ServerContext) -> APIRouter:
             chunks = stream(lease, make, first, usage_chunk if include_usage else None)
             return ctx.event_stream(chunks, lease, progress_chunk if body.return_progress else None)
         result = await collect_unless_gone(lease, request)
-        calls = [call.to_openai() for call in calls_in(result.text, plan)]
-        return JSONResponse(chat_response(request_id, served.name, result, text, body.logprobs, calls).model_dump())
+        reply = whole_reply(prepared.parser(), result.events)
+        return JSONResponse(chat_response(request_id, served.name, result, reply, text, body.logprobs).model_dump())
 
     @router.post("/completions", response_model=CompletionResponse,
                  responses={**streamed_ok(CompletionResponse, CompletionResponse), **error_responses(GENERATION)})

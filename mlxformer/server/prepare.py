@@ -9,23 +9,13 @@ from dataclasses import dataclass
 from mlxformer.engine import GenerationRequest
 from mlxformer.errors import MlxformerError
 from mlxformer.sampling import TokenConstraint
+from mlxformer.server.chat_turn import chat_turn
 from mlxformer.server.errors import bad_request
-from mlxformer.server.hooks import constraint_for
 from mlxformer.server.protocol import ChatCompletionRequest, CompletionRequest
-from mlxformer.server.tools import ToolPlan, call_constraint, tool_plan
-from mlxformer.server.translate import (
-    ServedModel, chat_prompt_text, check_model_name, check_prompt_chars, completion_prompt_ids, engine_request,
-)
+from mlxformer.server.translate import ServedModel, check_model_name, completion_prompt_ids, engine_request
+from mlxformer.server.turn import Prepared, Traits, prepare
 
 MAX_MESSAGE_CHARS = 300  # a matcher error may quote the whole grammar
-
-
-@dataclass
-class PreparedChat:
-    """A chat request ready to submit, and the tool plan its reply is read with."""
-
-    request: GenerationRequest
-    plan: ToolPlan
 
 
 @dataclass
@@ -38,25 +28,12 @@ class PreparedCompletion:
     score_only: bool = False
 
 
-def prepare_chat(body: ChatCompletionRequest, served: ServedModel) -> PreparedChat:
+def prepare_chat(body: ChatCompletionRequest, served: ServedModel, traits: Traits) -> Prepared:
     """Check ``body``, render and tokenize the conversation, compile its constraint."""
     check_model_name(body.model, served)
-    plan = tool_plan(body.tools, body.tool_choice)
-    if plan.forced and body.response_format is not None and body.response_format.type != "text":
-        raise bad_request("a forced tool call cannot also have a response_format", param="tool_choice")
-    text = chat_prompt_text(body, served.tokenizer, plan)
-    check_prompt_chars(len(text), served, "messages")
-    ids = served.tokenizer.encode(text, add_special_tokens=False)
-    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-    constraint: TokenConstraint | None = call_constraint(plan, served.tokenizer, served.vocab_size) or constraint_for(
-        body.response_format, served.tokenizer, served.vocab_size
-    )
-    check_first_mask(constraint, "tool_choice" if plan.forced else "response_format")
-    top = (body.top_logprobs or 0) if body.logprobs else None
-    request = engine_request(body, ids, served, max_tokens=max_tokens, logprobs=top, constraint=constraint,
-                             prompt_param="messages", max_tokens_param=param)
-    return PreparedChat(request, plan)
+    prepared = prepare(chat_turn(body), served, traits)
+    check_first_mask(prepared.request.constraint, "tool_choice" if prepared.plan.forced else "response_format")
+    return prepared
 
 
 def check_first_mask(constraint: TokenConstraint | None, param: str) -> None:

@@ -41,6 +41,14 @@ class ChatMessage(Lenient):
     name: Optional[str] = None
     tool_calls: Optional[list[dict[str, Any]]] = None  # an assistant turn's earlier calls
     tool_call_id: Optional[str] = None  # a tool turn: which call this result answers
+    reasoning_content: Optional[str] = None  # an assistant turn's reasoning (templates keep or drop it)
+
+    def template_dict(self) -> dict[str, Any]:
+        """The message as the chat template sees it (content as one string)."""
+        message = {"role": self.role, "content": self.text()}
+        extra = {"name": self.name, "tool_calls": self.tool_calls, "tool_call_id": self.tool_call_id,
+                 "reasoning_content": self.reasoning_content}
+        return {**message, **{k: v for k, v in extra.items() if v is not None}}
 
     def text(self) -> str:
         """The content as one string (text parts joined)."""
@@ -106,6 +114,9 @@ class ChatCompletionRequest(SamplingFields):
     response_format: Optional[ResponseFormat] = None
     tools: Optional[list[dict[str, Any]]] = None
     tool_choice: Union[str, dict[str, Any], None] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None  # e.g. {"enable_thinking": false}
+    reasoning_effort: Optional[Literal["none", "minimal", "low", "medium", "high"]] = None
+    reasoning_budget: Optional[int] = Field(default=None, ge=0)  # most reasoning tokens before </think> is forced
 
 
 class CompletionRequest(SamplingFields):
@@ -176,6 +187,8 @@ class ChoiceLogprobs(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: Optional[str]
+    reasoning_content: Optional[str] = None  # vLLM / DeepSeek's name
+    reasoning: Optional[str] = None  # the same, as Open WebUI and mlx-lm clients read it
     tool_calls: Optional[list[dict[str, Any]]] = None
 
 
@@ -198,6 +211,8 @@ class ChatCompletionResponse(BaseModel):
 class Delta(BaseModel):
     role: Optional[Literal["assistant"]] = None
     content: Optional[str] = None
+    reasoning_content: Optional[str] = None
+    reasoning: Optional[str] = None
     tool_calls: Optional[list[dict[str, Any]]] = None
 
 
@@ -246,6 +261,7 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=now)
     owned_by: str = "mlxformer"
     context_length: int
+    capabilities: Optional[dict[str, Any]] = None  # chat, tools (and their parser), reasoning, structured_output
 
 
 class ModelList(BaseModel):

@@ -24,6 +24,8 @@ from mlxformer.server.protocol import (
     CompletionChoice, CompletionLogprobs, CompletionResponse, CompletionTokensDetails, Delta, PromptTokensDetails,
     TokenLogprob, TopLogprob, Usage,
 )
+from mlxformer.server.reply import Reply, ReplyParser
+from mlxformer.server.toolcalls import CallDelta
 from mlxformer.tokenizer import Tokenizer
 
 LOGPROB_FLOOR = -9999.0  # what OpenAI reports for a token the model gives (next to) no probability
@@ -190,18 +192,20 @@ async def collect(events: AsyncIterator[TokenEvent]) -> Collected:
     return result
 
 
-def chat_response(
-    request_id: str, model: str, result: Collected, text: TokenStrings, logprobs: bool,
-    tool_calls: list[dict[str, Any]] | None = None,
-) -> ChatCompletionResponse:
-    """The ``chat.completion`` object for a finished generation (``tool_calls``: the calls it made,
-    which replace the text)."""
+def chat_response(request_id: str, model: str, result: Collected, reply: Reply, text: TokenStrings, logprobs: bool
+                  ) -> ChatCompletionResponse:
+    """The ``chat.completion`` object for a finished generation, as ``reply`` reads it (content,
+    reasoning and calls)."""
     content = [chat_token_logprob(s.event, text) for s in result.scored(text)] if logprobs else None
-    message = AssistantMessage(content=None, tool_calls=tool_calls) if tool_calls else AssistantMessage(content=result.text)
+    message = AssistantMessage(
+        content=reply.content if reply.content or not reply.calls else None,
+        reasoning_content=reply.reasoning or None, reasoning=reply.reasoning or None,
+        tool_calls=[call.to_openai() for call in reply.calls] or None,
+    )
     choice = ChatChoice(
         message=message,
         logprobs=ChoiceLogprobs(content=content) if logprobs else None,
-        finish_reason="tool_calls" if tool_calls else result.finish_reason,
+        finish_reason=reply.finish_reason,
     )
     return ChatCompletionResponse(id=request_id, model=model, choices=[choice], usage=usage_of(result.last))
 
@@ -248,23 +252,40 @@ def sse(payload: BaseModel | dict[str, Any] | str, include_usage: bool = False) 
 ChunkMaker = Callable[[TokenEvent], BaseModel | None]
 
 
-def chat_chunk_maker(request_id: str, model: str, text: TokenStrings, logprobs: bool) -> ChunkMaker:
-    """Maps each event to a ``chat.completion.chunk`` (or None when it carries nothing to send)."""
+def chat_chunk_maker(request_id: str, model: str, text: TokenStrings, logprobs: bool, parser: ReplyParser
+                     ) -> ChunkMaker:
+    """Maps each event to a ``chat.completion.chunk`` of what ``parser`` makes of it (content,
+    reasoning, ``tool_calls`` deltas: index, id and name first, then argument fragments), or None
+    when it carries nothing to send. Logprobs are reported as the engine's text reaches each
+    token, also while the parser holds that text back."""
     aligner = LogprobAligner(text)
 
     def make(event: TokenEvent) -> BaseModel | None:
         due = aligner.add(event)
+        delta = parser.feed(event)
         entries = [chat_token_logprob(s.event, text) for s in due] if logprobs and due else None
-        if not event.text and entries is None and event.finish_reason is None:
+        finish = parser.finish_reason(event.finish_reason)
+        if not (delta.content or delta.reasoning or delta.calls) and entries is None and finish is None:
             return None
+        calls = [_call_delta(c) for c in delta.calls] or None
+        content = (delta.content or None) if calls or delta.reasoning else delta.content
         choice = ChatChunkChoice(
-            delta=Delta(content=event.text),
+            delta=Delta(content=content, reasoning_content=delta.reasoning or None, reasoning=delta.reasoning or None,
+                        tool_calls=calls),
             logprobs=ChoiceLogprobs(content=entries) if entries is not None else None,
-            finish_reason=event.finish_reason,
+            finish_reason=finish,
         )
         return ChatCompletionChunk(id=request_id, model=model, choices=[choice])
 
     return make
+
+
+def _call_delta(delta: CallDelta) -> dict[str, Any]:
+    """One ``delta.tool_calls`` entry."""
+    if delta.id is not None:
+        return {"index": delta.index, "id": delta.id, "type": "function",
+                "function": {"name": delta.name, "arguments": delta.arguments}}
+    return {"index": delta.index, "function": {"arguments": delta.arguments}}
 
 
 def completion_chunk_maker(

@@ -63,6 +63,8 @@ def serve(
     allowed_hosts: Sequence[str] = (),
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     openapi: bool = True,
+    tool_parser: str | None = None,
+    any_model_name: bool = True,
     sse_ping_seconds: float | None = SSE_PING_SECONDS,
     max_kv_memory: int | str | None = None,
 ) -> None:
@@ -72,7 +74,7 @@ def serve(
     ``Host`` names to those served (on a loopback address: that address and ``localhost``;
     elsewhere: any, unless names are given). Streams send a keep-alive comment after
     ``sse_ping_seconds`` without data. ``max_kv_memory``: the engine's KV memory budget (bytes or
-    ``"auto"``)."""
+    ``"auto"``). ``tool_parser``, ``any_model_name``: see ``create_app``."""
     if not is_loopback(host) and api_key is None:
         log.warning("serving on %s without --api-key: anyone who can reach this host can use the model", host)
     engine = Engine(model, tokenizer, max_batch=max_batch, max_queue=max_queue, cache_settings=cache_settings,
@@ -80,6 +82,7 @@ def serve(
     served = ServedModel.of(name, model, tokenizer)
     app = create_app(engine, served, api_key=api_key, cors_origins=cors_origins,
                      allowed_hosts=served_hosts(host, allowed_hosts), max_body_bytes=max_body_bytes, openapi=openapi,
+                     tool_parser=tool_parser, any_model_name=any_model_name,
                      sse_ping_seconds=sse_ping_seconds)
     engine.start()
     try:

@@ -7,15 +7,14 @@ import functools
 from dataclasses import dataclass
 
 from mlxformer.engine import GenerationRequest
-from mlxformer.errors import MlxformerError, OptionError
+from mlxformer.errors import OptionError
 from mlxformer.options import SamplingSettings
 from mlxformer.models.decoder import Model
 from mlxformer.sampling import TokenConstraint
 from mlxformer.server.errors import APIError, bad_request
 from mlxformer.server.protocol import (
-    MAX_STOP_STRINGS, ChatCompletionRequest, CompletionRequest, SamplingFields,
+    MAX_STOP_STRINGS, CompletionRequest, SamplingFields,
 )
-from mlxformer.server.tools import ToolPlan, chat_messages
 from mlxformer.tokenizer import Tokenizer
 
 OPENAI_DEFAULT_TEMPERATURE = 1.0
@@ -51,18 +50,6 @@ def check_model_name(requested: str | None, served: ServedModel) -> None:
             f"the model {requested!r} does not exist; this server serves {served.name!r}",
             404, "invalid_request_error", "model", "model_not_found",
         )
-
-
-def chat_prompt_text(request: ChatCompletionRequest, tokenizer: Tokenizer, plan: ToolPlan) -> str:
-    """The conversation rendered by the model's chat template (generation prompt added), with the
-    tools of ``plan`` shown to the model."""
-    if not tokenizer.chat_template:
-        raise bad_request("this model has no chat template: use /v1/completions", param="messages")
-    messages, extra = chat_messages(request.messages, plan, tokenizer.chat_template)
-    try:
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, **extra)
-    except MlxformerError as exc:
-        raise bad_request(str(exc), param="messages") from exc
 
 
 def context_exceeded(served: ServedModel, wanted: str, param: str) -> APIError:

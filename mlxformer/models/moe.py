@@ -1,0 +1,176 @@
+"""Mixture-of-experts feed-forward (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE) for the one decoder.
+
+A router picks ``num_experts_per_tok`` experts per token (softmax, top-k, optionally
+renormalised); the routed experts are stacked ``(experts, out, in)`` matrices applied with
+``mx.gather_mm`` / ``mx.gather_qmm`` (no Python loop over experts). For prefill-sized inputs
+the (token, expert) pairs are sorted by expert first, so each expert's rows are contiguous.
+Qwen2-MoE adds a shared expert behind a sigmoid gate. Parameter names are mlx-lm's
+(``switch_mlp.{gate,up,down}_proj``), so mlx-community dirs load as they are; HF checkpoints'
+per-expert matrices are stacked at load (``expert_groups``: lazily, by the checkpoint reader).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import Iterable
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mlxformer.errors import MlxformerError
+from mlxformer.models.config import ModelArgs
+from mlxformer.models.mlp import GATES, MLP, MLP_TYPES
+
+# Below this many (token, expert) pairs the gather runs unsorted (decode steps).
+SORT_THRESHOLD = 64
+
+
+class SwitchLinear(nn.Module):
+    """``experts`` stacked linear maps without bias: weight ``(experts, out, in)``."""
+
+    def __init__(self, in_dims: int, out_dims: int, experts: int):
+        super().__init__()
+        scale = math.sqrt(1.0 / in_dims)
+        self.weight = mx.random.uniform(-scale, scale, (experts, out_dims, in_dims))
+
+    def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
+        # x (..., 1, in) gathered with indices (...) -> (..., 1, out)
+        return mx.gather_mm(x, self.weight.swapaxes(-1, -2), rhs_indices=indices, sorted_indices=sorted_indices)
+
+    def to_quantized(self, group_size: int | None = None, bits: int | None = None, mode: str = "affine",
+                     quantize_input: bool = False) -> "QuantizedSwitchLinear":
+        """The same maps quantized per expert (``nn.quantize`` calls this)."""
+        return QuantizedSwitchLinear.from_weight(self.weight, group_size or 64, bits or 4, mode)
+
+
+class QuantizedSwitchLinear(nn.Module):
+    """Quantized ``SwitchLinear``: packed weight, scales and biases per expert (mlx-lm's layout)."""
+
+    def __init__(self, in_dims: int, out_dims: int, experts: int, group_size: int = 64, bits: int = 4,
+                 mode: str = "affine"):
+        super().__init__()
+        self.group_size, self.bits, self.mode = group_size, bits, mode
+        self.weight, self.scales, self.biases = mx.quantize(
+            mx.zeros((experts, out_dims, in_dims)), group_size=group_size, bits=bits, mode=mode)
+
+    @classmethod
+    def from_weight(cls, weight: mx.array, group_size: int, bits: int, mode: str) -> "QuantizedSwitchLinear":
+        experts, out_dims, in_dims = weight.shape
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer.group_size, layer.bits, layer.mode = group_size, bits, mode
+        layer.weight, layer.scales, layer.biases = mx.quantize(weight, group_size=group_size, bits=bits, mode=mode)
+        return layer
+
+    def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
+        return mx.gather_qmm(x, self.weight, self.scales, self.biases, rhs_indices=indices, transpose=True,
+                             group_size=self.group_size, bits=self.bits, mode=self.mode,
+                             sorted_indices=sorted_indices)
+
+
+class SwitchGLU(nn.Module):
+    """The gated MLP of every expert at once: ``down(act(gate(x)) * up(x))`` per chosen expert."""
+
+    def __init__(self, hidden: int, intermediate: int, experts: int, activation: str):
+        super().__init__()
+        self.gate_proj = SwitchLinear(hidden, intermediate, experts)
+        self.up_proj = SwitchLinear(hidden, intermediate, experts)
+        self.down_proj = SwitchLinear(intermediate, hidden, experts)
+        self.activation = activation
+
+    def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        """``x (N, hidden)`` and expert ``indices (N, k)`` -> ``(N, k, hidden)``."""
+        N, k = indices.shape
+        if N * k < SORT_THRESHOLD:
+            rows = x[:, None, None, :]  # (N, 1, 1, hidden): broadcast over the k choices
+            flat, order, is_sorted = indices, None, False
+        else:  # sort (token, expert) pairs by expert: each expert's rows are contiguous
+            pairs = indices.flatten()  # (N * k,)
+            order = mx.argsort(pairs)
+            flat = pairs[order]
+            rows = x[order // k][:, None, :]  # (N * k, 1, hidden)
+            is_sorted = True
+        h = GATES[self.activation](self.gate_proj(rows, flat, is_sorted), self.up_proj(rows, flat, is_sorted))
+        out = self.down_proj(h, flat, is_sorted)  # (N, k, 1, hidden) or (N * k, 1, hidden)
+        if order is None:
+            return out.squeeze(-2)
+        return out[mx.argsort(order)].reshape(N, k, -1)  # back to (token, choice) order
+
+
+class SparseMoE(nn.Module):
+    """Router + routed experts (+ Qwen2-MoE's gated shared expert): ``(B, T, h) -> (B, T, h)``."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.top_k = args.num_experts_per_tok
+        self.norm_topk_prob = args.norm_topk_prob
+        self.gate = nn.Linear(args.hidden_size, args.num_experts, bias=False)
+        self.switch_mlp = SwitchGLU(args.hidden_size, args.moe_intermediate_size, args.num_experts, args.hidden_act)
+        if args.shared_expert_intermediate_size:
+            self.shared_expert = MLP(dataclasses.replace(args, intermediate_size=args.shared_expert_intermediate_size))
+            self.shared_expert_gate = nn.Linear(args.hidden_size, 1, bias=False)
+
+    def route(self, x: mx.array) -> tuple[mx.array, mx.array]:
+        """Expert indices ``(N, k)`` and their weights ``(N, k)`` (float32) for rows ``x (N, h)``."""
+        probs = mx.softmax(self.gate(x).astype(mx.float32), axis=-1)  # (N, experts)
+        indices = mx.argpartition(-probs, kth=self.top_k - 1, axis=-1)[:, : self.top_k]
+        weights = mx.take_along_axis(probs, indices, axis=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(axis=-1, keepdims=True)
+        return mx.stop_gradient(indices), weights
+
+    def __call__(self, x: mx.array) -> mx.array:
+        B, T, H = x.shape
+        rows = x.reshape(B * T, H)  # (B, T, h) -> (N, h)
+        indices, weights = self.route(rows)
+        routed = self.switch_mlp(rows, indices)  # (N, k, h)
+        y = (routed * weights[..., None].astype(routed.dtype)).sum(axis=1)  # (N, h)
+        if "shared_expert" in self:
+            y = y + mx.sigmoid(self.shared_expert_gate(rows)) * self.shared_expert(rows)
+        return y.reshape(B, T, H)
+
+
+def moe_mlp(args: ModelArgs, layer_index: int) -> nn.Module:
+    """A sparse block, or the dense MLP on ``mlp_only_layers`` and between sparse steps."""
+    sparse = layer_index not in args.mlp_only_layers and (layer_index + 1) % args.decoder_sparse_step == 0
+    return SparseMoE(args) if sparse else MLP(args)
+
+
+# HF per-expert matrix names -> the stacked ones (Mixtral's w1/w2/w3 are gate/down/up).
+_EXPERT_NAMES = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj",
+                 "gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj"}
+_EXPERT_KEY = re.compile(r"^(.*)\.experts\.(\d+)\.(\w+)\.(weight|scales|biases)$")
+
+
+def expert_groups(names: Iterable[str], num_experts: int) -> dict[str, list[str]]:
+    """HF's per-expert names (``...experts.E.{w1,gate_proj,...}.weight``) grouped under the
+    stacked name each becomes (``...switch_mlp.gate_proj.weight``), in expert order; a block
+    missing an expert raises naming it."""
+    found: dict[str, dict[int, str]] = {}
+    for name in names:
+        match = _EXPERT_KEY.match(name)
+        if match is not None and match.group(3) in _EXPERT_NAMES:
+            prefix, expert, proj, kind = match.groups()
+            found.setdefault(f"{prefix}.switch_mlp.{_EXPERT_NAMES[proj]}.{kind}", {})[int(expert)] = name
+    groups = {}
+    for stacked, experts in found.items():
+        if sorted(experts) != list(range(num_experts)):
+            missing = sorted(set(range(num_experts)) - set(experts)) or sorted(set(experts) - set(range(num_experts)))
+            raise MlxformerError(f"{stacked.rsplit('.switch_mlp', 1)[0]}.experts: expected experts "
+                                 f"0..{num_experts - 1}, missing or extra {missing[:4]}")
+        groups[stacked] = [experts[e] for e in range(num_experts)]
+    return groups
+
+
+def stack_expert_arrays(weights: dict[str, mx.array], num_experts: int) -> dict[str, mx.array]:
+    """``weights`` with each expert group replaced by its stacked ``(experts, ...)`` array."""
+    groups = expert_groups(weights, num_experts)
+    members = {name for names in groups.values() for name in names}
+    out = {name: value for name, value in weights.items() if name not in members}
+    out.update({stacked: mx.stack([weights[n] for n in names]) for stacked, names in groups.items()})
+    return out
+
+
+MLP_TYPES["moe"] = moe_mlp

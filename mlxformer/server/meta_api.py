@@ -1,0 +1,90 @@
+"""Model metadata and template tools: the ``/v1/models`` entry (context length and
+capabilities), ``GET /v1/models/{id}``, and llama-server's ``POST /tokenize``, ``/detokenize`` and ``/apply-template``."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from fastapi import APIRouter
+from pydantic import Field
+
+from mlxformer.errors import MlxformerError
+from mlxformer.server.errors import APIError, bad_request
+from mlxformer.server.context import ServerContext
+from mlxformer.server.protocol import ChatMessage, Lenient, ModelCard
+from mlxformer.server.turn import Turn, render_prompt
+from mlxformer.server.tools import tool_plan
+
+MAX_DETOKENIZE = 1 << 20
+
+
+class TokenizeRequest(Lenient):
+    content: str
+    add_special: bool = False
+    with_pieces: bool = False
+
+
+class DetokenizeRequest(Lenient):
+    tokens: list[int] = Field(max_length=MAX_DETOKENIZE)
+
+
+class ApplyTemplateRequest(Lenient):
+    messages: list[ChatMessage] = Field(min_length=1)
+    tools: Optional[list[dict[str, Any]]] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+
+
+def model_card(ctx: ServerContext) -> ModelCard:
+    """The served model's ``/v1/models`` entry: context length and capabilities."""
+    assert ctx.traits is not None
+    return ModelCard(id=ctx.served.name, context_length=ctx.served.context_length,
+                     capabilities=ctx.traits.capabilities(ctx.served))
+
+
+def models_router(ctx: ServerContext) -> APIRouter:
+    """``/models/{id}`` (under ``/v1``; the list is in ``openai_routes``)."""
+    router = APIRouter()
+    served = ctx.served
+
+    @router.get("/models/{model_id:path}")
+    async def model(model_id: str) -> ModelCard:
+        if model_id != served.name:
+            raise APIError(f"the model {model_id!r} does not exist; this server serves {served.name!r}",
+                           404, "invalid_request_error", "model", "model_not_found")
+        return model_card(ctx)
+
+    return router
+
+
+def template_router(ctx: ServerContext) -> APIRouter:
+    """``/tokenize``, ``/detokenize`` and ``/apply-template`` (llama-server's shapes)."""
+    router = APIRouter()
+    served = ctx.served
+    tokenizer = served.tokenizer
+
+    @router.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        ids = tokenizer.encode(body.content, add_special_tokens=body.add_special)
+        if body.with_pieces:
+            return {"tokens": [{"id": i, "piece": tokenizer.decode([i])} for i in ids]}
+        return {"tokens": ids}
+
+    @router.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict[str, str]:
+        vocab = min(tokenizer.vocab_size, served.vocab_size)
+        if bad := [i for i in body.tokens if not 0 <= i < vocab]:
+            raise bad_request(f"token id {bad[0]} is outside the vocabulary (size {vocab})", param="tokens")
+        try:
+            return {"content": tokenizer.decode(body.tokens)}
+        except MlxformerError as exc:
+            raise bad_request(str(exc), param="tokens") from exc
+
+    @router.post("/apply-template")
+    async def apply_template(body: ApplyTemplateRequest) -> dict[str, str]:
+        kwargs = dict(body.chat_template_kwargs or {})
+        thinking = kwargs.pop("enable_thinking", None)
+        turn = Turn(messages=[m.template_dict() for m in body.messages], fields=None,  # type: ignore[arg-type]
+                    tools=body.tools, template_kwargs=kwargs, thinking=None if thinking is None else bool(thinking))
+        return {"prompt": await ctx.prepare(lambda: render_prompt(turn, served, tool_plan(body.tools, None), ctx.traits))}
+
+    return router

@@ -1,0 +1,49 @@
+"""Tool-call formats, one module each, and the rule that picks one from a chat template
+(overridable with ``serve --tool-parser NAME``), as vLLM's ``ToolParserManager`` and mlx-lm's
+``tool_parsers``. See ``base.py`` for the interface and ``stream.py`` for incremental parsing."""
+
+from __future__ import annotations
+
+from mlxformer.errors import MlxformerError
+from mlxformer.server.toolcalls.base import CallDelta, CallFormat, Section, ToolCall, ToolSpec
+from mlxformer.server.toolcalls.hermes import Hermes
+from mlxformer.server.toolcalls.json_fallback import JsonFallback
+from mlxformer.server.toolcalls.llama3 import Llama3Json
+from mlxformer.server.toolcalls.mistral import Mistral, MistralV11
+from mlxformer.server.toolcalls.qwen3_coder import Qwen3Coder
+from mlxformer.server.toolcalls.stream import Parsed, ToolCallStream
+
+FORMATS: dict[str, type[CallFormat]] = {
+    f.name: f for f in (Hermes, Qwen3Coder, Llama3Json, Mistral, MistralV11, JsonFallback)
+}
+
+# (format, texts that must all appear in the chat template), first match wins.
+TEMPLATE_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("qwen3_coder", ("<tool_call>", "<function=")),
+    ("hermes", ("<tool_call>",)),
+    ("mistral_v11", ("[TOOL_CALLS]", "[ARGS]")),
+    ("mistral", ("[TOOL_CALLS]",)),
+    ("llama3_json", ('"parameters"', "<|eot_id|>")),
+)
+
+
+def format_for_template(chat_template: str | None) -> str:
+    """The name of the call format a chat template teaches (``json`` when it teaches none)."""
+    for name, needles in TEMPLATE_RULES:
+        if chat_template and all(n in chat_template for n in needles):
+            return name
+    return JsonFallback.name
+
+
+def call_format(name: str) -> CallFormat:
+    """The format registered as ``name``; ``MlxformerError`` naming the choices otherwise."""
+    try:
+        return FORMATS[name]()
+    except KeyError:
+        raise MlxformerError(f"unknown tool parser {name!r}; choose one of {', '.join(sorted(FORMATS))}") from None
+
+
+__all__ = [
+    "CallDelta", "CallFormat", "FORMATS", "Parsed", "Section", "ToolCall", "ToolCallStream", "ToolSpec",
+    "call_format", "format_for_template",
+]

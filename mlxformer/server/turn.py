@@ -1,0 +1,126 @@
+"""One assistant turn, whichever API asked for it: the API-neutral request (``Turn``) the three
+APIs translate into, and its preparation into one engine request plus the parser of its reply.
+
+What the model can do (``Traits``: its tool-call format, whether it reasons) is read once from
+the chat template (``serve --tool-parser`` overrides the format)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from mlxformer.engine import GenerationRequest
+from mlxformer.errors import MlxformerError
+from mlxformer.server.errors import bad_request
+from mlxformer.server.hooks import constraint_for
+from mlxformer.server.protocol import ResponseFormat, SamplingFields
+from mlxformer.server.reasoning import (
+    EFFORT_BUDGETS, ThinkSplitter, answer_constraint, reasons, starts_in_reasoning,
+)
+from mlxformer.server.reply import ReplyParser
+from mlxformer.server.toolcalls import CallFormat, ToolCallStream, call_format, format_for_template
+from mlxformer.server.tools import ToolPlan, call_constraint, chat_messages, tool_plan
+from mlxformer.server.translate import ServedModel, check_prompt_chars, engine_request
+
+
+@dataclass(frozen=True)
+class Traits:
+    """What the served model's template teaches: its call format and whether it reasons."""
+
+    call_format: CallFormat
+    reasons: bool
+
+    @classmethod
+    def of(cls, served: ServedModel, tool_parser: str | None = None) -> Traits:
+        """The traits of ``served`` (``tool_parser``: a format name overriding the template's)."""
+        name = tool_parser or format_for_template(served.tokenizer.chat_template)
+        return cls(call_format(name), reasons(served.tokenizer))
+
+    def capabilities(self, served: ServedModel) -> dict[str, Any]:
+        """The ``capabilities`` of a model entry in ``/v1/models``."""
+        return {"chat": served.tokenizer.chat_template is not None, "tools": True, "tool_parser": self.call_format.name,
+                "reasoning": self.reasons, "structured_output": True}
+
+
+@dataclass
+class Turn:
+    """An API-neutral chat request.
+
+    ``messages``: OpenAI-style dicts (``role``, ``content`` text, ``tool_calls`` with arguments
+    as strings or objects, ``tool_call_id``, ``reasoning_content``); ``thinking``: ``None`` keeps
+    the template's default, ``False`` turns reasoning off; ``reasoning_budget``: the most tokens
+    the reasoning may take before ``</think>`` is forced."""
+
+    messages: list[dict[str, Any]]
+    fields: SamplingFields
+    max_tokens: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
+    logprobs: int | None = None
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+    thinking: bool | None = None
+    reasoning_budget: int | None = None
+    prompt_param: str = "messages"
+    max_tokens_param: str = "max_tokens"
+
+
+@dataclass
+class Prepared:
+    """A turn ready to run: the engine request, and how to read its reply."""
+
+    request: GenerationRequest
+    plan: ToolPlan
+    traits: Traits
+    in_reasoning: bool
+
+    def parser(self) -> ReplyParser:
+        """A fresh parser of this turn's reply."""
+        splitter = ThinkSplitter(self.in_reasoning) if self.traits.reasons else None
+        calls = ToolCallStream(self.traits.call_format, self.plan.spec) if self.plan.active else None
+        return ReplyParser(splitter, calls)
+
+
+def effort_budget(effort: str | None) -> int | None:
+    """The reasoning budget of an OpenAI ``reasoning_effort`` (``None``: unbounded)."""
+    if effort is None or effort == "none":
+        return None
+    if effort not in EFFORT_BUDGETS:
+        raise bad_request(f"reasoning_effort must be one of none, {', '.join(EFFORT_BUDGETS)}", param="reasoning_effort")
+    return EFFORT_BUDGETS[effort]
+
+
+def render_prompt(turn: Turn, served: ServedModel, plan: ToolPlan, traits: Traits) -> str:
+    """The conversation rendered by the chat template, generation prompt added."""
+    tokenizer = served.tokenizer
+    if not tokenizer.chat_template:
+        raise bad_request("this model has no chat template: use /v1/completions", param=turn.prompt_param)
+    messages, extra = chat_messages(turn.messages, plan, tokenizer.chat_template)
+    kwargs = {**turn.template_kwargs, **extra}
+    if traits.reasons:  # reasoning on unless turned off (templates read enable_thinking; llama.cpp's copies need it set)
+        kwargs.setdefault("enable_thinking", turn.thinking is not False)
+    try:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs)
+    except MlxformerError as exc:
+        raise bad_request(str(exc), param=turn.prompt_param) from exc
+
+
+def prepare(turn: Turn, served: ServedModel, traits: Traits) -> Prepared:
+    """The engine request of ``turn`` (400s on bad input) and how to parse its reply."""
+    plan = tool_plan(turn.tools, turn.tool_choice)
+    if plan.forced and turn.response_format is not None and turn.response_format.type != "text":
+        raise bad_request("a forced tool call cannot also have a response_format", param="tool_choice")
+    tokenizer, vocab = served.tokenizer, served.vocab_size
+    text = render_prompt(turn, served, plan, traits)
+    constraint = call_constraint(plan, traits.call_format, tokenizer, vocab) or constraint_for(
+        turn.response_format, tokenizer, vocab)
+    in_reasoning = traits.reasons and starts_in_reasoning(text)
+    budget = 0 if turn.thinking is False else turn.reasoning_budget
+    if traits.reasons:
+        constraint = answer_constraint(constraint, tokenizer, vocab, in_reasoning=in_reasoning, budget=budget)
+    check_prompt_chars(len(text), served, turn.prompt_param)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    request = engine_request(turn.fields, ids, served, max_tokens=turn.max_tokens, logprobs=turn.logprobs,
+                             constraint=constraint, prompt_param=turn.prompt_param,
+                             max_tokens_param=turn.max_tokens_param)
+    return Prepared(request, plan, traits, in_reasoning)

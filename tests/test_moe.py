@@ -1,0 +1,165 @@
+"""Mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE) on tiny random checkpoints
+written by transformers' own config classes, against transformers' eager logits; mlx-lm's own
+(quantized) conversion of them against mlx-lm's logits; engine and speculative greedy identity.
+
+80-token forwards route 160 (token, expert) pairs through the expert-sorted gather, 10-token
+ones and decode steps through the unsorted one (``models.moe.SORT_THRESHOLD``).
+"""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import torch
+from mlx.utils import tree_flatten
+
+from conftest import cpu_default_device, edit_config, max_diff, write_byte_tokenizer, write_tiny_checkpoint
+from mlxformer import convert, load, stream_generate
+from mlxformer.cache import CacheSettings, make_cache
+from mlxformer.engine import batch_generate
+from mlxformer.errors import MlxformerError
+from mlxformer.generation import decode_step, prefill
+from mlxformer.models.moe import SORT_THRESHOLD, QuantizedSwitchLinear, SparseMoE, expert_groups
+from mlxformer.speculative import SpeculativeSettings
+
+BOUND = 3e-4  # fp32 on both sides; measured <= 1.7e-5
+CASES = {
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+    # a dense layer among sparse ones, and the gated shared expert
+    "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=48, mlp_only_layers=[1]),
+    "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+                      head_dim=16),
+    "olmoe": dict(num_experts=8, num_experts_per_tok=2),
+}
+
+
+def tokens(n: int, seed: int = 1) -> np.ndarray:
+    return np.random.default_rng(seed).integers(3, 256, size=n)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cpu_device():
+    with cpu_default_device():
+        yield
+
+
+def write_moe(directory, model_type):
+    """A tiny checkpoint whose config.json also carries the keys mlx-lm's model classes require
+    (real Qwen3-MoE configs have ``num_experts`` and ``rope_theta``; transformers 5 writes
+    ``num_local_experts`` and ``rope_parameters``)."""
+    directory, hf_model = write_tiny_checkpoint(directory, model_type, **CASES[model_type])
+    write_byte_tokenizer(directory)
+    config = edit_config(directory)
+    edit_config(directory, num_experts=config.get("num_experts") or config["num_local_experts"],
+                rope_theta=(config.get("rope_parameters") or {}).get("rope_theta", 1e4))
+    return directory, hf_model
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def case(request, tmp_path_factory):
+    directory, hf_model = write_moe(tmp_path_factory.mktemp(request.param), request.param)
+    model, tokenizer = load(directory, dtype=mx.float32, threads=2)  # the router and experts beside CPU shards
+    tokenizer.eos_token_ids = []
+    return request.param, directory, model, tokenizer, hf_model
+
+
+def reference(hf_model, ids: np.ndarray) -> np.ndarray:
+    with torch.no_grad():
+        return hf_model(torch.tensor(ids[None])).logits[0].numpy()
+
+
+def test_forward_sorted_and_unsorted(case):
+    name, _, model, _, hf_model = case
+    assert any(isinstance(layer[layer.mlp_name], SparseMoE) for layer in model.layers)
+    for length in (80, 10):
+        assert (length * 2 >= SORT_THRESHOLD) == (length == 80)
+        ids = tokens(length)
+        assert max_diff(np.array(model(mx.array(ids[None]))[0]), reference(hf_model, ids)) <= BOUND, length
+
+
+def test_chunked_prefill_then_decode(case):
+    name, _, model, _, hf_model = case
+    ids = tokens(40)
+    ref = reference(hf_model, ids)
+    cache = make_cache(model, CacheSettings())
+    steps = [np.array(prefill(model, mx.array(ids[:20]), cache, step_size=7)[0])]
+    for t in range(20, 40):
+        steps.append(np.array(decode_step(model, mx.array(ids[t : t + 1]), cache)[0]))
+    assert max_diff(np.stack(steps), ref[19:]) <= BOUND
+
+
+PROMPTS = ["Once upon a time, in a land far away,", "abcabcabcabc", "The quick brown fox jumps over"]
+
+
+def test_engine_batch_and_speculation_match_alone(case):
+    name, _, model, tokenizer, _ = case
+    alone = [[r.token for r in stream_generate(model, tokenizer, p, 12)] for p in PROMPTS]
+    assert batch_generate(model, tokenizer, PROMPTS, 12, max_batch=3) == [tokenizer.decode(t) for t in alone]
+    lookup = SpeculativeSettings(prompt_lookup=True, num_draft_tokens=4, ngram_min=1)
+    responses = list(stream_generate(model, tokenizer, PROMPTS[1], 12, speculative=lookup))
+    assert [r.token for r in responses] == alone[1]
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe"])
+def test_quantized_dirs_match_mlx_lm(model_type, tmp_path):
+    """mlx-lm's own 4-bit conversion (stacked ``switch_mlp`` experts, quantized: an
+    mlx-community dir) loads with mlx-lm's logits, and so does what ``mlxformer convert -q``
+    writes, experts quantized."""
+    from mlx_lm import convert as mlx_lm_convert
+    from mlx_lm import load as mlx_lm_load
+
+    source, _ = write_moe(tmp_path / "hf", model_type)
+    mlx_lm_convert(str(source), str(tmp_path / "q4"), quantize=True, q_group_size=32, q_bits=4)
+    convert(source, tmp_path / "ours-q4", quantize=True, q_group_size=32, q_bits=4)
+    ids = mx.array(tokens(80)[None])
+    for directory in (tmp_path / "q4", tmp_path / "ours-q4"):  # mlx-lm's conversion, then ours
+        theirs, _ = mlx_lm_load(str(directory))
+        theirs.set_dtype(mx.float32)  # float32 activations on both sides; scales widen exactly
+        ours, _ = load(directory, dtype=mx.float32, threads=1)
+        assert any(".switch_mlp.down_proj.scales" in name for name, _ in tree_flatten(ours.parameters()))
+        ref = np.array(theirs(ids)[0])
+        assert max_diff(np.array(ours(ids)[0]), ref) <= 1e-4, directory.name
+    config = json.loads((tmp_path / "ours-q4" / "config.json").read_text())
+    assert config["quantization"]["bits"] == 4
+    experts = [layer[layer.mlp_name].switch_mlp.gate_proj for layer in ours.layers]
+    assert all(isinstance(e, QuantizedSwitchLinear) and e.bits == 4 for e in experts)
+
+
+def test_missing_expert_is_named(tmp_path):
+    names = [f"model.layers.0.mlp.experts.{e}.gate_proj.weight" for e in (0, 1, 3)]
+    with pytest.raises(MlxformerError, match=r"model.layers.0.mlp.experts: .*missing or extra \[2\]"):
+        expert_groups(names, 4)
+    directory, _ = write_moe(tmp_path, "qwen3_moe")  # the same through load, from the file
+    from safetensors.numpy import load_file, save_file
+
+    tensors = load_file(directory / "model.safetensors")
+    del tensors["model.layers.1.mlp.experts.5.up_proj.weight"]
+    save_file(tensors, directory / "model.safetensors")
+    with pytest.raises(MlxformerError, match=r"model.layers.1.mlp.experts: .*\[5\]"):
+        load(directory)
+
+
+def test_tensor_parallel_refuses_experts(case):
+    from mlxformer.distributed.tensor import check_divisible
+
+    with pytest.raises(MlxformerError, match="--parallel pipeline"):
+        check_divisible(case[2].args, 2)
+
+
+def test_info_counts_total_and_active_parameters(case, tmp_path):
+    """Against transformers' own modules: every parameter, and per token the routed experts'
+    share ``k / experts`` of theirs."""
+    from mlxformer.planning import footprint
+
+    name, directory, model, _, hf_model = case
+    total = sum(p.numel() for p in hf_model.parameters())
+    routed = sum(p.numel() for n, p in hf_model.named_parameters() if ".experts." in n)
+    args = model.args
+    fp = footprint(directory)
+    assert fp.parameters == total
+    assert fp.active_parameters == total - routed + routed * args.num_experts_per_tok // args.num_experts
+    assert fp.active_parameters < total
