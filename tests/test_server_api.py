@@ -261,8 +261,20 @@ def test_response_format_json_schema(server, client):
         model=MODEL_NAME, messages=[{"role": "user", "content": QUESTION + " Answer in JSON."}], max_tokens=40,
         temperature=0, response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}},
     )
-    jsonschema.validate(json.loads(reply.choices[0].message.content), schema)
+    content = reply.choices[0].message.content
+    jsonschema.validate(json.loads(content), schema)
     assert reply.choices[0].finish_reason == "stop"
+    # a stop string inside the JSON cuts it short: reported as a length cut, streamed or not (issue 17, 4)
+    cut = content[content.index('"', content.index(":")) + 1:][:3]
+    for stream in (False, True):
+        again = client.chat.completions.create(
+            model=MODEL_NAME, messages=[{"role": "user", "content": QUESTION + " Answer in JSON."}], max_tokens=40,
+            temperature=0, stop=[cut], stream=stream,
+            response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}},
+        )
+        chunks = list(again) if stream else [again]
+        text = "".join((c.choices[0].delta.content or "") if stream else c.choices[0].message.content for c in chunks)
+        assert text == content[: content.index(cut)] and chunks[-1].choices[0].finish_reason == "length", stream
     bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "no-such-type"}}}
     body = {"messages": [{"role": "user", "content": "Hi"}], "response_format": bad}
     status, _, raw = http(server.url, "POST", "/v1/chat/completions", body)

@@ -56,6 +56,19 @@ class TokenEvent:
     accepted_tokens: int = 0  # ... and accepted by the model
     incomplete: bool = False  # structured output cut short by max_tokens or a stop string (last event)
 
+    @property
+    def truncated(self) -> bool:
+        """The output ended before it was complete: ``max_tokens`` ran out, or a stop string
+        cut structured output short. The APIs report both as a length cut ("length",
+        Responses' "incomplete", Anthropic's "max_tokens"), so clients treat a cut JSON reply
+        as they treat one out of tokens."""
+        return self.finish_reason == "length" or (self.finish_reason is not None and self.incomplete)
+
+    @property
+    def reported_finish_reason(self) -> str | None:
+        """``finish_reason`` as the OpenAI-style APIs report it ("length" when ``truncated``)."""
+        return "length" if self.truncated else self.finish_reason
+
 
 class Status(enum.Enum):
     WAITING = "waiting"  # queued, not admitted

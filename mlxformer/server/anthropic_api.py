@@ -106,7 +106,7 @@ def stop_reason(event: TokenEvent, called: bool, text: str, stops: list[str], eo
                 ) -> tuple[str, str | None]:
     """``(stop_reason, stop_sequence)`` of a finished reply (``text``: its tokens decoded, a stop
     sequence the engine cut off the reply still in)."""
-    if event.finish_reason == "length":
+    if event.truncated:
         return "max_tokens", None
     if called:
         return "tool_use", None

@@ -86,6 +86,6 @@ def whole_reply(parser: ReplyParser, events: list[TokenEvent]) -> Reply:
         content.append(delta.content)
         reasoning.append(delta.reasoning)
         if event.finish_reason is not None:
-            reply.finish_reason = parser.finish_reason(event.finish_reason)
+            reply.finish_reason = parser.finish_reason(event.reported_finish_reason)
     reply.content, reply.reasoning, reply.calls = "".join(content), "".join(reasoning), list(parser.calls)
     return reply

@@ -187,7 +187,7 @@ async def collect(events: AsyncIterator[TokenEvent]) -> Collected:
             result.events.append(event)
             result.last = event
             if event.finish_reason is not None:
-                result.finish_reason = event.finish_reason
+                result.finish_reason = event.reported_finish_reason
     result.text = "".join(pieces)
     return result
 
@@ -264,7 +264,7 @@ def chat_chunk_maker(request_id: str, model: str, text: TokenStrings, logprobs: 
         due = aligner.add(event)
         delta = parser.feed(event)
         entries = [chat_token_logprob(s.event, text) for s in due] if logprobs and due else None
-        finish = parser.finish_reason(event.finish_reason)
+        finish = parser.finish_reason(event.reported_finish_reason)
         if not (delta.content or delta.reasoning or delta.calls) and entries is None and finish is None:
             return None
         calls = [_call_delta(c) for c in delta.calls] or None
@@ -308,7 +308,7 @@ def completion_chunk_maker(
                 add_completion_logprob(built, scored, text, len(echo))
         if not piece and built is None and event.finish_reason is None:
             return None
-        choice = CompletionChoice(text=piece, logprobs=built, finish_reason=event.finish_reason)
+        choice = CompletionChoice(text=piece, logprobs=built, finish_reason=event.reported_finish_reason)
         return CompletionResponse(id=request_id, model=model, choices=[choice])
 
     return make

@@ -221,7 +221,7 @@ def responses_router(ctx: ServerContext) -> APIRouter:
         def finished(event: TokenEvent) -> str:
             if body.store:
                 store.put(response_id, continued(history, segmenter.segments))
-            return "incomplete" if event.finish_reason == "length" else "completed"
+            return "incomplete" if event.truncated else "completed"
 
         if body.stream:
             sequence = [0]
