@@ -59,7 +59,9 @@ def hf_strided_perplexity(hf_model, ids: list[int], context: int, stride: int) -
     return math.exp(nll / count)
 
 
-@pytest.mark.parametrize("context,stride", [(64, 32), (64, 64), (50, 17), (300, 128)])
+# stride == context is left out: transformers' loop then skips each window's first token, while
+# mlxformer scores every token exactly once (test_decoding checks that count)
+@pytest.mark.parametrize("context,stride", [(64, 32), (50, 17), (300, 128)])
 def test_matches_transformers_strided_loop(tiny, context, stride):
     _, hf_model, model = tiny
     ids = [int(i) for i in np.random.default_rng(context + stride).integers(0, 256, size=200)]
