@@ -2,7 +2,7 @@
 decode step, constraint or detokenizer fails that request alone, and the other seven of eight
 concurrent requests give what each gives alone through ``generate``; ``submit`` on an engine
 that is not running raises; ``stop`` leaves nothing queued; a handle gets every event however
-fast the engine is; ``/health`` answers 503 once the engine's thread is dead."""
+fast the engine is; a stopped engine starts again; ``/health`` answers 503 once the engine's thread is dead."""
 
 from __future__ import annotations
 
@@ -146,6 +146,18 @@ def test_submit_needs_a_running_engine(tiny):
         assert len(list(engine.submit(request))) == 2
     with pytest.raises(EngineNotRunning):
         engine.submit(request)
+
+
+def test_a_stopped_engine_starts_again(tiny, alone):
+    """Its batches and prefix cache were built on the ended thread's streams: the new thread
+    must not inherit lazy arrays bound to them (MLX: "There is no Stream(cpu, N)")."""
+    model, tokenizer = tiny
+    engine = Engine(model, tokenizer, prefill_chunk=CHUNK)
+    for _ in range(2):  # the same prompts again: the second run hits the prefix cache
+        with engine:
+            handles = [engine.submit(GenerationRequest(p, MAX_TOKENS)) for p in PROMPTS[:3]]
+            texts = ["".join(e.text for e in h) for h in handles]
+        assert texts == alone["float"][:3]
 
 
 def test_stop_ends_waiting_requests(tiny):

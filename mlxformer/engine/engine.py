@@ -98,6 +98,7 @@ class Engine:
         self._wake = threading.Condition()
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._died = False  # the loop ended on its own (set before its requests are failed)
         self._limits: tuple[int, int] | None = None  # MLX's limits before start(), restored by stop()
 
     # --- public API ---------------------------------------------------------------------
@@ -107,6 +108,7 @@ class Engine:
         with self._wake:
             if self._thread is None or not self._thread.is_alive():
                 self._stopping = False
+                self._died = False
                 if self.budget is not None and self._limits is None:
                     self._limits = self.budget.apply()
                 self._thread = threading.Thread(target=self._loop, name="mlxformer-engine", daemon=True)
@@ -128,6 +130,7 @@ class Engine:
             for handle in list(self._handles.values()):  # e.g. the loop ended before they were admitted
                 self._end(handle.sequence, "cancelled")
             self.replays.clear()
+            self.runner.reset()  # its buffers were built on the ended thread's streams
             self.prefix_cache.flush()  # the disk tier's writes are done when stop returns
             if self._limits is not None:
                 self.budget.restore(self._limits)  # type: ignore[union-attr]
@@ -142,7 +145,8 @@ class Engine:
     @property
     def running(self) -> bool:
         """Whether the loop is running and takes requests."""
-        return self._thread is not None and self._thread.is_alive() and not self._stopping
+        return (self._thread is not None and self._thread.is_alive()
+                and not self._stopping and not self._died)
 
     def submit(self, request: GenerationRequest) -> RequestHandle:
         """Queue ``request``; raises ``MlxformerError`` on an invalid request, ``KVBudgetExceeded``
@@ -188,6 +192,7 @@ class Engine:
             mx.clear_streams()
             if not self._stopping:  # the loop died: nothing will serve the requests it had
                 with self._wake:
+                    self._died = True  # before the requests hear of it: /health must already say so
                     self._fail_all(EngineNotRunning("the engine's thread ended"))
 
     def _serve(self) -> None:
