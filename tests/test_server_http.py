@@ -154,6 +154,31 @@ def test_host_header_allow_list(server, tiny):
         assert http(url, "GET", "/v1/models", headers={"Host": "box.lan:8080"})[0] == 200
 
 
+def test_guard_errors_on_the_messages_routes_are_anthropic_shaped(server, tiny):
+    """The Host check and the body limit answer before routing, in the shape of the route's API
+    (the OpenAPI document declares Anthropic's error body for every status of /v1/messages)."""
+    import anthropic
+
+    status, _, raw = http(server.url, "POST", "/v1/messages", {"model": "m"}, headers={"Host": "attacker.example"})
+    assert status == 403 and json.loads(raw)["type"] == "error", raw
+    model, tokenizer = tiny
+    with running_server(server.engine, model, tokenizer, max_body_bytes=100) as url:
+        client = anthropic.Anthropic(base_url=url, api_key="none", max_retries=0)
+        with pytest.raises(anthropic.APIStatusError) as caught:
+            client.messages.create(model="m", max_tokens=1, messages=[{"role": "user", "content": "Hi " * 50}])
+        assert caught.value.status_code == 413 and caught.value.body["error"]["type"] == "request_too_large"
+        status, _, raw = http(url, "POST", "/v1/completions", {"prompt": "Hi " * 50})
+        assert status == 413 and error_of(raw)["code"] == "request_too_large"
+
+
+def test_responses_json_schema_format_without_a_schema_is_a_400(server):
+    """Found by schemathesis's coverage phase: it was a 500 (the format was only checked when
+    translated to the chat format, after validation)."""
+    for fmt in ({"type": "json_schema", "name": "x"}, {"type": "json_schema", "schema": None}):
+        status, _, raw = http(server.url, "POST", "/v1/responses", {"input": "Hi", "text": {"format": fmt}})
+        assert status == 400 and error_of(raw)["param"] == "text", raw
+
+
 def test_openapi_document_behind_the_key_or_off(server, tiny):
     model, tokenizer = tiny
     with running_server(server.engine, model, tokenizer, api_key="k3y") as url:
