@@ -33,6 +33,7 @@ from agent_support import LLAMA_CPP_PYTHON_VERSION
 from conftest import cpu_default_device, max_diff, write_tiny_checkpoint
 from mlxformer import load
 from mlxformer.models.moe import QuantizedSwitchLinear, SparseMoE
+from mlxformer.planning import footprint
 
 CACHE = Path(os.environ.get("MLXFORMER_TEST_CACHE", Path.home() / ".cache" / "mlxformer-test"))
 CONVERTER = CACHE / f"llama-cpp-python-{LLAMA_CPP_PYTHON_VERSION}" / "vendor" / "llama.cpp" / "convert_hf_to_gguf.py"
@@ -134,6 +135,7 @@ def test_converter_gguf_matches_transformers(converted, name):
         model, _ = load(path, dtype=mx.float32)
         got = np.array(model(mx.array(ids[None]))[0])
     assert max_diff(got, ref) <= BOUND
+    assert footprint(path).parameters == sum(p.numel() for p in hf_model.parameters())  # ``info``'s count
     if model.args.mlp_type == "moe":
         blocks = [layer[layer.mlp_name] for layer in model.layers]
         assert all(isinstance(b, SparseMoE) for b in blocks)

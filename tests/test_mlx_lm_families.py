@@ -2,7 +2,8 @@
 tests/test_moe.py: mlx-lm's own ``convert`` of each (float, and 4-bit as mlx-community dirs are
 made) loads in mlxformer with mlx-lm's logits, and what ``mlxformer convert`` writes (float and
 ``-q``) loads in mlx-lm with equal logits. Float dirs are also checked against transformers on
-the original checkpoint, so a shared mistake could not pass.
+the original checkpoint, so a shared mistake could not pass. ``mlxformer info``'s figures for
+each family are checked against transformers' parameters and the files' bytes.
 
 Where mlx-lm itself departs from transformers the prompt stays where it does not: mlx-lm's
 Gemma 2 and Phi-3 have no sliding window (8 tokens, one window), its Phi-3 LongRoPE always uses
@@ -46,32 +47,75 @@ def cpu_device():
         yield
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_mlx_lm_dirs_both_ways(name, tmp_path):
+@pytest.fixture(scope="module", params=list(CASES))
+def dirs(request, tmp_path_factory):
+    """``(name, transformers model, root)``: ``root/hf`` the tiny checkpoint, ``root/mlx-lm``
+    and ``root/mlx-lm-q4`` mlx-lm's conversions of it, ``root/ours`` and ``root/ours-q4`` ours."""
     from mlx_lm import convert as mlx_lm_convert
-    from mlx_lm import load as mlx_lm_load
 
-    model_type, overrides, length, bound = CASES[name]
-    source, hf_model = write_tiny_checkpoint(tmp_path / "hf", model_type, **overrides)
+    name = request.param
+    model_type, overrides, _, _ = CASES[name]
+    root = tmp_path_factory.mktemp(name)
+    source, hf_model = write_tiny_checkpoint(root / "hf", model_type, **overrides)
     write_byte_tokenizer(source)
     add_mlx_lm_config_keys(source)
+    quantize = dict(quantize=True, q_group_size=32, q_bits=4)
+    mlx_lm_convert(str(source), str(root / "mlx-lm"))
+    mlx_lm_convert(str(source), str(root / "mlx-lm-q4"), **quantize)
+    convert(source, root / "ours")
+    convert(source, root / "ours-q4", **quantize)
+    return name, hf_model, root
+
+
+def test_mlx_lm_dirs_both_ways(dirs):
+    from mlx_lm import load as mlx_lm_load
+
+    name, hf_model, root = dirs
+    _, _, length, bound = CASES[name]
     ids = np.random.default_rng(1).integers(3, 256, size=length)
     with torch.no_grad():
         reference = hf_model(torch.tensor(ids[None])).logits[0].numpy()
-    quantize = dict(quantize=True, q_group_size=32, q_bits=4)
-    mlx_lm_convert(str(source), str(tmp_path / "mlx-lm"))
-    mlx_lm_convert(str(source), str(tmp_path / "mlx-lm-q4"), **quantize)
-    convert(source, tmp_path / "ours")
-    convert(source, tmp_path / "ours-q4", **quantize)
     for directory in ("mlx-lm", "mlx-lm-q4", "ours", "ours-q4"):
-        theirs, _ = mlx_lm_load(str(tmp_path / directory))
+        theirs, _ = mlx_lm_load(str(root / directory))
         theirs.set_dtype(mx.float32)  # float32 activations on both sides; scales widen exactly
-        ours, _ = load(tmp_path / directory, dtype=mx.float32, threads=1)
+        ours, _ = load(root / directory, dtype=mx.float32, threads=1)
         got = np.array(ours(mx.array(ids[None]))[0])
         assert max_diff(got, np.array(theirs(mx.array(ids[None]))[0])) <= bound, directory
         if directory.endswith("q4"):
             quantized = "switch_mlp.down_proj.scales" if name in test_moe.CASES else "mlp.down_proj.scales"
             assert any(n.endswith(quantized) for n, _ in tree_flatten(ours.parameters())), directory
-            assert json.loads((tmp_path / directory / "config.json").read_text())["quantization"]["bits"] == 4
+            assert json.loads((root / directory / "config.json").read_text())["quantization"]["bits"] == 4
         else:
             assert max_diff(got, reference) <= HF_BOUND, directory
+
+
+def file_bytes(directory) -> int:
+    """Bytes of every tensor in ``directory``'s safetensors files, from their headers (safetensors')."""
+    from safetensors import safe_open
+
+    sizes = {"F32": 4, "U32": 4, "F16": 2, "BF16": 2}
+    total = 0
+    for path in directory.glob("*.safetensors"):
+        with safe_open(str(path), "np") as f:
+            for key in f.keys():
+                tensor = f.get_slice(key)
+                total += int(np.prod(tensor.get_shape())) * sizes[tensor.get_dtype()]
+    return total
+
+
+def test_info_figures(dirs):
+    """``mlxformer info``'s figures against transformers' own modules and the files: every
+    parameter (tied embeddings once; quantized ones unpacked), per token the routed experts'
+    share ``k / experts``, and the stored bytes, float and 4-bit."""
+    from mlxformer.planning import footprint
+
+    name, hf_model, root = dirs
+    total = sum(p.numel() for p in hf_model.parameters())
+    routed = sum(p.numel() for n, p in hf_model.named_parameters() if ".experts." in n)
+    for directory in ("hf", "mlx-lm-q4"):
+        fp = footprint(root / directory)
+        args = fp.args
+        assert fp.parameters == total, directory
+        active = total - routed + (routed * args.num_experts_per_tok // args.num_experts if routed else 0)
+        assert fp.active_parameters == active and (active < total) == (name in test_moe.CASES), directory
+        assert fp.stored_bytes == file_bytes(root / directory), directory
