@@ -130,6 +130,7 @@ class CompletionRequest(SamplingFields):
     logprobs: Optional[int] = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
     suffix: Optional[str] = None
+    response_format: Optional[ResponseFormat] = None  # vLLM's extension: structured output for a raw prompt
 
 
 # --- responses -------------------------------------------------------------------------------
