@@ -19,6 +19,9 @@ the load averages the JSON records. Writes ``prompt_cache.json`` and ``prompt_ca
 Usage:
   python benchmarks/prepare_models.py --skip-1b     # once: writes .bench/models
   python benchmarks/prompt_cache.py [--model .bench/models/smollm2-bf16] [--prefix-tokens 512 1024 2048 4096]
+  # the 2026-12-01 figures (a shared 2-core machine: the two parts as two ~15-minute runs)
+  python benchmarks/prompt_cache.py --prefix-tokens 256 512 1024 --skip-concurrent
+  python benchmarks/prompt_cache.py --prefix-tokens 256 512 1024 --concurrent-tokens 128 --skip-single
 """
 
 from __future__ import annotations

@@ -120,6 +120,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--trials", type=int, default=1)
     parser.add_argument("--kv-bits", nargs="+", type=int, default=[0, 8], help="0: float KV cache")
+    parser.add_argument("--first", choices=SERVERS, default=SERVERS[0], help="the server of the first round")
     parser.add_argument("--skip-single", action="store_true", help="no library single-stream decode figure")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     parser.add_argument("--replot", type=Path, help="only redraw the plot from a results JSON this script wrote")
@@ -133,7 +134,7 @@ def main() -> None:
     start_load = load_average()
     results: dict[str, dict[str, dict[str, dict[str, float]]]] = {}
     single: dict[str, float] = {}
-    flip = False
+    flip = args.first != SERVERS[0]
     for name in args.models:
         model_dir = args.models_dir / name
         eos_ids = eos_ids_of(model_dir)
