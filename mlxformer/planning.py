@@ -129,12 +129,15 @@ def footprint(path_or_repo: str | Path | Checkpoint, device: mx.DeviceType | Non
     loaded = dict(tree_flatten(model.parameters()))
     entries = []
     for path, module in model.named_modules():
-        names = [f"{path}.{k}" for k, v in module.items() if isinstance(v, mx.array)]
+        # its own parameters: not the private arrays (``_``-named: LongRoPE's factor tables)
+        names = [name for k, v in module.items() if isinstance(v, mx.array) and (name := f"{path}.{k}") in stored]
         if not names:
             continue
         if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding, QuantizedSwitchLinear)):
             *lead, packed = module.weight.shape  # (out, packed) or (experts, out, packed)
-            units = [(f"{path}.weight", (*lead, packed * 32 // module.bits), names)]
+            packed_parts = [n for n in names if n.rsplit(".", 1)[1] in ("weight", "scales", "biases")]
+            units = [(f"{path}.weight", (*lead, packed * 32 // module.bits), packed_parts)]
+            units += [(n, tuple(stored[n].shape), [n]) for n in names if n not in packed_parts]  # its bias
         else:
             units = [(name, tuple(stored[name].shape), [name]) for name in names]
         for name, shape, parts in units:

@@ -179,6 +179,30 @@ def edit_config(directory: Path, **changes: Any) -> dict[str, Any]:
     return config
 
 
+def add_mlx_lm_config_keys(directory: Path) -> dict[str, Any]:
+    """Give a transformers-5 ``config.json`` the transformers-4 keys that mlx-lm's model classes
+    read (and that real mlx-community configs carry): ``rope_theta``/``rope_scaling``
+    (``rope_local_base_freq`` for Gemma 3's per-layer-type ``rope_parameters``),
+    ``partial_rotary_factor`` and ``num_experts`` at the top level; and a ``tokenizer_config.json``
+    naming the plain fast tokenizer (mlx-lm loads ``AutoTokenizer``, whose per-family classes
+    expect special tokens the byte tokenizer lacks)."""
+    config = edit_config(directory)
+    params = dict(config.get("rope_parameters") or {})
+    changes: dict[str, Any] = {}
+    if isinstance(params.get("full_attention"), dict):  # Gemma 3: keyed by layer type
+        changes["rope_local_base_freq"] = params.get("sliding_attention", {}).get("rope_theta", 10000.0)
+        params = dict(params["full_attention"])
+    if "partial_rotary_factor" in params:
+        changes["partial_rotary_factor"] = params.pop("partial_rotary_factor")
+    changes["rope_theta"] = params.pop("rope_theta", 10000.0)
+    if params.get("rope_type", "default") != "default":
+        changes["rope_scaling"] = {**params, "type": params["rope_type"]}
+    if config.get("num_local_experts") and not config.get("num_experts"):
+        changes["num_experts"] = config["num_local_experts"]
+    (directory / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
+    return edit_config(directory, **changes)
+
+
 @pytest.fixture(scope="session")
 def smollm(smollm_gguf: Path):
     """mlxformer's ``load`` of the real GGUF: (model, tokenizer), float32 compute (CPU policy),

@@ -1,5 +1,6 @@
 """Generation over 2 ranks started by ``mlx.launch --backend ring`` on 127.0.0.1: greedy tokens
-equal the single-process ones (pipeline on every family and the real SmolLM2, tensor parallel
+equal the single-process ones (pipeline on every family, a mixture of experts, Gemma 3 and the
+real SmolLM2, tensor parallel
 on a model whose heads divide), each rank loads at most 0.6x the single-process memory, and
 a killed or hung rank makes the other exit non-zero. Launches are few and batched: each one
 costs seconds."""
@@ -93,13 +94,21 @@ def test_two_ranks_match_single_process_and_split_memory(tmp_path, cpu_device, s
             tmp_path / "big", "llama", vocab_size=512, hidden_size=512, intermediate_size=1536,
             num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
         )[0],
+        # mixture of experts; and Gemma 3's sliding/global layers (5:1, local RoPE) split over
+        # the stages, the 20 positions past its window of 8
+        "moe": write_tiny_checkpoint(tmp_path / "moe", "qwen3_moe", num_experts=8, num_experts_per_tok=2,
+                                     moe_intermediate_size=32, norm_topk_prob=True, **SHAPE)[0],
+        "gemma3": write_tiny_checkpoint(tmp_path / "gemma3", "gemma3_text", sliding_window=8, query_pre_attn_scalar=32,
+                                        **{**SHAPE, "num_hidden_layers": 6})[0],
     }
+    layers = {"big": 8, "gemma3": 6}
     jobs = [
         ("llama", "pipeline", {}), ("mistral", "pipeline", {}), ("qwen2", "pipeline", {"kv_bits": 8, "kv_group_size": 32}),
         ("qwen3", "pipeline", {"kv_bits": 4, "kv_group_size": 32}), ("llama", "pipeline", {"max_kv_size": 7}),
         ("llama", "tensor", {}), ("qwen3", "tensor", {"kv_bits": 8, "kv_group_size": 32}),
         ("gguf", "pipeline", {}), ("gguf", "tensor", {}),
         ("big", "pipeline", {}), ("big", "tensor", {}), ("big", "single", {}),
+        ("moe", "pipeline", {}), ("gemma3", "pipeline", {}), ("gemma3", "pipeline", {"kv_bits": 8, "kv_group_size": 32}),
     ]
     job_list = [
         {"name": f"{m}-{p}-{i}", "model": str(models[m]), "parallel": p, "cache": c, "prompt": PROMPT, "max_tokens": MAX_TOKENS}
@@ -118,7 +127,7 @@ def test_two_ranks_match_single_process_and_split_memory(tmp_path, cpu_device, s
         result = results[job["name"]]
         assert result["tokens"] == reference_tokens(models[model], cache), job["name"]
         if parallel == "pipeline":
-            assert 0 < result["stage"][1] < 4 + 4 * (model == "big")  # rank 0 holds some layers, rank 1 the rest
+            assert 0 < result["stage"][1] < layers.get(model, 4)  # rank 0 holds some layers, rank 1 the rest
 
     single = results[job_list[11]["name"]]["load_peaks"][0]
     for name in (job_list[9]["name"], job_list[10]["name"]):

@@ -39,10 +39,7 @@ def tiny(tmp_path_factory):
     return model, tokenizer
 
 
-@pytest.mark.parametrize("cache", [
-    pytest.param(c, marks=pytest.mark.xfail(reason="known defect, open in issue 19: with an 8-bit KV cache a "
-                                            "preempted sequence's replay can diverge from decoding alone", strict=False))
-    if c == "kv8" else c for c in CACHES])
+@pytest.mark.parametrize("cache", CACHES)
 def test_eight_full_contexts_in_a_two_sequence_budget(tiny, cache):
     model, tokenizer = tiny
     settings = CACHES[cache]

@@ -1,6 +1,6 @@
 """Mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE) on tiny random checkpoints
-written by transformers' own config classes, against transformers' eager logits; mlx-lm's own
-(quantized) conversion of them against mlx-lm's logits; engine and speculative greedy identity.
+written by transformers' own config classes, against transformers' eager logits; engine and
+speculative greedy identity. (mlx-lm interop of every family: tests/test_mlx_lm_families.py.)
 
 80-token forwards route 160 (token, expert) pairs through the expert-sorted gather, 10-token
 ones and decode steps through the unsorted one (``models.moe.SORT_THRESHOLD``).
@@ -8,21 +8,19 @@ ones and decode steps through the unsorted one (``models.moe.SORT_THRESHOLD``).
 
 from __future__ import annotations
 
-import json
 
 import mlx.core as mx
 import numpy as np
 import pytest
 import torch
-from mlx.utils import tree_flatten
 
-from conftest import cpu_default_device, edit_config, max_diff, write_byte_tokenizer, write_tiny_checkpoint
-from mlxformer import convert, load, stream_generate
+from conftest import add_mlx_lm_config_keys, cpu_default_device, max_diff, write_byte_tokenizer, write_tiny_checkpoint
+from mlxformer import load, stream_generate
 from mlxformer.cache import CacheSettings, make_cache
 from mlxformer.engine import batch_generate
 from mlxformer.errors import MlxformerError
 from mlxformer.generation import decode_step, prefill
-from mlxformer.models.moe import SORT_THRESHOLD, QuantizedSwitchLinear, SparseMoE, expert_groups
+from mlxformer.models.moe import SORT_THRESHOLD, SparseMoE, expert_groups
 from mlxformer.speculative import SpeculativeSettings
 
 BOUND = 3e-4  # fp32 on both sides; measured <= 1.7e-5
@@ -47,15 +45,13 @@ def cpu_device():
         yield
 
 
-def write_moe(directory, model_type):
+def write_moe(directory, model_type, **overrides):
     """A tiny checkpoint whose config.json also carries the keys mlx-lm's model classes require
     (real Qwen3-MoE configs have ``num_experts`` and ``rope_theta``; transformers 5 writes
     ``num_local_experts`` and ``rope_parameters``)."""
-    directory, hf_model = write_tiny_checkpoint(directory, model_type, **CASES[model_type])
+    directory, hf_model = write_tiny_checkpoint(directory, model_type, **{**CASES[model_type], **overrides})
     write_byte_tokenizer(directory)
-    config = edit_config(directory)
-    edit_config(directory, num_experts=config.get("num_experts") or config["num_local_experts"],
-                rope_theta=(config.get("rope_parameters") or {}).get("rope_theta", 1e4))
+    add_mlx_lm_config_keys(directory)
     return directory, hf_model
 
 
@@ -104,31 +100,6 @@ def test_engine_batch_and_speculation_match_alone(case):
     assert [r.token for r in responses] == alone[1]
 
 
-@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe"])
-def test_quantized_dirs_match_mlx_lm(model_type, tmp_path):
-    """mlx-lm's own 4-bit conversion (stacked ``switch_mlp`` experts, quantized: an
-    mlx-community dir) loads with mlx-lm's logits, and so does what ``mlxformer convert -q``
-    writes, experts quantized."""
-    from mlx_lm import convert as mlx_lm_convert
-    from mlx_lm import load as mlx_lm_load
-
-    source, _ = write_moe(tmp_path / "hf", model_type)
-    mlx_lm_convert(str(source), str(tmp_path / "q4"), quantize=True, q_group_size=32, q_bits=4)
-    convert(source, tmp_path / "ours-q4", quantize=True, q_group_size=32, q_bits=4)
-    ids = mx.array(tokens(80)[None])
-    for directory in (tmp_path / "q4", tmp_path / "ours-q4"):  # mlx-lm's conversion, then ours
-        theirs, _ = mlx_lm_load(str(directory))
-        theirs.set_dtype(mx.float32)  # float32 activations on both sides; scales widen exactly
-        ours, _ = load(directory, dtype=mx.float32, threads=1)
-        assert any(".switch_mlp.down_proj.scales" in name for name, _ in tree_flatten(ours.parameters()))
-        ref = np.array(theirs(ids)[0])
-        assert max_diff(np.array(ours(ids)[0]), ref) <= 1e-4, directory.name
-    config = json.loads((tmp_path / "ours-q4" / "config.json").read_text())
-    assert config["quantization"]["bits"] == 4
-    experts = [layer[layer.mlp_name].switch_mlp.gate_proj for layer in ours.layers]
-    assert all(isinstance(e, QuantizedSwitchLinear) and e.bits == 4 for e in experts)
-
-
 def test_missing_expert_is_named(tmp_path):
     names = [f"model.layers.0.mlp.experts.{e}.gate_proj.weight" for e in (0, 1, 3)]
     with pytest.raises(MlxformerError, match=r"model.layers.0.mlp.experts: .*missing or extra \[2\]"):
@@ -148,18 +119,3 @@ def test_tensor_parallel_refuses_experts(case):
 
     with pytest.raises(MlxformerError, match="--parallel pipeline"):
         check_divisible(case[2].args, 2)
-
-
-def test_info_counts_total_and_active_parameters(case, tmp_path):
-    """Against transformers' own modules: every parameter, and per token the routed experts'
-    share ``k / experts`` of theirs."""
-    from mlxformer.planning import footprint
-
-    name, directory, model, _, hf_model = case
-    total = sum(p.numel() for p in hf_model.parameters())
-    routed = sum(p.numel() for n, p in hf_model.named_parameters() if ".experts." in n)
-    args = model.args
-    fp = footprint(directory)
-    assert fp.parameters == total
-    assert fp.active_parameters == total - routed + routed * args.num_experts_per_tok // args.num_experts
-    assert fp.active_parameters < total

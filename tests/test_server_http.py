@@ -154,6 +154,76 @@ def test_host_header_allow_list(server, tiny):
         assert http(url, "GET", "/v1/models", headers={"Host": "box.lan:8080"})[0] == 200
 
 
+def test_guard_errors_on_the_messages_routes_are_anthropic_shaped(server, tiny):
+    """The Host check and the body limit answer before routing, in the shape of the route's API
+    (the OpenAPI document declares Anthropic's error body for every status of /v1/messages)."""
+    import anthropic
+
+    status, _, raw = http(server.url, "POST", "/v1/messages", {"model": "m"}, headers={"Host": "attacker.example"})
+    assert status == 403 and json.loads(raw)["type"] == "error", raw
+    model, tokenizer = tiny
+    with running_server(server.engine, model, tokenizer, max_body_bytes=100) as url:
+        client = anthropic.Anthropic(base_url=url, api_key="none", max_retries=0)
+        with pytest.raises(anthropic.APIStatusError) as caught:
+            client.messages.create(model="m", max_tokens=1, messages=[{"role": "user", "content": "Hi " * 50}])
+        assert caught.value.status_code == 413 and caught.value.body["error"]["type"] == "request_too_large"
+        status, _, raw = http(url, "POST", "/v1/completions", {"prompt": "Hi " * 50})
+        assert status == 413 and error_of(raw)["code"] == "request_too_large"
+
+
+def test_responses_json_schema_format_without_a_schema_is_a_400(server):
+    """Found by schemathesis's coverage phase: it was a 500 (the format was only checked when
+    translated to the chat format, after validation)."""
+    for fmt in ({"type": "json_schema", "name": "x"}, {"type": "json_schema", "schema": None}):
+        status, _, raw = http(server.url, "POST", "/v1/responses", {"input": "Hi", "text": {"format": fmt}})
+        assert status == 400 and error_of(raw)["param"] == "text", raw
+
+
+OVERFLOWING = {"anyOf": [{"type": "object", "properties": {k: {"type": "integer"}}, "required": [k]} for k in "abcdefghijklmnopqrst"]}
+
+
+@pytest.fixture
+def tight_matcher(monkeypatch):
+    """llguidance limits under which ``OVERFLOWING`` compiles but its first mask overflows the
+    matcher ("Too many items"). With llguidance's defaults (50,000 Earley items per step) that
+    takes a schema of some 12,000 optional properties (about 20 s to compile), so the test
+    lowers the limit instead: the error is llguidance's own, at the same step."""
+    import llguidance
+
+    from mlxformer.constrained import matcher
+
+    monkeypatch.setattr(matcher, "PARSER_LIMITS", llguidance.LLParserLimits(step_max_items=10))
+
+
+def test_a_schema_overflowing_the_matcher_at_its_first_mask_is_a_400_on_every_api(server, tight_matcher, caplog):
+    """Chat, completions, Responses and Messages: a 400 naming the format, a short message, nothing
+    logged (it was a 500, or a failure after the stream began, with the matcher's whole report)."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": OVERFLOWING}}
+    hi = [{"role": "user", "content": "Hi"}]
+    for path, body in [
+        ("/v1/chat/completions", {"messages": hi, "response_format": fmt}),
+        ("/v1/chat/completions", {"messages": hi, "response_format": fmt, "stream": True}),
+        ("/v1/completions", {"prompt": "Hi", "response_format": fmt}),
+        ("/v1/responses", {"input": "Hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": OVERFLOWING}}}),
+        ("/v1/messages", {"model": "m", "max_tokens": 8, "messages": hi,
+                          "output_config": {"format": {"type": "json_schema", "schema": OVERFLOWING}}}),
+    ]:
+        status, _, raw = http(server.url, "POST", path, body)
+        assert status == 400, (path, raw)
+        error = json.loads(raw)["error"]
+        assert "Too many items" in error["message"] and len(error["message"]) < 600, error
+    assert not [r for r in caplog.records if len(r.getMessage()) > 1000]
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.chat.completions.create(model="smollm2-test", messages=hi, max_tokens=8, stream=stream,
+                                           response_format=fmt)
+        assert caught.value.body["param"] == "response_format" and "Too many items" in caught.value.body["message"]
+    plain = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "integer"}}}
+    status, _, raw = http(server.url, "POST", "/v1/completions", {"prompt": "n=", "response_format": plain, "max_tokens": 4})
+    assert status == 200 and json.loads(raw)["choices"][0]["text"].strip().lstrip("-").isdigit(), raw
+
+
 def test_openapi_document_behind_the_key_or_off(server, tiny):
     model, tokenizer = tiny
     with running_server(server.engine, model, tokenizer, api_key="k3y") as url:

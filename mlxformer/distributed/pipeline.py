@@ -92,7 +92,7 @@ def _local_name(name: str, stage: Stage) -> str | None:
 def load_stage(checkpoint: Checkpoint, stage: Stage, dtype: mx.Dtype | None = None) -> Model:
     """The decoder holding ``stage``'s layers (and ends), reading only their tensors."""
     used = used_tensors(checkpoint.args, checkpoint.tensors)
-    weights = checkpoint.read(name for name in used if _local_name(name, stage) is not None)
+    weights = checkpoint.read(used.subset(name for name in used if _local_name(name, stage) is not None))
     local = {local_name: array for name, array in weights.items() if (local_name := _local_name(name, stage))}
     config = dict(checkpoint.config)
     quantization = config.get("quantization") or config.get("quantization_config")

@@ -25,7 +25,7 @@ from mlxformer.engine.memory import KVBudgetExceeded, KVSizer, MemoryPlanner, he
 from mlxformer.engine.metrics import EngineMetrics
 from mlxformer.engine.prefix_sharing import PrefixSharing
 from mlxformer.engine.prompt_cache import PromptCacheSettings, build_prefix_cache
-from mlxformer.engine.replay import Replays, rewind_caches
+from mlxformer.engine.replay import Replays, resume_tokens, rewind_caches
 from mlxformer.engine.scheduler import EngineNotRunning, Scheduler, Step
 from mlxformer.engine.sequence import (
     GenerationRequest, Sequence, Status, TokenEvent, check_request, choose_rows,
@@ -273,7 +273,8 @@ class Engine:
         A preempted one looks up everything it had; what is missing it recomputes."""
         resumed = bool(sequence.generated)
         scoring = sequence.prompt_scores is not None and not resumed  # scores need every position
-        hit = None if scoring else self.prefix_cache.lookup(sequence.tokens if resumed else sequence.prompt)
+        hit = None if scoring else self.prefix_cache.lookup(
+            resume_tokens(sequence, self.prefix_cache, self.scheduler.prefill_chunk) if resumed else sequence.prompt)
         sequence.cache, cached = hit if hit is not None else (make_cache(self.model, self.cache_settings), 0)
         sequence.processed = min(cached, len(sequence.prompt))
         if resumed:

@@ -1,6 +1,12 @@
 """Replaying a preempted sequence's generated tokens after its caches were recomputed, and
 rolling caches back after a failed step.
 
+``resume_tokens`` says how much of its prefix-cache copy a preempted sequence takes back: all it
+had, or, when that would end inside its prompt, only up to the last boundary of its first
+prefill's chunks. Its prompt is then cut into the same chunks as before, so it computes the same
+keys and values bit for bit (a quantized cache would turn a rounding difference into a different
+token).
+
 A resumed sequence whose caches hold its prompt and ``generated[:index]`` feeds the rest again,
 one decode step each (the same computation as when it generated them, so its caches and its
 output are what they would have been without the preemption). While it replays, ``generated``
@@ -10,7 +16,19 @@ tokens after it wait here; their logits are not used."""
 from __future__ import annotations
 
 from mlxformer.cache import Cache
+from mlxformer.engine.prefix_cache import PrefixCache
 from mlxformer.engine.sequence import Sequence
+
+
+def resume_tokens(sequence: Sequence, prefix_cache: PrefixCache, prefill_chunk: int) -> list[int]:
+    """The tokens a preempted ``sequence`` looks up in ``prefix_cache`` (see the module's doc)."""
+    tokens, prompt, start = sequence.tokens, len(sequence.prompt), sequence.cached_tokens
+    size = prefix_cache.block_size
+    hit = prefix_cache.cached_blocks(prefix_cache.keys_for(tokens, (len(tokens) - 1) // size)) * size
+    if hit >= prompt or hit <= start:
+        return tokens
+    boundary = start + (hit - start) // prefill_chunk * prefill_chunk
+    return tokens[: boundary + 1]  # a lookup serves fewer tokens than it is given
 
 
 class Replays:

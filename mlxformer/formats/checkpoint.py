@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Mapping
 
 import mlx.core as mx
 
@@ -46,14 +46,15 @@ class Checkpoint:
     def is_gguf(self) -> bool:
         return self.gguf_metadata is not None
 
-    def read(self, names: Iterable[str], piece: Callable[[str, mx.array], mx.array] | None = None
+    def read(self, tensors: Tensors, piece: Callable[[str, mx.array], mx.array] | None = None
              ) -> dict[str, mx.array]:
-        """The tensors ``names``, each cut by ``piece(name, array)`` if given (a distributed
-        rank's share) and evaluated before the next is read: peak memory is what is kept plus
-        one full tensor."""
+        """The lazy ``tensors`` (this checkpoint's, as the decoder uses them: ``used_tensors``,
+        experts stacked, maybe a subset), each cut by ``piece(name, array)`` if given (a
+        distributed rank's share) and evaluated before the next is read: peak memory is what
+        is kept plus one full tensor."""
         out: dict[str, mx.array] = {}
-        for name in names:
-            array = self.tensors[name]
+        for name in tensors:
+            array = tensors[name]
             if piece is not None:
                 array = mx.contiguous(piece(name, array))  # a copy: the full tensor is freed
             mx.eval(array)

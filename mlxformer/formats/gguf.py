@@ -155,15 +155,15 @@ def _decode(gguf: GGUFFile, info: TensorInfo, heads: int | None) -> dict[str, mx
     ``_entries`` announced."""
     if info.type_name in FLOAT_TYPES:
         return {"weight": _unpermute_mx(_float_tensor(gguf, info), heads)}
-    cols, kind = info.shape[-1], info.type_name
-    if len(info.shape) != 2 or kind not in EXACT_TYPES:  # float values (a vector, or to requantize)
+    cols, kind, lead = info.shape[-1], info.type_name, info.shape[:-1]  # lead: (rows,) or (experts, rows)
+    if len(info.shape) == 1 or kind not in EXACT_TYPES:  # float values (a vector, or to requantize)
         values = _decoded_rows(gguf, info, lambda raw, n: {"v": decode_values(raw, kind, n, cols)})["v"]
-        if len(info.shape) != 2:
+        if len(info.shape) == 1:
             return {"weight": _unpermute_mx(mx.array(values.reshape(info.shape)), heads)}
         if heads is not None:
             values = _unpermute_rows(values, heads)
-        weight, scales, biases = requantize(values, INEXACT_BITS)
-        return {"weight": weight, "scales": scales, "biases": biases}
+        quantized = requantize(values, INEXACT_BITS)  # (all rows, ...) each
+        return {k: v.reshape(*lead, -1) for k, v in zip(("weight", "scales", "biases"), quantized)}
 
     def codes(raw: np.ndarray, n: int) -> dict[str, np.ndarray]:
         c = decode_codes(raw, kind, n, cols)
@@ -176,8 +176,8 @@ def _decode(gguf: GGUFFile, info: TensorInfo, heads: int | None) -> dict[str, mx
     if heads is not None:
         out = {k: _unpermute_rows(v, heads) for k, v in out.items()}
     arrays = {}
-    for key in list(out):
-        arrays[key] = mx.array(out.pop(key))  # each numpy copy is freed as soon as MLX holds it
+    for key in list(out):  # (all rows, n) -> (*lead, n); each numpy copy freed once MLX holds it
+        arrays[key] = mx.array(out.pop(key).reshape(*lead, -1))
     return arrays
 
 
@@ -199,17 +199,17 @@ def _entries(path: Path, info: TensorInfo, name: str) -> dict[str, TensorEntry]:
                              f"(supported: {', '.join(SUPPORTED_TYPES)})")
     if info.type_name in FLOAT_TYPES:
         return {"weight": TensorEntry(name, info.shape, _FLOAT_DTYPES[info.type_name], path)}
-    if len(info.shape) != 2:  # a quantized vector: decoded to float values
+    if len(info.shape) == 1:  # a quantized vector: decoded to float values
         return {"weight": TensorEntry(name, info.shape, mx.float32, path)}
     module, suffix = name.rsplit(".", 1)
     if suffix != "weight":
         raise MlxformerError(f"{path}: tensor {info.name!r} is quantized but is not a weight matrix")
-    rows, cols = info.shape
+    *lead, cols = info.shape  # (rows, cols), or (experts, rows, cols) for stacked experts
     bits = QUANT_BITS[info.type_name]
     scale_dtype = mx.float16 if info.type_name in LEGACY_TYPES else mx.float32
-    return {"weight": TensorEntry(f"{module}.weight", (rows, cols * bits // 32), mx.uint32, path),
-            "scales": TensorEntry(f"{module}.scales", (rows, cols // GROUP_SIZE), scale_dtype, path),
-            "biases": TensorEntry(f"{module}.biases", (rows, cols // GROUP_SIZE), scale_dtype, path)}
+    return {"weight": TensorEntry(f"{module}.weight", (*lead, cols * bits // 32), mx.uint32, path),
+            "scales": TensorEntry(f"{module}.scales", (*lead, cols // GROUP_SIZE), scale_dtype, path),
+            "biases": TensorEntry(f"{module}.biases", (*lead, cols // GROUP_SIZE), scale_dtype, path)}
 
 
 class _Decoder:
@@ -254,10 +254,21 @@ def open_gguf(path: Path) -> tuple[dict[str, Any], dict[str, TensorEntry], Calla
     if rope_freqs is not None:
         factors = _rope_factors(gguf, rope_freqs, config["head_dim"])
         config["rope_scaling"] = rope_scaling_from_factors(factors, config["rope_theta"], config["head_dim"])
+    long, short = gguf.tensors.get("rope_factors_long.weight"), gguf.tensors.get("rope_factors_short.weight")
+    if long is not None or short is not None:  # Phi-3.5 / Phi-4-mini LongRoPE
+        if long is None or short is None:
+            raise MlxformerError(f"{path}: LongRoPE needs both rope_factors_long and rope_factors_short")
+        rotary = int(config["head_dim"] * config.get("partial_rotary_factor", 1.0))
+        attention_factor = gguf.metadata.get(f"{arch}.rope.scaling.attn_factor")
+        config["rope_scaling"] = {
+            "rope_type": "longrope", "long_factor": _rope_factors(gguf, long, rotary).tolist(),
+            "short_factor": _rope_factors(gguf, short, rotary).tolist(),
+            **({} if attention_factor is None else {"attention_factor": float(attention_factor)}),
+        }
     permute = arch in PERMUTED_QK_ARCHS
     heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]} if permute else {}
     quantization = _quantization_config({names[n]: info.type_name for n, info in tensors.items()
-                                         if len(info.shape) == 2})
+                                         if len(info.shape) >= 2})
     if quantization:
         config["quantization"] = quantization
     decoder = _Decoder(gguf, sources, heads, arch in NORM_SHIFTED_ARCHS)
@@ -265,16 +276,17 @@ def open_gguf(path: Path) -> tuple[dict[str, Any], dict[str, TensorEntry], Calla
 
 
 def _rope_factors(gguf: GGUFFile, info: TensorInfo, head_dim: Any) -> np.ndarray:
-    """``rope_freqs.weight``: one positive float32 factor per rotary frequency (head_dim / 2)."""
+    """``rope_freqs`` / ``rope_factors_{long,short}``: one positive float32 factor per rotary
+    frequency (``head_dim`` rotated features / 2)."""
+    name = info.name
     if info.type_name != "F32" or len(info.shape) != 1:
-        raise MlxformerError(f"{gguf.path}: rope_freqs.weight must be a float32 vector, not {info.type_name} "
-                             f"{info.shape}")
+        raise MlxformerError(f"{gguf.path}: {name} must be a float32 vector, not {info.type_name} {info.shape}")
     if not isinstance(head_dim, int) or info.shape[0] * 2 != head_dim:
-        raise MlxformerError(f"{gguf.path}: rope_freqs.weight has {info.shape[0]} factors, the head dim "
+        raise MlxformerError(f"{gguf.path}: {name} has {info.shape[0]} factors, the head dim "
                              f"{head_dim} needs {head_dim // 2 if isinstance(head_dim, int) else '?'}")
     factors = gguf.raw(info).view(np.float32)
     if not np.all(np.isfinite(factors)) or np.any(factors <= 0):
-        raise MlxformerError(f"{gguf.path}: rope_freqs.weight has non-positive or non-finite factors")
+        raise MlxformerError(f"{gguf.path}: {name} has non-positive or non-finite factors")
     return factors
 
 def _quantization_config(types: dict[str, str]) -> dict[str, Any]:

@@ -14,6 +14,7 @@ from typing import Any, Callable
 GGUF_ARCHITECTURES = {
     "llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma": "gemma", "gemma2": "gemma2",
     "gemma3": "gemma3_text", "phi3": "phi3", "olmo2": "olmo2", "granite": "granite", "smollm3": "smollm3",
+    "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "olmoe": "olmoe",  # llama + experts: mixtral
 }
 # Architectures whose converter stored every RMSNorm weight as ``1 + weight`` (Gemma's offset).
 NORM_SHIFTED_ARCHS = ("gemma", "gemma2", "gemma3")
@@ -41,11 +42,12 @@ def _gemma2(field: Field, config: dict[str, Any]) -> dict[str, Any]:
 
 
 def _gemma3(field: Field, config: dict[str, Any]) -> dict[str, Any]:
-    # llama.cpp: every sixth layer global, the others sliding with an unscaled base of 10k
+    # llama.cpp: every sixth layer global, the others sliding with an unscaled base (10k unless
+    # ``rope.freq_base_swa`` says otherwise)
     extra: dict[str, Any] = {
         "sliding_window": int(field("attention.sliding_window", 4096)),
-        "sliding_window_pattern": 6,
-        "rope_local_base_freq": 10000.0,
+        "sliding_window_pattern": int(field("attention.sliding_window_pattern", 6)),
+        "rope_local_base_freq": float(field("rope.freq_base_swa", 10000.0)),
         "query_pre_attn_scalar": _gemma_scalar(field, config, 62),
     }
     softcap = field("final_logit_softcapping", None)
@@ -74,12 +76,36 @@ def _granite(field: Field, config: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _experts(field: Field, config: dict[str, Any], norm_topk_prob: bool) -> dict[str, Any]:
+    """The mixture-of-experts keys; llama.cpp hard-codes whether the top-k weights are renormalised."""
+    return {
+        "num_experts": int(field("expert_count")),
+        "num_experts_per_tok": int(field("expert_used_count")),
+        "moe_intermediate_size": int(field("expert_feed_forward_length", config["intermediate_size"])),
+        "shared_expert_intermediate_size": int(field("expert_shared_feed_forward_length", 0)),
+        "norm_topk_prob": norm_topk_prob,
+    }
+
+
+def _llama(field: Field, config: dict[str, Any]) -> dict[str, Any]:
+    if field("expert_count", None) is None:
+        return {}
+    return {"model_type": "mixtral", **_experts(field, config, True)}
+
+
+def _qwen2moe(field: Field, config: dict[str, Any]) -> dict[str, Any]:
+    return _experts(field, config, False)
+
+
 def _smollm3(field: Field, config: dict[str, Any]) -> dict[str, Any]:
     return {"no_rope_layer_interval": 4}  # llama.cpp: every fourth layer has no RoPE
 
 
 _ARCH_KEYS: dict[str, Callable[[Field, dict[str, Any]], dict[str, Any]]] = {
     "gemma2": _gemma2, "gemma3": _gemma3, "phi3": _phi3, "granite": _granite, "smollm3": _smollm3,
+    "llama": _llama, "qwen2moe": _qwen2moe,
+    "qwen3moe": lambda field, config: _experts(field, config, True),
+    "olmoe": lambda field, config: _experts(field, config, False),
 }
 
 

@@ -34,9 +34,25 @@ _SANDWICH_NORMS = {  # Gemma 2/3: four norms a layer
     "blk.{i}.ffn_norm": "model.layers.{i}.pre_feedforward_layernorm",
     "blk.{i}.post_ffw_norm": "model.layers.{i}.post_feedforward_layernorm",
 }
+
+
+def _experts(block: str) -> dict[str, str]:
+    """Mixture-of-experts rows: the router, the routed experts stored 3-D ``(experts, out, in)``
+    as the stacked ``SwitchLinear`` weights, and Qwen2-MoE's gated shared expert."""
+    prefix = f"model.layers.{{i}}.{block}"
+    rows = {"blk.{i}.ffn_gate_inp": f"{prefix}.gate",
+            "blk.{i}.ffn_gate_inp_shexp": f"{prefix}.shared_expert_gate"}
+    for gguf_proj, proj in (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")):
+        rows[f"blk.{{i}}.ffn_{gguf_proj}_exps"] = f"{prefix}.switch_mlp.{proj}"
+        rows[f"blk.{{i}}.ffn_{gguf_proj}_shexp"] = f"{prefix}.shared_expert.{proj}"
+    return rows
+
+
 # Per-architecture rows, added to (or replacing) ``TENSOR_NAMES``.
 ARCH_TENSOR_NAMES: dict[str, dict[str, str]] = {
-    "llama": {}, "qwen2": {}, "qwen3": {}, "gemma": {}, "granite": {}, "smollm3": {},
+    "llama": _experts("block_sparse_moe"),  # Mixtral is llama with ``ffn_*_exps``
+    "qwen2": {}, "qwen3": {}, "gemma": {}, "granite": {}, "smollm3": {},
+    "qwen2moe": _experts("mlp"), "qwen3moe": _experts("mlp"), "olmoe": _experts("mlp"),
     "gemma2": _SANDWICH_NORMS,
     "gemma3": _SANDWICH_NORMS,
     "olmo2": {  # norms after the sublayers only
@@ -52,7 +68,7 @@ ARCH_TENSOR_NAMES: dict[str, dict[str, str]] = {
 # LlamaModel and the converters derived from it.
 PERMUTED_QK_ARCHS = ("llama", "granite", "smollm3")
 # Tensors that are config, not weights: read into the config by ``gguf.py``.
-CONFIG_TENSORS = ("rope_freqs.weight",)
+CONFIG_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 
 _LAYER_NAME = re.compile(r"^blk\.(\d+)\.(.+)$")
 

@@ -12,10 +12,14 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
 from mlxformer.engine import TokenEvent
-from mlxformer.server.anthropic_protocol import Block, Message, MessagesRequest, TokenCountRequest, anthropic_error
+from mlxformer.server.anthropic_protocol import (
+    AnthropicErrorResponse, Block, Message, MessageResponse, MessagesRequest, MessageStreamEvent, TokenCount,
+    TokenCountRequest, anthropic_error,
+)
 from mlxformer.server.errors import bad_request, validation_message
 from mlxformer.server.context import ServerContext
 from mlxformer.server.hosting import check_model, frames, named_event
+from mlxformer.server.openapi import BODY, GENERATION, GUARDED, KEYED, error_responses, streamed_ok
 from mlxformer.server.streaming import collect_unless_gone
 from mlxformer.server.protocol import ResponseFormat, SamplingFields, new_id
 from mlxformer.server.segments import Segment, SegmentEvent, Segmenter
@@ -24,6 +28,9 @@ from mlxformer.server.tools import tool_plan
 
 PATH_PREFIX = "/v1/messages"
 BLOCK_TYPES = {"reasoning": "thinking", "text": "text", "call": "tool_use"}
+# every error of these routes, the guard's and the key's too, is Anthropic-shaped
+COUNT_ERRORS = error_responses((*GUARDED, *KEYED, *BODY, 404, 415), AnthropicErrorResponse)
+MESSAGE_ERRORS = error_responses((*GUARDED, *KEYED, *GENERATION), AnthropicErrorResponse)
 
 
 def is_anthropic_path(path: str) -> bool:
@@ -152,7 +159,7 @@ def messages_router(ctx: ServerContext) -> APIRouter:
     served = ctx.served
     eos = frozenset(served.tokenizer.eos_token_ids)
 
-    @router.post("/messages/count_tokens")
+    @router.post("/messages/count_tokens", response_model=TokenCount, responses=COUNT_ERRORS)
     async def count_tokens(body: TokenCountRequest) -> dict[str, int]:
         check_model(ctx, body.model)
         def count() -> int:
@@ -162,7 +169,8 @@ def messages_router(ctx: ServerContext) -> APIRouter:
 
         return {"input_tokens": await ctx.prepare(count)}
 
-    @router.post("/messages")
+    @router.post("/messages", response_model=MessageResponse,
+                 responses={**streamed_ok(MessageResponse, MessageStreamEvent), **MESSAGE_ERRORS})
     async def messages(body: MessagesRequest, request: Request) -> Response:
         check_model(ctx, body.model)
         prepared = await ctx.prepare(lambda: prepare(anthropic_turn(body), served, ctx.traits))

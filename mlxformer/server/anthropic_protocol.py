@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, Optional, Union
 
-from pydantic import Field
+from pydantic import BaseModel, Field
 
 from mlxformer.server.protocol import Lenient
 
@@ -91,6 +91,48 @@ class MessagesRequest(TokenCountRequest):
     top_p: Optional[float] = Field(default=None, gt=0.0, le=1.0)
     top_k: Optional[int] = Field(default=None, ge=0)
     metadata: Optional[dict[str, Any]] = None
+
+
+class AnthropicErrorDetail(BaseModel):
+    type: str
+    message: str
+
+
+class AnthropicErrorResponse(BaseModel):
+    """The error body of the Messages routes (documentation: ``anthropic_error`` builds it)."""
+
+    type: Literal["error"]
+    error: AnthropicErrorDetail
+
+
+class MessageUsage(BaseModel):
+    input_tokens: int
+    output_tokens: int
+    cache_read_input_tokens: int
+    cache_creation_input_tokens: int
+
+
+class MessageResponse(BaseModel):
+    """The reply of ``POST /v1/messages`` (documentation: the route builds it as a dict)."""
+
+    id: str
+    type: Literal["message"]
+    role: Literal["assistant"]
+    model: str
+    content: list[dict[str, Any]]  # text, thinking and tool_use blocks
+    stop_reason: Optional[Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]]
+    stop_sequence: Optional[str]
+    usage: MessageUsage
+
+
+class MessageStreamEvent(BaseModel):
+    """One event of a streamed reply: ``message_start``, ``content_block_*``, ``message_delta``, ..."""
+
+    type: str
+
+
+class TokenCount(BaseModel):
+    input_tokens: int
 
 
 def anthropic_error(status: int, message: str) -> dict[str, Any]:

@@ -122,7 +122,7 @@ def create_app(
         app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
                            allow_headers=list(CORS_HEADERS))
     hosts = None if allowed_hosts is None else frozenset(host_name(h) for h in allowed_hosts)
-    app.add_middleware(RequestGuard, allowed_hosts=hosts, max_body_bytes=max_body_bytes)
+    app.add_middleware(RequestGuard, allowed_hosts=hosts, max_body_bytes=max_body_bytes, shape=api_shape)
     return app
 
 
@@ -163,14 +163,17 @@ def require_json(request: Request) -> None:
                        "invalid_request_error", None, "unsupported_media_type")
 
 
+def api_shape(path: str, status: int, body: dict[str, Any]) -> dict[str, Any]:
+    """An OpenAI error body as the API of ``path`` spells it (Anthropic's on the Messages routes)."""
+    return anthropic_error(status, body["error"]["message"]) if is_anthropic_path(path) else body
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Every error as an OpenAI-style body (Anthropic-style on the Messages routes): 400 for
     invalid input, never a traceback."""
 
     def respond(request: Request, body: dict[str, Any], status: int, headers: Any = None) -> JSONResponse:
-        if is_anthropic_path(request.url.path):
-            body = anthropic_error(status, body["error"]["message"])
-        return JSONResponse(body, status_code=status, headers=headers)
+        return JSONResponse(api_shape(request.url.path, status, body), status_code=status, headers=headers)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:

@@ -9,6 +9,7 @@ from typing import Any, Awaitable, Callable, Iterable
 
 from mlxformer.server.errors import error_body
 
+Shape = Callable[[str, int, dict[str, Any]], dict[str, Any]]  # (path, status, OpenAI body) -> the body to send
 ASGIApp = Callable[[dict[str, Any], Callable[[], Awaitable[dict]], Callable[[dict], Awaitable[None]]], Awaitable[None]]
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 DEFAULT_MAX_BODY_BYTES = 4 * 2**20
@@ -34,10 +35,16 @@ def loopback_hosts(bound: str, extra: Iterable[str] = ()) -> frozenset[str]:
     return frozenset(host_name(h) for h in (bound, *LOOPBACK_NAMES, *extra))
 
 
-async def send_error(send: Callable[[dict], Awaitable[None]], status: int, message: str, code: str) -> None:
-    """Answer with an OpenAI error body and close the connection."""
+def openai_shape(path: str, status: int, body: dict[str, Any]) -> dict[str, Any]:
+    """Every error body as OpenAI's."""
+    return body
+
+
+async def send_error(send: Callable[[dict], Awaitable[None]], status: int, message: str, code: str,
+                     path: str = "", shape: Shape = openai_shape) -> None:
+    """Answer with an error body (OpenAI's, or what ``shape`` makes of it for ``path``) and close the connection."""
     kind = "permission_error" if status == 403 else "invalid_request_error"
-    body = json.dumps(error_body(message, kind, None, code)).encode()
+    body = json.dumps(shape(path, status, error_body(message, kind, None, code))).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                (b"connection", b"close")]
     await send({"type": "http.response.start", "status": status, "headers": headers})
@@ -46,10 +53,12 @@ async def send_error(send: Callable[[dict], Awaitable[None]], status: int, messa
 
 class RequestGuard:
     """ASGI middleware: 403 for a ``Host`` not in ``allowed_hosts`` (``None``: any host), 413 for a
-    body over ``max_body_bytes`` (declared by ``Content-Length``, or counted as it streams in)."""
+    body over ``max_body_bytes`` (declared by ``Content-Length``, or counted as it streams in);
+    ``shape`` gives each error body the shape of the API its path belongs to."""
 
-    def __init__(self, app: ASGIApp, allowed_hosts: frozenset[str] | None, max_body_bytes: int) -> None:
-        self.app, self.allowed_hosts, self.max_body_bytes = app, allowed_hosts, max_body_bytes
+    def __init__(self, app: ASGIApp, allowed_hosts: frozenset[str] | None, max_body_bytes: int,
+                 shape: Shape = openai_shape) -> None:
+        self.app, self.allowed_hosts, self.max_body_bytes, self.shape = app, allowed_hosts, max_body_bytes, shape
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -58,11 +67,11 @@ class RequestGuard:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
         if self.allowed_hosts is not None and host_name(headers.get("host", "")) not in self.allowed_hosts:
             await send_error(send, 403, "this server does not answer to that Host name (see --allowed-host)",
-                             "host_not_allowed")
+                             "host_not_allowed", scope.get("path", ""), self.shape)
             return
         declared = headers.get("content-length", "")
         if declared.isdigit() and int(declared) > self.max_body_bytes:
-            await send_error(send, 413, self.too_large(), "request_too_large")
+            await send_error(send, 413, self.too_large(), "request_too_large", scope.get("path", ""), self.shape)
             return
         await self.app(scope, self.counting(receive), send)
 

@@ -11,6 +11,7 @@ from pydantic import Field
 from mlxformer.errors import MlxformerError
 from mlxformer.server.errors import APIError, bad_request
 from mlxformer.server.context import ServerContext
+from mlxformer.server.openapi import BODY, error_responses
 from mlxformer.server.protocol import ChatMessage, Lenient, ModelCard
 from mlxformer.server.turn import Turn, render_prompt
 from mlxformer.server.tools import tool_plan
@@ -46,7 +47,7 @@ def models_router(ctx: ServerContext) -> APIRouter:
     router = APIRouter()
     served = ctx.served
 
-    @router.get("/models/{model_id:path}")
+    @router.get("/models/{model_id:path}", responses=error_responses([404]))
     async def model(model_id: str) -> ModelCard:
         if model_id != served.name:
             raise APIError(f"the model {model_id!r} does not exist; this server serves {served.name!r}",
@@ -62,14 +63,14 @@ def template_router(ctx: ServerContext) -> APIRouter:
     served = ctx.served
     tokenizer = served.tokenizer
 
-    @router.post("/tokenize")
+    @router.post("/tokenize", responses=error_responses(BODY))
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
         ids = tokenizer.encode(body.content, add_special_tokens=body.add_special)
         if body.with_pieces:
             return {"tokens": [{"id": i, "piece": tokenizer.decode([i])} for i in ids]}
         return {"tokens": ids}
 
-    @router.post("/detokenize")
+    @router.post("/detokenize", responses=error_responses(BODY))
     async def detokenize(body: DetokenizeRequest) -> dict[str, str]:
         vocab = min(tokenizer.vocab_size, served.vocab_size)
         if bad := [i for i in body.tokens if not 0 <= i < vocab]:
@@ -79,7 +80,7 @@ def template_router(ctx: ServerContext) -> APIRouter:
         except MlxformerError as exc:
             raise bad_request(str(exc), param="tokens") from exc
 
-    @router.post("/apply-template")
+    @router.post("/apply-template", responses=error_responses(BODY))
     async def apply_template(body: ApplyTemplateRequest) -> dict[str, str]:
         kwargs = dict(body.chat_template_kwargs or {})
         thinking = kwargs.pop("enable_thinking", None)

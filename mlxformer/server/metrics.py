@@ -6,10 +6,15 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from fastapi import FastAPI, Response
+from fastapi.responses import PlainTextResponse
 from fastapi.params import Depends
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, generate_latest
 
 from mlxformer.engine import Engine
+from mlxformer.server.openapi import GUARDED, KEYED, error_responses
+
+EXPOSITION = {200: {"description": "the Prometheus text exposition format",
+                    "content": {"text/plain": {"schema": {"type": "string"}}}}}
 
 
 class CountResponses:
@@ -39,6 +44,7 @@ def install_metrics(app: FastAPI, engine: Engine, dependencies: Sequence[Depends
     counter = engine.metrics.counter("mlxformer_http_requests", "HTTP responses by route and status", ("route", "status"))
     app.add_middleware(CountResponses, counter=counter)
 
-    @app.get("/metrics", include_in_schema=False, dependencies=list(dependencies))
+    @app.get("/metrics", dependencies=list(dependencies), response_class=PlainTextResponse,
+             responses={**EXPOSITION, **error_responses((*GUARDED, *KEYED))})
     async def metrics() -> Response:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)

@@ -28,11 +28,12 @@ ERROR_MEANINGS = {
 GUARDED = (403, 413)  # every route: the request guard answers these before routing
 KEYED = (401,)  # routes behind the API key
 GENERATION = (400, 404, 405, 415, 429, 500, 503)  # the generation routes
+BODY = (400,)  # routes that read a JSON body (it may be malformed or invalid)
 
 
-def error_responses(statuses: Iterable[int]) -> dict[int | str, dict[str, Any]]:
-    """``responses=`` entries for ``statuses``, each with the OpenAI error body."""
-    return {s: {"model": ErrorResponse, "description": ERROR_MEANINGS[s]} for s in sorted(set(statuses))}
+def error_responses(statuses: Iterable[int], model: type[BaseModel] = ErrorResponse) -> dict[int | str, dict[str, Any]]:
+    """``responses=`` entries for ``statuses``, each with the error body ``model`` (OpenAI's by default)."""
+    return {s: {"model": model, "description": ERROR_MEANINGS[s]} for s in sorted(set(statuses))}
 
 
 def streamed_ok(model: type[BaseModel], chunk: type[BaseModel]) -> dict[int | str, dict[str, Any]]:

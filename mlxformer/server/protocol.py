@@ -59,14 +59,19 @@ class ChatMessage(Lenient):
         return "".join(part.text for part in self.content)
 
 
+def require_schema(kind: str, schema: Any, where: str) -> None:
+    """A ``json_schema`` output format must carry its schema (an object) at ``where``."""
+    if kind == "json_schema" and not isinstance(schema, dict):
+        raise ValueError(f'type "json_schema" needs {where}, a JSON schema object')
+
+
 class ResponseFormat(Lenient):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: Optional[dict[str, Any]] = None
 
     @model_validator(mode="after")
     def schema_given(self) -> "ResponseFormat":
-        if self.type == "json_schema" and not isinstance((self.json_schema or {}).get("schema"), dict):
-            raise ValueError('type "json_schema" needs json_schema.schema, a JSON schema object')
+        require_schema(self.type, (self.json_schema or {}).get("schema"), "json_schema.schema")
         return self
 
 
@@ -125,6 +130,7 @@ class CompletionRequest(SamplingFields):
     logprobs: Optional[int] = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
     suffix: Optional[str] = None
+    response_format: Optional[ResponseFormat] = None  # vLLM's extension: structured output for a raw prompt
 
 
 # --- responses -------------------------------------------------------------------------------

@@ -16,9 +16,10 @@ from mlxformer.engine import TokenEvent
 from mlxformer.server.errors import APIError, bad_request, validation_message
 from mlxformer.server.context import ServerContext
 from mlxformer.server.hosting import check_model, frames, named_event
+from mlxformer.server.openapi import GENERATION, error_responses, streamed_ok
 from mlxformer.server.streaming import collect_unless_gone
 from mlxformer.server.protocol import ResponseFormat, SamplingFields, new_id
-from mlxformer.server.responses_protocol import InputItem, ResponsesRequest
+from mlxformer.server.responses_protocol import InputItem, ResponseObject, ResponsesRequest, ResponseStreamEvent
 from mlxformer.server.segments import Segment, SegmentEvent, Segmenter
 from mlxformer.server.turn import Turn, effort_budget, prepare
 
@@ -183,7 +184,8 @@ def responses_router(ctx: ServerContext) -> APIRouter:
     store = ResponseStore()
     served = ctx.served
 
-    @router.post("/responses")
+    @router.post("/responses", response_model=ResponseObject,
+                 responses={**streamed_ok(ResponseObject, ResponseStreamEvent), **error_responses(GENERATION)})
     async def responses(body: ResponsesRequest, request: Request) -> Response:
         check_model(ctx, body.model)
         previous = store.get(body.previous_response_id) if body.previous_response_id else []

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from typing import Any, Literal, Optional, Union
 
-from pydantic import Field
+from pydantic import BaseModel, Field, model_validator
 
-from mlxformer.server.protocol import Lenient
+from mlxformer.server.protocol import Lenient, require_schema
 
 
 TEXT_PARTS = ("input_text", "output_text", "text", "refusal", "reasoning_text", "summary_text")
@@ -52,6 +52,11 @@ class TextFormat(Lenient):
     schema_: Optional[dict[str, Any]] = Field(default=None, alias="schema")
     strict: Optional[bool] = None
 
+    @model_validator(mode="after")
+    def schema_given(self) -> "TextFormat":
+        require_schema(self.type, self.schema_, "text.format.schema")
+        return self
+
 
 class TextConfig(Lenient):
     format: Optional[TextFormat] = None
@@ -79,3 +84,35 @@ class ResponsesRequest(Lenient):
     previous_response_id: Optional[str] = None
     metadata: Optional[dict[str, Any]] = None
     user: Optional[str] = None
+
+
+class ResponseObject(BaseModel):
+    """The reply of ``POST /v1/responses`` (documentation: the route builds it as a dict)."""
+
+    id: str
+    object: Literal["response"]
+    created_at: float
+    model: str
+    status: Literal["completed", "incomplete", "in_progress"]
+    output: list[dict[str, Any]]  # message, reasoning and function_call items
+    incomplete_details: Optional[dict[str, Any]]
+    error: Optional[dict[str, Any]]
+    instructions: Optional[str]
+    tools: list[dict[str, Any]]
+    tool_choice: Union[str, dict[str, Any]]
+    parallel_tool_calls: bool
+    temperature: Optional[float]
+    top_p: Optional[float]
+    max_output_tokens: Optional[int]
+    previous_response_id: Optional[str]
+    store: bool
+    metadata: dict[str, Any]
+    text: dict[str, Any]
+    usage: Optional[dict[str, Any]]
+
+
+class ResponseStreamEvent(BaseModel):
+    """One event of a streamed response: ``response.created``, ``response.output_text.delta``, ..."""
+
+    type: str
+    sequence_number: int
