@@ -49,11 +49,12 @@ def single_stream(model, tokenizer, ids: list[int], tokens: int) -> float:
 def engine_run(engine, prompts: list[list[int]], tokens: int, eos: list[int]) -> tuple[float, float]:
     """(aggregate tokens/s over the run, steady decode tokens/s once all sequences decode)."""
     from mlxformer.engine import GenerationRequest
+    from mlxformer.options import SamplingSettings
 
-    bias = {t: -1e9 for t in eos}
+    sampling = SamplingSettings(logit_bias={t: -100.0 for t in eos})
     stamps: list[list[float]] = [[] for _ in prompts]
     start = time.perf_counter()
-    handles = [engine.submit(GenerationRequest(p, max_tokens=tokens, logit_bias=bias)) for p in prompts]
+    handles = [engine.submit(GenerationRequest(p, max_tokens=tokens, sampling=sampling)) for p in prompts]
 
     def consume(i: int) -> None:
         for _ in handles[i]:

@@ -1,4 +1,4 @@
-"""`mlxformer serve` beside `mlx_lm.server` on the same model files, 1/4/8 concurrent clients.
+"""`mlxformer serve` beside `mlx_lm.server` on the same model files, 1/2/4/8 concurrent clients.
 
 Both servers run as subprocesses on 127.0.0.1, one at a time, in one run; the order alternates
 per model and cache setting (A B, then B A). Each client streams one chat completion of its
@@ -18,90 +18,33 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import socket
 import statistics
 import subprocess
 import sys
 import threading
-import time
 from datetime import date
-from http.client import HTTPConnection
 from pathlib import Path
 
+from serving import KINDS as SERVERS
+from serving import Server, load_average, pyplot, save_figure
+
 TOPICS = ["the sea", "a robot", "the moon", "a small town", "winter", "a dragon", "coffee", "a library"]
-SERVERS = ("mlxformer", "mlx-lm")
-START_TIMEOUT_SECONDS = 300
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def server_command(server: str, model_dir: Path, port: int, kv_bits: int | None, max_batch: int) -> list[str]:
+def server_flags(server: str, kv_bits: int | None, max_batch: int) -> list[str]:
     if server == "mlxformer":
-        command = [sys.executable, "-m", "mlxformer", "serve", "--model", str(model_dir), "--port", str(port),
-                   "--max-batch", str(max_batch)]
-        return command + (["--kv-bits", str(kv_bits)] if kv_bits else [])
-    command = [sys.executable, "-m", "mlx_lm", "server", "--model", str(model_dir), "--port", str(port),
-               "--log-level", "WARNING"]
-    return command + (["--kv-bits", str(kv_bits), "--quantized-kv-start", "0"] if kv_bits else [])
+        return ["--max-batch", str(max_batch)] + (["--kv-bits", str(kv_bits)] if kv_bits else [])
+    return ["--kv-bits", str(kv_bits), "--quantized-kv-start", "0"] if kv_bits else []
 
 
-def wait_healthy(port: int, process: subprocess.Popen) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_SECONDS
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise SystemExit(f"server exited with {process.returncode}")
-        try:
-            connection = HTTPConnection("127.0.0.1", port, timeout=5)
-            connection.request("GET", "/health")
-            if connection.getresponse().status == 200:
-                return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise SystemExit("server did not start")
-
-
-def stream_one(port: int, model: str, prompt: str, max_tokens: int, eos_ids: list[int]) -> dict[str, float]:
-    """One streamed chat request: time to first token and generated tokens (from usage)."""
-    body = {
-        "model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-        "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True},
-        "logit_bias": {str(i): -100.0 for i in eos_ids},
-    }
-    connection = HTTPConnection("127.0.0.1", port, timeout=3600)
-    start = time.perf_counter()
-    connection.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
-    response = connection.getresponse()
-    if response.status != 200:
-        raise SystemExit(f"request failed: {response.status} {response.read()[:500]!r}")
-    first = None
-    tokens = 0
-    chunks = 0
-    for raw in response:
-        line = raw.decode().strip()
-        if not line.startswith("data:") or line == "data: [DONE]":
-            continue
-        chunk = json.loads(line[5:])
-        for choice in chunk.get("choices") or []:
-            if (choice.get("delta") or {}).get("content"):
-                chunks += 1
-                first = first or time.perf_counter()
-        if chunk.get("usage"):
-            tokens = chunk["usage"]["completion_tokens"]
-    end = time.perf_counter()
-    connection.close()
-    return {"ttft": (first or end) - start, "tokens": tokens or chunks, "end": end, "start": start}
-
-
-def run_round(port: int, model: str, clients: int, max_tokens: int, eos_ids: list[int]) -> dict[str, float]:
+def run_round(server: Server, clients: int, max_tokens: int, eos_ids: list[int]) -> dict[str, float]:
+    """``clients`` concurrent streams of ``max_tokens`` tokens each (EOS biased away)."""
     results: list[dict[str, float]] = [{} for _ in range(clients)]
+    bias = {str(i): -100.0 for i in eos_ids}
 
     def client(i: int) -> None:
-        results[i] = stream_one(port, model, f"Write a long story about {TOPICS[i % len(TOPICS)]}.", max_tokens, eos_ids)
+        prompt = f"Write a long story about {TOPICS[i % len(TOPICS)]}."
+        results[i] = server.stream_chat([{"role": "user", "content": prompt}], max_tokens, logit_bias=bias)
 
     threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
     for thread in threads:
@@ -109,25 +52,15 @@ def run_round(port: int, model: str, clients: int, max_tokens: int, eos_ids: lis
     for thread in threads:
         thread.join()
     wall = max(r["end"] for r in results) - min(r["start"] for r in results)
-    return {"tokens": sum(r["tokens"] for r in results), "wall": wall, "ttfts": [r["ttft"] for r in results]}
+    return {"tokens": sum(r["tokens"] for r in results), "wall": wall, "ttfts": [r["ttft"] for r in results],
+            "load": load_average()}
 
 
 def bench_server(server: str, model_dir: Path, args: argparse.Namespace, kv_bits: int | None,
                  eos_ids: list[int]) -> dict[int, dict[str, float]]:
-    port = free_port()
-    process = subprocess.Popen(server_command(server, model_dir, port, kv_bits, max(args.clients)),
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        wait_healthy(port, process)
-        name = model_dir.name if server == "mlxformer" else "default_model"
-        stream_one(port, name, "Hello", 4, eos_ids)  # warm-up
-        return {c: run_round(port, name, c, args.max_tokens, eos_ids) for c in args.clients}
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
+    with Server(server, model_dir, server_flags(server, kv_bits, max(args.clients))) as running:
+        running.stream_chat([{"role": "user", "content": "Hello"}], 4)  # warm-up
+        return {c: run_round(running, c, args.max_tokens, eos_ids) for c in args.clients}
 
 
 def single_stream_decode(model_dir: Path, max_tokens: int) -> float:
@@ -158,15 +91,12 @@ def summarize(rounds: list[dict[str, float]]) -> dict[str, float]:
     return {
         "tok_s": statistics.median(r["tokens"] / r["wall"] for r in rounds),
         "ttft_p50": percentile(ttfts, 0.5), "ttft_p95": percentile(ttfts, 0.95),
+        "load": [r["load"][0] for r in rounds],
     }
 
 
 def plot(results: dict, clients: list[int], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     figure, axis = plt.subplots(figsize=(7, 4.5))
     for index, (key, per_server) in enumerate(results.items()):
         for server, rows in per_server.items():
@@ -179,19 +109,19 @@ def plot(results: dict, clients: list[int], path: Path) -> None:
     axis.set_title("mlxformer serve vs mlx_lm.server (SmolLM2-135M, CPU)")
     axis.grid(alpha=0.3)
     axis.legend(fontsize=8)
-    figure.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=120)
+    save_figure(figure, path)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models-dir", type=Path, default=Path(".bench/models"))
     parser.add_argument("--models", nargs="+", default=["smollm2-f32", "smollm2-bf16"])
-    parser.add_argument("--clients", nargs="+", type=int, default=[1, 4, 8])
+    parser.add_argument("--clients", nargs="+", type=int, default=[1, 2, 4, 8])
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--trials", type=int, default=1)
     parser.add_argument("--kv-bits", nargs="+", type=int, default=[0, 8], help="0: float KV cache")
+    parser.add_argument("--first", choices=SERVERS, default=SERVERS[0], help="the server of the first round")
+    parser.add_argument("--skip-single", action="store_true", help="no library single-stream decode figure")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     parser.add_argument("--replot", type=Path, help="only redraw the plot from a results JSON this script wrote")
     args = parser.parse_args()
@@ -201,13 +131,15 @@ def main() -> None:
         plot(saved, clients, args.out / "serve_throughput.png")
         return
 
+    start_load = load_average()
     results: dict[str, dict[str, dict[str, dict[str, float]]]] = {}
     single: dict[str, float] = {}
-    flip = False
+    flip = args.first != SERVERS[0]
     for name in args.models:
         model_dir = args.models_dir / name
         eos_ids = eos_ids_of(model_dir)
-        single[name] = single_stream_decode(model_dir, args.max_tokens)
+        if not args.skip_single:
+            single[name] = single_stream_decode(model_dir, args.max_tokens)
         for kv_bits in args.kv_bits:
             key = f"{name}" + (f" kv{kv_bits}" if kv_bits else "")
             rounds: dict[str, dict[int, list]] = {s: {c: [] for c in args.clients} for s in SERVERS}
@@ -228,14 +160,19 @@ def main() -> None:
             ours, theirs = per["mlxformer"][str(c)], per["mlx-lm"][str(c)]
             print(f"| {key} | {c} | {ours['tok_s']:.1f} | {theirs['tok_s']:.1f} | {ours['tok_s'] / theirs['tok_s']:.2f}x "
                   f"| {ours['ttft_p50']:.2f} / {theirs['ttft_p50']:.2f} | {ours['ttft_p95']:.2f} / {theirs['ttft_p95']:.2f} |")
-    print("\nmlxformer single-stream decode (library): "
+    print(f"\nload average {start_load} at the start, {load_average()} at the end")
+    print("mlxformer single-stream decode (library): "
           + ", ".join(f"{k}: {v:.1f} tok/s" for k, v in single.items()))
     for key, per in results.items():
         name = key.split()[0]
+        if name not in single:
+            continue
         top = per["mlxformer"][str(max(args.clients))]["tok_s"]
         print(f"{key}: {max(args.clients)} clients / single stream = {top / single[name]:.2f}x")
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "serve_vs_mlx_lm.json").write_text(json.dumps({"results": results, "single_stream": single}, indent=2))
+    (args.out / "serve_vs_mlx_lm.json").write_text(json.dumps({
+        "date": str(date.today()), "max_tokens": args.max_tokens, "load_start": start_load,
+        "load_end": load_average(), "results": results, "single_stream": single}, indent=2))
     plot(results, args.clients, args.out / "serve_throughput.png")
 
 

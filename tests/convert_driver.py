@@ -1,8 +1,8 @@
 """Run by tests/test_gguf_families.py: llama.cpp's own ``convert_hf_to_gguf.py`` (unmodified,
 from the llama-cpp-python sdist) on several checkpoints in one interpreter, so torch and
 transformers are imported once. Each job is the converter's own command line
-``DIR --outtype T --outfile F``; one JSON line per job says whether it succeeded and, if not,
-its last error line.
+``DIR --outtype T --outfile F``; one JSON line per job says whether it succeeded (if not, its last
+error line) and the CPU seconds it took.
 
 Usage: python convert_driver.py CONVERTER JOBS.json RESULTS.jsonl
 """
@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import runpy
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -22,6 +23,7 @@ def main() -> None:
     with results.open("w") as out:
         for job in jobs:
             sys.argv = [str(converter), *job["argv"]]
+            start = time.process_time()
             try:
                 runpy.run_path(str(converter), run_name="__main__")
                 error = None
@@ -29,7 +31,7 @@ def main() -> None:
                 error = None if exit_.code in (None, 0) else f"exit {exit_.code}"
             except Exception as exc:  # the converter refused this checkpoint: recorded, next job
                 error = traceback.format_exception_only(exc)[-1].strip()
-            out.write(json.dumps({"name": job["name"], "error": error}) + "\n")
+            out.write(json.dumps({"name": job["name"], "error": error, "cpu_s": time.process_time() - start}) + "\n")
             out.flush()
 
 
