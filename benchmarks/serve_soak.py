@@ -226,6 +226,13 @@ def preemptions(url: str) -> float:
     return 0.0
 
 
+def write_json(path: Path, data: dict) -> None:
+    """Write ``data`` atomically."""
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    tmp.replace(path)
+
+
 def plot(samples: list, path: Path) -> None:
     import matplotlib
 
@@ -277,6 +284,7 @@ def main() -> None:
         result = {"date": str(date.today()), "model": model_path.name, "cpus": os.cpu_count(),
                   "load_average_before": [round(x, 2) for x in load_before]}
         result["soak"] = soak(plain_url, plain.pid, args.requests, args.clients, args.tokens, seed=0)
+        write_json(args.out.with_suffix(".soak.json"), result)  # kept if the budget rounds are cut short
         print(f"soak done in {result['soak']['seconds']} s; budget rounds", file=sys.stderr, flush=True)
         rates: dict[str, list[float]] = {"none": [], "budget": []}
         order = [("none", plain_url), ("budget", tight_url)]
@@ -299,9 +307,7 @@ def main() -> None:
         stop_server(tight)
     samples = result["soak"].pop("rss_samples")
     plot(samples, args.out.with_suffix(".png"))
-    tmp = args.out.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps({**result, "rss_samples": samples}, indent=1))
-    tmp.replace(args.out)
+    write_json(args.out, {**result, "rss_samples": samples})
     print(json.dumps(result, indent=1))
     soaked = result["soak"]
     ok = soaked["server_errors_5xx"] == 0 and abs(soaked["rss_drift"]) <= 0.05
