@@ -39,11 +39,15 @@ def _run(model, tokenizer, prompt: str, max_tokens: int = MAX_TOKENS, **constrai
     return "".join(r.text for r in responses), responses[-1].finish_reason
 
 
+SUITE_CASES = [CASES[i] for i in (0, 7, 13, 18)]  # an object, a pattern, an enum, an array of objects (~18 s each here)
+
+
 def test_json_schemas_hold(smollm):
-    """Every constrained output of the 20 cases parses and validates. (How many fail without the
-    constraint: ``benchmarks/structured_validity.py``, 19 of 20 when measured.)"""
+    """Every constrained output of a spread of the 20 cases parses and validates. (All 20, and
+    how many fail without the constraint: ``benchmarks/structured_validity.py``, which checks
+    every case's constrained output the same way; 19 of 20 free outputs fail when measured.)"""
     model, tokenizer = smollm
-    for description, schema in CASES:
+    for description, schema in SUITE_CASES:
         text, finish = _run(model, tokenizer, prompt_for(description), response_format=schema)
         assert finish == "stop", (description, text)
         jsonschema.validate(json.loads(text), schema)
