@@ -24,7 +24,7 @@ from mlxformer.formats.hub import resolve_source
 from mlxformer.formats.mlx_writer import MAX_SHARD_BYTES, check_destination, plan_shards, staged_output, write_shards
 from mlxformer.formats.tensors import Tensors
 from mlxformer.loader import checked_model, load_tokenizer, quantization_of
-from mlxformer.models.config import FLOAT_DTYPES
+from mlxformer.models.config import FLOAT_DTYPES, float_dtype
 from mlxformer.models.moe import QuantizedSwitchLinear, SwitchLinear
 from mlxformer.quant.calibration import CALIBRATION_TEXT, activation_importance
 from mlxformer.quant.quantize import (
@@ -54,11 +54,10 @@ def _settings(quantize: bool, q_bits: int | None, q_group_size: int | None, dtyp
               quant_recipe: str | None, dequantize: bool, force: bool) -> ConvertSettings:
     if not quantize and (q_bits is not None or q_group_size is not None or quant_recipe is not None):
         raise MlxformerError("--q-bits, --q-group-size and --quant-recipe need -q/--quantize")
-    if dtype is not None and dtype not in FLOAT_DTYPES:
-        raise MlxformerError(f"unsupported --dtype {dtype!r} (choose from {', '.join(FLOAT_DTYPES)})")
+    float_type = float_dtype(dtype, "--dtype")
     base = check_spec(4 if q_bits is None else q_bits, 64 if q_group_size is None else q_group_size) if quantize else None
     recipe = get_recipe(quant_recipe or DEFAULT_RECIPE) if quantize else None
-    return ConvertSettings(quantize, base, recipe, FLOAT_DTYPES[dtype] if dtype else None, dequantize, force)
+    return ConvertSettings(quantize, base, recipe, float_type, dequantize, force)
 
 
 def convert(

@@ -16,7 +16,7 @@ from mlx.utils import tree_flatten
 from mlxformer.errors import MlxformerError
 from mlxformer.formats.checkpoint import Checkpoint, open_checkpoint
 from mlxformer.formats.tensors import Tensors
-from mlxformer.models.config import ModelArgs
+from mlxformer.models.config import ModelArgs, float_dtype
 from mlxformer.models.decoder import Model
 from mlxformer.models.moe import expert_groups, stack_expert_arrays
 from mlxformer.models.dtype_policy import apply_dtype_policy, cast_except_quantized_linears, is_quantized
@@ -148,17 +148,19 @@ def load_tokenizer(checkpoint: Checkpoint) -> Tokenizer:
 
 
 def load(
-    path_or_repo: str | Path, dtype: mx.Dtype | None = None, threads: int | None = None
+    path_or_repo: str | Path, dtype: mx.Dtype | str | None = None, threads: int | None = None
 ) -> tuple[Model, Tokenizer]:
     """Load a model and its tokenizer from a local HF/MLX dir, a hub repo id or a ``.gguf`` file.
 
     Args:
         path_or_repo: where the model is.
-        dtype: compute dtype for floating parameters; ``None`` applies the backend policy
+        dtype: compute dtype for floating parameters (an ``mx.Dtype`` or its name, e.g.
+            ``"bfloat16"``); ``None`` applies the backend policy
             (see ``models.dtype_policy.decide_dtype``).
         threads: CPU streams each projection is split over; ``None`` applies the backend
             policy (see ``models.row_sharding.apply_thread_policy``), 1 turns it off.
     """
+    dtype = float_dtype(dtype)
     checkpoint = open_checkpoint(path_or_repo)
     model = build_model(checkpoint.config, checkpoint.tensors)
     tokenizer = load_tokenizer(checkpoint)

@@ -13,7 +13,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from conftest import cpu_default_device, write_tiny_checkpoint
+from conftest import cpu_default_device, write_tiny_byte_llama, write_tiny_checkpoint
 from mlxformer.cache import make_cache
 from mlxformer.loader import build_model, load, read_checkpoint
 from mlxformer.models.dtype_policy import DtypePlan, cast_floating, decide_dtype, floating_dtypes, is_quantized
@@ -105,3 +105,15 @@ def test_load_applies_the_cpu_decision(smollm_gguf):
                     assert value.dtype == F32, f"{path}.{name}"
         cache = make_cache(model)
         assert model(mx.array([[1, 2, 3]]), cache).dtype == F32 and cache[0].state[0].dtype == F32
+
+
+def test_load_takes_a_dtype_by_name(tmp_path):
+    """``load(path, dtype="bfloat16")`` is ``dtype=mx.bfloat16``; a name that is not a float dtype
+    is a one-line MlxformerError before anything is read."""
+    from mlxformer.errors import MlxformerError
+
+    directory = write_tiny_byte_llama(tmp_path / "tiny")
+    by_name, _ = load(directory, dtype="bfloat16")
+    assert by_name.model.norm.weight.dtype == BF16
+    with pytest.raises(MlxformerError, match="unsupported dtype 'int8'"):
+        load(tmp_path / "missing", dtype="int8")

@@ -55,9 +55,9 @@ def test_shared_blocks_partial_hit_and_exact_logits(tiny_byte_llama, cache):
     model, tokenizer = tiny_byte_llama
     settings = SETTINGS[cache]
     prefix = tiers(model, tokenizer, settings)
-    first = SYSTEM + list(range(40, 52))
+    first = SYSTEM + list(range(40, 48))  # 4 blocks
     prefix.insert(first, prefilled(model, first, settings))
-    assert len(prefix) == len(first) // BLOCK
+    assert len(prefix) == 4
     one_block = prefix.nbytes // len(prefix)
     second = SYSTEM + list(range(60, 70))
     caches, n = prefix.lookup(second)
@@ -67,11 +67,36 @@ def test_shared_blocks_partial_hit_and_exact_logits(tiny_byte_llama, cache):
     assert all(c.trim(len(first) - n) == len(first) - n for c in reference)
     want = model.last_logits(mx.array([second[n:]]), reference)
     assert mx.array_equal(got, want).item()
-    # the second prompt's own cache adds only its own blocks (issue 19: shared buffers counted twice)
+    # the second prompt's own cache adds only its own block and its 2-token tail (issue 19:
+    # shared buffers counted twice)
     prefix.insert(second, prefilled(model, second, settings))
-    assert len(prefix) == 4 + 1 and prefix.nbytes == 5 * one_block
+    tails = [b for b in prefix.blocks.values() if len(b.tokens) < BLOCK]
+    assert len(prefix) == 4 + 2 and [b.tokens for b in tails] == [(68, 69)]
+    assert prefix.nbytes == 5 * one_block + tails[0].nbytes
     prefix.insert(second, caches)  # a hit's caches put back: nothing new
-    assert prefix.nbytes == 5 * one_block
+    assert prefix.nbytes == 5 * one_block + tails[0].nbytes
+
+
+@pytest.mark.parametrize("cache", list(SETTINGS))
+def test_a_hit_is_the_exact_common_prefix(tiny_byte_llama, cache):
+    """Past the last shared whole block a hit goes on into the cached block that shares most
+    tokens with the prompt (a finished sequence's partial tail, or a full block of a prompt that
+    went another way), as mlx-lm's prompt cache trims to the common prefix; the caches give the
+    logits of the first prompt's own cache cut back to that prefix."""
+    model, tokenizer = tiny_byte_llama
+    settings = SETTINGS[cache]
+    prefix = tiers(model, tokenizer, settings)
+    first = SYSTEM + list(range(40, 48)) + [50, 51, 52]  # 4 blocks and a 3-token tail
+    prefix.insert(first, prefilled(model, first, settings))
+    for prompt, shared in ((first[:-1] + [99, 98], 34), (SYSTEM + [40, 41, 42, 77], 27), (first, 34),
+                           (first[:27], 26), ([10, 11, 5], 2)):
+        caches, n = prefix.lookup(prompt)
+        assert n == shared and caches[0].offset == n
+        got = model.last_logits(mx.array([prompt[n:]]), caches)
+        reference = prefilled(model, first, settings)
+        assert all(c.trim(len(first) - n) == len(first) - n for c in reference)
+        assert mx.array_equal(got, model.last_logits(mx.array([prompt[n:]]), reference)).item()
+    assert prefix.lookup([7, 8, 9]) is None
 
 
 def test_shorter_prefix_serves_when_the_longest_cannot(tiny_byte_llama):
@@ -86,7 +111,7 @@ def test_shorter_prefix_serves_when_the_longest_cannot(tiny_byte_llama):
     short = SYSTEM + [100, 101]
     prefix.insert(short, prefilled(model, short, settings))
     caches, n = prefix.lookup(long)
-    assert n == len(SYSTEM)
+    assert n == len(short)
 
 
 def test_memory_lru_at_the_byte_bound(tiny_byte_llama):
@@ -104,6 +129,19 @@ def test_memory_lru_at_the_byte_bound(tiny_byte_llama):
     assert prefix.lookup(b + [9]) is None and prefix.lookup(c + [9])[1] == 16
     prefix.evict_to(block)  # the budget's interface: tails first, so a chain keeps its start
     assert prefix.nbytes == block and prefix.lookup(c + [9])[1] == BLOCK
+
+
+def test_engine_serves_a_prefix_shorter_than_a_block(tiny_byte_llama):
+    """A system prompt shorter than a block, and a prompt sent again, are served from the cache
+    (mlx-lm's server reuses both); each output is the one it gets alone."""
+    model, tokenizer = tiny_byte_llama
+    short_system = SYSTEM[:5]
+    first, second = short_system + list(range(40, 50)), short_system + list(range(60, 66))
+    with Engine(model, tokenizer, prompt_cache=PromptCacheSettings(block_size=BLOCK)) as engine:
+        for prompt, cached in ((first, 0), (second, 5), (first, len(first) - 1)):
+            events = list(engine.submit(GenerationRequest(prompt, max_tokens=5)))
+            assert events[-1].cached_tokens == cached
+            assert [e.token for e in events] == [r.token for r in stream_generate(model, tokenizer, prompt, 5)]
 
 
 def test_engine_reuses_the_disk_after_a_restart(tiny_byte_llama, tmp_path):

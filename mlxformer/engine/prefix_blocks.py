@@ -72,24 +72,36 @@ def storage_tag(cache: Sequence[Cache]) -> str | None:
     return f"q{codec.bits}g{codec.group_size}:{digest}"
 
 
-def cut_blocks(cache: Sequence[Cache], tokens: Sequence[int], keys: Sequence[str], block_size: int,
-               skip: set[str]) -> list[Block]:
-    """The blocks of ``cache`` (holding ``tokens``) named by ``keys``, except those in ``skip``;
-    their arrays are evaluated copies."""
+def tail_key(parent: str, tokens: Sequence[int]) -> str:
+    """The key of a partial (tail) block of ``tokens`` after the block keyed ``parent`` ("" at
+    the start): apart from every full block's key, since it is never a chain's link."""
+    block = np.asarray(tokens, dtype=np.int64).tobytes()
+    return hashlib.sha256(b"tail:" + parent.encode() + block).hexdigest()
+
+
+def cut_blocks(cache: Sequence[Cache], tokens: Sequence[int], spans: Sequence[tuple[str, int, int]]) -> list[Block]:
+    """The blocks of ``cache`` (holding ``tokens``) named by ``spans`` (key, start, end); their
+    arrays are evaluated copies."""
     tag = storage_tag(cache)
     if tag is None:
         return []
     blocks = []
-    for i, key in enumerate(keys):
-        if key in skip:
-            continue
-        a, b = i * block_size, (i + 1) * block_size
+    for key, a, b in spans:
         layer_keys = [tuple(mx.contiguous(x[..., a:b, :]) for x in c.keys) for c in cache]  # type: ignore[attr-defined]
         layer_values = [tuple(mx.contiguous(x[..., a:b, :]) for x in c.values) for c in cache]  # type: ignore[attr-defined]
         centers = [c.codec.key_center for c in cache] if tag != "float" else None  # type: ignore[attr-defined]
         blocks.append(Block(key, tuple(tokens[a:b]), tag, layer_keys, layer_values, centers))
     mx.eval([x for block in blocks for x in block.arrays()])
     return blocks
+
+
+def head_of(block: Block, n: int) -> Block:
+    """The first ``n`` tokens of ``block`` (views of its arrays: a hit takes them, the cache keeps
+    the whole block)."""
+    if n == len(block.tokens):
+        return block
+    cut = lambda packs: [tuple(x[..., :n, :] for x in pack) for pack in packs]  # noqa: E731
+    return Block(block.key, block.tokens[:n], block.storage, cut(block.keys), cut(block.values), block.centers)
 
 
 def assemble(model: HasLayers, settings: CacheSettings, blocks: Sequence[Block]) -> list[Cache]:

@@ -3,9 +3,13 @@ byte budget (least recently used first out), optionally backed by a disk tier.
 
 Blocks are keyed by a hash chain (``prefix_blocks``): ``lookup(prompt)`` walks the prompt's
 blocks while they are cached, in memory or on disk, and rebuilds caches holding them (at least
-one prompt token is left to compute). Each block is stored once, whatever number of sequences
-share it. With a ``DiskBlockStore``, every block inserted is also written to disk in the
-background, and a block evicted from memory is still found there (after a restart too).
+one prompt token is left to compute). Where the chain ends, the hit goes on into the cached
+block after it that shares most tokens with the prompt (a full block of a conversation that went
+another way, or the partial tail block a finished sequence leaves), so a hit covers the exact
+common prefix, as mlx-lm's prompt cache does. Each block is stored once, whatever number of
+sequences share it. With a ``DiskBlockStore``, every block inserted is also written to disk in the
+background, and a block evicted from memory is still found there (after a restart too); tail
+blocks live in memory only.
 
 For the engine's memory budget: ``nbytes`` is what the memory tier holds, ``evict_to(limit)``
 drops blocks until it holds at most ``limit`` bytes.
@@ -19,7 +23,7 @@ from typing import TYPE_CHECKING, Sequence
 
 from mlxformer.cache import Cache, CacheSettings
 from mlxformer.cache.protocol import HasLayers
-from mlxformer.engine.prefix_blocks import Block, assemble, block_keys, cut_blocks
+from mlxformer.engine.prefix_blocks import Block, assemble, block_keys, cut_blocks, head_of, tail_key
 
 if TYPE_CHECKING:
     from mlxformer.engine.disk_cache import DiskBlockStore
@@ -45,6 +49,8 @@ class PrefixCache:
         self.budget, self.model, self.settings = budget, model, settings or CacheSettings()
         self.seed, self.block_size, self.disk = seed, block_size, disk
         self.blocks: OrderedDict[str, Block] = OrderedDict()  # least recently used first
+        self._parent: dict[str, str] = {}  # block key -> the key of the block before it ("" first)
+        self._children: dict[str, set[str]] = {}  # the inverse: the blocks cached after a key
         self.nbytes = 0
         self.stats = PrefixStats()
 
@@ -56,27 +62,39 @@ class PrefixCache:
         return block_keys(self.seed, tokens, self.block_size, count)
 
     def insert(self, tokens: Sequence[int], caches: Sequence[Cache]) -> None:
-        """Keep the full blocks of ``caches`` (holding exactly ``tokens``) not kept yet."""
+        """Keep the blocks of ``caches`` (holding exactly ``tokens``) not kept yet: the full
+        ones, and the partial one at the end in memory."""
         if self.budget <= 0 and self.disk is None:
             return
         keys = self.keys_for(tokens)
-        if not keys or not caches:
+        if not caches or not tokens:
             return
-        known = {k for k in keys if k in self.blocks}
-        fresh = cut_blocks(caches, tokens, keys, self.block_size, known)
-        for block in fresh:
-            if self.disk is not None:
-                self.disk.put(block)
-        self._touch([self.blocks[k] for k in keys if k in known])
-        for block in reversed(fresh):  # the first blocks end most recent: tails go first
-            self._add(block)
+        size, parents = self.block_size, ["", *keys]
+        spans = [(k, i * size, (i + 1) * size) for i, k in enumerate(keys) if k not in self.blocks]
+        tail = len(tokens) - len(keys) * size
+        tail_id = tail_key(parents[-1], tokens[len(tokens) - tail :]) if tail and self.budget > 0 else None
+        if tail_id is not None and tail_id not in self.blocks:
+            spans.append((tail_id, len(tokens) - tail, len(tokens)))
+        fresh = {block.key: block for block in cut_blocks(caches, tokens, spans)} if spans else {}
+        if self.disk is not None:
+            for key in keys:
+                if key in fresh:
+                    self.disk.put(fresh[key])
+        if tail_id in fresh:
+            self._add(fresh[tail_id], parents[-1])  # least recent: a tail goes before its chain
+        self._touch([self.blocks[k] for k in keys if k in self.blocks])
+        for i in reversed(range(len(keys))):  # the first blocks end most recent: tails go first
+            if keys[i] in fresh:
+                self._add(fresh[keys[i]], parents[i])
         self.evict_to(self.budget)
 
-    def _add(self, block: Block) -> None:
+    def _add(self, block: Block, parent: str) -> None:
         if block.key in self.blocks or block.nbytes > self.budget:
             return
         self.blocks[block.key] = block
         self.nbytes += block.nbytes
+        self._parent[block.key] = parent
+        self._children.setdefault(parent, set()).add(block.key)
 
     def _touch(self, run: Sequence[Block]) -> None:
         for block in reversed(run):  # the chain's first block most recent
@@ -87,8 +105,10 @@ class PrefixCache:
         bytes freed (blocks on disk stay there)."""
         freed = 0
         while self.blocks and self.nbytes > limit:
-            _, block = self.blocks.popitem(last=False)
+            key, block = self.blocks.popitem(last=False)
             self.nbytes -= block.nbytes
+            siblings = self._children.get(self._parent.pop(key), set())
+            siblings.discard(key)
             freed += block.nbytes
         return freed
 
@@ -102,13 +122,14 @@ class PrefixCache:
         return n
 
     def lookup(self, prompt: Sequence[int]) -> tuple[list[Cache], int] | None:
-        """``(caches, n)``: new caches holding the first ``n`` tokens of ``prompt`` (a multiple
-        of the block size, less than the prompt's length), or None."""
+        """``(caches, n)``: new caches holding the first ``n`` tokens of ``prompt`` (its longest
+        cached prefix, less than the prompt's length), or None."""
         if self.model is None:
             return None
         run: list[Block] = []
         from_disk = 0
-        for key in self.keys_for(prompt, (len(prompt) - 1) // self.block_size):
+        keys = self.keys_for(prompt, (len(prompt) - 1) // self.block_size)
+        for key in keys:
             block = self.blocks.get(key)
             on_disk = block is None and self.disk is not None
             if on_disk:
@@ -118,16 +139,38 @@ class PrefixCache:
                 break
             if on_disk:
                 from_disk += len(block.tokens)
-                self._add(block)
+                self._add(block, keys[len(run) - 1] if run else "")
             run.append(block)
+        partial = self._best_next(keys[len(run) - 1] if run else "", prompt, len(run) * self.block_size,
+                                  run[0].storage if run else None)
+        if partial is not None:
+            run.append(partial)
         if not run:
             return None
         self._touch([b for b in run if b.key in self.blocks])
         self.evict_to(self.budget)
-        n = len(run) * self.block_size
+        n = sum(len(b.tokens) for b in run)
         self.stats.memory_tokens += n - from_disk
         self.stats.disk_tokens += from_disk
         return assemble(self.model, self.settings, run), n
+
+    def _best_next(self, parent: str, prompt: Sequence[int], start: int, storage: str | None) -> Block | None:
+        """The head of the memory block after ``parent`` sharing most tokens with
+        ``prompt[start:]`` (at least one prompt token left over), or None."""
+        room = len(prompt) - 1 - start
+        best, best_n = None, 0
+        for key in self._children.get(parent, ()):
+            block = self.blocks[key]
+            if storage is not None and block.storage != storage:
+                continue
+            n = 0
+            for mine, theirs in zip(prompt[start : start + min(room, len(block.tokens))], block.tokens):
+                if mine != theirs:
+                    break
+                n += 1
+            if n > best_n:
+                best, best_n = block, n
+        return None if best is None else head_of(best, best_n)
 
     def flush(self) -> None:
         """Wait for the disk tier's pending writes."""

@@ -16,10 +16,19 @@ from mlxformer.errors import MlxformerError
 from mlxformer.models.families import FAMILIES, family_fields
 from mlxformer.models.rope_config import SUPPORTED_ROPE_TYPES, RopeConfig, rope_config_from_dict, rope_scaling_dict
 
-__all__ = ["FLOAT_DTYPES", "ModelArgs", "RopeConfig", "SUPPORTED_ROPE_TYPES", "rope_config_from_dict", "rope_scaling_dict"]
+__all__ = ["FLOAT_DTYPES", "float_dtype", "ModelArgs", "RopeConfig", "SUPPORTED_ROPE_TYPES", "rope_config_from_dict", "rope_scaling_dict"]
 
 # Floating dtypes users may name on the command line or in the API.
 FLOAT_DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
+
+
+def float_dtype(value: "str | mx.Dtype | None", what: str = "dtype") -> mx.Dtype | None:
+    """A floating dtype given by name (``"bfloat16"``) or as an ``mx.Dtype``; None stays None."""
+    if value is None or value in FLOAT_DTYPES.values():
+        return value  # type: ignore[return-value]
+    if isinstance(value, str) and value in FLOAT_DTYPES:
+        return FLOAT_DTYPES[value]
+    raise MlxformerError(f"unsupported {what} {value!r} (choose from {', '.join(FLOAT_DTYPES)})")
 
 # Keys of a config.json that change the math but that this decoder does not implement.
 _UNSUPPORTED_TRUE_FLAGS = ("use_sliding_window",)
