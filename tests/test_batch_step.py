@@ -56,8 +56,12 @@ def test_quantized_start_crossed_in_a_batch(tiny_byte_llama):
     the quantized one, and every output is the one it gets alone."""
     model, tokenizer = tiny_byte_llama
     settings = CacheSettings(kv_bits=4, kv_group_size=32, quantized_kv_start=40)
-    prompts = ["abcdefghij" * 3, "hello world, " * 4, "xyz"]
-    requests = [GenerationRequest(tokenizer.encode(p), max_tokens=24) for p in prompts]
+    assert_engine_matches_alone(model, tokenizer, ["abcdefghij" * 3, "hello world, " * 4, "xyz"], settings, 24)
+
+
+def assert_engine_matches_alone(model, tokenizer, prompts, settings, max_tokens) -> None:
+    """The engine's tokens for concurrent ``prompts`` are those each gets alone."""
+    requests = [GenerationRequest(tokenizer.encode(p), max_tokens=max_tokens) for p in prompts]
     expected = [
         [r.token for r in stream_generate(model, tokenizer, q.prompt_ids, q.max_tokens, cache_settings=settings)]
         for q in requests
@@ -94,13 +98,4 @@ def test_sliding_and_global_layers_batch_too(tiny_gemma3, cache, tmp_path):
     settings = SETTINGS[cache]
     counts = [ops_per_step(model, b, settings, tmp_path / f"b{b}.dot") for b in (1, 4)]
     assert counts[0] <= counts[1] <= counts[0] + 4 * len(model.layers), counts
-    prompts = ["abcdefghij" * 3, "hello world, " * 2, "xyz"]
-    requests = [GenerationRequest(tokenizer.encode(p), max_tokens=14) for p in prompts]
-    expected = [
-        [r.token for r in stream_generate(model, tokenizer, q.prompt_ids, q.max_tokens, cache_settings=settings)]
-        for q in requests
-    ]
-    with Engine(model, tokenizer, cache_settings=settings, prefix_cache_bytes=0) as engine:
-        handles = [engine.submit(r) for r in requests]
-        got = [[e.token for e in h if e.token is not None] for h in handles]
-    assert got == expected
+    assert_engine_matches_alone(model, tokenizer, ["abcdefghij" * 3, "hello world, " * 2, "xyz"], settings, 14)
