@@ -4,9 +4,10 @@ copies in ``models/templates/``, unpacked from llama-cpp-python's sdist by
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
+
+from hf_reference_cache import cache_root
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "</s>", "<|end_of_text|>")
@@ -14,8 +15,7 @@ END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "</s>", "<|end_of_text|
 
 def template_dir() -> Path:
     """``vendor/llama.cpp/models/templates`` of the unpacked llama-cpp-python sdist."""
-    cache = Path(os.environ.get("MLXFORMER_TEST_CACHE", Path.home() / ".cache" / "mlxformer-test"))
-    path = cache / f"llama-cpp-python-{LLAMA_CPP_PYTHON_VERSION}" / "vendor" / "llama.cpp" / "models" / "templates"
+    path = cache_root() / f"llama-cpp-python-{LLAMA_CPP_PYTHON_VERSION}" / "vendor" / "llama.cpp" / "models" / "templates"
     assert path.is_dir(), f"{path} is missing: run scripts/install_test_deps.sh"
     return path
 

@@ -53,22 +53,19 @@ def smollm_gguf() -> Path:
 
 @pytest.fixture(scope="session")
 def hf_smollm(smollm_gguf: Path):
-    """transformers' float32 model from the GGUF (weights dequantized by transformers)."""
-    import torch
-    from transformers import AutoModelForCausalLM
+    """transformers' float32 model from the GGUF (weights dequantized by transformers; converted
+    once and kept on disk, see ``hf_reference_cache``)."""
+    from hf_reference_cache import hf_model_from_gguf
 
-    model = AutoModelForCausalLM.from_pretrained(
-        str(smollm_gguf.parent), gguf_file=smollm_gguf.name, dtype=torch.float32
-    )
-    return model.eval()
+    return hf_model_from_gguf(smollm_gguf)
 
 
 @pytest.fixture(scope="session")
 def hf_smollm_tokenizer(smollm_gguf: Path):
-    """transformers' tokenizer from the GGUF."""
-    from transformers import AutoTokenizer
+    """transformers' tokenizer from the GGUF (converted once and kept on disk)."""
+    from hf_reference_cache import hf_tokenizer_from_gguf
 
-    return AutoTokenizer.from_pretrained(str(smollm_gguf.parent), gguf_file=smollm_gguf.name)
+    return hf_tokenizer_from_gguf(smollm_gguf)
 
 
 @pytest.fixture(scope="session")
@@ -77,11 +74,7 @@ def smollm_hf_dir(hf_smollm, hf_smollm_tokenizer, tmp_path_factory) -> Path:
     import torch
 
     directory = tmp_path_factory.mktemp("smollm_hf")
-    model = copy.deepcopy(hf_smollm).to(torch.bfloat16)
-    # Weights are plain dequantized tensors now; drop the GGUF "quantizer" so transformers saves them.
-    model.hf_quantizer = None
-    del model.config.quantization_config
-    model.save_pretrained(directory)
+    copy.deepcopy(hf_smollm).to(torch.bfloat16).save_pretrained(directory)
     hf_smollm_tokenizer.save_pretrained(directory)
     return directory
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import random
 import shutil
 import subprocess
@@ -31,11 +30,12 @@ import test_families
 import test_moe
 from agent_support import LLAMA_CPP_PYTHON_VERSION
 from conftest import cpu_default_device, max_diff, write_tiny_checkpoint
+from hf_reference_cache import cache_root
 from mlxformer import load
 from mlxformer.models.moe import QuantizedSwitchLinear, SparseMoE
 from mlxformer.planning import footprint
 
-CACHE = Path(os.environ.get("MLXFORMER_TEST_CACHE", Path.home() / ".cache" / "mlxformer-test"))
+CACHE = cache_root()
 CONVERTER = CACHE / f"llama-cpp-python-{LLAMA_CPP_PYTHON_VERSION}" / "vendor" / "llama.cpp" / "convert_hf_to_gguf.py"
 DRIVER = Path(__file__).with_name("convert_driver.py")
 SEQ_LEN = 40

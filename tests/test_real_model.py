@@ -30,7 +30,8 @@ MESSAGES = [
     [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name three colours."}],
     [{"role": "user", "content": "What is 2+2? Answer with a number only."}],
 ]
-# Two answers end on eos within 32 tokens, the haiku runs to the limit: both endings are compared.
+# Two answers end on eos within 16 tokens (after 8 and 13), the haiku runs to the limit: both endings are compared.
+GREEDY_TOKENS = 16
 GREEDY_MESSAGES = MESSAGES[:2] + [[{"role": "user", "content": "Write a haiku about the sea."}]]
 TEXT = (
     "The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris, France. "
@@ -123,13 +124,13 @@ def test_gguf_greedy_continuations_match_transformers(smollm, hf_smollm, hf_smol
     endings = set()
     for messages in GREEDY_MESSAGES:
         ids = tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=True), add_special_tokens=False)
-        ref = _hf_greedy(hf_smollm, ids, 32, eos)
-        responses = list(stream_generate(model, tokenizer, ids, 32, temp=0.0))
+        ref = _hf_greedy(hf_smollm, ids, GREEDY_TOKENS, eos)
+        responses = list(stream_generate(model, tokenizer, ids, GREEDY_TOKENS, temp=0.0))
         assert [r.token for r in responses] == ref, messages
         if ref[-1] in eos:
             assert responses[-1].finish_reason == "stop"
         else:
-            assert len(ref) == 32 and responses[-1].finish_reason == "length"
+            assert len(ref) == GREEDY_TOKENS and responses[-1].finish_reason == "length"
         endings.add(responses[-1].finish_reason)
         # generate() is the join of these pieces; the text is transformers' decode of the same ids.
         expected_text = hf_smollm_tokenizer.decode([t for t in ref if t not in eos])

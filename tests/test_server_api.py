@@ -1,6 +1,6 @@
 """`mlxformer serve`'s API driven by the official openai client (and raw HTTP for bad input), on
-the real SmolLM2: greedy replies equal `generate` alone, also for 8 concurrent clients with
-different settings; stops, max tokens, seeds, usage and logprobs (against the model's own
+the real SmolLM2: greedy replies equal `generate` alone (also for 8 concurrent clients with
+different settings, on a tiny random model over SmolLM2's tokenizer); stops, max tokens, seeds, usage and logprobs (against the model's own
 log-softmax); OpenAI error bodies for bad input; API key and CORS policies; the chat page."""
 
 from __future__ import annotations
@@ -31,9 +31,25 @@ def server(loaded):
             yield SimpleNamespace(url=url, engine=engine, model=model, tokenizer=tokenizer)
 
 
+@pytest.fixture(scope="module")
+def tiny_server(tiny_smol):
+    """The same server over conftest's tiny llama with SmolLM2's tokenizer and chat template:
+    for checks of batching, where real text adds nothing but ~0.2 s per token."""
+    from mlxformer import load
+
+    model, tokenizer = load(tiny_smol[0], threads=1)
+    with running_engine(model, tokenizer, max_batch=8) as engine:
+        with running_server(engine, model, tokenizer) as url:
+            yield SimpleNamespace(url=url, engine=engine, model=model, tokenizer=tokenizer)
+
+
+def openai_client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+
 @pytest.fixture
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    return openai_client(server)
 
 
 def reference(server, ids: list[int], max_tokens: int = MAX_TOKENS, **kwargs) -> tuple[str, list[int], str]:
@@ -149,12 +165,13 @@ def test_logprobs_match_the_model(server, client):
     assert "".join(logprobs.tokens) == reply.choices[0].text
 
 
+STOP_INSIDE_REPLY = "stop inside the reply"  # replaced by two characters from the middle of the reply alone
 CLIENTS = [  # (kind, prompt, settings): different prompts, lengths, stops and options
     ("chat", QUESTION, dict(max_tokens=8)),
     ("chat", "Name three colors.", dict(max_tokens=10, stream=True)),
     ("chat", "Write a haiku about the sea.", dict(max_tokens=6, system="You are a poet.")),
     ("completion", "The quick brown fox", dict(max_tokens=9)),
-    ("completion", "1, 2, 3, 4,", dict(max_tokens=10, stop=[" 7"], stream=True)),
+    ("completion", "1, 2, 3, 4,", dict(max_tokens=10, stop=STOP_INSIDE_REPLY, stream=True)),
     ("chat", "What is 2 + 2?", dict(max_tokens=7, logprobs=True)),
     ("chat", "Tell me a fun fact about cats.", dict(max_tokens=8, repetition_penalty=1.3)),
     ("completion", "def fibonacci(n):", dict(max_tokens=8)),
@@ -182,17 +199,27 @@ def run_client(client, kind: str, prompt: str, settings: dict) -> str:
     return reply.choices[0].text
 
 
-def test_eight_concurrent_clients_equal_generate_alone(server, client):
+def test_eight_concurrent_clients_equal_generate_alone(tiny_server):
+    """On the tiny model (batching is what is checked; SmolLM2's eight references and replies
+    cost ~120 s here). The stop string is cut from the middle of that client's reply alone, so
+    it fires inside the batch."""
     from mlxformer.generation import SamplingSettings
 
-    expected = []
+    server, clients, expected = tiny_server, [], []
     for kind, prompt, settings in CLIENTS:
         ids = chat_ids(server, prompt, settings.get("system")) if kind == "chat" else server.tokenizer.encode(prompt)
         sampling = SamplingSettings(repetition_penalty=settings.get("repetition_penalty"))
-        text, _, _ = reference(server, ids, settings["max_tokens"], stop=settings.get("stop", ()), sampling=sampling)
+        if settings.get("stop") == STOP_INSIDE_REPLY:
+            whole, _, _ = reference(server, ids, settings["max_tokens"], sampling=sampling)
+            middle = len(whole) // 2
+            settings = {**settings, "stop": [whole[middle : middle + 2]]}
+        text, _, finish = reference(server, ids, settings["max_tokens"], stop=settings.get("stop", ()), sampling=sampling)
+        assert "stop" not in settings or (finish == "stop" and len(text) <= middle), (text, settings)
+        clients.append((kind, prompt, settings))
         expected.append(text)
-    with ThreadPoolExecutor(len(CLIENTS)) as pool:
-        replies = list(pool.map(lambda c: run_client(client, *c), CLIENTS))
+    client = openai_client(server)
+    with ThreadPoolExecutor(len(clients)) as pool:
+        replies = list(pool.map(lambda c: run_client(client, *c), clients))
     assert replies == expected
 
 

@@ -59,8 +59,9 @@ def ours() -> Tokenizer:
 
 @pytest.fixture(scope="module")
 def ref():
-    transformers = pytest.importorskip("transformers")
-    return transformers.AutoTokenizer.from_pretrained(str(_gguf_dir()), gguf_file=GGUF_NAME)
+    from hf_reference_cache import hf_tokenizer_from_gguf
+
+    return hf_tokenizer_from_gguf(_gguf_dir() / GGUF_NAME)
 
 
 @pytest.fixture(scope="module")
