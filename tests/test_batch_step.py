@@ -56,8 +56,12 @@ def test_quantized_start_crossed_in_a_batch(tiny_byte_llama):
     the quantized one, and every output is the one it gets alone."""
     model, tokenizer = tiny_byte_llama
     settings = CacheSettings(kv_bits=4, kv_group_size=32, quantized_kv_start=40)
-    prompts = ["abcdefghij" * 3, "hello world, " * 4, "xyz"]
-    requests = [GenerationRequest(tokenizer.encode(p), max_tokens=24) for p in prompts]
+    assert_engine_matches_alone(model, tokenizer, ["abcdefghij" * 3, "hello world, " * 4, "xyz"], settings, 24)
+
+
+def assert_engine_matches_alone(model, tokenizer, prompts, settings, max_tokens) -> None:
+    """The engine's tokens for concurrent ``prompts`` are those each gets alone."""
+    requests = [GenerationRequest(tokenizer.encode(p), max_tokens=max_tokens) for p in prompts]
     expected = [
         [r.token for r in stream_generate(model, tokenizer, q.prompt_ids, q.max_tokens, cache_settings=settings)]
         for q in requests
@@ -66,3 +70,32 @@ def test_quantized_start_crossed_in_a_batch(tiny_byte_llama):
         handles = [engine.submit(r) for r in requests]
         got = [[e.token for e in h if e.token is not None] for h in handles]
     assert got == expected
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma3(tmp_path_factory):
+    """A tiny random Gemma 3: sliding-window layers (window 8, rotating caches) between global ones."""
+    from conftest import write_byte_tokenizer, write_tiny_checkpoint
+    from mlxformer import load
+
+    layer_types = ["sliding_attention", "full_attention"] * 2
+    directory, _ = write_tiny_checkpoint(tmp_path_factory.mktemp("gemma3"), "gemma3_text", head_dim=32,
+                                         sliding_window=8, query_pre_attn_scalar=16, num_hidden_layers=4,
+                                         layer_types=layer_types)
+    write_byte_tokenizer(directory)
+    model, tokenizer = load(directory, dtype=mx.float32, threads=1)
+    assert [layer.window for layer in model.layers] == [8, None, 8, None]
+    tokenizer.eos_token_ids = []  # random weights: every run has all its tokens
+    return model, tokenizer
+
+
+@pytest.mark.parametrize("cache", ["float", "kv8"])
+def test_sliding_and_global_layers_batch_too(tiny_gemma3, cache, tmp_path):
+    """Gemma 2/3 mix sliding-window and global layers: the batch keeps one slot layout per kind
+    of layer, so their step's graph does not grow with the batch either, and each sequence
+    (prompts past the window, ragged) still gives what it gives alone."""
+    model, tokenizer = tiny_gemma3
+    settings = SETTINGS[cache]
+    counts = [ops_per_step(model, b, settings, tmp_path / f"b{b}.dot") for b in (1, 4)]
+    assert counts[0] <= counts[1] <= counts[0] + 4 * len(model.layers), counts
+    assert_engine_matches_alone(model, tokenizer, ["abcdefghij" * 3, "hello world, " * 2, "xyz"], settings, 14)

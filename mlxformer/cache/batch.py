@@ -1,7 +1,9 @@
 """Batched decode storage: B sequences' keys/values of one layer in one buffer of slots.
 
-A ``BatchLayout`` (host-side, shared by every layer) records which absolute position each slot
-of each row holds; a ``BatchLayerCache`` holds one layer's buffers ``(B, n_kv, C, ...)``. A
+A ``BatchLayout`` (host-side, shared by the layers that store alike: all of them, or, in a model
+mixing sliding-window and global layers such as Gemma 2/3, each kind's) records which absolute
+position each slot of each row holds; a ``BatchLayerCache`` holds one layer's buffers
+``(B, n_kv, C, ...)``. A
 decode step writes every row's new key/value at that row's own slot with one scatter per array
 and attends over all ``C`` slots of all rows in one call, masked by position. The slots are the
 ones the sequence's own cache would use (the growing cache appends; the rotating cache fills,
@@ -206,29 +208,43 @@ class RowView:
 
     @property
     def nbytes(self) -> int:
-        return self.batch.layers[self.layer].nbytes // max(1, len(self.batch.layout.rows))
+        return self.batch.layers[self.layer].nbytes // max(1, len(self.batch))
+
+
+LayerKind = tuple[StorageKind, "int | None"]  # a layer's storage and attention window
+BatchKey = tuple[LayerKind, ...]  # every layer's: the batch a sequence can join
+
+
+def batch_key(caches: Sequence[Cache], windows: Sequence[int | None]) -> BatchKey:
+    """The batch a sequence with per-layer ``caches`` (its layers attending with ``windows``) can join."""
+    return tuple((storage_kind(c), w) for c, w in zip(caches, windows))
 
 
 class DecodeBatch:
-    """Rows of one storage kind: the layout and one ``BatchLayerCache`` per layer."""
+    """Rows of one ``BatchKey``: a layout per distinct layer kind and one ``BatchLayerCache`` per layer."""
 
-    def __init__(self, kind: StorageKind, n_layers: int, window: int | None) -> None:
-        self.kind = kind
-        self.layout = BatchLayout(kind, window)
+    def __init__(self, key: BatchKey) -> None:
+        self.key = key
+        self.groups: dict[LayerKind, list[int]] = {}  # each kind's layers, in order
+        for layer, kind in enumerate(key):
+            self.groups.setdefault(kind, []).append(layer)
+        self.layouts = {kind: BatchLayout(*kind) for kind in self.groups}
         self.layers: list[BatchLayerCache] = []
-        self.n_layers = n_layers
+        self.n_layers = len(key)
 
     def __len__(self) -> int:
-        return len(self.layout.rows)
+        return len(next(iter(self.layouts.values())).rows)
 
     def join(self, caches: Sequence[Sequence[Cache]]) -> list[list[RowView]]:
         """Add rows from per-sequence caches (one list of layer caches each); returns each
         new row's stand-in caches."""
-        rows = [_row_of(c) for c in caches]
-        self.layout.fit(max(len(r.positions) for r in rows) + 1)
-        width = self.layout.width
+        rows = {kind: [_row_of([c[i] for i in layers]) for c in caches] for kind, layers in self.groups.items()}
+        for kind, layout in self.layouts.items():
+            layout.fit(max(len(r.positions) for r in rows[kind]) + 1)
         merged = []
         for layer in range(self.n_layers):
+            kind = self.key[layer]
+            storage, width = kind[0], self.layouts[kind].width
             parts = [_storage(c[layer]) for c in caches]
             keys = [_pad(k, width) for k, _, _ in parts]
             values = [_pad(v, width) for _, v, _ in parts]
@@ -239,38 +255,52 @@ class DecodeBatch:
                 values.insert(0, _pad(old.values, width))
                 centers[:0] = list(old.codec.state)
             n_blocks = max((c.shape[2] for c in centers), default=0)  # rows' centers, padded alike
-            centers = [KVCodec(self.kind.bits, self.kind.group_size, c).covering(n_blocks).key_center for c in centers]
-            codec = FLOAT_CODEC if self.kind.bits is None else KVCodec(
-                self.kind.bits, self.kind.group_size, mx.concatenate(centers, axis=0) if centers else None)
-            merged.append(BatchLayerCache(self.layout, codec, _cat_rows(keys), _cat_rows(values)))
+            centers = [KVCodec(storage.bits, storage.group_size, c).covering(n_blocks).key_center for c in centers]
+            codec = FLOAT_CODEC if storage.bits is None else KVCodec(
+                storage.bits, storage.group_size, mx.concatenate(centers, axis=0) if centers else None)
+            merged.append(BatchLayerCache(self.layouts[kind], codec, _cat_rows(keys), _cat_rows(values)))
         self.layers = merged
-        self.layout.rows += rows
-        return [[RowView(self, row, i) for i in range(self.n_layers)] for row in rows]
+        for kind, layout in self.layouts.items():
+            layout.rows += rows[kind]
+        views: list[list[RowView]] = []
+        for j in range(len(caches)):
+            views.append([RowView(self, rows[self.key[i]][j], i) for i in range(self.n_layers)])
+        return views
 
     def leave(self, index: int) -> list[Cache]:
         """Remove row ``index``; returns its keys/values as per-sequence caches again."""
-        row = self.layout.rows.pop(index)
-        size = len(row.positions)
-        caches: list[Cache] = []
-        keep = mx.array([i for i in range(len(self.layout.rows) + 1) if i != index], dtype=mx.int32)
-        # narrowed to what the rows left need (the KV budget counts each row by its own length)
-        self.layout.width = 0
-        self.layout.fit(max((len(r.positions) for r in self.layout.rows), default=0) + 1)
-        for layer, (meta, batched) in enumerate(zip(row.metas, self.layers)):
-            keys = tuple(mx.contiguous(x[index : index + 1, :, :size, :]) for x in batched.keys)
-            values = tuple(mx.contiguous(x[index : index + 1, :, :size, :]) for x in batched.values)
-            center = tuple(c[index : index + 1] for c in batched.codec.state)
-            caches.append(_rebuild(meta, row, keys + values + center))
-            batched.keys = tuple(x[keep][:, :, : self.layout.width] for x in batched.keys)
-            batched.values = tuple(x[keep][:, :, : self.layout.width] for x in batched.values)
-            if batched.codec.key_center is not None:
-                batched.codec = KVCodec(batched.codec.bits, batched.codec.group_size, batched.codec.key_center[keep])
-        return caches
+        caches: list[Cache | None] = [None] * self.n_layers
+        count = len(self)
+        keep = mx.array([i for i in range(count) if i != index], dtype=mx.int32)
+        for kind, layers in self.groups.items():
+            layout = self.layouts[kind]
+            row = layout.rows.pop(index)
+            size = len(row.positions)
+            # narrowed to what the rows left need (the KV budget counts each row by its own length)
+            layout.width = 0
+            layout.fit(max((len(r.positions) for r in layout.rows), default=0) + 1)
+            for meta, layer in zip(row.metas, layers):
+                batched = self.layers[layer]
+                keys = tuple(mx.contiguous(x[index : index + 1, :, :size, :]) for x in batched.keys)
+                values = tuple(mx.contiguous(x[index : index + 1, :, :size, :]) for x in batched.values)
+                center = tuple(c[index : index + 1] for c in batched.codec.state)
+                caches[layer] = _rebuild(meta, row, keys + values + center)
+                batched.keys = tuple(x[keep][:, :, : layout.width] for x in batched.keys)
+                batched.values = tuple(x[keep][:, :, : layout.width] for x in batched.values)
+                if batched.codec.key_center is not None:
+                    batched.codec = KVCodec(batched.codec.bits, batched.codec.group_size, batched.codec.key_center[keep])
+        return caches  # type: ignore[return-value]
 
     def step_caches(self) -> list[BatchLayerCache]:
-        """The per-layer caches for this step's forward (the layout prepared)."""
-        self.layout.prepare()
+        """The per-layer caches for this step's forward (the layouts prepared)."""
+        for layout in self.layouts.values():
+            layout.prepare()
         return self.layers
+
+    def commit(self) -> None:
+        """Record this step's token in every row (after the forward is built)."""
+        for layout in self.layouts.values():
+            layout.commit()
 
 
 def _cat_rows(packs: list[Pack]) -> Pack:

@@ -138,15 +138,22 @@ class KVCodec:
         if self.bits is None:
             return self
         have = 0 if self.key_center is None else self.key_center.shape[2]
-        blocks = center_blocks(positions)
-        if max(blocks) < have:
+        members: dict[int, list[int]] = {}  # block -> the indices of its keys (one pass: long prompts)
+        if isinstance(positions, range) and positions.step == 1:
+            for block in range(positions.start // CENTER_BLOCK, (positions.stop - 1) // CENTER_BLOCK + 1):
+                first = max(block * CENTER_BLOCK, positions.start) - positions.start
+                members[block] = list(range(first, min((block + 1) * CENTER_BLOCK, positions.stop) - positions.start))
+        else:
+            for j, block in enumerate(center_blocks(positions)):
+                members.setdefault(block, []).append(j)
+        if max(members) < have:
             return self
         centers = [] if self.key_center is None else [self.key_center]
         previous = None if self.key_center is None else self.key_center[:, :, -1:]
-        for block in range(have, max(blocks) + 1):
-            mine = [j for j, b in enumerate(blocks) if b == block]
+        for block in range(have, max(members) + 1):
+            mine = members.get(block, [])
             if mine and (len(mine) >= CENTER_MIN or previous is None):
-                picked = keys[:, :, mine[0] : mine[-1] + 1] if mine == list(range(mine[0], mine[-1] + 1)) else (
+                picked = keys[:, :, mine[0] : mine[-1] + 1] if mine[-1] - mine[0] + 1 == len(mine) else (
                     mx.take(keys, mx.array(mine), axis=2))
                 previous = mx.mean(picked, axis=2, keepdims=True)  # (B, n_kv, 1, D)
             elif previous is None:  # a block before any key (deferred quantization): the first keys' mean

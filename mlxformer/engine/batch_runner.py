@@ -3,8 +3,9 @@
 Prompt chunks and speculation rounds run on one sequence's own caches. Decoding sequences live
 in ``DecodeBatch``es (``cache/batch.py``): their keys/values of each layer in one buffer, so a
 decode step is one forward for all rows — one cache write and one attention per layer, each row
-rotated at its own position and masked to its own slots. A sequence joins its batch on its first
-decode step and leaves it (as per-sequence caches again) through ``release``.
+rotated at its own position and masked to its own slots (a model mixing sliding-window and
+global layers, such as Gemma 2/3, keeps one slot layout per kind of layer). A sequence joins its
+batch on its first decode step and leaves it (as per-sequence caches again) through ``release``.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import mlx.core as mx
 
 from mlxformer.cache import Cache
 from mlxformer.engine.prompt_scores import PromptScores
-from mlxformer.cache.batch import DecodeBatch, StorageKind, quantizes_next, row_quantizes_next, storage_kind
+from mlxformer.cache.batch import BatchKey, DecodeBatch, batch_key, quantizes_next, row_quantizes_next
 from mlxformer.models.decoder import Model
 
 
@@ -34,15 +35,10 @@ class BatchRunner:
 
     def __init__(self, model: Model) -> None:
         self.model = model
-        windows = {layer.window for layer in model.layers}
-        # Rows of a batch share one slot layout for every layer, so only a model whose layers all
-        # attend alike batches; one mixing sliding and global layers (Gemma 2/3) decodes each
-        # sequence on its own per-layer caches.
-        self.window = next(iter(windows)) if len(windows) == 1 else None
-        self.batchable = len(windows) <= 1
-        self.batches: dict[StorageKind, DecodeBatch] = {}
-        self._rows: dict[StorageKind, list[Decoding]] = {}  # each batch's sequences, in row order
-        self._members: dict[int, StorageKind] = {}  # id(sequence) -> the batch it is in
+        self.windows = [layer.window for layer in model.layers]
+        self.batches: dict[BatchKey, DecodeBatch] = {}
+        self._rows: dict[BatchKey, list[Decoding]] = {}  # each batch's sequences, in row order
+        self._members: dict[int, BatchKey] = {}  # id(sequence) -> the batch it is in
 
     def prefill(
         self, tokens: Sequence[int], cache: Sequence[Cache], want_logits: bool, prompt_length: int | None = None,
@@ -75,18 +71,18 @@ class BatchRunner:
         Sequences not yet in a batch join one; one whose storage changes this step (a cache
         turning quantized) or that speculates runs on its own caches."""
         alone: list[Decoding] = []
-        joining: dict[StorageKind, list[Decoding]] = {}
+        joining: dict[BatchKey, list[Decoding]] = {}
         for sequence in sequences:
             if id(sequence) in self._members and row_quantizes_next(sequence.cache[0].row):
                 self.release(sequence)  # its storage turns quantized: it moves to the quantized batch
             if id(sequence) in self._members:
                 continue
-            if sequence.speculator is not None or not self.batchable or quantizes_next(sequence.cache[0]):
+            if sequence.speculator is not None or any(quantizes_next(c) for c in sequence.cache):
                 alone.append(sequence)
             else:
-                joining.setdefault(storage_kind(sequence.cache[0]), []).append(sequence)
+                joining.setdefault(batch_key(sequence.cache, self.windows), []).append(sequence)
         for kind, newcomers in joining.items():
-            batch = self.batches.setdefault(kind, DecodeBatch(kind, len(self.model.layers), self.window))
+            batch = self.batches.setdefault(kind, DecodeBatch(kind))
             for sequence, views in zip(newcomers, batch.join([s.cache for s in newcomers])):
                 sequence.cache = views
                 self._members[id(sequence)] = kind
@@ -99,7 +95,7 @@ class BatchRunner:
                 continue
             tokens = mx.array([s.last_token for s in rows])[:, None]  # (B, 1)
             parts.append(self.model.last_logits(tokens, batch.step_caches()))
-            batch.layout.commit()
+            batch.commit()
             order += [id(s) for s in rows]
         for sequence in alone:
             parts.append(self.model.last_logits(mx.array([[sequence.last_token]]), sequence.cache))

@@ -82,34 +82,39 @@ def auto_kv_budget(model: Model) -> int:
 class KVSizer:
     """Bytes a sequence's per-layer caches hold at ``n`` tokens, for the engine's cache settings.
 
-    Probed once per block count from the cache classes themselves (lazy zero keys/values:
-    shapes only, nothing is allocated), so quantized, rotating and sliding-window caches are
-    sized exactly as they store: the table covers the model's context; beyond it the last
+    Probed per block count, when first asked, from the cache classes themselves (lazy zero
+    keys/values: shapes only, nothing is allocated), so quantized, rotating and sliding-window
+    caches are sized exactly as they store, up to the model's context; beyond it the last
     block's increment is extrapolated."""
 
     def __init__(self, model: Model, settings: CacheSettings, extra_tokens: int = 0) -> None:
         args = model.args
-        dtype = model.hidden_states(mx.array([[0]])).dtype  # the keys' dtype (lazy: never evaluated)
-        shape = (1, args.num_key_value_heads, 0, args.head_dim)
-        start = settings.quantized_kv_start if settings.kv_bits is not None else 0
-        blocks = math.ceil((args.max_position_embeddings + extra_tokens) / BLOCK) + 1
-        self.table = [0]
-        for b in range(1, blocks + 1):
-            n, total = b * BLOCK, 0
-            for cache in make_cache(model, settings):
+        self.model, self.settings = model, settings
+        self.dtype = model.hidden_states(mx.array([[0]])).dtype  # the keys' dtype (lazy: never evaluated)
+        self.shape = (1, args.num_key_value_heads, 0, args.head_dim)
+        self.max_blocks = math.ceil((args.max_position_embeddings + extra_tokens) / BLOCK) + 1
+        self._probed: dict[int, int] = {0: 0}
+
+    def _probe(self, blocks: int) -> int:
+        """Bytes of fresh caches fed ``blocks`` blocks of tokens (memoized)."""
+        if blocks not in self._probed:
+            n, total = blocks * BLOCK, 0
+            start = self.settings.quantized_kv_start if self.settings.kv_bits is not None else 0
+            for cache in make_cache(self.model, self.settings):
                 for length in ([start, n - start] if 0 < start < n else [n]):
-                    size = (*shape[:2], length, shape[3])
-                    cache.update_and_fetch(mx.zeros(size, dtype), mx.zeros(size, dtype))
+                    size = (*self.shape[:2], length, self.shape[3])
+                    cache.update_and_fetch(mx.zeros(size, self.dtype), mx.zeros(size, self.dtype))
                 total += cache.nbytes
-            self.table.append(total)
+            self._probed[blocks] = total
+        return self._probed[blocks]
 
     def bytes_for(self, tokens: int) -> int:
         """Bytes of caches holding ``tokens`` tokens (their buffers, rounded up to whole blocks)."""
         blocks = math.ceil(max(tokens, 0) / BLOCK)
-        if blocks < len(self.table):
-            return self.table[blocks]
-        last, before = self.table[-1], self.table[-2]
-        return last + (blocks - len(self.table) + 1) * (last - before)
+        if blocks <= self.max_blocks:
+            return self._probe(blocks)
+        last, before = self._probe(self.max_blocks), self._probe(self.max_blocks - 1)
+        return last + (blocks - self.max_blocks) * (last - before)
 
     def step_need(self, held: int, fed: int, current: int | None = None) -> int:
         """Bytes while caches holding ``held`` tokens take ``fed`` more: the new buffers, plus the
@@ -119,7 +124,7 @@ class KVSizer:
         after, before = self.bytes_for(held + fed), self.bytes_for(held)
         if current is None:
             return after + (before if after != before else 0)
-        per_token = self.table[1] / BLOCK
+        per_token = self._probe(1) / BLOCK
         if fed == 0 or held + fed <= current / per_token:  # fits in the buffers it has
             return max(after, current)
         grown_tokens = held + math.ceil(fed / BLOCK) * BLOCK
