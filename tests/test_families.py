@@ -41,10 +41,7 @@ CASES = {
     "gemma": ("gemma", dict(head_dim=32, hidden_act="gelu_pytorch_tanh")),
     "gemma2": ("gemma2", dict(head_dim=32, sliding_window=WINDOW, query_pre_attn_scalar=24, num_hidden_layers=3,
                               attn_logit_softcapping=5.0, final_logit_softcapping=3.0)),
-    # max_position_embeddings: transformers' default 131072 made the engine's start-up (its KV sizer
-    # probes every 256-token block of the context) cost ~45 s here; the RoPE here does not read it
     "gemma3": ("gemma3_text", dict(head_dim=32, sliding_window=WINDOW, query_pre_attn_scalar=16, num_hidden_layers=6,
-                                   max_position_embeddings=4096,
                                    rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
                                                     "full_attention": {"rope_type": "linear", "rope_theta": 1e6,
                                                                        "factor": 8.0}})),

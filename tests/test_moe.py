@@ -25,8 +25,7 @@ from mlxformer.speculative import SpeculativeSettings
 
 BOUND = 3e-4  # fp32 on both sides; measured <= 1.7e-5
 CASES = {
-    # max_position_embeddings: transformers' default 131072 costs the engine's KV sizer ~10 s at start-up
-    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=4096),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
     # a dense layer among sparse ones, and the gated shared expert
     "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                       shared_expert_intermediate_size=48, mlp_only_layers=[1]),
