@@ -12,6 +12,7 @@ import subprocess
 import time
 from http.client import HTTPConnection
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Iterator
 from urllib.parse import urlsplit
 
@@ -49,6 +50,14 @@ def running_server(engine: Any, model: Any, tokenizer: Any, **app_args: Any) -> 
     served = ServedModel.of(MODEL_NAME, model, tokenizer)
     with ServerThread(create_app(engine, served, **app_args)) as server:
         yield server.url
+
+
+@contextlib.contextmanager
+def served(model: Any, tokenizer: Any, **engine_args: Any) -> Iterator[SimpleNamespace]:
+    """An engine over ``model`` and the API app over it: ``url``, ``engine``, ``model``, ``tokenizer``."""
+    with running_engine(model, tokenizer, **engine_args) as engine:
+        with running_server(engine, model, tokenizer) as url:
+            yield SimpleNamespace(url=url, engine=engine, model=model, tokenizer=tokenizer)
 
 
 def http(

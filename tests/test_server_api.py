@@ -8,11 +8,10 @@ from __future__ import annotations
 import json
 import re
 from concurrent.futures import ThreadPoolExecutor
-from types import SimpleNamespace
 
 import openai
 import pytest
-from server_support import MODEL_NAME, error_of, http, load_for_engine, running_engine, running_server
+from server_support import MODEL_NAME, error_of, http, load_for_engine, running_server, served
 
 MAX_TOKENS = 8
 QUESTION = "What is the capital of France?"
@@ -26,9 +25,8 @@ def loaded(smollm_gguf):
 @pytest.fixture(scope="module")
 def server(loaded):
     model, tokenizer = loaded
-    with running_engine(model, tokenizer, max_batch=8) as engine:
-        with running_server(engine, model, tokenizer) as url:
-            yield SimpleNamespace(url=url, engine=engine, model=model, tokenizer=tokenizer)
+    with served(model, tokenizer, max_batch=8) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
@@ -38,9 +36,8 @@ def tiny_server(tiny_smol):
     from mlxformer import load
 
     model, tokenizer = load(tiny_smol[0], threads=1)
-    with running_engine(model, tokenizer, max_batch=8) as engine:
-        with running_server(engine, model, tokenizer) as url:
-            yield SimpleNamespace(url=url, engine=engine, model=model, tokenizer=tokenizer)
+    with served(model, tokenizer, max_batch=8) as server:
+        yield server
 
 
 def openai_client(server) -> openai.OpenAI:

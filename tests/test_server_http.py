@@ -10,13 +10,12 @@ import socket
 import threading
 import time
 from http.client import HTTPConnection
-from types import SimpleNamespace
 from urllib.parse import urlsplit
 
 import httpx
 import openai
 import pytest
-from server_support import error_of, http, running_engine, running_server
+from server_support import error_of, http, running_engine, running_server, served
 
 CONTEXT = 8192  # SmolLM2's
 MAX_GAP_SECONDS = 1.0
@@ -33,9 +32,8 @@ def tiny(tiny_smol):
 @pytest.fixture(scope="module")
 def server(tiny):
     model, tokenizer = tiny
-    with running_engine(model, tokenizer, max_batch=4) as engine:
-        with running_server(engine, model, tokenizer) as url:
-            yield SimpleNamespace(url=url, engine=engine, model=model, tokenizer=tokenizer)
+    with served(model, tokenizer, max_batch=4) as server:
+        yield server
 
 
 def no_eos(tokenizer) -> dict[str, float]:
