@@ -5,9 +5,11 @@ Soak: one server (127.0.0.1, subprocess), 16 client threads drawing from one shu
 requests: chat, completions, Responses (openai client) and Anthropic Messages (httpx), each
 streamed or not, some cancelled after their first chunks, some json_schema-constrained, some
 with logprobs. Reported: 5xx answers (must be 0), in-band stream errors, the server's RSS
-sampled every 0.25 s, and its drift after warm-up (the first 20% of requests): the median of
-the last fifth of the samples against the median of the first fifth, and their spread (must
-stay within 5%).
+sampled every 0.5 s with the KV bytes the engine holds (``mlxformer_kv_bytes_used`` on
+``/metrics``: sequences and the prompt cache, which fills towards its budget as distinct
+prompts arrive), and the drift after warm-up (the first 20% of requests) of the RSS and of the
+RSS beside the KV caches (RSS − KV bytes: what a leak would move): the median of the last fifth
+of the samples against the median of the first fifth, and their spread (must stay within 5%).
 
 Budget: a second server with ``--max-kv-memory`` set to 10 KV blocks (8 clients each hold one
 block after prefill and need a second as they generate past it: preemptions happen, checked on
@@ -15,7 +17,7 @@ block after prefill and need a second as they generate past it: preemptions happ
 exactly ``--budget-tokens`` tokens) alternate between the two servers (A B B A ...); reported:
 aggregate generated tokens/s of each and their ratio (budget / none).
 
-Usage: python benchmarks/serve_soak.py [--requests 96] [--rounds 2] [--out benchmarks/results/serve_soak.json]
+Usage: python benchmarks/serve_soak.py [--requests 96] [--rounds 2 (0: no budget rounds)] [--out benchmarks/results/serve_soak.json]
 """
 
 from __future__ import annotations
@@ -152,6 +154,16 @@ def one_request(kind: str, topic: str, url: str, client: openai.OpenAI, http: ht
         return exc.status_code, False
 
 
+def kv_bytes(client: httpx.Client, url: str) -> int:
+    """The engine's ``mlxformer_kv_bytes_used`` gauge (0 if /metrics does not answer)."""
+    try:
+        text = client.get(url + "/metrics").text
+    except httpx.HTTPError:
+        return 0
+    line = next((l for l in text.splitlines() if l.startswith("mlxformer_kv_bytes_used ")), None)
+    return int(float(line.split()[1])) if line else 0
+
+
 def soak(url: str, pid: int, requests: int, clients: int, tokens: int, seed: int) -> dict:
     rng = random.Random(seed)
     work = [(KINDS[i % len(KINDS)], rng.choice(TOPICS)) for i in range(requests)]
@@ -162,9 +174,11 @@ def soak(url: str, pid: int, requests: int, clients: int, tokens: int, seed: int
     start = time.monotonic()
 
     def sample() -> None:
-        while not stop.is_set():
-            samples.append((time.monotonic() - start, process.memory_info().rss, tally.done))
-            stop.wait(0.25)
+        with httpx.Client(timeout=60) as metrics:
+            while not stop.is_set():
+                rss = process.memory_info().rss
+                samples.append((time.monotonic() - start, rss, tally.done, kv_bytes(metrics, url)))
+                stop.wait(0.5)
 
     def client_loop() -> None:
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
@@ -190,13 +204,19 @@ def soak(url: str, pid: int, requests: int, clients: int, tokens: int, seed: int
     fifth = max(1, len(warm) // 5)
     first, last = statistics.median(s[1] for s in warm[:fifth]), statistics.median(s[1] for s in warm[-fifth:])
     after = [s[1] for s in warm]
+    beside = [s[1] - s[3] for s in warm]  # RSS less the KV bytes held
+    beside_first, beside_last = statistics.median(beside[:fifth]), statistics.median(beside[-fifth:])
     return {
         "requests": requests, "clients": clients, "seconds": round(time.monotonic() - start, 1),
         "statuses": tally.statuses, "server_errors_5xx": sum(v for k, v in tally.statuses.items() if k.startswith("5")),
         "in_band_stream_errors": tally.stream_errors,
         "rss_mb_after_warmup_first": round(first / 2**20, 1), "rss_mb_after_warmup_last": round(last / 2**20, 1),
         "rss_drift": round(last / first - 1, 4), "rss_spread": round(max(after) / min(after) - 1, 4),
-        "rss_samples": [(round(t, 2), r, d) for t, r, d in samples],
+        "kv_mb_after_warmup_first": round(statistics.median(s[3] for s in warm[:fifth]) / 2**20, 1),
+        "kv_mb_after_warmup_last": round(statistics.median(s[3] for s in warm[-fifth:]) / 2**20, 1),
+        "rss_beside_kv_drift": round(beside_last / beside_first - 1, 4),
+        "rss_beside_kv_spread": round(max(beside) / min(beside) - 1, 4),
+        "rss_samples": [(round(t, 2), r, d, kv) for t, r, d, kv in samples],
     }
 
 
@@ -240,8 +260,11 @@ def plot(samples: list, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     figure, axis = plt.subplots(figsize=(7, 3.5))
-    axis.plot([s[0] for s in samples], [s[1] / 2**20 for s in samples])
-    axis.set_xlabel("seconds"), axis.set_ylabel("server RSS (MiB)"), axis.set_title("serve_soak: RSS over time")
+    axis.plot([s[0] for s in samples], [s[1] / 2**20 for s in samples], label="RSS")
+    axis.plot([s[0] for s in samples], [s[3] / 2**20 for s in samples], label="KV bytes held (sequences + prompt cache)")
+    axis.plot([s[0] for s in samples], [(s[1] - s[3]) / 2**20 for s in samples], label="RSS - KV bytes")
+    axis.set_xlabel("seconds"), axis.set_ylabel("MiB"), axis.set_title("serve_soak: server memory over time")
+    axis.legend(fontsize=8)
     figure.tight_layout()
     figure.savefig(path)
 
@@ -278,43 +301,56 @@ def main() -> None:
     load_before = os.getloadavg()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     plain, plain_url = start_server(model_path, 8, None, args.out.with_suffix(".none.log"))
-    tight, tight_url = start_server(model_path, 8, kv_memory, args.out.with_suffix(".budget.log"))
+    tight, tight_url = (start_server(model_path, 8, kv_memory, args.out.with_suffix(".budget.log")) if args.rounds
+                        else (None, ""))
     print(f"servers up; soak: {args.requests} requests, {args.clients} clients", file=sys.stderr, flush=True)
     try:
         result = {"date": str(date.today()), "model": model_path.name, "cpus": os.cpu_count(),
                   "load_average_before": [round(x, 2) for x in load_before]}
         result["soak"] = soak(plain_url, plain.pid, args.requests, args.clients, args.tokens, seed=0)
         write_json(args.out.with_suffix(".soak.json"), result)  # kept if the budget rounds are cut short
-        print(f"soak done in {result['soak']['seconds']} s; budget rounds", file=sys.stderr, flush=True)
-        rates: dict[str, list[float]] = {"none": [], "budget": []}
-        order = [("none", plain_url), ("budget", tight_url)]
-        budget_round(plain_url, 8, 4, prompts, eos_bias)  # warm-up: both servers compile their shapes
-        budget_round(tight_url, 8, 4, prompts, eos_bias)
-        before = preemptions(tight_url)
-        for r in range(args.rounds):
-            for name, url in order if r % 2 == 0 else order[::-1]:
-                rates[name].append(budget_round(url, 8, args.budget_tokens, prompts, eos_bias))
-        result["budget"] = {
-            "max_kv_memory": kv_memory, "block_bytes": block, "clients": 8, "tokens_each": args.budget_tokens,
-            "tokens_per_s_none": [round(x, 2) for x in rates["none"]],
-            "tokens_per_s_budget": [round(x, 2) for x in rates["budget"]],
-            "ratio_budget_over_none": round(statistics.mean(rates["budget"]) / statistics.mean(rates["none"]), 3),
-            "preemptions": preemptions(tight_url) - before,
-        }
+        print(f"soak done in {result['soak']['seconds']} s", file=sys.stderr, flush=True)
+        if args.rounds:
+            result["budget"] = budget_rounds(plain_url, tight_url, args.rounds, args.budget_tokens, prompts, eos_bias,
+                                             kv_memory, block)
         result["load_average_after"] = [round(x, 2) for x in os.getloadavg()]
     finally:
         stop_server(plain)
-        stop_server(tight)
+        if tight is not None:
+            stop_server(tight)
     samples = result["soak"].pop("rss_samples")
     plot(samples, args.out.with_suffix(".png"))
     write_json(args.out, {**result, "rss_samples": samples})
     print(json.dumps(result, indent=1))
     soaked = result["soak"]
-    ok = soaked["server_errors_5xx"] == 0 and abs(soaked["rss_drift"]) <= 0.05
-    print(f"5xx: {soaked['server_errors_5xx']}, RSS drift after warm-up: {soaked['rss_drift']:+.1%} "
-          f"(spread {soaked['rss_spread']:.1%}); budget/none throughput at 8 clients: "
-          f"{result['budget']['ratio_budget_over_none']:.2f} ({result['budget']['preemptions']:.0f} preemptions)")
+    ok = soaked["server_errors_5xx"] == 0 and abs(soaked["rss_beside_kv_drift"]) <= 0.05
+    print(f"5xx: {soaked['server_errors_5xx']}, after warm-up: RSS drift {soaked['rss_drift']:+.1%}, KV bytes held "
+          f"{soaked['kv_mb_after_warmup_first']} -> {soaked['kv_mb_after_warmup_last']} MiB, RSS beside the KV caches "
+          f"drift {soaked['rss_beside_kv_drift']:+.1%} (spread {soaked['rss_beside_kv_spread']:.1%})")
+    if "budget" in result:
+        print(f"budget/none throughput at 8 clients: {result['budget']['ratio_budget_over_none']:.2f} "
+              f"({result['budget']['preemptions']:.0f} preemptions)")
     sys.exit(0 if ok else 1)
+
+
+def budget_rounds(plain_url: str, tight_url: str, rounds: int, tokens: int, prompts: list[str],
+                  eos_bias: dict[str, int], kv_memory: int, block: int) -> dict:
+    """Rounds of 8 clients alternating between the server without a budget and the one with."""
+    rates: dict[str, list[float]] = {"none": [], "budget": []}
+    order = [("none", plain_url), ("budget", tight_url)]
+    budget_round(plain_url, 8, 4, prompts, eos_bias)  # warm-up: both servers compile their shapes
+    budget_round(tight_url, 8, 4, prompts, eos_bias)
+    before = preemptions(tight_url)
+    for r in range(rounds):
+        for name, url in order if r % 2 == 0 else order[::-1]:
+            rates[name].append(budget_round(url, 8, tokens, prompts, eos_bias))
+    return {
+        "max_kv_memory": kv_memory, "block_bytes": block, "clients": 8, "tokens_each": tokens,
+        "tokens_per_s_none": [round(x, 2) for x in rates["none"]],
+        "tokens_per_s_budget": [round(x, 2) for x in rates["budget"]],
+        "ratio_budget_over_none": round(statistics.mean(rates["budget"]) / statistics.mean(rates["none"]), 3),
+        "preemptions": preemptions(tight_url) - before,
+    }
 
 
 if __name__ == "__main__":
