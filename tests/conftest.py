@@ -217,13 +217,3 @@ def tiny_smol(tmp_path_factory, hf_smollm_tokenizer):
                                         max_position_embeddings=8192, tie_word_embeddings=True)
     hf_smollm_tokenizer.save_pretrained(directory)
     return directory, hf_model
-
-
-@pytest.hookimpl(optionalhook=True)  # xdist's hook: unknown when xdist is off (-p no:xdist)
-def pytest_xdist_make_scheduler(config, log):
-    """``--dist loadfile`` with the longest files first (``long_files_first``); other modes as xdist has them."""
-    if config.getvalue("dist") != "loadfile":
-        return None
-    from long_files_first import make_scheduler
-
-    return make_scheduler(config, log)
