@@ -7,8 +7,9 @@ streamed or not, some cancelled after their first chunks, some json_schema-const
 with logprobs. Reported: 5xx answers (must be 0), in-band stream errors, the server's RSS
 sampled every 0.5 s with the KV bytes the engine holds (``mlxformer_kv_bytes_used`` on
 ``/metrics``: sequences and the prompt cache, which fills towards its budget as distinct
-prompts arrive), and the drift after warm-up (the first 20% of requests) of the RSS and of the
-RSS beside the KV caches (RSS − KV bytes: what a leak would move): the median of the last fifth
+prompts arrive) and MLX's freed-buffer cache (``mlxformer_mlx_cache_bytes``: buffers kept for
+reuse, which fill as new shapes come), and the drift after warm-up (the first 20% of requests)
+of the RSS and of the rest of it (RSS − KV bytes − MLX's cache: what a leak would move): the median of the last fifth
 of the samples against the median of the first fifth, and their spread (must stay within 5%).
 
 Budget: a second server with ``--max-kv-memory`` set to 10 KV blocks (8 clients each hold one
@@ -154,14 +155,19 @@ def one_request(kind: str, topic: str, url: str, client: openai.OpenAI, http: ht
         return exc.status_code, False
 
 
-def kv_bytes(client: httpx.Client, url: str) -> int:
-    """The engine's ``mlxformer_kv_bytes_used`` gauge (0 if /metrics does not answer)."""
+GAUGES = ("mlxformer_kv_bytes_used", "mlxformer_mlx_cache_bytes", "mlxformer_mlx_active_bytes")
+
+
+def gauges(client: httpx.Client, url: str) -> list[int]:
+    """The engine's KV bytes held, MLX's freed-buffer cache and live bytes from ``/metrics``
+    (zeros if it does not answer)."""
     try:
         text = client.get(url + "/metrics").text
     except httpx.HTTPError:
-        return 0
-    line = next((l for l in text.splitlines() if l.startswith("mlxformer_kv_bytes_used ")), None)
-    return int(float(line.split()[1])) if line else 0
+        return [0] * len(GAUGES)
+    values = {line.split()[0]: int(float(line.split()[1])) for line in text.splitlines()
+              if line.split(" ", 1)[0] in GAUGES}
+    return [values.get(name, 0) for name in GAUGES]
 
 
 def soak(url: str, pid: int, requests: int, clients: int, tokens: int, seed: int) -> dict:
@@ -177,7 +183,7 @@ def soak(url: str, pid: int, requests: int, clients: int, tokens: int, seed: int
         with httpx.Client(timeout=60) as metrics:
             while not stop.is_set():
                 rss = process.memory_info().rss
-                samples.append((time.monotonic() - start, rss, tally.done, kv_bytes(metrics, url)))
+                samples.append((time.monotonic() - start, rss, tally.done, *gauges(metrics, url)))
                 stop.wait(0.5)
 
     def client_loop() -> None:
@@ -204,19 +210,23 @@ def soak(url: str, pid: int, requests: int, clients: int, tokens: int, seed: int
     fifth = max(1, len(warm) // 5)
     first, last = statistics.median(s[1] for s in warm[:fifth]), statistics.median(s[1] for s in warm[-fifth:])
     after = [s[1] for s in warm]
-    beside = [s[1] - s[3] for s in warm]  # RSS less the KV bytes held
+    beside = [s[1] - s[3] - s[4] for s in warm]  # RSS less the KV bytes held and MLX's buffer cache
     beside_first, beside_last = statistics.median(beside[:fifth]), statistics.median(beside[-fifth:])
+    median_mb = lambda index, part: round(statistics.median(s[index] for s in part) / 2**20, 1)  # noqa: E731
     return {
         "requests": requests, "clients": clients, "seconds": round(time.monotonic() - start, 1),
         "statuses": tally.statuses, "server_errors_5xx": sum(v for k, v in tally.statuses.items() if k.startswith("5")),
         "in_band_stream_errors": tally.stream_errors,
         "rss_mb_after_warmup_first": round(first / 2**20, 1), "rss_mb_after_warmup_last": round(last / 2**20, 1),
         "rss_drift": round(last / first - 1, 4), "rss_spread": round(max(after) / min(after) - 1, 4),
-        "kv_mb_after_warmup_first": round(statistics.median(s[3] for s in warm[:fifth]) / 2**20, 1),
-        "kv_mb_after_warmup_last": round(statistics.median(s[3] for s in warm[-fifth:]) / 2**20, 1),
-        "rss_beside_kv_drift": round(beside_last / beside_first - 1, 4),
-        "rss_beside_kv_spread": round(max(beside) / min(beside) - 1, 4),
-        "rss_samples": [(round(t, 2), r, d, kv) for t, r, d, kv in samples],
+        "kv_mb_after_warmup_first": median_mb(3, warm[:fifth]), "kv_mb_after_warmup_last": median_mb(3, warm[-fifth:]),
+        "mlx_cache_mb_after_warmup_first": median_mb(4, warm[:fifth]),
+        "mlx_cache_mb_after_warmup_last": median_mb(4, warm[-fifth:]),
+        "mlx_active_mb_after_warmup_first": median_mb(5, warm[:fifth]),
+        "mlx_active_mb_after_warmup_last": median_mb(5, warm[-fifth:]),
+        "rss_rest_drift": round(beside_last / beside_first - 1, 4),
+        "rss_rest_spread": round(max(beside) / min(beside) - 1, 4),
+        "rss_samples": [(round(t, 2), *rest) for t, *rest in samples],
     }
 
 
@@ -262,7 +272,8 @@ def plot(samples: list, path: Path) -> None:
     figure, axis = plt.subplots(figsize=(7, 3.5))
     axis.plot([s[0] for s in samples], [s[1] / 2**20 for s in samples], label="RSS")
     axis.plot([s[0] for s in samples], [s[3] / 2**20 for s in samples], label="KV bytes held (sequences + prompt cache)")
-    axis.plot([s[0] for s in samples], [(s[1] - s[3]) / 2**20 for s in samples], label="RSS - KV bytes")
+    axis.plot([s[0] for s in samples], [s[4] / 2**20 for s in samples], label="MLX's freed-buffer cache")
+    axis.plot([s[0] for s in samples], [(s[1] - s[3] - s[4]) / 2**20 for s in samples], label="RSS - KV - MLX cache")
     axis.set_xlabel("seconds"), axis.set_ylabel("MiB"), axis.set_title("serve_soak: server memory over time")
     axis.legend(fontsize=8)
     figure.tight_layout()
@@ -323,10 +334,11 @@ def main() -> None:
     write_json(args.out, {**result, "rss_samples": samples})
     print(json.dumps(result, indent=1))
     soaked = result["soak"]
-    ok = soaked["server_errors_5xx"] == 0 and abs(soaked["rss_beside_kv_drift"]) <= 0.05
+    ok = soaked["server_errors_5xx"] == 0 and abs(soaked["rss_rest_drift"]) <= 0.05
     print(f"5xx: {soaked['server_errors_5xx']}, after warm-up: RSS drift {soaked['rss_drift']:+.1%}, KV bytes held "
-          f"{soaked['kv_mb_after_warmup_first']} -> {soaked['kv_mb_after_warmup_last']} MiB, RSS beside the KV caches "
-          f"drift {soaked['rss_beside_kv_drift']:+.1%} (spread {soaked['rss_beside_kv_spread']:.1%})")
+          f"{soaked['kv_mb_after_warmup_first']} -> {soaked['kv_mb_after_warmup_last']} MiB, MLX buffer cache "
+          f"{soaked['mlx_cache_mb_after_warmup_first']} -> {soaked['mlx_cache_mb_after_warmup_last']} MiB, the rest of the RSS "
+          f"drift {soaked['rss_rest_drift']:+.1%} (spread {soaked['rss_rest_spread']:.1%})")
     if "budget" in result:
         print(f"budget/none throughput at 8 clients: {result['budget']['ratio_budget_over_none']:.2f} "
               f"({result['budget']['preemptions']:.0f} preemptions)")

@@ -120,7 +120,7 @@ def test_kv_memory_values(tiny):
 
 def test_metrics_in_prometheus_format(tiny):
     """``GET /metrics`` read by prometheus-client's own parser: responses by status, tokens,
-    the budget, the latency histograms."""
+    the budget, the latency histograms, MLX's live and cached bytes."""
     from prometheus_client.parser import text_string_to_metric_families
 
     model, tokenizer = tiny
@@ -142,3 +142,6 @@ def test_metrics_in_prometheus_format(tiny):
     assert samples[("mlxformer_inter_token_latency_seconds_count", ())] == 8
     assert samples[("mlxformer_engine_requests_total", (("reason", "length"),))] == 2
     assert ("mlxformer_preemptions_total", ()) in samples and ("mlxformer_queue_depth", ()) in samples
+    # MLX's allocator: the weights are live arrays; freed buffers are counted apart
+    assert samples[("mlxformer_mlx_active_bytes", ())] >= weights_nbytes(model)
+    assert samples[("mlxformer_mlx_cache_bytes", ())] >= 0

@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 from typing import Callable
 
+import mlx.core as mx
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from mlxformer.engine.handle import RequestHandle
@@ -36,6 +37,8 @@ class EngineMetrics:
         self.running = Gauge("mlxformer_running_sequences", "Sequences holding a batch slot", registry=r)
         self.kv_used = Gauge("mlxformer_kv_bytes_used", "KV cache bytes held by sequences and the prefix cache", registry=r)
         self.kv_budget = Gauge("mlxformer_kv_bytes_budget", "The KV memory budget in bytes (0: none)", registry=r)
+        self.mlx_active = Gauge("mlxformer_mlx_active_bytes", "Bytes in MLX's live arrays (weights, KV, activations)", registry=r)
+        self.mlx_cache = Gauge("mlxformer_mlx_cache_bytes", "Bytes MLX keeps in freed buffers for reuse", registry=r)
 
     def counter(self, name: str, documentation: str, labels: tuple[str, ...] = ()) -> Counter:
         """A counter in this registry, made on first use (so that two apps over one engine share it)."""
@@ -49,6 +52,8 @@ class EngineMetrics:
         self.running.set_function(running)
         self.kv_used.set_function(kv_used)
         self.kv_budget.set(budget)
+        self.mlx_active.set_function(mx.get_active_memory)
+        self.mlx_cache.set_function(mx.get_cache_memory)
 
     def event(self, handle: RequestHandle, event: TokenEvent) -> None:
         """Record one event put to ``handle`` (on the engine thread)."""
