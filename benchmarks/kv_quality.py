@@ -42,15 +42,19 @@ def main() -> None:
         more = "\n\n".join(topics[k] for k in sorted(topics))[: 8 * args.tokens]
         ids = tokenizer.encode(EVAL_TEXT.read_text() + "\n\n" + more)[: args.tokens + 1]
     ours = lambda x, c: model(x, c)  # noqa: E731
-    rows = {"float": chunked_perplexity(ours, make_cache(model), ids, args.chunk)}
+    rows: dict[str, float] = {}
+
+    def score(name: str, forward, cache) -> None:
+        rows[name] = chunked_perplexity(forward, cache, ids, args.chunk)
+        print(f"{name}: {rows[name]:.4f}", flush=True)  # long runs: each row as soon as it is known
+
+    score("float", ours, make_cache(model))
     for bits in (4,) if args.skip_8bit else (8, 4):
         settings = CacheSettings(kv_bits=bits, kv_group_size=GROUP_SIZE)
-        rows[f"{bits}-bit, group 64"] = chunked_perplexity(ours, make_cache(model, settings), ids, args.chunk)
+        score(f"{bits}-bit, group 64", ours, make_cache(model, settings))
     twin = mlx_lm_twin(model)
     peer_cache = [QuantizedKVCache(group_size=GROUP_SIZE, bits=4) for _ in twin.layers]
-    rows["mlx-lm 4-bit, group 64 (same weights)"] = chunked_perplexity(
-        lambda x, c: twin(x, cache=c), peer_cache, ids, args.chunk
-    )
+    score("mlx-lm 4-bit, group 64 (same weights)", lambda x, c: twin(x, cache=c), peer_cache)
     base = rows["float"]
     print(f"\nSmolLM2-135M, {len(ids) - 1} tokens of eval.txt (+ pydoc_data.topics) in {args.chunk}-token chunks")
     print("| cache | perplexity | Δ vs float |\n|---|---:|---:|")

@@ -21,10 +21,10 @@ from mlxformer.engine.memory import auto_kv_budget, parse_kv_memory, weights_nby
 from mlxformer.errors import MlxformerError
 from server_support import error_of, http, running_server
 
-CONTEXT = 264  # tokens: prompts of 246-253 tokens cross the caches' 256-token block as they grow
+CONTEXT = 520  # tokens: prompts of 240-247 tokens cross the caches' 256-token blocks twice as they grow
 CHUNK = 64
 MARGIN = 32 * 2**20  # bytes of peak RSS growth allowed beside the KV budget (measured: < 6 MiB)
-PROMPTS = [[(11 * i + 5 * j) % 250 + 1 for j in range(246 + i)] for i in range(8)]
+PROMPTS = [[(11 * i + 5 * j) % 250 + 1 for j in range(240 + i)] for i in range(8)]
 CACHES = {
     "float": CacheSettings(),
     "kv8": CacheSettings(kv_bits=8, kv_group_size=32),
@@ -93,13 +93,39 @@ def test_eight_full_contexts_in_a_two_sequence_budget(tiny, cache):
         assert engine.metrics.registry.get_sample_value("mlxformer_preemptions_total") > 0
 
 
+def test_a_tight_budget_runs_what_fits_without_thrashing(tiny):
+    """The soak's tight budget in small: ten 256-token KV blocks, eight requests that each need two
+    at their peak. A decode batch growing by a block holds its old buffers beside the new ones,
+    so three rows fit (3 x (2 + 1) blocks); admitting more means preempting them at the block
+    boundary and re-admitting them as soon as one frees (59 preemptions here before admission
+    kept that headroom)."""
+    model, tokenizer = tiny
+    block = Engine(model, tokenizer).sizer.bytes_for(256)
+    engine = Engine(model, tokenizer, max_batch=8, prefill_chunk=CHUNK, max_kv_memory=10 * block)
+    prompts = [p[: 200 + i] for i, p in enumerate(PROMPTS)]  # + 57 tokens: 257-264, past one block
+    expected = [generate(model, tokenizer, p, 57, prefill_step_size=CHUNK) for p in prompts]
+    rows: list[int] = []
+    real_run = engine._run
+
+    def run(step):
+        real_run(step)
+        rows.append(len(engine.scheduler.running))
+
+    engine._run = run
+    with engine:
+        replies = ["".join(e.text for e in h) for h in [engine.submit(GenerationRequest(p, 57)) for p in prompts]]
+    assert replies == expected
+    assert engine.metrics.registry.get_sample_value("mlxformer_preemptions_total") == 0
+    assert max(rows) == 3  # all that fit: the headroom is one growth, not more
+
+
 def test_a_request_that_can_never_fit_is_refused(tiny):
     model, tokenizer = tiny
     engine = Engine(model, tokenizer, max_kv_memory=300_000)  # one 256-token block (262 kB), not two
     with engine:
         assert len(list(engine.submit(GenerationRequest(PROMPTS[0][:20], 10)))) == 10
         with pytest.raises(KVBudgetExceeded, match="budget"):
-            engine.submit(GenerationRequest(PROMPTS[0], 12))
+            engine.submit(GenerationRequest(PROMPTS[0], 20))  # 260 tokens: two blocks
         with running_server(engine, model, tokenizer) as url:
             status, _, body = http(url, "POST", "/v1/completions", {"prompt": "x" * 200, "max_tokens": 60})
             assert status == 400 and "KV" in error_of(body)["message"]

@@ -225,7 +225,7 @@ class Engine:
         for sequence in self.scheduler.prefilling + self.scheduler.running:
             if sequence.cancelled:
                 self._end(sequence, "cancelled")
-        for sequence in self.scheduler.admit(lambda s: self.planner.admissible(self.scheduler, s)):
+        for sequence in self.scheduler.admit(lambda s: self.planner.admissible(self.scheduler, s, self.runner.batched)):
             self.sharing.hold(sequence)  # until the blocks it shares with a running prefill are cached
         for sequence in self.sharing.ready(self.scheduler.prefilling):
             try:

@@ -205,18 +205,48 @@ class MemoryPlanner:
                 "use a shorter prompt or a smaller max_tokens"
             )
 
-    def admissible(self, scheduler: Scheduler, sequence: Sequence) -> bool:
-        """Whether ``sequence`` fits beside the active ones (the prefix cache can be evicted):
-        theirs at one more token each, its own tokens with room to rewrite its buffers."""
+    def admissible(self, scheduler: Scheduler, sequence: Sequence, batched: Callable[[Sequence], bool]) -> bool:
+        """Whether ``sequence`` fits beside the active ones (the prefix cache can be evicted) with
+        headroom: through its prefill, through joining the decode batch, and through the batch's
+        next growth (every row one buffer block wider, beside the buffers it replaces) when some
+        row will reach it. Without that headroom a sequence admitted into the last free bytes is
+        preempted at its next block and re-admitted as soon as one frees (measured: 34
+        preemptions over 16 requests, 0.15x the unbudgeted throughput)."""
         if self.budget is None or not scheduler.active:
             return True
-        committed = sum(self.sizer.bytes_for(len(s.tokens) + 1) for s in scheduler.prefilling + scheduler.running)
-        return committed + self.sizer.peak(len(sequence.tokens)) <= self.budget.limit
+        active = scheduler.prefilling + scheduler.running
+        alone = [s for s in active if s.speculator is not None]  # decode on their own caches
+        rows = [s for s in active if s.speculator is None] + [sequence]
+        alone_need = sum(self.sizer.bytes_for(len(s.tokens) + 1 + self.draft_tokens) for s in alone)
+        prefill = sum(self.sizer.bytes_for(len(s.tokens) + 1) for s in rows[:-1]) + self.sizer.peak(len(sequence.tokens))
+        width = max(len(s.tokens) for s in rows) + 1
+        row = max(self.sizer.bytes_for(width), self._row_bytes(rows, batched))
+        join = (2 * len(rows) - 1) * row  # the batch rewritten with one more row, beside the old one
+        grown = math.ceil(width / BLOCK) * BLOCK + 1  # tokens at which every row's buffer gains a block
+        now, wider = self.sizer.bytes_for(width), self.sizer.bytes_for(grown)
+        growth = 0
+        if wider > now and any(len(s.tokens) + s.room >= grown for s in rows):
+            growth = len(rows) * (wider + now)
+        return alone_need + max(prefill, join, growth) <= self.budget.limit
+
+    def _rows_need(self, rows: list[Sequence], batched: Callable[[Sequence], bool], width: int) -> int:
+        """Bytes of a decode batch of ``rows`` at ``width`` tokens: the batch's buffers are as wide
+        as its longest row ever was (``cache/batch.py``, they never narrow), so rows times a row's
+        bytes, plus the old buffers while they are rewritten (the batch grows, or rows join it)."""
+        current = sum(c.nbytes for s in rows if batched(s) for c in s.cache)
+        after = len(rows) * max(self.sizer.bytes_for(width), self._row_bytes(rows, batched))
+        return after + (current if after > current else 0)
+
+    @staticmethod
+    def _row_bytes(rows: list[Sequence], batched: Callable[[Sequence], bool]) -> int:
+        """Bytes of one row of the decode batch's buffers as they are (0 with no batch)."""
+        members = [s for s in rows if batched(s)]
+        return sum(c.nbytes for s in members for c in s.cache) // max(1, len(members))
 
     def step_need(self, scheduler: Scheduler, step: Step, batched: Callable[[Sequence], bool]) -> int:
         """KV bytes the active sequences need while ``step`` runs. The decoding sequences share a
         batch buffer as wide as its longest row ever was (``cache/batch.py``): rows times a row's
-        bytes, plus the old buffer while it is rewritten (it grows, or rows join it)."""
+        bytes, plus the old buffer while it is rewritten (``_rows_need``)."""
         chunks = {id(c.sequence): len(c.tokens) for c in step.prefill}
         need = sum(self.sizer.step_need(held(s), chunks.get(id(s), 0), nbytes(s)) for s in scheduler.prefilling)
         rows = []
@@ -225,10 +255,6 @@ class MemoryPlanner:
                 need += self.sizer.step_need(held(sequence), 1 + self.draft_tokens, nbytes(sequence))
             else:
                 rows.append(sequence)
-        if rows:  # the batch's buffers never narrow: count their real width
-            members = [s for s in rows if batched(s)]
-            current = sum(c.nbytes for s in members for c in s.cache)
-            row = max(self.sizer.bytes_for(max(held(s) for s in rows) + 1), current // max(1, len(members)))
-            after = len(rows) * row
-            need += after + (current if after > current else 0)  # the old buffers while rewritten
+        if rows:
+            need += self._rows_need(rows, batched, max(held(s) for s in rows) + 1)
         return need
