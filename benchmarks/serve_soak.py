@@ -13,7 +13,8 @@ of the RSS and of the rest of it (RSS − KV bytes − MLX's cache: what a leak 
 of the samples against the median of the first fifth, and their spread (must stay within 5%).
 
 Budget: a second server with ``--max-kv-memory`` set to 10 KV blocks (8 clients each hold one
-block after prefill and need a second as they generate past it: preemptions happen, checked on
+block after prefill and need a second as they generate past it; the engine admits the three whose
+batch can grow by a block beside its old buffers, the rest wait; preemptions are counted from
 ``/metrics``). Rounds of 8 clients (each a long prompt, greedy, EOS biased away so each makes
 exactly ``--budget-tokens`` tokens) alternate between the two servers (A B B A ...); reported:
 aggregate generated tokens/s of each and their ratio (budget / none).
@@ -298,7 +299,7 @@ def main() -> None:
     model_path = default_model_path()
     model, tokenizer = load(model_path)
     block = KVSizer(model, CacheSettings()).bytes_for(BLOCK)
-    kv_memory = 10 * block  # 8 sequences of one block each fit; not all of them with a second
+    kv_memory = 10 * block  # 8 sequences of one block each fit, 3 with room for their second
     eos_bias = {str(i): -100 for i in tokenizer.eos_token_ids}
     filler = " ".join(f"{t}." for t in TOPICS) * 4
     prompts = []
