@@ -71,6 +71,7 @@ def run(args: argparse.Namespace) -> int:
     from mlxformer.engine.memory import parse_kv_memory
     from mlxformer.engine.prompt_cache import PromptCacheSettings
     from mlxformer.errors import MlxformerError
+    from mlxformer.server.heap import bound_heap_growth
     from mlxformer.server.runner import serve
 
     if not 0 <= args.port <= 65535:
@@ -91,6 +92,7 @@ def run(args: argparse.Namespace) -> int:
     max_kv_memory = parse_kv_memory(args.max_kv_memory) if args.max_kv_memory is not None else None
     prompt_cache = PromptCacheSettings(args.prompt_cache_bytes, args.prompt_cache_dir, args.prompt_cache_disk_bytes,
                                        share_prefills=not args.no_prefix_sharing)
+    bound_heap_growth()  # a long-running process: RSS must not creep (Linux glibc; server/heap.py)
     model, tokenizer = load_for_cli(args)
     speculative = speculative_settings(args, tokenizer)
     name = args.served_model_name or (model_name(args.model) if args.model else default_model_name())
