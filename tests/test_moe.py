@@ -21,6 +21,7 @@ from mlxformer.engine import batch_generate
 from mlxformer.errors import MlxformerError
 from mlxformer.generation import decode_step, prefill
 from mlxformer.models.moe import SORT_THRESHOLD, SparseMoE, expert_groups
+from mlxformer.models.row_sharding import ShardedMLP, ShardedQuantizedSwitchLinear, ShardedSwitchLinear
 from mlxformer.speculative import SpeculativeSettings
 
 BOUND = 3e-4  # fp32 on both sides; measured <= 1.7e-5
@@ -75,6 +76,27 @@ def test_forward_sorted_and_unsorted(case):
         assert (length * 2 >= SORT_THRESHOLD) == (length == 80)
         ids = tokens(length)
         assert max_diff(np.array(model(mx.array(ids[None]))[0]), reference(hf_model, ids)) <= BOUND, length
+
+
+def test_experts_split_over_cpu_streams(case):
+    """With 2 CPU streams every expert projection (and Qwen2-MoE's shared expert) computes its
+    output rows in two shards: the same logits as one stream, bit for bit, float and 4-bit."""
+    import mlx.nn as nn
+
+    _, directory, model, _, _ = case
+    blocks = [layer[layer.mlp_name] for layer in model.layers if isinstance(layer[layer.mlp_name], SparseMoE)]
+    assert all(isinstance(b.switch_mlp[p], ShardedSwitchLinear) for b in blocks for p in ("gate_proj", "up_proj", "down_proj"))
+    assert all(isinstance(b.shared_expert, ShardedMLP) for b in blocks if "shared_expert" in b)
+    alone, _ = load(directory, dtype=mx.float32, threads=1)
+    inputs = [mx.array(tokens(80)[None]), mx.array(tokens(3)[None])]  # the sorted gather, and the unsorted one
+    assert all(mx.array_equal(model(ids), alone(ids)) for ids in inputs)
+    split, alone = (load(directory, dtype=mx.float32, threads=t)[0] for t in (2, 1))  # fresh: the fixture stays float
+    for m in (split, alone):
+        nn.quantize(m, group_size=32, bits=4,
+                    class_predicate=lambda _, layer: hasattr(layer, "to_quantized") and layer.weight.shape[-1] % 32 == 0)
+    experts = [layer[layer.mlp_name].switch_mlp for layer in split.layers if isinstance(layer[layer.mlp_name], SparseMoE)]
+    assert all(isinstance(e.down_proj, ShardedQuantizedSwitchLinear) for e in experts)
+    assert all(mx.array_equal(split(ids), alone(ids)) for ids in inputs)
 
 
 def test_chunked_prefill_then_decode(case):

@@ -22,6 +22,7 @@ from mlxformer.device import available_cores, on_cpu
 from mlxformer.errors import MlxformerError
 from mlxformer.models.decoder import Model
 from mlxformer.models.mlp import GATES, MLP
+from mlxformer.models.moe import QuantizedSwitchLinear, SwitchLinear
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "gate_proj", "up_proj", "gate_up_proj", "down_proj")
 MAX_DEFAULT_THREADS = 4
@@ -64,6 +65,7 @@ class RowSharded:
     between calls: building them at every call costs a decode step ~10-20% on a busy CPU.)"""
 
     parts: int
+    row_axis = 0  # the axis of the output rows in every array the layer holds
     _row_views: RowViews | None = None
 
     def row_shards(self) -> tuple[dict[str, mx.array], ...]:
@@ -72,14 +74,15 @@ class RowSharded:
         sources = tuple(arrays.values())
         views = self._row_views
         if views is None or len(views.sources) != len(sources) or any(a is not b for a, b in zip(views.sources, sources)):
-            rows = arrays["weight"].shape[0]
+            rows = arrays["weight"].shape[self.row_axis]
             shards = tuple(self.slice_rows(arrays, start, stop) for start, stop in row_bounds(rows, self.parts))
             views = self._row_views = RowViews(sources, shards)
         return views.shards
 
     def slice_rows(self, arrays: dict[str, mx.array], start: int, stop: int) -> dict[str, mx.array]:
         """Views of ``arrays`` for output rows ``start:stop``."""
-        return {name: value[start:stop] for name, value in arrays.items()}
+        rows = (slice(None),) * self.row_axis + (slice(start, stop),)
+        return {name: value[rows] for name, value in arrays.items()}
 
     def project_rows(self, x: mx.array) -> mx.array:
         """``x @ W^T`` (plus any bias), the row shards computed on separate streams."""
@@ -155,11 +158,43 @@ class ShardedQuantizedEmbedding(QuantizedRows, nn.QuantizedEmbedding):
         return self.project_rows(x)
 
 
+class ShardedSwitchLinear(RowSharded, SwitchLinear):
+    """Every expert's output rows in shards (weight ``(experts, out, in)``: rows on axis 1)."""
+
+    row_axis = 1
+
+    def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
+        shards = self.row_shards()
+        return mx.concatenate([
+            mx.gather_mm(x, shard["weight"].swapaxes(-1, -2), rhs_indices=indices, sorted_indices=sorted_indices,
+                         stream=stream)
+            for shard, stream in zip(shards, worker_streams(len(shards)))], axis=-1)
+
+    def to_quantized(self, *args: Any, **kwargs: Any) -> nn.Module:
+        return shard_rows(super().to_quantized(*args, **kwargs), self.parts)
+
+
+class ShardedQuantizedSwitchLinear(RowSharded, QuantizedSwitchLinear):
+    """``QuantizedSwitchLinear`` in row shards (packed weight, scales, biases: rows on axis 1)."""
+
+    row_axis = 1
+
+    def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
+        shards = self.row_shards()
+        return mx.concatenate([
+            mx.gather_qmm(x, shard["weight"], shard["scales"], shard.get("biases"), rhs_indices=indices,
+                          transpose=True, group_size=self.group_size, bits=self.bits, mode=self.mode,
+                          sorted_indices=sorted_indices, stream=stream)
+            for shard, stream in zip(shards, worker_streams(len(shards)))], axis=-1)
+
+
 SHARDED_CLASS: dict[type, type] = {
     nn.Linear: ShardedLinear,
     nn.QuantizedLinear: ShardedQuantizedLinear,
     nn.Embedding: ShardedEmbedding,
     nn.QuantizedEmbedding: ShardedQuantizedEmbedding,
+    SwitchLinear: ShardedSwitchLinear,
+    QuantizedSwitchLinear: ShardedQuantizedSwitchLinear,
 }
 
 
@@ -228,12 +263,15 @@ def apply_thread_policy(model: Model, threads: int | None) -> None:
         raise MlxformerError(f"threads > 1 splits work over CPU streams, but the default device is {mx.default_device()}")
     for layer in model.layers:
         block = layer[layer.mlp_name]
-        for owner in (layer.self_attn, block):
+        experts = [block[name] for name in ("switch_mlp", "shared_expert") if name in block]  # mixture of experts
+        for owner in (layer.self_attn, block, *experts):
             for name in PROJECTIONS:
                 if name in owner:
                     owner[name] = shard_rows(owner[name], threads)
         if type(block) is MLP:  # a fused or mixture-of-experts block keeps its own class
             layer[layer.mlp_name] = shard_mlp(block)
+        if "shared_expert" in block and type(block.shared_expert) is MLP:
+            block.shared_expert = shard_mlp(block.shared_expert)
     # the vocabulary projection: the tied embedding's ``as_linear`` or ``lm_head`` (absent
     # from a pipeline stage without the model's ends)
     owner, name = (model.model, "embed_tokens") if model.args.tie_word_embeddings else (model, "lm_head")
