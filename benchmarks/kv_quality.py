@@ -6,7 +6,7 @@ chunks through each cache, group size 64. Past eval.txt's ~500 tokens the text g
 Python's own reference manual (``pydoc_data.topics``, in the standard library: offline, fixed
 per Python version), enough for 8,192 tokens.
 
-    python benchmarks/kv_quality.py [--tokens 256] [--chunk 64] [--skip-8bit]
+    python benchmarks/kv_quality.py [--tokens 256] [--chunk 64] [--skip-8bit] [--rows float,8,4,mlx-lm]
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=256, help="tokens scored")
     parser.add_argument("--chunk", type=int, default=64)
     parser.add_argument("--skip-8bit", action="store_true", help="only float, 4-bit and mlx-lm's 4-bit")
-    parser.add_argument("--only-mlx-lm", action="store_true", help="only mlx-lm's 4-bit (long runs: a second process)")
+    parser.add_argument("--rows", default="float,8,4,mlx-lm",
+                        help="rows to score, of float,8,4,mlx-lm (long runs: one process per row)")
     args = parser.parse_args()
 
     from kv_cache import mlx_lm_twin  # benchmarks/ sibling: mlx-lm Llama with the same weights
@@ -49,14 +50,16 @@ def main() -> None:
         rows[name] = chunked_perplexity(forward, cache, ids, args.chunk)
         print(f"{name}: {rows[name]:.4f}", flush=True)  # long runs: each row as soon as it is known
 
-    if not args.only_mlx_lm:
+    wanted = set(args.rows.split(",")) - ({"8"} if args.skip_8bit else set())
+    if "float" in wanted:
         score("float", ours, make_cache(model))
-    for bits in () if args.only_mlx_lm else (4,) if args.skip_8bit else (8, 4):
+    for bits in (b for b in (8, 4) if str(b) in wanted):
         settings = CacheSettings(kv_bits=bits, kv_group_size=GROUP_SIZE)
         score(f"{bits}-bit, group 64", ours, make_cache(model, settings))
-    twin = mlx_lm_twin(model)
-    peer_cache = [QuantizedKVCache(group_size=GROUP_SIZE, bits=4) for _ in twin.layers]
-    score("mlx-lm 4-bit, group 64 (same weights)", lambda x, c: twin(x, cache=c), peer_cache)
+    if "mlx-lm" in wanted:
+        twin = mlx_lm_twin(model)
+        peer_cache = [QuantizedKVCache(group_size=GROUP_SIZE, bits=4) for _ in twin.layers]
+        score("mlx-lm 4-bit, group 64 (same weights)", lambda x, c: twin(x, cache=c), peer_cache)
     if "float" not in rows:
         return
     base = rows["float"]
