@@ -19,7 +19,8 @@ batch can grow by a block beside its old buffers, the rest wait; preemptions are
 exactly ``--budget-tokens`` tokens) alternate between the two servers (A B B A ...); reported:
 aggregate generated tokens/s of each and their ratio (budget / none).
 
-Usage: python benchmarks/serve_soak.py [--requests 96] [--rounds 2 (0: no budget rounds)] [--out benchmarks/results/serve_soak.json]
+Usage: python benchmarks/serve_soak.py [--requests 96] [--rounds 2 (0: no budget rounds)] [--prompt-cache-bytes N]
+       [--out benchmarks/results/serve_soak.json]
 """
 
 from __future__ import annotations
@@ -57,11 +58,13 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_server(model: Path, max_batch: int, kv_memory: int | None, log: Path) -> tuple[subprocess.Popen, str]:
+def start_server(model: Path, max_batch: int, kv_memory: int | None, log: Path,
+                 prompt_cache_bytes: int | None = None) -> tuple[subprocess.Popen, str]:
     """A server subprocess (its output to ``log``: a pipe nobody reads would fill and block it)."""
     port = free_port()
     command = [sys.executable, "-m", "mlxformer", "serve", "--model", str(model), "--port", str(port),
                "--max-batch", str(max_batch)] + (["--max-kv-memory", str(kv_memory)] if kv_memory else [])
+    command += ["--prompt-cache-bytes", str(prompt_cache_bytes)] if prompt_cache_bytes is not None else []
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log.open("w"))
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + START_TIMEOUT_SECONDS
@@ -288,6 +291,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=8, help="max_tokens of the soak's requests")
     parser.add_argument("--rounds", type=int, default=2, help="budget rounds per server")
     parser.add_argument("--budget-tokens", type=int, default=16)
+    parser.add_argument("--prompt-cache-bytes", type=int,
+                        help="the soak server's prompt-cache memory (default the server's, 512 MiB, which the soak's "
+                             "distinct prompts keep filling; a small one is full after warm-up)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/serve_soak.json"))
     args = parser.parse_args()
 
@@ -312,12 +318,12 @@ def main() -> None:
 
     load_before = os.getloadavg()
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    plain, plain_url = start_server(model_path, 8, None, args.out.with_suffix(".none.log"))
+    plain, plain_url = start_server(model_path, 8, None, args.out.with_suffix(".none.log"), args.prompt_cache_bytes)
     tight, tight_url = (start_server(model_path, 8, kv_memory, args.out.with_suffix(".budget.log")) if args.rounds
                         else (None, ""))
     print(f"servers up; soak: {args.requests} requests, {args.clients} clients", file=sys.stderr, flush=True)
     try:
-        result = {"date": str(date.today()), "model": model_path.name, "cpus": os.cpu_count(),
+        result = {"date": str(date.today()), "model": model_path.name, "cpus": os.cpu_count(), "prompt_cache_bytes": args.prompt_cache_bytes,
                   "load_average_before": [round(x, 2) for x in load_before]}
         result["soak"] = soak(plain_url, plain.pid, args.requests, args.clients, args.tokens, seed=0)
         write_json(args.out.with_suffix(".soak.json"), result)  # kept if the budget rounds are cut short
