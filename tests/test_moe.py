@@ -79,8 +79,9 @@ def test_forward_sorted_and_unsorted(case):
 
 
 def test_experts_split_over_cpu_streams(case):
-    """With 2 CPU streams every expert projection (and Qwen2-MoE's shared expert) computes its
-    output rows in two shards: the same logits as one stream, bit for bit, float and 4-bit."""
+    """With 2 CPU streams every expert projection (and Qwen2-MoE's shared expert) computes a
+    prompt's output rows in two shards (decode steps' few pairs on one): the same logits as one
+    stream, bit for bit, float and 4-bit."""
     import mlx.nn as nn
 
     _, directory, model, _, _ = case

@@ -159,11 +159,14 @@ class ShardedQuantizedEmbedding(QuantizedRows, nn.QuantizedEmbedding):
 
 
 class ShardedSwitchLinear(RowSharded, SwitchLinear):
-    """Every expert's output rows in shards (weight ``(experts, out, in)``: rows on axis 1)."""
+    """Every expert's output rows in shards (weight ``(experts, out, in)``: rows on axis 1), for
+    prompt-sized inputs (the expert-sorted gather); decode steps gather on one stream."""
 
     row_axis = 1
 
     def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
+        if not sorted_indices:  # a decode step's few pairs: two streams cost more than they share
+            return super().__call__(x, indices)
         shards = self.row_shards()
         return mx.concatenate([
             mx.gather_mm(x, shard["weight"].swapaxes(-1, -2), rhs_indices=indices, sorted_indices=sorted_indices,
@@ -180,6 +183,8 @@ class ShardedQuantizedSwitchLinear(RowSharded, QuantizedSwitchLinear):
     row_axis = 1
 
     def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
+        if not sorted_indices:  # as ShardedSwitchLinear
+            return super().__call__(x, indices)
         shards = self.row_shards()
         return mx.concatenate([
             mx.gather_qmm(x, shard["weight"], shard["scales"], shard.get("biases"), rhs_indices=indices,
