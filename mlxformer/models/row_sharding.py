@@ -81,8 +81,9 @@ class RowSharded:
 
     def slice_rows(self, arrays: dict[str, mx.array], start: int, stop: int) -> dict[str, mx.array]:
         """Views of ``arrays`` for output rows ``start:stop``."""
-        rows = (slice(None),) * self.row_axis + (slice(start, stop),)
-        return {name: value[rows] for name, value in arrays.items()}
+        if self.row_axis == 1:
+            return {name: value[:, start:stop] for name, value in arrays.items()}
+        return {name: value[start:stop] for name, value in arrays.items()}
 
     def project_rows(self, x: mx.array) -> mx.array:
         """``x @ W^T`` (plus any bias), the row shards computed on separate streams."""
