@@ -220,8 +220,7 @@ class MemoryPlanner:
         alone_need = sum(self.sizer.bytes_for(len(s.tokens) + 1 + self.draft_tokens) for s in alone)
         prefill = sum(self.sizer.bytes_for(len(s.tokens) + 1) for s in rows[:-1]) + self.sizer.peak(len(sequence.tokens))
         width = max(len(s.tokens) for s in rows) + 1
-        row = max(self.sizer.bytes_for(width), self._row_bytes(rows, batched))
-        join = (2 * len(rows) - 1) * row  # the batch rewritten with one more row, beside the old one
+        join = (2 * len(rows) - 1) * self._row_bytes(rows, batched, width)  # rewritten with one more row, beside the old
         grown = math.ceil(width / BLOCK) * BLOCK + 1  # tokens at which every row's buffer gains a block
         now, wider = self.sizer.bytes_for(width), self.sizer.bytes_for(grown)
         growth = 0
@@ -234,14 +233,15 @@ class MemoryPlanner:
         as its longest row ever was (``cache/batch.py``, they never narrow), so rows times a row's
         bytes, plus the old buffers while they are rewritten (the batch grows, or rows join it)."""
         current = sum(c.nbytes for s in rows if batched(s) for c in s.cache)
-        after = len(rows) * max(self.sizer.bytes_for(width), self._row_bytes(rows, batched))
+        after = len(rows) * self._row_bytes(rows, batched, width)
         return after + (current if after > current else 0)
 
-    @staticmethod
-    def _row_bytes(rows: list[Sequence], batched: Callable[[Sequence], bool]) -> int:
-        """Bytes of one row of the decode batch's buffers as they are (0 with no batch)."""
+    def _row_bytes(self, rows: list[Sequence], batched: Callable[[Sequence], bool], width: int) -> int:
+        """Bytes of one decode-batch row at ``width`` tokens, never less than a row of the batch's
+        buffers as they are (they never narrow)."""
         members = [s for s in rows if batched(s)]
-        return sum(c.nbytes for s in members for c in s.cache) // max(1, len(members))
+        current = sum(c.nbytes for s in members for c in s.cache) // max(1, len(members))
+        return max(self.sizer.bytes_for(width), current)
 
     def step_need(self, scheduler: Scheduler, step: Step, batched: Callable[[Sequence], bool]) -> int:
         """KV bytes the active sequences need while ``step`` runs. The decoding sequences share a
