@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from typing import Iterable
+from typing import Iterable, Mapping
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -37,7 +37,14 @@ class SwitchLinear(nn.Module):
 
     def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
         # x (..., 1, in) gathered with indices (...) -> (..., 1, out)
-        return mx.gather_mm(x, self.weight.swapaxes(-1, -2), rhs_indices=indices, sorted_indices=sorted_indices)
+        return self.gather(x, indices, sorted_indices, self)
+
+    @staticmethod
+    def gather(x: mx.array, indices: mx.array, sorted_indices: bool, arrays: Mapping[str, mx.array],
+               stream: mx.Stream | None = None) -> mx.array:
+        """The experts' maps over ``arrays`` (this layer's, or a row shard's views of them)."""
+        return mx.gather_mm(x, arrays["weight"].swapaxes(-1, -2), rhs_indices=indices, sorted_indices=sorted_indices,
+                            stream=stream)
 
     def to_quantized(self, group_size: int | None = None, bits: int | None = None, mode: str = "affine",
                      quantize_input: bool = False) -> "QuantizedSwitchLinear":
@@ -65,9 +72,14 @@ class QuantizedSwitchLinear(nn.Module):
         return layer
 
     def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
-        return mx.gather_qmm(x, self.weight, self.scales, self.biases, rhs_indices=indices, transpose=True,
-                             group_size=self.group_size, bits=self.bits, mode=self.mode,
-                             sorted_indices=sorted_indices)
+        return self.gather(x, indices, sorted_indices, self)
+
+    def gather(self, x: mx.array, indices: mx.array, sorted_indices: bool, arrays: Mapping[str, mx.array],
+               stream: mx.Stream | None = None) -> mx.array:
+        """The experts' maps over ``arrays`` (this layer's, or a row shard's views of them)."""
+        return mx.gather_qmm(x, arrays["weight"], arrays["scales"], arrays.get("biases"), rhs_indices=indices,
+                             transpose=True, group_size=self.group_size, bits=self.bits, mode=self.mode,
+                             sorted_indices=sorted_indices, stream=stream)
 
 
 class SwitchGLU(nn.Module):

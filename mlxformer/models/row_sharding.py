@@ -162,27 +162,20 @@ class ShardedQuantizedEmbedding(QuantizedRows, nn.QuantizedEmbedding):
 class SwitchRows(RowSharded):
     """Row shards of stacked experts (``(experts, out, in)`` arrays: rows on axis 1), for
     prompt-sized inputs (the expert-sorted gather); a decode step's few pairs gather on one
-    stream, where two cost more than they share."""
+    stream, where two cost more than they share. The layer's own ``gather`` runs each shard."""
 
     row_axis = 1
 
     def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
         if not sorted_indices:
-            return super().__call__(x, indices)  # type: ignore[misc]
+            return self.gather(x, indices, False, self)  # type: ignore[attr-defined]
         shards = self.row_shards()
-        return mx.concatenate([self.gather_shard(x, indices, shard, stream)
+        return mx.concatenate([self.gather(x, indices, True, shard, stream)  # type: ignore[attr-defined]
                                for shard, stream in zip(shards, worker_streams(len(shards)))], axis=-1)
-
-    def gather_shard(self, x: mx.array, indices: mx.array, shard: dict[str, mx.array], stream: mx.Stream) -> mx.array:
-        """One shard's output columns for the expert-sorted ``x``, computed on ``stream``."""
-        raise NotImplementedError
 
 
 class ShardedSwitchLinear(SwitchRows, SwitchLinear):
     """``SwitchLinear`` in row shards."""
-
-    def gather_shard(self, x: mx.array, indices: mx.array, shard: dict[str, mx.array], stream: mx.Stream) -> mx.array:
-        return mx.gather_mm(x, shard["weight"].swapaxes(-1, -2), rhs_indices=indices, sorted_indices=True, stream=stream)
 
     def to_quantized(self, *args: Any, **kwargs: Any) -> nn.Module:
         return shard_rows(super().to_quantized(*args, **kwargs), self.parts)
@@ -190,11 +183,6 @@ class ShardedSwitchLinear(SwitchRows, SwitchLinear):
 
 class ShardedQuantizedSwitchLinear(SwitchRows, QuantizedSwitchLinear):
     """``QuantizedSwitchLinear`` in row shards (packed weight, scales, biases)."""
-
-    def gather_shard(self, x: mx.array, indices: mx.array, shard: dict[str, mx.array], stream: mx.Stream) -> mx.array:
-        return mx.gather_qmm(x, shard["weight"], shard["scales"], shard.get("biases"), rhs_indices=indices,
-                             transpose=True, group_size=self.group_size, bits=self.bits, mode=self.mode,
-                             sorted_indices=True, stream=stream)
 
 
 SHARDED_CLASS: dict[type, type] = {
