@@ -131,6 +131,20 @@ def test_memory_lru_at_the_byte_bound(tiny_byte_llama):
     assert prefix.nbytes == block and prefix.lookup(c + [9])[1] == BLOCK
 
 
+def test_eviction_leaves_no_child_index_behind(tiny_byte_llama):
+    """Many distinct prompts through a cache that holds two of them: the child index (parent key
+    -> blocks cached after it) holds only the blocks in memory, not one entry per prompt ever seen."""
+    model, tokenizer = tiny_byte_llama
+    probe = tiers(model, tokenizer)
+    probe.insert([1] * 16, prefilled(model, [1] * 16))
+    prefix = tiers(model, tokenizer, memory=probe.nbytes * 2)
+    for i in range(40):
+        tokens = [40 + i] * 12 + [7] * 6  # a full block and a tail, each prompt its own chain
+        prefix.insert(tokens, prefilled(model, tokens))
+    children = [key for keys in prefix._children.values() for key in keys]
+    assert sorted(children) == sorted(prefix.blocks) and len(prefix._children) <= len(prefix.blocks)
+
+
 def test_engine_serves_a_prefix_shorter_than_a_block(tiny_byte_llama):
     """A system prompt shorter than a block, and a prompt sent again, are served from the cache
     (mlx-lm's server reuses both); each output is the one it gets alone."""

@@ -133,6 +133,30 @@ def test_a_chunked_body_over_the_limit_is_413(server, tiny):
         assert http(url, "POST", "/v1/completions", {"prompt": "hi", "max_tokens": 1})[0] == 200
 
 
+def test_a_big_body_sent_whole_gets_its_413(server, tiny):
+    """http.client writes the whole 12 MB body before it reads: it must see the 413, not a reset."""
+    parts = urlsplit(server.url)
+    connection = HTTPConnection(parts.hostname, parts.port, timeout=60)
+    try:
+        connection.request("POST", "/v1/completions", b"{" + b" " * (12 * 2**20) + b"}",
+                           {"Content-Type": "application/json"})
+        reply = connection.getresponse()
+        assert reply.status == 413 and json.loads(reply.read())["error"]["code"] == "request_too_large"
+    finally:
+        connection.close()
+
+
+def test_metrics_label_routes_by_their_template(server):
+    """300 distinct ``/v1/models/{id}`` paths are one series, not 300."""
+    for i in range(300):
+        assert http(server.url, "GET", f"/v1/models/no-such-model-{i}")[0] == 404
+    status, _, raw = http(server.url, "GET", "/metrics")
+    series = [line for line in raw.decode().splitlines() if line.startswith("mlxformer_http_requests_total{")]
+    assert status == 200 and not any("no-such-model" in line for line in series)
+    assert any('route="/v1/models/{model_id:path}"' in line and 'status="404"' in line and line.endswith(" 300.0")
+               for line in series), series
+
+
 def test_host_header_allow_list(server, tiny):
     from mlxformer.server.runner import served_hosts
 

@@ -107,10 +107,18 @@ class PrefixCache:
         while self.blocks and self.nbytes > limit:
             key, block = self.blocks.popitem(last=False)
             self.nbytes -= block.nbytes
-            siblings = self._children.get(self._parent.pop(key), set())
-            siblings.discard(key)
+            self._unlink(key)
             freed += block.nbytes
         return freed
+
+    def _unlink(self, key: str) -> None:
+        """Drop an evicted block from the child index (an empty child set goes too)."""
+        parent = self._parent.pop(key)
+        siblings = self._children.get(parent)
+        if siblings is not None:
+            siblings.discard(key)
+            if not siblings:
+                del self._children[parent]
 
     def cached_blocks(self, keys: Sequence[str]) -> int:
         """How many of the leading ``keys`` are cached, in memory or on disk."""

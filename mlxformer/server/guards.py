@@ -1,6 +1,7 @@
 """Checks every request passes before any route runs (pure ASGI, so they cover every router,
 including those mounted later): a ``Host`` allow-list against DNS rebinding (403) and a body
-size limit (413, answered from ``Content-Length`` before the body is read)."""
+size limit (413, decided from ``Content-Length`` before the body is parsed; the body is read and
+discarded, up to a bound, before the answer, so that the client sees it)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,9 @@ Shape = Callable[[str, int, dict[str, Any]], dict[str, Any]]  # (path, status, O
 ASGIApp = Callable[[dict[str, Any], Callable[[], Awaitable[dict]], Callable[[dict], Awaitable[None]]], Awaitable[None]]
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 DEFAULT_MAX_BODY_BYTES = 4 * 2**20
+# A refused body is read and thrown away up to this many bytes before the 413 goes out, so that a
+# client still writing it sees the status rather than a connection reset; past it we just close.
+DRAIN_BYTES = 64 * 2**20
 
 
 class BodyTooLarge(Exception):
@@ -51,6 +55,18 @@ async def send_error(send: Callable[[dict], Awaitable[None]], status: int, messa
     await send({"type": "http.response.body", "body": body})
 
 
+async def drain(receive: Any, limit: int) -> None:
+    """Read and discard the rest of a request body, at most ``limit`` bytes of it."""
+    seen = 0
+    while seen <= limit:
+        message = await receive()
+        if message["type"] != "http.request":
+            return
+        seen += len(message.get("body", b""))
+        if not message.get("more_body", False):
+            return
+
+
 class RequestGuard:
     """ASGI middleware: 403 for a ``Host`` not in ``allowed_hosts`` (``None``: any host), 413 for a
     body over ``max_body_bytes`` (declared by ``Content-Length``, or counted as it streams in);
@@ -71,6 +87,7 @@ class RequestGuard:
             return
         declared = headers.get("content-length", "")
         if declared.isdigit() and int(declared) > self.max_body_bytes:
+            await drain(receive, DRAIN_BYTES)
             await send_error(send, 413, self.too_large(), "request_too_large", scope.get("path", ""), self.shape)
             return
         await self.app(scope, self.counting(receive), send)
@@ -87,6 +104,8 @@ class RequestGuard:
             if message["type"] == "http.request":
                 seen[0] += len(message.get("body", b""))
                 if seen[0] > self.max_body_bytes:
+                    if message.get("more_body", False):
+                        await drain(receive, DRAIN_BYTES)
                     raise BodyTooLarge(self.too_large())
             return message
 

@@ -65,20 +65,26 @@ def template_router(ctx: ServerContext) -> APIRouter:
 
     @router.post("/tokenize", responses=error_responses(BODY))
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
-        ids = tokenizer.encode(body.content, add_special_tokens=body.add_special)
-        if body.with_pieces:
-            return {"tokens": [{"id": i, "piece": tokenizer.decode([i])} for i in ids]}
-        return {"tokens": ids}
+        def work() -> dict[str, Any]:
+            ids = tokenizer.encode(body.content, add_special_tokens=body.add_special)
+            if body.with_pieces:
+                return {"tokens": [{"id": i, "piece": tokenizer.decode([i])} for i in ids]}
+            return {"tokens": ids}
+
+        return await ctx.prepare(work)  # a large body must not stall other requests' streams
 
     @router.post("/detokenize", responses=error_responses(BODY))
     async def detokenize(body: DetokenizeRequest) -> dict[str, str]:
-        vocab = min(tokenizer.vocab_size, served.vocab_size)
-        if bad := [i for i in body.tokens if not 0 <= i < vocab]:
-            raise bad_request(f"token id {bad[0]} is outside the vocabulary (size {vocab})", param="tokens")
-        try:
-            return {"content": tokenizer.decode(body.tokens)}
-        except MlxformerError as exc:
-            raise bad_request(str(exc), param="tokens") from exc
+        def work() -> dict[str, str]:
+            vocab = min(tokenizer.vocab_size, served.vocab_size)
+            if bad := [i for i in body.tokens if not 0 <= i < vocab]:
+                raise bad_request(f"token id {bad[0]} is outside the vocabulary (size {vocab})", param="tokens")
+            try:
+                return {"content": tokenizer.decode(body.tokens)}
+            except MlxformerError as exc:
+                raise bad_request(str(exc), param="tokens") from exc
+
+        return await ctx.prepare(work)
 
     @router.post("/apply-template", responses=error_responses(BODY))
     async def apply_template(body: ApplyTemplateRequest) -> dict[str, str]:

@@ -8,6 +8,7 @@ from typing import Any, Sequence
 from fastapi import FastAPI, Response
 from fastapi.responses import PlainTextResponse
 from fastapi.params import Depends
+from starlette.routing import Mount, Route
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, generate_latest
 
 from mlxformer.engine import Engine
@@ -30,11 +31,23 @@ class CountResponses:
 
         async def sending(message: Any) -> None:
             if message["type"] == "http.response.start":
-                matched = scope.get("route") is not None  # unmatched paths share one label
-                self.counter.labels(scope["path"] if matched else "unmatched", str(message["status"])).inc()
+                self.counter.labels(route_label(scope), str(message["status"])).inc()
             await send(message)
 
         await self.app(scope, receive, sending)
+
+
+def route_label(scope: Any) -> str:
+    """The matched route's template (``/v1/models/{model_id}``), never the raw path: each
+    distinct path would be a new series. Unmatched paths share one label."""
+    route = scope.get("route")
+    if not isinstance(route, (Route, Mount)):
+        return "unmatched"
+    path = scope["path"]
+    for start in (i for i, c in enumerate(path) if c == "/"):  # the route's own part, after its prefix
+        if route.path_regex.fullmatch(path[start:]):
+            return path[:start] + route.path
+    return route.path
 
 
 def install_metrics(app: FastAPI, engine: Engine, dependencies: Sequence[Depends] = ()) -> None:
