@@ -377,3 +377,22 @@ def test_validation_in_one_place_every_bound_a_400_naming_its_field(server):
     for seed in (-1, 0, 2**64 - 1):  # -1: random (llama.cpp); up to what mx.random.key takes
         status, _, raw = http(server.url, "POST", "/v1/chat/completions", {**hi, "seed": seed, "stream": True})
         assert status == 200 and b'"error"' not in raw, (seed, raw)
+
+
+def test_malformed_earlier_turns_are_400s_not_500s(server):
+    """An assistant ``tool_call`` whose ``function`` is a string, and a Responses reasoning item
+    with a non-text part: the request's fault, so a 400 in the API's shape."""
+    messages = [{"role": "user", "content": "Hi"},
+                {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function", "function": "get_weather"}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    status, _, raw = http(server.url, "POST", "/v1/chat/completions", {"messages": messages, "max_tokens": 1})
+    assert status == 400 and error_of(raw)["type"] == "invalid_request_error", raw
+    items = [{"type": "reasoning", "summary": [], "content": [{"type": "input_image", "image_url": "x"}]},
+             {"role": "user", "content": "Hi"}]
+    status, _, raw = http(server.url, "POST", "/v1/responses", {"input": items, "max_output_tokens": 1})
+    assert status == 400 and error_of(raw)["param"] == "input", raw
+    calls = [{"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]
+    status, _, raw = http(server.url, "POST", "/v1/chat/completions",
+                          {"messages": [*messages[:1], {"role": "assistant", "tool_calls": calls}, messages[2]],
+                           "max_tokens": 1})
+    assert status == 200, raw

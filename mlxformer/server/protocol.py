@@ -35,18 +35,32 @@ class TextPart(Lenient):
     text: str
 
 
+class CalledFunction(Lenient):
+    name: str
+    arguments: Union[str, dict[str, Any]] = ""  # OpenAI's JSON text (an object is taken too)
+
+
+class EarlierCall(Lenient):
+    """One of an assistant turn's earlier ``tool_calls``."""
+
+    id: Optional[str] = None
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(Lenient):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[TextPart], None] = None
     name: Optional[str] = None
-    tool_calls: Optional[list[dict[str, Any]]] = None  # an assistant turn's earlier calls
+    tool_calls: Optional[list[EarlierCall]] = None  # an assistant turn's earlier calls
     tool_call_id: Optional[str] = None  # a tool turn: which call this result answers
     reasoning_content: Optional[str] = None  # an assistant turn's reasoning (templates keep or drop it)
 
     def template_dict(self) -> dict[str, Any]:
         """The message as the chat template sees it (content as one string)."""
         message = {"role": self.role, "content": self.text()}
-        extra = {"name": self.name, "tool_calls": self.tool_calls, "tool_call_id": self.tool_call_id,
+        calls = None if self.tool_calls is None else [c.model_dump(exclude_none=True) for c in self.tool_calls]
+        extra = {"name": self.name, "tool_calls": calls, "tool_call_id": self.tool_call_id,
                  "reasoning_content": self.reasoning_content}
         return {**message, **{k: v for k, v in extra.items() if v is not None}}
 

@@ -75,7 +75,10 @@ def input_messages(items: str | list[InputItem]) -> list[dict[str, Any]]:
         elif kind == "function_call_output":
             out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output_text()})
         elif kind == "reasoning":
-            reasoning += "".join(p.text or "" for p in (item.summary or [])) + (item.text() if item.content else "")
+            try:
+                reasoning += "".join(p.text or "" for p in (item.summary or [])) + (item.text() if item.content else "")
+            except ValueError as exc:
+                raise bad_request(str(exc), param="input") from exc
         else:
             raise bad_request(f"input items of type {kind!r} are not supported", param="input")
     return out
