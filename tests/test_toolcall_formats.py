@@ -194,3 +194,35 @@ def byte_tokenizer(tmp_path_factory):
     directory = tmp_path_factory.mktemp("bytes")
     write_chat_tokenizer(directory)
     return load_tokenizer_from_dir(directory)
+
+
+LONG_REPLIES = {  # a 100k-character argument (a file's text, say), in each family's form
+    "hermes": lambda v: '<tool_call>\n{"name": "get_time", "arguments": ' + json.dumps({"zone": v}) + "}\n</tool_call>",
+    "qwen3_coder": lambda v: f"<tool_call>\n<function=get_time>\n<parameter=zone>\n{v}\n</parameter>\n</function>\n</tool_call>",
+    "llama3_json": lambda v: '{"name": "get_time", "parameters": ' + json.dumps({"zone": v}) + "}",
+    "mistral": lambda v: '[TOOL_CALLS][{"name": "get_time", "arguments": ' + json.dumps({"zone": v}) + "}]",
+    "mistral_v11": lambda v: "[TOOL_CALLS]get_time[ARGS]" + json.dumps({"zone": v}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LONG_REPLIES))
+def test_streamed_parsing_is_linear_in_the_reply(name):
+    """Fed 4 characters at a time, a 100k-character call is read over at most a few times its
+    length in all (the open call is not re-read on every piece), and its streamed deltas equal
+    the whole parse: the argument as given."""
+    value = 'line "one" {x: [1, 2]} <tag> \\ ' * 3200
+    reply = LONG_REPLIES[name](value)
+    fmt = call_format(name)
+    read_chars = []
+    original = fmt.read
+
+    def counting(marker, body, final, tools):
+        read_chars.append(len(body))
+        return original(marker, body, final, tools)
+
+    fmt.read = counting
+    contents, deltas, calls = parse_pieces(fmt, [reply[i:i + 4] for i in range(0, len(reply), 4)])
+    assert sum(read_chars) < 40 * len(reply), (sum(read_chars), len(reply))
+    streamed = "".join(d.arguments for d in deltas)
+    assert "".join(contents).strip() == "" and [(c.name, c.arguments) for c in calls] == [("get_time", streamed)]
+    assert json.loads(streamed) == {"zone": value}

@@ -16,7 +16,8 @@ from mlxformer.server.toolcalls.jsoncalls import lark_json, lark_literal, skip_w
 
 FUNCTION = "<function="
 _FUNCTION = regex.compile(r"<function=([^>\n]+)>")
-_PARAMETER = regex.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", regex.DOTALL)
+_PARAMETER = regex.compile(r"<parameter=([^>\n]+)>\n?")
+END_PARAMETER = "</parameter>"
 END_FUNCTION = "</function>"
 
 
@@ -51,12 +52,15 @@ class Qwen3Coder(CallFormat):
         while True:
             pos = skip_ws(text, pos)
             parameter = _PARAMETER.match(text, pos)
-            if parameter is None:
+            close = -1 if parameter is None else text.find(END_PARAMETER, parameter.end())
+            if parameter is None or close < 0:
                 break
+            raw = text[parameter.end():close]
             key = parameter.group(1).strip()
-            value = typed(parameter.group(2), properties.get(key, {}) if isinstance(properties, dict) else {})
+            value = typed(raw[:-1] if raw.endswith("\n") else raw,
+                          properties.get(key, {}) if isinstance(properties, dict) else {})
             fields.append(f"{json.dumps(key, ensure_ascii=False)}: {json.dumps(value, ensure_ascii=False)}")
-            pos = parameter.end()
+            pos = close + len(END_PARAMETER)
         arguments, shift = "{" + ", ".join(fields), len(text) - len(body)
         if not text.startswith(END_FUNCTION, pos):
             return Section(calls=[(name, arguments + "}")], end=len(body)) if final else Section(calls=[(name, arguments)])

@@ -35,6 +35,13 @@ def held_suffix(text: str, markers: tuple[str, ...]) -> int:
     return longest
 
 
+# An open section is read again only when it grew by 1/RE_READ_FRACTION since the last read
+# (beyond its first LINEAR_FROM characters), so parsing a reply is linear in its length: each
+# read is linear in the section, and the sections read grow geometrically. Call deltas of a long
+# argument lag its text by at most that fraction; ``finish`` reads whatever is left.
+LINEAR_FROM, RE_READ_FRACTION = 1024, 16
+
+
 class ToolCallStream:
     """Incremental parsing of one reply in ``fmt`` (calls of the functions in ``tools``)."""
 
@@ -45,6 +52,7 @@ class ToolCallStream:
         self.started = False  # content other than whitespace was handed out (no bare JSON call now)
         self.calls: list[ToolCall] = []
         self.section_first = 0  # index of the open section's first call
+        self.read_at = 0  # the open section's length when it was last read
 
     def feed(self, text: str) -> Parsed:
         """Parse the next piece of the reply."""
@@ -89,6 +97,10 @@ class ToolCallStream:
     def _read_section(self, out: Parsed, final: bool) -> bool:
         """Hand out the open section's new call deltas; True when it closed (the rest is text again)."""
         assert self.marker is not None
+        size = len(self.buffer)
+        if not final and size > LINEAR_FROM and size - self.read_at < size // RE_READ_FRACTION:
+            return False
+        self.read_at = size
         section = self.fmt.read(self.marker, self.buffer, final, self.tools)
         if section.failed and len(self.calls) == self.section_first:
             self.started = True
@@ -109,7 +121,7 @@ class ToolCallStream:
                 self.buffer = ""
             return False
         self.buffer = self.buffer[section.end or 0:] if not section.failed else self.buffer
-        self.marker, self.section_first, self.started = None, len(self.calls), True
+        self.marker, self.section_first, self.started, self.read_at = None, len(self.calls), True, 0
         return True
 
     def _content(self, out: Parsed, text: str) -> None:
