@@ -88,9 +88,10 @@ def run(args: argparse.Namespace) -> int:
     """Handler of ``mlxformer chat``."""
     from mlxformer.chat import ChatSession
 
-    sampling = sampling_settings(args)
+    sampling_settings(args)  # bad flags fail before the model loads
     settings = cache_settings(args)
     model, tokenizer = load_for_cli(args)
+    sampling = sampling_settings(args, tokenizer.sampling_defaults)
     session = ChatSession(
         model, tokenizer, system=args.system, sampling=sampling, cache_settings=settings,
         max_tokens=args.max_tokens, stop=args.stop, speculative=speculative_settings(args, tokenizer),
