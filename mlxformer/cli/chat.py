@@ -37,8 +37,10 @@ def _command(session: ChatSession, line: str, out: TextIO) -> bool:
         out.write(f"[loaded {len(session.cached_ids)} tokens, {len(session.messages)} messages from {arg}]\n")
     elif name == "/stats":
         out.write(session.stats() + "\n")
-    else:
+    elif name == "/help":
         out.write(HELP + "\n")
+    else:
+        out.write(f"unknown command {name}; {HELP}\n")
     return True
 
 
