@@ -33,7 +33,8 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     """``--model``, ``--dtype`` and ``--threads``."""
     parser.add_argument(
         "--model", "-m",
-        help="HF repo id, local HF/MLX dir or .gguf file (default: the offline SmolLM2-135M-Instruct)",
+        help="HF repo id (REPO:QUANT picks a GGUF by quant tag), local HF/MLX dir or .gguf file "
+             "(default: the offline SmolLM2-135M-Instruct)",
     )
     parser.add_argument(
         "--dtype", choices=DTYPE_NAMES,
