@@ -13,6 +13,7 @@ import fnmatch
 import os
 import re
 from pathlib import Path
+from typing import Callable
 
 from mlxformer.errors import MlxformerError
 from mlxformer.formats.hub_gguf import gguf_models, pick_gguf, split_ref
@@ -92,19 +93,35 @@ def _download(repo: str, patterns: list[str]) -> Path:
             from None
 
 
-def fetch(ref: str) -> Path:
-    """Download (or find in the cache) what ``REPO[:QUANT]`` names: the model dir of a
-    safetensors repo, the (first) file of the picked GGUF (see the module docstring)."""
+def fetch_plan(ref: str) -> tuple[str, dict[str, int], str | None]:
+    """What ``REPO[:QUANT]`` fetches: ``(repo, {file: bytes}, the GGUF file to open or None
+    for the snapshot dir)`` (see the module docstring)."""
     repo, tag = split_ref(ref)
     files = repo_files(repo)
     models = gguf_models(files)
     has_weights = any(fnmatch.fnmatch(p.rsplit("/", 1)[-1], WEIGHT_GLOB) for p in files)
     if tag is None and (has_weights or not models):
-        return _download(repo, HUB_ALLOW_PATTERNS)
+        wanted = {p: size for p, size in files.items() if any(fnmatch.fnmatch(p, pat) for pat in HUB_ALLOW_PATTERNS)}
+        return repo, wanted, None
     memory = int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * USABLE_MEMORY_SHARE)
     model = pick_gguf(repo, models, tag, memory)
-    folder = _download(repo, list(model.files))
-    missing = [f for f in model.files if not (folder / f).is_file()]
+    return repo, {f: files[f] for f in model.files}, model.name
+
+
+def fetch(ref: str, on_file: Callable[[str, int, bool], None] | None = None) -> Path:
+    """Download (or find in the cache) what ``REPO[:QUANT]`` names: the model dir of a
+    safetensors repo, the (first) file of the picked GGUF. ``on_file(file, bytes, done)`` is
+    told before and after each file (then the files are fetched one by one)."""
+    repo, files, main = fetch_plan(ref)
+    if on_file is None:
+        folder = _download(repo, HUB_ALLOW_PATTERNS if main is None else list(files))
+    else:
+        for name, size in files.items():
+            on_file(name, size, False)
+            folder = _download(repo, [name])
+            on_file(name, size, True)
+        folder = _download(repo, [*files] or HUB_ALLOW_PATTERNS)
+    missing = [f for f in files if not (folder / f).is_file()]
     if missing:
         raise MlxformerError(f"{repo}: {missing[0]} is not in the cache (offline: HF_HUB_OFFLINE is set)")
-    return folder / model.name
+    return folder if main is None else folder / main

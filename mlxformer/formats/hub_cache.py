@@ -62,7 +62,7 @@ def _problem(path: Path) -> str | None:
     return None
 
 
-def _safetensors_quant(snapshot: Path) -> str:
+def safetensors_quant(snapshot: Path) -> str:
     config = read_json_object(snapshot / "config.json") if (snapshot / "config.json").is_file() else {}
     quantization = config.get("quantization") or config.get("quantization_config")
     if isinstance(quantization, dict) and "bits" in quantization:
@@ -87,7 +87,7 @@ def cached_models(check: bool = True) -> list[CachedModel]:
                                    _problem(path) if check else None))
         if any(fnmatch.fnmatch(name.rsplit("/", 1)[-1], WEIGHT_GLOB) for name in files):
             size = sum(s for name, s in files.items() if not name.lower().endswith(".gguf"))
-            out.append(CachedModel(repo.repo_id, repo.repo_id, "safetensors", _safetensors_quant(snapshot), size,
+            out.append(CachedModel(repo.repo_id, repo.repo_id, "safetensors", safetensors_quant(snapshot), size,
                                    snapshot, (), _problem(snapshot) if check else None))
     return sorted(out, key=lambda m: m.name)
 
