@@ -45,7 +45,6 @@ class ChatSession:
             check_draft(speculative, tokenizer)
         self.system, self.sampling, self.settings = system, sampling, cache_settings
         self.max_tokens, self.stop, self.speculative = max_tokens, tuple(stop), speculative
-        self.last_prefill_tokens = 0
         self.reset()
 
     def reset(self) -> None:
@@ -54,6 +53,7 @@ class ChatSession:
         self.cache: list[Cache] = self._new_cache()
         self.cached_ids: list[int] = []  # the tokens the cache holds, in order
         self.proposer = new_proposer(self.speculative, self.settings) if self.speculative is not None else None
+        self.last_prefill_tokens = 0  # tokens the last turn prefilled (none since the reset)
 
     def _new_cache(self) -> list[Cache]:
         return make_cache(self.model, with_rewind(self.settings, self.speculative))

@@ -20,6 +20,7 @@ from mlxformer.detokenizer import StreamingDetokenizer
 from mlxformer.errors import MlxformerError
 from mlxformer.formats.gguf_vocab import build_gguf_vocab
 from mlxformer.formats.jsonio import read_json_object
+from mlxformer.model_defaults import NO_DEFAULTS, SamplingDefaults
 from mlxformer.tokenizer_hf import HFBackend
 from mlxformer.tokenizer_spm import SPMBackend, spm_backend, spm_special_tokens
 
@@ -44,7 +45,8 @@ class Tokenizer:
     """Text <-> token ids, chat template rendering and streaming detokenization."""
 
     def __init__(self, backend: Backend, bos_token_id: int | None, eos_token_ids: list[int],
-                 chat_template: str | None, special_tokens: dict[str, str] | None = None) -> None:
+                 chat_template: str | None, special_tokens: dict[str, str] | None = None,
+                 sampling_defaults: SamplingDefaults = NO_DEFAULTS) -> None:
         self.backend = backend
         self.bos_token_id = bos_token_id
         self.eos_token_ids = list(dict.fromkeys(eos_token_ids))
@@ -52,6 +54,8 @@ class Tokenizer:
         self.special_tokens = dict(special_tokens or {})  # bos_token/eos_token/unk_token/pad_token -> text
         # n_vocab -> llguidance.LLTokenizer, built on first use by mlxformer.constrained.vocab
         self.grammar_tokenizers: dict[int, Any] = {}
+        # the model's own sampling defaults (generation_config.json or GGUF metadata; model_defaults.py)
+        self.sampling_defaults = sampling_defaults
 
     @property
     def vocab_size(self) -> int:
@@ -133,6 +137,7 @@ class Tokenizer:
             ids: dict[str, Any] = {"eos_token_id": self.eos_token_ids}
             if self.bos_token_id is not None:
                 ids = {"bos_token_id": self.bos_token_id, **ids}
+            ids.update(self.sampling_defaults.generation_config())
             (directory / "generation_config.json").write_text(json.dumps(ids, indent=2) + "\n", encoding="utf-8")
 
 
@@ -260,7 +265,8 @@ def load_tokenizer_from_dir(path: pathlib.Path) -> Tokenizer:
     eos_ids = [i for i in [lookup("eos_token")] if i is not None] + _id_list(generation.get("eos_token_id"))
     if not eos_ids:
         eos_ids = _id_list(model_config.get("eos_token_id"))
-    return Tokenizer(backend, bos_id, eos_ids, _chat_template(path, config), special)
+    return Tokenizer(backend, bos_id, eos_ids, _chat_template(path, config), special,
+                     SamplingDefaults.from_generation_config(generation))
 
 
 def load_tokenizer_from_gguf(metadata: dict[str, Any], source: str | pathlib.Path = "GGUF file") -> Tokenizer:
@@ -269,4 +275,5 @@ def load_tokenizer_from_gguf(metadata: dict[str, Any], source: str | pathlib.Pat
     vocab = build_gguf_vocab(metadata, str(source))
     backend = HFBackend(vocab.tokenizer, vocab.add_bos_token, vocab.add_eos_token,
                         vocab.special_tokens.get("bos_token"), vocab.special_tokens.get("eos_token"))
-    return Tokenizer(backend, vocab.bos_token_id, vocab.eos_token_ids, vocab.chat_template, vocab.special_tokens)
+    return Tokenizer(backend, vocab.bos_token_id, vocab.eos_token_ids, vocab.chat_template, vocab.special_tokens,
+                     SamplingDefaults.from_gguf(metadata))

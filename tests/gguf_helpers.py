@@ -273,15 +273,16 @@ def _add_byte_vocab(writer: gguf.GGUFWriter, size: int) -> None:
 
 def write_gguf_from_hf(
     path: Path, hf_model: Any, arch: str, type_of: Callable[[str, tuple], T],
-    add_metadata: Callable[[gguf.GGUFWriter], None] | None = None,
+    add_metadata: Callable[[gguf.GGUFWriter], None] | None = None, split_max_tensors: int = 0,
 ) -> dict[str, np.ndarray]:
     """Write ``hf_model`` (transformers, float32) as a GGUF of architecture ``arch``; each matrix
     gets ``type_of(gguf_name, shape)``; ``add_metadata(writer)`` may add keys. Returns the HF
-    state dict as the file stores it (gguf-py round trip), to load into transformers as the reference."""
+    state dict as the file stores it (gguf-py round trip), to load into transformers as the reference.
+    ``split_max_tensors``: write a split GGUF (``NAME-0000i-of-0000N.gguf``) of so many tensors a part."""
     config = hf_model.config
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    writer = gguf.GGUFWriter(str(path), arch)
+    writer = gguf.GGUFWriter(str(path), arch, split_max_tensors=split_max_tensors)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
     writer.add_block_count(config.num_hidden_layers)

@@ -37,8 +37,10 @@ def _command(session: ChatSession, line: str, out: TextIO) -> bool:
         out.write(f"[loaded {len(session.cached_ids)} tokens, {len(session.messages)} messages from {arg}]\n")
     elif name == "/stats":
         out.write(session.stats() + "\n")
-    else:
+    elif name == "/help":
         out.write(HELP + "\n")
+    else:
+        out.write(f"unknown command {name}; {HELP}\n")
     return True
 
 
@@ -88,9 +90,10 @@ def run(args: argparse.Namespace) -> int:
     """Handler of ``mlxformer chat``."""
     from mlxformer.chat import ChatSession
 
-    sampling = sampling_settings(args)
+    sampling_settings(args)  # bad flags fail before the model loads
     settings = cache_settings(args)
     model, tokenizer = load_for_cli(args)
+    sampling = sampling_settings(args, tokenizer.sampling_defaults)
     session = ChatSession(
         model, tokenizer, system=args.system, sampling=sampling, cache_settings=settings,
         max_tokens=args.max_tokens, stop=args.stop, speculative=speculative_settings(args, tokenizer),

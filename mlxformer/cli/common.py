@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from mlxformer.cache import CacheSettings
     from mlxformer.errors import OptionError
+    from mlxformer.model_defaults import SamplingDefaults
     from mlxformer.models.decoder import Model
     from mlxformer.options import SamplingSettings
     from mlxformer.speculative import SpeculativeSettings
@@ -32,7 +33,8 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     """``--model``, ``--dtype`` and ``--threads``."""
     parser.add_argument(
         "--model", "-m",
-        help="HF repo id, local HF/MLX dir or .gguf file (default: the offline SmolLM2-135M-Instruct)",
+        help="HF repo id (REPO:QUANT picks a GGUF by quant tag), local HF/MLX dir or .gguf file "
+             "(default: the offline SmolLM2-135M-Instruct)",
     )
     parser.add_argument(
         "--dtype", choices=DTYPE_NAMES,
@@ -54,11 +56,17 @@ def add_prompt_args(parser: argparse.ArgumentParser) -> None:
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     """The sampling flags shared by generate and chat."""
     parser.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate (default 256)")
-    parser.add_argument("--temp", type=float, default=0.0, help="sampling temperature; 0 is greedy (default)")
-    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0: off)")
-    parser.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (default 0: off)")
-    parser.add_argument("--min-p", type=float, default=0.0, help="min probability relative to the top token (default 0: off)")
-    parser.add_argument("--repetition-penalty", type=float, default=None, help="penalty on the last 64 tokens, e.g. 1.1")
+    # These five default to the model's generation_config.json (or GGUF sampling metadata), else
+    # to the value in parentheses: the rule of mlxformer/model_defaults.py, shared with the server.
+    parser.add_argument("--temp", type=float, default=None,
+                        help="sampling temperature; 0 is greedy (default: the model's, else 0)")
+    parser.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass (default: the model's, else 1: off)")
+    parser.add_argument("--top-k", type=int, default=None,
+                        help="keep the k most likely tokens (default: the model's, else 0: off)")
+    parser.add_argument("--min-p", type=float, default=None,
+                        help="min probability relative to the top token (default: the model's, else 0: off)")
+    parser.add_argument("--repetition-penalty", type=float, default=None,
+                        help="penalty on the last 64 tokens, e.g. 1.1 (default: the model's, else off)")
     parser.add_argument("--presence-penalty", type=float, default=0.0,
                         help="subtracted once from each generated token's logit, in [-2, 2] (OpenAI's; default 0)")
     parser.add_argument("--frequency-penalty", type=float, default=0.0,
@@ -100,15 +108,17 @@ def parse_logit_bias(items: list[str]) -> dict[int, float]:
     return bias
 
 
-def sampling_settings(args: argparse.Namespace) -> SamplingSettings:
-    """The sampling dataclass from parsed flags (validated there; errors name the flag). A random
-    seed (``--seed -1``, or none while sampling) is drawn here and shown with ``--verbose``."""
+def sampling_settings(args: argparse.Namespace, defaults: SamplingDefaults | None = None) -> SamplingSettings:
+    """The sampling dataclass from parsed flags, each unset one from the model's ``defaults``
+    (``model_defaults.py``; none given: checks the flags alone, before the model loads). Errors
+    name the flag. A random seed (``--seed -1``, or none while sampling) is drawn here and shown
+    with ``--verbose``."""
     from mlxformer.errors import OptionError
-    from mlxformer.options import SamplingSettings
+    from mlxformer.model_defaults import NO_DEFAULTS
 
     try:
         bias = parse_logit_bias(args.logit_bias)
-        settings = SamplingSettings(
+        settings = (defaults or NO_DEFAULTS).apply(
             temp=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
             repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
             frequency_penalty=args.frequency_penalty, logit_bias=bias or None,
@@ -116,6 +126,8 @@ def sampling_settings(args: argparse.Namespace) -> SamplingSettings:
         )
     except OptionError as exc:
         raise flag_error(exc) from None
+    if defaults is None:
+        return settings
     if settings.seed == -1 or (settings.seed is None and not settings.greedy):
         settings = settings.seeded()
         if verbose(args):

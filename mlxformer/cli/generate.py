@@ -61,13 +61,14 @@ def run(args: argparse.Namespace) -> int:
     from mlxformer.generation import stream_generate
 
     prompt = read_prompt(args.prompt)
-    sampling = sampling_settings(args)
+    sampling_settings(args)  # bad flags fail before the model loads
     settings = cache_settings(args)
     structured = structured_output_args(args)
     if structured and (args.prompt_lookup or args.draft_model):
         raise MlxformerError("--json-schema, --regex and --grammar are not supported with speculative decoding")
     validate_structured_output(**structured)  # a bad schema or grammar fails before the model loads
     model, tokenizer = load_for_cli(args)
+    sampling = sampling_settings(args, tokenizer.sampling_defaults)
     speculative = speculative_settings(args, tokenizer)
     constraint = make_constraint(tokenizer, model.args.vocab_size, **structured) if structured else None
     ids = prompt_ids_for_cli(tokenizer, prompt, args)
@@ -101,6 +102,7 @@ def run_parallel(args: argparse.Namespace) -> int:
     from mlxformer.default_model import default_model_path
     from mlxformer.distributed.runner import load_distributed, stream_distributed
     from mlxformer.errors import MlxformerError, OptionError
+    from mlxformer.model_defaults import NO_DEFAULTS
     from mlxformer.models.config import FLOAT_DTYPES
 
     if args.prompt_cache_file:
@@ -114,7 +116,7 @@ def run_parallel(args: argparse.Namespace) -> int:
     if args.prompt == "-":  # mlx.launch forwards stdin to every rank but never closes it: reading would hang
         raise MlxformerError("--prompt - is not supported with --parallel; pass the text, e.g. --prompt \"$(cat FILE)\"")
     prompt = read_prompt(args.prompt)
-    sampling = sampling_settings(args)
+    sampling = sampling_settings(args, NO_DEFAULTS)  # every rank samples alike: flags and the built-in defaults
     settings = cache_settings(args)
     dtype = FLOAT_DTYPES[args.dtype] if args.dtype else None
     try:

@@ -73,10 +73,15 @@ def run(args: argparse.Namespace) -> int:
     """Handler of ``mlxformer info``."""
     from mlxformer.default_model import default_model_path
     from mlxformer.errors import MlxformerError
+    from mlxformer.formats.checkpoint import open_checkpoint
+    from mlxformer.model_defaults import SamplingDefaults
     from mlxformer.planning import footprint, machine_memory
 
     if args.context < 1:
         raise MlxformerError("--context must be positive")
-    fp = footprint(args.model if args.model else default_model_path())
+    checkpoint = open_checkpoint(args.model if args.model else default_model_path())
+    fp = footprint(checkpoint)
     print(format_report(fp, args.context, machine_memory()))
+    defaults = SamplingDefaults.of_checkpoint(checkpoint.tokenizer_dir, checkpoint.gguf_metadata)
+    print(f"sampling defaults (unless a flag or request sets them): {defaults.describe()}")
     return 0

@@ -5,16 +5,24 @@ from __future__ import annotations
 import argparse
 import sys
 import traceback
-from typing import Sequence
+from typing import NoReturn, Sequence
 
-from mlxformer.cli import bench, cache_prompt, chat, convert, generate, info, perplexity, serve
+from mlxformer.cli import bench, cache_prompt, chat, convert, generate, info, list_models, perplexity, pull, rm, serve
 
-COMMANDS = (generate, chat, convert, perplexity, bench, cache_prompt, info, serve)
+COMMANDS = (generate, chat, convert, perplexity, bench, cache_prompt, info, serve, pull, list_models, rm)
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse's parser whose own errors (a bad choice or type, a missing flag) are one line
+    naming the command's help, not the whole usage; subcommands' parsers are of this class too."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The full ``mlxformer`` parser with every subcommand."""
-    parser = argparse.ArgumentParser(prog="mlxformer", description="Run LLaMA-family LLMs with MLX.")
+    parser = OneLineParser(prog="mlxformer", description="Run LLaMA-family LLMs with MLX.")
     parser.add_argument("--verbose", "-v", action="store_true", help="show tracebacks and extra detail")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for command in COMMANDS:

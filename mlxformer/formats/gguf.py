@@ -24,7 +24,8 @@ from mlxformer.formats.gguf_quants import EXACT_TYPES, FLOAT_DECODED_TYPES, GROU
     decode_values, requantize
 from mlxformer.formats.gguf_families import GGUF_ARCHITECTURES, NORM_SHIFTED_ARCHS, arch_config
 from mlxformer.formats.gguf_names import CONFIG_TENSORS, PERMUTED_QK_ARCHS, hf_name
-from mlxformer.formats.gguf_reader import GGUFFile, TensorInfo, read_gguf
+from mlxformer.formats.gguf_reader import GGUFFile, TensorInfo
+from mlxformer.formats.gguf_split import read_any_gguf
 from mlxformer.formats.gguf_rope import rope_scaling_from_factors
 from mlxformer.formats.tensors import TensorEntry
 
@@ -238,8 +239,9 @@ class _Decoder:
 def open_gguf(path: Path) -> tuple[dict[str, Any], dict[str, TensorEntry], Callable[[TensorEntry], mx.array],
                                    dict[str, Any], int]:
     """``(config with quantization, HF-named entries, loader of one entry, metadata, header
-    bytes)`` of a GGUF file; every name and type is checked, no tensor is decoded."""
-    gguf = read_gguf(path)
+    bytes)`` of a GGUF file (or of a split GGUF, given any of its parts: ``gguf_split``); every
+    name and type is checked, no tensor is decoded."""
+    gguf = read_any_gguf(path)
     arch = gguf.metadata.get("general.architecture")
     tensors = {name: info for name, info in gguf.tensors.items() if name not in CONFIG_TENSORS}
     names = {name: hf_name(name, str(arch)) for name in tensors}

@@ -3,8 +3,8 @@
 Routes: ``GET /v1/models``, ``POST /v1/chat/completions``, ``POST /v1/completions``
 (``openai_routes``), ``POST /v1/messages`` (``anthropic_api``), ``POST /v1/responses``
 (``responses_api``), ``GET /v1/models/{id}`` and ``POST /tokenize``, ``/detokenize``,
-``/apply-template`` (``meta_api``), ``GET /health``, ``GET /openapi.json`` and the chat page at
-``GET /``.
+``/apply-template`` (``meta_api``), ``GET /health``, ``GET /openapi.json``, the chat page at
+``GET /`` and Ollama's API under ``/api`` (``ollama_api``).
 Every API router is made from the shared ``ServerContext`` and mounted by ``mount_api``: under
 ``/v1``, behind the API key, JSON bodies only. Every route, mounted or not, is behind the
 ``RequestGuard`` (Host allow-list, body limit). Every error is an OpenAI-style JSON body; bad
@@ -32,9 +32,11 @@ from mlxformer.server.context import ServerContext
 from mlxformer.server.errors import APIError, error_body, validation_message
 from mlxformer.server.guards import DEFAULT_MAX_BODY_BYTES, LOOPBACK_NAMES, BodyTooLarge, RequestGuard, host_name
 from mlxformer.server.meta_api import models_router, template_router
+from mlxformer.server.ollama_api import is_ollama_path, ollama_router
 from mlxformer.server.openai_routes import openai_router
 from mlxformer.server.metrics import install_metrics
 from mlxformer.server.openapi import GUARDED, KEYED, error_responses, install_openapi
+from mlxformer.server.registry import ModelHost, SingleHost
 from mlxformer.server.responses import TokenStrings
 from mlxformer.server.responses_api import responses_router
 from mlxformer.server.sse import SSE_PING_SECONDS
@@ -79,6 +81,7 @@ def create_app(
     tool_parser: str | None = None,
     any_model_name: bool = True,
     sse_ping_seconds: float | None = SSE_PING_SECONDS,
+    host: Callable[[ServerContext], ModelHost] | None = None,
 ) -> FastAPI:
     """The API app over a started ``engine``.
 
@@ -89,7 +92,8 @@ def create_app(
     API routers (each mounted under /v1); ``tool_parser`` names the tool-call format (default: the
     one the chat template teaches); ``any_model_name``: the Anthropic and Responses routes serve
     any model name they are sent; streams send a keep-alive comment after ``sse_ping_seconds``
-    without data (None: never)."""
+    without data (None: never); ``host`` makes the ``ModelHost`` of Ollama's ``/api`` routes from the
+    context (default: this one model, any name)."""
     app = FastAPI(title="mlxformer", docs_url=None, redoc_url=None, openapi_url=None)
     install_error_handlers(app)
     ctx = ServerContext(engine, served, TokenStrings(served.tokenizer, served.vocab_size),
@@ -100,6 +104,8 @@ def create_app(
     for make in routers:
         mount_api(app, make(ctx), keyed)
     app.include_router(template_router(ctx), dependencies=keyed, responses=error_responses((*GUARDED, *KEYED, 415)))
+    models = host(ctx) if host is not None else SingleHost(ctx)
+    app.include_router(ollama_router(models), prefix="/api", dependencies=keyed, include_in_schema=False)
 
     @app.get("/", include_in_schema=False)
     async def index() -> HTMLResponse:
@@ -164,7 +170,10 @@ def require_json(request: Request) -> None:
 
 
 def api_shape(path: str, status: int, body: dict[str, Any]) -> dict[str, Any]:
-    """An OpenAI error body as the API of ``path`` spells it (Anthropic's on the Messages routes)."""
+    """An OpenAI error body as the API of ``path`` spells it (Anthropic's on the Messages routes,
+    Ollama's ``{"error": ...}`` under /api)."""
+    if is_ollama_path(path):
+        return {"error": body["error"]["message"]}
     return anthropic_error(status, body["error"]["message"]) if is_anthropic_path(path) else body
 
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from mlxformer.engine import GenerationRequest
 from mlxformer.errors import OptionError
+from mlxformer.model_defaults import NO_DEFAULTS, SamplingDefaults
 from mlxformer.options import SamplingSettings
 from mlxformer.models.decoder import Model
 from mlxformer.sampling import TokenConstraint
@@ -17,7 +18,6 @@ from mlxformer.server.protocol import (
 )
 from mlxformer.tokenizer import Tokenizer
 
-OPENAI_DEFAULT_TEMPERATURE = 1.0
 API_NAMES = {"temp": "temperature"}  # SamplingSettings field -> OpenAI request field, where they differ
 
 
@@ -120,17 +120,17 @@ def logit_bias_ids(bias: dict[str, float] | None) -> dict[int, float] | None:
         raise bad_request(f"logit_bias key {bad!r} is not a token id", param="logit_bias") from None
 
 
-def sampling_of(fields: SamplingFields, vocab_size: int) -> SamplingSettings:
-    """The engine's sampling settings (OpenAI defaults: temperature 1, top_p 1; ``top_k`` -1 is
-    off, as in vLLM). Every bound is ``SamplingSettings``'s own validation: its ``OptionError``
-    becomes a 400 naming the API's field."""
-    temperature = OPENAI_DEFAULT_TEMPERATURE if fields.temperature is None else fields.temperature
+def sampling_of(fields: SamplingFields, vocab_size: int, defaults: SamplingDefaults = NO_DEFAULTS) -> SamplingSettings:
+    """The engine's sampling settings: each field the request leaves out is the model's default,
+    else ``SamplingSettings``'s (greedy, no filters): the rule the CLI shares (``model_defaults.py``;
+    ``top_k`` -1 is off, as in vLLM). Every bound is ``SamplingSettings``'s own validation: its
+    ``OptionError`` becomes a 400 naming the API's field."""
     try:
-        settings = SamplingSettings(
-            temp=temperature,
-            top_p=1.0 if fields.top_p is None else fields.top_p,
-            top_k=0 if fields.top_k in (None, -1) else fields.top_k,
-            min_p=fields.min_p or 0.0,
+        settings = defaults.apply(
+            temp=fields.temperature,
+            top_p=fields.top_p,
+            top_k=0 if fields.top_k == -1 else fields.top_k,
+            min_p=fields.min_p,
             repetition_penalty=fields.repetition_penalty,
             presence_penalty=fields.presence_penalty or 0.0,
             frequency_penalty=fields.frequency_penalty or 0.0,
@@ -165,7 +165,7 @@ def engine_request(
     return GenerationRequest(
         prompt_ids=prompt_ids,
         max_tokens=budget,
-        sampling=sampling_of(fields, served.vocab_size),
+        sampling=sampling_of(fields, served.vocab_size, served.tokenizer.sampling_defaults),
         stop=tuple(stops),
         logprobs=logprobs,
         constraint=constraint,

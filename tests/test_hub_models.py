@@ -1,0 +1,228 @@
+"""``pull`` / ``list`` / ``rm`` and ``--model REPO[:QUANT]`` over the Hugging Face cache, with no
+network: a cache laid out as huggingface_hub writes it (``hub_support.add_to_cache``) holding a
+safetensors repo, a GGUF repo (single files, a split GGUF in a subfolder, an mmproj file) and a
+repo of an unsupported family; ``pull`` against a file-based hub mirror on 127.0.0.1.
+References: transformers' logits for the GGUFs' stored weights, the files' own sizes, the
+hub client's own view of its cache (``scan_cache_dir``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+
+from conftest import write_byte_tokenizer, write_tiny_checkpoint
+from gguf_helpers import write_gguf_from_hf
+from hub_support import Mirror, add_to_cache, repo_folder, serve_mirror
+
+ST_REPO, GGUF_REPO, BERT_REPO = "tinyorg/tiny-llama", "tinyorg/tiny-GGUF", "otherorg/bert-tiny"
+SPLIT = [f"Q4_0/tiny-Q4_0-{i:05d}-of-00003.gguf" for i in (1, 2, 3)]
+IDS = [5, 17, 99, 3, 42, 7]
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    """``{repo: {path in repo: local file}}`` and ``{gguf path: transformers model of its stored weights}``."""
+    base = tmp_path_factory.mktemp("hub_src")
+    st_dir, hf_model = write_tiny_checkpoint(base / "st", "llama", head_dim=32, hidden_size=128,
+                                             num_attention_heads=4, num_key_value_heads=2)
+    write_byte_tokenizer(st_dir)
+    references = {}
+
+    def gguf_file(name: str, qtype: T, split: int = 0) -> None:
+        stored = write_gguf_from_hf(base / name, hf_model, "llama", lambda n, s: qtype, split_max_tensors=split)
+        reference = type(hf_model)(hf_model.config).eval()
+        reference.load_state_dict({**hf_model.state_dict(), **{k: torch.tensor(v) for k, v in stored.items()}})
+        references[name] = reference
+
+    gguf_file("tiny-Q8_0.gguf", T.Q8_0)
+    gguf_file("tiny-F16.gguf", T.F16)
+    (base / "Q4_0").mkdir()
+    gguf_file("Q4_0/tiny-Q4_0.gguf", T.Q4_0, split=9)
+    assert sorted(p.name for p in (base / "Q4_0").iterdir()) == [Path(p).name for p in SPLIT]
+    references[SPLIT[0]] = references.pop("Q4_0/tiny-Q4_0.gguf")
+    bert = base / "bert"
+    bert.mkdir()
+    config = json.loads((st_dir / "config.json").read_text())
+    (bert / "config.json").write_text(json.dumps({**config, "model_type": "bert"}))
+    shutil.copy(st_dir / "model.safetensors", bert / "model.safetensors")
+    repos = {
+        ST_REPO: {p.name: p for p in st_dir.iterdir() if p.is_file()},
+        GGUF_REPO: {"tiny-Q8_0.gguf": base / "tiny-Q8_0.gguf", "tiny-F16.gguf": base / "tiny-F16.gguf",
+                    "mmproj-tiny-F16.gguf": base / "tiny-F16.gguf", **{p: base / p for p in SPLIT}},
+        BERT_REPO: {p.name: p for p in bert.iterdir()},
+    }
+    return repos, references
+
+
+@pytest.fixture(scope="module")
+def cache(sources, tmp_path_factory):
+    cache = tmp_path_factory.mktemp("hf_cache")
+    for repo, files in sources[0].items():
+        add_to_cache(cache, repo, files)
+    return cache
+
+
+def env_for(cache: Path, **extra: str) -> dict[str, str]:
+    root = Path(__file__).resolve().parents[1]
+    return {**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+            "PYTHONPATH": os.pathsep.join([str(root), str(root / "tests")]), **extra}
+
+
+def cli(cache: Path, *argv: str, stdin: str = "", **extra: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "mlxformer", *argv], env=env_for(cache, **extra), input=stdin,
+                          capture_output=True, text=True, timeout=300)
+
+
+def resolved(cache: Path, refs: list[str]) -> dict[str, str]:
+    """Each ref's resolved path (relative to its snapshot) or its one-line error, in one process."""
+    code = (
+        "import json, sys\nfrom mlxformer.errors import MlxformerError\nfrom mlxformer.formats.hub import resolve_source\n"
+        "out = {}\nfor ref in json.loads(sys.argv[1]):\n"
+        "    try:\n        p = resolve_source(ref)\n        out[ref] = str(p).split('/snapshots/')[1].split('/', 1)[-1] "
+        "if '/' in str(p).split('/snapshots/')[1] else '.'\n"
+        "    except MlxformerError as exc:\n        out[ref] = 'error: ' + str(exc)\nprint(json.dumps(out))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code, json.dumps(refs)], env=env_for(cache), capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def test_quant_tags_resolve_case_insensitively_with_one_line_errors(cache):
+    out = resolved(cache, [f"{GGUF_REPO}:q4_0", f"{GGUF_REPO}:F16", f"hf.co/{GGUF_REPO}:f16", f"{GGUF_REPO}:Q8_0",
+                           f"{GGUF_REPO}:Q5_K_M", GGUF_REPO, ST_REPO, f"{GGUF_REPO}:tiny-Q8_0.gguf"])
+    assert out[f"{GGUF_REPO}:q4_0"] == SPLIT[0]
+    assert out[f"{GGUF_REPO}:F16"] == out[f"hf.co/{GGUF_REPO}:f16"] == "tiny-F16.gguf"
+    assert out[f"{GGUF_REPO}:Q8_0"] == "tiny-Q8_0.gguf"  # the split Q4_0 set and mmproj are not Q8_0
+    assert out[f"{GGUF_REPO}:tiny-Q8_0.gguf"] == "tiny-Q8_0.gguf"
+    missing = out[f"{GGUF_REPO}:Q5_K_M"]
+    assert missing.startswith(f"error: {GGUF_REPO} has no GGUF with quant tag 'Q5_K_M'; it has: ")
+    assert "Q4_0 (Q4_0/tiny-Q4_0-00001-of-00003.gguf)" in missing and "mmproj" not in missing
+    # no tag, no Q4_K_M: the largest that fits, F16 here
+    assert out[GGUF_REPO] == "tiny-F16.gguf"
+    assert out[ST_REPO] == "."
+
+
+def test_ambiguous_tag_and_default_order():
+    from mlxformer.errors import MlxformerError
+    from mlxformer.formats.hub_gguf import gguf_models, pick_gguf
+
+    files = {"a-Q4_K_M.gguf": 10, "b/a-Q4_K_M.gguf": 10, "a-Q8_0.gguf": 20, "a-IQ4_XS.gguf": 9,
+             "big-F16-00001-of-00002.gguf": 30, "big-F16-00002-of-00002.gguf": 30, "half-Q2_K-00001-of-00002.gguf": 5}
+    models = gguf_models(files)
+    assert {m.name: m.quant for m in models} == {"a-Q4_K_M.gguf": "Q4_K_M", "b/a-Q4_K_M.gguf": "Q4_K_M",
+                                                 "a-Q8_0.gguf": "Q8_0", "a-IQ4_XS.gguf": "IQ4_XS",
+                                                 "big-F16-00001-of-00002.gguf": "F16"}  # the incomplete set is left out
+    with pytest.raises(MlxformerError, match=r"^r:q4_k_m is ambiguous, it matches 2 GGUFs: Q4_K_M \(a-Q4_K_M.gguf\)"):
+        pick_gguf("r", models, "q4_k_m")
+    assert pick_gguf("r", models, "iq4_xs").name == "a-IQ4_XS.gguf"
+    single = [m for m in models if m.name != "b/a-Q4_K_M.gguf"]
+    assert pick_gguf("r", single, None).name == "a-Q4_K_M.gguf"  # the named default
+    no_default = [m for m in single if m.quant != "Q4_K_M"]
+    assert pick_gguf("r", no_default, None, memory=25).name == "a-Q8_0.gguf"  # the largest that fits
+    assert pick_gguf("r", no_default, None).name == "big-F16-00001-of-00002.gguf"
+    assert pick_gguf("r", no_default, None, memory=1).name == "a-IQ4_XS.gguf"  # none fits: the smallest
+
+
+@pytest.mark.parametrize("part", [0, 2])
+def test_split_gguf_reads_as_one_model(sources, cache, part):
+    from mlxformer import load
+
+    snapshot = next((repo_folder(cache, GGUF_REPO) / "snapshots").iterdir())
+    model, tokenizer = load(snapshot / SPLIT[part], dtype=mx.float32)
+    with torch.no_grad():
+        expected = sources[1][SPLIT[0]](torch.tensor([IDS])).logits[0].numpy()
+    ours = np.array(model(mx.array([IDS]))[0])
+    assert np.abs(ours - expected).max() < 1e-3
+    assert tokenizer.vocab_size == 256
+
+
+def test_split_gguf_with_a_missing_part_is_a_one_line_error(sources, tmp_path):
+    for name in SPLIT[:2]:
+        shutil.copy(sources[0][GGUF_REPO][name], tmp_path / Path(name).name)
+    done = cli(tmp_path, "info", "--model", str(tmp_path / Path(SPLIT[0]).name))
+    assert done.returncode == 1
+    assert done.stderr == f"mlxformer: error: {tmp_path / Path(SPLIT[0]).name}: split GGUF part " \
+                          f"{Path(SPLIT[2]).name} is missing\n"
+
+
+def test_model_flag_takes_repo_and_quant(cache):
+    done = cli(cache, "generate", "--model", f"{GGUF_REPO}:q4_0", "-p", "abc", "--max-tokens", "3",
+               "--ignore-chat-template")
+    assert done.returncode == 0, done.stderr
+    assert "generation: 3 tokens" in done.stderr
+    bad = cli(cache, "generate", "--model", f"{GGUF_REPO}:Q5_K_M", "-p", "abc")
+    assert bad.returncode == 1 and bad.stderr.count("\n") == 1
+    assert bad.stderr.startswith(f"mlxformer: error: {GGUF_REPO} has no GGUF with quant tag 'Q5_K_M'")
+
+
+def listing(cache: Path) -> dict[str, dict]:
+    done = cli(cache, "list", "--json")
+    assert done.returncode == 0, done.stderr
+    return {row["name"]: row for row in map(json.loads, done.stdout.splitlines())}
+
+
+def test_list_shows_format_quant_size_and_whether_it_loads(sources, cache):
+    rows = listing(cache)
+    files = sources[0]
+    assert set(rows) == {ST_REPO, f"{GGUF_REPO}:Q8_0", f"{GGUF_REPO}:F16", f"{GGUF_REPO}:Q4_0", BERT_REPO}
+    assert rows[f"{GGUF_REPO}:Q4_0"]["size"] == sum(files[GGUF_REPO][p].stat().st_size for p in SPLIT)
+    assert rows[f"{GGUF_REPO}:F16"]["size"] == files[GGUF_REPO]["tiny-F16.gguf"].stat().st_size
+    assert rows[ST_REPO]["size"] == sum(f.stat().st_size for f in files[ST_REPO].values())
+    assert {n: (r["format"], r["quant"], r["loadable"]) for n, r in rows.items()} == {
+        ST_REPO: ("safetensors", "float32", True), f"{GGUF_REPO}:Q8_0": ("gguf", "Q8_0", True),
+        f"{GGUF_REPO}:F16": ("gguf", "F16", True), f"{GGUF_REPO}:Q4_0": ("gguf", "Q4_0", True),
+        BERT_REPO: ("safetensors", "float32", False)}
+    assert rows[BERT_REPO]["problem"].startswith("unsupported model_type 'bert'")
+    table = cli(cache, "list").stdout.splitlines()
+    assert table[0].split() == ["NAME", "FORMAT", "QUANT", "SIZE", "LOADS"] and len(table) == 6
+
+
+def test_rm_asks_and_deletes_one_quant_or_the_whole_repo(cache, tmp_path):
+    from huggingface_hub import scan_cache_dir
+
+    mine = tmp_path / "cache"
+    shutil.copytree(cache, mine, symlinks=True)
+    f16_blob = (repo_folder(mine, GGUF_REPO) / "snapshots").glob("*/tiny-F16.gguf").__next__().resolve()
+    done = cli(mine, "rm", f"{GGUF_REPO}:f16", stdin="n\n")
+    assert done.returncode == 1 and done.stderr.endswith("mlxformer: error: nothing deleted\n")
+    assert f16_blob.exists()
+    done = cli(mine, "rm", f"{GGUF_REPO}:f16", "--yes")
+    assert done.returncode == 0, done.stderr
+    assert f16_blob.exists()  # the mmproj file is the same bytes: its blob stays
+    assert set(listing(mine)) == {ST_REPO, f"{GGUF_REPO}:Q8_0", f"{GGUF_REPO}:Q4_0", BERT_REPO}
+    done = cli(mine, "rm", ST_REPO, stdin="y\n")
+    assert done.returncode == 0 and done.stdout.startswith(f"deleted {ST_REPO} (")
+    assert ST_REPO not in {r.repo_id for r in scan_cache_dir(mine).repos}
+    missing = cli(mine, "rm", ST_REPO, "--yes")
+    assert missing.returncode == 1 and missing.stderr == (f"mlxformer: error: {ST_REPO} is not in the Hugging Face "
+                                                          "cache (see 'mlxformer list')\n")
+
+
+def test_pull_fetches_only_the_named_quant_from_a_mirror(sources, tmp_path):
+    mirror = Mirror(sources[0])
+    cache = tmp_path / "cache"
+    with serve_mirror(mirror) as endpoint:
+        done = cli(cache, "pull", f"{GGUF_REPO}:Q4_0", HF_ENDPOINT=endpoint, HF_HUB_OFFLINE="0")
+        assert done.returncode == 0, (done.stderr, mirror.requests)
+        assert done.stdout.strip().endswith(SPLIT[0])
+        whole = cli(cache, "pull", ST_REPO, HF_ENDPOINT=endpoint, HF_HUB_OFFLINE="0")
+        assert whole.returncode == 0, whole.stderr
+        gone = cli(cache, "pull", "tinyorg/nothing-here", HF_ENDPOINT=endpoint, HF_HUB_OFFLINE="0")
+    assert gone.returncode == 1 and gone.stderr.count("\n") == 1 and "tinyorg/nothing-here" in gone.stderr
+    snapshot = next((repo_folder(cache, GGUF_REPO) / "snapshots").iterdir())
+    assert sorted(str(p.relative_to(snapshot)) for p in snapshot.rglob("*") if p.is_file()) == SPLIT
+    for name in SPLIT:
+        assert (snapshot / name).read_bytes() == sources[0][GGUF_REPO][name].read_bytes()
+    rows = listing(cache)
+    assert set(rows) == {ST_REPO, f"{GGUF_REPO}:Q4_0"} and all(r["loadable"] for r in rows.values())
