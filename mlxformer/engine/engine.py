@@ -31,17 +31,13 @@ from mlxformer.engine.sequence import (
     GenerationRequest, Sequence, Status, TokenEvent, check_request,
 )
 from mlxformer.choosing import choose
-from mlxformer.sampling import top_logprobs
+from mlxformer.engine.choices import Choice, arrays, each_row, with_logprobs
 from mlxformer.decoding import with_rewind
 from mlxformer.options import SamplingSettings
 from mlxformer.speculative import SpeculativeSettings, check_draft
 from mlxformer.steps import default_prefill_step
 from mlxformer.models.decoder import Model
 from mlxformer.tokenizer import Tokenizer
-
-# Rows chosen in one graph: their sequences (one per row; a sequence may have several rows, in
-# order: a speculation round), the tokens (n,) and the log-probabilities (n, vocab).
-Choice = tuple[list[Sequence], mx.array, mx.array]
 
 
 class Engine:
@@ -418,35 +414,21 @@ class Engine:
 
     def _emit(self, choices: list[Choice]) -> None:
         """Evaluate the chosen tokens (and the logprobs asked for) in one sync, record them, send the events."""
-        picked = []
-        for sequences, tokens, logprobs in choices:
-            asked = [s.request.logprobs for s in sequences]
-            top = max((k for k in asked if k), default=0)
-            chosen = None
-            if any(k is not None for k in asked):
-                chosen = mx.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]  # (n,)
-            top_ids, top_values = top_logprobs(logprobs, top) if top else (None, None)  # (n, top)
-            picked.append((sequences, tokens, chosen, top_ids, top_values))
+        picked = [with_logprobs(choice) for choice in choices]
         try:
-            mx.eval([x for p in picked for x in p[1:] if x is not None])
+            mx.eval([x for p in picked for x in arrays(p)])
         except Exception:  # find whose arrays fail
-            picked = [p for p in picked if self._evaluates(p[0], [x for x in p[1:] if x is not None])]
+            picked = [p for p in picked if self._evaluates(p[0], arrays(p))]
         emitted: list[tuple[Sequence, TokenEvent]] = []
-        for sequences, tokens, chosen, top_ids, top_values in picked:
-            values = chosen.tolist() if chosen is not None else None
-            ids, tops = (top_ids.tolist(), top_values.tolist()) if top_ids is not None else ([], [])
-            for row, (sequence, token) in enumerate(zip(sequences, tokens.tolist())):
-                if sequence.status is Status.FINISHED:  # a stop ended it earlier in its speculation round
-                    continue
-                k = sequence.request.logprobs
-                top = None if k is None else list(zip(ids[row][:k], tops[row][:k])) if k else []
-                logprob = values[row] if values is not None and k is not None else None
-                try:
-                    event = sequence.accept(int(token), logprob, top)
-                except Exception as exc:  # e.g. a constraint refusing the token, or the detokenizer failing
-                    self._fail(sequence, exc)
-                    continue
-                emitted.append((sequence, event))
+        for sequence, token, logprob, top in (row for p in picked for row in each_row(p)):
+            if sequence.status is Status.FINISHED:  # a stop ended it earlier in its speculation round
+                continue
+            try:
+                event = sequence.accept(token, logprob, top)
+            except Exception as exc:  # e.g. a constraint refusing the token, or the detokenizer failing
+                self._fail(sequence, exc)
+                continue
+            emitted.append((sequence, event))
         handles = {}
         for sequence in dict.fromkeys(s for s, _ in emitted):  # each sequence once, in order
             handles[id(sequence)] = self._handles.get(id(sequence))
