@@ -26,7 +26,8 @@ from mlxformer.cache.rotating import RotatingKVCache
 from mlxformer.errors import MlxformerError
 from mlxformer.models.decoder import Model
 from mlxformer.options import SamplingSettings, check_integer
-from mlxformer.sampling import TokenConstraint, make_distribution, make_logits_processors, make_sampler
+from mlxformer.choosing import Row, choose, draw_key
+from mlxformer.sampling import TokenConstraint, make_distribution, make_logits_processors
 from mlxformer.speculative import Proposer, SpeculativeSettings, Speculator, new_proposer, rewind
 from mlxformer.stop import StopMatcher
 from mlxformer.tokenizer import StreamingDetokenizer
@@ -77,10 +78,9 @@ class DecodingState:
         self.generated: list[int] = []  # (the engine's replay edits it in place)
         self.max_tokens = max_tokens
         self.sampling = sampling
-        self.sampler = make_sampler(sampling.temp, sampling.top_p, sampling.top_k, sampling.min_p)
         self.processors = make_logits_processors(sampling, len(self.prompt))
         self.seed = sampling.seeded().seed
-        self.key: mx.array | None = None  # made on first use (in the thread that decodes)
+        self.key = 0  # the PRNG state: how many draws the sequence made (``choosing.draw_key``)
         self.constraint = constraint
         self.detokenizer = detokenizer
         self.stops = StopMatcher(stop)
@@ -140,31 +140,27 @@ class DecodingState:
         return self.greedy and not self.processors and self.constraint is None
 
     def next_key(self) -> mx.array:
-        """A fresh key from the sequence's own PRNG stream (``split(key(seed))``)."""
-        if self.key is None:
-            self.key = mx.random.key(self.seed)
-        self.key, draw = mx.random.split(self.key)
-        return draw
+        """A fresh key ``(2,)`` from the sequence's own PRNG stream (``choosing.draw_key``)."""
+        key = mx.array(draw_key(self.seed, self.key), mx.uint32)  # type: ignore[arg-type]
+        self.key += 1
+        return key
+
+    def row(self) -> Row:
+        """This sequence as a row of a batch choice (a draw taken from its stream unless it is
+        greedy; its constraint's mask computed)."""
+        key = None
+        if not self.greedy:
+            key = draw_key(self.seed, self.key)  # type: ignore[arg-type]
+            self.key += 1
+        mask = self.constraint.next_mask() if self.constraint is not None else None
+        return Row(self.sampling, self.tokens, len(self.prompt), key, mask)
 
     def choose(self, logits: mx.array, pending: mx.array | None = None) -> tuple[mx.array, mx.array]:
         """Next token ``(1,)`` and the processed log-probabilities ``(1, vocab)`` from logits
-        ``(1, vocab)``, lazily. ``pending``: a token ``(1,)`` already chosen but not yet recorded
-        (a pipelined loop), which the processors count as history."""
-        if self.processors:
-            history = mx.array(self.tokens)
-            if pending is not None:
-                history = mx.concatenate([history, pending.astype(history.dtype)])
-            for process in self.processors:
-                logits = process(history, logits)
-        if self.constraint is not None and (allowed := self.constraint.next_mask()) is not None:
-            vocab = logits.shape[-1]
-            if allowed.shape[0] < vocab:
-                allowed = mx.concatenate([allowed, mx.zeros((vocab - allowed.shape[0],), mx.bool_)])
-            logits = mx.where(allowed[:vocab], logits, mx.array(-mx.inf, logits.dtype))
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        if self.greedy:
-            return mx.argmax(logprobs, axis=-1), logprobs
-        return self.sampler(logprobs, self.next_key()), logprobs  # type: ignore[call-arg]
+        ``(1, vocab)``, lazily (``choosing.choose`` with a batch of one). ``pending``: a token
+        ``(1,)`` already chosen but not yet recorded (a pipelined loop), which the penalties
+        count as history."""
+        return choose(logits, [self.row()], pending)
 
     # --- recording ----------------------------------------------------------------------
 

@@ -1,7 +1,15 @@
-"""Sampling as small pure functions, composed once by ``make_sampler``.
+"""Sampling as small pure array functions over a batch of rows.
 
-A sampler maps log-probabilities ``(B, vocab)`` to token ids ``(B,)``; a logits processor
-maps ``(history, logits)`` to new logits (a new array: the caller's is never modified).
+Every function takes log-probabilities or logits ``(B, vocab)`` and per-row settings as ``(B,)``
+vectors (a Python number stands for the same value in every row), so a batch with different
+settings per row is one graph whose size does not depend on ``B``. Logits are cast to float32
+once, before anything is accumulated (softmax and cumsum in bfloat16 lose the tail: top-p 0.95
+kept 20 tokens of SmolLM2's instead of 2,229). ``mlxformer.choosing`` assembles these into a
+decode step's choice; ``make_sampler``/``make_distribution`` are the one-setting forms.
+
+Filters, in llama.cpp's order (the filters see the untempered distribution): top-k (exactly
+``k`` tokens, ties broken by position), top-p over the mass renormalised after top-k (the most
+likely token always stays), min-p (relative to the top token), then the temperature.
 The values are validated by ``mlxformer.options.SamplingSettings``, nowhere else.
 """
 
@@ -16,6 +24,7 @@ from mlxformer.options import SamplingSettings
 Sampler = Callable[[mx.array], mx.array]
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 Distribution = Callable[[mx.array], mx.array]  # logits (B, vocab) -> probabilities (B, vocab)
+Setting = float | mx.array  # one value for every row, or one per row (B,)
 
 
 class TokenConstraint(Protocol):
@@ -42,44 +51,100 @@ class TokenConstraint(Protocol):
 REPETITION_CONTEXT = 64  # how many recent tokens the repetition penalty looks at (llama.cpp's repeat_last_n)
 
 
+def normalize(logits: mx.array) -> mx.array:
+    """Float32 log-probabilities ``(B, vocab)`` from logits in any dtype."""
+    logits = logits.astype(mx.float32)
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
 def greedy(logprobs: mx.array) -> mx.array:
     """The most likely token."""
     return mx.argmax(logprobs, axis=-1)
 
 
+def _column(value: Setting, dtype: mx.Dtype) -> mx.array:
+    """A setting as a ``(B, 1)`` column (or a scalar array) broadcasting against ``(B, vocab)``."""
+    return value.astype(dtype)[:, None] if isinstance(value, mx.array) else mx.array(value, dtype)
+
+
+def _keep(logprobs: mx.array, top_k: mx.array, top_p: mx.array, min_p: mx.array) -> mx.array:
+    """Bool ``(B, vocab)``: the tokens top-k, then top-p, then min-p keep (columns ``(B, 1)``;
+    ``top_k`` >= vocab and ``top_p`` >= 1 are off). Shape-free, so it compiles shapeless."""
+    order = mx.argsort(-logprobs, axis=-1)  # (B, vocab) descending, ties by position
+    ranked = mx.take_along_axis(logprobs, order, axis=-1)
+    rank = mx.cumsum(mx.ones_like(order), axis=-1)  # 1-based
+    keep = rank <= top_k
+    # Top-p over the mass left by top-k: a token stays while the mass strictly above it is below
+    # top_p (exactly 0 for the first token, which always stays). The mass is summed from the
+    # least likely token up: adding thousands of tiny tail probabilities to a running total near 1
+    # rounds each away in float32 (top-p 0.95 on SmolLM2 kept 3,980 tokens instead of 3,990).
+    # (not softmax: its sum rounds the same way, off by 1.4e-4 there)
+    weights = mx.where(keep, mx.exp(ranked - mx.max(ranked, axis=-1, keepdims=True)), 0.0)
+    mass_from = mx.cumsum(weights, axis=-1, reverse=True)  # unnormalised mass at and below each rank
+    total = mx.max(mass_from, axis=-1, keepdims=True)  # the first rank's: everything top-k kept
+    keep = keep & ((total - mass_from < top_p * total) | (top_p >= 1.0))
+    keep = keep & (ranked >= mx.max(ranked, axis=-1, keepdims=True) + mx.log(min_p))
+    return mx.put_along_axis(mx.zeros_like(keep), order, keep, axis=-1)
+
+
+_keep_compiled = mx.compile(_keep, shapeless=True)
+
+
+def keep_mask(logprobs: mx.array, top_k: Setting = 0, top_p: Setting = 1.0, min_p: Setting = 0.0) -> mx.array:
+    """Bool ``(B, vocab)`` of the tokens the filters keep from float32 ``logprobs`` (``top_k`` 0: off)."""
+    vocab = logprobs.shape[-1]
+    k = mx.where(top_k > 0, mx.minimum(top_k, vocab), vocab) if isinstance(top_k, mx.array) else (
+        top_k if 0 < top_k < vocab else vocab)
+    return _keep_compiled(logprobs, _column(k, mx.int32), _column(top_p, mx.float32), _column(min_p, mx.float32))
+
+
+def filtered(logprobs: mx.array, temp: Setting, top_k: Setting = 0, top_p: Setting = 1.0, min_p: Setting = 0.0
+             ) -> mx.array:
+    """The logits a sampler draws from: the kept tokens' log-probabilities over ``temp`` (> 0)."""
+    kept = mx.where(keep_mask(logprobs, top_k, top_p, min_p), logprobs, -mx.inf)
+    return kept / _column(temp, mx.float32)
+
+
+def draw(logits: mx.array, keys: mx.array | None = None) -> mx.array:
+    """One token per row ``(B,)`` from ``softmax(logits)``: the Gumbel-max draw, each row with its
+    own key from ``keys`` ``(B, 2)`` (so a row draws what it draws in any batch), or MLX's global
+    stream for ``None``."""
+    if keys is None:
+        return mx.random.categorical(logits, axis=-1)
+    vocab = logits.shape[-1]
+    noise = mx.vmap(lambda key: mx.random.gumbel((vocab,), key=key))(keys)  # (B, vocab)
+    return mx.argmax(logits + noise, axis=-1)
+
+
+def top_logprobs(logprobs: mx.array, n: int) -> tuple[mx.array, mx.array]:
+    """The ``n`` most likely tokens of each row, most likely first: ids and values ``(B, n)``
+    (a partition then a sort of ``n``, not a sort of the vocabulary)."""
+    ids = mx.argpartition(-logprobs, kth=n - 1, axis=-1)[:, :n] if n < logprobs.shape[-1] else None
+    values = mx.take_along_axis(logprobs, ids, axis=-1) if ids is not None else logprobs
+    order = mx.argsort(-values, axis=-1)  # (B, n)
+    ids = mx.take_along_axis(ids, order, axis=-1) if ids is not None else order
+    return ids, mx.take_along_axis(values, order, axis=-1)
+
+
 def keep_top_k(logprobs: mx.array, k: int) -> mx.array:
     """Mask all but the ``k`` most likely tokens."""
-    if k <= 0 or k >= logprobs.shape[-1]:
-        return logprobs
-    dropped = mx.argpartition(-logprobs, kth=k - 1, axis=-1)[..., k:]
-    return mx.put_along_axis(logprobs, dropped, mx.array(-float("inf"), logprobs.dtype), axis=-1)
+    return mx.where(keep_mask(logprobs, top_k=k), logprobs, -mx.inf)
 
 
 def keep_top_p(logprobs: mx.array, top_p: float) -> mx.array:
-    """Nucleus filtering: keep the smallest set of most likely tokens whose mass reaches ``top_p``.
-
-    The mass is measured after renormalising the tokens still kept (e.g. by top-k), as
-    transformers and llama.cpp do. The most likely token always stays, however small ``top_p``.
-    """
-    if top_p >= 1.0:
-        return logprobs
-    order = mx.argsort(-logprobs, axis=-1)  # descending
-    sorted_probs = mx.softmax(mx.take_along_axis(logprobs, order, axis=-1), axis=-1)
-    # A token is kept when the mass strictly above it is below top_p: an exclusive cumsum,
-    # exactly 0 for the first token (``1 - cumsum`` from the other end rounds on a large vocabulary).
-    mass_above = mx.cumsum(sorted_probs, axis=-1) - sorted_probs
-    keep_sorted = mass_above < top_p
-    keep_sorted = mx.concatenate([mx.ones_like(keep_sorted[..., :1]), keep_sorted[..., 1:]], axis=-1)
-    keep = mx.put_along_axis(mx.zeros_like(keep_sorted), order, keep_sorted, axis=-1)
-    return mx.where(keep, logprobs, -float("inf"))
+    """Nucleus filtering: keep the smallest set of most likely tokens whose mass reaches ``top_p``
+    (the most likely token always stays, however small ``top_p``)."""
+    return mx.where(keep_mask(logprobs, top_p=top_p), logprobs, -mx.inf)
 
 
 def keep_min_p(logprobs: mx.array, min_p: float) -> mx.array:
     """Keep tokens whose probability is at least ``min_p`` times the top token's."""
-    if min_p <= 0.0:
-        return logprobs
-    threshold = mx.max(logprobs, axis=-1, keepdims=True) + mx.log(mx.array(min_p, logprobs.dtype))
-    return mx.where(logprobs >= threshold, logprobs, -float("inf"))
+    return mx.where(keep_mask(logprobs, min_p=min_p), logprobs, -mx.inf)
+
+
+def sampling_logits(logprobs: mx.array, temp: float, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0) -> mx.array:
+    """The logits a non-greedy sampler draws from (``filtered`` with one setting for every row)."""
+    return filtered(logprobs.astype(mx.float32), temp, top_k, top_p, min_p)
 
 
 def make_sampler(temp: float = 0.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0) -> Sampler:
@@ -90,17 +155,11 @@ def make_sampler(temp: float = 0.0, top_p: float = 1.0, top_k: int = 0, min_p: f
         return greedy
 
     def sample(logprobs: mx.array, key: mx.array | None = None) -> mx.array:
-        # ``key``: a PRNG key for this draw (per-sequence streams); None uses the global one.
-        return mx.random.categorical(sampling_logits(logprobs, temp, top_p, top_k, min_p), axis=-1, key=key)
+        # ``key``: a PRNG key (2,) for this draw, shared by the rows; None uses the global stream.
+        logits = sampling_logits(logprobs, temp, top_p, top_k, min_p)
+        return mx.random.categorical(logits, axis=-1, key=key)
 
     return sample
-
-
-def sampling_logits(logprobs: mx.array, temp: float, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0) -> mx.array:
-    """The logits a non-greedy sampler draws from: top-k, then top-p, then min-p, then the
-    temperature (llama.cpp's order: the filters see the untempered distribution)."""
-    logprobs = keep_min_p(keep_top_p(keep_top_k(logprobs, top_k), top_p), min_p)
-    return logprobs * (1.0 / temp)
 
 
 def make_distribution(temp: float, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0) -> Distribution:
@@ -109,24 +168,43 @@ def make_distribution(temp: float, top_p: float = 1.0, top_k: int = 0, min_p: fl
         raise ValueError("a sampling distribution needs temp > 0")
 
     def distribution(logits: mx.array) -> mx.array:
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        return mx.softmax(sampling_logits(logprobs, temp, top_p, top_k, min_p), axis=-1)
+        return mx.softmax(filtered(normalize(logits), temp, top_k, top_p, min_p), axis=-1)
 
     return distribution
 
 
+# --- penalties ------------------------------------------------------------------------------
+
+
+def token_counts(ids: mx.array, vocab: int) -> mx.array:
+    """How often each token occurs in each row of ``ids`` ``(B, n)`` (padding: ids >= ``vocab``):
+    float32 ``(B, vocab)``."""
+    rows = mx.arange(ids.shape[0])[:, None]  # (B, 1)
+    counts = mx.zeros((ids.shape[0], vocab + 1), mx.float32).at[rows, mx.minimum(ids, vocab)].add(1.0)
+    return counts[:, :vocab]
+
+
+def repetition_penalized(logits: mx.array, recent: mx.array, penalty: Setting) -> mx.array:
+    """CTRL-style penalty on the tokens of ``recent`` ``(B, n)`` (padded with ids >= vocab):
+    positive logits divided by ``penalty``, negative multiplied (1: off)."""
+    seen = token_counts(recent, logits.shape[-1]) > 0
+    penalty = _column(penalty, mx.float32)
+    return mx.where(seen, mx.where(logits > 0, logits / penalty, logits * penalty), logits)
+
+
+def occurrence_penalized(logits: mx.array, generated: mx.array, presence: Setting, frequency: Setting) -> mx.array:
+    """OpenAI's presence and frequency penalties over the tokens of ``generated`` ``(B, n)``."""
+    counts = token_counts(generated, logits.shape[-1])
+    return logits - (_column(frequency, mx.float32) * counts + _column(presence, mx.float32) * (counts > 0))
+
+
 def repetition_penalty_processor(penalty: float, context: int = REPETITION_CONTEXT) -> LogitsProcessor:
-    """CTRL-style penalty on the last ``context`` tokens: positive logits divided, negative multiplied."""
+    """The repetition penalty over the last ``context`` tokens of a history ``(n,)``, for one row."""
     SamplingSettings(repetition_penalty=penalty)
 
     def process(history: mx.array, logits: mx.array) -> mx.array:
-        recent = history[-context:]
-        if recent.size == 0:
-            return logits
-        columns = mx.broadcast_to(recent[None], (logits.shape[0], recent.size))  # (B, n)
-        selected = mx.take_along_axis(logits, columns, axis=-1)
-        penalized = mx.where(selected > 0, selected / penalty, selected * penalty)
-        return mx.put_along_axis(logits, columns, penalized, axis=-1)  # a new array
+        recent = mx.broadcast_to(history[-context:][None], (logits.shape[0], min(history.size, context)))
+        return repetition_penalized(logits.astype(mx.float32), recent, penalty)
 
     return process
 
@@ -134,26 +212,22 @@ def repetition_penalty_processor(penalty: float, context: int = REPETITION_CONTE
 def penalty_processor(
     presence: float, frequency: float, bias: dict[int, float] | None, prompt_length: int
 ) -> LogitsProcessor:
-    """OpenAI's presence/frequency penalties over the generated tokens (``history`` after its
-    first ``prompt_length``), plus the logit bias."""
-    bias_ids = mx.array(list(bias), dtype=mx.int32) if bias else None
-    bias_values = mx.array(list(bias.values()), dtype=mx.float32) if bias else None
+    """Presence/frequency penalties over ``history`` after its first ``prompt_length``, plus the logit bias."""
 
     def process(history: mx.array, logits: mx.array) -> mx.array:
-        generated = history[prompt_length:]
-        if generated.size and (presence or frequency):
-            counts = mx.zeros((logits.shape[-1],), mx.float32).at[generated].add(1.0)
-            logits = logits - (frequency * counts + presence * (counts > 0)).astype(logits.dtype)
-        if bias_ids is not None and bias_values is not None:
-            logits = logits.at[:, bias_ids].add(bias_values.astype(logits.dtype))
+        logits = logits.astype(mx.float32)
+        generated = mx.broadcast_to(history[prompt_length:][None], (logits.shape[0], max(history.size - prompt_length, 0)))
+        logits = occurrence_penalized(logits, generated, presence, frequency)
+        if bias:
+            logits = logits.at[:, mx.array(list(bias))].add(mx.array(list(bias.values()), mx.float32))
         return logits
 
     return process
 
 
 def make_logits_processors(sampling: SamplingSettings, prompt_length: int = 0) -> list[LogitsProcessor]:
-    """The processors ``sampling`` asks for (none for default settings); ``prompt_length`` is
-    where the generated tokens start in the history the processors are given."""
+    """The processors ``sampling`` asks for, one row at a time (none for default settings);
+    ``prompt_length`` is where the generated tokens start in the history they are given."""
     processors = []
     if sampling.repetition_penalty is not None and sampling.repetition_penalty != 1.0:
         processors.append(repetition_penalty_processor(sampling.repetition_penalty))

@@ -28,16 +28,16 @@ from mlxformer.engine.prompt_cache import PromptCacheSettings, build_prefix_cach
 from mlxformer.engine.replay import Replays, resume_tokens, rewind_caches
 from mlxformer.engine.scheduler import EngineNotRunning, Scheduler, Step
 from mlxformer.engine.sequence import (
-    GenerationRequest, Sequence, Status, TokenEvent, check_request, choose_rows,
+    GenerationRequest, Sequence, Status, TokenEvent, check_request,
 )
+from mlxformer.choosing import choose
+from mlxformer.engine.choices import Choice, arrays, each_row, with_logprobs
 from mlxformer.decoding import with_rewind
 from mlxformer.options import SamplingSettings
 from mlxformer.speculative import SpeculativeSettings, check_draft
 from mlxformer.steps import default_prefill_step
 from mlxformer.models.decoder import Model
 from mlxformer.tokenizer import Tokenizer
-
-Choice = tuple[Sequence, mx.array, mx.array]  # a sequence, its next token (1,), its log-probabilities (1, vocab)
 
 
 class Engine:
@@ -299,7 +299,7 @@ class Engine:
         for sequence, proposed in verifying:
             try:
                 logits = self.runner.verify([sequence.last_token, *proposed], sequence.cache)
-                choices += [(sequence, *c) for c in sequence.verify(logits)]
+                choices += [([sequence], *c) for c in sequence.verify(logits)]
             except Exception as exc:
                 self._fail(sequence, exc)
         for chunk in step.prefill:
@@ -336,13 +336,8 @@ class Engine:
             mx.async_eval(logits)  # constraints compute their masks while the step runs
             rows = [i for i, s in enumerate(decode) if id(s) not in replaying]
             choosing = [decode[i] for i in rows]
-            if not choosing:
-                choices = []
-            elif all(s.plain_greedy for s in choosing):
-                chosen = logits[mx.array(rows)] if len(rows) < len(decode) else logits
-                choices = list(zip(choosing, *zip(*choose_rows(choosing, chosen))))
-            else:
-                choices = self._choose_each(choosing, [logits[i : i + 1] for i in rows])
+            chosen = logits[mx.array(rows)] if len(rows) < len(decode) else logits
+            choices = self._choose_each(choosing, [chosen]) if choosing else []
             mx.eval(logits)
         except Exception:
             for sequence, key in zip(decode, keys):
@@ -399,41 +394,37 @@ class Engine:
         return decode, verifying
 
     def _choose_each(self, sequences: list[Sequence], logits: list[mx.array]) -> list[Choice]:
-        """Each sequence's own choice; one whose processors or constraint fail ends alone."""
-        choices = []
-        for sequence, row in zip(sequences, logits):
+        """The sequences' choices in one graph (``choosing.choose``) over the rows of ``logits``
+        (blocks ``(n, vocab)``, one row per sequence in order); one whose constraint fails ends alone."""
+        rows, kept = [], []
+        for i, sequence in enumerate(sequences):
             try:
-                choices.append((sequence, *sequence.choose(row)))
+                rows.append(sequence.row())
+                kept.append(i)
             except Exception as exc:
                 self._fail(sequence, exc)
-        return choices
+        if not rows:
+            return []
+        batch = logits[0] if len(logits) == 1 else mx.concatenate(logits)  # (B, vocab)
+        if len(kept) < len(sequences):
+            batch = batch[mx.array(kept)]
+        return [([sequences[i] for i in kept], *choose(batch, rows))]
 
     # --- output -------------------------------------------------------------------------
 
     def _emit(self, choices: list[Choice]) -> None:
-        """Evaluate the chosen tokens (and logprobs asked for), record them, send the events."""
-        picked = []
-        for sequence, token, logprobs in choices:
-            k = sequence.request.logprobs
-            chosen = mx.take_along_axis(logprobs, token[:, None], axis=-1) if k is not None else None
-            top_ids = mx.argsort(-logprobs, axis=-1)[:, :k] if k else None
-            top_values = mx.take_along_axis(logprobs, top_ids, axis=-1) if top_ids is not None else None
-            picked.append((sequence, token, chosen, top_ids, top_values))
+        """Evaluate the chosen tokens (and the logprobs asked for) in one sync, record them, send the events."""
+        picked = [with_logprobs(choice) for choice in choices]
         try:
-            mx.eval([x for p in picked for x in p[1:] if x is not None])
+            mx.eval([x for p in picked for x in arrays(p)])
         except Exception:  # find whose arrays fail
-            picked = [p for p in picked if self._evaluates(p[0], [x for x in p[1:] if x is not None])]
+            picked = [p for p in picked if self._evaluates(p[0], arrays(p))]
         emitted: list[tuple[Sequence, TokenEvent]] = []
-        for sequence, token, chosen, top_ids, top_values in picked:
+        for sequence, token, logprob, top in (row for p in picked for row in each_row(p)):
             if sequence.status is Status.FINISHED:  # a stop ended it earlier in its speculation round
                 continue
-            top = None
-            if top_ids is not None and top_values is not None:
-                top = list(zip(top_ids[0].tolist(), top_values[0].tolist()))
-            elif chosen is not None:
-                top = []
             try:
-                event = sequence.accept(int(token.item()), float(chosen.item()) if chosen is not None else None, top)
+                event = sequence.accept(token, logprob, top)
             except Exception as exc:  # e.g. a constraint refusing the token, or the detokenizer failing
                 self._fail(sequence, exc)
                 continue
@@ -455,13 +446,15 @@ class Engine:
                 self.metrics.event(handle, event)
                 handle._put(event)
 
-    def _evaluates(self, sequence: Sequence, arrays: list[mx.array]) -> bool:
-        """Evaluate one sequence's arrays; on failure the sequence fails alone."""
+    def _evaluates(self, sequences: list[Sequence], arrays: list[mx.array]) -> bool:
+        """Evaluate one choice's arrays; on failure its sequences fail."""
         try:
             mx.eval(arrays)
         except Exception as exc:
-            self._fail(sequence, exc)
-        return sequence.finish_reason != "error"
+            for sequence in dict.fromkeys(sequences):
+                self._fail(sequence, exc)
+            return False
+        return True
 
     def _fail(self, sequence: Sequence, error: BaseException) -> None:
         """End one sequence with ``error`` (raised by its handle's iterator)."""

@@ -7,7 +7,6 @@ import enum
 from dataclasses import dataclass
 from typing import Sequence as Seq
 
-import mlx.core as mx
 
 from mlxformer.decoding import DecodingState
 from mlxformer.engine.prompt_scores import PromptScores
@@ -127,14 +126,3 @@ class Sequence(DecodingState):
     def speculative_stats(self) -> SpeculativeStats | None:
         """Proposed and accepted tokens so far (None when the sequence does not speculate)."""
         return self.speculator.stats if self.speculator is not None else None
-
-
-def choose_rows(sequences: Seq[Sequence], logits: mx.array) -> list[tuple[mx.array, mx.array]]:
-    """Each sequence's next token ``(1,)`` and log-probabilities ``(1, vocab)`` from batch logits
-    ``(B, vocab)`` (lazy). Plain greedy rows are normalized and arg-maxed in one batch op (each
-    row's result is what it gets alone); the others go through their own processors and sampler."""
-    if all(s.plain_greedy for s in sequences):
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        tokens = mx.argmax(logprobs, axis=-1)
-        return [(tokens[i : i + 1], logprobs[i : i + 1]) for i in range(len(sequences))]
-    return [s.choose(logits[i : i + 1]) for i, s in enumerate(sequences)]

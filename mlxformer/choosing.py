@@ -1,0 +1,134 @@
+"""Choosing the next token of every row of a batch in one graph.
+
+Each row brings its settings, its history and its draw (``Row``); ``choose`` turns the batch's
+logits ``(B, vocab)`` into tokens ``(B,)`` and the log-probabilities they were chosen from
+``(B, vocab)``. The rows' settings become ``(B,)`` vectors (penalty windows and logit biases
+``(B, n)`` id matrices, constraint masks one ``(B, vocab)`` mask), greedy rows take the argmax
+of the same graph through a ``where``, and the graph's size depends on which features the batch
+uses, never on ``B`` (``tests/test_batch_step.py`` counts it). The single stream is a batch of one.
+
+Randomness: a row's ``n``-th draw uses the key ``draw_key(seed, n)``, computed on the host from
+the request's seed and its draw count, so a seeded request draws the same tokens alone or in any
+batch, and a step that is rolled back only rewinds a counter. The noise is one Gumbel draw per
+row from its own key (``sampling.draw``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from mlxformer.options import SamplingSettings
+from mlxformer.sampling import (
+    REPETITION_CONTEXT, draw, filtered, normalize, occurrence_penalized, repetition_penalized,
+)
+
+_MASK64 = 2**64 - 1
+
+
+def draw_key(seed: int, n: int) -> tuple[int, int]:
+    """The PRNG key (two uint32 words) of draw ``n`` of the stream of ``seed``: splitmix64's
+    ``n``-th output, a different 64-bit key per draw."""
+    z = (seed + (n + 1) * 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    z ^= z >> 31
+    return z >> 32, z & 0xFFFFFFFF
+
+
+@dataclass(frozen=True)
+class Row:
+    """One row to choose for: its settings, every token so far (``history``, the generated ones
+    from ``prompt_length`` on), its draw key (``None``: greedy) and its constraint's mask."""
+
+    sampling: SamplingSettings
+    history: Sequence[int]
+    prompt_length: int
+    key: tuple[int, int] | None = None
+    mask: mx.array | None = None  # bool (n,): the tokens allowed next
+
+
+def _padded(rows: list[list[int]], fill: int) -> np.ndarray:
+    """Ragged id lists as one ``(B, n)`` int32 matrix padded with ``fill``."""
+    width = max((len(r) for r in rows), default=0)
+    matrix = np.full((len(rows), width), fill, dtype=np.int32)
+    for i, r in enumerate(rows):
+        matrix[i, : len(r)] = r
+    return matrix
+
+
+def _ids(rows: list[list[int]], vocab: int, pending: mx.array | None) -> mx.array:
+    """``rows`` as a padded ``(B, n)`` id array, with the ``pending`` tokens ``(B,)`` appended."""
+    ids = mx.array(_padded(rows, vocab))
+    return ids if pending is None else mx.concatenate([ids, pending.astype(mx.int32)[:, None]], axis=1)
+
+
+def _vector(values: list[float]) -> mx.array:
+    return mx.array(values, mx.float32)
+
+
+def process(logits: mx.array, rows: Sequence[Row], pending: mx.array | None = None) -> mx.array:
+    """Float32 logits ``(B, vocab)`` after each row's penalties, logit bias and constraint mask.
+    ``pending``: tokens ``(B,)`` chosen but not yet in the histories (a pipelined loop)."""
+    logits = logits.astype(mx.float32)
+    vocab = logits.shape[-1]
+    settings = [r.sampling for r in rows]
+    extra = 0 if pending is None else 1
+    repetition = [s.repetition_penalty if s.repetition_penalty is not None else 1.0 for s in settings]
+    if any(p != 1.0 for p in repetition):
+        recent = [list(r.history[-(REPETITION_CONTEXT - extra):]) if p != 1.0 else [] for r, p in zip(rows, repetition)]
+        logits = repetition_penalized(logits, _ids(recent, vocab, pending), _vector(repetition))
+    if any(s.presence_penalty or s.frequency_penalty for s in settings):
+        generated = [list(r.history[r.prompt_length:]) for r in rows]
+        logits = occurrence_penalized(logits, _ids(generated, vocab, pending),
+                                      _vector([s.presence_penalty for s in settings]),
+                                      _vector([s.frequency_penalty for s in settings]))
+    if any(s.logit_bias for s in settings):
+        biases = [dict(s.logit_bias or {}) for s in settings]
+        ids = mx.array(_padded([list(b) for b in biases], vocab))  # (B, n)
+        values = mx.array(np.array([list(b.values()) + [0.0] * (ids.shape[1] - len(b)) for b in biases], np.float32))
+        bias = mx.zeros((len(rows), vocab + 1), mx.float32).at[mx.arange(len(rows))[:, None], ids].add(values)
+        logits = logits + bias[:, :vocab]
+    if any(r.mask is not None for r in rows):
+        logits = mx.where(mask_matrix([r.mask for r in rows], vocab), logits, -mx.inf)
+    return logits
+
+
+def mask_matrix(masks: Sequence[mx.array | None], vocab: int) -> mx.array:
+    """Bool ``(B, vocab)`` of the allowed tokens (``None``: all; ids past a mask's end: none)."""
+    full = mx.ones((vocab,), mx.bool_)
+    rows = []
+    for mask in masks:
+        if mask is None:
+            rows.append(full)
+        elif mask.shape[0] < vocab:
+            rows.append(mx.concatenate([mask, mx.zeros((vocab - mask.shape[0],), mx.bool_)]))
+        else:
+            rows.append(mask[:vocab])
+    return mx.stack(rows)
+
+
+def choose(logits: mx.array, rows: Sequence[Row], pending: mx.array | None = None) -> tuple[mx.array, mx.array]:
+    """Next tokens ``(B,)`` and the processed log-probabilities ``(B, vocab)`` (float32) they
+    were chosen from, lazily, for logits ``(B, vocab)`` of any dtype."""
+    logprobs = normalize(process(logits, rows, pending))
+    best = mx.argmax(logprobs, axis=-1)
+    sampled = [r.key is not None and not r.sampling.greedy for r in rows]
+    if not any(sampled):
+        return best, logprobs
+    settings = [r.sampling for r in rows]
+    temp = _vector([s.temp if s.temp > 0 else 1.0 for s in settings])  # (B,)
+    top_k = mx.array([s.top_k for s in settings], mx.int32)
+    top_p, min_p = _vector([s.top_p for s in settings]), _vector([s.min_p for s in settings])
+    keys = mx.array([r.key if r.key is not None else (0, 0) for r in rows], mx.uint32)  # (B, 2)
+    if any(s.top_k or s.top_p < 1.0 or s.min_p for s in settings):
+        logits = filtered(logprobs, temp, top_k, top_p, min_p)
+    else:  # temperature alone: no sort of the vocabulary
+        logits = logprobs / temp[:, None]
+    drawn = draw(logits, keys)
+    if all(sampled):
+        return drawn, logprobs
+    return mx.where(mx.array(sampled), drawn, best), logprobs
