@@ -92,3 +92,47 @@ def test_logits_match_transformers_on_the_dequantized_reference(mxfp4_case):
     assert max_diff(np.array(model(mx.array(ids[None]))[0]), reference(hf_model, ids)) <= BOUND
     short = tokens(10, seed=3)  # the unsorted gather of decode-sized inputs
     assert max_diff(np.array(model(mx.array(short[None]))[0]), reference(hf_model, short)) <= BOUND
+
+
+def mlx_lm_pair(directory, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """mlx-lm's logits and ours on ``directory`` with YaRN's ramp ends rounded (``truncate``
+    true: mlx-lm's YarnRoPE always rounds them, transformers and gpt-oss's config do not)."""
+    from mlx_lm.utils import load_model
+
+    from conftest import edit_config
+
+    config = json.loads((directory / "config.json").read_text())
+    edit_config(directory, rope_parameters={**config["rope_parameters"], "truncate": True},
+                rope_scaling={**config["rope_scaling"], "truncate": True})
+    theirs = np.array(load_model(directory)[0](mx.array(ids[None]))[0].astype(mx.float32))
+    return theirs, np.array(load(directory, dtype=mx.float32, threads=1)[0](mx.array(ids[None]))[0])
+
+
+def test_converted_mlx_dirs_load_here_and_in_mlx_lm(mxfp4_case, tmp_path):
+    """``convert`` keeps the hub's MXFP4 experts packed (the mlx-community layout: split
+    gate/up, ``quantization`` with mode mxfp4) and ``-q --quant-recipe mxfp4`` writes every
+    matrix as mxfp4: both load here and in mlx-lm (its gpt_oss model) with the same logits."""
+    from mlxformer import convert
+    from mlxformer.formats.safetensors import read_safetensors_header
+
+    directory, model, hf_model, _ = mxfp4_case
+    ids = tokens(SEQ_LEN)
+    with cpu_default_device():
+        kept = convert(directory, tmp_path / "kept", dtype="float32", progress=False)
+        config = json.loads((kept / "config.json").read_text())
+        assert config["quantization"]["mode"] == "mxfp4" and config["quantization"]["group_size"] == 32
+        header, _ = read_safetensors_header(kept / "model.safetensors")
+        assert header["model.layers.0.mlp.experts.gate_proj.scales"][1] == mx.uint8
+        assert "model.layers.0.mlp.experts.gate_proj.biases" not in header
+        ours = np.array(load(kept, dtype=mx.float32, threads=1)[0](mx.array(ids[None]))[0])
+        assert np.array_equal(ours, np.array(model(mx.array(ids[None]))[0]))
+        assert max_diff(*mlx_lm_pair(kept, ids)) <= BOUND
+
+        requantized = convert(directory, tmp_path / "mxfp4", quantize=True, quant_recipe="mxfp4", dequantize=True,
+                              dtype="float32", progress=False)
+        config = json.loads((requantized / "config.json").read_text())
+        assert config["quantization"] == {"mode": "mxfp4", "group_size": 32, "bits": 4} | {
+            k: v for k, v in config["quantization"].items() if k not in ("mode", "group_size", "bits")}
+        loaded = load(requantized, dtype=mx.float32, threads=1)[0]
+        assert loaded.layers[0].self_attn.q_proj.mode == "mxfp4"
+        assert max_diff(*mlx_lm_pair(requantized, ids)) <= BOUND
