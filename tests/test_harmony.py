@@ -18,6 +18,7 @@ import json
 
 import pytest
 from agent_support import render, rendered_reply, template
+from server_support import MODEL_NAME
 
 from mlxformer.server.toolcalls import ToolSpec, call_format, format_for_template, reply_stream
 
@@ -118,3 +119,104 @@ def test_template_written_replies_parse_back():
     reasoning, content, calls = parse(text, list(text))
     assert (reasoning, content) == (THINK, "") and [(n, json.loads(a)) for n, a in calls] == [("get_time", {"zone": "CET"})]
     assert not any(t in reasoning + content for t in CONTROL)
+
+
+# ---------------------------------------------------------------- the three APIs, official clients
+
+SPECIALS = ["<|endoftext|>", "<|return|>", "<|call|>", *[t for t in CONTROL if t not in ("<|return|>", "<|call|>")]]
+WEATHER_SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"]}
+
+
+def write_harmony_tokenizer(directory) -> int:
+    """A byte-level tokenizer with Harmony's control tokens as special tokens, the gpt-oss
+    template, and gpt-oss's end-of-sequence ids (``<|return|>``, ``<|call|>``, ``<|endoftext|>``)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=256 + len(SPECIALS), special_tokens=SPECIALS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["a"], trainer)
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|return|>",
+                                                                 "chat_template": template(SOURCE)}))
+    (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 2, 0]}))
+    return tok.get_vocab_size()
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    import mlx.core as mx
+    from server_support import running_engine, running_server
+
+    from conftest import cpu_default_device, write_tiny_checkpoint
+    from mlxformer import load
+    from test_gpt_oss import GPT_OSS
+
+    directory = tmp_path_factory.mktemp("harmony")
+    vocab = write_harmony_tokenizer(directory)
+    write_tiny_checkpoint(directory, "gpt_oss", **{**GPT_OSS, "vocab_size": vocab, "max_position_embeddings": 2048})
+    write_harmony_tokenizer(directory)  # save_pretrained may have written its own config
+    with cpu_default_device():
+        model, tokenizer = load(directory, dtype=mx.float32, threads=1)
+        with running_engine(model, tokenizer, max_batch=2) as engine:
+            with running_server(engine, model, tokenizer) as url:
+                yield url
+
+
+def test_chat_completions_forced_call_and_effort(served):
+    import openai
+
+    client = openai.OpenAI(base_url=served + "/v1", api_key="unused", max_retries=0, timeout=300)
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "weather", "parameters": WEATHER_SCHEMA}}]
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    kwargs: dict = dict(model=MODEL_NAME, messages=messages, tools=tools, tool_choice="required", max_tokens=200, temperature=0)
+    reply = client.chat.completions.create(**kwargs)
+    (call,) = reply.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and reply.choices[0].finish_reason == "tool_calls"
+    import jsonschema
+
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER_SCHEMA)
+    assert not any(t in (reply.choices[0].message.content or "") for t in CONTROL)
+    chunks = list(client.chat.completions.create(**kwargs, stream=True))
+    streamed = "".join(tc.function.arguments or "" for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or [])
+    assert streamed == call.function.arguments
+    # reasoning_effort -> the template's "Reasoning: low|medium|high" (one byte a token here)
+    sizes = {effort: client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=1, reasoning_effort=effort
+                                                    ).usage.prompt_tokens for effort in ("low", "high")}
+    default = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=1).usage.prompt_tokens
+    assert (sizes["high"] - sizes["low"], default - sizes["low"]) == (1, 3)  # "high", "medium" vs "low"
+
+
+def test_responses_forced_call_and_effort(served):
+    import jsonschema
+    import openai
+
+    client = openai.OpenAI(base_url=served + "/v1", api_key="unused", max_retries=0, timeout=300)
+    tool = {"type": "function", "name": "get_weather", "description": "weather", "parameters": WEATHER_SCHEMA}
+    reply = client.responses.create(model=MODEL_NAME, input="Weather in Paris?", tools=[tool], tool_choice="required",
+                                    max_output_tokens=200, temperature=0)
+    (call,) = [item for item in reply.output if item.type == "function_call"]
+    assert call.name == "get_weather"
+    jsonschema.validate(json.loads(call.arguments), WEATHER_SCHEMA)
+    low, high = (client.responses.create(model=MODEL_NAME, input="Hi", max_output_tokens=1, reasoning={"effort": e}
+                                         ).usage.input_tokens for e in ("low", "high"))
+    assert high - low == 1
+
+
+def test_anthropic_messages_forced_tool_use_and_thinking_budget(served):
+    import anthropic
+    import jsonschema
+
+    client = anthropic.Anthropic(base_url=served, api_key="unused", max_retries=0, timeout=300)
+    tool = {"name": "get_weather", "description": "weather", "input_schema": WEATHER_SCHEMA}
+    user = [{"role": "user", "content": "Weather in Paris?"}]
+    reply = client.messages.create(model=MODEL_NAME, max_tokens=200, messages=user, tools=[tool], tool_choice={"type": "any"})
+    (use,) = [block for block in reply.content if block.type == "tool_use"]
+    assert use.name == "get_weather" and reply.stop_reason == "tool_use"
+    jsonschema.validate(use.input, WEATHER_SCHEMA)
+    low, high = (client.messages.create(model=MODEL_NAME, max_tokens=1, messages=user,
+                                        thinking={"type": "enabled", "budget_tokens": budget}).usage.input_tokens
+                 for budget in (1024, 20000))
+    assert high - low == 1  # budget 1024 -> "Reasoning: low", 20000 -> "high"

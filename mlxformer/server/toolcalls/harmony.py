@@ -43,10 +43,11 @@ class Harmony(CallFormat):
         raise NotImplementedError("Harmony replies are read by HarmonyStream")
 
     def forced_grammar(self, names: list[str], tools: ToolSpec) -> str:
-        """One call, straight after the generation prompt's ``<|start|>assistant``."""
+        """One call, straight after the generation prompt's ``<|start|>assistant``; the control
+        tokens are the vocabulary's special tokens (llguidance's bare ``<|name|>`` syntax)."""
         branches = [
-            f"{lark_literal(f'{CHANNEL}commentary to=functions.{name} {CONSTRAIN}json{MESSAGE}')} "
-            f"{lark_json(tools.parameters[name])} {lark_literal(CALL)}" for name in names
+            f"{CHANNEL} {lark_literal(f'commentary to=functions.{name} ')} {CONSTRAIN} {lark_literal('json')} {MESSAGE} "
+            f"{lark_json(tools.parameters[name])} {CALL}" for name in names
         ]
         return "start: " + " | ".join(f"( {b} )" for b in branches)
 
