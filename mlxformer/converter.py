@@ -153,12 +153,13 @@ class _Job:
         if not self._is_source_quantized(path):
             return self.weights[f"{path}.weight"]
         module = self.modules[path]
-        spec = QuantSpec(module.bits, module.group_size)
+        spec = QuantSpec(module.bits, module.group_size, module.mode)
         w = self.weights
-        packed, scales, biases = (w[f"{path}.{k}"] for k in ("weight", "scales", "biases"))
+        packed, scales = w[f"{path}.weight"], w[f"{path}.scales"]
+        biases = w[f"{path}.biases"] if f"{path}.biases" in w else None  # none in the float-scaled modes
         lead = packed.shape[:-1]  # (out,) or (experts, out)
-        matrix = dequantize_matrix(*(a.reshape(-1, a.shape[-1]) for a in (packed, scales, biases)), spec)
-        return matrix.reshape(*lead, -1)
+        flat = (None if a is None else a.reshape(-1, a.shape[-1]) for a in (packed, scales, biases))
+        return dequantize_matrix(*flat, spec).reshape(*lead, -1)  # type: ignore[arg-type]
 
     def _float32_params(self, prefix: str) -> dict[str, mx.array]:
         """The parameters of the module at ``prefix`` in float32, named relative to it, with
@@ -200,7 +201,7 @@ class _Job:
             return self.specs[path]
         if self._is_source_quantized(path) and not self.settings.dequantize:
             module = self.modules[path]
-            return QuantSpec(module.bits, module.group_size)
+            return QuantSpec(module.bits, module.group_size, module.mode)
         return None
 
     def output_bytes(self, unit: str) -> int:
@@ -214,6 +215,8 @@ class _Job:
             dtype = self.float_dtype or (e[f"{unit}.scales"] if self._is_source_quantized(unit)
                                          else e[f"{unit}.weight"]).dtype
             return rows * cols * dtype.size
+        if spec.mode != "affine":  # one uint8 scale per group
+            return rows * cols * spec.bits // 8 + rows * (cols // spec.group_size)
         scale_dtype = self.float_dtype or e.get(f"{unit}.scales", e[f"{unit}.weight"]).dtype
         return rows * cols * spec.bits // 8 + 2 * rows * (cols // spec.group_size) * scale_dtype.size
 
@@ -241,6 +244,8 @@ class _Job:
             packed = quantize_matrix(matrix.reshape(-1, matrix.shape[-1]), spec, self.importance.get(path),
                                      dtype=scale_dtype, search=self.settings.recipe.search if self.settings.recipe else True)
             return {key: array.reshape(*lead, -1) for key, array in zip(keys, packed)}
+        if spec is not None and spec.mode != "affine":  # packed codes and uint8 scales kept as they are
+            return {keys[0]: w[keys[0]], keys[1]: w[keys[1]]}
         if spec is not None:  # packed source kept exactly as it is
             return {keys[0]: w[keys[0]], keys[1]: self._cast(w[keys[1]]), keys[2]: self._cast(w[keys[2]])}
         if self._is_source_quantized(path):

@@ -18,6 +18,7 @@ from mlxformer.formats.checkpoint import Checkpoint, open_checkpoint
 from mlxformer.formats.tensors import Tensors
 from mlxformer.models.config import ModelArgs, float_dtype
 from mlxformer.models.decoder import Model
+from mlxformer.formats.gpt_oss import MXFP4, derive_dict, fused_expert_derivations
 from mlxformer.models.moe import expert_groups, stack_expert_arrays
 from mlxformer.models.dtype_policy import apply_dtype_policy, cast_except_quantized_linears, is_quantized
 from mlxformer.models.row_sharding import apply_thread_policy
@@ -33,9 +34,15 @@ Shaped = Any
 def quantization_of(config: dict[str, Any]) -> dict[str, Any] | None:
     """The mlx-lm ``quantization`` entry of a config (``quantization_config`` as fallback)."""
     quantization = config.get("quantization") or config.get("quantization_config")
-    if quantization and quantization.get("mode", "affine") != "affine":
-        raise MlxformerError(f"unsupported quantization mode {quantization['mode']!r} (only affine)")
+    if quantization and quantization.get("quant_method") == "mxfp4":  # HF's gpt-oss: the experts' blocks
+        return dict(MXFP4)
+    if quantization and quantization.get("mode", "affine") not in QUANT_MODES:
+        raise MlxformerError(f"unsupported quantization mode {quantization['mode']!r} (supported: {', '.join(QUANT_MODES)})")
     return quantization or None
+
+
+# MLX's quantization modes: affine (scales and biases) and the float-scaled microscaling formats.
+QUANT_MODES = ("affine", "mxfp4", "mxfp8", "nvfp4")
 
 
 def quantize_like_checkpoint(model: nn.Module, quantization: dict[str, Any], weights: Mapping[str, Shaped]) -> None:
@@ -46,13 +53,16 @@ def quantize_like_checkpoint(model: nn.Module, quantization: dict[str, Any], wei
             return False
         override = quantization.get(path)
         if isinstance(override, dict):
-            return {"group_size": int(override["group_size"]), "bits": int(override["bits"])}
+            return {"group_size": int(override["group_size"]), "bits": int(override["bits"]),
+                    "mode": str(override.get("mode", mode))}
         return override is not False
 
+    mode = str(quantization.get("mode", "affine"))
     nn.quantize(
         model,
         group_size=int(quantization.get("group_size", 64)),
         bits=int(quantization.get("bits", 4)),
+        mode=mode,
         class_predicate=predicate,
     )
 
@@ -90,6 +100,7 @@ def used_tensors(args: ModelArgs, tensors: Tensors) -> Tensors:
     projection), still lazy. Sanitizing must only drop keys here: it sees header entries."""
     if args.num_experts:  # HF's per-expert matrices -> stacked (experts, out, in), still lazy
         tensors = tensors.stacked(expert_groups(tensors.entries, args.num_experts))
+        tensors = tensors.derived(fused_expert_derivations(tensors.entries))  # gpt-oss
     kept = Model(args, num_layers=0, with_ends=False).sanitize(dict(tensors.entries))
     if any(kept[name] is not tensors.entries.get(name) for name in kept):
         raise MlxformerError("Model.sanitize changed a tensor; streamed reading needs it to only drop keys")
@@ -112,6 +123,7 @@ def checked_model(
         weights = dict(weights)
         if model.args.num_experts:
             weights = stack_expert_arrays(weights, model.args.num_experts)
+            weights = derive_dict(weights, fused_expert_derivations(weights))
         weights = described = model.sanitize(weights)
     quantization = quantization_of(config)
     if quantization:

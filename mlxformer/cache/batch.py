@@ -173,11 +173,12 @@ class BatchLayerCache:
         return self.keys, self.values
 
     def attention(
-        self, queries: mx.array, keys: Pack, values: Pack, scale: float, mask: Mask, softcap: float | None = None
+        self, queries: mx.array, keys: Pack, values: Pack, scale: float, mask: Mask, softcap: float | None = None,
+        sinks: mx.array | None = None,
     ) -> mx.array:
         if (self.codec.bits is not None or softcap is not None) and isinstance(mask, mx.array):
             mask = mask[:, None]  # (B, 1, 1, 1, C) against the (B, n_kv, n_rep, 1, C) scores
-        return self.codec.attention(queries, keys, values, scale, mask, softcap, self.layout.key_blocks)
+        return self.codec.attention(queries, keys, values, scale, mask, softcap, self.layout.key_blocks, sinks)
 
     @property
     def state(self) -> tuple[mx.array, ...]:

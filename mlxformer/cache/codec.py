@@ -15,7 +15,8 @@ import mlx.core as mx
 import numpy as np
 
 from mlxformer.models.mask import Mask
-from mlxformer.models.attention_ops import mask_scores, softcap_scores, softcapped_attention
+from mlxformer.models.attention_ops import (fused_attention, mask_scores, softcap_scores, softcapped_attention,
+                                            softmax_with_sinks)
 from mlxformer.errors import MlxformerError
 
 Pack = tuple[mx.array, ...]  # each (B, n_kv, S, ...), sequence on axis 2
@@ -208,21 +209,21 @@ class KVCodec:
 
     def attention(
         self, queries: mx.array, keys: Pack, values: Pack, scale: float, mask: Mask, softcap: float | None = None,
-        key_blocks: mx.array | None = None,
+        key_blocks: mx.array | None = None, sinks: mx.array | None = None,
     ) -> mx.array:
         """Attend ``(B, n_heads, L, D)`` queries over packed keys/values (scores soft-capped at
-        ``softcap`` when set); ``key_blocks``: the center block of each key, ``(S,)`` or per row
-        ``(B, S)`` (default: key ``s`` is at position ``s``)."""
+        ``softcap`` when set, per-head ``sinks`` in the softmax); ``key_blocks``: the center
+        block of each key, ``(S,)`` or per row ``(B, S)`` (default: key ``s`` is at position ``s``)."""
         if self.bits is None:
             if softcap is not None:
-                return softcapped_attention(queries, keys[0], values[0], scale, mask, softcap)
-            return mx.fast.scaled_dot_product_attention(queries, keys[0], values[0], scale=scale, mask=mask)
+                return softcapped_attention(queries, keys[0], values[0], scale, mask, softcap, sinks)
+            return fused_attention(queries, keys[0], values[0], scale, mask, sinks)
         bias = None
         if self.key_center is not None:
             if key_blocks is None:
                 key_blocks = mx.arange(keys[0].shape[2]) // CENTER_BLOCK
             bias = _center_scores(queries, self.key_center, key_blocks, scale)
-        return quantized_attention(queries, keys, values, scale, mask, self.bits, self.group_size, softcap, bias)
+        return quantized_attention(queries, keys, values, scale, mask, self.bits, self.group_size, softcap, bias, sinks)
 
 
 def _center_scores(queries: mx.array, centers: mx.array, key_blocks: mx.array, scale: float) -> mx.array:
@@ -243,7 +244,7 @@ FLOAT_CODEC = KVCodec()
 
 def quantized_attention(
     queries: mx.array, keys: Pack, values: Pack, scale: float, mask: Mask, bits: int, group_size: int,
-    softcap: float | None = None, bias: mx.array | None = None,
+    softcap: float | None = None, bias: mx.array | None = None, sinks: mx.array | None = None,
 ) -> mx.array:
     """Softmax attention computed directly on quantized keys/values, GQA heads unrepeated.
 
@@ -267,7 +268,7 @@ def quantized_attention(
     if softcap is not None:
         scores = softcap_scores(scores, softcap)
     scores = mask_scores(scores, mask)
-    probs = mx.softmax(scores, axis=-1).astype(queries.dtype)
+    probs = softmax_with_sinks(scores, sinks).astype(queries.dtype)
     out = mx.quantized_matmul(probs, *values, transpose=False, group_size=group_size, bits=bits)  # (B, n_kv, n_rep, L, D)
     out = unrotate(out)  # back from the rotated basis
     return out.reshape(B, n_heads, L, D)  # (B, n_kv, n_rep, L, D) -> (B, n_heads, L, D)

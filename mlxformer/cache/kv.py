@@ -69,9 +69,10 @@ class KVCache:
         return pack_slice(self.keys, 0, self.offset), pack_slice(self.values, 0, self.offset)
 
     def attention(
-        self, queries: mx.array, keys: Pack, values: Pack, scale: float, mask: Mask, softcap: float | None = None
+        self, queries: mx.array, keys: Pack, values: Pack, scale: float, mask: Mask, softcap: float | None = None,
+        sinks: mx.array | None = None,
     ) -> mx.array:
-        return self.codec.attention(queries, keys, values, scale, mask, softcap)
+        return self.codec.attention(queries, keys, values, scale, mask, softcap, sinks=sinks)
 
     def make_mask(self, query_len: int, window: int | None) -> Mask:
         return causal_mask_for(query_len, self.offset + query_len, window)

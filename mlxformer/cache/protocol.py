@@ -41,10 +41,12 @@ class Cache(Protocol):
         ...
 
     def attention(
-        self, queries: mx.array, keys: Any, values: Any, scale: float, mask: Mask, softcap: float | None = None
+        self, queries: mx.array, keys: Any, values: Any, scale: float, mask: Mask, softcap: float | None = None,
+        sinks: mx.array | None = None,
     ) -> mx.array:
         """Attend ``(B, n_heads, L, D)`` queries over what ``update_and_fetch`` returned (scores
-        soft-capped as ``cap * tanh(s / cap)`` when ``softcap`` is set: Gemma 2)."""
+        soft-capped as ``cap * tanh(s / cap)`` when ``softcap`` is set: Gemma 2; per-head
+        ``sinks`` ``(n_heads,)`` join each softmax: gpt-oss)."""
         ...
 
     def make_mask(self, query_len: int, window: int | None) -> Mask:

@@ -138,12 +138,13 @@ class RotatingKVCache:
     # --- attention -----------------------------------------------------------------------
 
     def attention(
-        self, queries: mx.array, keys: Pack, values: Pack, scale: float, mask: Mask, softcap: float | None = None
+        self, queries: mx.array, keys: Pack, values: Pack, scale: float, mask: Mask, softcap: float | None = None,
+        sinks: mx.array | None = None,
     ) -> mx.array:
         blocks = None  # the key centers' block of each fetched key (slots are not positions here)
         if self.codec.key_center is not None:
             blocks = mx.array(self._fetched, dtype=mx.int32) // CENTER_BLOCK
-        return self.codec.attention(queries, keys, values, scale, mask, softcap, blocks)
+        return self.codec.attention(queries, keys, values, scale, mask, softcap, blocks, sinks)
 
     def make_mask(self, query_len: int, window: int | None) -> Mask:
         if self.offset + query_len <= self.max_size:  # nothing evicted: same as the plain cache

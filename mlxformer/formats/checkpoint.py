@@ -135,6 +135,8 @@ def _check_quantization(config: dict[str, Any], where: str) -> None:
         return all(isinstance(spec.get(k, 1), int) and not isinstance(spec.get(k, 1), bool) and spec.get(k, 1) > 0
                    for k in ("group_size", "bits"))
 
+    if quantization.get("quant_method") == "mxfp4":  # gpt-oss's experts as published (``formats.gpt_oss``)
+        return
     if "quant_method" in quantization:  # transformers' GPTQ/AWQ/bitsandbytes/... checkpoints
         raise MlxformerError(f"{where} uses quantization method {str(quantization['quant_method'])[:40]!r}, "
                              "which is not supported (only MLX affine quantization)")

@@ -39,6 +39,25 @@ class StackedEntry(TensorEntry):
     parts: tuple[TensorEntry, ...] = ()
 
 
+@dataclass(frozen=True)
+class DerivedEntry(TensorEntry):
+    """A tensor made from ``source`` by ``make`` (a slice, a transpose, a reinterpretation of
+    bytes: gpt-oss's fused experts split into the decoder's)."""
+
+    source: TensorEntry | None = None
+    make: Callable[[mx.array], mx.array] | None = None
+
+
+@dataclass(frozen=True)
+class Derivation:
+    """How one tensor comes from another: the source name, the result's shape and dtype, the map."""
+
+    source: str
+    shape: tuple[int, ...]
+    dtype: mx.Dtype
+    make: Callable[[mx.array], mx.array]
+
+
 class Tensors(Mapping[str, mx.array]):
     """HF name -> array, lazily: ``entries`` (shapes, dtypes) come from the headers, and
     ``tensors[name]`` loads that tensor alone (safetensors: a lazy ``mx.load`` array; GGUF:
@@ -71,6 +90,23 @@ class Tensors(Mapping[str, mx.array]):
         def load(entry: TensorEntry) -> mx.array:
             if isinstance(entry, StackedEntry):
                 return mx.stack([base(part) for part in entry.parts])
+            return base(entry)
+
+        return Tensors(entries, load)
+
+    def derived(self, derivations: Mapping[str, Derivation]) -> Tensors:
+        """The same tensors with each source of ``derivations`` replaced by the tensors derived
+        from it (still lazy: a derived tensor reads its source when accessed)."""
+        entries = {n: e for n, e in self.entries.items() if n not in {d.source for d in derivations.values()}}
+        for name, d in derivations.items():
+            source = self.entries[d.source]
+            entries[name] = DerivedEntry(name, d.shape, d.dtype, source.file, source, d.make)
+        base = self._load
+
+        def load(entry: TensorEntry) -> mx.array:
+            if isinstance(entry, DerivedEntry):
+                assert entry.source is not None and entry.make is not None
+                return entry.make(base(entry.source))
             return base(entry)
 
         return Tensors(entries, load)

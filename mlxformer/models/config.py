@@ -83,6 +83,8 @@ class ModelArgs:
     decoder_sparse_step: int = 1  # every n-th layer is sparse
     mlp_only_layers: tuple[int, ...] = ()  # layers kept dense
     mlp_name: str = "mlp"  # the block's attribute, as the checkpoint names it (Mixtral: block_sparse_moe)
+    # --- gpt-oss ---
+    attention_sinks: bool = False  # a learned per-head logit joins each attention softmax
 
     def layer_window(self, index: int) -> int | None:
         """The sliding window layer ``index`` attends with (None: the whole context)."""
@@ -185,4 +187,5 @@ ARCHITECTURES = {
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "olmoe": "OlmoeForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
 }

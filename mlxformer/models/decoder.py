@@ -16,10 +16,11 @@ import mlx.nn as nn
 
 from mlxformer.models.mask import Mask, causal_mask_for
 from mlxformer.cache.protocol import Cache
-from mlxformer.models.attention_ops import softcap_scores, softcapped_attention
+from mlxformer.models.attention_ops import fused_attention, softcap_scores, softcapped_attention
 from mlxformer.models.config import ModelArgs
 from mlxformer.models.mlp import MLP, make_mlp, swiglu
 import mlxformer.models.moe  # noqa: F401  registers the "moe" MLP type
+import mlxformer.models.moe_gpt_oss  # noqa: F401  registers gpt-oss's experts and gate
 from mlxformer.models.norms import NORM_LAYOUTS, RMSNorm
 from mlxformer.models.rope_variants import make_rope
 
@@ -53,6 +54,8 @@ class Attention(nn.Module):
             q_dims, k_dims = (self.q_dim, self.kv_dim) if self.qk_norm == "projection" else (self.head_dim,) * 2
             self.q_norm = RMSNorm(q_dims, eps=args.rms_norm_eps, offset=args.norm_offset)
             self.k_norm = RMSNorm(k_dims, eps=args.rms_norm_eps, offset=args.norm_offset)
+        if args.attention_sinks:  # gpt-oss: a learned logit per head that joins each softmax
+            self.sinks = mx.zeros((self.n_heads,))
         rope = args.layer_rope(layer_index)
         rotary_dims = int(self.head_dim * args.partial_rotary_factor)
         self.rope = None if rope is None else make_rope(rotary_dims, rope, args.max_position_embeddings)
@@ -78,13 +81,14 @@ class Attention(nn.Module):
         offset = cache.offset if cache is not None else 0
         if self.rope is not None:
             queries, keys = self.rope(queries, offset, rope_length), self.rope(keys, offset, rope_length)
+        sinks = self["sinks"] if "sinks" in self else None
         if cache is not None:
             keys, values = cache.update_and_fetch(keys, values)
-            out = cache.attention(queries, keys, values, scale=self.scale, mask=mask, softcap=self.softcap)
+            out = cache.attention(queries, keys, values, scale=self.scale, mask=mask, softcap=self.softcap, sinks=sinks)
         elif self.softcap is not None:
-            out = softcapped_attention(queries, keys, values, self.scale, mask, self.softcap)
+            out = softcapped_attention(queries, keys, values, self.scale, mask, self.softcap, sinks)
         else:
-            out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=self.scale, mask=mask)
+            out = fused_attention(queries, keys, values, self.scale, mask, sinks)
         # (B, heads, L, head_dim) -> (B, L, heads * head_dim)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 

@@ -182,6 +182,17 @@ def _olmoe(config: dict[str, Any], base: Fields) -> Fields:
             **_experts(config, "intermediate_size", False)}
 
 
+def _gpt_oss(config: dict[str, Any], base: Fields) -> Fields:
+    """Attention sinks, biased q/k/v/o, sliding and full layers alternating, YaRN (read with
+    the shared RoPE), and experts routed by softmax over the top-k logits with the clamped SwiGLU."""
+    if (float(config.get("swiglu_alpha", 1.702)), float(config.get("swiglu_limit", 7.0))) != (1.702, 7.0):
+        raise MlxformerError("unsupported gpt_oss swiglu_alpha/swiglu_limit (only 1.702/7.0)")
+    bias = bool(config.get("attention_bias", True))
+    return {**_experts(config, "intermediate_size", False), "mlp_type": "moe_topk_softmax",
+            "hidden_act": "swiglu_clamped", "attention_sinks": True, "qkv_bias": bias, "o_proj_bias": bias,
+            "sliding_window": _window(config), "layer_types": _layer_types(config, lambda i: i % 2 == 0)}
+
+
 def _float_or_none(value: Any) -> float | None:
     return None if value is None else float(value)
 
@@ -202,6 +213,7 @@ FAMILIES: dict[str, Callable[[dict[str, Any], Fields], Fields]] = {
     "qwen2_moe": _qwen2_moe,
     "qwen3_moe": _qwen3_moe,
     "olmoe": _olmoe,
+    "gpt_oss": _gpt_oss,
 }
 
 

@@ -27,13 +27,22 @@ from mlxformer.models.mlp import GATES, MLP, MLP_TYPES
 SORT_THRESHOLD = 64
 
 
-class SwitchLinear(nn.Module):
-    """``experts`` stacked linear maps without bias: weight ``(experts, out, in)``."""
+def _expert_bias(out: mx.array, indices: mx.array, arrays: Mapping[str, mx.array]) -> mx.array:
+    """``out`` plus each chosen expert's ``bias`` ``(experts, out)`` when ``arrays`` has one (gpt-oss)."""
+    if "bias" not in arrays:
+        return out
+    return out + mx.expand_dims(arrays["bias"][indices], -2)  # (..., out) -> (..., 1, out)
 
-    def __init__(self, in_dims: int, out_dims: int, experts: int):
+
+class SwitchLinear(nn.Module):
+    """``experts`` stacked linear maps: weight ``(experts, out, in)``, optional bias ``(experts, out)``."""
+
+    def __init__(self, in_dims: int, out_dims: int, experts: int, bias: bool = False):
         super().__init__()
         scale = math.sqrt(1.0 / in_dims)
         self.weight = mx.random.uniform(-scale, scale, (experts, out_dims, in_dims))
+        if bias:
+            self.bias = mx.zeros((experts, out_dims))
 
     def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
         # x (..., 1, in) gathered with indices (...) -> (..., 1, out)
@@ -43,13 +52,14 @@ class SwitchLinear(nn.Module):
     def gather(x: mx.array, indices: mx.array, sorted_indices: bool, arrays: Mapping[str, mx.array],
                stream: mx.Stream | None = None) -> mx.array:
         """The experts' maps over ``arrays`` (this layer's, or a row shard's views of them)."""
-        return mx.gather_mm(x, arrays["weight"].swapaxes(-1, -2), rhs_indices=indices, sorted_indices=sorted_indices,
-                            stream=stream)
+        out = mx.gather_mm(x, arrays["weight"].swapaxes(-1, -2), rhs_indices=indices, sorted_indices=sorted_indices,
+                           stream=stream)
+        return _expert_bias(out, indices, arrays)
 
     def to_quantized(self, group_size: int | None = None, bits: int | None = None, mode: str = "affine",
                      quantize_input: bool = False) -> "QuantizedSwitchLinear":
         """The same maps quantized per expert (``nn.quantize`` calls this)."""
-        return QuantizedSwitchLinear.from_weight(self.weight, group_size or 64, bits or 4, mode)
+        return QuantizedSwitchLinear.from_weight(self.weight, group_size or 64, bits or 4, mode, self.get("bias"))
 
 
 class QuantizedSwitchLinear(nn.Module):
@@ -59,16 +69,24 @@ class QuantizedSwitchLinear(nn.Module):
                  mode: str = "affine"):
         super().__init__()
         self.group_size, self.bits, self.mode = group_size, bits, mode
-        self.weight, self.scales, self.biases = mx.quantize(
-            mx.zeros((experts, out_dims, in_dims)), group_size=group_size, bits=bits, mode=mode)
+        self._set_packed(mx.zeros((experts, out_dims, in_dims)))
+
+    def _set_packed(self, weight: mx.array) -> None:
+        # affine: packed weight, scales, biases; the float-scaled modes (mxfp4...) have no biases
+        packed = mx.quantize(weight, group_size=self.group_size, bits=self.bits, mode=self.mode)
+        self.weight, self.scales = packed[0], packed[1]
+        if len(packed) > 2:
+            self.biases = packed[2]
 
     @classmethod
-    def from_weight(cls, weight: mx.array, group_size: int, bits: int, mode: str) -> "QuantizedSwitchLinear":
-        experts, out_dims, in_dims = weight.shape
+    def from_weight(cls, weight: mx.array, group_size: int, bits: int, mode: str,
+                    bias: mx.array | None = None) -> "QuantizedSwitchLinear":
         layer = cls.__new__(cls)
         nn.Module.__init__(layer)
         layer.group_size, layer.bits, layer.mode = group_size, bits, mode
-        layer.weight, layer.scales, layer.biases = mx.quantize(weight, group_size=group_size, bits=bits, mode=mode)
+        layer._set_packed(weight)
+        if bias is not None:
+            layer.bias = bias
         return layer
 
     def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
@@ -77,19 +95,20 @@ class QuantizedSwitchLinear(nn.Module):
     def gather(self, x: mx.array, indices: mx.array, sorted_indices: bool, arrays: Mapping[str, mx.array],
                stream: mx.Stream | None = None) -> mx.array:
         """The experts' maps over ``arrays`` (this layer's, or a row shard's views of them)."""
-        return mx.gather_qmm(x, arrays["weight"], arrays["scales"], arrays.get("biases"), rhs_indices=indices,
-                             transpose=True, group_size=self.group_size, bits=self.bits, mode=self.mode,
-                             sorted_indices=sorted_indices, stream=stream)
+        out = mx.gather_qmm(x, arrays["weight"], arrays["scales"], arrays.get("biases"), rhs_indices=indices,
+                            transpose=True, group_size=self.group_size, bits=self.bits, mode=self.mode,
+                            sorted_indices=sorted_indices, stream=stream)
+        return _expert_bias(out, indices, arrays)
 
 
 class SwitchGLU(nn.Module):
     """The gated MLP of every expert at once: ``down(act(gate(x)) * up(x))`` per chosen expert."""
 
-    def __init__(self, hidden: int, intermediate: int, experts: int, activation: str):
+    def __init__(self, hidden: int, intermediate: int, experts: int, activation: str, bias: bool = False):
         super().__init__()
-        self.gate_proj = SwitchLinear(hidden, intermediate, experts)
-        self.up_proj = SwitchLinear(hidden, intermediate, experts)
-        self.down_proj = SwitchLinear(intermediate, hidden, experts)
+        self.gate_proj = SwitchLinear(hidden, intermediate, experts, bias)
+        self.up_proj = SwitchLinear(hidden, intermediate, experts, bias)
+        self.down_proj = SwitchLinear(intermediate, hidden, experts, bias)
         self.activation = activation
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
@@ -114,6 +133,8 @@ class SwitchGLU(nn.Module):
 class SparseMoE(nn.Module):
     """Router + routed experts (+ Qwen2-MoE's gated shared expert): ``(B, T, h) -> (B, T, h)``."""
 
+    experts_name = "switch_mlp"  # the routed experts' attribute, as the checkpoint names it
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.top_k = args.num_experts_per_tok
@@ -137,7 +158,7 @@ class SparseMoE(nn.Module):
         B, T, H = x.shape
         rows = x.reshape(B * T, H)  # (B, T, h) -> (N, h)
         indices, weights = self.route(rows)
-        routed = self.switch_mlp(rows, indices)  # (N, k, h)
+        routed = self[self.experts_name](rows, indices)  # (N, k, h)
         y = (routed * weights[..., None].astype(routed.dtype)).sum(axis=1)  # (N, h)
         if "shared_expert" in self:
             y = y + mx.sigmoid(self.shared_expert_gate(rows)) * self.shared_expert(rows)

@@ -32,9 +32,22 @@ class QuantSpec:
 
     bits: int
     group_size: int
+    mode: str = "affine"  # or one of MLX's float-scaled formats: ``FLOAT_SCALED_MODES``
 
-    def to_dict(self) -> dict[str, int]:
-        return {"group_size": self.group_size, "bits": self.bits}
+    def to_dict(self) -> dict[str, int | str]:
+        out: dict[str, int | str] = {"group_size": self.group_size, "bits": self.bits}
+        if self.mode != "affine":
+            out["mode"] = self.mode
+        return out
+
+    @property
+    def scale_bits(self) -> int:
+        """Stored bits per group beside the codes: 16-bit scale and bias (affine), or one 8-bit scale."""
+        return 32 if self.mode == "affine" else 8
+
+
+# MLX's microscaling formats: (bits, group size) each fixes; one uint8 scale per group, no biases.
+FLOAT_SCALED_MODES = {"mxfp4": (4, 32), "mxfp8": (8, 32), "nvfp4": (4, 16)}
 
 
 def check_spec(bits: int, group_size: int) -> QuantSpec:
@@ -136,6 +149,9 @@ def quantize_matrix(
         dtype: dtype of the stored scales and biases; codes are recomputed after rounding to it.
         search: ``False`` is plain min/max round-to-nearest (``mx.quantize``).
     """
+    if spec.mode != "affine":  # (packed, uint8 scales): nothing to search
+        return tuple(mx.quantize(weight.astype(mx.float32), group_size=spec.group_size, bits=spec.bits,
+                                 mode=spec.mode))  # type: ignore[return-value]
     if not search:
         packed, scales, biases = mx.quantize(weight.astype(mx.float32), group_size=spec.group_size, bits=spec.bits)
         return packed, scales.astype(dtype), biases.astype(dtype)
@@ -161,8 +177,12 @@ def quantize_matrix(
     return tuple(mx.concatenate([p[i] for p in parts], axis=0) for i in range(3))  # type: ignore[return-value]
 
 
-def dequantize_matrix(packed: mx.array, scales: mx.array, biases: mx.array, spec: QuantSpec) -> mx.array:
-    """The float32 matrix a packed triplet stands for."""
+def dequantize_matrix(packed: mx.array, scales: mx.array, biases: mx.array | None, spec: QuantSpec) -> mx.array:
+    """The float32 matrix packed codes and their scales (and affine biases) stand for."""
+    if spec.mode != "affine":
+        return mx.dequantize(packed, scales, None, group_size=spec.group_size, bits=spec.bits, mode=spec.mode,
+                             dtype=mx.float32)
+    assert biases is not None
     return mx.dequantize(
         packed, scales.astype(mx.float32), biases.astype(mx.float32), group_size=spec.group_size, bits=spec.bits
     )
@@ -191,6 +211,7 @@ class Recipe:
     search: bool = True  # error-minimizing scale search (else min/max round-to-nearest)
     calibrate: bool = True  # weight the search by activations of the calibration text
     rules: tuple[Rule, ...] = ()
+    mode: str = "affine"  # a float-scaled mode fixes bits and group size (``FLOAT_SCALED_MODES``)
 
 
 RECIPES = {
@@ -215,6 +236,9 @@ RECIPES = {
         ),
     ),
 }
+RECIPES.update({mode: Recipe(mode, f"MLX's {mode} ({bits}-bit float codes, one 8-bit scale per {group}) for every "
+                              "matrix whose width allows it", False, False, mode=mode)
+                for mode, (bits, group) in FLOAT_SCALED_MODES.items()})
 DEFAULT_RECIPE = "mixed"
 
 
@@ -236,6 +260,9 @@ def _is_sensitive(path: str, n_layers: int) -> bool:
 def layer_spec(recipe: Recipe, path: str, in_features: int, base: QuantSpec, n_layers: int) -> QuantSpec | None:
     """The spec for one matrix; the group shrinks to one that divides ``in_features``, and
     ``None`` (kept float) when even 32 does not."""
+    if recipe.mode != "affine":
+        bits, group = FLOAT_SCALED_MODES[recipe.mode]
+        return QuantSpec(bits, group, recipe.mode) if in_features % group == 0 else None
     bits, group = base.bits, base.group_size
     for rule in recipe.rules:
         if rule.fragment in path and (not rule.sensitive_only or _is_sensitive(path, n_layers)):
@@ -246,19 +273,24 @@ def layer_spec(recipe: Recipe, path: str, in_features: int, base: QuantSpec, n_l
 
 
 def bits_per_weight(specs: dict[str, QuantSpec | None], shapes: dict[str, tuple[int, ...]], float_bits: int = 16) -> float:
-    """Average stored bits per matrix weight: ``bits + 32 / group_size`` (16-bit scale and bias
-    per group) for quantized matrices, ``float_bits`` for matrices kept float."""
+    """Average stored bits per matrix weight: ``bits + scale_bits / group_size`` (16-bit scale
+    and bias, or one 8-bit scale, per group) for quantized matrices, ``float_bits`` for matrices
+    kept float."""
     total_bits = total_weights = 0.0
     for path, spec in specs.items():
         n = float(np.prod(shapes[path]))
         total_weights += n
-        total_bits += n * (spec.bits + 32 / spec.group_size if spec else float_bits)
+        total_bits += n * (spec.bits + spec.scale_bits / spec.group_size if spec else float_bits)
     return total_bits / total_weights
 
 
 def quantization_entry(base: QuantSpec, specs: dict[str, QuantSpec | None]) -> dict[str, object]:
     """The mlx-lm ``quantization`` config entry: the base spec plus per-layer overrides."""
     entry: dict[str, object] = {"group_size": base.group_size, "bits": base.bits, "mode": "affine"}
+    used = {spec for spec in specs.values() if spec is not None}
+    if len(used) == 1:  # one spec for every quantized matrix (a float-scaled recipe): it is the base
+        base = used.pop()
+        entry = {"mode": "affine", **base.to_dict()}
     for path, spec in sorted(specs.items()):
         if spec is not None and spec != base:
             entry[path] = spec.to_dict()

@@ -81,13 +81,15 @@ def anthropic_turn(body: TokenCountRequest) -> Turn:
         kind = body.tool_choice.type
         choice = {"auto": "auto", "any": "required", "none": "none"}.get(kind) or {
             "type": "function", "function": {"name": body.tool_choice.name}}
-    thinking, budget, response_format = None, None, None
+    thinking, budget, response_format, effort = None, None, None, None
     if body.thinking is not None:
         thinking = body.thinking.type != "disabled"
         budget = body.thinking.budget_tokens if body.thinking.type == "enabled" else None
     if (config := body.output_config) is not None:
-        if budget is None and config.effort is not None:
-            budget = effort_budget({"xhigh": "high", "max": "high"}.get(config.effort, config.effort))
+        if config.effort is not None:
+            effort = {"xhigh": "high", "max": "high"}.get(config.effort, config.effort)
+        if budget is None and effort is not None:
+            budget = effort_budget(effort)
         if config.format is not None:
             response_format = ResponseFormat(type="json_schema", json_schema={"name": "output", "schema": config.format.schema_})
     full = body if isinstance(body, MessagesRequest) else None
@@ -100,7 +102,7 @@ def anthropic_turn(body: TokenCountRequest) -> Turn:
         raise bad_request(*validation_message(list(exc.errors()))) from exc
     return Turn(messages=conversation(body.system, body.messages), fields=fields,
                 max_tokens=full.max_tokens if full else None, tools=tools, tool_choice=choice,
-                response_format=response_format, thinking=thinking, reasoning_budget=budget)
+                response_format=response_format, thinking=thinking, reasoning_budget=budget, effort=effort)
 
 
 def usage(event: TokenEvent | None) -> dict[str, int]:

@@ -21,4 +21,5 @@ def chat_turn(body: ChatCompletionRequest) -> Turn:
         tools=body.tools, tool_choice=body.tool_choice, response_format=body.response_format,
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
         template_kwargs=kwargs, thinking=None if thinking is None else bool(thinking), reasoning_budget=budget,
+        effort=body.reasoning_effort,
     )

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from mlxformer.engine import TokenEvent
 from mlxformer.server.reasoning import ThinkSplitter
-from mlxformer.server.toolcalls import CallDelta, ToolCall, ToolCallStream
+from mlxformer.server.toolcalls import CallDelta, HarmonyStream, ToolCall, ToolCallStream
 
 
 @dataclass
@@ -30,7 +30,7 @@ class ReplyParser:
     """Feeds a reply's events through the reasoning splitter (if the model reasons) and the
     call parser (if tools are offered)."""
 
-    def __init__(self, splitter: ThinkSplitter | None, calls: ToolCallStream | None) -> None:
+    def __init__(self, splitter: ThinkSplitter | None, calls: ToolCallStream | HarmonyStream | None) -> None:
         self.splitter, self.call_stream = splitter, calls
 
     @property
@@ -51,9 +51,11 @@ class ReplyParser:
             return delta
         parsed = self.call_stream.feed(text)
         delta.content, delta.calls = parsed.content, parsed.calls
+        delta.reasoning += parsed.reasoning
         if final:
             tail = self.call_stream.finish()
             delta.content += tail.content
+            delta.reasoning += tail.reasoning
             delta.calls += tail.calls
         return delta
 

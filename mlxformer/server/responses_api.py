@@ -116,7 +116,7 @@ def responses_turn(body: ResponsesRequest, history: list[dict[str, Any]]) -> Tur
     system = [{"role": "system", "content": body.instructions}] if body.instructions else []
     return Turn(messages=[*system, *history], fields=fields, max_tokens=body.max_output_tokens, tools=tools,
                 tool_choice=choice, response_format=response_format, thinking=False if effort == "none" else None,
-                reasoning_budget=effort_budget(effort), prompt_param="input")
+                reasoning_budget=effort_budget(effort), effort=effort, prompt_param="input")
 
 
 def item_id(segment: Segment, response_id: str) -> str:

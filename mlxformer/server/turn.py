@@ -18,7 +18,8 @@ from mlxformer.server.reasoning import (
     EFFORT_BUDGETS, ThinkSplitter, answer_constraint, reasons, starts_in_reasoning,
 )
 from mlxformer.server.reply import ReplyParser
-from mlxformer.server.toolcalls import CallFormat, ToolCallStream, call_format, format_for_template
+from mlxformer.server.toolcalls import CallFormat, call_format, format_for_template, reply_stream
+from mlxformer.server.toolcalls.harmony import EFFORTS, harmony_messages
 from mlxformer.server.tools import ToolPlan, call_constraint, chat_messages, tool_plan
 from mlxformer.server.translate import ServedModel, check_prompt_chars, engine_request
 
@@ -39,7 +40,7 @@ class Traits:
     def capabilities(self, served: ServedModel) -> dict[str, Any]:
         """The ``capabilities`` of a model entry in ``/v1/models``."""
         return {"chat": served.tokenizer.chat_template is not None, "tools": True, "tool_parser": self.call_format.name,
-                "reasoning": self.reasons, "structured_output": True}
+                "reasoning": self.reasons or self.call_format.channels, "structured_output": True}
 
 
 @dataclass
@@ -61,6 +62,7 @@ class Turn:
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     thinking: bool | None = None
     reasoning_budget: int | None = None
+    effort: str | None = None  # the request's reasoning effort by name (Harmony's template renders it)
     prompt_param: str = "messages"
     max_tokens_param: str = "max_tokens"
 
@@ -77,7 +79,8 @@ class Prepared:
     def parser(self) -> ReplyParser:
         """A fresh parser of this turn's reply."""
         splitter = ThinkSplitter(self.in_reasoning) if self.traits.reasons else None
-        calls = ToolCallStream(self.traits.call_format, self.plan.spec) if self.plan.active else None
+        channels = self.traits.call_format.channels  # Harmony: its stream reads every reply
+        calls = reply_stream(self.traits.call_format, self.plan.spec) if self.plan.active or channels else None
         return ReplyParser(splitter, calls)
 
 
@@ -90,6 +93,18 @@ def effort_budget(effort: str | None) -> int | None:
     return EFFORT_BUDGETS[effort]
 
 
+def harmony_effort(turn: Turn) -> str | None:
+    """The ``Reasoning:`` level of Harmony's template for ``turn`` (``None``: the template's default)."""
+    if turn.effort in EFFORTS:
+        return turn.effort
+    if turn.effort in ("minimal", "none") or turn.thinking is False:
+        return "low"
+    if turn.reasoning_budget is not None:
+        return "low" if turn.reasoning_budget <= EFFORT_BUDGETS["low"] else (
+            "medium" if turn.reasoning_budget <= EFFORT_BUDGETS["medium"] else "high")
+    return None
+
+
 def render_prompt(turn: Turn, served: ServedModel, plan: ToolPlan, traits: Traits) -> str:
     """The conversation rendered by the chat template, generation prompt added."""
     tokenizer = served.tokenizer
@@ -97,6 +112,11 @@ def render_prompt(turn: Turn, served: ServedModel, plan: ToolPlan, traits: Trait
         raise bad_request("this model has no chat template: use /v1/completions", param=turn.prompt_param)
     messages, extra = chat_messages(turn.messages, plan, tokenizer.chat_template)
     kwargs = {**turn.template_kwargs, **extra}
+    if traits.call_format.channels:  # Harmony: past reasoning as ``thinking``, the effort as a kwarg
+        messages = harmony_messages(messages)
+        effort = harmony_effort(turn)
+        if effort is not None:
+            kwargs.setdefault("reasoning_effort", effort)
     if traits.reasons:  # reasoning on unless turned off (templates read enable_thinking; llama.cpp's copies need it set)
         kwargs.setdefault("enable_thinking", turn.thinking is not False)
     try:

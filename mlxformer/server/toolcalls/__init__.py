@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from mlxformer.errors import MlxformerError
 from mlxformer.server.toolcalls.base import CallDelta, CallFormat, Section, ToolCall, ToolSpec
+from mlxformer.server.toolcalls.harmony import Harmony, HarmonyStream
 from mlxformer.server.toolcalls.hermes import Hermes
 from mlxformer.server.toolcalls.json_fallback import JsonFallback
 from mlxformer.server.toolcalls.llama3 import Llama3Json
@@ -14,11 +15,12 @@ from mlxformer.server.toolcalls.qwen3_coder import Qwen3Coder
 from mlxformer.server.toolcalls.stream import Parsed, ToolCallStream
 
 FORMATS: dict[str, type[CallFormat]] = {
-    f.name: f for f in (Hermes, Qwen3Coder, Llama3Json, Mistral, MistralV11, JsonFallback)
+    f.name: f for f in (Hermes, Qwen3Coder, Llama3Json, Mistral, MistralV11, JsonFallback, Harmony)
 }
 
 # (format, texts that must all appear in the chat template), first match wins.
 TEMPLATE_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("harmony", ("<|channel|>", "<|message|>")),
     ("qwen3_coder", ("<tool_call>", "<function=")),
     ("hermes", ("<tool_call>",)),
     ("mistral_v11", ("[TOOL_CALLS]", "[ARGS]")),
@@ -35,6 +37,11 @@ def format_for_template(chat_template: str | None) -> str:
     return JsonFallback.name
 
 
+def reply_stream(fmt: CallFormat, tools: ToolSpec) -> ToolCallStream | HarmonyStream:
+    """The incremental reader of a reply in ``fmt``."""
+    return HarmonyStream(fmt, tools) if fmt.channels else ToolCallStream(fmt, tools)
+
+
 def call_format(name: str) -> CallFormat:
     """The format registered as ``name``; ``MlxformerError`` naming the choices otherwise."""
     try:
@@ -45,5 +52,5 @@ def call_format(name: str) -> CallFormat:
 
 __all__ = [
     "CallDelta", "CallFormat", "FORMATS", "Parsed", "Section", "ToolCall", "ToolCallStream", "ToolSpec",
-    "call_format", "format_for_template",
+    "call_format", "format_for_template", "reply_stream",
 ]

@@ -73,6 +73,9 @@ class CallFormat:
     name: ClassVar[str]
     markers: ClassVar[tuple[str, ...]] = ()
     bare_json: ClassVar[bool] = False
+    # The format also carries reasoning and content channels (Harmony): every reply is read by
+    # its stream, tools offered or not.
+    channels: ClassVar[bool] = False
 
     def new_id(self) -> str:
         """A fresh call id in the form this family's templates accept."""

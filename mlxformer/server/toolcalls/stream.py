@@ -22,6 +22,7 @@ class Parsed:
 
     content: str = ""
     calls: list[CallDelta] = field(default_factory=list)
+    reasoning: str = ""  # formats with channels (Harmony)
 
 
 def held_suffix(text: str, markers: tuple[str, ...]) -> int:
