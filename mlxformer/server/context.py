@@ -12,7 +12,7 @@ from mlxformer.engine import Engine, EngineNotRunning, EngineOverloaded, Generat
 from mlxformer.errors import MlxformerError
 from mlxformer.server.errors import APIError
 from mlxformer.server.responses import TokenStrings
-from mlxformer.server.sse import SSE_PING_SECONDS, keepalive, prompt_progress
+from mlxformer.server.sse import PING, SSE_PING_SECONDS, keepalive, prompt_progress
 from mlxformer.server.streaming import EventStream, InFlight, Lease
 from mlxformer.server.translate import ServedModel
 from mlxformer.server.turn import Traits
@@ -36,15 +36,17 @@ class ServerContext:
     traits: Optional[Traits] = None  # the model's call format and reasoning (default: read from its template)
     any_model_name: bool = True  # the Anthropic and Responses routes serve any model name they are sent
     sse_ping_seconds: float | None = SSE_PING_SECONDS  # keep-alive comments after this long without data
+    strict_max_tokens: bool = False  # Messages: refuse a max_tokens beyond the context instead of clamping it
 
     def event_stream(
-        self, chunks: AsyncIterator[str], lease: Lease, progress: Callable[[dict[str, int]], str] | None = None
+        self, chunks: AsyncIterator[str], lease: Lease, progress: Callable[[dict[str, int]], str] | None = None,
+        ping: str = PING, headers: dict[str, str] | None = None,
     ) -> EventStream:
         """The SSE response of every streaming route: ``chunks`` with keep-alive comments while
         none comes (a long prefill) and, when ``progress`` is given (the request asked for
         ``return_progress``), the prompt's progress as the events it makes (``server/sse.py``)."""
         poll = prompt_progress(lease.handle, progress) if progress is not None else None
-        return EventStream(keepalive(chunks, self.sse_ping_seconds, poll), lease)
+        return EventStream(keepalive(chunks, self.sse_ping_seconds, poll, ping), lease, headers)
 
     def __post_init__(self) -> None:
         if self.traits is None:

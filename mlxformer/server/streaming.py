@@ -65,8 +65,8 @@ class EventStream(StreamingResponse):
     """An SSE response that releases its request however the response ends (also when the
     client is gone before the first chunk, when the chunk generator never runs)."""
 
-    def __init__(self, chunks: AsyncIterator[str], lease: Lease) -> None:
-        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    def __init__(self, chunks: AsyncIterator[str], lease: Lease, extra_headers: dict[str, str] | None = None) -> None:
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(extra_headers or {})}
         super().__init__(chunks, media_type=SSE_MEDIA_TYPE, headers=headers)
         self.lease = lease
 

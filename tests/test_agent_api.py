@@ -1,0 +1,147 @@
+"""What the agent CLIs send, accepted: the request bodies captured from Claude Code, Codex and
+opencode (tests/data/agents/) replayed against ``serve`` on a tiny model that always answers
+"banana" (``word_model``); the Messages API's system messages mid-conversation (prompt counted by
+transformers' rendering of the template, without Claude Code's billing-header block), assistant
+prefill (continued: the prompt is the template's generation prompt plus the prefill), a
+``max_tokens`` beyond the context clamped (or refused, strict, in the wording Claude Code's retry
+parses), ``message_start`` then ``ping`` events while no token comes, the Anthropic SDK's
+``models.list()`` and ``HEAD /``."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from pathlib import Path
+from types import SimpleNamespace
+
+import anthropic
+import httpx
+import pytest
+from server_support import MODEL_NAME, http, running_engine, running_server
+from word_model import WORD, write_word_model
+
+DATA = Path(__file__).parent / "data" / "agents"
+CONTEXT = 65536
+
+
+@pytest.fixture(scope="module")
+def server(hf_smollm_tokenizer, tmp_path_factory):
+    from mlxformer import load
+
+    directory = tmp_path_factory.mktemp("word_model")
+    write_word_model(directory, hf_smollm_tokenizer, context=CONTEXT)
+    model, tokenizer = load(directory, threads=1)
+    with running_engine(model, tokenizer, max_batch=1) as engine:
+        with running_server(engine, model, tokenizer, sse_ping_seconds=0.2) as url:
+            with running_server(engine, model, tokenizer, strict_max_tokens=True) as strict:
+                yield SimpleNamespace(url=url, strict=strict, model=model, tokenizer=tokenizer,
+                                      hf=hf_smollm_tokenizer)
+
+
+def sse_events(raw: str) -> list[dict]:
+    return [json.loads(line[6:]) for line in raw.splitlines() if line.startswith("data: {")]
+
+
+def replay(url: str, name: str) -> tuple[int, dict[str, str], str]:
+    captured = json.loads((DATA / name).read_text())
+    status, headers, body = http(url, "POST", captured["path"], captured["body"], captured["headers"], timeout=300)
+    return status, headers, body.decode()
+
+
+def test_claude_code_request_is_served(server):
+    status, headers, raw = replay(server.url, "claude_code.json")
+    assert status == 200, raw[:500]
+    events = sse_events(raw)
+    assert [e["type"] for e in events[:2]] == ["message_start", "ping"]
+    text = "".join(e["delta"].get("text", "") for e in events if e["type"] == "content_block_delta")
+    assert text == WORD and events[-1]["type"] == "message_stop"
+    delta = next(e for e in events if e["type"] == "message_delta")
+    prompt = events[0]["message"]["usage"]["input_tokens"]
+    # 128000 asked: clamped to what the context has left, in the header and the usage
+    assert int(headers["x-mlxformer-max-tokens"]) == delta["usage"]["max_tokens"] == CONTEXT - prompt
+    assert delta["delta"]["stop_reason"] == "end_turn"
+
+
+def expected_messages(body: dict) -> list[dict]:
+    """Claude Code's request as chat messages, by hand: system blocks joined without the billing
+    header, each message's text blocks joined, the system message kept where it stands."""
+    system = "".join(b["text"] for b in body["system"] if not b["text"].startswith("x-anthropic-billing-header"))
+    out = [{"role": "system", "content": system}]
+    for m in body["messages"]:
+        content = m["content"] if isinstance(m["content"], str) else "".join(b["text"] for b in m["content"])
+        out.append({"role": m["role"], "content": content})
+    return out
+
+
+def test_system_messages_and_billing_header(server):
+    body = json.loads((DATA / "claude_code.json").read_text())["body"]
+    assert [m["role"] for m in body["messages"]] == ["user", "system"]
+    assert body["system"][0]["text"].startswith("x-anthropic-billing-header:")
+    count = {k: body[k] for k in ("model", "messages", "system")}  # tools are rendered by the server's own rule
+    status, _, reply = http(server.url, "POST", "/v1/messages/count_tokens", count)
+    assert status == 200, reply
+    text = server.hf.apply_chat_template(expected_messages(body), add_generation_prompt=True, tokenize=False)
+    assert json.loads(reply)["input_tokens"] == len(server.hf(text, add_special_tokens=False)["input_ids"])
+    # the billing header (with a per-request hash) changes nothing in the prompt
+    body["system"][0]["text"] += " cch=1234;"
+    assert json.loads(http(server.url, "POST", "/v1/messages/count_tokens", {
+        k: body[k] for k in ("model", "messages", "system")})[2])["input_tokens"] == json.loads(reply)["input_tokens"]
+
+
+def test_assistant_prefill_is_continued(server):
+    from mlxformer.generation import stream_generate
+
+    client = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0, timeout=120)
+    prefill = "Sure: ban"
+    reply = client.messages.create(model="claude-x", max_tokens=8, messages=[
+        {"role": "user", "content": "Say the word."}, {"role": "assistant", "content": prefill}])
+    text = server.hf.apply_chat_template([{"role": "user", "content": "Say the word."}], add_generation_prompt=True,
+                                         tokenize=False) + prefill
+    ids = server.hf(text, add_special_tokens=False)["input_ids"]
+    expected = "".join(r.text for r in stream_generate(server.model, server.tokenizer, ids, 8))
+    assert reply.usage.input_tokens + (reply.usage.cache_read_input_tokens or 0) == len(ids)
+    assert reply.content[0].text == expected and "<|im_start|>" not in expected
+
+
+def test_strict_max_tokens_in_anthropic_words(server):
+    client = anthropic.Anthropic(base_url=server.strict, api_key="unused", max_retries=0, timeout=120)
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        client.messages.create(model="claude-x", max_tokens=10**6, messages=[{"role": "user", "content": "hi"}])
+    # the pattern Claude Code's retry reads before lowering max_tokens
+    match = re.search(r"input length and `max_tokens` exceed context limit: (\d+) \+ (\d+) > (\d+)",
+                      caught.value.message)
+    assert match and int(match[2]) == 10**6 and int(match[3]) == CONTEXT
+    text = server.hf.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
+    assert int(match[1]) == len(server.hf(text, add_special_tokens=False)["input_ids"])
+    ok = client.messages.create(model="claude-x", max_tokens=64, messages=[{"role": "user", "content": "hi"}])
+    assert ok.content[0].text == WORD and ok.stop_reason == "end_turn"
+
+
+def test_ping_events_while_waiting():
+    """While no frame comes (a long prefill), the Messages stream sends Anthropic's own ``ping``
+    event (which clients' idle timers count), not only an SSE comment."""
+    import asyncio
+
+    from mlxformer.server.anthropic_api import PING_EVENT
+    from mlxformer.server.sse import keepalive
+
+    async def slow():
+        yield "event: message_start\ndata: {}\n\n"
+        await asyncio.sleep(0.35)
+        yield "event: message_stop\ndata: {}\n\n"
+
+    async def run():
+        return [chunk async for chunk in keepalive(slow(), 0.1, ping=PING_EVENT)]
+
+    chunks = asyncio.run(run())
+    assert chunks[0].startswith("event: message_start") and chunks[-1].startswith("event: message_stop")
+    assert len(chunks) >= 4 and set(chunks[1:-1]) == {'event: ping\ndata: {"type": "ping"}\n\n'}
+
+
+def test_anthropic_models_list_and_head(server):
+    client = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL_NAME]
+    assert models.data[0].type == "model" and models.data[0].display_name == models.data[0].id
+    assert http(server.url, "HEAD", "/")[0] == 200
