@@ -45,6 +45,8 @@ def sse_events(raw: str) -> list[dict]:
 
 def replay(url: str, name: str) -> tuple[int, dict[str, str], str]:
     captured = json.loads((DATA / name).read_text())
+    if captured["path"].startswith("/v1/chat/"):  # opencode names the model its config names: the served one
+        captured["body"]["model"] = MODEL_NAME
     status, headers, body = http(url, "POST", captured["path"], captured["body"], captured["headers"], timeout=300)
     return status, headers, body.decode()
 
@@ -145,3 +147,69 @@ def test_anthropic_models_list_and_head(server):
     assert [m.id for m in models.data] == [MODEL_NAME]
     assert models.data[0].type == "model" and models.data[0].display_name == models.data[0].id
     assert http(server.url, "HEAD", "/")[0] == 200
+
+
+def test_codex_request_is_served(server):
+    status, _, raw = replay(server.url, "codex.json")
+    assert status == 200, raw[:500]
+    events = sse_events(raw)
+    assert [e["type"] for e in events[:2]] == ["response.created", "response.in_progress"]
+    final = events[-1]["response"]
+    assert events[-1]["type"] == "response.completed" and final["output"][-1]["content"][0]["text"] == WORD
+    assert final["warnings"] == ["the hosted tool 'web_search' is not available on this server and was ignored"]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+
+
+def test_opencode_request_is_served(server):
+    status, _, raw = replay(server.url, "opencode.json")
+    assert status == 200, raw[:500]
+    chunks = sse_events(raw)
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]) == WORD
+    assert chunks[-1]["usage"]["completion_tokens"] == 3  # the word's two tokens and EOS
+
+
+def test_namespace_tools_and_hosted_tool_choice(server):
+    import openai
+
+    body = json.loads((DATA / "codex.json").read_text())["body"]
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    reply = client.responses.create(model="gpt-x", input="Spawn one.", tools=body["tools"], max_output_tokens=60,
+                                    tool_choice={"type": "function", "name": "spawn_agent"})
+    call = reply.output[0]
+    assert call.type == "function_call", reply.model_dump_json()[:1500]
+    assert call.type == "function_call" and call.name == "spawn_agent"
+    assert call.model_dump().get("namespace") == "multi_agent_v1", call.model_dump()
+    with pytest.raises(openai.BadRequestError, match="web_search"):
+        client.responses.create(model="gpt-x", input="Search.", tools=body["tools"], tool_choice={"type": "web_search"})
+
+
+def test_stored_responses_and_incomplete_items(server):
+    import openai
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    cut = client.responses.create(model="gpt-x", input="Say it.", max_output_tokens=1, store=True)
+    assert cut.status == "incomplete" and cut.output[0].status == "incomplete"
+    again = client.responses.retrieve(cut.id)
+    assert again.model_dump() == cut.model_dump()
+    chained = client.responses.create(model="gpt-x", input="Again.", previous_response_id=cut.id)
+    stateless = client.responses.create(model="gpt-x", input=[
+        {"role": "user", "content": "Say it."}, {"role": "assistant", "content": cut.output_text},
+        {"role": "user", "content": "Again."}])
+    assert chained.usage.input_tokens == stateless.usage.input_tokens and chained.output_text == WORD
+    assert chained.output[0].status == "completed"
+    client.responses.delete(cut.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(cut.id)
+
+
+def test_response_store_is_bounded_and_reasoning_sealed():
+    from mlxformer.server.responses_state import ResponseStore, Stored, seal, unseal
+
+    store = ResponseStore(limit=2)
+    for name in "abc":
+        store.put(name, Stored([], {"id": name}))
+    store.get("b")
+    store.put("d", Stored([], {"id": "d"}))
+    assert list(store.items) == ["b", "d"]  # least recently used out
+    value = seal("a thought")
+    assert "a thought" not in value and unseal(value) == "a thought" and unseal("gAAAA-another-server") == ""

@@ -13,6 +13,7 @@ from typing import Any
 
 WORD = "banana"
 SCALE = 10.0
+TIE_BREAKS = {'"': 0.5, "}": 0.3, "]": 0.3, ",": -0.5}  # added to every direction of these tokens' rows
 
 
 def write_word_model(directory: Path, tokenizer: Any, word: str = WORD, context: int = 131072) -> list[int]:
@@ -42,6 +43,13 @@ def write_word_model(directory: Path, tokenizer: Any, word: str = WORD, context:
         head.zero_()
         for k, token in enumerate([*ids, eos]):  # direction k (0: any other token) -> the next token
             head[token] = SCALE * basis[k]
+        # under a grammar (a forced tool call) the word is not allowed: then the tie among the other
+        # tokens is broken towards short JSON (close strings, objects and arrays; no whitespace)
+        for text, bias in TIE_BREAKS.items():
+            head[tokenizer.convert_tokens_to_ids(text)] += bias
+        for token, text in enumerate(tokenizer.convert_ids_to_tokens(range(config.vocab_size))):
+            if text and not text.strip("ĠĊĉčĉ \t\n\r"):  # whitespace pieces (byte-level spelling)
+                head[token] -= 1.0
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return ids
