@@ -213,3 +213,30 @@ def test_response_store_is_bounded_and_reasoning_sealed():
     assert list(store.items) == ["b", "d"]  # least recently used out
     value = seal("a thought")
     assert "a thought" not in value and unseal(value) == "a thought" and unseal("gAAAA-another-server") == ""
+
+
+def metric(url: str, api: str, source: str) -> float:
+    text = http(url, "GET", "/metrics")[2].decode()
+    match = re.search(rf'^mlxformer_api_prompt_tokens_total{{api="{api}",source="{source}"}} (\S+)$', text, re.M)
+    return float(match[1]) if match else 0.0
+
+
+def test_claude_code_next_turn_is_cached(server):
+    """Turn 2 of a Claude Code conversation (turn 1, its reply, a new user message; the billing
+    header's per-request hash changed) takes all of turn 1's prompt from the prompt cache."""
+    captured = json.loads((DATA / "claude_code.json").read_text())
+    body = captured["body"]
+    status, _, raw = http(server.url, "POST", captured["path"], body, captured["headers"], timeout=300)
+    first = sse_events(raw.decode())
+    turn1 = first[0]["message"]["usage"]["input_tokens"]
+    before = {s: metric(server.url, "messages", s) for s in ("cached", "prefilled")}
+    body["system"][0]["text"] = body["system"][0]["text"].rstrip(";") + "; cch=9f8e7;"
+    body["messages"] += [{"role": "assistant", "content": [{"type": "text", "text": WORD}]},
+                         {"role": "user", "content": [{"type": "text", "text": "And again?"}]}]
+    status, _, raw = http(server.url, "POST", captured["path"], body, captured["headers"], timeout=300)
+    assert status == 200
+    delta = next(e for e in sse_events(raw.decode()) if e["type"] == "message_delta")
+    cached, fresh = delta["usage"]["cache_read_input_tokens"], delta["usage"]["input_tokens"]
+    assert cached >= turn1 - 64 and fresh < 0.05 * (cached + fresh)  # (cached in whole blocks)
+    assert metric(server.url, "messages", "cached") - before["cached"] == cached
+    assert metric(server.url, "messages", "prefilled") - before["prefilled"] == fresh

@@ -215,7 +215,7 @@ def messages_router(ctx: ServerContext) -> APIRouter:
         limit = context_limit(prompt_tokens, prepared.request.max_tokens, body.max_tokens, ctx.strict_max_tokens)
         prepared.request.max_tokens = limit
         clamped = {"x-mlxformer-max-tokens": str(limit)} if limit < body.max_tokens else {}
-        lease = ctx.submit(prepared.request)
+        lease = ctx.submit(prepared.request, "messages")
         parser, segmenter = prepared.parser(), Segmenter()
         message_id, stops = new_id("msg").replace("-", "_"), body.stop_sequences or []
         head = {"id": message_id, "type": "message", "role": "assistant", "model": body.model}

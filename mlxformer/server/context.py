@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable, Optional, TypeVar
 
-from mlxformer.engine import Engine, EngineNotRunning, EngineOverloaded, GenerationRequest
+from mlxformer.engine import Engine, EngineNotRunning, EngineOverloaded, GenerationRequest, TokenEvent
 from mlxformer.errors import MlxformerError
 from mlxformer.server.errors import APIError
 from mlxformer.server.responses import TokenStrings
@@ -56,8 +56,9 @@ class ServerContext:
         """Run ``work`` (CPU-bound request preparation) on the bounded pool, not on the event loop."""
         return await asyncio.get_running_loop().run_in_executor(self.pool, work)
 
-    def submit(self, request: GenerationRequest) -> Lease:
-        """Queue ``request``: 429 with ``Retry-After`` when the engine's queue is full, 503 when it
+    def submit(self, request: GenerationRequest, api: str = "chat") -> Lease:
+        """Queue ``request`` (for ``api``: its prompt tokens are counted as cached or prefilled,
+        ``mlxformer_api_prompt_tokens`` in ``/metrics``): 429 with ``Retry-After`` when the engine's queue is full, 503 when it
         is not running, 400 when it refuses the request (its KV cache can never fit, for one)."""
         try:
             handle = self.engine.submit(request)
@@ -70,4 +71,12 @@ class ServerContext:
             raise APIError(str(exc), 503, "server_error", None, "engine_not_running") from exc
         except MlxformerError as exc:
             raise APIError(str(exc), 400) from exc
-        return Lease(handle, self.inflight)
+        prompt_tokens = self.engine.metrics.counter(
+            "mlxformer_api_prompt_tokens", "Prompt tokens of finished requests by API, from the prompt cache or prefilled",
+            ("api", "source"))
+
+        def count(event: TokenEvent) -> None:
+            prompt_tokens.labels(api, "cached").inc(event.cached_tokens)
+            prompt_tokens.labels(api, "prefilled").inc(event.prompt_tokens - event.cached_tokens)
+
+        return Lease(handle, self.inflight, count)

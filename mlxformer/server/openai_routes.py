@@ -70,7 +70,7 @@ def openai_router(ctx: ServerContext) -> APIRouter:
                  responses={**streamed_ok(CompletionResponse, CompletionResponse), **error_responses(GENERATION)})
     async def completions(body: CompletionRequest, request: Request) -> Response:
         prepared = await ctx.prepare(lambda: prepare_completion(body, served))
-        lease = ctx.submit(prepared.request)
+        lease = ctx.submit(prepared.request, "completions")
         lease.score_only = prepared.score_only
         request_id = new_id("cmpl")
         echo = echo_text(body, prepared.prompt_ids, ctx) if body.echo else ""

@@ -194,7 +194,7 @@ def responses_router(ctx: ServerContext) -> APIRouter:
         history = [*previous, *input_messages(body.input)]
         tools = tool_set(body.tools, body.tool_choice)
         prepared = await ctx.prepare(lambda: prepare(responses_turn(body, history, tools), served, ctx.traits))
-        lease = ctx.submit(prepared.request)
+        lease = ctx.submit(prepared.request, "responses")
         parser, segmenter = prepared.parser(), Segmenter()
         response_id, created = new_id("resp").replace("-", "_"), time.time()
         items = Items(response_id, segmenter, tools.namespaces, "reasoning.encrypted_content" in (body.include or []))
