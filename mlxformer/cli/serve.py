@@ -48,6 +48,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--strict-model-name", action="store_true",
                         help="the Anthropic and Responses routes answer only the served model name (default: any "
                              "name, e.g. Claude Code's claude-*, is served by the loaded model)")
+    parser.add_argument("--strict-max-tokens", action="store_true",
+                        help="the Messages API refuses a max_tokens beyond what the context has left, in Anthropic's "
+                             "wording (default: clamped to it, reported in usage and x-mlxformer-max-tokens)")
     parser.add_argument("--prompt-cache-bytes", type=int, default=512 * 2**20, metavar="BYTES",
                         help="prompt cache kept in memory, least recently used out (default 512 MiB; 0: none)")
     parser.add_argument("--prompt-cache-dir", metavar="DIR",
@@ -104,6 +107,7 @@ def run(args: argparse.Namespace) -> int:
         tool_parser=args.tool_parser, any_model_name=not args.strict_model_name,
         sse_ping_seconds=args.sse_ping_seconds or None, max_kv_memory=max_kv_memory,
         source=args.model or str(default_model_path()),
+        strict_max_tokens=args.strict_max_tokens,
         **({"max_body_bytes": args.max_body_bytes} if args.max_body_bytes is not None else {}),
     )
     return 0

@@ -27,6 +27,7 @@ from mlxformer.server.turn import Turn, effort_budget, prepare, render_prompt
 from mlxformer.server.tools import tool_plan
 
 PATH_PREFIX = "/v1/messages"
+PING_EVENT = named_event({"type": "ping"})  # Anthropic's keep-alive: an event, which clients' idle timers count
 BLOCK_TYPES = {"reasoning": "thinking", "text": "text", "call": "tool_use"}
 # every error of these routes, the guard's and the key's too, is Anthropic-shaped
 COUNT_ERRORS = error_responses((*GUARDED, *KEYED, *BODY, 404, 415), AnthropicErrorResponse)
@@ -38,13 +39,31 @@ def is_anthropic_path(path: str) -> bool:
     return path == PATH_PREFIX or path.startswith(PATH_PREFIX + "/")
 
 
-def conversation(system: str | list[Block] | None, messages: list[Message]) -> list[dict[str, Any]]:
-    """Anthropic messages as OpenAI-style chat messages: tool results become ``tool`` turns,
-    ``tool_use`` blocks the assistant's ``tool_calls``, ``thinking`` its ``reasoning_content``."""
+# Claude Code's first system block: client metadata for Anthropic's billing (its ``cch=`` hash
+# changes per request), not text for the model; kept out of the prompt so turns share a prefix
+BILLING_HEADER = "x-anthropic-billing-header:"
+
+
+def system_text(system: str | list[Block]) -> str:
+    """A system prompt's text, without Claude Code's billing-header block."""
+    if isinstance(system, str):
+        return system
+    return "".join(b.plain() for b in system if not (b.type == "text" and (b.text or "").startswith(BILLING_HEADER)))
+
+
+def conversation(system: str | list[Block] | None, messages: list[Message]) -> tuple[list[dict[str, Any]], str]:
+    """Anthropic messages as OpenAI-style chat messages (tool results become ``tool`` turns,
+    ``tool_use`` blocks the assistant's ``tool_calls``, ``thinking`` its ``reasoning_content``;
+    system messages stay where they stand), and the assistant prefill: the text of a last
+    assistant message, which the reply continues."""
     out: list[dict[str, Any]] = []
-    if system:
-        out.append({"role": "system", "content": system if isinstance(system, str) else "".join(b.plain() for b in system)})
+    if system and (text := system_text(system)):
+        out.append({"role": "system", "content": text})
     for m in messages:
+        if m.role == "system":
+            if text := system_text(m.content):
+                out.append({"role": "system", "content": text})
+            continue
         texts, calls, thoughts = [], [], []
         for block in m.blocks():
             if block.type in ("image", "document"):
@@ -65,7 +84,11 @@ def conversation(system: str | list[Block] | None, messages: list[Message]) -> l
             if thoughts:
                 message["reasoning_content"] = "".join(thoughts)
             out.append(message)
-    return out
+    last = out[-1] if out else None
+    if last is not None and messages[-1].role == "assistant" and last["role"] == "assistant" and "tool_calls" not in last:
+        out.pop()
+        return out, last["content"]
+    return out, ""
 
 
 def anthropic_turn(body: TokenCountRequest) -> Turn:
@@ -100,9 +123,23 @@ def anthropic_turn(body: TokenCountRequest) -> Turn:
         )
     except ValidationError as exc:
         raise bad_request(*validation_message(list(exc.errors()))) from exc
-    return Turn(messages=conversation(body.system, body.messages), fields=fields,
-                max_tokens=full.max_tokens if full else None, tools=tools, tool_choice=choice,
-                response_format=response_format, thinking=thinking, reasoning_budget=budget, effort=effort)
+    messages, prefill = conversation(body.system, body.messages)
+    # max_tokens is checked against the context by the route (clamped, or refused in Anthropic's words)
+    return Turn(messages=messages, fields=fields, tools=tools, tool_choice=choice, response_format=response_format,
+                thinking=thinking, reasoning_budget=budget, effort=effort, prefill=prefill)
+
+
+def context_limit(prompt_tokens: int, room: int, requested: int, strict: bool) -> int:
+    """The max tokens of a reply asked for ``requested`` with ``room`` tokens left in the context
+    after the prompt: ``requested`` when it fits, else ``room`` (or, ``strict``, a 400 in
+    Anthropic's wording, which clients such as Claude Code retry with a smaller ``max_tokens``)."""
+    if requested <= room:
+        return requested
+    if strict:
+        context = prompt_tokens + room
+        raise bad_request(f"input length and `max_tokens` exceed context limit: {prompt_tokens} + {requested} > "
+                          f"{context}, decrease input length or `max_tokens` and try again", param="max_tokens")
+    return room
 
 
 def usage(event: TokenEvent | None) -> dict[str, int]:
@@ -176,7 +213,11 @@ def messages_router(ctx: ServerContext) -> APIRouter:
     async def messages(body: MessagesRequest, request: Request) -> Response:
         check_model(ctx, body.model)
         prepared = await ctx.prepare(lambda: prepare(anthropic_turn(body), served, ctx.traits))
-        lease = ctx.submit(prepared.request)
+        prompt_tokens = len(prepared.request.prompt_ids)
+        limit = context_limit(prompt_tokens, prepared.request.max_tokens, body.max_tokens, ctx.strict_max_tokens)
+        prepared.request.max_tokens = limit
+        clamped = {"x-mlxformer-max-tokens": str(limit)} if limit < body.max_tokens else {}
+        lease = ctx.submit(prepared.request, "messages")
         parser, segmenter = prepared.parser(), Segmenter()
         message_id, stops = new_id("msg").replace("-", "_"), body.stop_sequences or []
         head = {"id": message_id, "type": "message", "role": "assistant", "model": body.model}
@@ -186,21 +227,21 @@ def messages_router(ctx: ServerContext) -> APIRouter:
             text = served.tokenizer.decode(generated) if stops else ""
             return stop_reason(event, bool(parser.calls), text, stops, eos)
 
+        def usage_of(event: TokenEvent | None) -> dict[str, int]:
+            return {**usage(event), **({"max_tokens": limit} if clamped else {})}
+
         if body.stream:
-            started = [False]
+            # message_start as soon as the request is admitted: the prompt's cached part is not known yet
+            start = {**head, "content": [], "stop_reason": None, "stop_sequence": None,
+                     "usage": {**usage(None), "input_tokens": prompt_tokens}}
+            opening = [named_event({"type": "message_start", "message": start}), PING_EVENT]
 
             def on_event(event: TokenEvent) -> list[str]:
-                out = []
-                if not started[0]:
-                    started[0] = True
-                    start = {**head, "content": [], "stop_reason": None, "stop_sequence": None,
-                             "usage": {**usage(event), "output_tokens": 0}}
-                    out += [named_event({"type": "message_start", "message": start}), named_event({"type": "ping"})]
                 generated.extend([event.token] if event.token is not None else [])
-                out += [named_event(frame) for frame in block_events(segmenter.feed(parser.feed(event)))]
+                out = [named_event(frame) for frame in block_events(segmenter.feed(parser.feed(event)))]
                 if event.finish_reason is not None:
                     reason, sequence = finish(event)
-                    out.append(named_event({"type": "message_delta", "usage": usage(event),
+                    out.append(named_event({"type": "message_delta", "usage": usage_of(event),
                                           "delta": {"stop_reason": reason, "stop_sequence": sequence}}))
                     out.append(named_event({"type": "message_stop"}))
                 return out
@@ -208,7 +249,7 @@ def messages_router(ctx: ServerContext) -> APIRouter:
             def on_error(message: str) -> list[str]:
                 return [named_event(anthropic_error(500, message))]
 
-            return ctx.event_stream(frames(lease, on_event, on_error), lease)
+            return ctx.event_stream(frames(lease, on_event, on_error, opening), lease, ping=PING_EVENT, headers=clamped)
         result = await collect_unless_gone(lease, request)
         for event in result.events:
             generated.extend([event.token] if event.token is not None else [])
@@ -216,7 +257,7 @@ def messages_router(ctx: ServerContext) -> APIRouter:
         reason, sequence = finish(result.events[-1]) if result.events else ("end_turn", None)
         content = [whole_block(s) for s in segmenter.segments]
         return JSONResponse({**head, "content": content, "stop_reason": reason, "stop_sequence": sequence,
-                             "usage": usage(result.last)})
+                             "usage": usage_of(result.last)}, headers=clamped)
 
     return router
 

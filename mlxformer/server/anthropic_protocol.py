@@ -18,7 +18,7 @@ class Block(Lenient):
     """One content block of a message: ``text``, ``tool_use``, ``tool_result``, ``thinking``
     (``image`` and ``document`` are refused: this server serves text models)."""
 
-    type: Literal["text", "tool_use", "tool_result", "thinking", "redacted_thinking", "image", "document"]
+    type: str  # text, tool_use, tool_result, thinking; image and document are refused, others ignored
     text: Optional[str] = None
     id: Optional[str] = None
     name: Optional[str] = None
@@ -38,7 +38,7 @@ class Block(Lenient):
 
 
 class Message(Lenient):
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]  # Claude Code sends system messages mid-conversation
     content: Union[str, list[Block]]
 
     def blocks(self) -> list[Block]:

@@ -82,6 +82,7 @@ def create_app(
     any_model_name: bool = True,
     sse_ping_seconds: float | None = SSE_PING_SECONDS,
     host: Callable[[ServerContext], ModelHost] | None = None,
+    strict_max_tokens: bool = False,
 ) -> FastAPI:
     """The API app over a started ``engine``.
 
@@ -93,12 +94,13 @@ def create_app(
     one the chat template teaches); ``any_model_name``: the Anthropic and Responses routes serve
     any model name they are sent; streams send a keep-alive comment after ``sse_ping_seconds``
     without data (None: never); ``host`` makes the ``ModelHost`` of Ollama's ``/api`` routes from the
-    context (default: this one model, any name)."""
+    context (default: this one model, any name); ``strict_max_tokens``: the Messages API refuses a
+    ``max_tokens`` beyond the context's room instead of clamping it."""
     app = FastAPI(title="mlxformer", docs_url=None, redoc_url=None, openapi_url=None)
     install_error_handlers(app)
     ctx = ServerContext(engine, served, TokenStrings(served.tokenizer, served.vocab_size),
                         sse_ping_seconds=sse_ping_seconds, traits=Traits.of(served, tool_parser),
-                        any_model_name=any_model_name)
+                        any_model_name=any_model_name, strict_max_tokens=strict_max_tokens)
     app.state.context = ctx
     keyed = [key_dependency(api_key), Depends(require_json)]
     for make in routers:
@@ -107,7 +109,7 @@ def create_app(
     models = host(ctx) if host is not None else SingleHost(ctx)
     app.include_router(ollama_router(models), prefix="/api", dependencies=keyed, include_in_schema=False)
 
-    @app.get("/", include_in_schema=False)
+    @app.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)  # HEAD: clients' reachability check
     async def index() -> HTMLResponse:
         return HTMLResponse(chat_page(), headers={"Content-Security-Policy": PAGE_SECURITY_POLICY})
 

@@ -8,11 +8,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable, Optional, TypeVar
 
-from mlxformer.engine import Engine, EngineNotRunning, EngineOverloaded, GenerationRequest
+from mlxformer.engine import Engine, EngineNotRunning, EngineOverloaded, GenerationRequest, TokenEvent
 from mlxformer.errors import MlxformerError
 from mlxformer.server.errors import APIError
 from mlxformer.server.responses import TokenStrings
-from mlxformer.server.sse import SSE_PING_SECONDS, keepalive, prompt_progress
+from mlxformer.server.sse import PING, SSE_PING_SECONDS, keepalive, prompt_progress
 from mlxformer.server.streaming import EventStream, InFlight, Lease
 from mlxformer.server.translate import ServedModel
 from mlxformer.server.turn import Traits
@@ -36,15 +36,17 @@ class ServerContext:
     traits: Optional[Traits] = None  # the model's call format and reasoning (default: read from its template)
     any_model_name: bool = True  # the Anthropic and Responses routes serve any model name they are sent
     sse_ping_seconds: float | None = SSE_PING_SECONDS  # keep-alive comments after this long without data
+    strict_max_tokens: bool = False  # Messages: refuse a max_tokens beyond the context instead of clamping it
 
     def event_stream(
-        self, chunks: AsyncIterator[str], lease: Lease, progress: Callable[[dict[str, int]], str] | None = None
+        self, chunks: AsyncIterator[str], lease: Lease, progress: Callable[[dict[str, int]], str] | None = None,
+        ping: str = PING, headers: dict[str, str] | None = None,
     ) -> EventStream:
         """The SSE response of every streaming route: ``chunks`` with keep-alive comments while
         none comes (a long prefill) and, when ``progress`` is given (the request asked for
         ``return_progress``), the prompt's progress as the events it makes (``server/sse.py``)."""
         poll = prompt_progress(lease.handle, progress) if progress is not None else None
-        return EventStream(keepalive(chunks, self.sse_ping_seconds, poll), lease)
+        return EventStream(keepalive(chunks, self.sse_ping_seconds, poll, ping), lease, headers)
 
     def __post_init__(self) -> None:
         if self.traits is None:
@@ -54,8 +56,9 @@ class ServerContext:
         """Run ``work`` (CPU-bound request preparation) on the bounded pool, not on the event loop."""
         return await asyncio.get_running_loop().run_in_executor(self.pool, work)
 
-    def submit(self, request: GenerationRequest) -> Lease:
-        """Queue ``request``: 429 with ``Retry-After`` when the engine's queue is full, 503 when it
+    def submit(self, request: GenerationRequest, api: str = "chat") -> Lease:
+        """Queue ``request`` (for ``api``: its prompt tokens are counted as cached or prefilled,
+        ``mlxformer_api_prompt_tokens`` in ``/metrics``): 429 with ``Retry-After`` when the engine's queue is full, 503 when it
         is not running, 400 when it refuses the request (its KV cache can never fit, for one)."""
         try:
             handle = self.engine.submit(request)
@@ -68,4 +71,12 @@ class ServerContext:
             raise APIError(str(exc), 503, "server_error", None, "engine_not_running") from exc
         except MlxformerError as exc:
             raise APIError(str(exc), 400) from exc
-        return Lease(handle, self.inflight)
+        prompt_tokens = self.engine.metrics.counter(
+            "mlxformer_api_prompt_tokens", "Prompt tokens of finished requests by API, from the prompt cache or prefilled",
+            ("api", "source"))
+
+        def count(event: TokenEvent) -> None:
+            prompt_tokens.labels(api, "cached").inc(event.cached_tokens)
+            prompt_tokens.labels(api, "prefilled").inc(event.prompt_tokens - event.cached_tokens)
+
+        return Lease(handle, self.inflight, count)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import logging
 from contextlib import aclosing
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, Sequence
 
 from mlxformer.engine import TokenEvent
 from mlxformer.server.context import ServerContext
@@ -27,10 +27,14 @@ async def frames(
     lease: Lease,
     on_event: Callable[[TokenEvent], list[str]],
     on_error: Callable[[str], list[str]],
+    opening: Sequence[str] = (),
 ) -> AsyncIterator[str]:
-    """The SSE frames ``on_event`` makes of each of a request's events; a failure after the stream
-    started is reported in-band with ``on_error``. The request is released however this ends."""
+    """``opening`` (sent at once: the client sees the request admitted before a long prefill),
+    then the SSE frames ``on_event`` makes of each of a request's events; a failure after the
+    stream started is reported in-band with ``on_error``. The request is released however this ends."""
     try:
+        for frame in opening:
+            yield frame
         async with aclosing(lease.events()) as events:
             async for event in events:
                 lease.finished = lease.finished or event.finish_reason is not None

@@ -42,6 +42,13 @@ def model_card(ctx: ServerContext) -> ModelCard:
                      capabilities=ctx.traits.capabilities(ctx.served))
 
 
+def anthropic_models(ctx: ServerContext) -> dict[str, Any]:
+    """``GET /v1/models`` in the Anthropic API's shape (asked with an ``anthropic-version`` header)."""
+    name = ctx.served.name
+    entry = {"type": "model", "id": name, "display_name": name, "created_at": "1970-01-01T00:00:00Z"}
+    return {"data": [entry], "has_more": False, "first_id": name, "last_id": name}
+
+
 def models_router(ctx: ServerContext) -> APIRouter:
     """``/models/{id}`` (under ``/v1``; the list is in ``openai_routes``)."""
     router = APIRouter()

@@ -6,13 +6,15 @@ it, and streams (SSE) or collects the engine's events.
 
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
 from mlxformer.engine import TokenEvent
 from mlxformer.server.context import ServerContext
-from mlxformer.server.meta_api import model_card
+from mlxformer.server.meta_api import anthropic_models, model_card
 from mlxformer.server.openapi import GENERATION, error_responses, streamed_ok
 from mlxformer.server.prepare import prepare_chat, prepare_completion
 from mlxformer.server.protocol import (
@@ -31,8 +33,10 @@ def openai_router(ctx: ServerContext) -> APIRouter:
     router = APIRouter()
     served, text = ctx.served, ctx.text
 
-    @router.get("/models", responses=error_responses([500]))
-    async def models() -> ModelList:
+    @router.get("/models", response_model=ModelList, responses=error_responses([500]))
+    async def models(request: Request) -> Any:
+        if "anthropic-version" in request.headers:  # the Anthropic SDK's models.list()
+            return JSONResponse(anthropic_models(ctx))
         return ModelList(data=[model_card(ctx)])
 
     @router.post("/chat/completions", response_model=ChatCompletionResponse,
@@ -66,7 +70,7 @@ def openai_router(ctx: ServerContext) -> APIRouter:
                  responses={**streamed_ok(CompletionResponse, CompletionResponse), **error_responses(GENERATION)})
     async def completions(body: CompletionRequest, request: Request) -> Response:
         prepared = await ctx.prepare(lambda: prepare_completion(body, served))
-        lease = ctx.submit(prepared.request)
+        lease = ctx.submit(prepared.request, "completions")
         lease.score_only = prepared.score_only
         request_id = new_id("cmpl")
         echo = echo_text(body, prepared.prompt_ids, ctx) if body.echo else ""

@@ -4,8 +4,9 @@ continuing a stored response (``previous_response_id``, a bounded in-memory stor
 
 from __future__ import annotations
 
+import json
 import time
-from collections import OrderedDict
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -13,37 +14,16 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
 from mlxformer.engine import TokenEvent
-from mlxformer.server.errors import APIError, bad_request, validation_message
+from mlxformer.server.errors import bad_request, validation_message
 from mlxformer.server.context import ServerContext
 from mlxformer.server.hosting import check_model, frames, named_event
 from mlxformer.server.openapi import GENERATION, error_responses, streamed_ok
 from mlxformer.server.streaming import collect_unless_gone
 from mlxformer.server.protocol import ResponseFormat, SamplingFields, new_id
 from mlxformer.server.responses_protocol import InputItem, ResponseObject, ResponsesRequest, ResponseStreamEvent
+from mlxformer.server.responses_state import ResponseStore, Stored, ToolSet, seal, tool_set, unseal
 from mlxformer.server.segments import Segment, SegmentEvent, Segmenter
 from mlxformer.server.turn import Turn, effort_budget, prepare
-
-STORE_LIMIT = 256  # responses kept for previous_response_id (oldest dropped first)
-
-
-class ResponseStore:
-    """The conversations (chat messages, instructions excluded) of the most recent responses."""
-
-    def __init__(self, limit: int = STORE_LIMIT) -> None:
-        self.limit, self.items = limit, OrderedDict[str, list[dict[str, Any]]]()
-
-    def get(self, response_id: str) -> list[dict[str, Any]]:
-        if response_id not in self.items:
-            raise APIError(f"previous response {response_id!r} not found (only the last {self.limit} are kept)",
-                           404, "invalid_request_error", "previous_response_id", "previous_response_not_found")
-        self.items.move_to_end(response_id)
-        return self.items[response_id]
-
-    def put(self, response_id: str, messages: list[dict[str, Any]]) -> None:
-        self.items[response_id] = messages
-        while len(self.items) > self.limit:
-            self.items.popitem(last=False)
-
 
 def input_messages(items: str | list[InputItem]) -> list[dict[str, Any]]:
     """Responses input as chat messages: ``function_call`` items join the assistant turn's
@@ -63,8 +43,9 @@ def input_messages(items: str | list[InputItem]) -> list[dict[str, Any]]:
             if message["role"] == "assistant" and reasoning:
                 message["reasoning_content"], reasoning = reasoning, ""
             out.append(message)
-        elif kind == "function_call":
-            call = {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments or "{}"}}
+        elif kind in ("function_call", "custom_tool_call"):
+            arguments = item.arguments or "{}" if kind == "function_call" else json.dumps({"input": item.input or ""})
+            call = {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": arguments}}
             last = out[-1] if out else None
             if last is None or last["role"] != "assistant":
                 last = {"role": "assistant", "content": ""}
@@ -72,11 +53,12 @@ def input_messages(items: str | list[InputItem]) -> list[dict[str, Any]]:
             last.setdefault("tool_calls", []).append(call)
             if reasoning:
                 last["reasoning_content"], reasoning = reasoning, ""
-        elif kind == "function_call_output":
+        elif kind in ("function_call_output", "custom_tool_call_output"):
             out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output_text()})
         elif kind == "reasoning":
             try:
-                reasoning += "".join(p.text or "" for p in (item.summary or [])) + (item.text() if item.content else "")
+                reasoning += ("".join(p.text or "" for p in (item.summary or [])) + (item.text() if item.content else "")
+                              or unseal(item.encrypted_content))
             except ValueError as exc:
                 raise bad_request(str(exc), param="input") from exc
         else:
@@ -84,25 +66,16 @@ def input_messages(items: str | list[InputItem]) -> list[dict[str, Any]]:
     return out
 
 
-def chat_tools(body: ResponsesRequest) -> tuple[list[dict[str, Any]] | None, str | dict[str, Any] | None]:
-    """Function tools and ``tool_choice`` in chat-completions form."""
-    tools = None
-    if body.tools:
-        if bad := [t.get("type") for t in body.tools if t.get("type") != "function"]:
-            raise bad_request(f"only function tools are supported, not {bad[0]!r}", param="tools")
-        tools = [{"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters") if k in t}}
-                 for t in body.tools]
+def chat_choice(body: ResponsesRequest) -> str | dict[str, Any] | None:
+    """``tool_choice`` in chat-completions form (one naming a hosted tool: see ``tool_set``)."""
     choice = body.tool_choice
     if isinstance(choice, dict):
-        if choice.get("type") != "function":
-            raise bad_request("tool_choice must be none, auto, required or a function", param="tool_choice")
-        choice = {"type": "function", "function": {"name": choice.get("name")}}
-    return tools, choice
+        return {"type": "function", "function": {"name": choice.get("name")}}
+    return choice
 
 
-def responses_turn(body: ResponsesRequest, history: list[dict[str, Any]]) -> Turn:
+def responses_turn(body: ResponsesRequest, history: list[dict[str, Any]], tools: ToolSet) -> Turn:
     """The turn a Responses request asks for, after the ``history`` it continues."""
-    tools, choice = chat_tools(body)
     response_format = None
     if body.text is not None and body.text.format is not None and body.text.format.type != "text":
         fmt = body.text.format
@@ -114,8 +87,8 @@ def responses_turn(body: ResponsesRequest, history: list[dict[str, Any]]) -> Tur
     except ValidationError as exc:
         raise bad_request(*validation_message(list(exc.errors()))) from exc
     system = [{"role": "system", "content": body.instructions}] if body.instructions else []
-    return Turn(messages=[*system, *history], fields=fields, max_tokens=body.max_output_tokens, tools=tools,
-                tool_choice=choice, response_format=response_format, thinking=False if effort == "none" else None,
+    return Turn(messages=[*system, *history], fields=fields, max_tokens=body.max_output_tokens, tools=tools.tools,
+                tool_choice=chat_choice(body), response_format=response_format, thinking=False if effort == "none" else None,
                 reasoning_budget=effort_budget(effort), effort=effort, prompt_param="input")
 
 
@@ -124,33 +97,52 @@ def item_id(segment: Segment, response_id: str) -> str:
     return f"{prefix}_{response_id[5:]}_{segment.index}"
 
 
-def output_item(segment: Segment, response_id: str, done: bool = True) -> dict[str, Any]:
-    """The output item of a segment (``done``: whole, else as it is announced)."""
-    status = "completed" if done else "in_progress"
-    iid = item_id(segment, response_id)
-    if segment.kind == "call":
-        return {"type": "function_call", "id": iid, "call_id": segment.call_id, "name": segment.name,
-                "arguments": segment.text if done else "", "status": status}
-    if segment.kind == "reasoning":
-        content = [{"type": "reasoning_text", "text": segment.text}] if done else []
-        return {"type": "reasoning", "id": iid, "summary": [], "content": content, "status": status}
-    content = [text_part(segment.text)] if done else []
-    return {"type": "message", "id": iid, "role": "assistant", "status": status, "content": content}
+@dataclass
+class Items:
+    """How one response writes its output items: its id, the namespace each function came from
+    (Codex's ``namespace`` tools), whether reasoning items carry ``encrypted_content``, and
+    whether the reply was cut by ``max_output_tokens`` (its last item is then incomplete)."""
+
+    response_id: str
+    segmenter: Segmenter
+    namespaces: dict[str, str] = field(default_factory=dict)
+    sealed: bool = False
+    cut: bool = False
+
+    def status(self, segment: Segment, done: bool) -> str:
+        if not done:
+            return "in_progress"
+        last = self.segmenter.segments[-1] is segment
+        return "incomplete" if self.cut and last else "completed"
+
+    def item(self, segment: Segment, done: bool = True) -> dict[str, Any]:
+        """The output item of a segment (``done``: whole, else as it is announced)."""
+        status, iid = self.status(segment, done), item_id(segment, self.response_id)
+        if segment.kind == "call":
+            namespace = {"namespace": self.namespaces[segment.name]} if segment.name in self.namespaces else {}
+            return {"type": "function_call", "id": iid, "call_id": segment.call_id, "name": segment.name, **namespace,
+                    "arguments": segment.text if done else "", "status": status}
+        if segment.kind == "reasoning":
+            content = [{"type": "reasoning_text", "text": segment.text}] if done else []
+            sealed = {"encrypted_content": seal(segment.text)} if self.sealed and done else {}
+            return {"type": "reasoning", "id": iid, "summary": [], "content": content, **sealed, "status": status}
+        content = [text_part(segment.text)] if done else []
+        return {"type": "message", "id": iid, "role": "assistant", "status": status, "content": content}
 
 
 def text_part(text: str) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
 
-def stream_events(events: list[SegmentEvent], response_id: str) -> list[dict[str, Any]]:
+def stream_events(events: list[SegmentEvent], items: Items) -> list[dict[str, Any]]:
     """The Responses stream events (without sequence numbers) of segment events."""
     out: list[dict[str, Any]] = []
     for e in events:
-        s, iid = e.segment, item_id(e.segment, response_id)
+        s, iid = e.segment, item_id(e.segment, items.response_id)
         where = {"item_id": iid, "output_index": s.index}
         if e.action == "open":
             out.append({"type": "response.output_item.added", "output_index": s.index,
-                        "item": output_item(s, response_id, done=False)})
+                        "item": items.item(s, done=False)})
             if s.kind == "text":
                 out.append({"type": "response.content_part.added", **where, "content_index": 0, "part": text_part("")})
         elif e.action == "delta":
@@ -166,7 +158,7 @@ def stream_events(events: list[SegmentEvent], response_id: str) -> list[dict[str
                 out.append({"type": "response.reasoning_text.done", **where, "content_index": 0, "text": s.text})
             else:
                 out.append({"type": "response.function_call_arguments.done", **where, "arguments": s.text, "name": s.name})
-            out.append({"type": "response.output_item.done", "output_index": s.index, "item": output_item(s, response_id)})
+            out.append({"type": "response.output_item.done", "output_index": s.index, "item": items.item(s)})
     return out
 
 
@@ -182,21 +174,33 @@ def continued(history: list[dict[str, Any]], segments: list[Segment]) -> list[di
 
 
 def responses_router(ctx: ServerContext) -> APIRouter:
-    """The Responses route (mounted under the app's authenticated ``/v1``)."""
+    """The Responses routes (mounted under the app's authenticated ``/v1``): create, and
+    retrieve or delete a stored response."""
     router = APIRouter()
     store = ResponseStore()
     served = ctx.served
+
+    @router.get("/responses/{response_id}", response_model=ResponseObject, responses=error_responses([404]))
+    async def retrieve(response_id: str) -> JSONResponse:
+        return JSONResponse(store.get(response_id, param=None).response)
+
+    @router.delete("/responses/{response_id}", responses=error_responses([404]))
+    async def delete(response_id: str) -> dict[str, Any]:
+        store.delete(response_id)
+        return {"id": response_id, "object": "response", "deleted": True}
 
     @router.post("/responses", response_model=ResponseObject,
                  responses={**streamed_ok(ResponseObject, ResponseStreamEvent), **error_responses(GENERATION)})
     async def responses(body: ResponsesRequest, request: Request) -> Response:
         check_model(ctx, body.model)
-        previous = store.get(body.previous_response_id) if body.previous_response_id else []
+        previous = store.get(body.previous_response_id).messages if body.previous_response_id else []
         history = [*previous, *input_messages(body.input)]
-        prepared = await ctx.prepare(lambda: prepare(responses_turn(body, history), served, ctx.traits))
-        lease = ctx.submit(prepared.request)
+        tools = tool_set(body.tools, body.tool_choice)
+        prepared = await ctx.prepare(lambda: prepare(responses_turn(body, history, tools), served, ctx.traits))
+        lease = ctx.submit(prepared.request, "responses")
         parser, segmenter = prepared.parser(), Segmenter()
         response_id, created = new_id("resp").replace("-", "_"), time.time()
+        items = Items(response_id, segmenter, tools.namespaces, "reasoning.encrypted_content" in (body.include or []))
         reasoning_tokens = [0]
 
         def response(status: str, last: TokenEvent | None) -> dict[str, Any]:
@@ -205,7 +209,7 @@ def responses_router(ctx: ServerContext) -> APIRouter:
             completion = last.completion_tokens if last else 0
             return {
                 "id": response_id, "object": "response", "created_at": created, "model": body.model or served.name,
-                "status": status, "output": [output_item(s, response_id) for s in segmenter.segments] if done else [],
+                "status": status, "output": [items.item(s) for s in segmenter.segments] if done else [],
                 "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
                 "error": None, "instructions": body.instructions, "tools": body.tools or [],
                 "tool_choice": body.tool_choice or "auto", "parallel_tool_calls": body.parallel_tool_calls is not False,
@@ -216,17 +220,21 @@ def responses_router(ctx: ServerContext) -> APIRouter:
                           "output_tokens": completion,
                           "output_tokens_details": {"reasoning_tokens": reasoning_tokens[0]},
                           "total_tokens": prompt + completion} if done else None,
+                **({"warnings": tools.warnings()} if tools.ignored else {}),
             }
 
         def absorb(event: TokenEvent) -> list[SegmentEvent]:
             delta = parser.feed(event)
             reasoning_tokens[0] += bool(delta.reasoning)
+            items.cut = items.cut or event.truncated
             return segmenter.feed(delta)
 
-        def finished(event: TokenEvent) -> str:
+        def finished(event: TokenEvent | None) -> dict[str, Any]:
+            """The final response (stored, with the conversation it ends, when ``store``)."""
+            final = response("incomplete" if event is not None and event.truncated else "completed", event)
             if body.store:
-                store.put(response_id, continued(history, segmenter.segments))
-            return "incomplete" if event.truncated else "completed"
+                store.put(response_id, Stored(continued(history, segmenter.segments), final))
+            return final
 
         if body.stream:
             sequence = [0]
@@ -236,24 +244,22 @@ def responses_router(ctx: ServerContext) -> APIRouter:
                 return named_event(payload)
 
             def on_event(event: TokenEvent) -> list[str]:
-                out = []
-                if sequence[0] == 0:
-                    out += [{"type": "response.created", "response": response("in_progress", None)},
-                            {"type": "response.in_progress", "response": response("in_progress", None)}]
-                out += stream_events(absorb(event), response_id)
+                out = stream_events(absorb(event), items)
                 if event.finish_reason is not None:
-                    status = finished(event)
-                    out.append({"type": f"response.{status}", "response": response(status, event)})
+                    final = finished(event)
+                    out.append({"type": f"response.{final['status']}", "response": final})
                 return [numbered(payload) for payload in out]
 
             def on_error(message: str) -> list[str]:
                 return [numbered({"type": "error", "code": "server_error", "message": message, "param": None})]
 
-            return ctx.event_stream(frames(lease, on_event, on_error), lease)
+            # announced as soon as the request is admitted, before a long prefill
+            opening = [numbered({"type": kind, "response": response("in_progress", None)})
+                       for kind in ("response.created", "response.in_progress")]
+            return ctx.event_stream(frames(lease, on_event, on_error, opening), lease)
         result = await collect_unless_gone(lease, request)
         for event in result.events:
             absorb(event)
-        status = finished(result.events[-1]) if result.events else "completed"
-        return JSONResponse(response(status, result.last))
+        return JSONResponse(finished(result.last))
 
     return router

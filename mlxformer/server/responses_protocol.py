@@ -1,6 +1,6 @@
 """The OpenAI Responses wire format (``POST /v1/responses``): the request schema, and the input
-items read from it. Unknown fields are ignored; built-in tools (web search, file search, code
-interpreter, computer use) are refused: a local server has none."""
+items read from it. Unknown fields are ignored; hosted tools (web search, file search, code
+interpreter, computer use) are ignored with a warning (``responses_state.tool_set``)."""
 
 from __future__ import annotations
 
@@ -31,6 +31,8 @@ class InputItem(Lenient):
     arguments: Optional[str] = None
     output: Union[str, list[ContentPart], None] = None
     summary: Optional[list[ContentPart]] = None
+    encrypted_content: Optional[str] = None  # a reasoning item's, as this server sealed it
+    input: Optional[str] = None  # a custom tool call's input
 
     def text(self) -> str:
         """A message's content as one string (text parts joined; other parts are a 400)."""
@@ -84,6 +86,7 @@ class ResponsesRequest(Lenient):
     previous_response_id: Optional[str] = None
     metadata: Optional[dict[str, Any]] = None
     user: Optional[str] = None
+    include: Optional[list[str]] = None  # "reasoning.encrypted_content": reasoning items carry it
 
 
 class ResponseObject(BaseModel):

@@ -23,10 +23,12 @@ PROGRESS_POLL_SECONDS = 0.25
 
 
 async def keepalive(
-    chunks: AsyncIterator[str], ping_seconds: float | None, progress: Callable[[], str | None] | None = None
+    chunks: AsyncIterator[str], ping_seconds: float | None, progress: Callable[[], str | None] | None = None,
+    ping: str = PING,
 ) -> AsyncIterator[str]:
-    """``chunks``, with ``PING`` after every ``ping_seconds`` without one (None or 0: never) and,
-    while waiting, ``progress()``'s event whenever it returns one."""
+    """``chunks``, with ``ping`` (default: the comment ``PING``; Anthropic's stream sends its own
+    ``ping`` event) after every ``ping_seconds`` without one (None or 0: never) and, while
+    waiting, ``progress()``'s event whenever it returns one."""
     if not ping_seconds and progress is None:
         async for chunk in chunks:
             yield chunk
@@ -51,7 +53,7 @@ async def keepalive(
             elif progress is not None and (event := progress()) is not None:
                 chunk = event
             elif ping_seconds and time.monotonic() - last >= ping_seconds:
-                chunk = PING
+                chunk = ping
             else:
                 continue
             yield chunk

@@ -33,10 +33,11 @@ class InFlight:
 
 class Lease:
     """A submitted request held by one HTTP response: ``release`` (idempotent) cancels it unless
-    it finished, and stops counting it."""
+    it finished, and stops counting it; ``on_finish`` sees its last event."""
 
-    def __init__(self, handle: RequestHandle, inflight: InFlight) -> None:
-        self.handle, self.inflight = handle, inflight
+    def __init__(self, handle: RequestHandle, inflight: InFlight,
+                 on_finish: Callable[[TokenEvent], None] | None = None) -> None:
+        self.handle, self.inflight, self.on_finish = handle, inflight, on_finish
         self.finished = self.released = False
         self.score_only = False  # max_tokens 0: the reply keeps none of the generated tokens
         inflight.count += 1
@@ -50,6 +51,8 @@ class Lease:
                         continue
                     event = dataclasses.replace(event, text="", token=None, logprob=None, top_logprobs=None,
                                                 finish_reason="length", completion_tokens=0)
+                if event.finish_reason is not None and self.on_finish is not None:
+                    self.on_finish(event)
                 yield event
 
     def release(self) -> None:
@@ -65,8 +68,8 @@ class EventStream(StreamingResponse):
     """An SSE response that releases its request however the response ends (also when the
     client is gone before the first chunk, when the chunk generator never runs)."""
 
-    def __init__(self, chunks: AsyncIterator[str], lease: Lease) -> None:
-        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    def __init__(self, chunks: AsyncIterator[str], lease: Lease, extra_headers: dict[str, str] | None = None) -> None:
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(extra_headers or {})}
         super().__init__(chunks, media_type=SSE_MEDIA_TYPE, headers=headers)
         self.lease = lease
 

@@ -65,6 +65,7 @@ class Turn:
     effort: str | None = None  # the request's reasoning effort by name (Harmony's template renders it)
     prompt_param: str = "messages"
     max_tokens_param: str = "max_tokens"
+    prefill: str = ""  # the start of the reply (Anthropic's assistant prefill): the model continues it
 
 
 @dataclass
@@ -120,9 +121,26 @@ def render_prompt(turn: Turn, served: ServedModel, plan: ToolPlan, traits: Trait
     if traits.reasons:  # reasoning on unless turned off (templates read enable_thinking; llama.cpp's copies need it set)
         kwargs.setdefault("enable_thinking", turn.thinking is not False)
     try:
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs)
+        try:
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs)
+        except MlxformerError:
+            if (merged := merge_system(messages)) is messages:
+                raise
+            text = tokenizer.apply_chat_template(merged, add_generation_prompt=True, **kwargs)
     except MlxformerError as exc:
         raise bad_request(str(exc), param=turn.prompt_param) from exc
+    return text + turn.prefill
+
+
+def merge_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``messages`` with every system message joined into one leading system message (for a
+    template that refuses a system message after the first turn); ``messages`` itself when
+    there is nothing to merge."""
+    systems = [i for i, m in enumerate(messages) if m["role"] == "system"]
+    if not systems or systems == [0]:
+        return messages
+    text = "\n\n".join(str(messages[i].get("content") or "") for i in systems)
+    return [{"role": "system", "content": text}, *(m for m in messages if m["role"] != "system")]
 
 
 def prepare(turn: Turn, served: ServedModel, traits: Traits) -> Prepared:
