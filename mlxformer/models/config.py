@@ -114,6 +114,13 @@ class ModelArgs:
             return self.rope_local
         return self.rope
 
+    def cache_dims(self) -> tuple[int, int, int]:
+        """What one layer's cache stores per token: ``(heads, key dims, value dims)``; an MLA
+        layer stores one rope key and one latent (``cache.latent``)."""
+        if self.attention_type == "mla":
+            return 1, self.qk_rope_head_dim, self.kv_lora_rank
+        return self.num_key_value_heads, self.head_dim, self.head_dim
+
     @classmethod
     def from_dict(cls, config: dict[str, Any]) -> "ModelArgs":
         """Build the args from an HF/mlx-lm ``config.json`` dict; unsupported settings raise."""

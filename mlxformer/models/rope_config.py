@@ -9,7 +9,7 @@ from typing import Any
 
 from mlxformer.errors import MlxformerError
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "freq_factors", "longrope")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "freq_factors", "longrope", "yarn")
 # Older spellings of rope types.
 _ROPE_ALIASES = {"su": "longrope"}
 
@@ -31,6 +31,13 @@ class RopeConfig:
     short_factor: tuple[float, ...] = ()
     long_factor: tuple[float, ...] = ()
     attention_factor: float = 1.0
+    # YaRN (``rope.YarnRoPE``): the ramp between interpolated and extrapolated frequencies, and
+    # DeepSeek's ``mscale``/``mscale_all_dim`` (their ratio sets ``attention_factor``).
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    mscale: float = 0.0
+    mscale_all_dim: float = 0.0
 
 
 def rope_config_from_dict(config: dict[str, Any], layer_type: str = "full_attention") -> RopeConfig:
@@ -45,9 +52,9 @@ def rope_config_from_dict(config: dict[str, Any], layer_type: str = "full_attent
     rope_type = merged.get("rope_type") or merged.get("type") or "default"
     rope_type = _ROPE_ALIASES.get(rope_type, rope_type)
     if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise MlxformerError(f"unsupported rope type {rope_type!r} (supported: default, linear, dynamic, llama3, longrope)")
+        raise MlxformerError(f"unsupported rope type {rope_type!r} (supported: default, linear, dynamic, llama3, longrope, yarn)")
     factor = float(merged.get("factor", 1.0))
-    if rope_type in ("linear", "dynamic", "llama3") and "factor" not in merged:
+    if rope_type in ("linear", "dynamic", "llama3", "yarn") and "factor" not in merged:
         raise MlxformerError(f"rope type {rope_type!r} needs a 'factor'")
     original = int(
         merged.get("original_max_position_embeddings") or config.get("original_max_position_embeddings")
@@ -63,6 +70,8 @@ def rope_config_from_dict(config: dict[str, Any], layer_type: str = "full_attent
         ratio = float(merged.get("factor") or int(config.get("max_position_embeddings") or original) / original)
         attention_factor = float(merged.get("attention_factor") or (
             math.sqrt(1 + math.log(ratio) / math.log(original)) if ratio > 1 else 1.0))
+    if rope_type == "yarn":
+        attention_factor = _yarn_attention_factor(merged, factor)
     return RopeConfig(
         theta=float(theta),
         type=rope_type,
@@ -74,7 +83,27 @@ def rope_config_from_dict(config: dict[str, Any], layer_type: str = "full_attent
         short_factor=short,
         long_factor=long,
         attention_factor=attention_factor,
+        beta_fast=float(merged.get("beta_fast") or 32.0),
+        beta_slow=float(merged.get("beta_slow") or 1.0),
+        truncate=bool(merged.get("truncate", True)),
+        mscale=float(merged.get("mscale") or 0.0),
+        mscale_all_dim=float(merged.get("mscale_all_dim") or 0.0),
     )
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _yarn_attention_factor(params: dict[str, Any], factor: float) -> float:
+    """transformers' ``_compute_yarn_parameters``: the given ``attention_factor``, else
+    ``mscale(factor, mscale) / mscale(factor, mscale_all_dim)`` when both are set, else ``mscale(factor)``."""
+    if params.get("attention_factor") is not None:
+        return float(params["attention_factor"])
+    mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+    if mscale and mscale_all_dim:
+        return _yarn_mscale(factor, float(mscale)) / _yarn_mscale(factor, float(mscale_all_dim))
+    return _yarn_mscale(factor)
 
 
 def rope_scaling_dict(rope: RopeConfig) -> dict[str, Any] | None:
@@ -90,6 +119,10 @@ def rope_scaling_dict(rope: RopeConfig) -> dict[str, Any] | None:
         )
     if rope.type == "freq_factors":
         scaling["freq_factors"] = list(rope.freq_factors)
+    if rope.type == "yarn":
+        scaling.update(original_max_position_embeddings=rope.original_max_position_embeddings,
+                       beta_fast=rope.beta_fast, beta_slow=rope.beta_slow, attention_factor=rope.attention_factor)
+        scaling.update({k: v for k, v in (("mscale", rope.mscale), ("mscale_all_dim", rope.mscale_all_dim)) if v})
     if rope.type == "longrope":
         del scaling["factor"]
         scaling.update(short_factor=list(rope.short_factor), long_factor=list(rope.long_factor),
