@@ -185,3 +185,30 @@ def test_quantized_latent_attention_is_the_formula(bits):
     probs = np.exp(scores - scores.max(-1, keepdims=True))
     probs /= probs.sum(-1, keepdims=True)
     assert np.abs(out[0, :, 0] - probs @ stored_latents).max() < 2e-3
+
+
+def test_prompt_cache_memory_disk_and_file(case, tmp_path):
+    """The latent in the prompt cache: a shared prefix served from memory blocks, then from disk
+    after a restart (the files checked against the latent's shapes), and a saved cache file
+    loaded back; every output the one the prompt gets alone."""
+    from mlxformer.cache.files import load_prompt_cache, save_prompt_cache
+    from mlxformer.engine import Engine, GenerationRequest
+    from mlxformer.engine.prompt_cache import PromptCacheSettings
+
+    name, _, model, tokenizer, _ = case
+    system = list(range(10, 34))  # 3 blocks of 8
+    first, second = system + list(range(40, 50)), system + list(range(60, 66))
+    alone = {tuple(p): [r.token for r in stream_generate(model, tokenizer, p, 5)] for p in (first, second)}
+    settings = PromptCacheSettings(memory_bytes=2**30, directory=str(tmp_path / "blocks"), block_size=8)
+    with Engine(model, tokenizer, prompt_cache=settings) as engine:
+        for prompt, cached in ((first, 0), (second, len(system))):
+            events = list(engine.submit(GenerationRequest(prompt, max_tokens=5)))
+            assert events[-1].cached_tokens == cached and [e.token for e in events] == alone[tuple(prompt)]
+    with Engine(model, tokenizer, prompt_cache=settings) as engine:  # a restart: from disk
+        events = list(engine.submit(GenerationRequest(second, max_tokens=5)))
+        assert events[-1].cached_tokens >= len(system) and [e.token for e in events] == alone[tuple(second)]
+    cache = make_cache(model)
+    prefill(model, mx.array(first), cache)
+    save_prompt_cache(tmp_path / "c.safetensors", cache, first, model, tokenizer)
+    loaded, ids = load_prompt_cache(tmp_path / "c.safetensors", model, tokenizer)
+    assert ids == first and all(mx.array_equal(a, b) for c, d in zip(cache, loaded) for a, b in zip(c.state, d.state))
