@@ -108,12 +108,12 @@ class Footprint:
     def kv_bytes_per_token(self, bits: int | None = None, group_size: int = KV_GROUP_SIZE) -> int:
         """KV-cache bytes per token over all layers (keys and values), in the activation dtype."""
         element_bytes = self.activation_bytes
-        a = self.args
-        if bits is None:
-            per_head = a.head_dim * element_bytes
-        else:  # packed codes plus one scale and one bias per group
-            per_head = a.head_dim * bits // 8 + 2 * (a.head_dim // group_size) * element_bytes
-        return 2 * a.num_hidden_layers * a.num_key_value_heads * per_head
+        heads, key_dims, value_dims = self.args.cache_dims()  # MLA: one rope key and one latent
+
+        def row_bytes(dims: int) -> int:  # float, or packed codes plus one scale and one bias per group
+            return dims * element_bytes if bits is None else dims * bits // 8 + 2 * (dims // group_size) * element_bytes
+
+        return self.args.num_hidden_layers * heads * (row_bytes(key_dims) + row_bytes(value_dims))
 
 
 def footprint(path_or_repo: str | Path | Checkpoint, device: mx.DeviceType | None = None) -> Footprint:

@@ -110,6 +110,10 @@ def test_random_splits_agree(name):
         "mistral": '[TOOL_CALLS][{"name": "get_time", "arguments": {"zone": "CET"}}]',
         "mistral_v11": '[TOOL_CALLS]get_time[ARGS]{"zone": "CET"}',
         "qwen3_coder": "<tool_call>\n<function=get_time>\n<parameter=zone>\nCET\n</parameter>\n</function>\n</tool_call>",
+        "glm": "<tool_call>get_time\n<arg_key>zone</arg_key>\n<arg_value>CET</arg_value>\n</tool_call>",
+        "glm47": "<tool_call>get_time<arg_key>zone</arg_key><arg_value>CET</arg_value></tool_call>",
+        "deepseek_v3_1": "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_time<｜tool▁sep｜>{\"zone\": \"CET\"}"
+                         "<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
     }
     text = "Sure. " + texts[name] if name not in ("json", "llama3_json") else texts[name]
     whole_content, whole_calls = parse_whole(fmt, text)

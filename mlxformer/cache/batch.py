@@ -23,6 +23,7 @@ import numpy as np
 
 from mlxformer.cache.codec import CENTER_BLOCK, FLOAT_CODEC, KVCodec, Pack, pack_nbytes
 from mlxformer.cache.kv import KVCache
+from mlxformer.cache.latent import latent_attention
 from mlxformer.cache.protocol import Cache
 from mlxformer.cache.rotating import RotatingKVCache
 from mlxformer.models.mask import Mask
@@ -179,6 +180,11 @@ class BatchLayerCache:
         if (self.codec.bits is not None or softcap is not None) and isinstance(mask, mx.array):
             mask = mask[:, None]  # (B, 1, 1, 1, C) against the (B, n_kv, n_rep, 1, C) scores
         return self.codec.attention(queries, keys, values, scale, mask, softcap, self.layout.key_blocks, sinks)
+
+    def latent_attention(
+        self, q_latent: mx.array, q_rope: mx.array, keys: Pack, values: Pack, scale: float, mask: Mask
+    ) -> mx.array:
+        return latent_attention(self.codec, q_latent, q_rope, keys, values, scale, mask, self.layout.key_blocks)
 
     @property
     def state(self) -> tuple[mx.array, ...]:

@@ -82,18 +82,22 @@ def check_layer(
 
 def _layouts(fields: _Layer, args: Any, stored: int, quantized: bool, rotating: bool):
     """(shape, dtype kind) of each array of the layer, in ``state`` order."""
-    n_kv, dim = args.num_key_value_heads, args.head_dim
+    n_kv, key_dim, value_dim = args.cache_dims()  # MLA: one rope key and one latent
     prefix = (1, n_kv, stored)
     if quantized:
         group, bits = fields.ints["group_size"], fields.bits
         assert bits is not None
-        if dim % group:
-            fields.fail(f"group_size={group} does not divide head_dim {dim}")
-        pack = [(prefix + (dim * bits // 32,), "uint32"), (prefix + (dim // group,), "float"),
-                (prefix + (dim // group,), "float")]
-        layout: list[tuple[tuple[int | None, ...], str]] = pack + pack + [((1, n_kv, None, dim), "float")]
+
+        def pack(dim: int) -> list[tuple[tuple[int | None, ...], str]]:
+            if dim % group:
+                fields.fail(f"group_size={group} does not divide head_dim {dim}")
+            return [(prefix + (dim * bits // 32,), "uint32"), (prefix + (dim // group,), "float"),
+                    (prefix + (dim // group,), "float")]
+
+        layout: list[tuple[tuple[int | None, ...], str]] = pack(key_dim) + pack(value_dim) + [
+            ((1, n_kv, None, key_dim), "float")]
     else:
-        layout = [(prefix + (dim,), "float"), (prefix + (dim,), "float")]
+        layout = [(prefix + (key_dim,), "float"), (prefix + (value_dim,), "float")]
     if rotating:
         layout.append(((stored,), "int32"))  # the absolute position of each slot
     return layout

@@ -8,6 +8,7 @@ from mlxformer.cache.codec import (
     FLOAT_CODEC, KVCodec, Pack, center_blocks, check_kv_quantization, pack_concat, pack_nbytes, pack_slice,
     pack_write, pack_zeros_like,
 )
+from mlxformer.cache.latent import latent_attention
 from mlxformer.models.mask import Mask, causal_mask_for
 
 
@@ -73,6 +74,11 @@ class KVCache:
         sinks: mx.array | None = None,
     ) -> mx.array:
         return self.codec.attention(queries, keys, values, scale, mask, softcap, sinks=sinks)
+
+    def latent_attention(
+        self, q_latent: mx.array, q_rope: mx.array, keys: Pack, values: Pack, scale: float, mask: Mask
+    ) -> mx.array:
+        return latent_attention(self.codec, q_latent, q_rope, keys, values, scale, mask)
 
     def make_mask(self, query_len: int, window: int | None) -> Mask:
         return causal_mask_for(query_len, self.offset + query_len, window)

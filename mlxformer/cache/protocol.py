@@ -49,6 +49,14 @@ class Cache(Protocol):
         ``sinks`` ``(n_heads,)`` join each softmax: gpt-oss)."""
         ...
 
+    def latent_attention(
+        self, q_latent: mx.array, q_rope: mx.array, keys: Any, values: Any, scale: float, mask: Mask
+    ) -> mx.array:
+        """Multi-head latent attention over what ``update_and_fetch`` returned for rope keys
+        ``(B, 1, L, rope)`` and latents ``(B, 1, L, rank)`` (see ``cache.latent``): queries
+        ``(B, H, L, rank)`` / ``(B, H, L, rope)`` in, ``(B, H, L, rank)`` out."""
+        ...
+
     def make_mask(self, query_len: int, window: int | None) -> Mask:
         """The mask for the next ``query_len`` queries (called before ``update_and_fetch``)."""
         ...

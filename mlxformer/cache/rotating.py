@@ -15,6 +15,7 @@ from mlxformer.cache.codec import (
     pack_slice, pack_write, pack_zeros_like,
 )
 from mlxformer.errors import MlxformerError
+from mlxformer.cache.latent import latent_attention
 
 
 class RotatingKVCache:
@@ -145,6 +146,12 @@ class RotatingKVCache:
         if self.codec.key_center is not None:
             blocks = mx.array(self._fetched, dtype=mx.int32) // CENTER_BLOCK
         return self.codec.attention(queries, keys, values, scale, mask, softcap, blocks, sinks)
+
+    def latent_attention(
+        self, q_latent: mx.array, q_rope: mx.array, keys: Pack, values: Pack, scale: float, mask: Mask
+    ) -> mx.array:
+        blocks = None if self.codec.key_center is None else mx.array(self._fetched, dtype=mx.int32) // CENTER_BLOCK
+        return latent_attention(self.codec, q_latent, q_rope, keys, values, scale, mask, blocks)
 
     def make_mask(self, query_len: int, window: int | None) -> Mask:
         if self.offset + query_len <= self.max_size:  # nothing evicted: same as the plain cache

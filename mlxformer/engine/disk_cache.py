@@ -52,8 +52,7 @@ class DiskBlockStore:
             raise MlxformerError(f"cannot use the prompt cache directory {directory}: {exc.strerror}") from None
         self.max_bytes, self.identity, self.dtype, self.block_size = max_bytes, dict(identity), dtype, block_size
         self.n_layers = args.num_hidden_layers
-        self._args = SimpleNamespace(num_key_value_heads=args.num_key_value_heads, head_dim=args.head_dim,
-                                     sliding_window=None)
+        self._args = SimpleNamespace(cache_dims=args.cache_dims, sliding_window=None)
         self._lock = threading.Lock()
         self._index: OrderedDict[str, int] = OrderedDict()  # key -> file bytes, least recently used first
         self._pending: set[str] = set()

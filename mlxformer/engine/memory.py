@@ -91,7 +91,7 @@ class KVSizer:
         args = model.args
         self.model, self.settings = model, settings
         self.dtype = model.hidden_states(mx.array([[0]])).dtype  # the keys' dtype (lazy: never evaluated)
-        self.shape = (1, args.num_key_value_heads, 0, args.head_dim)
+        self.heads, self.key_dims, self.value_dims = args.cache_dims()
         self.max_blocks = math.ceil((args.max_position_embeddings + extra_tokens) / BLOCK) + 1
         self._probed: dict[int, int] = {0: 0}
 
@@ -102,8 +102,8 @@ class KVSizer:
             start = self.settings.quantized_kv_start if self.settings.kv_bits is not None else 0
             for cache in make_cache(self.model, self.settings):
                 for length in ([start, n - start] if 0 < start < n else [n]):
-                    size = (*self.shape[:2], length, self.shape[3])
-                    cache.update_and_fetch(mx.zeros(size, self.dtype), mx.zeros(size, self.dtype))
+                    keys = mx.zeros((1, self.heads, length, self.key_dims), self.dtype)
+                    cache.update_and_fetch(keys, mx.zeros((1, self.heads, length, self.value_dims), self.dtype))
                 total += cache.nbytes
             self._probed[blocks] = total
         return self._probed[blocks]

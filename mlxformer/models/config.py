@@ -85,6 +85,22 @@ class ModelArgs:
     mlp_name: str = "mlp"  # the block's attribute, as the checkpoint names it (Mixtral: block_sparse_moe)
     # --- gpt-oss ---
     attention_sinks: bool = False  # a learned per-head logit joins each attention softmax
+    # DeepSeek-style routing (``models.router``): "softmax" is the plain softmax top-k of an
+    # ``nn.Linear`` gate; "greedy", "group_limited_greedy" (DeepSeek-V2) and "noaux_tc" (V3, GLM)
+    # the grouped router with ``n_group`` groups of which ``topk_group`` compete.
+    router: str = "softmax"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    n_shared_experts: int = 0  # ungated shared experts, moe_intermediate_size each (DeepSeek, GLM)
+    # --- multi-head latent attention (``attention_type="mla"``, ``models.mla``) ---
+    attention_type: str = "gqa"
+    q_lora_rank: int | None = None  # None: a plain q_proj
+    kv_lora_rank: int = 0  # the cached latent's size
+    qk_rope_head_dim: int = 0  # rotated features per head (the cached rope key's size)
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_traditional: bool = False  # RoPE rotates interleaved pairs (DeepSeek's layout)
 
     def layer_window(self, index: int) -> int | None:
         """The sliding window layer ``index`` attends with (None: the whole context)."""
@@ -99,6 +115,13 @@ class ModelArgs:
         if self.rope_local is not None and self.layer_types and self.layer_types[index] == "sliding":
             return self.rope_local
         return self.rope
+
+    def cache_dims(self) -> tuple[int, int, int]:
+        """What one layer's cache stores per token: ``(heads, key dims, value dims)``; an MLA
+        layer stores one rope key and one latent (``cache.latent``)."""
+        if self.attention_type == "mla":
+            return 1, self.qk_rope_head_dim, self.kv_lora_rank
+        return self.num_key_value_heads, self.head_dim, self.head_dim
 
     @classmethod
     def from_dict(cls, config: dict[str, Any]) -> "ModelArgs":
@@ -188,4 +211,8 @@ ARCHITECTURES = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "olmoe": "OlmoeForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
+    "glm4_moe": "Glm4MoeForCausalLM",
+    "deepseek_v2": "DeepseekV2ForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+    "glm4_moe_lite": "Glm4MoeLiteForCausalLM",
 }

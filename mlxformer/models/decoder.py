@@ -18,6 +18,7 @@ from mlxformer.models.mask import Mask, causal_mask_for
 from mlxformer.cache.protocol import Cache
 from mlxformer.models.attention_ops import fused_attention, softcap_scores, softcapped_attention
 from mlxformer.models.config import ModelArgs
+from mlxformer.models.mla import MLAttention
 from mlxformer.models.mlp import MLP, make_mlp, swiglu
 import mlxformer.models.moe  # noqa: F401  registers the "moe" MLP type
 import mlxformer.models.moe_gpt_oss  # noqa: F401  registers gpt-oss's experts and gate
@@ -100,7 +101,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, args: ModelArgs, layer_index: int = 0):
         super().__init__()
         self.window = args.layer_window(layer_index)
-        self.self_attn = Attention(args, layer_index)
+        self.self_attn = MLAttention(args, layer_index) if args.attention_type == "mla" else Attention(args, layer_index)
         self.mlp_name = args.mlp_name  # the checkpoint's name for the block (Mixtral: block_sparse_moe)
         self[args.mlp_name] = make_mlp(args, layer_index)
         self.norm_layout = args.norm_layout  # a string: kept out of the parameter tree

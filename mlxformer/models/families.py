@@ -11,7 +11,7 @@ import math
 from typing import Any, Callable
 
 from mlxformer.errors import MlxformerError
-from mlxformer.models.rope_config import RopeConfig, rope_config_from_dict
+from mlxformer.models.rope_config import RopeConfig, rope_config_from_dict, yarn_mscale
 
 Fields = dict[str, Any]
 # transformers' activation names -> the decoder's gate functions (``models.mlp.GATES``)
@@ -193,6 +193,78 @@ def _gpt_oss(config: dict[str, Any], base: Fields) -> Fields:
             "sliding_window": _window(config), "layer_types": _layer_types(config, lambda i: i % 2 == 0)}
 
 
+def _routed(config: dict[str, Any], router: str, norm_default: bool) -> Fields:
+    """DeepSeek-style experts (``models.router``): ``n_routed_experts`` behind the grouped router,
+    ``n_shared_experts`` always on, and dense MLPs on the first ``first_k_dense_replace`` layers
+    (or on ``mlp_layer_types``' "dense" ones, GLM-4.7-Flash)."""
+    layers = int(config["num_hidden_layers"])
+    count = int(config.get("n_routed_experts") or config.get("num_local_experts") or 0)
+    top_k = int(config["num_experts_per_tok"])
+    if not 0 < top_k <= count:
+        raise MlxformerError(f"config.json num_experts_per_tok must be 1..{count}, not {top_k}")
+    n_group, topk_group = int(config.get("n_group") or 1), int(config.get("topk_group") or 1)
+    if router != "greedy" and (count % n_group or not 0 < topk_group <= n_group):
+        raise MlxformerError(f"config.json n_group {n_group} must divide {count} experts and topk_group "
+                             f"{topk_group} be 1..{n_group}")
+    kinds = config.get("mlp_layer_types")
+    if kinds is not None:
+        if len(kinds) != layers or any(k not in ("dense", "sparse") for k in kinds):
+            raise MlxformerError(f"config.json mlp_layer_types must name {layers} layers as dense/sparse")
+        dense = tuple(i for i, k in enumerate(kinds) if k == "dense")
+    else:
+        dense = tuple(range(min(layers, int(config.get("first_k_dense_replace") or 0))))
+    return {
+        "mlp_type": "moe", "num_experts": count, "num_experts_per_tok": top_k,
+        "moe_intermediate_size": int(config["moe_intermediate_size"]),
+        "norm_topk_prob": bool(config.get("norm_topk_prob", norm_default)), "mlp_only_layers": dense,
+        "router": router, "n_group": n_group, "topk_group": topk_group,
+        "routed_scaling_factor": float(config.get("routed_scaling_factor") or 1.0),
+        "n_shared_experts": int(config.get("n_shared_experts") or 0),
+    }
+
+
+def _glm4_moe(config: dict[str, Any], base: Fields) -> Fields:
+    """GLM-4.5/4.6: q/k/v biases (never o_proj's), optional per-head q/k norm, half the head
+    rotated, and sigmoid-routed experts with shared ones."""
+    params = config.get("rope_parameters") or {}
+    factor = config.get("partial_rotary_factor", params.get("partial_rotary_factor", 0.5))
+    return {"qkv_bias": bool(config.get("attention_bias", False)), "o_proj_bias": False,
+            "qk_norm": bool(config.get("use_qk_norm", False)), "partial_rotary_factor": float(factor),
+            **_routed(config, "noaux_tc", True)}
+
+
+def _mla(config: dict[str, Any], base: Fields) -> Fields:
+    """Multi-head latent attention (``models.mla``): low-rank q (``q_lora_rank``; None: plain
+    q_proj) and kv projections, decoupled rope dims, ``v_head_dim`` values; the softmax scale is
+    ``qk_head_dim ** -0.5`` times YaRN's ``mscale(factor, mscale_all_dim) ** 2``."""
+    nope, rope_dims = int(config["qk_nope_head_dim"]), int(config["qk_rope_head_dim"])
+    scaling = {**(config.get("rope_parameters") or {}), **(config.get("rope_scaling") or {})}
+    scale = (nope + rope_dims) ** -0.5
+    if (scaling.get("rope_type") or scaling.get("type") or "default") != "default" and scaling.get("mscale_all_dim"):
+        scale *= yarn_mscale(float(scaling["factor"]), float(scaling["mscale_all_dim"])) ** 2
+    q_lora = config.get("q_lora_rank")
+    return {
+        "attention_type": "mla", "q_lora_rank": None if q_lora is None else int(q_lora),
+        "kv_lora_rank": int(config["kv_lora_rank"]), "qk_rope_head_dim": rope_dims, "qk_nope_head_dim": nope,
+        "v_head_dim": int(config["v_head_dim"]), "head_dim": rope_dims, "attention_scale": scale,
+        "rope_traditional": bool(config.get("rope_interleave", True)),
+        "qkv_bias": bool(config.get("attention_bias", False)), "o_proj_bias": bool(config.get("attention_bias", False)),
+    }
+
+
+def _deepseek_v2(config: dict[str, Any], base: Fields) -> Fields:
+    """DeepSeek-V2: MLA, softmax routing (``greedy`` or ``group_limited_greedy``), never renormalised."""
+    method = config.get("topk_method") or "greedy"
+    if method not in ("greedy", "group_limited_greedy"):
+        raise MlxformerError(f"unsupported topk_method {method!r} for deepseek_v2")
+    return {**_mla(config, base), "rope_traditional": True, **_routed(config, method, False), "norm_topk_prob": False}
+
+
+def _deepseek_v3(config: dict[str, Any], base: Fields) -> Fields:
+    """DeepSeek-V3 and GLM-4.7-Flash (``glm4_moe_lite``): MLA and sigmoid (``noaux_tc``) routing."""
+    return {**_mla(config, base), **_routed(config, "noaux_tc", True)}
+
+
 def _float_or_none(value: Any) -> float | None:
     return None if value is None else float(value)
 
@@ -214,6 +286,10 @@ FAMILIES: dict[str, Callable[[dict[str, Any], Fields], Fields]] = {
     "qwen3_moe": _qwen3_moe,
     "olmoe": _olmoe,
     "gpt_oss": _gpt_oss,
+    "glm4_moe": _glm4_moe,
+    "deepseek_v2": _deepseek_v2,
+    "deepseek_v3": _deepseek_v3,
+    "glm4_moe_lite": _deepseek_v3,
 }
 
 

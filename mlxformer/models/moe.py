@@ -22,6 +22,7 @@ import mlx.nn as nn
 from mlxformer.errors import MlxformerError
 from mlxformer.models.config import ModelArgs
 from mlxformer.models.mlp import GATES, MLP, MLP_TYPES
+from mlxformer.models.router import GroupedRouter
 
 # Below this many (token, expert) pairs the gather runs unsorted (decode steps).
 SORT_THRESHOLD = 64
@@ -131,7 +132,9 @@ class SwitchGLU(nn.Module):
 
 
 class SparseMoE(nn.Module):
-    """Router + routed experts (+ Qwen2-MoE's gated shared expert): ``(B, T, h) -> (B, T, h)``."""
+    """Router + routed experts (+ Qwen2-MoE's gated shared expert, or DeepSeek's ungated
+    ``shared_experts``): ``(B, T, h) -> (B, T, h)``. The router is a softmax top-k over an
+    ``nn.Linear`` gate, or ``models.router.GroupedRouter`` (``args.router``)."""
 
     experts_name = "switch_mlp"  # the routed experts' attribute, as the checkpoint names it
 
@@ -139,14 +142,21 @@ class SparseMoE(nn.Module):
         super().__init__()
         self.top_k = args.num_experts_per_tok
         self.norm_topk_prob = args.norm_topk_prob
-        self.gate = nn.Linear(args.hidden_size, args.num_experts, bias=False)
+        self.router = args.router  # a name: kept out of the parameter tree
+        self.gate = nn.Linear(args.hidden_size, args.num_experts, bias=False) if args.router == "softmax" else (
+            GroupedRouter(args))
         self.switch_mlp = SwitchGLU(args.hidden_size, args.moe_intermediate_size, args.num_experts, args.hidden_act)
         if args.shared_expert_intermediate_size:
             self.shared_expert = MLP(dataclasses.replace(args, intermediate_size=args.shared_expert_intermediate_size))
             self.shared_expert_gate = nn.Linear(args.hidden_size, 1, bias=False)
+        if args.n_shared_experts:
+            shared = args.moe_intermediate_size * args.n_shared_experts
+            self.shared_experts = MLP(dataclasses.replace(args, intermediate_size=shared))
 
     def route(self, x: mx.array) -> tuple[mx.array, mx.array]:
         """Expert indices ``(N, k)`` and their weights ``(N, k)`` (float32) for rows ``x (N, h)``."""
+        if self.router != "softmax":
+            return self.gate(x)
         probs = mx.softmax(self.gate(x).astype(mx.float32), axis=-1)  # (N, experts)
         indices = mx.argpartition(-probs, kth=self.top_k - 1, axis=-1)[:, : self.top_k]
         weights = mx.take_along_axis(probs, indices, axis=-1)
@@ -162,6 +172,8 @@ class SparseMoE(nn.Module):
         y = (routed * weights[..., None].astype(routed.dtype)).sum(axis=1)  # (N, h)
         if "shared_expert" in self:
             y = y + mx.sigmoid(self.shared_expert_gate(rows)) * self.shared_expert(rows)
+        if "shared_experts" in self:
+            y = y + self.shared_experts(rows)
         return y.reshape(B, T, H)
 
 

@@ -54,9 +54,10 @@ def scale_rotated(x: mx.array, dims: int, factor: float) -> mx.array:
 class RoPE(nn.Module):
     """Applies non-interleaved (HF ``rotate_half``) rotary embedding to ``(B, heads, T, head_dim)``."""
 
-    def __init__(self, dims: int, rope: RopeConfig, max_position_embeddings: int):
+    def __init__(self, dims: int, rope: RopeConfig, max_position_embeddings: int, traditional: bool = False):
         super().__init__()
         self.dims = dims
+        self.traditional = traditional  # rotate interleaved pairs (DeepSeek) instead of halves
         self.config = rope
         self.max_position_embeddings = max_position_embeddings
         self.scale = 1.0 / rope.factor if rope.type == "linear" else 1.0
@@ -96,8 +97,8 @@ class RoPE(nn.Module):
         x = scale_rotated(x, self.dims, self.attention_factor)
         if self._periods is not None:
             return mx.fast.rope(
-                x, self.dims, traditional=False, base=None, scale=self.scale, offset=offset, freqs=self._periods
+                x, self.dims, traditional=self.traditional, base=None, scale=self.scale, offset=offset, freqs=self._periods
             )
         end = 0 if isinstance(offset, mx.array) else offset + x.shape[-2]
         base = self._base(max(end, length or 0))
-        return mx.fast.rope(x, self.dims, traditional=False, base=base, scale=self.scale, offset=offset)
+        return mx.fast.rope(x, self.dims, traditional=self.traditional, base=base, scale=self.scale, offset=offset)

@@ -98,14 +98,15 @@ def yarn_attention_factor(scaling: dict[str, Any], factor: float) -> float:
     (DeepSeek: the ratio of that for ``mscale`` and ``mscale_all_dim``)."""
     if scaling.get("attention_factor") is not None:
         return float(scaling["attention_factor"])
-
-    def get_mscale(scale: float, mscale: float = 1.0) -> float:
-        return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
-
     mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
     if mscale and mscale_all_dim:
-        return get_mscale(factor, float(mscale)) / get_mscale(factor, float(mscale_all_dim))
-    return get_mscale(factor)
+        return yarn_mscale(factor, float(mscale)) / yarn_mscale(factor, float(mscale_all_dim))
+    return yarn_mscale(factor)
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """DeepSeek's YaRN magnitude scale ``0.1 * mscale * ln(factor) + 1`` (1 for factor <= 1)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 def rope_scaling_dict(rope: RopeConfig) -> dict[str, Any] | None:

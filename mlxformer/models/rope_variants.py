@@ -1,7 +1,7 @@
-"""RoPE variants beside ``rope.RoPE``: LongRoPE (Phi-3.5, Phi-4-mini), and ``make_rope``, which
-picks the implementation for a layer's settings."""
-
+"""RoPE variants beside ``rope.RoPE`` (which also does YaRN): LongRoPE (Phi-3.5, Phi-4-mini),
+and ``make_rope``, which picks the implementation for a layer's settings."""
 from __future__ import annotations
+
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -39,8 +39,9 @@ class LongRoPE(nn.Module):
         return mx.fast.rope(x, self.dims, traditional=False, base=None, scale=1.0, offset=offset, freqs=periods)
 
 
-def make_rope(dims: int, rope: RopeConfig, max_position_embeddings: int) -> nn.Module:
-    """The rotary embedding for ``dims`` rotated features of each head."""
+def make_rope(dims: int, rope: RopeConfig, max_position_embeddings: int, traditional: bool = False) -> nn.Module:
+    """The rotary embedding for ``dims`` rotated features of each head (``traditional``: in
+    interleaved pairs)."""
     if rope.type == "longrope":
         return LongRoPE(dims, rope)
-    return RoPE(dims, rope, max_position_embeddings)
+    return RoPE(dims, rope, max_position_embeddings, traditional)

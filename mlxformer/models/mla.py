@@ -1,0 +1,83 @@
+"""Multi-head latent attention (DeepSeek-V2/V3, GLM-4.7-Flash ``glm4_moe_lite``), in absorbed form.
+
+Keys and values come from one compressed latent per token, ``kv_a_layernorm`` of the first
+``kv_lora_rank`` features of ``kv_a_proj_with_mqa``, plus one rotated key of
+``qk_rope_head_dim`` shared by every head. ``kv_b_proj`` would expand the latent into each
+head's ``qk_nope_head_dim`` key features and ``v_head_dim`` values; instead its key part is
+folded into the queries (``q_nope @ W_k``: ``(H, nope) -> (H, rank)``) and its value part
+applied to the attention output (``out @ W_v^T``), so the cache holds only the latent and the
+rope key (``cache.latent``) and no step expands the cached context. The queries come from
+``q_proj``, or through the low-rank ``q_a_proj`` / ``q_a_layernorm`` / ``q_b_proj``. Module
+names are the checkpoint's.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mlxformer.cache.codec import FLOAT_CODEC
+from mlxformer.cache.latent import latent_attention
+from mlxformer.cache.protocol import Cache
+from mlxformer.models.config import ModelArgs
+from mlxformer.models.mask import Mask
+from mlxformer.models.norms import RMSNorm
+from mlxformer.models.rope_variants import make_rope
+
+LATENT_NORM_EPS = 1e-6  # transformers builds q_a_layernorm / kv_a_layernorm with the default eps
+
+
+class MLAttention(nn.Module):
+    """``(B, L, hidden) -> (B, L, hidden)`` latent attention for layer ``layer_index``."""
+
+    def __init__(self, args: ModelArgs, layer_index: int = 0):
+        super().__init__()
+        self.n_heads, self.rank = args.num_attention_heads, args.kv_lora_rank
+        self.nope, self.rope_dims, self.v_dim = args.qk_nope_head_dim, args.qk_rope_head_dim, args.v_head_dim
+        self.q_lora_rank = args.q_lora_rank
+        q_dims = self.n_heads * (self.nope + self.rope_dims)
+        if args.q_lora_rank is None:
+            self.q_proj = nn.Linear(args.hidden_size, q_dims, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(args.hidden_size, args.q_lora_rank, bias=args.qkv_bias)
+            self.q_a_layernorm = RMSNorm(args.q_lora_rank, eps=LATENT_NORM_EPS)
+            self.q_b_proj = nn.Linear(args.q_lora_rank, q_dims, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(args.hidden_size, self.rank + self.rope_dims, bias=args.qkv_bias)
+        self.kv_a_layernorm = RMSNorm(self.rank, eps=LATENT_NORM_EPS)
+        self.kv_b_proj = nn.Linear(self.rank, self.n_heads * (self.nope + self.v_dim), bias=False)
+        self.o_proj = nn.Linear(self.n_heads * self.v_dim, args.hidden_size, bias=args.o_proj_bias)
+        self.scale = (self.nope + self.rope_dims) ** -0.5 if args.attention_scale is None else args.attention_scale
+        rope = args.layer_rope(layer_index)
+        assert rope is not None, "MLA layers always rotate their rope features"
+        self.rope = make_rope(self.rope_dims, rope, args.max_position_embeddings, args.rope_traditional)
+
+    def absorbed(self) -> tuple[mx.array, mx.array]:
+        """``kv_b_proj`` split per head: the key part ``(H, nope, rank)`` and the value part
+        ``(H, v, rank)`` (dequantized when the layer is quantized)."""
+        layer = self.kv_b_proj
+        weight = layer.weight
+        if isinstance(layer, nn.QuantizedLinear):
+            weight = mx.dequantize(weight, layer.scales, layer.biases, group_size=layer.group_size, bits=layer.bits)
+        weight = weight.reshape(self.n_heads, self.nope + self.v_dim, self.rank)  # (H * (nope + v), rank) -> per head
+        return weight[:, : self.nope], weight[:, self.nope :]
+
+    def __call__(self, x: mx.array, mask: Mask, cache: Cache | None, rope_length: int | None = None) -> mx.array:
+        B, L, _ = x.shape
+        q = self.q_proj(x) if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.reshape(B, L, self.n_heads, self.nope + self.rope_dims).transpose(0, 2, 1, 3)  # (B, H, L, nope + rope)
+        q_nope, q_rope = q[..., : self.nope], q[..., self.nope :]
+        compressed = self.kv_a_proj_with_mqa(x)  # (B, L, rank + rope)
+        latent = self.kv_a_layernorm(compressed[..., : self.rank])[:, None]  # (B, 1, L, rank)
+        k_rope = compressed[..., self.rank :][:, None]  # (B, 1, L, rope)
+        offset = cache.offset if cache is not None else 0
+        q_rope, k_rope = self.rope(q_rope, offset, rope_length), self.rope(k_rope, offset, rope_length)
+        w_k, w_v = self.absorbed()
+        q_latent = q_nope @ w_k  # (B, H, L, nope) @ (H, nope, rank) -> (B, H, L, rank)
+        if cache is not None:
+            keys, values = cache.update_and_fetch(k_rope, latent)
+            out = cache.latent_attention(q_latent, q_rope, keys, values, self.scale, mask)
+        else:
+            out = latent_attention(FLOAT_CODEC, q_latent, q_rope, (k_rope,), (latent,), self.scale, mask)
+        out = out @ w_v.swapaxes(-1, -2)  # (B, H, L, rank) @ (H, rank, v) -> (B, H, L, v)
+        # (B, H, L, v) -> (B, L, H * v)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
