@@ -74,6 +74,10 @@ class ModelArgs:
     embedding_scale: float = 1.0  # Gemma: sqrt(hidden); Granite: embedding_multiplier
     residual_scale: float = 1.0  # Granite: each sublayer's output is scaled before the residual add
     logits_scale: float = 1.0  # Granite: 1 / logits_scaling
+    # Ministral 3 (Llama 4's scaling): queries at position p are multiplied by
+    # ``1 + beta * log(1 + floor(p / length))`` after RoPE (beta 0: off).
+    query_scale_beta: float = 0.0
+    query_scale_length: int = 1
     # --- mixture of experts (``mlp_type="moe"``, ``models.moe``) ---
     num_experts: int = 0
     num_experts_per_tok: int = 0
@@ -185,4 +189,6 @@ ARCHITECTURES = {
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "olmoe": "OlmoeForCausalLM",
+    "ministral3": "Ministral3ForCausalLM",
+    "olmo3": "Olmo3ForCausalLM",
 }

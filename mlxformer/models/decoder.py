@@ -16,7 +16,7 @@ import mlx.nn as nn
 
 from mlxformer.models.mask import Mask, causal_mask_for
 from mlxformer.cache.protocol import Cache
-from mlxformer.models.attention_ops import softcap_scores, softcapped_attention
+from mlxformer.models.attention_ops import position_query_scale, softcap_scores, softcapped_attention
 from mlxformer.models.config import ModelArgs
 from mlxformer.models.mlp import MLP, make_mlp, swiglu
 import mlxformer.models.moe  # noqa: F401  registers the "moe" MLP type
@@ -56,6 +56,8 @@ class Attention(nn.Module):
         rope = args.layer_rope(layer_index)
         rotary_dims = int(self.head_dim * args.partial_rotary_factor)
         self.rope = None if rope is None else make_rope(rotary_dims, rope, args.max_position_embeddings)
+        # Ministral 3: position-dependent query scaling (beta 0: none)
+        self.query_scale_beta, self.query_scale_length = args.query_scale_beta, args.query_scale_length
 
     def project(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         """Queries, keys and values ``(B, L, heads * head_dim)`` (split from ``qkv_proj`` if fused)."""
@@ -78,6 +80,9 @@ class Attention(nn.Module):
         offset = cache.offset if cache is not None else 0
         if self.rope is not None:
             queries, keys = self.rope(queries, offset, rope_length), self.rope(keys, offset, rope_length)
+        if self.query_scale_beta:
+            scale = position_query_scale(offset, L, self.query_scale_beta, self.query_scale_length)
+            queries = queries * scale.astype(queries.dtype)
         if cache is not None:
             keys, values = cache.update_and_fetch(keys, values)
             out = cache.attention(queries, keys, values, scale=self.scale, mask=mask, softcap=self.softcap)

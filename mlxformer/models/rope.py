@@ -23,6 +23,34 @@ def _llama3_inv_freq(inv_freq: mx.array, rope: RopeConfig) -> mx.array:
     return mx.where(is_medium, smoothed, scaled)
 
 
+def _yarn_inv_freq(inv_freq: mx.array, dims: int, rope: RopeConfig) -> mx.array:
+    """YaRN as transformers computes it: frequencies interpolated by ``factor`` below a ramp
+    over the dimensions that turn between ``beta_slow`` and ``beta_fast`` times in the original
+    context, kept (extrapolated) above it."""
+
+    def correction_dim(rotations: float) -> float:
+        return dims * math.log(rope.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(rope.theta))
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dims - 1)
+    if low == high:
+        high += 0.001  # no singular ramp
+    ramp = mx.clip((mx.arange(dims // 2, dtype=mx.float32) - low) / (high - low), 0, 1)
+    keep = 1 - ramp  # the share of each frequency extrapolated (kept as is)
+    return inv_freq / rope.factor * (1 - keep) + inv_freq * keep
+
+
+def scale_rotated(x: mx.array, dims: int, factor: float) -> mx.array:
+    """``x`` with its first ``dims`` (rotated) features multiplied by ``factor`` (the attention
+    factor YaRN and LongRoPE apply to cos and sin)."""
+    if factor == 1.0:
+        return x
+    rotated = x[..., :dims] * factor
+    return rotated if dims == x.shape[-1] else mx.concatenate([rotated, x[..., dims:]], axis=-1)
+
+
 class RoPE(nn.Module):
     """Applies non-interleaved (HF ``rotate_half``) rotary embedding to ``(B, heads, T, head_dim)``."""
 
@@ -34,10 +62,14 @@ class RoPE(nn.Module):
         self.scale = 1.0 / rope.factor if rope.type == "linear" else 1.0
         # ``mx.fast.rope`` takes periods (1 / inverse frequency) through ``freqs``.
         self._periods: mx.array | None = None
-        if rope.type in ("llama3", "freq_factors"):
+        # YaRN scales cos and sin, i.e. the rotated features, by its attention factor.
+        self.attention_factor = rope.attention_factor if rope.type == "yarn" else 1.0
+        if rope.type in ("llama3", "freq_factors", "yarn"):
             inv_freq = 1.0 / (rope.theta ** (mx.arange(0, dims, 2, dtype=mx.float32) / dims))
             if rope.type == "llama3":
                 inv_freq = _llama3_inv_freq(inv_freq, rope)
+            elif rope.type == "yarn":
+                inv_freq = _yarn_inv_freq(inv_freq, dims, rope)
             else:
                 inv_freq = inv_freq / mx.array(rope.freq_factors, dtype=mx.float32)
             self._periods = 1.0 / inv_freq
@@ -61,6 +93,7 @@ class RoPE(nn.Module):
             # the dynamic base depends on each sequence's length: rotate row by row
             rows = [self(x[i : i + 1], int(o)) for i, o in enumerate(offset.tolist())]
             return mx.concatenate(rows, axis=0)
+        x = scale_rotated(x, self.dims, self.attention_factor)
         if self._periods is not None:
             return mx.fast.rope(
                 x, self.dims, traditional=False, base=None, scale=self.scale, offset=offset, freqs=self._periods

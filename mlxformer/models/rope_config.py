@@ -9,7 +9,7 @@ from typing import Any
 
 from mlxformer.errors import MlxformerError
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "freq_factors", "longrope")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "freq_factors", "longrope", "yarn")
 # Older spellings of rope types.
 _ROPE_ALIASES = {"su": "longrope"}
 
@@ -31,6 +31,14 @@ class RopeConfig:
     short_factor: tuple[float, ...] = ()
     long_factor: tuple[float, ...] = ()
     attention_factor: float = 1.0
+    # YaRN (gpt-oss, DeepSeek): the rotations bounding the ramp between extrapolated and
+    # interpolated frequencies, whether its ends are rounded outward, and the mscale pair
+    # DeepSeek derives ``attention_factor`` from.
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    mscale: float = 0.0
+    mscale_all_dim: float = 0.0
 
 
 def rope_config_from_dict(config: dict[str, Any], layer_type: str = "full_attention") -> RopeConfig:
@@ -45,9 +53,10 @@ def rope_config_from_dict(config: dict[str, Any], layer_type: str = "full_attent
     rope_type = merged.get("rope_type") or merged.get("type") or "default"
     rope_type = _ROPE_ALIASES.get(rope_type, rope_type)
     if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise MlxformerError(f"unsupported rope type {rope_type!r} (supported: default, linear, dynamic, llama3, longrope)")
+        raise MlxformerError(f"unsupported rope type {rope_type!r} (supported: default, linear, dynamic, llama3, longrope, "
+                             "yarn)")
     factor = float(merged.get("factor", 1.0))
-    if rope_type in ("linear", "dynamic", "llama3") and "factor" not in merged:
+    if rope_type in ("linear", "dynamic", "llama3", "yarn") and "factor" not in merged:
         raise MlxformerError(f"rope type {rope_type!r} needs a 'factor'")
     original = int(
         merged.get("original_max_position_embeddings") or config.get("original_max_position_embeddings")
@@ -63,6 +72,8 @@ def rope_config_from_dict(config: dict[str, Any], layer_type: str = "full_attent
         ratio = float(merged.get("factor") or int(config.get("max_position_embeddings") or original) / original)
         attention_factor = float(merged.get("attention_factor") or (
             math.sqrt(1 + math.log(ratio) / math.log(original)) if ratio > 1 else 1.0))
+    if rope_type == "yarn":
+        attention_factor = yarn_attention_factor(merged, factor)
     return RopeConfig(
         theta=float(theta),
         type=rope_type,
@@ -74,7 +85,27 @@ def rope_config_from_dict(config: dict[str, Any], layer_type: str = "full_attent
         short_factor=short,
         long_factor=long,
         attention_factor=attention_factor,
+        beta_fast=float(merged.get("beta_fast") or 32.0),
+        beta_slow=float(merged.get("beta_slow") or 1.0),
+        truncate=bool(merged.get("truncate", True)),
+        mscale=float(merged.get("mscale") or 0.0),
+        mscale_all_dim=float(merged.get("mscale_all_dim") or 0.0),
     )
+
+
+def yarn_attention_factor(scaling: dict[str, Any], factor: float) -> float:
+    """YaRN's attention factor as transformers derives it: given, or ``0.1 ln(factor) + 1``
+    (DeepSeek: the ratio of that for ``mscale`` and ``mscale_all_dim``)."""
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+
+    def get_mscale(scale: float, mscale: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+    mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if mscale and mscale_all_dim:
+        return get_mscale(factor, float(mscale)) / get_mscale(factor, float(mscale_all_dim))
+    return get_mscale(factor)
 
 
 def rope_scaling_dict(rope: RopeConfig) -> dict[str, Any] | None:
@@ -90,6 +121,12 @@ def rope_scaling_dict(rope: RopeConfig) -> dict[str, Any] | None:
         )
     if rope.type == "freq_factors":
         scaling["freq_factors"] = list(rope.freq_factors)
+    if rope.type == "yarn":
+        scaling.update(beta_fast=rope.beta_fast, beta_slow=rope.beta_slow, truncate=rope.truncate,
+                       attention_factor=rope.attention_factor,
+                       original_max_position_embeddings=rope.original_max_position_embeddings)
+        if rope.mscale:
+            scaling.update(mscale=rope.mscale, mscale_all_dim=rope.mscale_all_dim)
     if rope.type == "longrope":
         del scaling["factor"]
         scaling.update(short_factor=list(rope.short_factor), long_factor=list(rope.long_factor),

@@ -7,7 +7,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlxformer.models.rope_config import RopeConfig
-from mlxformer.models.rope import RoPE
+from mlxformer.models.rope import RoPE, scale_rotated
 
 
 class LongRoPE(nn.Module):
@@ -35,9 +35,7 @@ class LongRoPE(nn.Module):
             rows = [self(x[i : i + 1], int(o)) for i, o in enumerate(offset.tolist())]
             return mx.concatenate(rows, axis=0)
         periods = self._long if max(offset + x.shape[-2], length or 0) > self.original else self._short
-        if self.attention_factor != 1.0:
-            rotated = x[..., : self.dims] * self.attention_factor
-            x = rotated if self.dims == x.shape[-1] else mx.concatenate([rotated, x[..., self.dims :]], axis=-1)
+        x = scale_rotated(x, self.dims, self.attention_factor)
         return mx.fast.rope(x, self.dims, traditional=False, base=None, scale=1.0, offset=offset, freqs=periods)
 
 
