@@ -13,6 +13,7 @@ from typing import Any
 import mlx.core as mx
 
 from mlxformer.errors import MlxformerError
+from mlxformer.models.config_bounds import check_config_sizes
 from mlxformer.models.families import FAMILIES, family_fields
 from mlxformer.models.rope_config import SUPPORTED_ROPE_TYPES, RopeConfig, rope_config_from_dict, rope_scaling_dict
 
@@ -111,6 +112,7 @@ class ModelArgs:
         for flag in _UNSUPPORTED_TRUE_FLAGS:
             if config.get(flag):
                 raise MlxformerError(f"unsupported config setting {flag}=true for {model_type}")
+        check_config_sizes(config)  # before any per-layer or per-expert table is built
         try:
             hidden = int(config["hidden_size"])
             heads = int(config["num_attention_heads"])
