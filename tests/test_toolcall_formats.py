@@ -37,6 +37,7 @@ FAMILIES = [
     ("mistralai-Mistral-Nemo-Instruct-2407", "mistral", 2, False),
     ("Mistral-Small-3.2-24B-Instruct-2506", "mistral_v11", 2, False),
     ("unsloth-mistral-Devstral-Small-2507", "mistral_v11", 2, False),
+    ("mistralai-Ministral-3-14B-Reasoning-2512", "mistral_v11", 2, True),
 ]
 
 
