@@ -59,7 +59,7 @@ CASES = {
                                       rope_parameters=dict(MINISTRAL3_YARN, llama_4_scaling_beta=0.1))),
     # OLMo 2's norms, 3 sliding layers to 1 global, YaRN on the global layers only
     "olmo3": ("olmo3", dict(sliding_window=WINDOW, num_hidden_layers=4, intermediate_size=96,
-                            rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 5e3},
+                            rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
                                              "full_attention": dict(MINISTRAL3_YARN, mscale_all_dim=0.0)})),
 }
 # Each family's switches, turned off: the logits must then leave transformers' by far.

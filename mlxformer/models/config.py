@@ -162,10 +162,10 @@ class ModelArgs:
         }
         if self.model_type != "qwen2":
             config["attention_bias"] = self.o_proj_bias
-        if self.mlp_bias:
-            config["mlp_bias"] = True
+        config["mlp_bias"] = self.mlp_bias
         if self.sliding_window is not None:
             config["sliding_window"] = self.sliding_window
+        config.update(self._layer_and_rope_keys())
         if self.num_experts:
             config.update(num_experts=self.num_experts, num_local_experts=self.num_experts,
                           num_experts_per_tok=self.num_experts_per_tok, norm_topk_prob=self.norm_topk_prob,
@@ -173,6 +173,21 @@ class ModelArgs:
                           shared_expert_intermediate_size=self.shared_expert_intermediate_size,
                           decoder_sparse_step=self.decoder_sparse_step, mlp_only_layers=list(self.mlp_only_layers))
         return config
+
+    def _layer_and_rope_keys(self) -> dict[str, Any]:
+        """The per-layer and RoPE keys mlx-lm's readers need beyond ``rope_theta``/``rope_scaling``."""
+        keys: dict[str, Any] = {}
+        if self.layer_types:
+            keys["layer_types"] = [f"{t}_attention" for t in self.layer_types]
+        if self.partial_rotary_factor != 1.0:
+            keys["partial_rotary_factor"] = self.partial_rotary_factor
+        if self.rope.type == "longrope":  # Phi-3: the switch point at the top level
+            keys["original_max_position_embeddings"] = self.rope.original_max_position_embeddings
+        if self.query_scale_beta:  # Ministral 3: transformers' and mlx-lm's one rope_parameters dict
+            keys["rope_parameters"] = {"rope_theta": self.rope.theta, **(rope_scaling_dict(self.rope) or {}),
+                                       "llama_4_scaling_beta": self.query_scale_beta,
+                                       "original_max_position_embeddings": self.query_scale_length}
+        return keys
 
 
 ARCHITECTURES = {
