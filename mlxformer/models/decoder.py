@@ -148,7 +148,7 @@ class Model(nn.Module):
         super().__init__()
         self.args = args
         # Set by ``use_remote_layers``: the layers other pipeline stages run after ours.
-        self._remote_layers: Callable[[mx.array], mx.array] | None = None
+        self._remote_layers: Callable[[mx.array, int | None], mx.array] | None = None
         self.model = DecoderStack(args, num_layers, with_ends, first_layer)
         if with_ends and not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
@@ -167,7 +167,7 @@ class Model(nn.Module):
             h = h * mx.array(self.args.embedding_scale, dtype=h.dtype)
         h = self.run_layers(h, cache, rope_length)
         if self._remote_layers is not None:
-            h = self._remote_layers(h)
+            h = self._remote_layers(h, rope_length)
         return self.model.norm(h)
 
     def run_layers(
@@ -186,9 +186,10 @@ class Model(nn.Module):
             h = layer(h, masks[layer.window], layer_cache, rope_length)
         return h
 
-    def use_remote_layers(self, run: Callable[[mx.array], mx.array]) -> None:
-        """Pass hidden states through ``run`` between this model's layers and the final norm:
-        the layers the other stages of a pipeline hold."""
+    def use_remote_layers(self, run: Callable[[mx.array, int | None], mx.array]) -> None:
+        """Pass hidden states (and the RoPE length, see ``hidden_states``) through ``run``
+        between this model's layers and the final norm: the layers the other stages of a
+        pipeline hold."""
         self._remote_layers = run
 
     def logits(self, hidden: mx.array) -> mx.array:
