@@ -1,6 +1,7 @@
-"""Reasoning (``<think>...</think>``; Mistral's ``[THINK]...[/THINK]``): which models reason, splitting a reply into reasoning and
-answer as it streams, and a constraint that leaves the reasoning free (within a token budget,
-after which ``</think>`` is forced) and applies the request's own constraint to the answer only.
+"""Reasoning (``<think>...</think>``; Mistral's ``[THINK]...[/THINK]``, Gemma 4's thought
+channel): which models reason, splitting a reply into reasoning and answer as it streams, and a
+constraint that leaves the reasoning free (within a token budget, after which ``</think>`` is
+forced) and applies the request's own constraint to the answer only.
 
 A prompt that ends inside an open ``<think>`` (DeepSeek-R1 distills' templates open it) starts
 the reply in reasoning; otherwise a reply may open it first thing (Qwen3, QwQ).
@@ -33,6 +34,7 @@ class ThinkTags:
 
 THINK = ThinkTags("<think>", "</think>")
 MISTRAL_THINK = ThinkTags("[THINK]", "[/THINK]")  # Magistral, Ministral 3 Reasoning
+GEMMA4_THINK = ThinkTags("<|channel>thought", "<channel|>")  # Gemma 4's thought channel
 OPEN, CLOSE = THINK.open, THINK.close
 CLOSING_TEXT = THINK.closing_text
 EFFORT_BUDGETS = {"minimal": 256, "low": 1024, "medium": 4096, "high": None}  # reasoning_effort -> tokens
@@ -43,6 +45,8 @@ def think_tags(tokenizer: Tokenizer) -> ThinkTags:
     template = tokenizer.chat_template or ""
     if MISTRAL_THINK.close in template or (THINK.close not in template and tokenizer.token_to_id(MISTRAL_THINK.close)):
         return MISTRAL_THINK
+    if GEMMA4_THINK.close in template:
+        return GEMMA4_THINK
     return THINK
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from mlxformer.errors import MlxformerError
 from mlxformer.server.toolcalls.base import CallDelta, CallFormat, Section, ToolCall, ToolSpec
+from mlxformer.server.toolcalls.gemma4 import Gemma4
 from mlxformer.server.toolcalls.hermes import Hermes
 from mlxformer.server.toolcalls.json_fallback import JsonFallback
 from mlxformer.server.toolcalls.llama3 import Llama3Json
@@ -14,11 +15,12 @@ from mlxformer.server.toolcalls.qwen3_coder import Qwen3Coder
 from mlxformer.server.toolcalls.stream import Parsed, ToolCallStream
 
 FORMATS: dict[str, type[CallFormat]] = {
-    f.name: f for f in (Hermes, Qwen3Coder, Llama3Json, Mistral, MistralV11, JsonFallback)
+    f.name: f for f in (Hermes, Qwen3Coder, Llama3Json, Mistral, MistralV11, Gemma4, JsonFallback)
 }
 
 # (format, texts that must all appear in the chat template), first match wins.
 TEMPLATE_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("gemma4", ("<|tool_call>", "<tool_call|>")),
     ("qwen3_coder", ("<tool_call>", "<function=")),
     ("hermes", ("<tool_call>",)),
     ("mistral_v11", ("[TOOL_CALLS]", "[ARGS]")),
