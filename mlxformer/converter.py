@@ -271,14 +271,12 @@ class _Job:
 
     def write_metadata(self, directory: Path, source_path: Path) -> None:
         """config.json, tokenizer files and README.md."""
-        config = {k: v for k, v in self.source.config.items() if k not in ("quantization", "quantization_config")}
-        normalized = self.args.to_dict()
-        config.setdefault("architectures", normalized["architectures"])
-        # transformers 5 writes only ``rope_parameters``; mlx-lm and older readers need the
-        # classic top-level keys, so the output carries both.
-        config.setdefault("rope_theta", normalized["rope_theta"])
-        if normalized["rope_scaling"] is not None:
-            config.setdefault("rope_scaling", normalized["rope_scaling"])
+        # The source config merged with what mlxformer understood of it, the normalized values
+        # winning: one config that mlx-lm, transformers and mlxformer read alike (transformers 5
+        # writes only ``rope_parameters``, a GGUF's config has llama.cpp's spellings; mlx-lm needs
+        # the classic ``rope_theta``/``rope_scaling``, per-layer types, MoE sparsity keys, ...).
+        source = {k: v for k, v in self.source.config.items() if k not in ("quantization", "quantization_config")}
+        config = {**source, **{k: v for k, v in self.args.to_dict().items() if v is not None or k not in source}}
         if self.float_dtype is not None:
             name = next(k for k, v in FLOAT_DTYPES.items() if v == self.float_dtype)
             config["torch_dtype"] = name

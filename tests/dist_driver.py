@@ -42,6 +42,13 @@ def run_job(job: dict) -> dict:
         serve_stage(dist.model, dist.group, dist.watchdog, settings)
         return {}
     cache = make_cache(dist.model, settings)
+    if job.get("prefill_step"):  # the last logits of a prompt prefilled in chunks of that size
+        from mlxformer.steps import prefill
+
+        logits = prefill(dist.model, mx.array(job["prompt"]), cache, job["prefill_step"])[0]
+        if dist.link is not None:
+            dist.link.stop()
+        return {"logits": logits.astype(mx.float32).tolist()}
     state = DecodingState(job["prompt"], max_tokens=job["max_tokens"], cache=cache)  # greedy, eos not checked
     tokens = [token for token, _ in decode(dist.model, state)]
     if dist.link is not None:

@@ -19,14 +19,17 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 import psutil
 import pytest
 
-from conftest import write_tiny_checkpoint
+import test_families
+from conftest import max_diff, write_tiny_checkpoint
 from gguf_helpers import write_gguf_from_hf
 
 DRIVER = Path(__file__).with_name("dist_driver.py")
 PROMPT = [3, 17, 101, 45, 200, 9, 66, 130, 250, 12, 77, 5]
+LONG_PROMPT = [(7 * i + 3) % 250 + 3 for i in range(40)]
 MAX_TOKENS = 8
 SHAPE = dict(num_attention_heads=8, num_key_value_heads=4, head_dim=32, hidden_size=128, num_hidden_layers=4)
 
@@ -77,6 +80,18 @@ def reference_tokens(directory: Path, cache: dict) -> list[int]:
     return [token for token, _ in decode(model, state)]
 
 
+def reference_logits(directory: Path, prompt: list[int]) -> np.ndarray:
+    """The single-process last logits of ``prompt`` in one forward pass."""
+    from mlxformer.cache import make_cache
+    from mlxformer.loader import apply_dtype_policy, build_model, read_checkpoint
+    from mlxformer.steps import prefill
+
+    config, weights, _ = read_checkpoint(directory)
+    model = build_model(config, weights)
+    apply_dtype_policy(model, None)
+    return np.array(prefill(model, mx.array(prompt), make_cache(model), len(prompt))[0].astype(mx.float32))
+
+
 def test_two_ranks_match_single_process_and_split_memory(tmp_path, cpu_device, smollm_gguf):
     from gguf import GGMLQuantizationType as T
 
@@ -100,6 +115,12 @@ def test_two_ranks_match_single_process_and_split_memory(tmp_path, cpu_device, s
                                      moe_intermediate_size=32, norm_topk_prob=True, **SHAPE)[0],
         "gemma3": write_tiny_checkpoint(tmp_path / "gemma3", "gemma3_text", sliding_window=8, query_pre_attn_scalar=32,
                                         **{**SHAPE, "num_hidden_layers": 6})[0],
+        # RoPE that depends on the whole prompt's length: LongRoPE (long factors past 32 positions)
+        # and dynamic NTK (base grown past 16)
+        "longrope": write_tiny_checkpoint(tmp_path / "longrope", "phi3", num_hidden_layers=4,
+                                          **test_families.CASES["phi4mini-longrope"][1])[0],
+        "dynamic": write_tiny_checkpoint(tmp_path / "dynamic", "llama", max_position_embeddings=16, **SHAPE,
+                                         rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4})[0],
     }
     layers = {"big": 8, "gemma3": 6}
     jobs = [
@@ -114,6 +135,9 @@ def test_two_ranks_match_single_process_and_split_memory(tmp_path, cpu_device, s
         {"name": f"{m}-{p}-{i}", "model": str(models[m]), "parallel": p, "cache": c, "prompt": PROMPT, "max_tokens": MAX_TOKENS}
         for i, (m, p, c) in enumerate(jobs)
     ]
+    chunked = [{"name": f"{m}-chunked", "model": str(models[m]), "parallel": "pipeline", "prompt": LONG_PROMPT,
+                "prefill_step": 16} for m in ("longrope", "dynamic")]
+    job_list += chunked
     job_list.append({"name": "smollm-tensor", "model": str(smollm_gguf), "parallel": "tensor", "prompt": PROMPT, "max_tokens": 1})
     (tmp_path / "jobs.json").write_text(json.dumps(job_list))
     out = tmp_path / "out.jsonl"
@@ -133,6 +157,12 @@ def test_two_ranks_match_single_process_and_split_memory(tmp_path, cpu_device, s
     for name in (job_list[9]["name"], job_list[10]["name"]):
         peaks = results[name]["load_peaks"]
         assert max(peaks) <= 0.6 * single, (name, peaks, single)
+
+    # every stage rotates each 16-token chunk as the whole 40-token prompt (before: rank 1 rotated
+    # the first chunks with the short factors / the plain base, 0.72 off in the logits)
+    for job in chunked:
+        expected = reference_logits(Path(job["model"]), LONG_PROMPT)
+        assert max_diff(np.array(results[job["name"]]["logits"]), expected) <= 1e-4, job["name"]
 
     assert "use --parallel pipeline" in results["smollm-tensor"]["error"]
     assert "9 attention heads" in results["smollm-tensor"]["error"]
@@ -210,3 +240,22 @@ def test_lost_rank_ends_the_other_non_zero(tiny_chat_model, failure, parallel):
         assert (code and int(code.group(1)) != 0) or "Node with rank 0 was killed" in text, text
     finally:
         kill_group(launcher)
+
+
+@pytest.mark.parametrize("model_type,config,unsplit", [
+    ("phi3", {}, "a fused qkv_proj and a fused gate_up_proj"),
+    ("olmo2", {}, "q/k norms over the whole projection"),
+    ("olmoe", {"num_experts": 4, "num_experts_per_tok": 2}, "mixture-of-experts"),
+])
+def test_tensor_parallel_refuses_what_it_cannot_split_by_heads(model_type, config, unsplit):
+    """One line naming what cannot be split, before anything is loaded."""
+    from mlxformer.distributed.tensor import check_divisible
+    from mlxformer.errors import MlxformerError
+    from mlxformer.models.config import ModelArgs
+
+    args = ModelArgs.from_dict({"model_type": model_type, "hidden_size": 64, "intermediate_size": 128, "vocab_size": 256,
+                                "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, **config})
+    with pytest.raises(MlxformerError, match="use --parallel pipeline") as caught:
+        check_divisible(args, 2)
+    assert unsplit in str(caught.value) and "\n" not in str(caught.value)
+    check_divisible(ModelArgs.from_dict({**args.to_dict(), "model_type": "llama"}), 2)  # the same sizes split

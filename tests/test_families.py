@@ -1,4 +1,4 @@
-"""The dense families (Gemma 1/2/3, Phi-3/Phi-4-mini, Granite, OLMo 2, SmolLM3) on tiny random
+"""The dense families (Gemma 1/2/3, Phi-3/Phi-4-mini, Granite, OLMo 2/3, SmolLM3, Ministral 3) on tiny random
 checkpoints written by transformers' own config classes, against transformers' eager logits.
 
 Per family: the full forward over a prompt five windows long; a chunked prefill then
@@ -36,6 +36,8 @@ LONGROPE = dict(  # Phi-4-mini's kind: 3/4 of each head rotated, LongRoPE past 3
     rope_type="longrope", rope_theta=1e4, partial_rotary_factor=0.75,
     short_factor=[1.0 + 0.1 * i for i in range(6)], long_factor=[1.0 + 0.7 * i for i in range(6)],
 )
+MINISTRAL3_YARN = dict(rope_type="yarn", rope_theta=1e4, factor=4.0, original_max_position_embeddings=16,
+                      beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0)
 # name -> (model_type, transformers config overrides)
 CASES = {
     "gemma": ("gemma", dict(head_dim=32, hidden_act="gelu_pytorch_tanh")),
@@ -52,6 +54,13 @@ CASES = {
                                 logits_scaling=0.5)),
     "olmo2": ("olmo2", {}),
     "smollm3": ("smollm3", dict(no_rope_layer_interval=2, **SPECIAL_IDS)),
+    # Devstral Small 2's kind: YaRN, and queries scaled by 1 + 0.1 log(1 + floor(p / 16)) past 16 positions
+    "ministral3": ("ministral3", dict(head_dim=24, sliding_window=WINDOW, max_position_embeddings=64, seed=1, **SPECIAL_IDS,
+                                      rope_parameters=dict(MINISTRAL3_YARN, llama_4_scaling_beta=0.1))),
+    # OLMo 2's norms, 3 sliding layers to 1 global, YaRN on the global layers only
+    "olmo3": ("olmo3", dict(sliding_window=WINDOW, num_hidden_layers=4, intermediate_size=96,
+                            rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                                             "full_attention": dict(MINISTRAL3_YARN, mscale_all_dim=0.0)})),
 }
 # Each family's switches, turned off: the logits must then leave transformers' by far.
 SWITCHES_OFF = {
@@ -64,6 +73,8 @@ SWITCHES_OFF = {
     "granite": dict(embedding_scale=1.0, residual_scale=1.0, attention_scale=None, logits_scale=1.0),
     "olmo2": dict(qk_norm=False, norm_layout="pre"),
     "smollm3": dict(rope_layers=()),
+    "ministral3": dict(query_scale_beta=0.0, rope=RopeConfig(theta=1e4), sliding_window=None),
+    "olmo3": dict(layer_types=(), rope_local=None, qk_norm=False),
 }
 
 

@@ -31,7 +31,7 @@ import test_moe
 from agent_support import LLAMA_CPP_PYTHON_VERSION
 from conftest import cpu_default_device, max_diff, write_tiny_checkpoint
 from hf_reference_cache import cache_root
-from mlxformer import load
+from mlxformer import convert, load
 from mlxformer.models.moe import QuantizedSwitchLinear, SparseMoE
 from mlxformer.planning import footprint
 
@@ -42,7 +42,7 @@ SEQ_LEN = 40
 BOUND = 3e-4  # float32 on both sides (measured <= 3e-5)
 # The converter reads these families' vocabularies only as GPT-2 BPE, which it accepts only
 # when it knows the tokenizer's hash.
-BPE_FAMILIES = ("olmo2", "qwen2_moe", "qwen3_moe", "olmoe")
+BPE_FAMILIES = ("olmo2", "olmo3", "qwen2_moe", "qwen3_moe", "olmoe")
 # name -> (model_type, transformers config overrides, converter --outtype)
 CASES = {
     "gemma": (*test_families.CASES["gemma"], "f32"),
@@ -56,6 +56,10 @@ CASES = {
     "phi4mini-longrope": (*test_families.CASES["phi4mini-longrope"], "f32"),
     "granite": (*test_families.CASES["granite"], "f32"),
     "olmo2": (*test_families.CASES["olmo2"], "f32"),
+    "olmo3": (*test_families.CASES["olmo3"], "f32"),  # written as olmo2 with a window and its layer pattern
+    # mistral3: YaRN and the query scaling's beta (attention.temperature_scale); no window key is written
+    # (llama.cpp's mistral3 has none, nor have the released Ministral 3 configs)
+    "ministral3": ("ministral3", {**test_families.CASES["ministral3"][1], "sliding_window": None}, "f32"),
     # llama.cpp: every fourth layer without RoPE
     "smollm3": ("smollm3", {**test_families.CASES["smollm3"][1], "no_rope_layer_interval": 4,
                             "num_hidden_layers": 4}, "f32"),
@@ -140,3 +144,28 @@ def test_converter_gguf_matches_transformers(converted, name):
         blocks = [layer[layer.mlp_name] for layer in model.layers]
         assert all(isinstance(b, SparseMoE) for b in blocks)
         assert all(isinstance(b.switch_mlp.down_proj, QuantizedSwitchLinear) for b in blocks) == name.endswith("q8_0")
+
+
+# Prompt length and bound per case where mlx-lm departs from transformers (tests/test_mlx_lm_families.py):
+# no sliding window in its Gemma 2 and Phi-3, exact GELU in its Gemma.
+MLX_LM_LENGTH = {"gemma2": 8, "phi3": 8}
+MLX_LM_BOUND = {"gemma": 0.02}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_converted_gguf_loads_in_mlx_lm(converted, name, tmp_path):
+    """``mlxformer convert`` of each llama.cpp-written GGUF writes the normalized config, which
+    mlx-lm reads with mlxformer's logits on the GGUF (before: Phi-3 LongRoPE failed with
+    "rope_scaling must contain keys {'type','long_factor'}", Qwen3-MoE with "missing
+    decoder_sparse_step and mlp_only_layers")."""
+    from mlx_lm import load as mlx_lm_load
+
+    _, path, error = converted[name]
+    assert error is None, error
+    convert(path, tmp_path / "mlx", progress=False)
+    ids = mx.array(np.random.default_rng(1).integers(3, 256, size=MLX_LM_LENGTH.get(name, SEQ_LEN))[None])
+    with cpu_default_device():
+        ours, _ = load(path, dtype=mx.float32)
+        theirs, _ = mlx_lm_load(str(tmp_path / "mlx"))
+        theirs.set_dtype(mx.float32)
+        assert max_diff(np.array(theirs(ids)[0]), np.array(ours(ids)[0])) <= MLX_LM_BOUND.get(name, 1e-4)

@@ -160,15 +160,26 @@ LLAMA31_ROPE = {"rope_type": "llama3", "rope_theta": 1000.0, "factor": 8.0, "low
                 "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
 
 
-def test_llama3_gguf_converts_to_a_dir_mlx_lm_reads_with_the_same_logits(tmp_path):
+# Head size 8, base 5e5: wavelengths 6.3, 167, 4443 and 118k, none inside the smooth band [256, 1024],
+# so every factor is 1 or 8 and no band point pins the parameters (any that reproduce them do).
+SMALL_HEAD_ROPE = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
+                   "high_freq_factor": 4.0, "original_max_position_embeddings": 1024}
+
+
+@pytest.mark.parametrize("rope,head_dim", [(LLAMA31_ROPE, None), (SMALL_HEAD_ROPE, 8)], ids=["llama31", "no-band"])
+def test_llama3_gguf_converts_to_a_dir_mlx_lm_reads_with_the_same_logits(tmp_path, rope, head_dim):
     """A Llama-3.1-style GGUF (``rope_freqs`` from llama3 scaling) used to convert to
-    ``rope_type: freq_factors``, which mlx-lm refuses ("Unsupported RoPE type")."""
+    ``rope_type: freq_factors``, which mlx-lm refuses ("Unsupported RoPE type"); so did one whose
+    factors are all 1 or ``factor`` (small head sizes)."""
     from mlx_lm.utils import load_model
 
-    _, hf_model = write_tiny_checkpoint(tmp_path / "hf", "llama", rope_parameters=LLAMA31_ROPE,
-                                        max_position_embeddings=128)
+    _, hf_model = write_tiny_checkpoint(tmp_path / "hf", "llama", rope_parameters=rope,
+                                        max_position_embeddings=4096, **({"head_dim": head_dim} if head_dim else {}))
     path = tmp_path / "llama31.gguf"
     write_gguf_from_hf(path, hf_model, "llama", _all(T.Q8_0))
+    if head_dim:
+        (freqs,) = [t.data for t in gguf.GGUFReader(str(path)).tensors if t.name == "rope_freqs.weight"]
+        assert sorted(set(freqs.tolist())) == [1.0, 8.0]
     out = convert(path, tmp_path / "converted", progress=False)
     assert json.loads((out / "config.json").read_text())["rope_scaling"]["rope_type"] == "llama3"
     ref, _ = load_model(out)  # mlx-lm's own reading of the converted dir

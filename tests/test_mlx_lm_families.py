@@ -5,7 +5,8 @@ made) loads in mlxformer with mlx-lm's logits, and what ``mlxformer convert`` wr
 the original checkpoint, so a shared mistake could not pass. ``mlxformer info``'s figures for
 each family are checked against transformers' parameters and the files' bytes.
 
-Where mlx-lm itself departs from transformers the prompt stays where it does not: mlx-lm's
+Where mlx-lm itself departs from transformers the prompt stays where it does not (and the Ministral 3
+case has no window: mlx-lm slides only the layers its ``layer_types`` names): mlx-lm's
 Gemma 2 and Phi-3 have no sliding window (8 tokens, one window), its Phi-3 LongRoPE always uses
 the long factors (40 tokens, past the 32-token switch), its Gemma uses exact GELU where
 transformers and mlxformer use the tanh approximation (a looser bound). mlx-lm's Qwen2-MoE
@@ -39,6 +40,10 @@ CASES["gemma"] = (*CASES["gemma"][:3], 0.02)  # mlx-lm's exact GELU (measured 0.
 CASES["gemma2"] = (*CASES["gemma2"][:2], 8, BOUND)
 CASES["phi3"] = (*CASES["phi3"][:2], 8, BOUND)
 CASES["qwen2_moe"] = ("qwen2_moe", {**test_moe.CASES["qwen2_moe"], "mlp_only_layers": []}, 80, BOUND)
+# mlx-lm's Ministral 3 slides only layers that ``layer_types`` names, and needs one full layer among them
+# (transformers slides every layer and ignores ``layer_types``): no window here (YaRN and the query
+# scaling past 16 positions still are)
+CASES["ministral3"] = ("ministral3", {**test_families.CASES["ministral3"][1], "sliding_window": None}, 40, BOUND)
 
 
 @pytest.fixture(scope="module", autouse=True)

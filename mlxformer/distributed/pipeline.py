@@ -6,8 +6,10 @@ embeds and runs its layers, sends ``(B, T, hidden)`` to rank 1, ..., the last ra
 the result back to rank 0, which normalizes, projects and samples. Layers are split so each
 rank holds about the same bytes. Every rank keeps the KV cache of its own layers.
 
-Before each hidden-state message a rank sends a 3-int header ``(B, T, dtype)`` so the next
-one knows what to receive; ``T = 0`` ends the followers' loop and ``T = -1`` resets their caches.
+Before each hidden-state message a rank sends a 4-int header ``(B, T, dtype, RoPE length)`` so
+the next one knows what to receive and rotates a chunk of a prompt as the whole prompt (LongRoPE
+and dynamic NTK depend on its length; 0: the chunk's own end); ``T = 0`` ends the followers' loop
+and ``T = -1`` resets their caches.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from mlxformer.planning import footprint
 
 DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 STOP, RESET = 0, -1
+HEADER_SIZE = 4  # batch, length (or STOP/RESET), dtype index, RoPE length (0: none)
 _LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 
@@ -115,15 +118,15 @@ class PipelineLink:
         self.group, self.watchdog = group, watchdog
         self.size = group.size()
 
-    def _send_header(self, batch: int, length: int, dtype: mx.Dtype) -> None:
-        header = mx.array([batch, length, DTYPES.index(dtype)], dtype=mx.int32)
+    def _send_header(self, batch: int, length: int, dtype: mx.Dtype, rope_length: int | None = None) -> None:
+        header = mx.array([batch, length, DTYPES.index(dtype), rope_length or 0], dtype=mx.int32)
         with self.watchdog.guard("sending to rank 1"):
             mx.eval(mx.distributed.send(header, 1, group=self.group))
 
-    def __call__(self, h: mx.array) -> mx.array:
+    def __call__(self, h: mx.array, rope_length: int | None = None) -> mx.array:
         B, T, _ = h.shape
         mx.eval(h)  # our own layers, outside the watchdog's countdown
-        self._send_header(B, T, h.dtype)
+        self._send_header(B, T, h.dtype, rope_length)
         with self.watchdog.guard("sending hidden states to rank 1"):
             mx.eval(mx.distributed.send(h, 1, group=self.group))
         with self.watchdog.guard(f"waiting for rank {self.size - 1}"):
@@ -150,9 +153,9 @@ def serve_stage(
     cache: list[Cache] = make_cache(model, settings)
     while True:
         with watchdog.guard(f"waiting for rank {previous}"):
-            header = mx.distributed.recv((3,), mx.int32, previous, group=group)
+            header = mx.distributed.recv((HEADER_SIZE,), mx.int32, previous, group=group)
             mx.eval(header)
-        batch, length, dtype_index = header.tolist()
+        batch, length, dtype_index, rope_length = header.tolist()
         if following != 0:
             with watchdog.guard(f"sending to rank {following}"):
                 mx.eval(mx.distributed.send(header, following, group=group))
@@ -164,7 +167,7 @@ def serve_stage(
         with watchdog.guard(f"waiting for rank {previous}"):
             h = mx.distributed.recv((batch, length, model.args.hidden_size), DTYPES[dtype_index], previous, group=group)
             mx.eval(h)
-        h = model.run_layers(h, cache).astype(DTYPES[dtype_index])
+        h = model.run_layers(h, cache, rope_length or None).astype(DTYPES[dtype_index])
         mx.eval(h)  # our own layers, outside the watchdog's countdown
         with watchdog.guard(f"sending hidden states to rank {following}"):
             mx.eval(mx.distributed.send(h, following, group=group))

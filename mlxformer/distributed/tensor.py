@@ -66,6 +66,13 @@ def check_divisible(args: ModelArgs, size: int) -> None:
     if args.num_experts:
         raise MlxformerError("tensor parallel does not split mixture-of-experts blocks; use --parallel pipeline, "
                              "which splits layers instead")
+    unsplit = [what for what, present in (
+        ("a fused qkv_proj", args.fused_qkv), ("a fused gate_up_proj", args.fused_gate_up),
+        ("q/k norms over the whole projection", args.qk_norm and args.qk_norm_scope == "projection"),
+    ) if present]
+    if unsplit:  # their rows are not grouped by head (fused) or their norm spans every head
+        raise MlxformerError(f"tensor parallel does not split {' and '.join(unsplit)} by heads ({args.model_type}); "
+                             "use --parallel pipeline, which splits layers instead")
     counts = {
         "attention heads": args.num_attention_heads, "KV heads": args.num_key_value_heads,
         "MLP width": args.intermediate_size,

@@ -91,13 +91,32 @@ def config_from_metadata(metadata: dict[str, Any], tensor_names: set[str]) -> di
     }
     scaling_type = _meta(metadata, f"{arch}.rope.scaling.type")
     if scaling_type not in (None, "none"):
-        if scaling_type != "linear":
+        if scaling_type not in ("linear", "yarn"):
             raise MlxformerError(f"unsupported GGUF rope scaling type {str(scaling_type)[:50]!r}")
-        config["rope_scaling"] = {"rope_type": "linear", "factor": float(field("rope.scaling.factor"))}
+        config["rope_scaling"] = {"rope_type": scaling_type, "factor": float(field("rope.scaling.factor"))}
+        if scaling_type == "yarn":
+            config["rope_scaling"].update(_yarn_keys(field))
+    pattern = _meta(metadata, f"{arch}.attention.sliding_window_pattern")
+    if isinstance(pattern, list):  # one flag per layer (OLMo 3)
+        config["layer_types"] = ["sliding_attention" if p else "full_attention" for p in pattern]
     if arch == "qwen2":
         config["attention_bias"] = True
     config.update(arch_config(arch, field, config))
     return config
+
+
+def _yarn_keys(field: Callable[[str, Any], Any]) -> dict[str, Any]:
+    """YaRN's parameters as llama.cpp writes them (``yarn_log_multiplier``: DeepSeek's and
+    Ministral 3's ``mscale_all_dim``, their ``mscale`` being equal)."""
+    keys: dict[str, Any] = {"original_max_position_embeddings": int(field("rope.scaling.original_context_length")),
+                            "beta_fast": float(field("rope.scaling.yarn_beta_fast", 32.0)),
+                            "beta_slow": float(field("rope.scaling.yarn_beta_slow", 1.0))}
+    attention_factor, log_mul = field("rope.scaling.yarn_attn_factor", None), field("rope.scaling.yarn_log_multiplier", None)
+    if attention_factor is not None:
+        keys["attention_factor"] = float(attention_factor)
+    elif log_mul:
+        keys.update(mscale=float(log_mul), mscale_all_dim=float(log_mul))
+    return keys
 
 
 def _unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:

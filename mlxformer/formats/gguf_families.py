@@ -15,6 +15,7 @@ GGUF_ARCHITECTURES = {
     "llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma": "gemma", "gemma2": "gemma2",
     "gemma3": "gemma3_text", "phi3": "phi3", "olmo2": "olmo2", "granite": "granite", "smollm3": "smollm3",
     "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "olmoe": "olmoe",  # llama + experts: mixtral
+    "mistral3": "ministral3",  # olmo2 with a sliding window: olmo3
 }
 # Architectures whose converter stored every RMSNorm weight as ``1 + weight`` (Gemma's offset).
 NORM_SHIFTED_ARCHS = ("gemma", "gemma2", "gemma3")
@@ -76,6 +77,24 @@ def _granite(field: Field, config: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _olmo2(field: Field, config: dict[str, Any]) -> dict[str, Any]:
+    """OLMo 3 is ``olmo2`` with a window (its per-layer pattern is read as ``layer_types``;
+    llama.cpp's default is three sliding layers to one global)."""
+    window = field("attention.sliding_window", None)
+    if not window:
+        return {}
+    return {"model_type": "olmo3", "sliding_window": int(window)}
+
+
+def _mistral3(field: Field, config: dict[str, Any]) -> dict[str, Any]:
+    """Ministral 3: Llama 4's query scaling, its beta as ``attention.temperature_scale`` over the
+    YaRN original context."""
+    scaling = dict(config.get("rope_scaling") or {})
+    scaling["llama_4_scaling_beta"] = float(field("attention.temperature_scale", 0.0))
+    scaling.setdefault("original_max_position_embeddings", config["max_position_embeddings"])
+    return {"rope_scaling": scaling}
+
+
 def _experts(field: Field, config: dict[str, Any], norm_topk_prob: bool) -> dict[str, Any]:
     """The mixture-of-experts keys; llama.cpp hard-codes whether the top-k weights are renormalised."""
     return {
@@ -103,7 +122,7 @@ def _smollm3(field: Field, config: dict[str, Any]) -> dict[str, Any]:
 
 _ARCH_KEYS: dict[str, Callable[[Field, dict[str, Any]], dict[str, Any]]] = {
     "gemma2": _gemma2, "gemma3": _gemma3, "phi3": _phi3, "granite": _granite, "smollm3": _smollm3,
-    "llama": _llama, "qwen2moe": _qwen2moe,
+    "llama": _llama, "qwen2moe": _qwen2moe, "olmo2": _olmo2, "mistral3": _mistral3,
     "qwen3moe": lambda field, config: _experts(field, config, True),
     "olmoe": lambda field, config: _experts(field, config, False),
 }

@@ -51,7 +51,7 @@ def _experts(block: str) -> dict[str, str]:
 # Per-architecture rows, added to (or replacing) ``TENSOR_NAMES``.
 ARCH_TENSOR_NAMES: dict[str, dict[str, str]] = {
     "llama": _experts("block_sparse_moe"),  # Mixtral is llama with ``ffn_*_exps``
-    "qwen2": {}, "qwen3": {}, "gemma": {}, "granite": {}, "smollm3": {},
+    "qwen2": {}, "qwen3": {}, "gemma": {}, "granite": {}, "smollm3": {}, "mistral3": {},
     "qwen2moe": _experts("mlp"), "qwen3moe": _experts("mlp"), "olmoe": _experts("mlp"),
     "gemma2": _SANDWICH_NORMS,
     "gemma3": _SANDWICH_NORMS,
@@ -66,7 +66,7 @@ ARCH_TENSOR_NAMES: dict[str, dict[str, str]] = {
 }
 # Architectures whose Q/K rows llama.cpp's converter permuted (interleaved rotary pairs): its
 # LlamaModel and the converters derived from it.
-PERMUTED_QK_ARCHS = ("llama", "granite", "smollm3")
+PERMUTED_QK_ARCHS = ("llama", "granite", "smollm3", "mistral3")
 # Tensors that are config, not weights: read into the config by ``gguf.py``.
 CONFIG_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 

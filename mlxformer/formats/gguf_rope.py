@@ -5,7 +5,9 @@ rotary frequency. Those factors depend on ``original_max_position_embeddings`` (
 the low/high frequency factors only through ``L / low`` and ``L / high``, so the parameters
 written are the equivalent ones with ``low_freq_factor`` 1 (Llama 3.1/3.2's own values come
 back exactly: 8192, 1, 4); they are recovered from the smooth band and checked by recomputing
-every factor. Factors that are not llama3's stay ``freq_factors``, which only mlxformer reads.
+every factor. With no factor inside the band (small head sizes: every factor is 1 or ``factor``)
+any band that falls between the two groups' wavelengths reproduces them, and one is chosen.
+Factors that are not llama3's stay ``freq_factors``, which only mlxformer reads.
 """
 
 from __future__ import annotations
@@ -42,6 +44,21 @@ def _fit(inv_freq: np.ndarray, factors: np.ndarray, factor: float) -> tuple[floa
     return slope * (high - 1), high
 
 
+def _fit_gap(inv_freq: np.ndarray, factors: np.ndarray, factor: float) -> tuple[float, float] | None:
+    """``(L, high)`` with low = 1 whose smooth band ``[L / high, L]`` holds no frequency, when every
+    factor is 1 or ``factor``: L at (or just below) the shortest slowed wavelength, ``L / high``
+    halfway down to the longest kept one."""
+    kept, slowed = np.isclose(factors, 1.0, rtol=_RTOL), np.isclose(factors, factor, rtol=_RTOL)
+    if not (kept | slowed).all() or not slowed.any():
+        return None
+    wavelen = 2 * math.pi / inv_freq
+    longest_kept = float(wavelen[kept].max()) if kept.any() else 0.0
+    original = math.floor(float(wavelen[slowed].min()))  # an integer no longer than every slowed wavelength
+    if original <= longest_kept or original < 1:
+        return None
+    return float(original), original / ((original + longest_kept) / 2)
+
+
 def rope_scaling_from_factors(factors: np.ndarray, theta: float, head_dim: int) -> dict[str, Any]:
     """``rope_scaling`` for ``rope_freqs`` factors: ``llama3`` parameters when they reproduce
     every factor, else ``freq_factors``."""
@@ -49,7 +66,8 @@ def rope_scaling_from_factors(factors: np.ndarray, theta: float, head_dim: int) 
     stored = factors.astype(np.float64)
     factor = float(stored.max())
     if factor > 1:
-        for original, high in filter(None, (_fit(inv_freq, stored, factor), _LLAMA3_DEFAULT)):
+        fits = (_fit(inv_freq, stored, factor), _LLAMA3_DEFAULT, _fit_gap(inv_freq, stored, factor))
+        for original, high in filter(None, fits):
             original, high = int(round(original)), round(high, 6)
             if high > 1 and np.allclose(llama3_factors(inv_freq, factor, 1.0, high, original), stored, rtol=_RTOL):
                 return {"rope_type": "llama3", "factor": float(np.float32(factor)), "low_freq_factor": 1.0,

@@ -62,3 +62,12 @@ def softcapped_attention(
     weights = softmax_with_sinks(mask_scores(scores, mask), sinks).astype(values.dtype)
     out = weights @ mx.expand_dims(values, 2)  # (B, n_kv, n_rep, L, D)
     return out.reshape(B, n_heads, L, D)
+
+
+def position_query_scale(offset: int | mx.array, length: int, beta: float, period: int) -> mx.array:
+    """Llama 4's (Ministral 3's) query scale ``1 + beta * log(1 + floor(p / period))`` for the
+    positions ``offset..offset+length-1``; ``offset`` an int or a ``(B,)`` array. Shape
+    ``(1 or B, 1, length, 1)``, to multiply ``(B, heads, length, head_dim)`` queries."""
+    positions = mx.arange(length)[None] + (offset[:, None] if isinstance(offset, mx.array) else offset)  # (1|B, L)
+    scale = 1 + beta * mx.log(1 + mx.floor(positions.astype(mx.float32) / period))
+    return scale[:, None, :, None]

@@ -13,6 +13,7 @@ from typing import Any
 import mlx.core as mx
 
 from mlxformer.errors import MlxformerError
+from mlxformer.models.config_bounds import check_config_sizes
 from mlxformer.models.families import FAMILIES, family_fields
 from mlxformer.models.rope_config import SUPPORTED_ROPE_TYPES, RopeConfig, rope_config_from_dict, rope_scaling_dict
 
@@ -74,6 +75,10 @@ class ModelArgs:
     embedding_scale: float = 1.0  # Gemma: sqrt(hidden); Granite: embedding_multiplier
     residual_scale: float = 1.0  # Granite: each sublayer's output is scaled before the residual add
     logits_scale: float = 1.0  # Granite: 1 / logits_scaling
+    # Ministral 3 (Llama 4's scaling): queries at position p are multiplied by
+    # ``1 + beta * log(1 + floor(p / length))`` after RoPE (beta 0: off).
+    query_scale_beta: float = 0.0
+    query_scale_length: int = 1
     # --- mixture of experts (``mlp_type="moe"``, ``models.moe``) ---
     num_experts: int = 0
     num_experts_per_tok: int = 0
@@ -132,6 +137,7 @@ class ModelArgs:
         for flag in _UNSUPPORTED_TRUE_FLAGS:
             if config.get(flag):
                 raise MlxformerError(f"unsupported config setting {flag}=true for {model_type}")
+        check_config_sizes(config)  # before any per-layer or per-expert table is built
         try:
             hidden = int(config["hidden_size"])
             heads = int(config["num_attention_heads"])
@@ -181,10 +187,10 @@ class ModelArgs:
         }
         if self.model_type != "qwen2":
             config["attention_bias"] = self.o_proj_bias
-        if self.mlp_bias:
-            config["mlp_bias"] = True
+        config["mlp_bias"] = self.mlp_bias
         if self.sliding_window is not None:
             config["sliding_window"] = self.sliding_window
+        config.update(self._layer_and_rope_keys())
         if self.num_experts:
             config.update(num_experts=self.num_experts, num_local_experts=self.num_experts,
                           num_experts_per_tok=self.num_experts_per_tok, norm_topk_prob=self.norm_topk_prob,
@@ -192,6 +198,21 @@ class ModelArgs:
                           shared_expert_intermediate_size=self.shared_expert_intermediate_size,
                           decoder_sparse_step=self.decoder_sparse_step, mlp_only_layers=list(self.mlp_only_layers))
         return config
+
+    def _layer_and_rope_keys(self) -> dict[str, Any]:
+        """The per-layer and RoPE keys mlx-lm's readers need beyond ``rope_theta``/``rope_scaling``."""
+        keys: dict[str, Any] = {}
+        if self.layer_types:
+            keys["layer_types"] = [f"{t}_attention" for t in self.layer_types]
+        if self.partial_rotary_factor != 1.0:
+            keys["partial_rotary_factor"] = self.partial_rotary_factor
+        if self.rope.type == "longrope":  # Phi-3: the switch point at the top level
+            keys["original_max_position_embeddings"] = self.rope.original_max_position_embeddings
+        if self.query_scale_beta:  # Ministral 3: transformers' and mlx-lm's one rope_parameters dict
+            keys["rope_parameters"] = {"rope_theta": self.rope.theta, **(rope_scaling_dict(self.rope) or {}),
+                                       "llama_4_scaling_beta": self.query_scale_beta,
+                                       "original_max_position_embeddings": self.query_scale_length}
+        return keys
 
 
 ARCHITECTURES = {
@@ -215,4 +236,6 @@ ARCHITECTURES = {
     "deepseek_v2": "DeepseekV2ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "glm4_moe_lite": "Glm4MoeLiteForCausalLM",
+    "ministral3": "Ministral3ForCausalLM",
+    "olmo3": "Olmo3ForCausalLM",
 }

@@ -16,7 +16,7 @@ import mlx.nn as nn
 
 from mlxformer.models.mask import Mask, causal_mask_for
 from mlxformer.cache.protocol import Cache
-from mlxformer.models.attention_ops import fused_attention, softcap_scores, softcapped_attention
+from mlxformer.models.attention_ops import fused_attention, position_query_scale, softcap_scores, softcapped_attention
 from mlxformer.models.config import ModelArgs
 from mlxformer.models.mla import MLAttention
 from mlxformer.models.mlp import MLP, make_mlp, swiglu
@@ -60,6 +60,8 @@ class Attention(nn.Module):
         rope = args.layer_rope(layer_index)
         rotary_dims = int(self.head_dim * args.partial_rotary_factor)
         self.rope = None if rope is None else make_rope(rotary_dims, rope, args.max_position_embeddings)
+        # Ministral 3: position-dependent query scaling (beta 0: none)
+        self.query_scale_beta, self.query_scale_length = args.query_scale_beta, args.query_scale_length
 
     def project(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         """Queries, keys and values ``(B, L, heads * head_dim)`` (split from ``qkv_proj`` if fused)."""
@@ -83,6 +85,9 @@ class Attention(nn.Module):
         if self.rope is not None:
             queries, keys = self.rope(queries, offset, rope_length), self.rope(keys, offset, rope_length)
         sinks = self["sinks"] if "sinks" in self else None
+        if self.query_scale_beta:
+            scale = position_query_scale(offset, L, self.query_scale_beta, self.query_scale_length)
+            queries = queries * scale.astype(queries.dtype)
         if cache is not None:
             keys, values = cache.update_and_fetch(keys, values)
             out = cache.attention(queries, keys, values, scale=self.scale, mask=mask, softcap=self.softcap, sinks=sinks)
@@ -148,7 +153,7 @@ class Model(nn.Module):
         super().__init__()
         self.args = args
         # Set by ``use_remote_layers``: the layers other pipeline stages run after ours.
-        self._remote_layers: Callable[[mx.array], mx.array] | None = None
+        self._remote_layers: Callable[[mx.array, int | None], mx.array] | None = None
         self.model = DecoderStack(args, num_layers, with_ends, first_layer)
         if with_ends and not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
@@ -167,7 +172,7 @@ class Model(nn.Module):
             h = h * mx.array(self.args.embedding_scale, dtype=h.dtype)
         h = self.run_layers(h, cache, rope_length)
         if self._remote_layers is not None:
-            h = self._remote_layers(h)
+            h = self._remote_layers(h, rope_length)
         return self.model.norm(h)
 
     def run_layers(
@@ -186,9 +191,10 @@ class Model(nn.Module):
             h = layer(h, masks[layer.window], layer_cache, rope_length)
         return h
 
-    def use_remote_layers(self, run: Callable[[mx.array], mx.array]) -> None:
-        """Pass hidden states through ``run`` between this model's layers and the final norm:
-        the layers the other stages of a pipeline hold."""
+    def use_remote_layers(self, run: Callable[[mx.array, int | None], mx.array]) -> None:
+        """Pass hidden states (and the RoPE length, see ``hidden_states``) through ``run``
+        between this model's layers and the final norm: the layers the other stages of a
+        pipeline hold."""
         self._remote_layers = run
 
     def logits(self, hidden: mx.array) -> mx.array:

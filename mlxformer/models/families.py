@@ -125,6 +125,35 @@ def _olmo2(config: dict[str, Any], base: Fields) -> Fields:
     return {"norm_layout": "post", "qk_norm": True, "qk_norm_scope": "projection"}
 
 
+def _layer_type_rope(config: dict[str, Any], base: Fields, layer_type: str) -> RopeConfig:
+    """The RoPE of one layer type when ``rope_parameters`` is keyed by layer type (transformers 5's
+    Gemma 3, OLMo 3); else the classic ``rope_theta`` unscaled (``rope_scaling`` is the full layers')."""
+    params = config.get("rope_parameters") or {}
+    if isinstance(params.get(layer_type), dict):
+        return rope_config_from_dict({"rope_parameters": params[layer_type],
+                                      "max_position_embeddings": base["max_position_embeddings"]})
+    return RopeConfig(theta=float(config.get("rope_theta", params.get("rope_theta", 10000.0))))
+
+
+def _olmo3(config: dict[str, Any], base: Fields) -> Fields:
+    """OLMo 2 with sliding-window layers (three to one global by default), whose RoPE is unscaled."""
+    return {**_olmo2(config, base), "sliding_window": _window(config) or 4096,
+            "layer_types": _layer_types(config, lambda i: (i + 1) % 4 != 0),
+            "rope_local": _layer_type_rope(config, base, "sliding_attention")}
+
+
+def _ministral3(config: dict[str, Any], base: Fields) -> Fields:
+    """Mistral with YaRN and Llama 4's position-dependent query scaling (``llama_4_scaling_beta``
+    over ``original_max_position_embeddings``); mlx-lm's config may list ``layer_types``."""
+    params = {**(config.get("rope_parameters") or {}), **(config.get("rope_scaling") or {})}
+    beta = float(params.get("llama_4_scaling_beta") or 0.0)
+    fields: Fields = {**_mistral(config, base), "query_scale_beta": beta,
+                      "query_scale_length": int(params.get("original_max_position_embeddings") or 1)}
+    if config.get("layer_types") is not None:
+        fields["layer_types"] = _layer_types(config, lambda i: False)
+    return fields
+
+
 def _smollm3(config: dict[str, Any], base: Fields) -> Fields:
     """Every ``no_rope_layer_interval``-th layer has no RoPE (``no_rope_layers``: 1 = RoPE)."""
     layers = int(config["num_hidden_layers"])
@@ -290,6 +319,8 @@ FAMILIES: dict[str, Callable[[dict[str, Any], Fields], Fields]] = {
     "deepseek_v2": _deepseek_v2,
     "deepseek_v3": _deepseek_v3,
     "glm4_moe_lite": _deepseek_v3,
+    "ministral3": _ministral3,
+    "olmo3": _olmo3,
 }
 
 

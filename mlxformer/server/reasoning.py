@@ -1,6 +1,7 @@
-"""Reasoning (``<think>...</think>``): which models reason, splitting a reply into reasoning and
-answer as it streams, and a constraint that leaves the reasoning free (within a token budget,
-after which ``</think>`` is forced) and applies the request's own constraint to the answer only.
+"""Reasoning (``<think>...</think>``; Mistral's ``[THINK]...[/THINK]``, Gemma 4's thought
+channel): which models reason, splitting a reply into reasoning and answer as it streams, and a
+constraint that leaves the reasoning free (within a token budget, after which ``</think>`` is
+forced) and applies the request's own constraint to the answer only.
 
 A prompt that ends inside an open ``<think>`` (DeepSeek-R1 distills' templates open it) starts
 the reply in reasoning; otherwise a reply may open it first thing (Qwen3, QwQ).
@@ -18,23 +19,49 @@ from mlxformer.sampling import TokenConstraint
 from mlxformer.server.toolcalls.stream import held_suffix
 from mlxformer.tokenizer import Tokenizer
 
-OPEN, CLOSE = "<think>", "</think>"
-CLOSING_TEXT = "\n" + CLOSE + "\n\n"  # forced when the budget is spent
+@dataclass(frozen=True)
+class ThinkTags:
+    """The texts that open and close a reply's reasoning."""
+
+    open: str
+    close: str
+
+    @property
+    def closing_text(self) -> str:
+        """What is forced when the reasoning budget is spent."""
+        return "\n" + self.close + "\n\n"
+
+
+THINK = ThinkTags("<think>", "</think>")
+MISTRAL_THINK = ThinkTags("[THINK]", "[/THINK]")  # Magistral, Ministral 3 Reasoning
+GEMMA4_THINK = ThinkTags("<|channel>thought", "<channel|>")  # Gemma 4's thought channel
+OPEN, CLOSE = THINK.open, THINK.close
+CLOSING_TEXT = THINK.closing_text
 EFFORT_BUDGETS = {"minimal": 256, "low": 1024, "medium": 4096, "high": None}  # reasoning_effort -> tokens
 
 
-def reasons(tokenizer: Tokenizer) -> bool:
-    """Whether the model writes ``<think>`` reasoning: its template mentions it, or the
-    vocabulary has ``<think>`` and ``</think>`` tokens."""
+def think_tags(tokenizer: Tokenizer) -> ThinkTags:
+    """The reasoning tags the model's template (or vocabulary) uses: Mistral's or ``<think>``."""
     template = tokenizer.chat_template or ""
-    if CLOSE in template:
+    if MISTRAL_THINK.close in template or (THINK.close not in template and tokenizer.token_to_id(MISTRAL_THINK.close)):
+        return MISTRAL_THINK
+    if GEMMA4_THINK.close in template:
+        return GEMMA4_THINK
+    return THINK
+
+
+def reasons(tokenizer: Tokenizer) -> bool:
+    """Whether the model writes reasoning: its template mentions the closing tag, or the
+    vocabulary has both tags as tokens."""
+    tags = think_tags(tokenizer)
+    if tags.close in (tokenizer.chat_template or ""):
         return True
-    return tokenizer.token_to_id(OPEN) is not None and tokenizer.token_to_id(CLOSE) is not None
+    return tokenizer.token_to_id(tags.open) is not None and tokenizer.token_to_id(tags.close) is not None
 
 
-def starts_in_reasoning(prompt_text: str) -> bool:
-    """Whether the rendered prompt leaves a ``<think>`` open (the reply then begins as reasoning)."""
-    return prompt_text.rfind(OPEN) > prompt_text.rfind(CLOSE)
+def starts_in_reasoning(prompt_text: str, tags: ThinkTags = THINK) -> bool:
+    """Whether the rendered prompt leaves reasoning open (the reply then begins as reasoning)."""
+    return prompt_text.rfind(tags.open) > prompt_text.rfind(tags.close)
 
 
 @dataclass
@@ -47,30 +74,32 @@ class ThinkSplitter:
     """Splits streamed text into reasoning and content, holding back only a possible tag start
     (and the whitespace right after ``</think>``)."""
 
-    def __init__(self, in_reasoning: bool) -> None:
+    def __init__(self, in_reasoning: bool, tags: ThinkTags = THINK) -> None:
         self.state = "reasoning" if in_reasoning else "start"
         self.buffer = ""
+        self.tags = tags
 
     def feed(self, text: str, final: bool = False) -> Split:
         """The reasoning and content ``text`` completes (``final``: nothing is held back)."""
         self.buffer += text
         out = Split()
+        tags = self.tags
         while True:
             if self.state == "start":
                 head = self.buffer.lstrip()
-                if head.startswith(OPEN):
-                    self.state, self.buffer = "reasoning", head[len(OPEN):]
+                if head.startswith(tags.open):
+                    self.state, self.buffer = "reasoning", head[len(tags.open):]
                     continue
-                if not final and OPEN.startswith(head):
+                if not final and tags.open.startswith(head):
                     return out
                 self.state = "content"
             if self.state == "reasoning":
-                at = self.buffer.find(CLOSE)
+                at = self.buffer.find(tags.close)
                 if at >= 0:
                     out.reasoning += self.buffer[:at]
-                    self.state, self.buffer = "after", self.buffer[at + len(CLOSE):]
+                    self.state, self.buffer = "after", self.buffer[at + len(tags.close):]
                     continue
-                keep = 0 if final else held_suffix(self.buffer, (CLOSE,))
+                keep = 0 if final else held_suffix(self.buffer, (tags.close,))
                 out.reasoning += self.buffer[: len(self.buffer) - keep]
                 self.buffer = self.buffer[len(self.buffer) - keep:]
                 return out
@@ -93,8 +122,9 @@ class AnswerConstraint:
 
     def __init__(self, inner: TokenConstraint | None, vocab_size: int, close_ids: list[int],
                  decode: Callable[[list[int]], str], *, in_reasoning: bool, open_id: int | None,
-                 budget: int | None) -> None:
+                 budget: int | None, close: str = CLOSE) -> None:
         self.inner, self.vocab_size, self.close_ids, self.decode = inner, vocab_size, close_ids, decode
+        self.close = close
         self.budget, self.open_id = budget, open_id
         self.state = "reasoning" if in_reasoning else ("start" if open_id is not None else "answer")
         self.spent, self.recent, self.forced = 0, [], 0
@@ -134,7 +164,7 @@ class AnswerConstraint:
         else:
             self.spent += 1
             self.recent = (self.recent + [token])[-8:]
-            if CLOSE in self.decode(self.recent):
+            if self.close in self.decode(self.recent):
                 self.state = "answer"
             elif self.budget is not None and self.spent >= self.budget:
                 self.state = "closing"
@@ -145,13 +175,13 @@ class AnswerConstraint:
 
 
 def answer_constraint(inner: TokenConstraint | None, tokenizer: Tokenizer, vocab_size: int, *,
-                      in_reasoning: bool, budget: int | None) -> TokenConstraint | None:
+                      in_reasoning: bool, budget: int | None, tags: ThinkTags = THINK) -> TokenConstraint | None:
     """``inner`` for the answer of a reasoning model's reply, with the reasoning ``budget``
     (``None`` when nothing needs constraining)."""
     if inner is None and budget is None:
         return None
-    open_id = tokenizer.token_to_id(OPEN)
+    open_id = tokenizer.token_to_id(tags.open)
     return AnswerConstraint(
-        inner, vocab_size, tokenizer.encode(CLOSING_TEXT, add_special_tokens=False), tokenizer.decode,
-        in_reasoning=in_reasoning, open_id=open_id, budget=budget,
+        inner, vocab_size, tokenizer.encode(tags.closing_text, add_special_tokens=False), tokenizer.decode,
+        in_reasoning=in_reasoning, open_id=open_id, budget=budget, close=tags.close,
     )

@@ -15,7 +15,7 @@ from mlxformer.server.errors import bad_request
 from mlxformer.server.hooks import constraint_for
 from mlxformer.server.protocol import ResponseFormat, SamplingFields
 from mlxformer.server.reasoning import (
-    EFFORT_BUDGETS, ThinkSplitter, answer_constraint, reasons, starts_in_reasoning,
+    EFFORT_BUDGETS, THINK, ThinkSplitter, ThinkTags, answer_constraint, reasons, starts_in_reasoning, think_tags,
 )
 from mlxformer.server.reply import ReplyParser
 from mlxformer.server.toolcalls import CallFormat, call_format, format_for_template, reply_stream
@@ -30,12 +30,13 @@ class Traits:
 
     call_format: CallFormat
     reasons: bool
+    tags: ThinkTags = THINK  # the reasoning's tags (Mistral: [THINK]...[/THINK])
 
     @classmethod
     def of(cls, served: ServedModel, tool_parser: str | None = None) -> Traits:
         """The traits of ``served`` (``tool_parser``: a format name overriding the template's)."""
         name = tool_parser or format_for_template(served.tokenizer.chat_template)
-        return cls(call_format(name), reasons(served.tokenizer))
+        return cls(call_format(name), reasons(served.tokenizer), think_tags(served.tokenizer))
 
     def capabilities(self, served: ServedModel) -> dict[str, Any]:
         """The ``capabilities`` of a model entry in ``/v1/models``."""
@@ -79,7 +80,7 @@ class Prepared:
 
     def parser(self) -> ReplyParser:
         """A fresh parser of this turn's reply."""
-        splitter = ThinkSplitter(self.in_reasoning) if self.traits.reasons else None
+        splitter = ThinkSplitter(self.in_reasoning, self.traits.tags) if self.traits.reasons else None
         channels = self.traits.call_format.channels  # Harmony: its stream reads every reply
         calls = reply_stream(self.traits.call_format, self.plan.spec) if self.plan.active or channels else None
         return ReplyParser(splitter, calls)
@@ -152,10 +153,11 @@ def prepare(turn: Turn, served: ServedModel, traits: Traits) -> Prepared:
     text = render_prompt(turn, served, plan, traits)
     constraint = call_constraint(plan, traits.call_format, tokenizer, vocab) or constraint_for(
         turn.response_format, tokenizer, vocab)
-    in_reasoning = traits.reasons and starts_in_reasoning(text)
+    in_reasoning = traits.reasons and starts_in_reasoning(text, traits.tags)
     budget = 0 if turn.thinking is False else turn.reasoning_budget
     if traits.reasons:
-        constraint = answer_constraint(constraint, tokenizer, vocab, in_reasoning=in_reasoning, budget=budget)
+        constraint = answer_constraint(constraint, tokenizer, vocab, in_reasoning=in_reasoning, budget=budget,
+                                       tags=traits.tags)
     check_prompt_chars(len(text), served, turn.prompt_param)
     ids = tokenizer.encode(text, add_special_tokens=False)
     request = engine_request(turn.fields, ids, served, max_tokens=turn.max_tokens, logprobs=turn.logprobs,

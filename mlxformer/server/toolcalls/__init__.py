@@ -9,6 +9,7 @@ from mlxformer.server.toolcalls.base import CallDelta, CallFormat, Section, Tool
 from mlxformer.server.toolcalls.harmony import Harmony, HarmonyStream
 from mlxformer.server.toolcalls.deepseek import DeepSeekV31
 from mlxformer.server.toolcalls.glm import Glm, Glm47
+from mlxformer.server.toolcalls.gemma4 import Gemma4
 from mlxformer.server.toolcalls.hermes import Hermes
 from mlxformer.server.toolcalls.json_fallback import JsonFallback
 from mlxformer.server.toolcalls.llama3 import Llama3Json
@@ -17,13 +18,14 @@ from mlxformer.server.toolcalls.qwen3_coder import Qwen3Coder
 from mlxformer.server.toolcalls.stream import Parsed, ToolCallStream
 
 FORMATS: dict[str, type[CallFormat]] = {
-    f.name: f for f in (Hermes, Qwen3Coder, Llama3Json, Mistral, MistralV11, JsonFallback, Harmony, Glm, Glm47,
-                        DeepSeekV31)
+    f.name: f for f in (Hermes, Qwen3Coder, Llama3Json, Mistral, MistralV11, Gemma4, JsonFallback, Harmony, Glm,
+                        Glm47, DeepSeekV31)
 }
 
 # (format, texts that must all appear in the chat template), first match wins.
 TEMPLATE_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("harmony", ("<|channel|>", "<|message|>")),
+    ("gemma4", ("<|tool_call>", "<tool_call|>")),
     ("qwen3_coder", ("<tool_call>", "<function=")),
     ("glm47", ("<tool_call>{function-name}<arg_key>",)),
     ("glm", ("<tool_call>", "<arg_key>")),
