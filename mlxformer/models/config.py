@@ -13,7 +13,7 @@ from typing import Any
 import mlx.core as mx
 
 from mlxformer.errors import MlxformerError
-from mlxformer.models.families import FAMILIES, family_fields
+from mlxformer.models.families import FAMILIES, family_fields, hybrid_config, text_config_of
 from mlxformer.models.rope_config import SUPPORTED_ROPE_TYPES, RopeConfig, rope_config_from_dict, rope_scaling_dict
 
 __all__ = ["FLOAT_DTYPES", "float_dtype", "ModelArgs", "RopeConfig", "SUPPORTED_ROPE_TYPES", "rope_config_from_dict", "rope_scaling_dict"]
@@ -83,12 +83,24 @@ class ModelArgs:
     decoder_sparse_step: int = 1  # every n-th layer is sparse
     mlp_only_layers: tuple[int, ...] = ()  # layers kept dense
     mlp_name: str = "mlp"  # the block's attribute, as the checkpoint names it (Mixtral: block_sparse_moe)
+    # --- Gated DeltaNet layers (``layer_types`` entry "linear", ``models.gated_delta``: Qwen3.5, Qwen3-Next) ---
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 4
+    linear_fused_projections: bool = False  # Qwen3-Next's in_proj_qkvz/in_proj_ba (Qwen3.5: split)
+    attn_output_gate: bool = False  # q_proj also gives a sigmoid gate on the attention output (Qwen3.5/Next)
 
     def layer_window(self, index: int) -> int | None:
         """The sliding window layer ``index`` attends with (None: the whole context)."""
         if not self.layer_types or self.layer_types[index] == "sliding":
             return self.sliding_window
         return None
+
+    def layer_is_linear(self, index: int) -> bool:
+        """Whether layer ``index`` mixes with Gated DeltaNet (a recurrent state) instead of attention."""
+        return bool(self.layer_types) and self.layer_types[index] == "linear"
 
     def layer_rope(self, index: int) -> RopeConfig | None:
         """The RoPE settings of layer ``index`` (None: the layer has no rotary embedding)."""
@@ -101,6 +113,7 @@ class ModelArgs:
     @classmethod
     def from_dict(cls, config: dict[str, Any]) -> "ModelArgs":
         """Build the args from an HF/mlx-lm ``config.json`` dict; unsupported settings raise."""
+        config = text_config_of(config)
         model_type = config.get("model_type")
         if model_type not in FAMILIES:
             raise MlxformerError(f"unsupported model_type {model_type!r} (supported: {', '.join(FAMILIES)})")
@@ -160,6 +173,8 @@ class ModelArgs:
             config["mlp_bias"] = True
         if self.sliding_window is not None:
             config["sliding_window"] = self.sliding_window
+        if self.linear_num_value_heads:
+            config.update(hybrid_config(self))
         if self.num_experts:
             config.update(num_experts=self.num_experts, num_local_experts=self.num_experts,
                           num_experts_per_tok=self.num_experts_per_tok, norm_topk_prob=self.norm_topk_prob,
@@ -185,4 +200,7 @@ ARCHITECTURES = {
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "olmoe": "OlmoeForCausalLM",
+    "qwen3_5_text": "Qwen3_5ForCausalLM",
+    "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
+    "qwen3_next": "Qwen3NextForCausalLM",
 }

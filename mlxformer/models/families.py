@@ -182,6 +182,69 @@ def _olmoe(config: dict[str, Any], base: Fields) -> Fields:
             **_experts(config, "intermediate_size", False)}
 
 
+# Qwen3.5/3.6 ship as image-text models: the language model's settings sit under ``text_config``.
+_TEXT_CONFIG_TYPES = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
+_HYBRID_LAYERS = {"linear_attention": "linear", "full_attention": "full"}
+
+
+def text_config_of(config: dict[str, Any]) -> dict[str, Any]:
+    """The language model's config: an image-text Qwen3.5's ``text_config`` over its top level
+    (as the text model type), any other config as it is."""
+    inner = _TEXT_CONFIG_TYPES.get(config.get("model_type"))  # type: ignore[arg-type]
+    if inner is None:
+        return config
+    outer = {k: v for k, v in config.items() if k not in ("text_config", "vision_config")}
+    return {**outer, **(config.get("text_config") or {}), "model_type": inner}
+
+
+def _gated_delta(config: dict[str, Any], base: Fields) -> Fields:
+    """Qwen3.5 / Qwen3-Next: Gated DeltaNet layers (``models.gated_delta``) with every
+    ``full_attention_interval``-th layer gated attention (output gate from ``q_proj``), per-head
+    q/k norms, ``(1 + w)`` RMSNorms and partial rotary dimensions."""
+    layers = int(config["num_hidden_layers"])
+    written = config.get("layer_types")
+    if written is None:
+        interval = int(config.get("full_attention_interval") or 4)
+        written = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers)]
+    if len(written) != layers or any(t not in _HYBRID_LAYERS for t in written):
+        raise MlxformerError(f"config.json layer_types must name {layers} layers as linear_attention/full_attention")
+    key_heads, value_heads = int(config["linear_num_key_heads"]), int(config["linear_num_value_heads"])
+    if value_heads % key_heads:
+        raise MlxformerError(f"linear_num_value_heads ({value_heads}) must be a multiple of linear_num_key_heads ({key_heads})")
+    params = config.get("rope_parameters") or {}
+    factor = config.get("partial_rotary_factor", params.get("partial_rotary_factor", 1.0))
+    return {
+        "qk_norm": True, "norm_offset": 1.0, "attn_output_gate": True, "partial_rotary_factor": float(factor),
+        "layer_types": tuple(_HYBRID_LAYERS[t] for t in written),
+        "linear_num_key_heads": key_heads, "linear_num_value_heads": value_heads,
+        "linear_key_head_dim": int(config["linear_key_head_dim"]),
+        "linear_value_head_dim": int(config["linear_value_head_dim"]),
+        "linear_conv_kernel_dim": int(config.get("linear_conv_kernel_dim") or 4),
+    }
+
+
+def _qwen3_5_moe(config: dict[str, Any], base: Fields) -> Fields:
+    """Qwen3.5 with routed experts (top-k always renormalised) and the gated shared expert."""
+    return {**_gated_delta(config, base), **_experts(config, "moe_intermediate_size", True), "norm_topk_prob": True}
+
+
+def _qwen3_next(config: dict[str, Any], base: Fields) -> Fields:
+    """Qwen3.5-MoE's layout with the DeltaNet projections fused per key head."""
+    return {**_gated_delta(config, base), **_experts(config, "moe_intermediate_size", True),
+            "linear_fused_projections": True}
+
+
+def hybrid_config(args: Any) -> dict[str, Any]:
+    """The config.json keys of the Gated DeltaNet fields of ``args`` (a ``ModelArgs``)."""
+    names = {short: long for long, short in _HYBRID_LAYERS.items()}
+    return {
+        "layer_types": [names[t] for t in args.layer_types], "partial_rotary_factor": args.partial_rotary_factor,
+        "linear_num_key_heads": args.linear_num_key_heads, "linear_num_value_heads": args.linear_num_value_heads,
+        "linear_key_head_dim": args.linear_key_head_dim, "linear_value_head_dim": args.linear_value_head_dim,
+        "linear_conv_kernel_dim": args.linear_conv_kernel_dim,
+    }
+
+
 def _float_or_none(value: Any) -> float | None:
     return None if value is None else float(value)
 
@@ -202,6 +265,9 @@ FAMILIES: dict[str, Callable[[dict[str, Any], Fields], Fields]] = {
     "qwen2_moe": _qwen2_moe,
     "qwen3_moe": _qwen3_moe,
     "olmoe": _olmoe,
+    "qwen3_5_text": _gated_delta,
+    "qwen3_5_moe_text": _qwen3_5_moe,
+    "qwen3_next": _qwen3_next,
 }
 
 

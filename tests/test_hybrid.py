@@ -1,0 +1,183 @@
+"""Hybrid Gated DeltaNet models (Qwen3.5 dense ``qwen3_5_text``, Qwen3.5-MoE ``qwen3_5_moe_text``,
+Qwen3-Next ``qwen3_next``) on tiny random checkpoints written by transformers' own config
+classes, against transformers' eager logits: the full forward, chunked prefill then decode through
+the mixed state/KV caches, one token at a time; the two forms of the delta rule against each
+other; greedy generation with speculation (state rollback), quantized KV on the attention layers,
+prompt-cache files and chat turns reusing the cache.
+
+Odd sizes: 2 key heads and 4 value heads of 12 and 10 features, a 4-wide conv, 3 linear layers
+to 1 attention layer (head_dim 32, a quarter of it rotated).
+"""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import torch
+
+from conftest import cpu_default_device, max_diff, write_byte_tokenizer, write_tiny_checkpoint
+from mlxformer import load, stream_generate
+from mlxformer.cache import CacheSettings, KVCache, StateCache, make_cache
+from mlxformer.cache.files import load_prompt_cache, save_prompt_cache
+from mlxformer.errors import MlxformerError
+from mlxformer.generation import decode_step, prefill
+from mlxformer.models import gated_delta
+from mlxformer.models.gated_delta import GatedDeltaNet, chunked_delta_rule, recurrent_delta_rule
+from mlxformer.speculative import SpeculativeSettings
+
+# fp32 on both sides. Measured: qwen3_5_text 1.7e-4, qwen3_5_moe_text 2.3e-4, qwen3_next 1.2e-3
+# (the same with the recurrent form alone: the random MoE amplifies float32 rounding).
+BOUND = 3e-3
+HYBRID = dict(num_hidden_layers=4, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+              linear_key_head_dim=12, linear_value_head_dim=10, linear_conv_kernel_dim=4)
+EXPERTS = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, shared_expert_intermediate_size=40)
+CASES = {"qwen3_5_text": {}, "qwen3_5_moe_text": EXPERTS, "qwen3_next": EXPERTS}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cpu_device():
+    with cpu_default_device():
+        yield
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def case(request, tmp_path_factory):
+    directory, hf_model = write_tiny_checkpoint(tmp_path_factory.mktemp(request.param), request.param,
+                                                **HYBRID, **CASES[request.param])
+    write_byte_tokenizer(directory)
+    model, tokenizer = load(directory, dtype=mx.float32, threads=1)
+    tokenizer.eos_token_ids = []
+    return request.param, directory, model, tokenizer, hf_model
+
+
+def tokens(n: int, seed: int = 1) -> np.ndarray:
+    return np.random.default_rng(seed).integers(3, 256, size=n)
+
+
+def reference(hf_model, ids: np.ndarray) -> np.ndarray:
+    with torch.no_grad():
+        return hf_model(torch.tensor(ids[None])).logits[0].numpy()
+
+
+def test_full_forward_matches_transformers(case):
+    name, _, model, _, hf_model = case
+    kinds = [layer.mixer_name for layer in model.layers]
+    assert kinds == ["linear_attn"] * 3 + ["self_attn"]
+    assert isinstance(model.layers[0].linear_attn, GatedDeltaNet)
+    ids = tokens(150)  # three chunks of the parallel form, the last one partial
+    assert max_diff(np.array(model(mx.array(ids[None]))[0]), reference(hf_model, ids)) <= BOUND
+
+
+def test_chunked_prefill_then_decode_and_token_by_token(case):
+    """Prefill chunks of 5 and 3 tokens end inside the 4-wide conv window, then decode."""
+    _, _, model, _, hf_model = case
+    ids = tokens(40, seed=2)
+    ref = reference(hf_model, ids)
+    for step in (5, 3):
+        cache = make_cache(model)
+        assert [type(c) for c in cache] == [StateCache] * 3 + [KVCache]
+        rows = [np.array(prefill(model, mx.array(ids[:23]), cache, step_size=step))]
+        rows += [np.array(decode_step(model, mx.array([int(t)]), cache)) for t in ids[23:]]
+        assert max_diff(np.concatenate(rows), ref[22:]) <= BOUND, step
+    cache = make_cache(model)
+    rows = [np.array(decode_step(model, mx.array([int(t)]), cache)) for t in ids]
+    assert max_diff(np.concatenate(rows), ref) <= BOUND
+    assert all(c.offset == len(ids) for c in cache)
+
+
+def test_chunked_and_recurrent_forms_agree():
+    """The parallel form (several chunks, a partial last one, a carried-in state) equals the
+    token-by-token recurrence; a wrong decay in either moves the outputs by O(1)."""
+    rng = np.random.default_rng(0)
+    B, H, L, Dk, Dv = 2, 3, 150, 12, 10
+
+    def arr(*shape, scale=1.0):
+        return mx.array(rng.standard_normal(shape).astype(np.float32) * scale)
+
+    q, k = arr(B, H, L, Dk), arr(B, H, L, Dk)
+    q, k = gated_delta.l2_normalize(q) * Dk**-0.5, gated_delta.l2_normalize(k)
+    v, state = arr(B, H, L, Dv), arr(B, H, Dk, Dv, scale=0.5)
+    g = -mx.abs(arr(B, H, L, scale=0.3))
+    beta = mx.sigmoid(arr(B, H, L))
+    out_c, state_c = chunked_delta_rule(q, k, v, g, beta, state)
+    out_r, states = recurrent_delta_rule(q, k, v, g, beta, state)
+    assert np.abs(np.array(out_c - out_r)).max() < 1e-4
+    assert np.abs(np.array(state_c - states[-1])).max() < 1e-4
+    assert np.abs(np.array(out_r)).max() > 0.1
+
+
+def test_speculative_greedy_equals_plain(case):
+    """Prompt lookup on a repetitive prompt: rejected proposals roll the state caches back."""
+    _, _, model, tokenizer, _ = case
+    prompt = "one two one two one two one two three one two"
+    plain = [r.token for r in stream_generate(model, tokenizer, prompt, max_tokens=24)]
+    settings = SpeculativeSettings(prompt_lookup=True, num_draft_tokens=3, ngram_min=1)
+    fast = [r.token for r in stream_generate(model, tokenizer, prompt, max_tokens=24, speculative=settings)]
+    assert fast == plain
+
+
+def test_state_cache_trims_what_it_keeps(case):
+    """``trim`` takes back up to ``keep`` tokens exactly (logits as if never fed), no further."""
+    _, _, model, _, _ = case
+    ids = tokens(30, seed=3)
+    cache = make_cache(model, CacheSettings(rewind=3))
+    prefill(model, mx.array(ids[:20]), cache)
+    expected = np.array(decode_step(model, mx.array([int(ids[20])]), cache))
+    for c in cache:
+        assert c.trim(1) == 1
+    model(mx.array(ids[None, 20:23]), cache)  # three tokens fed, then taken back
+    assert all(c.trim(3) == 3 for c in cache)
+    again = np.array(decode_step(model, mx.array([int(ids[20])]), cache))
+    assert np.abs(again - expected).max() < 1e-5
+    state_cache = cache[0]  # after 21 tokens it holds the states of the last 3 (and the one before)
+    assert isinstance(state_cache, StateCache) and state_cache.trim(10) == 1
+
+
+def test_quantized_kv_only_on_attention_layers(case):
+    _, _, model, _, hf_model = case
+    ids = tokens(40, seed=4)
+    cache = make_cache(model, CacheSettings(kv_bits=8, kv_group_size=32))
+    assert [type(c) for c in cache] == [StateCache] * 3 + [KVCache] and cache[3].quantized
+    rows = [np.array(prefill(model, mx.array(ids[:30]), cache, step_size=7))]
+    rows += [np.array(decode_step(model, mx.array([int(t)]), cache)) for t in ids[30:]]
+    assert max_diff(np.concatenate(rows), reference(hf_model, ids)[29:]) < 0.5  # 8-bit keys/values: rounding
+
+
+def test_prompt_cache_file_round_trip(case, tmp_path):
+    _, _, model, tokenizer, _ = case
+    ids = [int(t) for t in tokens(30, seed=5)]
+    cache = make_cache(model)
+    prefill(model, mx.array(ids[:25]), cache)
+    save_prompt_cache(tmp_path / "c.safetensors", cache, ids[:25], model, tokenizer)
+    loaded, held = load_prompt_cache(tmp_path / "c.safetensors", model, tokenizer)
+    assert held == ids[:25] and [type(c) for c in loaded] == [type(c) for c in cache]
+    resumed = np.array(prefill(model, mx.array(ids[25:]), loaded))
+    assert np.array_equal(resumed, np.array(prefill(model, mx.array(ids[25:]), cache)))  # bit for bit
+    cold = np.array(prefill(model, mx.array(ids), make_cache(model)))  # the chunked form over all 30
+    assert np.abs(resumed - cold).max() < 1e-4
+    # a file whose recurrent state does not fit the model is refused naming the layer
+    arrays, metadata = mx.load(str(tmp_path / "c.safetensors"), return_metadata=True)
+    arrays["layer.0.1"] = arrays["layer.0.1"][:, :2]
+    mx.save_safetensors(str(tmp_path / "bad.safetensors"), arrays, metadata)
+    with pytest.raises(MlxformerError, match="layer 0: array 1 has shape"):
+        load_prompt_cache(tmp_path / "bad.safetensors", model, tokenizer)
+    classes = json.loads(metadata["classes"])
+    metadata["classes"] = json.dumps(["KVCache"] * len(classes))
+    mx.save_safetensors(str(tmp_path / "bad2.safetensors"), arrays, metadata)
+    with pytest.raises(MlxformerError, match="do not fit the model's attention and recurrent layers"):
+        load_prompt_cache(tmp_path / "bad2.safetensors", model, tokenizer)
+
+
+def test_config_round_trip_and_bad_config(case):
+    from mlxformer.models.config import ModelArgs
+
+    name, directory, model, _, _ = case
+    assert ModelArgs.from_dict(model.args.to_dict()) == model.args
+    config = json.loads((directory / "config.json").read_text())
+    with pytest.raises(MlxformerError, match="multiple of linear_num_key_heads"):
+        ModelArgs.from_dict({**config, "linear_num_key_heads": 3})
+    with pytest.raises(MlxformerError, match="layer_types"):
+        ModelArgs.from_dict({**config, "layer_types": ["linear_attention", "sliding_attention"] * 2})
