@@ -181,3 +181,57 @@ def test_config_round_trip_and_bad_config(case):
         ModelArgs.from_dict({**config, "linear_num_key_heads": 3})
     with pytest.raises(MlxformerError, match="layer_types"):
         ModelArgs.from_dict({**config, "layer_types": ["linear_attention", "sliding_attention"] * 2})
+
+
+ENGINE_PROMPTS = ["the cat sat on the", "one two one two one", "xyz", "a longer prompt of a few more words"]
+
+
+def test_engine_batches_hybrid_rows_as_alone(case, monkeypatch):
+    """Four concurrent requests: their recurrent states stacked per layer in one decode batch,
+    each row's reply equal to the one it gives alone; then a speculating engine."""
+    from mlxformer.engine import batch_generate
+
+    _, _, model, tokenizer, _ = case
+    stacked_rows: list[int] = []
+    real_stack = StateCache.stack
+
+    def stack(rows):
+        stacked = real_stack(rows)
+        stacked_rows.append(stacked.conv.shape[0])
+        return stacked
+
+    monkeypatch.setattr(StateCache, "stack", staticmethod(stack))
+    alone = [tokenizer.decode([r.token for r in stream_generate(model, tokenizer, p, 10)]) for p in ENGINE_PROMPTS]
+    assert batch_generate(model, tokenizer, ENGINE_PROMPTS, 10, max_batch=4, prefill_chunk=5) == alone
+    assert max(stacked_rows) >= 3  # rows decode together (they join and leave at their own steps)
+    lookup = SpeculativeSettings(prompt_lookup=True, num_draft_tokens=3, ngram_min=1)
+    assert batch_generate(model, tokenizer, ENGINE_PROMPTS, 10, max_batch=4, speculative=lookup) == alone
+
+
+def test_engine_preempts_and_replays_hybrid_rows(case):
+    """Rows preempted mid-decode (three times, as the KV budget does: states dropped, the
+    prompt and generated tokens recomputed) give the replies each gives alone; the KV budget
+    counts the state bytes."""
+    from mlxformer.cache.state import state_nbytes
+    from mlxformer.engine import Engine, GenerationRequest
+
+    _, _, model, tokenizer, _ = case
+    prompts = [[(11 * i + 5 * j) % 250 + 1 for j in range(20 + i)] for i in range(4)]
+    expected = [tokenizer.decode([r.token for r in stream_generate(model, tokenizer, p, 24)]) for p in prompts]
+    engine = Engine(model, tokenizer, max_batch=4, prefill_chunk=8)
+    kv_block = engine.sizer.bytes_for(257) - engine.sizer.bytes_for(1)  # the attention layer's growth
+    assert engine.sizer.bytes_for(1) == kv_block + 3 * state_nbytes(model.args, 1, mx.float32)
+    real_run, steps = engine._run, [0]
+
+    def run(step):
+        real_run(step)
+        steps[0] += 1
+        if steps[0] in (6, 12, 18) and engine.scheduler.running:
+            engine._preempt(engine.scheduler.running[0])
+
+    engine._run = run
+    with engine:
+        handles = [engine.submit(GenerationRequest(p, 24)) for p in prompts]
+        replies = ["".join(e.text for e in h) for h in handles]
+    assert replies == expected
+    assert engine.metrics.registry.get_sample_value("mlxformer_preemptions_total") == 3

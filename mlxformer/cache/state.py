@@ -10,9 +10,19 @@ be recovered, so ``trim`` returns fewer than asked, as a rotating cache that has
 
 from __future__ import annotations
 
+from typing import Any
+
 import mlx.core as mx
 
 from mlxformer.models.mask import Mask, causal_mask_for
+
+
+def state_nbytes(args: Any, keep: int, dtype: mx.Dtype) -> int:
+    """Bytes a ``StateCache`` keeping ``keep`` tokens holds for a layer of ``args`` (a
+    ``ModelArgs``) whatever the context length: conv inputs in ``dtype``, float32 states."""
+    conv_dim = 2 * args.linear_num_key_heads * args.linear_key_head_dim + args.linear_num_value_heads * args.linear_value_head_dim
+    conv = (args.linear_conv_kernel_dim - 1 + keep) * conv_dim * dtype.size
+    return conv + (keep + 1) * args.linear_num_value_heads * args.linear_key_head_dim * args.linear_value_head_dim * 4
 
 
 class StateCache:
@@ -85,6 +95,30 @@ class StateCache:
         self.states = self.states[:-n]
         self.offset -= n
         return n
+
+    @staticmethod
+    def stack(rows: "list[StateCache]") -> "StateCache":
+        """One cache for all ``rows`` (a batched decode step: their current conv windows and
+        states stacked on the batch axis, nothing kept to take back)."""
+        stacked = StateCache()
+        parts = [c.state for c in rows]
+        stacked.conv = mx.concatenate([conv for conv, _ in parts], axis=0)
+        stacked.states = [mx.concatenate([state for _, state in parts], axis=0)]
+        stacked._width = stacked.conv.shape[1]
+        return stacked
+
+    def row(self, index: int, offset: int, keep: int) -> "StateCache":
+        """Row ``index`` of a stacked cache as a cache of its own (``offset`` tokens, ``keep``)."""
+        conv, state = self.state
+        single = StateCache(keep)
+        single.conv, single.states, single._width, single.offset = conv[index : index + 1], [state[index : index + 1]], self._width, offset
+        return single
+
+    def drop_row(self, index: int) -> None:
+        """Remove row ``index`` of a stacked cache."""
+        conv, state = self.state
+        rest = mx.array([i for i in range(conv.shape[0]) if i != index], dtype=mx.int32)
+        self.conv, self.states = conv[rest], [state[rest]]
 
     @property
     def nbytes(self) -> int:
