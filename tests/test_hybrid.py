@@ -235,3 +235,41 @@ def test_engine_preempts_and_replays_hybrid_rows(case):
         replies = ["".join(e.text for e in h) for h in handles]
     assert replies == expected
     assert engine.metrics.registry.get_sample_value("mlxformer_preemptions_total") == 3
+
+
+def test_prefix_cache_resumes_from_a_state_snapshot(case):
+    """A finished sequence's blocks keep the recurrent states where its cache ended: a new turn
+    extending it resumes there with exactly the logits of the first sequence's own caches; a
+    prompt that leaves it inside the cached tokens finds no snapshot, so no hit."""
+    from mlxformer.engine.prefix_cache import PrefixCache
+
+    _, _, model, _, _ = case
+    first = [int(t) for t in tokens(75, seed=6)]  # two 32-token blocks and an 11-token tail
+    own = make_cache(model)
+    prefill(model, mx.array(first), own)
+    prefix = PrefixCache(10**8, model, CacheSettings())
+    prefix.insert(first, own)
+    second = first + [5, 6, 7]
+    caches, n = prefix.lookup(second)
+    assert n == len(first) and [type(c) for c in caches] == [type(c) for c in own]
+    got = model.last_logits(mx.array([second[n:]]), caches)
+    assert mx.array_equal(got, model.last_logits(mx.array([second[n:]]), own)).item()  # bit for bit
+    assert prefix.lookup(first[:70] + [9, 9]) is None  # the states after 70 tokens are not kept
+    assert prefix.lookup(first[:64] + [9]) is None
+
+
+def test_engine_turns_reuse_the_prefix_cache(case):
+    """A second turn extending the first (prompt + reply + more) hits the prefix cache for the
+    whole first turn, and its greedy reply equals a cold run's."""
+    from mlxformer.engine import Engine, GenerationRequest
+
+    _, _, model, tokenizer, _ = case
+    turn1 = [int(t) for t in tokens(50, seed=7)]
+    engine = Engine(model, tokenizer, max_batch=2, prefill_chunk=16, prefix_cache_bytes=10**8)
+    with engine:
+        reply = [e.token for e in engine.submit(GenerationRequest(turn1, 12)) if e.token is not None]
+        turn2 = turn1 + reply + [int(t) for t in tokens(20, seed=8)]
+        second = [e.token for e in engine.submit(GenerationRequest(turn2, 12)) if e.token is not None]
+    hits = engine.metrics.registry.get_sample_value("mlxformer_prefix_cache_hit_tokens_total")
+    assert hits >= len(turn1) + len(reply) - 1
+    assert second == [r.token for r in stream_generate(model, tokenizer, turn2, 12)]
