@@ -18,6 +18,7 @@ from mlxformer.formats.checkpoint import Checkpoint, open_checkpoint
 from mlxformer.formats.tensors import Tensors
 from mlxformer.models.config import ModelArgs, float_dtype
 from mlxformer.models.decoder import Model
+from mlxformer.models.families import text_weight_names
 from mlxformer.models.moe import expert_groups, stack_expert_arrays
 from mlxformer.models.dtype_policy import apply_dtype_policy, cast_except_quantized_linears, is_quantized
 from mlxformer.models.row_sharding import apply_thread_policy
@@ -88,6 +89,7 @@ def _more(names: list[str]) -> str:
 def used_tensors(args: ModelArgs, tensors: Tensors) -> Tensors:
     """The tensors the decoder uses (``Model.sanitize``: no rotary tables, no tied output
     projection), still lazy. Sanitizing must only drop keys here: it sees header entries."""
+    tensors = tensors.renamed(text_weight_names(tensors.entries))  # an image-text checkpoint's language model
     if args.num_experts:  # HF's per-expert matrices -> stacked (experts, out, in), still lazy
         tensors = tensors.stacked(expert_groups(tensors.entries, args.num_experts))
     kept = Model(args, num_layers=0, with_ends=False).sanitize(dict(tensors.entries))
@@ -109,7 +111,8 @@ def checked_model(
         weights = used_tensors(model.args, weights)
         described: Mapping[str, Shaped] = weights.entries
     else:
-        weights = dict(weights)
+        renames = text_weight_names(weights)
+        weights = {renames.get(name, name): array for name, array in weights.items()}
         if model.args.num_experts:
             weights = stack_expert_arrays(weights, model.args.num_experts)
         weights = described = model.sanitize(weights)

@@ -273,3 +273,31 @@ def test_engine_turns_reuse_the_prefix_cache(case):
     hits = engine.metrics.registry.get_sample_value("mlxformer_prefix_cache_hit_tokens_total")
     assert hits >= len(turn1) + len(reply) - 1
     assert second == [r.token for r in stream_generate(model, tokenizer, turn2, 12)]
+
+
+def test_image_text_checkpoint_loads_its_language_model(tmp_path_factory):
+    """The hub's Qwen3.5/3.6 are image-text checkpoints: ``model_type`` qwen3_5 with the text
+    model's settings under ``text_config``, weights under ``model.language_model.``, a vision
+    tower and MTP weights beside them. The language model loads with the text checkpoint's logits."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    text_dir, _ = write_tiny_checkpoint(tmp_path_factory.mktemp("text"), "qwen3_5_text", **HYBRID)
+    write_byte_tokenizer(text_dir)
+    image_text = tmp_path_factory.mktemp("image_text")
+    tensors = {(f"model.language_model.{k[len('model.'):]}" if k.startswith("model.") else k): v
+               for k, v in load_file(text_dir / "model.safetensors").items()}
+    tensors["model.visual.blocks.0.attn.qkv.weight"] = np.zeros((3, 3), np.float32)
+    tensors["mtp.fc.weight"] = np.zeros((3, 3), np.float32)
+    save_file(tensors, str(image_text / "model.safetensors"), metadata={"format": "pt"})
+    text_config = json.loads((text_dir / "config.json").read_text())
+    (image_text / "config.json").write_text(json.dumps({
+        "model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"],
+        "text_config": text_config, "vision_config": {"depth": 1}}))
+    shutil.copy(text_dir / "tokenizer.json", image_text / "tokenizer.json")
+    text_model, _ = load(text_dir, dtype=mx.float32, threads=1)
+    model, _ = load(image_text, dtype=mx.float32, threads=1)
+    assert model.args == text_model.args
+    ids = mx.array([[5, 6, 7, 8, 9, 10]])
+    assert mx.array_equal(model(ids), text_model(ids)).item()

@@ -24,6 +24,9 @@ import mlxformer.models.moe  # noqa: F401  registers the "moe" MLP type
 from mlxformer.models.norms import NORM_LAYOUTS, RMSNorm
 from mlxformer.models.rope_variants import make_rope
 
+# An image-text checkpoint's vision tower and a multi-token-prediction head: not the decoder's.
+_NOT_TEXT = ("model.visual.", "visual.", "vision_tower.", "mtp.")
+
 __all__ = ["Attention", "DecoderLayer", "DecoderStack", "MLP", "Model", "swiglu"]
 
 
@@ -221,7 +224,7 @@ class Model(nn.Module):
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         """Drop checkpoint keys that carry no weights for this decoder."""
-        weights = {k: v for k, v in weights.items() if "rotary_emb.inv_freq" not in k}
+        weights = {k: v for k, v in weights.items() if "rotary_emb.inv_freq" not in k and not k.startswith(_NOT_TEXT)}
         if self.args.tie_word_embeddings:
             weights.pop("lm_head.weight", None)
             weights.pop("lm_head.scales", None)

@@ -8,7 +8,7 @@ family is a row of this table, never a copy of the decoder.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 from mlxformer.errors import MlxformerError
 from mlxformer.models.rope_config import RopeConfig, rope_config_from_dict
@@ -195,6 +195,23 @@ def text_config_of(config: dict[str, Any]) -> dict[str, Any]:
         return config
     outer = {k: v for k, v in config.items() if k not in ("text_config", "vision_config")}
     return {**outer, **(config.get("text_config") or {}), "model_type": inner}
+
+
+# An image-text checkpoint's language model weights (HF: ``model.language_model.``; mlx-lm's
+# wrapper: ``language_model.``) -> the decoder's names; its vision tower is dropped by ``sanitize``.
+_TEXT_WEIGHT_PREFIXES = (("model.language_model.", "model."), ("language_model.", ""))
+
+
+def text_weight_names(names: Iterable[str]) -> dict[str, str]:
+    """The renames (old -> new) that take an image-text checkpoint's language model weights to
+    the decoder's names (none for a text model's checkpoint)."""
+    renames = {}
+    for name in names:
+        for prefix, replacement in _TEXT_WEIGHT_PREFIXES:
+            if name.startswith(prefix):
+                renames[name] = replacement + name[len(prefix):]
+                break
+    return renames
 
 
 def _gated_delta(config: dict[str, Any], base: Fields) -> Fields:
