@@ -117,7 +117,9 @@ def checked_model(
             weights = stack_expert_arrays(weights, model.args.num_experts)
         weights = described = model.sanitize(weights)
     quantization = quantization_of(config)
-    if quantization:
+    if quantization:  # per-layer entries under the decoder's names (an image-text checkpoint's renamed)
+        renames = text_weight_names(quantization)
+        quantization = {renames.get(key, key): value for key, value in quantization.items()}
         quantize_like_checkpoint(model, quantization, described)
     check_weights(model, described)
     return model, weights

@@ -301,3 +301,33 @@ def test_image_text_checkpoint_loads_its_language_model(tmp_path_factory):
     assert model.args == text_model.args
     ids = mx.array([[5, 6, 7, 8, 9, 10]])
     assert mx.array_equal(model(ids), text_model(ids)).item()
+
+
+@pytest.mark.parametrize("model_type,mlx_lm_type", [("qwen3_5_text", "qwen3_5"), ("qwen3_next", "qwen3_next")])
+def test_mlx_lm_conversions_load(model_type, mlx_lm_type, tmp_path_factory):
+    """mlx-lm's own ``convert`` (float, and 4-bit with its 8-bit router gates, as mlx-community
+    dirs are made): conv1d stored ``(C, K, 1)``, the norms' ``1 +`` folded in, Qwen3.5 under
+    ``language_model.``; they load with mlx-lm's logits (and transformers' for the float dir).
+    (mlx-lm 0.32.2 cannot convert a transformers-5 ``qwen3_5_moe`` checkpoint: it expects the
+    hub's fused expert tensors.)"""
+    from conftest import add_mlx_lm_config_keys, edit_config
+    from mlx_lm import convert as mlx_lm_convert
+    from mlx_lm import load as mlx_lm_load
+
+    root = tmp_path_factory.mktemp(mlx_lm_type)
+    source, hf_model = write_tiny_checkpoint(root / "hf", model_type, **HYBRID, **CASES[model_type])
+    write_byte_tokenizer(source)
+    add_mlx_lm_config_keys(source)
+    edit_config(source, model_type=mlx_lm_type)  # mlx-lm knows the image-text type, reading a flat config as the text one
+    mlx_lm_convert(str(source), str(root / "float"))
+    mlx_lm_convert(str(source), str(root / "q4"), quantize=True, q_group_size=32, q_bits=4)
+    ids = tokens(40)
+    for name in ("float", "q4"):
+        theirs, _ = mlx_lm_load(str(root / name))
+        theirs.set_dtype(mx.float32)
+        ours, _ = load(root / name, dtype=mx.float32, threads=1)
+        assert ours.args.linear_conv_channels_last and ours.args.norm_offset == 0.0
+        got = np.array(ours(mx.array(ids[None]))[0])
+        assert max_diff(got, np.array(theirs(mx.array(ids[None]))[0])) <= 1e-3, name  # measured <= 3.4e-4
+        if name == "float":
+            assert max_diff(got, reference(hf_model, ids)) <= BOUND

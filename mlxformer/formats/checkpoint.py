@@ -17,7 +17,7 @@ from typing import Any, Callable, Mapping
 
 import mlx.core as mx
 
-from mlxformer.models.families import text_config_of, text_weight_names
+from mlxformer.models.families import text_config_of, text_weight_names, with_stored_layout
 from mlxformer.errors import MlxformerError
 from mlxformer.formats.gguf import open_gguf
 from mlxformer.formats.hub import resolve_source
@@ -75,6 +75,7 @@ def open_checkpoint(path_or_repo: str | Path) -> Checkpoint:
     else:
         config = read_config(source)
         tensors, header_bytes = _open_safetensors(source)
+        config = with_stored_layout(config, tensors.entries)
         metadata, tokenizer_dir = None, source
     args = check_config(config, tensors.entries, source)
     return Checkpoint(source, config, args, tensors, tokenizer_dir, metadata, header_bytes)

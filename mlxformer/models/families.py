@@ -214,6 +214,21 @@ def text_weight_names(names: Iterable[str]) -> dict[str, str]:
     return renames
 
 
+# Set by the checkpoint reader (``with_stored_layout``), never written: the weights are stored as
+# mlx-lm stores a Gated DeltaNet model (conv1d ``(C, K, 1)``, the ``(1 + w)`` norms' 1 folded in).
+MLX_LM_LAYOUT = "_mlx_lm_gated_delta_layout"
+
+
+def with_stored_layout(config: dict[str, Any], entries: Iterable[str] | dict[str, Any]) -> dict[str, Any]:
+    """``config`` marked with ``MLX_LM_LAYOUT`` when the tensors (name -> entry with ``shape``)
+    are in mlx-lm's Gated DeltaNet layout: a conv1d weight whose last axis is 1 (HF: the kernel)."""
+    for name, entry in dict(entries).items():
+        if name.endswith("linear_attn.conv1d.weight"):
+            shape = tuple(entry.shape)
+            return {**config, MLX_LM_LAYOUT: True} if shape[-1] == 1 and shape[1] > 1 else config
+    return config
+
+
 def _gated_delta(config: dict[str, Any], base: Fields) -> Fields:
     """Qwen3.5 / Qwen3-Next: Gated DeltaNet layers (``models.gated_delta``) with every
     ``full_attention_interval``-th layer gated attention (output gate from ``q_proj``), per-head
@@ -230,8 +245,10 @@ def _gated_delta(config: dict[str, Any], base: Fields) -> Fields:
         raise MlxformerError(f"linear_num_value_heads ({value_heads}) must be a multiple of linear_num_key_heads ({key_heads})")
     params = config.get("rope_parameters") or {}
     factor = config.get("partial_rotary_factor", params.get("partial_rotary_factor", 1.0))
+    mlx_lm = bool(config.get(MLX_LM_LAYOUT))
     return {
-        "qk_norm": True, "norm_offset": 1.0, "attn_output_gate": True, "partial_rotary_factor": float(factor),
+        "qk_norm": True, "norm_offset": 0.0 if mlx_lm else 1.0, "linear_conv_channels_last": mlx_lm,
+        "attn_output_gate": True, "partial_rotary_factor": float(factor),
         "layer_types": tuple(_HYBRID_LAYERS[t] for t in written),
         "linear_num_key_heads": key_heads, "linear_num_value_heads": value_heads,
         "linear_key_head_dim": int(config["linear_key_head_dim"]),

@@ -130,18 +130,19 @@ def delta_rule(
 
 
 class DepthwiseConv(nn.Module):
-    """The causal depthwise conv1d, weight ``(channels, 1, kernel)`` as transformers stores it."""
+    """The causal depthwise conv1d, weight ``(channels, 1, kernel)`` as transformers stores it
+    (``channels_last``: ``(channels, kernel, 1)``, mlx-lm's)."""
 
-    def __init__(self, channels: int, kernel: int):
+    def __init__(self, channels: int, kernel: int, channels_last: bool = False):
         super().__init__()
-        self.weight = mx.zeros((channels, 1, kernel))
+        self.weight = mx.zeros((channels, kernel, 1) if channels_last else (channels, 1, kernel))
 
     def __call__(self, x: mx.array) -> mx.array:
         """``x (B, kernel - 1 + L, C)``: the ``kernel - 1`` inputs before the update, then its own
         -> ``(B, L, C)``."""
-        kernel = self.weight.shape[-1]
+        w = self.weight.reshape(self.weight.shape[0], -1).T  # (C, 1, K) or (C, K, 1) -> (K, C)
+        kernel = w.shape[0]
         length = x.shape[1] - kernel + 1
-        w = self.weight[:, 0, :].T  # (kernel, C)
         out = x[:, :length] * w[0]
         for j in range(1, kernel):
             out = out + x[:, j : j + length] * w[j]
@@ -183,7 +184,7 @@ class GatedDeltaNet(nn.Module):
             self.in_proj_z = nn.Linear(hidden, self.value_dim, bias=False)
             self.in_proj_b = nn.Linear(hidden, self.n_v, bias=False)
             self.in_proj_a = nn.Linear(hidden, self.n_v, bias=False)
-        self.conv1d = DepthwiseConv(self.conv_dim, self.kernel)
+        self.conv1d = DepthwiseConv(self.conv_dim, self.kernel, args.linear_conv_channels_last)
         self.dt_bias = mx.ones((self.n_v,))
         self.A_log = mx.zeros((self.n_v,))
         self.norm = GatedRMSNorm(self.d_v, args.rms_norm_eps)
