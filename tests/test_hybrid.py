@@ -119,6 +119,20 @@ def test_speculative_greedy_equals_plain(case):
     assert fast == plain
 
 
+def test_hybrid_draft_model_greedy_equals_plain(case, tmp_path_factory):
+    """A hybrid draft (another random Qwen3.5) for each hybrid target: most proposals are
+    rejected, so both models' state caches are taken back every round."""
+    _, _, model, tokenizer, _ = case
+    draft_dir, _ = write_tiny_checkpoint(tmp_path_factory.mktemp("draft"), "qwen3_5_text", seed=1, **HYBRID)
+    write_byte_tokenizer(draft_dir)
+    draft, _ = load(draft_dir, dtype=mx.float32, threads=1)
+    prompt = "a draft model proposes"
+    plain = [r.token for r in stream_generate(model, tokenizer, prompt, max_tokens=20)]
+    settings = SpeculativeSettings(draft_model=draft, draft_tokenizer=tokenizer, num_draft_tokens=3)
+    fast = [r.token for r in stream_generate(model, tokenizer, prompt, max_tokens=20, speculative=settings)]
+    assert fast == plain
+
+
 def test_state_cache_trims_what_it_keeps(case):
     """``trim`` takes back up to ``keep`` tokens exactly (logits as if never fed), no further."""
     _, _, model, _, _ = case
