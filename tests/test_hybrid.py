@@ -345,3 +345,35 @@ def test_mlx_lm_conversions_load(model_type, mlx_lm_type, tmp_path_factory):
         assert max_diff(got, np.array(theirs(mx.array(ids[None]))[0])) <= 1e-3, name  # measured <= 3.4e-4
         if name == "float":
             assert max_diff(got, reference(hf_model, ids)) <= BOUND
+
+
+def test_chat_keeps_the_hybrid_cache_between_turns():
+    """A random hybrid model with SmolLM2's vocabulary and chat template: the second turn
+    prefills only what the cache does not hold, and replies as a fresh generation does."""
+    from mlx.utils import tree_flatten, tree_unflatten
+
+    from mlxformer.chat import ChatSession
+    from mlxformer.default_model import default_model_path
+    from mlxformer.models.config import ModelArgs
+    from mlxformer.models.decoder import Model
+
+    tokenizer = load(default_model_path())[1]
+    mx.random.seed(3)
+    model = Model(ModelArgs.from_dict(dict(
+        model_type="qwen3_5_text", hidden_size=64, num_hidden_layers=4, intermediate_size=96,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=49152, **{
+            k: v for k, v in HYBRID.items() if k.startswith("linear_")})))
+    params = [(k, mx.random.normal(v.shape) * 0.5) for k, v in tree_flatten(model.parameters())]
+    model.update(tree_unflatten(params))
+    session = ChatSession(model, tokenizer, system="Be brief.", max_tokens=8)
+    first = list(session.send("Hello there"))
+    cached = list(session.cached_ids)
+    second = list(session.send("Tell me more."))
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"},
+                {"role": "assistant", "content": "".join(r.text for r in first)},
+                {"role": "user", "content": "Tell me more."}]
+    ids2 = tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=True), add_special_tokens=False)
+    common = next(i for i, (a, b) in enumerate(zip(ids2 + [-1], cached + [-2])) if a != b)
+    assert common >= len(cached) - 1  # the re-rendered conversation extends what the cache holds
+    assert session.last_prefill_tokens == len(ids2) - common
+    assert [r.token for r in second] == [r.token for r in stream_generate(model, tokenizer, ids2, 8)]
