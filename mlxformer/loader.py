@@ -19,6 +19,7 @@ from mlxformer.formats.tensors import Tensors
 from mlxformer.models.config import ModelArgs, float_dtype
 from mlxformer.models.decoder import Model
 from mlxformer.formats.gpt_oss import MXFP4, derive_dict, fused_expert_derivations
+from mlxformer.models.families import text_weight_names
 from mlxformer.models.moe import expert_groups, stack_expert_arrays
 from mlxformer.models.dtype_policy import apply_dtype_policy, cast_except_quantized_linears, is_quantized
 from mlxformer.models.row_sharding import apply_thread_policy
@@ -98,6 +99,7 @@ def _more(names: list[str]) -> str:
 def used_tensors(args: ModelArgs, tensors: Tensors) -> Tensors:
     """The tensors the decoder uses (``Model.sanitize``: no rotary tables, no tied output
     projection), still lazy. Sanitizing must only drop keys here: it sees header entries."""
+    tensors = tensors.renamed(text_weight_names(tensors.entries))  # an image-text checkpoint's language model
     if args.num_experts:  # HF's per-expert matrices -> stacked (experts, out, in), still lazy
         tensors = tensors.stacked(expert_groups(tensors.entries, args.num_experts))
         tensors = tensors.derived(fused_expert_derivations(tensors.entries))  # gpt-oss
@@ -120,13 +122,16 @@ def checked_model(
         weights = used_tensors(model.args, weights)
         described: Mapping[str, Shaped] = weights.entries
     else:
-        weights = dict(weights)
+        renames = text_weight_names(weights)
+        weights = {renames.get(name, name): array for name, array in weights.items()}
         if model.args.num_experts:
             weights = stack_expert_arrays(weights, model.args.num_experts)
             weights = derive_dict(weights, fused_expert_derivations(weights))
         weights = described = model.sanitize(weights)
     quantization = quantization_of(config)
-    if quantization:
+    if quantization:  # per-layer entries under the decoder's names (an image-text checkpoint's renamed)
+        renames = text_weight_names(quantization)
+        quantization = {renames.get(key, key): value for key, value in quantization.items()}
         quantize_like_checkpoint(model, quantization, described)
     check_weights(model, described)
     return model, weights

@@ -32,6 +32,7 @@ FAMILIES = [
     ("NousResearch-Hermes-3-Llama-3.1-8B-tool_use", "hermes", 2, False),
     ("Qwen-Qwen3-0.6B", "hermes", 2, True),
     ("Qwen3-Coder", "qwen3_coder", 2, True),
+    ("Qwen3.5-4B", "qwen3_coder", 2, True),  # Qwen3.5/3.6 (hybrid Gated DeltaNet models)
     ("meta-llama-Llama-3.1-8B-Instruct", "llama3_json", 1, False),
     ("meta-llama-Llama-3.2-3B-Instruct", "llama3_json", 1, False),
     ("mistralai-Mistral-Nemo-Instruct-2407", "mistral", 2, False),

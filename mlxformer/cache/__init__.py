@@ -12,9 +12,10 @@ from mlxformer.cache.codec import check_kv_quantization
 from mlxformer.cache.kv import KVCache
 from mlxformer.cache.protocol import Cache, HasLayers
 from mlxformer.cache.rotating import RotatingKVCache
+from mlxformer.cache.state import StateCache
 from mlxformer.errors import MlxformerError
 
-__all__ = ["Cache", "CacheSettings", "KVCache", "RotatingKVCache", "make_cache"]
+__all__ = ["Cache", "CacheSettings", "KVCache", "RotatingKVCache", "StateCache", "make_cache"]
 
 
 @dataclass(frozen=True)
@@ -25,7 +26,8 @@ class CacheSettings:
     holds ``quantized_kv_start`` tokens; ``max_kv_size`` bounds the cache to a rotating window
     that always keeps the first ``keep`` tokens. A sliding-window layer (Mistral's, Gemma's
     local ones) always gets a rotating cache of its window without sinks, unless
-    ``max_kv_size`` is smaller; a global layer a growing one.
+    ``max_kv_size`` is smaller; a global layer a growing one; a recurrent (Gated DeltaNet)
+    layer a ``StateCache`` (never quantized, fixed size).
     """
 
     kv_bits: int | None = None
@@ -46,7 +48,8 @@ def make_cache(model: HasLayers, settings: CacheSettings | None = None) -> list[
         raise MlxformerError("quantized_kv_start must be >= 0")
     if settings.max_kv_size is not None and settings.max_kv_size < 1:
         raise MlxformerError("max_kv_size must be positive")
-    return [_layer_cache(layer.window, settings) for layer in model.layers]
+    return [StateCache(settings.rewind) if layer.recurrent else _layer_cache(layer.window, settings)
+            for layer in model.layers]
 
 
 def _layer_cache(window: int | None, settings: CacheSettings) -> Cache:

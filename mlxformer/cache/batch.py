@@ -10,7 +10,8 @@ ones the sequence's own cache would use (the growing cache appends; the rotating
 then writes its ring after the sinks), so each row sees exactly the keys it sees alone.
 
 Rows join from, and leave as, ordinary per-sequence caches (``KVCache``, ``RotatingKVCache``):
-prefill, speculation and the prefix cache keep working on those.
+prefill, speculation and the prefix cache keep working on those. A recurrent layer's rows
+(``StateCache``: a fixed-size state each) are stacked on the batch axis into one ``StateCache``.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from mlxformer.cache.kv import KVCache
 from mlxformer.cache.latent import latent_attention
 from mlxformer.cache.protocol import Cache
 from mlxformer.cache.rotating import RotatingKVCache
+from mlxformer.cache.state import StateCache
 from mlxformer.models.mask import Mask
 
 STEP = 256  # slots are added in steps, like the growing cache's buffers
@@ -41,10 +43,13 @@ class StorageKind:
     keep: int  # sink tokens a rotating cache never evicts
     bits: int | None  # quantized storage bits now (None: float)
     group_size: int
+    recurrent: bool = False  # a Gated DeltaNet layer's ``StateCache``: rows' states stacked, no slots
 
 
 def storage_kind(cache: Cache) -> StorageKind:
     """The batch a per-sequence cache can join."""
+    if isinstance(cache, StateCache):
+        return StorageKind(False, None, None, 0, None, 0, recurrent=True)
     if isinstance(cache, RotatingKVCache):
         return StorageKind(True, cache.capacity, cache.max_size, cache.keep, cache.codec.bits, cache.group_size)
     assert isinstance(cache, KVCache), f"cannot batch a {type(cache).__name__}"
@@ -54,6 +59,8 @@ def storage_kind(cache: Cache) -> StorageKind:
 def quantizes_next(cache: Cache) -> bool:
     """Whether the cache's next update turns its float storage into quantized storage (its
     storage kind changes, so it must take that step in its own cache)."""
+    if isinstance(cache, StateCache):
+        return False
     assert isinstance(cache, (KVCache, RotatingKVCache))
     return cache.bits is not None and cache.codec.bits is None and cache.offset >= cache.start
 
@@ -61,6 +68,8 @@ def quantizes_next(cache: Cache) -> bool:
 def row_quantizes_next(row: "Row") -> bool:
     """``quantizes_next`` for a sequence whose keys/values are in a batch."""
     meta = row.metas[0]
+    if "bits" not in meta:  # a recurrent layer's row
+        return False
     return bool(meta["bits"]) and meta["quantized"] != "1" and row.offset >= int(meta["start"])
 
 
@@ -236,7 +245,7 @@ class DecodeBatch:
         for layer, kind in enumerate(key):
             self.groups.setdefault(kind, []).append(layer)
         self.layouts = {kind: BatchLayout(*kind) for kind in self.groups}
-        self.layers: list[BatchLayerCache] = []
+        self.layers: list[BatchLayerCache | StateCache] = []
         self.n_layers = len(key)
 
     def __len__(self) -> int:
@@ -252,6 +261,9 @@ class DecodeBatch:
         for layer in range(self.n_layers):
             kind = self.key[layer]
             storage, width = kind[0], self.layouts[kind].width
+            if storage.recurrent:  # the rows' states stacked
+                merged.append(StateCache.stack([*self.layers[layer:layer + 1], *(c[layer] for c in caches)]))
+                continue
             parts = [_storage(c[layer]) for c in caches]
             keys = [_pad(k, width) for k, _, _ in parts]
             values = [_pad(v, width) for _, v, _ in parts]
@@ -288,6 +300,10 @@ class DecodeBatch:
             layout.fit(max((len(r.positions) for r in layout.rows), default=0) + 1)
             for meta, layer in zip(row.metas, layers):
                 batched = self.layers[layer]
+                if isinstance(batched, StateCache):
+                    caches[layer] = batched.row(index, row.offset, int(meta["keep"]))
+                    batched.drop_row(index)
+                    continue
                 keys = tuple(mx.contiguous(x[index : index + 1, :, :size, :]) for x in batched.keys)
                 values = tuple(mx.contiguous(x[index : index + 1, :, :size, :]) for x in batched.values)
                 center = tuple(c[index : index + 1] for c in batched.codec.state)
@@ -298,10 +314,11 @@ class DecodeBatch:
                     batched.codec = KVCodec(batched.codec.bits, batched.codec.group_size, batched.codec.key_center[keep])
         return caches  # type: ignore[return-value]
 
-    def step_caches(self) -> list[BatchLayerCache]:
+    def step_caches(self) -> list[BatchLayerCache | StateCache]:
         """The per-layer caches for this step's forward (the layouts prepared)."""
-        for layout in self.layouts.values():
-            layout.prepare()
+        for kind, layout in self.layouts.items():
+            if not kind[0].recurrent:  # a recurrent layer has no slots or mask
+                layout.prepare()
         return self.layers
 
     def commit(self) -> None:

@@ -21,6 +21,7 @@ from mlxformer.errors import MlxformerError
 META_KEYS = {
     "KVCache": ("bits", "group_size", "start", "quantized"),
     "RotatingKVCache": ("bits", "group_size", "start", "quantized", "max_size", "keep", "offset", "idx", "slack"),
+    "StateCache": ("offset", "keep"),
 }
 
 
@@ -44,6 +45,8 @@ class _Layer:
         self.bits = self.ints.get("bits")
         if self.bits is not None and self.bits not in KV_BITS:
             self.fail(f"bits={self.bits} (supported: {KV_BITS})")
+        if name == "StateCache":
+            return
         if self.ints["group_size"] not in KV_GROUP_SIZES:
             self.fail(f"group_size={self.ints['group_size']} (supported: {KV_GROUP_SIZES})")
         if self.ints["quantized"] not in (0, 1) or (self.ints["quantized"] and self.bits is None):
@@ -59,6 +62,9 @@ def check_layer(
     """Refuse a layer whose fields or arrays do not fit ``args`` (the model's ``ModelArgs``), its
     cache class ``name`` or the ``n_tokens`` cached token ids."""
     fields = _Layer(path, layer, name, meta)
+    if name == "StateCache":
+        _check_state(fields, arrays, args, n_tokens)
+        return
     rotating = name == "RotatingKVCache"
     quantized = fields.ints["quantized"] == 1
     per_pack = 3 if quantized else 1
@@ -78,6 +84,20 @@ def check_layer(
         _check_ring(fields, arrays[-1], args, n_tokens)
     elif args.sliding_window is not None:
         fields.fail(f"a {name} for a model with a {args.sliding_window}-token sliding window")
+
+
+def _check_state(fields: _Layer, arrays: list[mx.array], args: Any, n_tokens: int) -> None:
+    """A recurrent layer's conv window ``(1, kernel - 1, conv_dim)`` and state ``(1, H, Dk, Dv)``."""
+    if fields.ints["offset"] != n_tokens:
+        fields.fail(f"offset={fields.ints['offset']} but the file lists {n_tokens} token ids")
+    conv_dim = 2 * args.linear_num_key_heads * args.linear_key_head_dim + args.linear_num_value_heads * args.linear_value_head_dim
+    shapes = [(1, args.linear_conv_kernel_dim - 1, conv_dim),
+              (1, args.linear_num_value_heads, args.linear_key_head_dim, args.linear_value_head_dim)]
+    if len(arrays) != 2:
+        fields.fail(f"{len(arrays)} arrays where a StateCache holds 2")
+    for j, (array, shape) in enumerate(zip(arrays, shapes)):
+        if tuple(array.shape) != shape or not _is(array.dtype, "float"):
+            fields.fail(f"array {j} has shape {tuple(array.shape)} and dtype {array.dtype}, expected {shape}, float")
 
 
 def _layouts(fields: _Layer, args: Any, stored: int, quantized: bool, rotating: bool):

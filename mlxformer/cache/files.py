@@ -28,6 +28,7 @@ from mlxformer.cache.file_checks import check_layer
 from mlxformer.cache.protocol import Cache
 from mlxformer.cache.kv import KVCache
 from mlxformer.cache.rotating import RotatingKVCache
+from mlxformer.cache.state import StateCache
 from mlxformer.errors import MlxformerError
 from mlxformer.generation import prefill
 from mlxformer.models.decoder import Model
@@ -41,7 +42,7 @@ SAMPLES_KEY = "fingerprint.weights"  # the float weight samples, an array beside
 # rounding a cast of the same checkpoint to another compute dtype makes.
 SAMPLE_RTOL, SAMPLE_ATOL = 2.0**-7, 2.0**-24
 
-CACHE_CLASSES: dict[str, type] = {"KVCache": KVCache, "RotatingKVCache": RotatingKVCache}
+CACHE_CLASSES: dict[str, type] = {"KVCache": KVCache, "RotatingKVCache": RotatingKVCache, "StateCache": StateCache}
 
 
 @dataclass
@@ -215,7 +216,8 @@ def load_prompt_cache_file(
 def check_cache_settings(path: str | Path, cache: Sequence[Cache], model: Model, settings: CacheSettings) -> None:
     """Refuse cache settings given explicitly (not at their defaults) that ``cache`` does not have."""
     default = CacheSettings()
-    wanted, got = make_cache(model, settings)[0], cache[0]
+    first = next((i for i, layer in enumerate(model.layers) if not layer.recurrent), 0)  # a KV layer
+    wanted, got = make_cache(model, settings)[first], cache[first]
     keys: list[str] = []
     if settings.kv_bits != default.kv_bits or (settings.kv_bits and settings.kv_group_size != default.kv_group_size):
         keys += ["bits", "group_size"] if settings.kv_bits else ["bits"]
@@ -253,7 +255,10 @@ def _check_fields(
         raise MlxformerError(f"{where}: 'meta_states' must hold one object per layer ({len(model.layers)})")
     if unknown := sorted({str(c) for c in classes} - set(CACHE_CLASSES)):
         raise MlxformerError(f"{where}: unknown cache class {unknown[0]!r}")
-    if any(m != meta_states[0] for m in meta_states) or any(c != classes[0] for c in classes):
+    if any((c == "StateCache") != layer.recurrent for c, layer in zip(classes, model.layers)):
+        raise MlxformerError(f"{where}: the cache classes do not fit the model's attention and recurrent layers")
+    kv_layers = [(c, m) for c, m, layer in zip(classes, meta_states, model.layers) if not layer.recurrent]
+    if any(layer != kv_layers[0] for layer in kv_layers):
         raise MlxformerError(f"{where}: the layers' cache settings differ")
     n = max(tokenizer.vocab_size, model.args.vocab_size)
     if not isinstance(token_ids, list) or not token_ids or not all(

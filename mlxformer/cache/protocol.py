@@ -21,6 +21,11 @@ class HasWindow(Protocol):
         """The sliding window the layer attends with (None: the whole context)."""
         ...
 
+    @property
+    def recurrent(self) -> bool:
+        """Whether the layer keeps a recurrent state (a ``StateCache``) instead of keys and values."""
+        ...
+
 
 class HasLayers(Protocol):
     """Anything with a sequence of decoder layers (the model)."""

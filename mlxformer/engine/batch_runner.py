@@ -36,6 +36,8 @@ class BatchRunner:
     def __init__(self, model: Model) -> None:
         self.model = model
         self.windows = [layer.window for layer in model.layers]
+        # a layer whose row says when the keys turn quantized (an attention layer, not a recurrent one)
+        self.kv_layer = next((i for i, layer in enumerate(model.layers) if not layer.recurrent), 0)
         self.batches: dict[BatchKey, DecodeBatch] = {}
         self._rows: dict[BatchKey, list[Decoding]] = {}  # each batch's sequences, in row order
         self._members: dict[int, BatchKey] = {}  # id(sequence) -> the batch it is in
@@ -73,7 +75,7 @@ class BatchRunner:
         alone: list[Decoding] = []
         joining: dict[BatchKey, list[Decoding]] = {}
         for sequence in sequences:
-            if id(sequence) in self._members and row_quantizes_next(sequence.cache[0].row):
+            if id(sequence) in self._members and row_quantizes_next(sequence.cache[self.kv_layer].row):
                 self.release(sequence)  # its storage turns quantized: it moves to the quantized batch
             if id(sequence) in self._members:
                 continue

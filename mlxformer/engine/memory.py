@@ -19,6 +19,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from mlxformer.cache import CacheSettings, make_cache
+from mlxformer.cache.state import StateCache, state_nbytes
 from mlxformer.engine.scheduler import Scheduler, Step
 from mlxformer.engine.sequence import GenerationRequest, Sequence
 from mlxformer.errors import MlxformerError
@@ -101,6 +102,9 @@ class KVSizer:
             n, total = blocks * BLOCK, 0
             start = self.settings.quantized_kv_start if self.settings.kv_bits is not None else 0
             for cache in make_cache(self.model, self.settings):
+                if isinstance(cache, StateCache):  # a fixed size whatever the length
+                    total += state_nbytes(self.model.args, cache.keep, self.dtype) if blocks else 0
+                    continue
                 for length in ([start, n - start] if 0 < start < n else [n]):
                     keys = mx.zeros((1, self.heads, length, self.key_dims), self.dtype)
                     cache.update_and_fetch(keys, mx.zeros((1, self.heads, length, self.value_dims), self.dtype))

@@ -7,6 +7,11 @@ holds *and* everything before them, so two prompts that share a system prompt sh
 and a hit can be partial. A block holds every layer's keys/values of its tokens (copies, so it
 owns exactly the bytes it counts), tagged with its storage (float, or the quantization and the
 digest of the sequence's key centers): a run of blocks is used only while the tags agree.
+
+A hybrid model's recurrent layers (``StateCache``) hold no per-token arrays: their packs are
+empty, and the block that ends where the sequence's cache ended carries a snapshot of every
+recurrent layer's state there (``states``). A hit on a hybrid model ends at a whole block with
+a snapshot (the state after any other prefix is not known).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import numpy as np
 from mlxformer.cache import Cache, CacheSettings, KVCache, RotatingKVCache, make_cache
 from mlxformer.cache.codec import Pack, pack_nbytes
 from mlxformer.cache.protocol import HasLayers
+from mlxformer.cache.state import StateCache
 
 
 def block_keys(seed: str, tokens: Sequence[int], block_size: int, count: int | None = None) -> list[str]:
@@ -44,20 +50,28 @@ class Block:
     keys: list[Pack]
     values: list[Pack]
     centers: list[mx.array] | None  # each layer's key center (1, n_kv, 1, D) when quantized
+    # each layer's ``StateCache.state`` after the block's last token (``()`` for an attention
+    # layer); None: no snapshot (a hybrid model's run cannot end here)
+    states: list[tuple[mx.array, ...]] | None = None
 
     @property
     def nbytes(self) -> int:
         centers = sum(c.nbytes for c in self.centers) if self.centers else 0
-        return sum(pack_nbytes(k) + pack_nbytes(v) for k, v in zip(self.keys, self.values)) + centers
+        states = sum(x.nbytes for state in self.states or [] for x in state)
+        return sum(pack_nbytes(k) + pack_nbytes(v) for k, v in zip(self.keys, self.values)) + centers + states
 
     def arrays(self) -> list[mx.array]:
         """Every array the block holds."""
-        return [x for pack in self.keys + self.values for x in pack] + list(self.centers or [])
+        states = [x for state in self.states or [] for x in state]
+        return [x for pack in self.keys + self.values for x in pack] + list(self.centers or []) + states
 
 
 def storage_tag(cache: Sequence[Cache]) -> str | None:
     """The storage tag of a sequence's caches, or None when they are not a plain prefix (a
     rotating cache that has evicted tokens) or hold nothing."""
+    cache = [c for c in cache if not isinstance(c, StateCache)]  # the attention layers'
+    if not cache:
+        return None
     first = cache[0]
     if not isinstance(first, (KVCache, RotatingKVCache)) or first.keys is None:
         return None
@@ -86,13 +100,27 @@ def cut_blocks(cache: Sequence[Cache], tokens: Sequence[int], spans: Sequence[tu
     if tag is None:
         return []
     blocks = []
+    end = int(cache[0].offset)  # type: ignore[arg-type]
     for key, a, b in spans:
-        layer_keys = [tuple(mx.contiguous(x[..., a:b, :]) for x in c.keys) for c in cache]  # type: ignore[attr-defined]
-        layer_values = [tuple(mx.contiguous(x[..., a:b, :]) for x in c.values) for c in cache]  # type: ignore[attr-defined]
-        centers = [c.codec.key_center for c in cache] if tag != "float" else None  # type: ignore[attr-defined]
-        blocks.append(Block(key, tuple(tokens[a:b]), tag, layer_keys, layer_values, centers))
+        layer_keys = [_slice(c, "keys", a, b) for c in cache]
+        layer_values = [_slice(c, "values", a, b) for c in cache]
+        centers = [_center(c) for c in cache] if tag != "float" else None
+        states = [c.state if isinstance(c, StateCache) else () for c in cache] if b == end else None
+        blocks.append(Block(key, tuple(tokens[a:b]), tag, layer_keys, layer_values, centers, states))
     mx.eval([x for block in blocks for x in block.arrays()])
     return blocks
+
+
+def _slice(cache: Cache, name: str, a: int, b: int) -> Pack:
+    """Copies of tokens ``a:b`` of a layer's keys or values (nothing for a recurrent layer)."""
+    if isinstance(cache, StateCache):
+        return ()
+    return tuple(mx.contiguous(x[..., a:b, :]) for x in getattr(cache, name))
+
+
+def _center(cache: Cache) -> mx.array:
+    """A layer's key center (a recurrent layer's: an empty array)."""
+    return mx.zeros((0,)) if isinstance(cache, StateCache) else cache.codec.key_center  # type: ignore[attr-defined]
 
 
 def head_of(block: Block, n: int) -> Block:
@@ -101,7 +129,7 @@ def head_of(block: Block, n: int) -> Block:
     if n == len(block.tokens):
         return block
     cut = lambda packs: [tuple(x[..., :n, :] for x in pack) for pack in packs]  # noqa: E731
-    return Block(block.key, block.tokens[:n], block.storage, cut(block.keys), cut(block.values), block.centers)
+    return Block(block.key, block.tokens[:n], block.storage, cut(block.keys), cut(block.values), block.centers)  # no snapshot
 
 
 def assemble(model: HasLayers, settings: CacheSettings, blocks: Sequence[Block]) -> list[Cache]:
@@ -111,6 +139,11 @@ def assemble(model: HasLayers, settings: CacheSettings, blocks: Sequence[Block])
     quantized = blocks[0].centers is not None
     n = sum(len(b.tokens) for b in blocks)
     for layer, cache in enumerate(caches):
+        if isinstance(cache, StateCache):  # the last block's snapshot
+            assert blocks[-1].states is not None
+            cache.meta_state = {"offset": str(n), "keep": str(cache.keep)}  # type: ignore[misc]
+            cache.state = blocks[-1].states[layer]  # type: ignore[misc]
+            continue
         keys = tuple(mx.concatenate(parts, axis=2) for parts in zip(*(b.keys[layer] for b in blocks)))
         values = tuple(mx.concatenate(parts, axis=2) for parts in zip(*(b.values[layer] for b in blocks)))
         center = (blocks[0].centers[layer],) if quantized and blocks[0].centers else ()

@@ -57,6 +57,11 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self.blocks)
 
+    @property
+    def hybrid(self) -> bool:
+        """Whether the model has recurrent layers (a hit must end at a state snapshot)."""
+        return self.model is not None and any(layer.recurrent for layer in self.model.layers)
+
     def keys_for(self, tokens: Sequence[int], count: int | None = None) -> list[str]:
         """The chain keys of the full blocks of ``tokens``."""
         return block_keys(self.seed, tokens, self.block_size, count)
@@ -70,13 +75,16 @@ class PrefixCache:
         if not caches or not tokens:
             return
         size, parents = self.block_size, ["", *keys]
+        if self.hybrid and keys and len(tokens) == len(keys) * size and keys[-1] in self.blocks \
+                and self.blocks[keys[-1]].states is None:  # the cached last block gets the state snapshot
+            self._drop(keys[-1])
         spans = [(k, i * size, (i + 1) * size) for i, k in enumerate(keys) if k not in self.blocks]
         tail = len(tokens) - len(keys) * size
         tail_id = tail_key(parents[-1], tokens[len(tokens) - tail :]) if tail and self.budget > 0 else None
         if tail_id is not None and tail_id not in self.blocks:
             spans.append((tail_id, len(tokens) - tail, len(tokens)))
         fresh = {block.key: block for block in cut_blocks(caches, tokens, spans)} if spans else {}
-        if self.disk is not None:
+        if self.disk is not None and not self.hybrid:  # (the disk tier holds no state snapshots yet)
             for key in keys:
                 if key in fresh:
                     self.disk.put(fresh[key])
@@ -99,6 +107,11 @@ class PrefixCache:
     def _touch(self, run: Sequence[Block]) -> None:
         for block in reversed(run):  # the chain's first block most recent
             self.blocks.move_to_end(block.key)
+
+    def _drop(self, key: str) -> None:
+        block = self.blocks.pop(key)
+        self.nbytes -= block.nbytes
+        self._children.get(self._parent.pop(key), set()).discard(key)
 
     def evict_to(self, limit: int) -> int:
         """Drop least recently used blocks until at most ``limit`` bytes are held; returns the
@@ -139,7 +152,7 @@ class PrefixCache:
         keys = self.keys_for(prompt, (len(prompt) - 1) // self.block_size)
         for key in keys:
             block = self.blocks.get(key)
-            on_disk = block is None and self.disk is not None
+            on_disk = block is None and self.disk is not None and not self.hybrid
             if on_disk:
                 start = len(run) * self.block_size
                 block = self.disk.get(key, tuple(prompt[start : start + self.block_size]))  # type: ignore[union-attr]
@@ -153,6 +166,8 @@ class PrefixCache:
                                   run[0].storage if run else None)
         if partial is not None:
             run.append(partial)
+        while self.hybrid and run and run[-1].states is None:  # end where a state snapshot is
+            run.pop()
         if not run:
             return None
         self._touch([b for b in run if b.key in self.blocks])

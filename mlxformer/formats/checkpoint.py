@@ -17,6 +17,7 @@ from typing import Any, Callable, Mapping
 
 import mlx.core as mx
 
+from mlxformer.models.families import text_config_of, text_weight_names, with_stored_layout
 from mlxformer.errors import MlxformerError
 from mlxformer.formats.gguf import open_gguf
 from mlxformer.formats.hub import resolve_source
@@ -74,6 +75,7 @@ def open_checkpoint(path_or_repo: str | Path) -> Checkpoint:
     else:
         config = read_config(source)
         tensors, header_bytes = _open_safetensors(source)
+        config = with_stored_layout(config, tensors.entries)
         metadata, tokenizer_dir = None, source
     args = check_config(config, tensors.entries, source)
     return Checkpoint(source, config, args, tensors, tokenizer_dir, metadata, header_bytes)
@@ -102,6 +104,7 @@ def check_config(config: dict[str, Any], entries: Mapping[str, TensorEntry], sou
     """The model args of ``config``, after checking its sizes and that its layer count is the
     tensors' (a corrupt count must not make the decoder build millions of layers)."""
     where = f"{source}: config" if source.is_dir() else f"{source}: metadata"
+    config = text_config_of(config)  # an image-text model's language model
     for key in SIZE_KEYS:
         value = config.get(key)
         if value is None and key in ("num_key_value_heads", "head_dim", "max_position_embeddings"):
@@ -115,7 +118,8 @@ def check_config(config: dict[str, Any], entries: Mapping[str, TensorEntry], sou
         raise MlxformerError(f"{source}: {exc}") from None
     except (TypeError, ValueError) as exc:
         raise MlxformerError(f"{where} has a value of the wrong type ({exc})") from None
-    layers = {int(m.group(1)) for name in entries if (m := _LAYER.match(name))}
+    renames = text_weight_names(entries)
+    layers = {int(m.group(1)) for name in entries if (m := _LAYER.match(renames.get(name, name)))}
     if layers != set(range(args.num_hidden_layers)):
         raise MlxformerError(f"{where} says {config.get('num_hidden_layers')} layers, but the tensors are for "
                              f"{len(layers)} (indices up to {max(layers, default=-1)})")

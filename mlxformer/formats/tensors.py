@@ -72,6 +72,12 @@ class Tensors(Mapping[str, mx.array]):
         wanted = set(names)
         return Tensors({n: e for n, e in self.entries.items() if n in wanted}, self._load)
 
+    def renamed(self, names: Mapping[str, str]) -> Tensors:
+        """The same tensors with those in ``names`` (old -> new) under their new names."""
+        if not names:
+            return self
+        return Tensors({names.get(n, n): e for n, e in self.entries.items()}, self._load)
+
     def stacked(self, groups: Mapping[str, list[str]]) -> Tensors:
         """The same tensors with each group of ``groups`` (stacked name -> member names) replaced
         by one lazy tensor stacking its members (mixture-of-experts matrices); shapes and dtypes

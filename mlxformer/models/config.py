@@ -14,7 +14,7 @@ import mlx.core as mx
 
 from mlxformer.errors import MlxformerError
 from mlxformer.models.config_bounds import check_config_sizes
-from mlxformer.models.families import FAMILIES, family_fields
+from mlxformer.models.families import FAMILIES, family_fields, hybrid_config, text_config_of
 from mlxformer.models.rope_config import SUPPORTED_ROPE_TYPES, RopeConfig, rope_config_from_dict, rope_scaling_dict
 
 __all__ = ["FLOAT_DTYPES", "float_dtype", "ModelArgs", "RopeConfig", "SUPPORTED_ROPE_TYPES", "rope_config_from_dict", "rope_scaling_dict"]
@@ -106,12 +106,25 @@ class ModelArgs:
     qk_nope_head_dim: int = 0
     v_head_dim: int = 0
     rope_traditional: bool = False  # RoPE rotates interleaved pairs (DeepSeek's layout)
+    # --- Gated DeltaNet layers (``layer_types`` entry "linear", ``models.gated_delta``: Qwen3.5, Qwen3-Next) ---
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 4
+    linear_fused_projections: bool = False  # Qwen3-Next's in_proj_qkvz/in_proj_ba (Qwen3.5: split)
+    linear_conv_channels_last: bool = False  # conv1d weight (C, K, 1) as mlx-lm stores it (HF: (C, 1, K))
+    attn_output_gate: bool = False  # q_proj also gives a sigmoid gate on the attention output (Qwen3.5/Next)
 
     def layer_window(self, index: int) -> int | None:
         """The sliding window layer ``index`` attends with (None: the whole context)."""
         if not self.layer_types or self.layer_types[index] == "sliding":
             return self.sliding_window
         return None
+
+    def layer_is_linear(self, index: int) -> bool:
+        """Whether layer ``index`` mixes with Gated DeltaNet (a recurrent state) instead of attention."""
+        return bool(self.layer_types) and self.layer_types[index] == "linear"
 
     def layer_rope(self, index: int) -> RopeConfig | None:
         """The RoPE settings of layer ``index`` (None: the layer has no rotary embedding)."""
@@ -131,6 +144,7 @@ class ModelArgs:
     @classmethod
     def from_dict(cls, config: dict[str, Any]) -> "ModelArgs":
         """Build the args from an HF/mlx-lm ``config.json`` dict; unsupported settings raise."""
+        config = text_config_of(config)
         model_type = config.get("model_type")
         if model_type not in FAMILIES:
             raise MlxformerError(f"unsupported model_type {model_type!r} (supported: {', '.join(FAMILIES)})")
@@ -191,6 +205,8 @@ class ModelArgs:
         if self.sliding_window is not None:
             config["sliding_window"] = self.sliding_window
         config.update(self._layer_and_rope_keys())
+        if self.linear_num_value_heads:
+            config.update(hybrid_config(self))
         if self.num_experts:
             config.update(num_experts=self.num_experts, num_local_experts=self.num_experts,
                           num_experts_per_tok=self.num_experts_per_tok, norm_topk_prob=self.norm_topk_prob,
@@ -238,4 +254,7 @@ ARCHITECTURES = {
     "glm4_moe_lite": "Glm4MoeLiteForCausalLM",
     "ministral3": "Ministral3ForCausalLM",
     "olmo3": "Olmo3ForCausalLM",
+    "qwen3_5_text": "Qwen3_5ForCausalLM",
+    "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
+    "qwen3_next": "Qwen3NextForCausalLM",
 }

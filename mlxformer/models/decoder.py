@@ -19,11 +19,15 @@ from mlxformer.cache.protocol import Cache
 from mlxformer.models.attention_ops import fused_attention, position_query_scale, softcap_scores, softcapped_attention
 from mlxformer.models.config import ModelArgs
 from mlxformer.models.mla import MLAttention
+from mlxformer.models.gated_delta import GatedDeltaNet
 from mlxformer.models.mlp import MLP, make_mlp, swiglu
 import mlxformer.models.moe  # noqa: F401  registers the "moe" MLP type
 import mlxformer.models.moe_gpt_oss  # noqa: F401  registers gpt-oss's experts and gate
 from mlxformer.models.norms import NORM_LAYOUTS, RMSNorm
 from mlxformer.models.rope_variants import make_rope
+
+# An image-text checkpoint's vision tower and a multi-token-prediction head: not the decoder's.
+_NOT_TEXT = ("model.visual.", "visual.", "vision_tower.", "mtp.")
 
 __all__ = ["Attention", "DecoderLayer", "DecoderStack", "MLP", "Model", "swiglu"]
 
@@ -42,10 +46,11 @@ class Attention(nn.Module):
         self.softcap = args.attn_logit_softcap
         self.q_dim, self.kv_dim = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         self.fused_qkv = args.fused_qkv
+        self.output_gate = args.attn_output_gate  # q_proj gives each head's queries, then its gate
         if args.fused_qkv:
             self.qkv_proj = nn.Linear(args.hidden_size, self.q_dim + 2 * self.kv_dim, bias=args.qkv_bias)
         else:
-            self.q_proj = nn.Linear(args.hidden_size, self.q_dim, bias=args.qkv_bias)
+            self.q_proj = nn.Linear(args.hidden_size, self.q_dim * (2 if self.output_gate else 1), bias=args.qkv_bias)
             self.k_proj = nn.Linear(args.hidden_size, self.kv_dim, bias=args.qkv_bias)
             self.v_proj = nn.Linear(args.hidden_size, self.kv_dim, bias=args.qkv_bias)
         self.o_proj = nn.Linear(self.q_dim, args.hidden_size, bias=args.o_proj_bias)
@@ -73,6 +78,10 @@ class Attention(nn.Module):
     def __call__(self, x: mx.array, mask: Mask, cache: Cache | None, rope_length: int | None = None) -> mx.array:
         B, L, _ = x.shape
         queries, keys, values = self.project(x)
+        gate = None
+        if self.output_gate:  # (B, L, heads * 2 * head_dim) -> (B, L, heads, 2 * head_dim): queries, gate
+            queries, gate = mx.split(queries.reshape(B, L, self.n_heads, 2 * self.head_dim), 2, axis=-1)
+            gate = gate.reshape(B, L, self.q_dim)
         if self.qk_norm == "projection":
             queries, keys = self.q_norm(queries), self.k_norm(keys)
         # (B, L, heads * head_dim) -> (B, heads, L, head_dim)
@@ -96,7 +105,8 @@ class Attention(nn.Module):
         else:
             out = fused_attention(queries, keys, values, self.scale, mask, sinks)
         # (B, heads, L, head_dim) -> (B, L, heads * head_dim)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+        out = out.transpose(0, 2, 1, 3).reshape(B, L, -1)
+        return self.o_proj(out if gate is None else out * mx.sigmoid(gate))
 
 
 class DecoderLayer(nn.Module):
@@ -106,7 +116,13 @@ class DecoderLayer(nn.Module):
     def __init__(self, args: ModelArgs, layer_index: int = 0):
         super().__init__()
         self.window = args.layer_window(layer_index)
-        self.self_attn = MLAttention(args, layer_index) if args.attention_type == "mla" else Attention(args, layer_index)
+        # the mixer: attention (grouped-query or latent), or Gated DeltaNet on a recurrent state (``linear_attn``)
+        self.recurrent = args.layer_is_linear(layer_index)
+        self.mixer_name = "linear_attn" if self.recurrent else "self_attn"
+        if self.recurrent:
+            self[self.mixer_name] = GatedDeltaNet(args, layer_index)
+        else:
+            self[self.mixer_name] = MLAttention(args, layer_index) if args.attention_type == "mla" else Attention(args, layer_index)
         self.mlp_name = args.mlp_name  # the checkpoint's name for the block (Mixtral: block_sparse_moe)
         self[args.mlp_name] = make_mlp(args, layer_index)
         self.norm_layout = args.norm_layout  # a string: kept out of the parameter tree
@@ -123,7 +139,7 @@ class DecoderLayer(nn.Module):
         return x + (out if self.residual_scale == 1.0 else out * self.residual_scale)
 
     def __call__(self, x: mx.array, mask: Mask, cache: Cache | None, rope_length: int | None = None) -> mx.array:
-        h = self._residual(x, self._norm(1, self.self_attn(self._norm(0, x), mask, cache, rope_length)))
+        h = self._residual(x, self._norm(1, self[self.mixer_name](self._norm(0, x), mask, cache, rope_length)))
         return self._residual(h, self._norm(3, self[self.mlp_name](self._norm(2, h))))
 
 
@@ -185,6 +201,9 @@ class Model(nn.Module):
         layer_caches: Sequence[Cache | None] = [None] * len(self.layers) if cache is None else cache
         masks: dict[int | None, Mask] = {}  # one mask per window, from the first cache of that window
         for layer, layer_cache in zip(self.layers, layer_caches):
+            if layer.recurrent:  # no mask: the state holds the past
+                h = layer(h, None, layer_cache, rope_length)
+                continue
             if layer.window not in masks:
                 masks[layer.window] = (causal_mask_for(query_len, query_len, layer.window) if layer_cache is None
                                        else layer_cache.make_mask(query_len, layer.window))
@@ -219,7 +238,7 @@ class Model(nn.Module):
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         """Drop checkpoint keys that carry no weights for this decoder."""
-        weights = {k: v for k, v in weights.items() if "rotary_emb.inv_freq" not in k}
+        weights = {k: v for k, v in weights.items() if "rotary_emb.inv_freq" not in k and not k.startswith(_NOT_TEXT)}
         if self.args.tie_word_embeddings:
             weights.pop("lm_head.weight", None)
             weights.pop("lm_head.scales", None)

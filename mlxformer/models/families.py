@@ -8,7 +8,7 @@ family is a row of this table, never a copy of the decoder.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 from mlxformer.errors import MlxformerError
 from mlxformer.models.rope_config import RopeConfig, rope_config_from_dict, yarn_mscale
@@ -294,6 +294,103 @@ def _deepseek_v3(config: dict[str, Any], base: Fields) -> Fields:
     return {**_mla(config, base), **_routed(config, "noaux_tc", True)}
 
 
+# Qwen3.5/3.6 ship as image-text models: the language model's settings sit under ``text_config``.
+_TEXT_CONFIG_TYPES = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
+_HYBRID_LAYERS = {"linear_attention": "linear", "full_attention": "full"}
+
+
+def text_config_of(config: dict[str, Any]) -> dict[str, Any]:
+    """The language model's config: an image-text Qwen3.5's ``text_config`` over its top level
+    (as the text model type), any other config as it is."""
+    inner = _TEXT_CONFIG_TYPES.get(config.get("model_type"))  # type: ignore[arg-type]
+    if inner is None:
+        return config
+    outer = {k: v for k, v in config.items() if k not in ("text_config", "vision_config")}
+    return {**outer, **(config.get("text_config") or {}), "model_type": inner}
+
+
+# An image-text checkpoint's language model weights (HF: ``model.language_model.``; mlx-lm's
+# wrapper: ``language_model.``) -> the decoder's names; its vision tower is dropped by ``sanitize``.
+_TEXT_WEIGHT_PREFIXES = (("model.language_model.", "model."), ("language_model.", ""))
+
+
+def text_weight_names(names: Iterable[str]) -> dict[str, str]:
+    """The renames (old -> new) that take an image-text checkpoint's language model weights to
+    the decoder's names (none for a text model's checkpoint)."""
+    renames = {}
+    for name in names:
+        for prefix, replacement in _TEXT_WEIGHT_PREFIXES:
+            if name.startswith(prefix):
+                renames[name] = replacement + name[len(prefix):]
+                break
+    return renames
+
+
+# Set by the checkpoint reader (``with_stored_layout``), never written: the weights are stored as
+# mlx-lm stores a Gated DeltaNet model (conv1d ``(C, K, 1)``, the ``(1 + w)`` norms' 1 folded in).
+MLX_LM_LAYOUT = "_mlx_lm_gated_delta_layout"
+
+
+def with_stored_layout(config: dict[str, Any], entries: Iterable[str] | dict[str, Any]) -> dict[str, Any]:
+    """``config`` marked with ``MLX_LM_LAYOUT`` when the tensors (name -> entry with ``shape``)
+    are in mlx-lm's Gated DeltaNet layout: a conv1d weight whose last axis is 1 (HF: the kernel)."""
+    for name, entry in dict(entries).items():
+        if name.endswith("linear_attn.conv1d.weight"):
+            shape = tuple(entry.shape)
+            return {**config, MLX_LM_LAYOUT: True} if shape[-1] == 1 and shape[1] > 1 else config
+    return config
+
+
+def _gated_delta(config: dict[str, Any], base: Fields) -> Fields:
+    """Qwen3.5 / Qwen3-Next: Gated DeltaNet layers (``models.gated_delta``) with every
+    ``full_attention_interval``-th layer gated attention (output gate from ``q_proj``), per-head
+    q/k norms, ``(1 + w)`` RMSNorms and partial rotary dimensions."""
+    layers = int(config["num_hidden_layers"])
+    written = config.get("layer_types")
+    if written is None:
+        interval = int(config.get("full_attention_interval") or 4)
+        written = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers)]
+    if len(written) != layers or any(t not in _HYBRID_LAYERS for t in written):
+        raise MlxformerError(f"config.json layer_types must name {layers} layers as linear_attention/full_attention")
+    key_heads, value_heads = int(config["linear_num_key_heads"]), int(config["linear_num_value_heads"])
+    if value_heads % key_heads:
+        raise MlxformerError(f"linear_num_value_heads ({value_heads}) must be a multiple of linear_num_key_heads ({key_heads})")
+    params = config.get("rope_parameters") or {}
+    factor = config.get("partial_rotary_factor", params.get("partial_rotary_factor", 1.0))
+    mlx_lm = bool(config.get(MLX_LM_LAYOUT))
+    return {
+        "qk_norm": True, "norm_offset": 0.0 if mlx_lm else 1.0, "linear_conv_channels_last": mlx_lm,
+        "attn_output_gate": True, "partial_rotary_factor": float(factor),
+        "layer_types": tuple(_HYBRID_LAYERS[t] for t in written),
+        "linear_num_key_heads": key_heads, "linear_num_value_heads": value_heads,
+        "linear_key_head_dim": int(config["linear_key_head_dim"]),
+        "linear_value_head_dim": int(config["linear_value_head_dim"]),
+        "linear_conv_kernel_dim": int(config.get("linear_conv_kernel_dim") or 4),
+    }
+
+
+def _qwen3_5_moe(config: dict[str, Any], base: Fields) -> Fields:
+    """Qwen3.5 with routed experts (top-k always renormalised) and the gated shared expert."""
+    return {**_gated_delta(config, base), **_experts(config, "moe_intermediate_size", True), "norm_topk_prob": True}
+
+
+def _qwen3_next(config: dict[str, Any], base: Fields) -> Fields:
+    """Qwen3.5-MoE's layout with the DeltaNet projections fused per key head."""
+    return {**_gated_delta(config, base), **_experts(config, "moe_intermediate_size", True),
+            "linear_fused_projections": True}
+
+
+def hybrid_config(args: Any) -> dict[str, Any]:
+    """The config.json keys of the Gated DeltaNet fields of ``args`` (a ``ModelArgs``)."""
+    names = {short: long for long, short in _HYBRID_LAYERS.items()}
+    return {
+        "layer_types": [names[t] for t in args.layer_types], "partial_rotary_factor": args.partial_rotary_factor,
+        "linear_num_key_heads": args.linear_num_key_heads, "linear_num_value_heads": args.linear_num_value_heads,
+        "linear_key_head_dim": args.linear_key_head_dim, "linear_value_head_dim": args.linear_value_head_dim,
+        "linear_conv_kernel_dim": args.linear_conv_kernel_dim,
+    }
+
+
 def _float_or_none(value: Any) -> float | None:
     return None if value is None else float(value)
 
@@ -321,6 +418,9 @@ FAMILIES: dict[str, Callable[[dict[str, Any], Fields], Fields]] = {
     "glm4_moe_lite": _deepseek_v3,
     "ministral3": _ministral3,
     "olmo3": _olmo3,
+    "qwen3_5_text": _gated_delta,
+    "qwen3_5_moe_text": _qwen3_5_moe,
+    "qwen3_next": _qwen3_next,
 }
 
 

@@ -261,7 +261,7 @@ def apply_thread_policy(model: Model, threads: int | None) -> None:
     for layer in model.layers:
         block = layer[layer.mlp_name]
         experts = [block[name] for name in ("switch_mlp", "shared_expert") if name in block]  # mixture of experts
-        for owner in (layer.self_attn, block, *experts):
+        for owner in (layer[layer.mixer_name], block, *experts):
             for name in PROJECTIONS:
                 if name in owner:
                     owner[name] = shard_rows(owner[name], threads)
