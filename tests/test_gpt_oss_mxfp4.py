@@ -135,6 +135,15 @@ def test_converted_mlx_dirs_load_here_and_in_mlx_lm(mxfp4_case, tmp_path):
         ours = np.array(load(kept, dtype=mx.float32, threads=1)[0](mx.array(ids[None]))[0])
         assert np.array_equal(ours, np.array(model(mx.array(ids[None]))[0]))
         assert max_diff(*mlx_lm_pair(kept, ids)) <= BOUND
+        # ``info``: the packed bytes as stored, the parameters unpacked, 2 of 6 experts active a token
+        from mlxformer.planning import footprint
+
+        fp = footprint(kept)
+        assert fp.stored_bytes == (kept / "model.safetensors").stat().st_size - 8 - int.from_bytes(
+            (kept / "model.safetensors").read_bytes()[:8], "little")
+        routed = sum(int(np.prod(t.shape)) for t in fp.tensors if ".mlp.experts." in t.name)
+        assert routed == 3 * 6 * (3 * 96 * 64 + 2 * 96 + 64)  # 3 layers of 6 experts: weights and biases
+        assert fp.active_parameters == fp.parameters - routed + routed * 2 // 6
 
         requantized = convert(directory, tmp_path / "mxfp4", quantize=True, quant_recipe="mxfp4", dequantize=True,
                               dtype="float32", progress=False)
