@@ -97,6 +97,8 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--generation-tokens", type=int, default=64)
     args = parser.parse_args()
+    if args.layers < 2:
+        parser.error("--layers must be at least 2 (mlx-lm's gpt_oss needs a sliding and a full layer)")
     directory = args.models_dir / NAME
     if not (directory / "config.json").exists():
         write_model(directory, args.layers, args.vocab)

@@ -59,7 +59,7 @@ class Footprint:
         """Weights one token computes with: a mixture-of-experts model's routed experts count
         ``num_experts_per_tok / num_experts`` of theirs (equal to ``parameters`` for dense models)."""
         a = self.args
-        routed = sum(math.prod(t.shape) for t in self.tensors if ".switch_mlp." in t.name)
+        routed = sum(math.prod(t.shape) for t in self.tensors if ".switch_mlp." in t.name or ".mlp.experts." in t.name)
         if not routed:
             return self.parameters
         return self.parameters - routed + routed * a.num_experts_per_tok // a.num_experts

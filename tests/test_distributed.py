@@ -1,6 +1,6 @@
 """Generation over 2 ranks started by ``mlx.launch --backend ring`` on 127.0.0.1: greedy tokens
 equal the single-process ones (pipeline on every family, a mixture of experts, Gemma 3 and the
-real SmolLM2, tensor parallel
+real SmolLM2, gpt-oss, tensor parallel
 on a model whose heads divide), each rank loads at most 0.6x the single-process memory, and
 a killed or hung rank makes the other exit non-zero. Launches are few and batched: each one
 costs seconds."""
@@ -121,6 +121,9 @@ def test_two_ranks_match_single_process_and_split_memory(tmp_path, cpu_device, s
                                           **test_families.CASES["phi4mini-longrope"][1])[0],
         "dynamic": write_tiny_checkpoint(tmp_path / "dynamic", "llama", max_position_embeddings=16, **SHAPE,
                                          rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4})[0],
+        # gpt-oss: sinks, alternating windows of 8 (passed by the 20 positions), biased experts
+        "gpt_oss": write_tiny_checkpoint(tmp_path / "gpt_oss", "gpt_oss", num_local_experts=4, num_experts_per_tok=2,
+                                         intermediate_size=64, sliding_window=8, **SHAPE)[0],
     }
     layers = {"big": 8, "gemma3": 6}
     jobs = [
@@ -130,6 +133,7 @@ def test_two_ranks_match_single_process_and_split_memory(tmp_path, cpu_device, s
         ("gguf", "pipeline", {}), ("gguf", "tensor", {}),
         ("big", "pipeline", {}), ("big", "tensor", {}), ("big", "single", {}),
         ("moe", "pipeline", {}), ("gemma3", "pipeline", {}), ("gemma3", "pipeline", {"kv_bits": 8, "kv_group_size": 32}),
+        ("gpt_oss", "pipeline", {}),
     ]
     job_list = [
         {"name": f"{m}-{p}-{i}", "model": str(models[m]), "parallel": p, "cache": c, "prompt": PROMPT, "max_tokens": MAX_TOKENS}

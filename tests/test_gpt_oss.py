@@ -99,6 +99,19 @@ def test_each_switch_matters(case):
     assert max_diff(np.array(model(ids)[0]), ref) <= BOUND
 
 
+def test_experts_split_over_cpu_streams(case):
+    """With 2 CPU streams the biased experts compute a prompt's rows in two shards (each shard
+    its slice of the bias): the same logits as one stream, bit for bit."""
+    from mlxformer.models.row_sharding import ShardedSwitchLinear
+
+    directory, model, _, _, _ = case
+    with cpu_default_device():
+        split = load(directory, dtype=mx.float32, threads=2)[0]
+        assert isinstance(split.layers[0].mlp.experts.gate_proj, ShardedSwitchLinear)
+        ids = mx.array(tokens(SEQ_LEN)[None])
+        assert mx.array_equal(split(ids), model(ids))
+
+
 def test_sinks_in_the_score_paths_equal_the_fused_kernel():
     """The paths that compute scores themselves (soft-capping, quantized KV) count the sinks as
     ``mx.fast.scaled_dot_product_attention(..., sinks=)`` does."""

@@ -38,32 +38,40 @@ def encode_mxfp4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return blocks, (exponent + 127).astype(np.uint8)
 
 
+def to_mxfp4_checkpoint(directory, hf_model) -> dict:
+    """Rewrite the checkpoint in ``directory`` with its experts as the hub's MXFP4 blocks and
+    scales, and put transformers' dequantization of them into ``hf_model``; returns, per fused
+    name, ``(blocks, scales, dequantized (E, in, out))``."""
+    from safetensors.numpy import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    tensors = load_file(directory / "model.safetensors")
+    params = dict(hf_model.named_parameters())
+    packed = {}
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        # HF's parameter is (E, in, out); the hub stores (E, out, in / 32, 16) blocks
+        blocks, scales = encode_mxfp4(np.ascontiguousarray(tensors.pop(name).swapaxes(-1, -2)))
+        tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = blocks, scales
+        dequantized = convert_moe_packed_tensors(torch.from_numpy(blocks), torch.from_numpy(scales),
+                                                 dtype=torch.float32)
+        with torch.no_grad():
+            params[name].copy_(dequantized)
+        packed[name] = (blocks, scales, dequantized.numpy())
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((directory / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (directory / "config.json").write_text(json.dumps(config))
+    return packed
+
+
 @pytest.fixture(scope="module")
 def mxfp4_case(tmp_path_factory):
     """The tiny checkpoint rewritten with MXFP4 experts, and the transformers model holding
     transformers' dequantization of them."""
-    from safetensors.numpy import load_file, save_file
-    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
-
     with cpu_default_device():
         directory, hf_model = write_gpt_oss(tmp_path_factory.mktemp("gpt_oss_mxfp4"))
-        tensors = load_file(directory / "model.safetensors")
-        params = dict(hf_model.named_parameters())
-        packed = {}
-        for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
-            # HF's parameter is (E, in, out); the hub stores (E, out, in / 32, 16) blocks
-            blocks, scales = encode_mxfp4(np.ascontiguousarray(tensors.pop(name).swapaxes(-1, -2)))
-            tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = blocks, scales
-            dequantized = convert_moe_packed_tensors(torch.from_numpy(blocks), torch.from_numpy(scales),
-                                                     dtype=torch.float32)
-            with torch.no_grad():
-                params[name].copy_(dequantized)
-            packed[name] = (blocks, scales, dequantized.numpy())
-        save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
-        config = json.loads((directory / "config.json").read_text())
-        config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
-            "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
-        (directory / "config.json").write_text(json.dumps(config))
+        packed = to_mxfp4_checkpoint(directory, hf_model)
         model, tokenizer = load(directory, dtype=mx.float32, threads=1)
         yield directory, model, hf_model, packed
 
@@ -127,6 +135,15 @@ def test_converted_mlx_dirs_load_here_and_in_mlx_lm(mxfp4_case, tmp_path):
         ours = np.array(load(kept, dtype=mx.float32, threads=1)[0](mx.array(ids[None]))[0])
         assert np.array_equal(ours, np.array(model(mx.array(ids[None]))[0]))
         assert max_diff(*mlx_lm_pair(kept, ids)) <= BOUND
+        # ``info``: the packed bytes as stored, the parameters unpacked, 2 of 6 experts active a token
+        from mlxformer.planning import footprint
+
+        fp = footprint(kept)
+        assert fp.stored_bytes == (kept / "model.safetensors").stat().st_size - 8 - int.from_bytes(
+            (kept / "model.safetensors").read_bytes()[:8], "little")
+        routed = sum(int(np.prod(t.shape)) for t in fp.tensors if ".mlp.experts." in t.name)
+        assert routed == 3 * 6 * (3 * 96 * 64 + 2 * 96 + 64)  # 3 layers of 6 experts: weights and biases
+        assert fp.active_parameters == fp.parameters - routed + routed * 2 // 6
 
         requantized = convert(directory, tmp_path / "mxfp4", quantize=True, quant_recipe="mxfp4", dequantize=True,
                               dtype="float32", progress=False)

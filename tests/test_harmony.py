@@ -66,6 +66,23 @@ def test_template_renders_the_known_harmony_prompt():
     assert format_for_template(template(SOURCE)) == "harmony"
 
 
+def test_past_turns_as_the_template_expects():
+    """An OpenAI-style history (``reasoning_content``) renders as the template's ``thinking``:
+    kept before a call that no final answer follows, dropped from a final answer."""
+    from mlxformer.server.toolcalls.harmony import harmony_messages
+
+    call = {"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": {"zone": "CET"}}}
+    history = [{"role": "user", "content": "Time?"},
+               {"role": "assistant", "content": "Let me look.", "reasoning_content": "Need the tool.", "tool_calls": [call]},
+               {"role": "tool", "content": "12:00"}]
+    text = render(template(SOURCE), harmony_messages(history), True, tools=TOOLS)
+    assert ("<|start|>assistant<|channel|>analysis<|message|>Need the tool.<|end|>"
+            '<|start|>assistant to=functions.get_time<|channel|>commentary json<|message|>{"zone": "CET"}<|call|>') in text
+    later = [*history, {"role": "assistant", "content": "Noon.", "reasoning_content": "Easy."}, {"role": "user", "content": "Thanks"}]
+    text = render(template(SOURCE), harmony_messages(later), True, tools=TOOLS)
+    assert "Need the tool." not in text and "Easy." not in text and "<|channel|>final<|message|>Noon.<|end|>" in text
+
+
 def parse(text: str, pieces: list[str] | None = None):
     """(reasoning, content, calls as (name, arguments)) of a reply fed in ``pieces`` (default whole)."""
     stream = reply_stream(call_format("harmony"), SPEC)

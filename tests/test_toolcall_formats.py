@@ -12,7 +12,7 @@ import random
 import pytest
 from agent_support import rendered_reply, template, write_chat_tokenizer
 
-from mlxformer.server.toolcalls import FORMATS, ToolCallStream, ToolSpec, call_format, format_for_template
+from mlxformer.server.toolcalls import FORMATS, ToolSpec, call_format, format_for_template, reply_stream
 
 PARAMETERS = {
     "get_weather": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
@@ -43,14 +43,14 @@ FAMILIES = [
 
 
 def parse_whole(fmt, text):
-    stream = ToolCallStream(fmt, SPEC)
+    stream = reply_stream(fmt, SPEC)
     content = stream.feed(text).content + stream.finish().content
     return content, stream.calls
 
 
 def parse_pieces(fmt, pieces):
     """Feed ``pieces`` one by one: the content handed out after each, and all call deltas."""
-    stream = ToolCallStream(fmt, SPEC)
+    stream = reply_stream(fmt, SPEC)
     contents, deltas = [], []
     for piece in pieces:
         parsed = stream.feed(piece)
@@ -96,7 +96,7 @@ def test_family_template_replies(name, expected, n_calls, with_text):
 
 
 def parse_whole_prefix_has_call(fmt, prefix: str) -> bool:
-    stream = ToolCallStream(fmt, SPEC)
+    stream = reply_stream(fmt, SPEC)
     stream.feed(prefix)
     return bool(stream.calls)
 
@@ -117,8 +117,10 @@ def test_random_splits_agree(name):
         "deepseek_v3_1": "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_time<｜tool▁sep｜>{\"zone\": \"CET\"}"
                          "<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
         "gemma4": '<|tool_call>call:get_time{zone:<|"|>CET<|"|>}<tool_call|>',
+        "harmony": '<|channel|>final<|message|>Sure. <|end|><|start|>assistant<|channel|>commentary to=functions.get_time '
+                   '<|constrain|>json<|message|>{"zone": "CET"}<|call|>',
     }
-    text = "Sure. " + texts[name] if name not in ("json", "llama3_json") else texts[name]
+    text = "Sure. " + texts[name] if name not in ("json", "llama3_json", "harmony") else texts[name]
     whole_content, whole_calls = parse_whole(fmt, text)
     assert [(c.name, json.loads(c.arguments)) for c in whole_calls] == [("get_time", {"zone": "CET"})]
     rng = random.Random(0)

@@ -20,7 +20,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlxformer.errors import MlxformerError
-from mlxformer.formats.gguf_quants import EXACT_TYPES, FLOAT_DECODED_TYPES, GROUP_SIZE, decode_codes, \
+from mlxformer.formats.gguf_quants import EXACT_TYPES, FLOAT_DECODED_TYPES, GROUP_SIZE, decode_codes, decode_mxfp4, \
     decode_values, requantize
 from mlxformer.formats.gguf_families import GGUF_ARCHITECTURES, NORM_SHIFTED_ARCHS, arch_config
 from mlxformer.formats.gguf_names import CONFIG_TENSORS, PERMUTED_QK_ARCHS, hf_name
@@ -33,7 +33,7 @@ FLOAT_TYPES = ("F32", "F16", "BF16")
 # Q2_K/Q3_K/Q6_K (16-value sub-blocks) are requantized to 8 bits, group 32: the measured
 # choice (docs/design/gguf.md), a fraction of the type's own rounding error at ~1.5x its size.
 INEXACT_BITS = 8
-SUPPORTED_TYPES = FLOAT_TYPES + EXACT_TYPES + FLOAT_DECODED_TYPES
+SUPPORTED_TYPES = FLOAT_TYPES + EXACT_TYPES + FLOAT_DECODED_TYPES + ("MXFP4",)  # MXFP4: MLX's own mxfp4
 # Bits of the MLX layer each quantized GGUF type becomes (all with groups of 32).
 QUANT_BITS = {"Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5, "Q8_0": 8, "Q4_K": 4, "Q5_K": 5,
               **dict.fromkeys(FLOAT_DECODED_TYPES, INEXACT_BITS)}
@@ -176,6 +176,9 @@ def _decode(gguf: GGUFFile, info: TensorInfo, heads: int | None) -> dict[str, mx
     if info.type_name in FLOAT_TYPES:
         return {"weight": _unpermute_mx(_float_tensor(gguf, info), heads)}
     cols, kind, lead = info.shape[-1], info.type_name, info.shape[:-1]  # lead: (rows,) or (experts, rows)
+    if kind == "MXFP4":  # kept as MLX mxfp4 (gpt-oss's experts)
+        out = _decoded_rows(gguf, info, lambda raw, n: decode_mxfp4(raw, n, cols))
+        return {key: mx.array(value.reshape(*lead, -1)) for key, value in out.items()}
     if len(info.shape) == 1 or kind not in EXACT_TYPES:  # float values (a vector, or to requantize)
         values = _decoded_rows(gguf, info, lambda raw, n: {"v": decode_values(raw, kind, n, cols)})["v"]
         if len(info.shape) == 1:
@@ -225,6 +228,9 @@ def _entries(path: Path, info: TensorInfo, name: str) -> dict[str, TensorEntry]:
     if suffix != "weight":
         raise MlxformerError(f"{path}: tensor {info.name!r} is quantized but is not a weight matrix")
     *lead, cols = info.shape  # (rows, cols), or (experts, rows, cols) for stacked experts
+    if info.type_name == "MXFP4":
+        return {"weight": TensorEntry(f"{module}.weight", (*lead, cols // 8), mx.uint32, path),
+                "scales": TensorEntry(f"{module}.scales", (*lead, cols // 32), mx.uint8, path)}
     bits = QUANT_BITS[info.type_name]
     scale_dtype = mx.float16 if info.type_name in LEGACY_TYPES else mx.float32
     return {"weight": TensorEntry(f"{module}.weight", (*lead, cols * bits // 32), mx.uint32, path),
@@ -314,6 +320,9 @@ def _quantization_config(types: dict[str, str]) -> dict[str, Any]:
     """mlx-lm style ``quantization`` entry from the GGUF types of HF-named tensors: the most
     common bits as default, others per layer."""
     module_bits = {n.rsplit(".", 1)[0]: QUANT_BITS[t] for n, t in types.items() if t in QUANT_BITS}
+    mxfp4 = sorted(n.rsplit(".", 1)[0] for n, t in types.items() if t == "MXFP4")
+    if mxfp4 and not module_bits:  # MXFP4 experts, the rest float
+        return {"group_size": 32, "bits": 4, "mode": "mxfp4"}
     if not module_bits:
         return {}
     bits_values = list(module_bits.values())
@@ -322,4 +331,6 @@ def _quantization_config(types: dict[str, str]) -> dict[str, Any]:
     for module, bits in sorted(module_bits.items()):
         if bits != default_bits:
             quantization[module] = {"group_size": GROUP_SIZE, "bits": bits}
+    for module in mxfp4:
+        quantization[module] = {"group_size": 32, "bits": 4, "mode": "mxfp4"}
     return quantization

@@ -16,6 +16,7 @@ GGUF_ARCHITECTURES = {
     "gemma3": "gemma3_text", "phi3": "phi3", "olmo2": "olmo2", "granite": "granite", "smollm3": "smollm3",
     "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "olmoe": "olmoe",  # llama + experts: mixtral
     "mistral3": "ministral3",  # olmo2 with a sliding window: olmo3
+    "gpt-oss": "gpt_oss",
 }
 # Architectures whose converter stored every RMSNorm weight as ``1 + weight`` (Gemma's offset).
 NORM_SHIFTED_ARCHS = ("gemma", "gemma2", "gemma3")
@@ -120,11 +121,24 @@ def _smollm3(field: Field, config: dict[str, Any]) -> dict[str, Any]:
     return {"no_rope_layer_interval": 4}  # llama.cpp: every fourth layer has no RoPE
 
 
+def _gpt_oss(field: Field, config: dict[str, Any]) -> dict[str, Any]:
+    """Experts, the sliding window, and YaRN's settings llama.cpp does not write: gpt-oss's
+    config says ``truncate: false`` (beta_fast 32, beta_slow 1: the defaults)."""
+    experts = _experts(field, config, False)
+    rope = dict(config.get("rope_scaling") or {})
+    if rope.get("rope_type") == "yarn":
+        rope["truncate"] = False
+    return {"num_local_experts": experts["num_experts"], "num_experts_per_tok": experts["num_experts_per_tok"],
+            "intermediate_size": experts["moe_intermediate_size"], "attention_bias": True,
+            "sliding_window": int(field("attention.sliding_window")), "rope_scaling": rope or None}
+
+
 _ARCH_KEYS: dict[str, Callable[[Field, dict[str, Any]], dict[str, Any]]] = {
     "gemma2": _gemma2, "gemma3": _gemma3, "phi3": _phi3, "granite": _granite, "smollm3": _smollm3,
     "llama": _llama, "qwen2moe": _qwen2moe, "olmo2": _olmo2, "mistral3": _mistral3,
     "qwen3moe": lambda field, config: _experts(field, config, True),
     "olmoe": lambda field, config: _experts(field, config, False),
+    "gpt-oss": _gpt_oss,
 }
 
 

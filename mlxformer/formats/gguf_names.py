@@ -64,6 +64,14 @@ ARCH_TENSOR_NAMES: dict[str, dict[str, str]] = {
         "blk.{i}.ffn_up": "model.layers.{i}.mlp.gate_up_proj",
     },
 }
+ARCH_TENSOR_NAMES["gpt-oss"] = {  # sinks, a biased router, biased experts (mlx-lm's names)
+    "blk.{i}.post_attention_norm": "model.layers.{i}.post_attention_layernorm",
+    "blk.{i}.attn_sinks": "model.layers.{i}.self_attn.sinks",
+    "blk.{i}.ffn_gate_inp": "model.layers.{i}.mlp.router",
+    **{f"blk.{{i}}.ffn_{p}_exps": f"model.layers.{{i}}.mlp.experts.{p}_proj" for p in ("gate", "up", "down")},
+}
+# Parameters HF names without a ``.weight`` suffix (the converter added one).
+BARE_PARAMETERS = ("self_attn.sinks",)
 # Architectures whose Q/K rows llama.cpp's converter permuted (interleaved rotary pairs): its
 # LlamaModel and the converters derived from it.
 PERMUTED_QK_ARCHS = ("llama", "granite", "smollm3", "mistral3")
@@ -82,4 +90,5 @@ def hf_name(gguf_name: str, arch: str) -> str:
     table = {**TENSOR_NAMES, **ARCH_TENSOR_NAMES.get(arch, {})}
     if pattern not in table or suffix not in ("weight", "bias"):
         raise MlxformerError(f"GGUF tensor {gguf_name!r} has no mapping to this decoder (architecture {arch})")
-    return table[pattern].format(i=index) + "." + suffix
+    name = table[pattern].format(i=index)
+    return name if name.endswith(BARE_PARAMETERS) else name + "." + suffix

@@ -181,6 +181,19 @@ def decode_codes(raw: np.ndarray, type_name: str, rows: int, cols: int) -> Codes
     return Codes(packed, scale.reshape(rows, groups), bias.reshape(rows, groups), bits)
 
 
+def decode_mxfp4(raw: np.ndarray, rows: int, cols: int) -> dict[str, np.ndarray]:
+    """MXFP4 blocks (an E8M0 byte, then 16 bytes whose low nibbles are codes 0-15 and high
+    nibbles codes 16-31) as MLX's ``mxfp4`` arrays: the same E2M1 codes repacked two a byte in
+    order, viewed as uint32 ``(rows, cols / 8)``, and the exponents ``(rows, cols / 32)``.
+    Integer moves only: the values are the file's, bit for bit."""
+    blocks = raw.reshape(-1, 17)
+    qs = blocks[:, 1:]
+    codes = np.concatenate([qs & np.uint8(0x0F), qs >> np.uint8(4)], axis=1)  # (blocks, 32) in order
+    packed = (codes[:, 0::2] | (codes[:, 1::2] << np.uint8(4))).astype(np.uint8)
+    return {"weight": np.ascontiguousarray(packed).reshape(rows, -1).view(np.uint32),
+            "scales": np.ascontiguousarray(blocks[:, 0]).reshape(rows, cols // 32)}
+
+
 def decode_values(raw: np.ndarray, type_name: str, rows: int, cols: int) -> np.ndarray:
     """Float32 values of a (rows, cols) matrix of any supported quantized type."""
     if type_name in _VALUES:

@@ -13,7 +13,7 @@ are derived lazily from these (``Tensors.derived``) or at once from a dict.
 from __future__ import annotations
 
 import re
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import mlx.core as mx
 
@@ -25,7 +25,7 @@ _FUSED = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)(_bias|_block
 MXFP4 = {"group_size": 32, "bits": 4, "mode": "mxfp4"}
 
 
-def _columns(parity: int | None, transpose: bool):
+def _columns(parity: int | None, transpose: bool) -> Callable[[mx.array], mx.array]:
     """Even/odd output columns (``None``: all) of a fused tensor, optionally as ``(E, out, in)``."""
 
     def make(a: mx.array) -> mx.array:
@@ -36,7 +36,7 @@ def _columns(parity: int | None, transpose: bool):
     return make
 
 
-def _rows(parity: int | None, packed: bool):
+def _rows(parity: int | None, packed: bool) -> Callable[[mx.array], mx.array]:
     """Even/odd output rows (``None``: all) of ``_blocks``/``_scales``; blocks viewed as uint32 words."""
 
     def make(a: mx.array) -> mx.array:

@@ -260,7 +260,7 @@ def apply_thread_policy(model: Model, threads: int | None) -> None:
         raise MlxformerError(f"threads > 1 splits work over CPU streams, but the default device is {mx.default_device()}")
     for layer in model.layers:
         block = layer[layer.mlp_name]
-        experts = [block[name] for name in ("switch_mlp", "shared_expert") if name in block]  # mixture of experts
+        experts = [block[name] for name in ("switch_mlp", "experts", "shared_expert") if name in block]  # mixture of experts
         for owner in (layer[layer.mixer_name], block, *experts):
             for name in PROJECTIONS:
                 if name in owner:

@@ -129,10 +129,13 @@ class HarmonyStream:
 
 def harmony_messages(messages: list[dict]) -> list[dict]:
     """OpenAI-style messages as the gpt-oss template reads them: an assistant turn's
-    ``reasoning_content`` as ``thinking`` (the template keeps it only before a call)."""
+    ``reasoning_content`` as ``thinking`` (the template keeps it only before a call, and takes
+    a call's analysis from ``thinking`` or ``content``, not both: the reasoning wins)."""
     out = []
     for m in messages:
         if m.get("role") == "assistant" and m.get("reasoning_content") and "thinking" not in m:
             m = {**m, "thinking": m["reasoning_content"]}
+            if m.get("tool_calls") and m.get("content"):
+                m["content"] = ""
         out.append(m)
     return out
