@@ -140,3 +140,22 @@ def test_idle_keep_alive_unloads_and_returns_the_memory(several):
     gc.collect()
     assert [(i, name) for i, (name, model) in enumerate(several.loaded) if model() is not None] == []  # all freed
     assert after < 1.1 * baseline
+
+
+def test_serve_flags_name_the_models(tmp_path):
+    """``serve``'s --model (repeated) and --models-dir: one served name per model; split GGUF
+    parts after the first and mmproj files are no models."""
+    from mlxformer.cli.main import build_parser
+    from mlxformer.cli.serve import model_sources
+
+    for name in ("a-Q4_0.gguf", "b-00001-of-00002.gguf", "b-00002-of-00002.gguf", "mmproj-a.gguf", "notes.txt"):
+        (tmp_path / name).write_bytes(b"")
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "folder" / "config.json").write_text("{}")
+    (tmp_path / "empty").mkdir()
+    args = build_parser().parse_args(["serve", "--model", "org/repo:Q8_0", "--models-dir", str(tmp_path)])
+    assert model_sources(args) == {"org/repo:Q8_0": "org/repo:Q8_0", "a-Q4_0": str(tmp_path / "a-Q4_0.gguf"),
+                                   "b-00001-of-00002": str(tmp_path / "b-00001-of-00002.gguf"),
+                                   "folder": str(tmp_path / "folder")}
+    args = build_parser().parse_args(["serve", "-m", "x.gguf", "-m", "y"])
+    assert list(model_sources(args)) == ["x.gguf", "y"]
