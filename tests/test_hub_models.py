@@ -226,3 +226,53 @@ def test_pull_fetches_only_the_named_quant_from_a_mirror(sources, tmp_path):
         assert (snapshot / name).read_bytes() == sources[0][GGUF_REPO][name].read_bytes()
     rows = listing(cache)
     assert set(rows) == {ST_REPO, f"{GGUF_REPO}:Q4_0"} and all(r["loadable"] for r in rows.values())
+
+
+def test_ollama_client_pulls_and_deletes_through_the_server(sources, tmp_path):
+    """The official ``ollama`` client's ``pull`` (streamed progress) and ``delete`` against
+    ``mlxformer serve`` (a subprocess whose hub endpoint is the local mirror)."""
+    import socket
+    import time
+    import urllib.request
+
+    import ollama
+
+    cache = tmp_path / "cache"
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with serve_mirror(Mirror(sources[0])) as endpoint:
+        model_dir = sources[0][ST_REPO]["config.json"].parent
+        server = subprocess.Popen(
+            [sys.executable, "-m", "mlxformer", "serve", "--model", str(model_dir), "--port", str(port)],
+            env=env_for(cache, HF_ENDPOINT=endpoint, HF_HUB_OFFLINE="0"), stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE, text=True)
+        try:
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:
+                try:
+                    urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+                    break
+                except OSError:
+                    assert server.poll() is None, server.stderr.read() if server.stderr else ""
+                    time.sleep(0.5)
+            client = ollama.Client(host=f"http://127.0.0.1:{port}", timeout=120)
+            progress = list(client.pull(f"{GGUF_REPO}:q8_0", stream=True))
+            assert progress[0].status == "pulling manifest" and progress[-1].status == "success"
+            size = sources[0][GGUF_REPO]["tiny-Q8_0.gguf"].stat().st_size
+            assert [(p.digest, p.total, p.completed) for p in progress if p.digest] == [
+                ("tiny-Q8_0.gguf", size, 0), ("tiny-Q8_0.gguf", size, size)]
+            snapshot = next((repo_folder(cache, GGUF_REPO) / "snapshots").iterdir())
+            assert [p.name for p in snapshot.iterdir()] == ["tiny-Q8_0.gguf"]
+            with pytest.raises(ollama.ResponseError) as error:
+                client.pull("tinyorg/nothing-here")
+            assert error.value.status_code == 404
+            client.delete(f"{GGUF_REPO}:Q8_0")
+            assert not repo_folder(cache, GGUF_REPO).exists() or not list(
+                (repo_folder(cache, GGUF_REPO) / "snapshots").rglob("*.gguf"))
+            with pytest.raises(ollama.ResponseError) as error:
+                client.delete(f"{GGUF_REPO}:Q8_0")
+            assert error.value.status_code == 404
+        finally:
+            server.terminate()
+            server.wait(timeout=30)

@@ -29,12 +29,12 @@ def add_verbose(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--verbose", "-v", action="store_true", dest="verbose_sub", help="show tracebacks")
 
 
-def add_model_args(parser: argparse.ArgumentParser) -> None:
-    """``--model``, ``--dtype`` and ``--threads``."""
+def add_model_args(parser: argparse.ArgumentParser, several: bool = False) -> None:
+    """``--model`` (repeatable when ``several``), ``--dtype`` and ``--threads``."""
     parser.add_argument(
-        "--model", "-m",
+        "--model", "-m", action="append" if several else "store",
         help="HF repo id (REPO:QUANT picks a GGUF by quant tag), local HF/MLX dir or .gguf file "
-             "(default: the offline SmolLM2-135M-Instruct)",
+             "(default: the offline SmolLM2-135M-Instruct)" + ("; repeat to serve several" if several else ""),
     )
     parser.add_argument(
         "--dtype", choices=DTYPE_NAMES,

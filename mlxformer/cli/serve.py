@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from typing import Any, Callable
 
 from mlxformer.cli.common import (
     add_cache_args, add_model_args, add_speculative_args, add_verbose, cache_settings, load_for_cli, speculative_settings,
@@ -15,7 +16,19 @@ API_KEY_VARIABLE = "MLXFORMER_API_KEY"
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the ``serve`` subcommand."""
     parser = subparsers.add_parser("serve", help="serve an OpenAI-compatible API and a chat page")
-    add_model_args(parser)
+    add_model_args(parser, several=True)
+    parser.add_argument("--models-dir", metavar="DIR",
+                        help="also serve every model in DIR (.gguf files and model folders), each loaded on first use")
+    parser.add_argument("--models-from-cache", action="store_true",
+                        help="also serve every loadable model of the Hugging Face cache (see 'mlxformer list')")
+    parser.add_argument("--max-loaded-models", type=int, default=1, metavar="N",
+                        help="with several models: most loaded at once, least recently used out (default 1)")
+    parser.add_argument("--idle-unload", type=float, default=None, metavar="SECONDS",
+                        help="with several models: unload a model idle this long (default: never; a request's "
+                             "keep_alive overrides it, Ollama's semantics)")
+    parser.add_argument("--strict-model-names", action="store_true",
+                        help="with several models (or one): answer only the hosted names (default with one model: "
+                             "any name is served by it)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     parser.add_argument("--port", type=int, default=8080, help="port (default 8080)")
     parser.add_argument("--max-batch", type=int, default=8, help="most sequences decoded together (default 8)")
@@ -97,6 +110,10 @@ def run(args: argparse.Namespace) -> int:
     prompt_cache = PromptCacheSettings(args.prompt_cache_bytes, args.prompt_cache_dir, args.prompt_cache_disk_bytes,
                                        share_prefills=not args.no_prefix_sharing)
     bound_heap_growth()  # a long-running process: RSS must not creep (Linux glibc; server/heap.py)
+    sources = model_sources(args)
+    if len(sources) > 1 or args.models_dir or args.models_from_cache:
+        return run_several(args, sources, settings, max_kv_memory, prompt_cache)
+    args.model = next(iter(sources.values()), None)
     model, tokenizer = load_for_cli(args)
     speculative = speculative_settings(args, tokenizer)
     name = args.served_model_name or (model_name(args.model) if args.model else default_model_name())
@@ -104,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
         model, tokenizer, name, host=args.host, port=args.port, max_batch=args.max_batch, max_queue=args.max_queue,
         api_key=args.api_key, cors_origins=args.cors_origin, cache_settings=settings, speculative=speculative,
         allowed_hosts=args.allowed_host, openapi=not args.no_openapi, prompt_cache=prompt_cache,
-        tool_parser=args.tool_parser, any_model_name=not args.strict_model_name,
+        tool_parser=args.tool_parser, any_model_name=not (args.strict_model_name or args.strict_model_names),
         sse_ping_seconds=args.sse_ping_seconds or None, max_kv_memory=max_kv_memory,
         source=args.model or str(default_model_path()),
         strict_max_tokens=args.strict_max_tokens,
@@ -131,3 +148,75 @@ def default_model_name() -> str:
     from mlxformer.default_model import default_model_path
 
     return default_model_path().stem
+
+
+def model_sources(args: argparse.Namespace) -> dict[str, str]:
+    """``{served name: source}`` of ``--model`` (each), ``--models-dir`` and ``--models-from-cache``."""
+    from pathlib import Path
+
+    from mlxformer.errors import MlxformerError
+
+    sources: dict[str, str] = {}
+    models = args.model or []
+    for model in models:
+        sources[args.served_model_name if args.served_model_name and len(models) == 1 else model_name(model)] = model
+    if args.models_dir:
+        from mlxformer.formats.gguf_split import split_part_names
+
+        folder = Path(args.models_dir).expanduser()
+        if not folder.is_dir():
+            raise MlxformerError(f"--models-dir {folder} is not a directory")
+        for path in sorted(folder.iterdir()):
+            parts = split_part_names(path.name)
+            is_gguf = path.suffix.lower() == ".gguf" and not path.name.lower().startswith("mmproj") and (
+                parts is None or parts[0] == path.name)
+            if is_gguf or (path / "config.json").is_file():
+                sources.setdefault(model_name(str(path)), str(path))
+    if args.models_from_cache:
+        from mlxformer.formats.hub_cache import cached_models
+
+        for cached in cached_models():
+            if cached.loadable:
+                sources.setdefault(cached.name, str(cached.path))
+    if (args.models_dir or args.models_from_cache) and not sources:
+        raise MlxformerError("no loadable model found (--models-dir / --models-from-cache)")
+    return sources
+
+
+def run_several(args: argparse.Namespace, sources: dict[str, str], settings: Any, max_kv_memory: Any,
+                prompt_cache: Any) -> int:
+    """``serve`` with several models: each loaded on first use (``server/hosts.py``)."""
+    from mlxformer.engine import Engine
+    from mlxformer.errors import MlxformerError
+    from mlxformer.loader import load
+    from mlxformer.models.config import FLOAT_DTYPES
+    from mlxformer.server.app import create_app
+    from mlxformer.server.multi_app import serve_models
+    from mlxformer.server.runner import served_hosts
+    from mlxformer.server.translate import ServedModel
+
+    if args.max_loaded_models < 1:
+        raise MlxformerError("--max-loaded-models must be at least 1")
+    if args.idle_unload is not None and not args.idle_unload >= 0:
+        raise MlxformerError("--idle-unload must be >= 0 seconds")
+    if args.prompt_lookup or args.draft_model:
+        raise MlxformerError("speculative decoding is not supported with several models")
+    hosts = served_hosts(args.host, args.allowed_host)
+    extra = {"max_body_bytes": args.max_body_bytes} if args.max_body_bytes is not None else {}
+
+    def make_app(name: str, source: str, host: Any) -> tuple[Any, Callable[[], None]]:
+        model, tokenizer = load(source, dtype=FLOAT_DTYPES[args.dtype] if args.dtype else None, threads=args.threads)
+        engine = Engine(model, tokenizer, max_batch=args.max_batch, max_queue=args.max_queue, cache_settings=settings,
+                        prompt_cache=prompt_cache, max_kv_memory=max_kv_memory)
+        app = create_app(engine, ServedModel.of(name, model, tokenizer), api_key=args.api_key,
+                         cors_origins=args.cors_origin, allowed_hosts=hosts,
+                         openapi=not args.no_openapi, tool_parser=args.tool_parser,
+                         any_model_name=not args.strict_model_name, sse_ping_seconds=args.sse_ping_seconds or None,
+                         host=lambda ctx: host, **extra)
+        engine.start()
+        return app, engine.stop
+
+    serve_models(sources, make_app, host=args.host, port=args.port, max_loaded=args.max_loaded_models,
+                 idle_unload=args.idle_unload, strict=args.strict_model_names, api_key=args.api_key,
+                 allowed_hosts=hosts, **extra)
+    return 0

@@ -144,14 +144,15 @@ def mount_api(app: FastAPI, router: APIRouter, dependencies: list[Any]) -> None:
 def key_dependency(api_key: str | None) -> Any:
     """A dependency that requires ``Authorization: Bearer <api_key>`` or (Anthropic's clients)
     ``x-api-key: <api_key>`` (nothing when no key is set; with a key, the OpenAPI document
-    declares the bearer scheme)."""
+    declares the bearer scheme). The dependencies are ``async``: a sync one would run on a worker
+    thread that keeps its last request (and so the app) referenced."""
     if api_key is None:
-        def open_access() -> None:
+        async def open_access() -> None:
             return None
 
         return Depends(open_access)
 
-    def check(request: Request,
+    async def check(request: Request,
               credentials: HTTPAuthorizationCredentials | None = Depends(HTTPBearer(auto_error=False))) -> None:
         given = credentials.credentials.strip() if credentials is not None else request.headers.get("x-api-key", "")
         if not hmac.compare_digest(given.strip().encode(), api_key.encode()):
@@ -161,7 +162,7 @@ def key_dependency(api_key: str | None) -> Any:
     return Depends(check)
 
 
-def require_json(request: Request) -> None:
+async def require_json(request: Request) -> None:
     """POST bodies must be declared JSON: a cross-origin page cannot send that without CORS."""
     if request.method != "POST":
         return

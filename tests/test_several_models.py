@@ -1,0 +1,161 @@
+"""Several models in one server (``MultiHost`` behind ``several_models_app``): the real SmolLM2
+GGUF and a tiny random Llama alternate, each reply equal to ``generate`` alone on that model;
+``/v1/models``, ``/api/tags``, ``/api/ps`` and ``/metrics`` show which are loaded; ``keep_alive: 0``
+unloads after the reply, an idle keep-alive unloads in the background; a model that fails to
+load gets a 500 naming the reason while the others keep serving; unloading SmolLM2 returns its
+memory (RSS measured with psutil)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import ollama
+import psutil
+import pytest
+from server_support import http
+
+from mlxformer.server.runner import ServerThread
+
+SMOL, TINY, BROKEN = "smol", "tiny", "broken"
+
+
+@pytest.fixture(scope="module")
+def several(smollm_gguf, tiny_smol, tmp_path_factory):
+    from types import SimpleNamespace
+
+    from mlxformer.engine import Engine
+    from mlxformer.loader import load
+    from mlxformer.server.app import create_app
+    from mlxformer.server.hosts import MultiHost
+    from mlxformer.server.multi_app import several_models_app
+    from mlxformer.server.translate import ServedModel
+
+    broken = tmp_path_factory.mktemp("broken")
+    (broken / "config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 2}))
+    host: MultiHost | None = None
+    loaded_models: list = []  # weak references to every model loaded
+
+    def make_app(name, source):
+        import weakref
+
+        model, tokenizer = load(source, threads=1)
+        loaded_models.append((name, weakref.ref(model)))
+        engine = Engine(model, tokenizer, max_batch=2)
+        app = create_app(engine, ServedModel.of(name, model, tokenizer), host=lambda ctx: host)
+        engine.start()
+        return app, engine.stop
+
+    host = MultiHost({SMOL: str(smollm_gguf), TINY: str(tiny_smol[0]), BROKEN: str(broken)}, make_app, max_loaded=2)
+    with ServerThread(several_models_app(host)) as server:
+        yield SimpleNamespace(url=server.url, host=host, smollm_gguf=smollm_gguf, tiny=tiny_smol[0],
+                              loaded=loaded_models)
+    host.close()
+
+
+def states(url: str) -> dict[str, str]:
+    status, _, body = http(url, "GET", "/v1/models")
+    assert status == 200
+    return {m["id"]: m["state"] for m in json.loads(body)["data"]}
+
+
+def chat(url: str, model: str, **extra) -> tuple[int, dict]:
+    status, _, body = http(url, "POST", "/v1/chat/completions", {
+        "model": model, "messages": [{"role": "user", "content": "Hi there"}], "max_tokens": 4, "temperature": 0,
+        **extra})
+    return status, json.loads(body)
+
+
+def reference(source, max_tokens: int = 4) -> str:
+    from mlxformer import load
+    from mlxformer.generation import stream_generate
+
+    model, tokenizer = load(source, threads=1)
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "Hi there"}])
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    return "".join(r.text for r in stream_generate(model, tokenizer, ids, max_tokens))
+
+
+def rss() -> int:
+    return psutil.Process().memory_info().rss
+
+
+def test_models_alternate_and_keep_alive_unloads(several):
+    assert states(several.url) == {SMOL: "on disk", TINY: "on disk", BROKEN: "on disk"}
+    expected = {SMOL: reference(several.smollm_gguf), TINY: reference(several.tiny)}
+    for name in (TINY, SMOL, TINY, SMOL):
+        status, reply = chat(several.url, name)
+        assert status == 200, reply
+        assert reply["model"] == name and reply["choices"][0]["message"]["content"] == expected[name]
+    assert states(several.url) == {SMOL: "loaded", TINY: "loaded", BROKEN: "on disk"}
+    client = ollama.Client(host=several.url, timeout=300)
+    assert [m.model for m in client.list().models] == [SMOL, TINY, BROKEN]
+    assert sorted(m.model for m in client.ps().models) == [SMOL, TINY]
+    reply = client.chat(model=TINY, messages=[{"role": "user", "content": "Hi there"}],
+                        options={"temperature": 0, "num_predict": 4}, keep_alive=0)
+    assert reply.message.content == expected[TINY]
+    assert states(several.url)[TINY] == "on disk"  # unloaded after the reply
+    status, _, body = http(several.url, "GET", "/metrics")
+    assert f'mlxformer_model_loaded{{model="{TINY}"}} 0' in body.decode()
+    assert f'mlxformer_model_loaded{{model="{SMOL}"}} 1' in body.decode()
+    status, _, body = http(several.url, "GET", f"/metrics?model={SMOL}")
+    assert status == 200 and b"mlxformer_http_requests" in body
+
+
+def test_a_model_that_fails_to_load_names_the_reason_and_others_keep_serving(several):
+    status, body = chat(several.url, BROKEN)
+    assert status == 500 and body["error"]["code"] == "model_load_failed"
+    assert body["error"]["message"].startswith(f"the model '{BROKEN}' failed to load: ")
+    with pytest.raises(ollama.ResponseError) as error:
+        ollama.Client(host=several.url).chat(model=BROKEN, messages=[{"role": "user", "content": "Hi"}])
+    assert error.value.status_code == 500 and "failed to load" in error.value.error
+    status, reply = chat(several.url, SMOL)
+    assert status == 200 and reply["model"] == SMOL
+    status, body = chat(several.url, "nobody")
+    assert status == 404 and body["error"]["code"] == "model_not_found"
+
+
+def test_idle_keep_alive_unloads_and_returns_the_memory(several):
+    """After a warm-up load and unload (the allocators' pools, the libraries' first use), a load
+    followed by the idle unload brings the RSS back within 10% of where it was, and no model
+    object outlives its unload."""
+    import gc
+
+    several.host.unload(SMOL)
+    several.host.unload(TINY)
+    assert chat(several.url, SMOL, keep_alive=0)[0] == 200  # warm-up, unloaded after the reply
+    baseline = rss()
+    status, _ = chat(several.url, SMOL, keep_alive="1s")
+    assert status == 200
+    loaded = rss()
+    deadline = time.monotonic() + 30
+    while states(several.url)[SMOL] == "loaded" and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert states(several.url)[SMOL] == "on disk"
+    while any(model() is not None for _, model in several.loaded) and time.monotonic() < deadline:
+        time.sleep(0.2)  # the unload finishes freeing
+    after = rss()
+    print(f"RSS: {baseline / 1e6:.0f} MB with no model loaded, {loaded / 1e6:.0f} MB with SmolLM2 loaded, "
+          f"{after / 1e6:.0f} MB after its idle unload")
+    gc.collect()
+    assert [(i, name) for i, (name, model) in enumerate(several.loaded) if model() is not None] == []  # all freed
+    assert after < 1.1 * baseline
+
+
+def test_serve_flags_name_the_models(tmp_path):
+    """``serve``'s --model (repeated) and --models-dir: one served name per model; split GGUF
+    parts after the first and mmproj files are no models."""
+    from mlxformer.cli.main import build_parser
+    from mlxformer.cli.serve import model_sources
+
+    for name in ("a-Q4_0.gguf", "b-00001-of-00002.gguf", "b-00002-of-00002.gguf", "mmproj-a.gguf", "notes.txt"):
+        (tmp_path / name).write_bytes(b"")
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "folder" / "config.json").write_text("{}")
+    (tmp_path / "empty").mkdir()
+    args = build_parser().parse_args(["serve", "--model", "org/repo:Q8_0", "--models-dir", str(tmp_path)])
+    assert model_sources(args) == {"org/repo:Q8_0": "org/repo:Q8_0", "a-Q4_0": str(tmp_path / "a-Q4_0.gguf"),
+                                   "b-00001-of-00002": str(tmp_path / "b-00001-of-00002.gguf"),
+                                   "folder": str(tmp_path / "folder")}
+    args = build_parser().parse_args(["serve", "-m", "x.gguf", "-m", "y"])
+    assert list(model_sources(args)) == ["x.gguf", "y"]
