@@ -190,11 +190,11 @@ def test_wrong_rope_setting_is_detected(tmp_path):
 
 def test_unsupported_rope_type_is_named(tmp_path):
     directory, _ = write_tiny_checkpoint(tmp_path, "llama")
-    edit_config(directory, rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0})
-    with pytest.raises(MlxformerError, match="yarn"):
+    edit_config(directory, rope_parameters={"rope_type": "proportional", "rope_theta": 1e4, "factor": 4.0})
+    with pytest.raises(MlxformerError, match="proportional"):
         read_checkpoint(directory)
-    edit_config(directory, rope_parameters=None, rope_theta=1e4, rope_scaling={"type": "yarn", "factor": 4.0})
-    with pytest.raises(MlxformerError, match="yarn"):
+    edit_config(directory, rope_parameters=None, rope_theta=1e4, rope_scaling={"type": "mrope", "factor": 4.0})
+    with pytest.raises(MlxformerError, match="mrope"):
         read_checkpoint(directory)
 
 
