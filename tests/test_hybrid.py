@@ -377,3 +377,22 @@ def test_chat_keeps_the_hybrid_cache_between_turns():
     assert common >= len(cached) - 1  # the re-rendered conversation extends what the cache holds
     assert session.last_prefill_tokens == len(ids2) - common
     assert [r.token for r in second] == [r.token for r in stream_generate(model, tokenizer, ids2, 8)]
+
+
+def test_convert_round_trip(case, tmp_path):
+    """``convert`` writes the hybrid config (layer types, DeltaNet sizes) and weights that load
+    back to the same logits; ``-q`` (through the activation calibration) quantizes the DeltaNet
+    projections too."""
+    from mlx.utils import tree_flatten
+
+    from mlxformer import convert
+
+    _, directory, model, _, _ = case
+    ids = mx.array([[5, 6, 7, 8, 9, 10, 11, 12, 13]])
+    convert(directory, tmp_path / "float")
+    again, _ = load(tmp_path / "float", dtype=mx.float32, threads=1)
+    assert again.args == model.args and mx.array_equal(again(ids), model(ids)).item()
+    convert(directory, tmp_path / "q8", quantize=True, q_group_size=32, q_bits=8)
+    quantized, _ = load(tmp_path / "q8", dtype=mx.float32, threads=1)
+    names = [n for n, _ in tree_flatten(quantized.parameters())]
+    assert any("linear_attn.in_proj_" in n and n.endswith(".scales") for n in names)
