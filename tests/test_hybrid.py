@@ -396,3 +396,18 @@ def test_convert_round_trip(case, tmp_path):
     quantized, _ = load(tmp_path / "q8", dtype=mx.float32, threads=1)
     names = [n for n, _ in tree_flatten(quantized.parameters())]
     assert any("linear_attn.in_proj_" in n and n.endswith(".scales") for n in names)
+
+
+def test_footprint_counts_attention_layers_and_states(case):
+    """``info``'s KV figures: keys/values for the one attention layer per token, plus the three
+    recurrent layers' fixed states (the caches' own ``nbytes`` after prefill)."""
+    from mlxformer.planning import footprint
+
+    _, directory, model, _, _ = case
+    plan = footprint(directory)
+    cache = make_cache(model)
+    prefill(model, mx.array(tokens(256)), cache)
+    mx.eval([c.state for c in cache])
+    held = sum(c.nbytes for c in cache)
+    assert plan.kv_bytes_per_token() == 2 * 2 * 32 * plan.activation_bytes  # 1 layer x (k, v) x 2 heads x 32
+    assert plan.kv_bytes(256) == held
