@@ -411,3 +411,10 @@ def test_footprint_counts_attention_layers_and_states(case):
     held = sum(c.nbytes for c in cache)
     assert plan.kv_bytes_per_token() == 2 * 2 * 32 * plan.activation_bytes  # 1 layer x (k, v) x 2 heads x 32
     assert plan.kv_bytes(256) == held
+
+
+def test_tensor_parallel_refuses_hybrid_models(case):
+    from mlxformer.distributed.tensor import check_divisible
+
+    with pytest.raises(MlxformerError, match="(mixture-of-experts|Gated DeltaNet).*--parallel pipeline"):
+        check_divisible(case[2].args, 2)

@@ -66,6 +66,9 @@ def check_divisible(args: ModelArgs, size: int) -> None:
     if args.num_experts:
         raise MlxformerError("tensor parallel does not split mixture-of-experts blocks; use --parallel pipeline, "
                              "which splits layers instead")
+    if args.linear_num_value_heads:
+        raise MlxformerError("tensor parallel does not split Gated DeltaNet layers; use --parallel pipeline, "
+                             "which splits layers instead")
     counts = {
         "attention heads": args.num_attention_heads, "KV heads": args.num_key_value_heads,
         "MLP width": args.intermediate_size,
