@@ -14,6 +14,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from mlxformer.cache.state import state_nbytes
 from mlxformer.formats.checkpoint import Checkpoint, open_checkpoint
 from mlxformer.loader import checked_model
 from mlxformer.models.config import ModelArgs
@@ -103,17 +104,21 @@ class Footprint:
         """Bytes of a filled ``KVCache`` holding ``tokens`` (buffers grow ``KV_STEP`` at a time):
         float, or ``bits``-quantized in groups of ``group_size`` with scales and biases."""
         capacity = -(-tokens // KV_STEP) * KV_STEP
-        return self.kv_bytes_per_token(bits, group_size) * capacity
+        a = self.args
+        recurrent = sum(a.layer_is_linear(i) for i in range(a.num_hidden_layers))  # fixed-size states
+        states = recurrent * state_nbytes(a, 1, self.plan.compute) if tokens else 0
+        return self.kv_bytes_per_token(bits, group_size) * capacity + states
 
     def kv_bytes_per_token(self, bits: int | None = None, group_size: int = KV_GROUP_SIZE) -> int:
-        """KV-cache bytes per token over all layers (keys and values), in the activation dtype."""
+        """KV-cache bytes per token over the attention layers (keys and values), in the activation dtype."""
         element_bytes = self.activation_bytes
         heads, key_dims, value_dims = self.args.cache_dims()  # MLA: one rope key and one latent
 
         def row_bytes(dims: int) -> int:  # float, or packed codes plus one scale and one bias per group
             return dims * element_bytes if bits is None else dims * bits // 8 + 2 * (dims // group_size) * element_bytes
 
-        return self.args.num_hidden_layers * heads * (row_bytes(key_dims) + row_bytes(value_dims))
+        attention = sum(not self.args.layer_is_linear(i) for i in range(self.args.num_hidden_layers))
+        return attention * heads * (row_bytes(key_dims) + row_bytes(value_dims))
 
 
 def footprint(path_or_repo: str | Path | Checkpoint, device: mx.DeviceType | None = None) -> Footprint:

@@ -377,3 +377,44 @@ def test_chat_keeps_the_hybrid_cache_between_turns():
     assert common >= len(cached) - 1  # the re-rendered conversation extends what the cache holds
     assert session.last_prefill_tokens == len(ids2) - common
     assert [r.token for r in second] == [r.token for r in stream_generate(model, tokenizer, ids2, 8)]
+
+
+def test_convert_round_trip(case, tmp_path):
+    """``convert`` writes the hybrid config (layer types, DeltaNet sizes) and weights that load
+    back to the same logits; ``-q`` (through the activation calibration) quantizes the DeltaNet
+    projections too."""
+    from mlx.utils import tree_flatten
+
+    from mlxformer import convert
+
+    _, directory, model, _, _ = case
+    ids = mx.array([[5, 6, 7, 8, 9, 10, 11, 12, 13]])
+    convert(directory, tmp_path / "float")
+    again, _ = load(tmp_path / "float", dtype=mx.float32, threads=1)
+    assert again.args == model.args and mx.array_equal(again(ids), model(ids)).item()
+    convert(directory, tmp_path / "q8", quantize=True, q_group_size=32, q_bits=8)
+    quantized, _ = load(tmp_path / "q8", dtype=mx.float32, threads=1)
+    names = [n for n, _ in tree_flatten(quantized.parameters())]
+    assert any("linear_attn.in_proj_" in n and n.endswith(".scales") for n in names)
+
+
+def test_footprint_counts_attention_layers_and_states(case):
+    """``info``'s KV figures: keys/values for the one attention layer per token, plus the three
+    recurrent layers' fixed states (the caches' own ``nbytes`` after prefill)."""
+    from mlxformer.planning import footprint
+
+    _, directory, model, _, _ = case
+    plan = footprint(directory)
+    cache = make_cache(model)
+    prefill(model, mx.array(tokens(256)), cache)
+    mx.eval([c.state for c in cache])
+    held = sum(c.nbytes for c in cache)
+    assert plan.kv_bytes_per_token() == 2 * 2 * 32 * plan.activation_bytes  # 1 layer x (k, v) x 2 heads x 32
+    assert plan.kv_bytes(256) == held
+
+
+def test_tensor_parallel_refuses_hybrid_models(case):
+    from mlxformer.distributed.tensor import check_divisible
+
+    with pytest.raises(MlxformerError, match="(mixture-of-experts|Gated DeltaNet).*--parallel pipeline"):
+        check_divisible(case[2].args, 2)

@@ -69,8 +69,9 @@ def check_divisible(args: ModelArgs, size: int) -> None:
     unsplit = [what for what, present in (
         ("a fused qkv_proj", args.fused_qkv), ("a fused gate_up_proj", args.fused_gate_up),
         ("q/k norms over the whole projection", args.qk_norm and args.qk_norm_scope == "projection"),
+        ("Gated DeltaNet layers", bool(args.linear_num_value_heads)),
     ) if present]
-    if unsplit:  # their rows are not grouped by head (fused) or their norm spans every head
+    if unsplit:  # their rows are not grouped by head (fused), their norm spans every head, or a recurrent state
         raise MlxformerError(f"tensor parallel does not split {' and '.join(unsplit)} by heads ({args.model_type}); "
                              "use --parallel pipeline, which splits layers instead")
     counts = {

@@ -92,7 +92,7 @@ class _Statistics:
 
 
 def _record_linear_inputs(layer: nn.Module, prefix: str, stats: _Statistics) -> None:
-    for parent_name in ("self_attn", layer.mlp_name):  # a MoE block: its router (routed experts go unweighted)
+    for parent_name in (layer.mixer_name, layer.mlp_name):  # a MoE block: its router (routed experts go unweighted)
         parent = layer[parent_name]
         for name, child in list(parent.children().items()):
             if isinstance(child, nn.Linear):
