@@ -1,11 +1,13 @@
 """The real agent CLIs, from npm (installed by scripts/install_test_deps.sh under
 $MLXFORMER_TEST_CACHE/agent-clis, pinned), each with its defaults and the settings of the README's
 "Use with agents", in a throwaway HOME, against `mlxformer serve` on 127.0.0.1 serving a tiny
-model that always answers "banana" (``word_model``): Claude Code (`claude -p`, then
-`claude -p --continue`, whose prompt comes from the prompt cache: /metrics), Codex (`codex exec`
+model that always answers "banana" (``word_model``) and, through `serve --force-tool`, answers a
+user turn with a call of the CLI's shell tool: a tool round trip (the call, the CLI running it or
+denying it, the result sent back, the final answer). Claude Code (`claude -p`, then
+`claude -p --continue`, whose prompts come from the prompt cache: /metrics), Codex (`codex exec`
 with a config.toml that only names the provider) and opencode (`opencode run` with an
-OpenAI-compatible provider). Each exits 0 with the word in its output, and the server answers
-no request with a 4xx."""
+OpenAI-compatible provider). Each exits 0 with the word as its answer, and the server answers no
+request with a 4xx."""
 
 from __future__ import annotations
 
@@ -29,6 +31,8 @@ CLAUDE = MODULES / "@anthropic-ai" / "claude-code-linux-x64" / "claude"
 CODEX = MODULES / "@openai" / "codex-linux-x64" / "vendor" / "x86_64-unknown-linux-musl" / "bin" / "codex"
 OPENCODE = MODULES / "opencode-linux-x64" / "bin" / "opencode"
 NAME = "tiny"
+# each CLI's shell tool: Claude Code's, Codex's, opencode's
+SHELL_TOOLS = ("--force-tool", "Bash", "--force-tool", "exec_command", "--force-tool", "bash")
 QUIET = {  # no telemetry, update checks or other traffic beyond the server
     "DISABLE_TELEMETRY": "1", "DISABLE_AUTOUPDATER": "1", "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
     "DISABLE_ERROR_REPORTING": "1", "OPENCODE_DISABLE_AUTOUPDATE": "1", "OPENCODE_DISABLE_MODELS_FETCH": "1",
@@ -53,7 +57,7 @@ def server(hf_smollm_tokenizer, tmp_path_factory):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     with log.open("w") as out:
         process = subprocess.Popen([sys.executable, "-m", "mlxformer", "serve", "--model", str(model), "--port", str(port),
-                                    "--served-model-name", NAME, "--threads", "1"], stdout=out, stderr=subprocess.STDOUT,
+                                    "--served-model-name", NAME, "--threads", "1", *SHELL_TOOLS], stdout=out, stderr=subprocess.STDOUT,
                                    env=env)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -67,16 +71,15 @@ def server(hf_smollm_tokenizer, tmp_path_factory):
         process.wait(timeout=30)
 
 
-def run(command: list[str], home: Path, cwd: Path, env: dict[str, str] | None = None) -> str:
-    """Run a CLI in a throwaway HOME; returns its output (asserting exit status 0)."""
+def run(command: list[str], home: Path, cwd: Path, env: dict[str, str] | None = None) -> tuple[str, str]:
+    """Run a CLI in a throwaway HOME; returns its ``(stdout, stderr)`` (asserting exit status 0)."""
     home.mkdir(parents=True, exist_ok=True)
     cwd.mkdir(parents=True, exist_ok=True)
     base = {k: os.environ[k] for k in ("PATH", "LANG", "TERM") if k in os.environ}
     done = subprocess.run(command, cwd=cwd, env={**base, "HOME": str(home), **QUIET, **(env or {})},
                           stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=240)
-    output = done.stdout + done.stderr
-    assert done.returncode == 0, output[-3000:]
-    return output
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    return done.stdout, done.stderr
 
 
 def no_client_errors(server) -> None:
@@ -95,14 +98,15 @@ def prompt_tokens(url: str) -> dict[str, float]:
 def test_claude_code(server, tmp_path):
     env = {"ANTHROPIC_BASE_URL": server.url, "ANTHROPIC_API_KEY": "sk-local"}
     home, work = tmp_path / "home", tmp_path / "work"
-    first = run([str(CLAUDE), "-p", "Say the word."], home, work, env)
-    assert first.strip() == WORD
+    first = json.loads(run([str(CLAUDE), "-p", "--output-format", "json", "Say the word."], home, work, env)[0])
+    assert first["result"] == WORD and first["num_turns"] == 2  # the Bash call (denied: -p's default), then the word
+    assert [d["tool_name"] for d in first["permission_denials"]] == ["Bash"]
     before = prompt_tokens(server.url)
-    second = run([str(CLAUDE), "-p", "--continue", "Again."], home, work, env)
+    second = run([str(CLAUDE), "-p", "--continue", "Again."], home, work, env)[0]
     assert second.strip() == WORD
     after = prompt_tokens(server.url)
     cached, prefilled = after["cached"] - before["cached"], after["prefilled"] - before["prefilled"]
-    assert cached > 5000 and prefilled < 0.1 * (cached + prefilled)  # turn 2: the prompt mostly from the cache
+    assert cached > 10000 and prefilled < 0.1 * (cached + prefilled)  # turn 2: its prompts mostly from the cache
     no_client_errors(server)
 
 
@@ -112,7 +116,9 @@ def test_codex(server, tmp_path):
     (home / ".codex" / "config.toml").write_text(
         f'model = "{NAME}"\nmodel_provider = "mlxformer"\n\n[model_providers.mlxformer]\nname = "mlxformer"\n'
         f'base_url = "{server.url}/v1"\nwire_api = "responses"\n')
-    output = run([str(CODEX), "exec", "--skip-git-repo-check", "Say the word."], home, tmp_path / "work")
+    output = "\n".join(run([str(CODEX), "exec", "--skip-git-repo-check", "Say the word."], home, tmp_path / "work"))
+    # the call ran (its arguments are sampled junk after "banana": Codex samples at temperature 1)
+    assert re.search(r"^exec\n/bin/bash -lc .*banana.*\n exited [1-9]\d* in ", output, re.M), output[-2000:]
     assert re.search(rf"^codex\n{WORD}$", output, re.M), output[-2000:]
     no_client_errors(server)
 
@@ -125,6 +131,6 @@ def test_opencode(server, tmp_path):
         "provider": {"mlxformer": {"npm": "@ai-sdk/openai-compatible", "name": "mlxformer",
                                    "options": {"baseURL": f"{server.url}/v1"}, "models": {NAME: {"name": NAME}}}},
         "model": f"mlxformer/{NAME}", "autoupdate": False, "share": "disabled"}))
-    output = run([str(OPENCODE), "run", "Say the word."], tmp_path / "home", work)
-    assert WORD in output.splitlines()[-1] or WORD in output, output[-2000:]
+    answer, log = run([str(OPENCODE), "run", "Say the word."], tmp_path / "home", work)
+    assert "banana" in log.split("$", 1)[-1] and answer.strip() == WORD, (answer + log)[-2000:]  # the call, then the word
     no_client_errors(server)

@@ -67,6 +67,7 @@ def serve(
     any_model_name: bool = True,
     sse_ping_seconds: float | None = SSE_PING_SECONDS,
     strict_max_tokens: bool = False,
+    force_tools: Sequence[str] = (),
     max_kv_memory: int | str | None = None,
 ) -> None:
     """Serve ``model`` as ``name`` until interrupted (Ctrl-C stops the server and the engine);
@@ -75,7 +76,7 @@ def serve(
     ``Host`` names to those served (on a loopback address: that address and ``localhost``;
     elsewhere: any, unless names are given). Streams send a keep-alive comment after
     ``sse_ping_seconds`` without data. ``max_kv_memory``: the engine's KV memory budget (bytes or
-    ``"auto"``). ``tool_parser``, ``any_model_name``, ``strict_max_tokens``: see ``create_app``."""
+    ``"auto"``). ``tool_parser``, ``any_model_name``, ``strict_max_tokens``, ``force_tools``: see ``create_app``."""
     if not is_loopback(host) and api_key is None:
         log.warning("serving on %s without --api-key: anyone who can reach this host can use the model", host)
     engine = Engine(model, tokenizer, max_batch=max_batch, max_queue=max_queue, cache_settings=cache_settings,
@@ -84,7 +85,8 @@ def serve(
     app = create_app(engine, served, api_key=api_key, cors_origins=cors_origins,
                      allowed_hosts=served_hosts(host, allowed_hosts), max_body_bytes=max_body_bytes, openapi=openapi,
                      tool_parser=tool_parser, any_model_name=any_model_name,
-                     sse_ping_seconds=sse_ping_seconds, strict_max_tokens=strict_max_tokens)
+                     sse_ping_seconds=sse_ping_seconds, strict_max_tokens=strict_max_tokens,
+                     force_tools=force_tools)
     engine.start()
     try:
         uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
