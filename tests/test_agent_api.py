@@ -35,8 +35,9 @@ def server(hf_smollm_tokenizer, tmp_path_factory):
     with running_engine(model, tokenizer, max_batch=1) as engine:
         with running_server(engine, model, tokenizer, sse_ping_seconds=0.2) as url:
             with running_server(engine, model, tokenizer, strict_max_tokens=True) as strict:
-                yield SimpleNamespace(url=url, strict=strict, model=model, tokenizer=tokenizer,
-                                      hf=hf_smollm_tokenizer)
+                with running_server(engine, model, tokenizer, force_tools=["Bash"]) as forcing:
+                    yield SimpleNamespace(url=url, strict=strict, forcing=forcing, model=model, tokenizer=tokenizer,
+                                          hf=hf_smollm_tokenizer)
 
 
 def sse_events(raw: str) -> list[dict]:
@@ -240,3 +241,33 @@ def test_claude_code_next_turn_is_cached(server):
     assert cached >= turn1 - 64 and fresh < 0.05 * (cached + fresh)  # (cached in whole blocks)
     assert metric(server.url, "messages", "cached") - before["cached"] == cached
     assert metric(server.url, "messages", "prefilled") - before["prefilled"] == fresh
+
+
+def test_force_tool_round_trip(server):
+    """``serve --force-tool Bash``: a user turn offering Bash gets a Bash call; the turn that
+    brings its result back gets the model's own answer."""
+    client = anthropic.Anthropic(base_url=server.forcing, api_key="unused", max_retries=0, timeout=120)
+    bash = {"name": "Bash", "description": "Run a command",
+            "input_schema": {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}}
+    other = {**bash, "name": "Read"}
+    user = [{"role": "user", "content": "List the files."}]
+    call = client.messages.create(model="claude-x", max_tokens=64, tools=[other, bash], messages=user,
+                                  extra_body={"temperature": 0})
+    assert [b.type for b in call.content] == ["tool_use"] and call.content[0].name == "Bash"
+    assert call.stop_reason == "tool_use" and set(call.content[0].input) == {"command"}
+    answer = client.messages.create(model="claude-x", max_tokens=64, tools=[other, bash], messages=[
+        *user, {"role": "assistant", "content": [b.model_dump() for b in call.content]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.content[0].id, "content": "a.txt"}]}])
+    assert answer.content[0].text == WORD and answer.stop_reason == "end_turn"
+    unforced = client.messages.create(model="claude-x", max_tokens=64, tools=[other], messages=user)
+    assert unforced.content[0].text == WORD  # Bash not offered: the model's own reply
+
+
+def test_system_messages_merged_when_the_template_refuses_them():
+    from mlxformer.server.turn import merge_system
+
+    chat = [{"role": "system", "content": "A"}, {"role": "user", "content": "u"},
+            {"role": "system", "content": "B"}, {"role": "assistant", "content": "a"}]
+    assert merge_system(chat) == [{"role": "system", "content": "A\n\nB"}, {"role": "user", "content": "u"},
+                                  {"role": "assistant", "content": "a"}]
+    assert merge_system(chat[:2]) is not None and merge_system(chat[:2]) == chat[:2]

@@ -13,7 +13,9 @@ from typing import Any
 
 WORD = "banana"
 SCALE = 10.0
-TIE_BREAKS = {'"': 0.5, "}": 0.3, "]": 0.3, ",": -0.5}  # added to every direction of these tokens' rows
+# added to every direction of these tokens' rows: strong enough to win over the 49k other tokens
+# when sampled at temperature 1 (what agents send), weak against the word's SCALE
+TIE_BREAKS = {'"': 2.0, "}": 1.8, "]": 1.8, ",": -0.5}
 
 
 def write_word_model(directory: Path, tokenizer: Any, word: str = WORD, context: int = 131072) -> list[int]:

@@ -64,6 +64,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--strict-max-tokens", action="store_true",
                         help="the Messages API refuses a max_tokens beyond what the context has left, in Anthropic's "
                              "wording (default: clamped to it, reported in usage and x-mlxformer-max-tokens)")
+    parser.add_argument("--force-tool", action="append", default=[], metavar="NAME",
+                        help="reply to a user turn that offers tool NAME (and leaves the choice to the model) with a "
+                             "call of it; repeatable, the first offered wins (trying an agent's tool loop with a "
+                             "model that cannot choose tools)")
     parser.add_argument("--prompt-cache-bytes", type=int, default=512 * 2**20, metavar="BYTES",
                         help="prompt cache kept in memory, least recently used out (default 512 MiB; 0: none)")
     parser.add_argument("--prompt-cache-dir", metavar="DIR",
@@ -124,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
         tool_parser=args.tool_parser, any_model_name=not (args.strict_model_name or args.strict_model_names),
         sse_ping_seconds=args.sse_ping_seconds or None, max_kv_memory=max_kv_memory,
         source=args.model or str(default_model_path()),
-        strict_max_tokens=args.strict_max_tokens,
+        strict_max_tokens=args.strict_max_tokens, force_tools=args.force_tool,
         **({"max_body_bytes": args.max_body_bytes} if args.max_body_bytes is not None else {}),
     )
     return 0

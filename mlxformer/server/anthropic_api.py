@@ -18,7 +18,8 @@ from mlxformer.server.anthropic_protocol import (
 )
 from mlxformer.server.errors import bad_request, validation_message
 from mlxformer.server.context import ServerContext
-from mlxformer.server.hosting import check_model, frames, named_event
+from mlxformer.server.hosting import check_model
+from mlxformer.server.sse import frames, named_event
 from mlxformer.server.openapi import BODY, GENERATION, GUARDED, KEYED, error_responses, streamed_ok
 from mlxformer.server.streaming import collect_unless_gone
 from mlxformer.server.protocol import ResponseFormat, SamplingFields, new_id

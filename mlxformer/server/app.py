@@ -83,6 +83,7 @@ def create_app(
     sse_ping_seconds: float | None = SSE_PING_SECONDS,
     host: Callable[[ServerContext], ModelHost] | None = None,
     strict_max_tokens: bool = False,
+    force_tools: Sequence[str] = (),
 ) -> FastAPI:
     """The API app over a started ``engine``.
 
@@ -95,11 +96,12 @@ def create_app(
     any model name they are sent; streams send a keep-alive comment after ``sse_ping_seconds``
     without data (None: never); ``host`` makes the ``ModelHost`` of Ollama's ``/api`` routes from the
     context (default: this one model, any name); ``strict_max_tokens``: the Messages API refuses a
-    ``max_tokens`` beyond the context's room instead of clamping it."""
+    ``max_tokens`` beyond the context's room instead of clamping it; ``force_tools``: a reply to a
+    user turn that offers one of these tools (and leaves the choice to the model) calls it (``Traits``)."""
     app = FastAPI(title="mlxformer", docs_url=None, redoc_url=None, openapi_url=None)
     install_error_handlers(app)
     ctx = ServerContext(engine, served, TokenStrings(served.tokenizer, served.vocab_size),
-                        sse_ping_seconds=sse_ping_seconds, traits=Traits.of(served, tool_parser),
+                        sse_ping_seconds=sse_ping_seconds, traits=Traits.of(served, tool_parser, tuple(force_tools)),
                         any_model_name=any_model_name, strict_max_tokens=strict_max_tokens)
     app.state.context = ctx
     keyed = [key_dependency(api_key), Depends(require_json)]

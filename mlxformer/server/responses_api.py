@@ -16,7 +16,8 @@ from pydantic import ValidationError
 from mlxformer.engine import TokenEvent
 from mlxformer.server.errors import bad_request, validation_message
 from mlxformer.server.context import ServerContext
-from mlxformer.server.hosting import check_model, frames, named_event
+from mlxformer.server.hosting import check_model
+from mlxformer.server.sse import frames, named_event
 from mlxformer.server.openapi import GENERATION, error_responses, streamed_ok
 from mlxformer.server.streaming import collect_unless_gone
 from mlxformer.server.protocol import ResponseFormat, SamplingFields, new_id

@@ -68,6 +68,7 @@ def serve(
     any_model_name: bool = True,
     sse_ping_seconds: float | None = SSE_PING_SECONDS,
     strict_max_tokens: bool = False,
+    force_tools: Sequence[str] = (),
     max_kv_memory: int | str | None = None,
     source: str | None = None,
 ) -> None:
@@ -77,8 +78,8 @@ def serve(
     ``Host`` names to those served (on a loopback address: that address and ``localhost``;
     elsewhere: any, unless names are given). Streams send a keep-alive comment after
     ``sse_ping_seconds`` without data. ``max_kv_memory``: the engine's KV memory budget (bytes or
-    ``"auto"``). ``tool_parser``, ``any_model_name``, ``strict_max_tokens``: see ``create_app``.
-    ``source``: where the model was loaded from (shown by Ollama's ``/api/tags``)."""
+    ``"auto"``). ``tool_parser``, ``any_model_name``, ``strict_max_tokens``, ``force_tools``: see
+    ``create_app``. ``source``: where the model was loaded from (shown by Ollama's ``/api/tags``)."""
     if not is_loopback(host) and api_key is None:
         log.warning("serving on %s without --api-key: anyone who can reach this host can use the model", host)
     engine = Engine(model, tokenizer, max_batch=max_batch, max_queue=max_queue, cache_settings=cache_settings,
@@ -88,7 +89,7 @@ def serve(
                      allowed_hosts=served_hosts(host, allowed_hosts), max_body_bytes=max_body_bytes, openapi=openapi,
                      tool_parser=tool_parser, any_model_name=any_model_name,
                      sse_ping_seconds=sse_ping_seconds, strict_max_tokens=strict_max_tokens,
-                     host=lambda ctx: SingleHost(ctx, source, strict=not any_model_name))
+                     force_tools=force_tools, host=lambda ctx: SingleHost(ctx, source, strict=not any_model_name))
     engine.start()
     try:
         uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)

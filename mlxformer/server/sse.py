@@ -1,4 +1,11 @@
-"""Keeping a server-sent event stream alive while a long prompt is prefilled.
+"""Server-sent events for every streaming route (Chat Completions, Completions, Responses,
+Messages): one loop (``frames``) turns a request's engine events into the frames the route's
+callbacks make, and ``keepalive`` keeps the stream alive while a long prompt is prefilled.
+
+``frames`` sends the route's opening frames at once (the request is admitted: Anthropic's
+``message_start``, Responses' ``response.created``, the first chat chunk), then each event's
+frames, then the closing frames (usage, ``[DONE]``); a failure after the stream started is
+reported in-band; the request is released however the stream ends.
 
 ``keepalive`` wraps any route's SSE chunks: while no chunk comes for ``ping_seconds`` it sends an
 SSE comment line (``: ping``), which every SSE client ignores and every proxy counts as traffic,
@@ -11,11 +18,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import logging
 import time
-from typing import AsyncIterator, Callable
+from contextlib import aclosing
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Sequence
 
-from mlxformer.engine import RequestHandle
+from mlxformer.engine import RequestHandle, TokenEvent
 from mlxformer.engine.sequence import Status
+
+if TYPE_CHECKING:
+    from mlxformer.server.streaming import Lease
+
+log = logging.getLogger("mlxformer.server")
 
 PING = ": ping\n\n"
 SSE_PING_SECONDS = 5.0  # the default keep-alive interval
@@ -84,3 +99,37 @@ def prompt_progress(handle: RequestHandle, event: Callable[[dict[str, int]], str
         })
 
     return poll
+
+
+def named_event(payload: dict[str, Any]) -> str:
+    """One server-sent event named by its payload's ``type`` (Anthropic's and Responses' streams)."""
+    return f"event: {payload['type']}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+async def frames(
+    lease: Lease,
+    on_event: Callable[[TokenEvent], list[str]],
+    on_error: Callable[[str], list[str]],
+    opening: Sequence[str] = (),
+    closing: Callable[[], list[str]] | None = None,
+) -> AsyncIterator[str]:
+    """``opening`` (sent at once: the client sees the request admitted before a long prefill),
+    the frames ``on_event`` makes of each of a request's events, then ``closing()``'s; a failure
+    after the stream started is reported in-band with ``on_error``. If the client goes away (the
+    response task is cancelled) the request is cancelled: it is released however this ends."""
+    try:
+        for frame in opening:
+            yield frame
+        async with aclosing(lease.events()) as events:
+            async for event in events:
+                lease.finished = lease.finished or event.finish_reason is not None
+                for frame in on_event(event):
+                    yield frame
+        for frame in closing() if closing is not None else []:
+            yield frame
+    except Exception as exc:  # the stream has started: report in-band
+        log.exception("generation failed")
+        for frame in on_error(f"generation failed ({type(exc).__name__})"):
+            yield frame
+    finally:
+        lease.release()

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import logging
 import time
 from contextlib import aclosing
 from typing import Any, AsyncIterator, Callable
@@ -17,11 +16,11 @@ from pydantic import BaseModel
 from mlxformer.engine import RequestHandle, TokenEvent
 from mlxformer.server.errors import APIError
 from mlxformer.server.responses import ChunkMaker, Collected, collect, error_event, sse
-
-log = logging.getLogger("mlxformer.server")
+from mlxformer.server.sse import frames
 
 DISCONNECT_POLL_SECONDS = 0.25  # how often a non-streamed request checks that its client is still there
 SSE_MEDIA_TYPE = "text/event-stream"
+DONE = "data: [DONE]\n\n"
 
 
 class InFlight:
@@ -80,16 +79,16 @@ class EventStream(StreamingResponse):
             self.lease.release()
 
 
-async def stream(
+def stream(
     lease: Lease,
     make: ChunkMaker,
     first: BaseModel | None,
     usage_chunk: Callable[[TokenEvent | None], BaseModel] | None,
 ) -> AsyncIterator[str]:
-    """SSE chunks for a request's events, then the usage chunk (if asked) and ``[DONE]``; every
-    chunk has the same ``created`` time. If the client goes away (the response task is
-    cancelled) the request is cancelled."""
-    last: TokenEvent | None = None
+    """The Chat Completions / Completions stream (``sse.frames``): ``first`` at once, a chunk per
+    event that makes one, then the usage chunk (if asked) and ``[DONE]``; every chunk has the
+    same ``created`` time."""
+    last: list[TokenEvent | None] = [None]
     created = int(time.time())
     include_usage = usage_chunk is not None
 
@@ -98,25 +97,18 @@ async def stream(
             chunk.created = created  # type: ignore[attr-defined]
         return sse(chunk, include_usage)
 
-    try:
-        if first is not None:
-            yield event_of(first)
-        async with aclosing(lease.events()) as events:
-            async for event in events:
-                last = event
-                lease.finished = lease.finished or event.finish_reason is not None
-                chunk = make(event)
-                if chunk is not None:
-                    yield event_of(chunk)
-        if usage_chunk is not None:
-            yield event_of(usage_chunk(last))
-        yield "data: [DONE]\n\n"
-    except Exception as exc:  # the stream has started: report in-band
-        log.exception("generation failed")
-        yield error_event(f"generation failed ({type(exc).__name__})")
-        yield "data: [DONE]\n\n"
-    finally:
-        lease.release()
+    def on_event(event: TokenEvent) -> list[str]:
+        last[0] = event
+        chunk = make(event)
+        return [event_of(chunk)] if chunk is not None else []
+
+    def closing() -> list[str]:
+        return [*([event_of(usage_chunk(last[0]))] if usage_chunk is not None else []), DONE]
+
+    def on_error(message: str) -> list[str]:
+        return [error_event(message), DONE]
+
+    return frames(lease, on_event, on_error, [event_of(first)] if first is not None else [], closing)
 
 
 async def collect_unless_gone(lease: Lease, request: Request) -> Collected:

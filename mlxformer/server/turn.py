@@ -31,12 +31,13 @@ class Traits:
     call_format: CallFormat
     reasons: bool
     tags: ThinkTags = THINK  # the reasoning's tags (Mistral: [THINK]...[/THINK])
+    force_tools: tuple[str, ...] = ()  # serve --force-tool: a user turn's reply calls the first of these offered
 
     @classmethod
-    def of(cls, served: ServedModel, tool_parser: str | None = None) -> Traits:
+    def of(cls, served: ServedModel, tool_parser: str | None = None, force_tools: tuple[str, ...] = ()) -> Traits:
         """The traits of ``served`` (``tool_parser``: a format name overriding the template's)."""
         name = tool_parser or format_for_template(served.tokenizer.chat_template)
-        return cls(call_format(name), reasons(served.tokenizer), think_tags(served.tokenizer))
+        return cls(call_format(name), reasons(served.tokenizer), think_tags(served.tokenizer), force_tools)
 
     def capabilities(self, served: ServedModel) -> dict[str, Any]:
         """The ``capabilities`` of a model entry in ``/v1/models``."""
@@ -144,9 +145,22 @@ def merge_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{"role": "system", "content": text}, *(m for m in messages if m["role"] != "system")]
 
 
+def forced_choice(turn: Turn, names: tuple[str, ...]) -> str | dict[str, Any] | None:
+    """``turn``'s tool choice, or (``serve --force-tool``: agents tried with a model that cannot
+    choose a tool) a call of the first of ``names`` offered when the client leaves the choice to
+    the model and the turn answers a user message (not a tool result)."""
+    offered = {t["function"]["name"] for t in turn.tools or []}
+    replies = [i for i, m in enumerate(turn.messages) if m["role"] == "assistant"]
+    since = {m["role"] for m in turn.messages[replies[-1] + 1 if replies else 0:]}  # since the last reply
+    if turn.tool_choice not in (None, "auto") or "user" not in since or "tool" in since or turn.prefill:
+        return turn.tool_choice
+    name = next((n for n in names if n in offered), None)
+    return {"type": "function", "function": {"name": name}} if name else turn.tool_choice
+
+
 def prepare(turn: Turn, served: ServedModel, traits: Traits) -> Prepared:
     """The engine request of ``turn`` (400s on bad input) and how to parse its reply."""
-    plan = tool_plan(turn.tools, turn.tool_choice)
+    plan = tool_plan(turn.tools, forced_choice(turn, traits.force_tools) if traits.force_tools else turn.tool_choice)
     if plan.forced and turn.response_format is not None and turn.response_format.type != "text":
         raise bad_request("a forced tool call cannot also have a response_format", param="tool_choice")
     tokenizer, vocab = served.tokenizer, served.vocab_size
