@@ -93,6 +93,8 @@ def worker(runtime: str, model_dir: str, prompt_tokens: int, generation_tokens: 
         from mlx_lm.utils import load_model
 
         model, _ = load_model(Path(model_dir))
+        if mx.default_device() == mx.cpu:  # mlx-lm's gather_mm is float32-only on the CPU (mlxformer's policy casts too)
+            model.set_dtype(mx.float32)
 
         def loop(prompt: mx.array, n: int):  # type: ignore[no-untyped-def]
             for count, (token, _) in enumerate(generate_step(prompt, model, max_tokens=n), start=1):

@@ -18,6 +18,7 @@ from mlxformer.formats.checkpoint import Checkpoint, open_checkpoint
 from mlxformer.formats.tensors import Tensors
 from mlxformer.models.config import ModelArgs, float_dtype
 from mlxformer.models.decoder import Model
+from mlxformer.models.mla import absorbed_kv_b
 from mlxformer.models.moe import expert_groups, stack_expert_arrays
 from mlxformer.models.dtype_policy import apply_dtype_policy, cast_except_quantized_linears, is_quantized
 from mlxformer.models.row_sharding import apply_thread_policy
@@ -90,6 +91,8 @@ def used_tensors(args: ModelArgs, tensors: Tensors) -> Tensors:
     projection), still lazy. Sanitizing must only drop keys here: it sees header entries."""
     if args.num_experts:  # HF's per-expert matrices -> stacked (experts, out, in), still lazy
         tensors = tensors.stacked(expert_groups(tensors.entries, args.num_experts))
+    if args.attention_type == "mla":  # mlx-lm's split kv_b_proj -> HF's, still lazy
+        tensors = tensors.joined(*absorbed_kv_b(tensors.entries, args))
     kept = Model(args, num_layers=0, with_ends=False).sanitize(dict(tensors.entries))
     if any(kept[name] is not tensors.entries.get(name) for name in kept):
         raise MlxformerError("Model.sanitize changed a tensor; streamed reading needs it to only drop keys")

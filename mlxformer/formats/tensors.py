@@ -75,6 +75,28 @@ class Tensors(Mapping[str, mx.array]):
 
         return Tensors(entries, load)
 
+    def joined(self, groups: Mapping[str, tuple[list[str], Callable[[list[mx.array]], mx.array]]],
+               shapes: Mapping[str, tuple[tuple[int, ...], mx.Dtype]]) -> Tensors:
+        """The same tensors with each group (new name -> member names and the function making
+        the new tensor from them; ``shapes``: its shape and dtype) replaced by one lazy tensor
+        (mlx-lm's split ``kv_b_proj`` of latent attention, ``models.mla``)."""
+        entries = dict(self.entries)
+        made: dict[str, tuple[tuple[TensorEntry, ...], Callable[[list[mx.array]], mx.array]]] = {}
+        for name, (members, join) in groups.items():
+            parts = tuple(entries.pop(n) for n in members)
+            shape, dtype = shapes[name]
+            entries[name] = TensorEntry(name, shape, dtype, parts[0].file)
+            made[name] = (parts, join)
+        base = self._load
+
+        def load(entry: TensorEntry) -> mx.array:
+            if entry.name in made and entries.get(entry.name) is entry:
+                parts, join = made[entry.name]
+                return join([base(part) for part in parts])
+            return base(entry)
+
+        return Tensors(entries, load)
+
     def __getitem__(self, name: str) -> mx.array:
         return self._load(self.entries[name])
 

@@ -13,6 +13,9 @@ names are the checkpoint's.
 
 from __future__ import annotations
 
+import re
+from typing import Callable, Mapping, Protocol
+
 import mlx.core as mx
 import mlx.nn as nn
 
@@ -81,3 +84,51 @@ class MLAttention(nn.Module):
         out = out @ w_v.swapaxes(-1, -2)  # (B, H, L, rank) @ (H, rank, v) -> (B, H, L, v)
         # (B, H, L, v) -> (B, L, H * v)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
+class Shaped(Protocol):
+    shape: tuple[int, ...]
+    dtype: mx.Dtype
+
+
+_EMBED_Q = re.compile(r"^(.*\.self_attn)\.embed_q\.weight$")
+
+
+def _dense(arrays: list[mx.array], in_dims: int) -> mx.array:
+    """A part's float weight: dequantized when stored with scales (and biases)."""
+    if len(arrays) == 1:
+        return arrays[0]
+    weight, scales, *biases = arrays
+    return mx.dequantize(weight, scales, *biases, group_size=in_dims // scales.shape[-1],
+                         bits=weight.shape[-1] * 32 // in_dims)
+
+
+
+def absorbed_kv_b(entries: Mapping[str, Shaped], args: ModelArgs) -> tuple[
+        dict[str, tuple[list[str], Callable[[list[mx.array]], mx.array]]], dict[str, tuple[tuple[int, ...], mx.Dtype]]]:
+    """mlx-lm stores ``kv_b_proj`` split per head: ``embed_q`` ``(H, rank, nope)`` (its key part,
+    transposed) and ``unembed_out`` ``(H, v, rank)``, each maybe quantized (bits and group size
+    read off the shapes). Returns, per layer, the ``kv_b_proj.weight`` they make back (the
+    members and the join, for ``Tensors.joined``) and its shape and dtype."""
+    H, rank, nope, v = args.num_attention_heads, args.kv_lora_rank, args.qk_nope_head_dim, args.v_head_dim
+    groups: dict[str, tuple[list[str], Callable[[list[mx.array]], mx.array]]] = {}
+    shapes: dict[str, tuple[tuple[int, ...], mx.Dtype]] = {}
+    for name in entries:
+        match = _EMBED_Q.match(name)
+        if match is None:
+            continue
+        prefix = match.group(1)
+        parts = {part: [f"{prefix}.{part}.{kind}" for kind in ("weight", "scales", "biases")
+                        if f"{prefix}.{part}.{kind}" in entries] for part in ("embed_q", "unembed_out")}
+        members = parts["embed_q"] + parts["unembed_out"]
+        split = len(parts["embed_q"])
+
+        def join(arrays: list[mx.array], split: int = split) -> mx.array:
+            wk, wv = _dense(arrays[:split], nope), _dense(arrays[split:], rank)
+            # (H, rank, nope) -> (H, nope, rank); with (H, v, rank) -> (H * (nope + v), rank)
+            return mx.concatenate([wk.swapaxes(-1, -2), wv], axis=1).reshape(H * (nope + v), rank)
+
+        dtype = entries[parts["embed_q"][1] if split > 1 else name].dtype
+        groups[f"{prefix}.kv_b_proj.weight"] = (members, join)
+        shapes[f"{prefix}.kv_b_proj.weight"] = ((H * (nope + v), rank), dtype)
+    return groups, shapes
