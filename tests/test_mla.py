@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from conftest import cpu_default_device, max_diff, write_byte_tokenizer, write_tiny_checkpoint
-from mlxformer import load, stream_generate
+from mlxformer import convert, load, stream_generate
 from mlxformer.cache import CacheSettings, make_cache
 from mlxformer.engine import batch_generate
 from mlxformer.generation import decode_step, prefill
@@ -219,10 +219,12 @@ def test_prompt_cache_memory_disk_and_file(case, tmp_path):
 def test_mlx_lm_dirs(case, tmp_path):
     """mlx-lm's own conversions of each checkpoint (float, and 4-bit as mlx-community dirs are
     made; MLA's ``kv_b_proj`` stored split as ``embed_q``/``unembed_out``) load in mlxformer with
-    mlx-lm's logits, the float one also with transformers'. mlx-lm's DeepSeek-V3 router departs
+    mlx-lm's logits, and ``mlxformer convert``'s (float and ``-q``) in both with equal logits;
+    the float dirs also with transformers'. mlx-lm's DeepSeek-V3 router departs
     from transformers' here (it zeroes the groups left out, where transformers sets them to
     -inf; this checkpoint's random correction bias makes kept scores negative), so that family
-    is compared with transformers only."""
+    is compared with transformers only; and mlx-lm re-quantizes a quantized ``kv_b_proj`` into
+    its split (another 4-bit rounding), so on our 4-bit MLA dirs it only has to load and run."""
     import shutil
 
     from mlx_lm import convert as mlx_lm_convert
@@ -238,18 +240,22 @@ def test_mlx_lm_dirs(case, tmp_path):
     (source / "config.json").write_text(json.dumps(config))
     mlx_lm_convert(str(source), str(tmp_path / "mlx-lm"))
     mlx_lm_convert(str(source), str(tmp_path / "mlx-lm-q4"), quantize=True, q_group_size=32, q_bits=4)
+    convert(source, tmp_path / "ours")
+    convert(source, tmp_path / "ours-q4", quantize=True, q_group_size=32, q_bits=4)
     ids = tokens(40)
-    for converted in ("mlx-lm", "mlx-lm-q4"):
+    for converted in ("mlx-lm", "mlx-lm-q4", "ours", "ours-q4"):
         stored = mx.load(str(tmp_path / converted / "model.safetensors"))
-        assert (name in ("deepseek_v3", "glm4_moe_lite")) == any(".embed_q." in n for n in stored)  # mlx-lm's split
-        quantized = ".embed_q.scales" if name in ("deepseek_v3", "glm4_moe_lite") else ".scales"
-        assert (converted == "mlx-lm-q4") == any(n.endswith(quantized) for n in stored)
+        split = converted.startswith("mlx-lm") and name in ("deepseek_v3", "glm4_moe_lite")
+        assert split == any(".embed_q." in n for n in stored)  # mlx-lm's split kv_b_proj
+        quantized = ".embed_q.scales" if split else ".scales"
+        assert converted.endswith("q4") == any(n.endswith(quantized) for n in stored)
         theirs, _ = mlx_lm_load(str(tmp_path / converted))
         theirs.set_dtype(mx.float32)
         ours, _ = load(tmp_path / converted, dtype=mx.float32, threads=1)
         got = np.array(ours(mx.array(ids[None]))[0])
-        if name != "deepseek_v3":
+        requantized = converted == "ours-q4" and name in ("deepseek_v3", "glm4_moe_lite")
+        if name != "deepseek_v3" and not requantized:
             assert max_diff(got, np.array(theirs(mx.array(ids[None]))[0])) <= 1e-3, converted
-        if converted == "mlx-lm":
+        if not converted.endswith("q4"):
             assert max_diff(got, reference(hf_model, ids)) <= BOUND
 

@@ -6,7 +6,8 @@ Keys and values come from one compressed latent per token, ``kv_a_layernorm`` of
 head's ``qk_nope_head_dim`` key features and ``v_head_dim`` values; instead its key part is
 folded into the queries (``q_nope @ W_k``: ``(H, nope) -> (H, rank)``) and its value part
 applied to the attention output (``out @ W_v^T``), so the cache holds only the latent and the
-rope key (``cache.latent``) and no step expands the cached context. The queries come from
+rope key (``cache.latent``) and no decode step expands the cached context (a prompt chunk
+over float storage expands it: for many queries that is the cheaper form). The queries come from
 ``q_proj``, or through the low-rank ``q_a_proj`` / ``q_a_layernorm`` / ``q_b_proj``. Module
 names are the checkpoint's.
 """
@@ -27,6 +28,7 @@ from mlxformer.models.mask import Mask
 from mlxformer.models.norms import RMSNorm
 from mlxformer.models.rope_variants import make_rope
 
+EXPAND_MIN = 16  # queries from which a float-cached chunk attends over expanded keys/values
 LATENT_NORM_EPS = 1e-6  # transformers builds q_a_layernorm / kv_a_layernorm with the default eps
 
 
@@ -74,16 +76,34 @@ class MLAttention(nn.Module):
         k_rope = compressed[..., self.rank :][:, None]  # (B, 1, L, rope)
         offset = cache.offset if cache is not None else 0
         q_rope, k_rope = self.rope(q_rope, offset, rope_length), self.rope(k_rope, offset, rope_length)
-        w_k, w_v = self.absorbed()
-        q_latent = q_nope @ w_k  # (B, H, L, nope) @ (H, nope, rank) -> (B, H, L, rank)
+        keys, values = (k_rope,), (latent,)  # packs: float storage is a 1-tuple (``cache.codec``)
         if cache is not None:
             keys, values = cache.update_and_fetch(k_rope, latent)
-            out = cache.latent_attention(q_latent, q_rope, keys, values, self.scale, mask)
+        if L >= EXPAND_MIN and len(values) == 1:  # a prompt chunk over float storage
+            out = self.expanded(q_nope, q_rope, keys[0], values[0], mask)
         else:
-            out = latent_attention(FLOAT_CODEC, q_latent, q_rope, (k_rope,), (latent,), self.scale, mask)
-        out = out @ w_v.swapaxes(-1, -2)  # (B, H, L, rank) @ (H, rank, v) -> (B, H, L, v)
+            w_k, w_v = self.absorbed()
+            q_latent = q_nope @ w_k  # (B, H, L, nope) @ (H, nope, rank) -> (B, H, L, rank)
+            if cache is not None:
+                out = cache.latent_attention(q_latent, q_rope, keys, values, self.scale, mask)
+            else:
+                out = latent_attention(FLOAT_CODEC, q_latent, q_rope, keys, values, self.scale, mask)
+            out = out @ w_v.swapaxes(-1, -2)  # (B, H, L, rank) @ (H, rank, v) -> (B, H, L, v)
         # (B, H, L, v) -> (B, L, H * v)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+    def expanded(self, q_nope: mx.array, q_rope: mx.array, k_rope: mx.array, latent: mx.array, mask: Mask) -> mx.array:
+        """Attention with the keys and values expanded from the latents ``(B, 1, S, rank)``
+        through ``kv_b_proj``: cheaper than the absorbed form for a prompt chunk of many queries
+        (each key feature costs once, not once per query), and what transformers computes."""
+        B, H, L, _ = q_nope.shape
+        S = latent.shape[2]
+        kv = self.kv_b_proj(latent[:, 0])  # (B, S, H * (nope + v))
+        kv = kv.reshape(B, S, H, self.nope + self.v_dim).transpose(0, 2, 1, 3)  # (B, H, S, nope + v)
+        k_rope = mx.broadcast_to(k_rope, (B, H, S, self.rope_dims))
+        keys = mx.concatenate([kv[..., : self.nope], k_rope], axis=-1)  # (B, H, S, nope + rope)
+        queries = mx.concatenate([q_nope, q_rope], axis=-1)  # (B, H, L, nope + rope)
+        return mx.fast.scaled_dot_product_attention(queries, keys, kv[..., self.nope :], scale=self.scale, mask=mask)
 
 
 class Shaped(Protocol):
