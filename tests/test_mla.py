@@ -259,3 +259,25 @@ def test_mlx_lm_dirs(case, tmp_path):
         if not converted.endswith("q4"):
             assert max_diff(got, reference(hf_model, ids)) <= BOUND
 
+
+
+def test_multi_token_prediction_layer_is_dropped(tmp_path):
+    """GLM-4.5 and DeepSeek-V3 checkpoints store ``num_nextn_predict_layers`` MTP layers after the
+    decoder's (``model.layers.N``): they load without them, with unchanged logits; any other
+    extra layer is still refused."""
+    from safetensors.numpy import load_file, save_file
+
+    from mlxformer.errors import MlxformerError
+
+    directory, hf_model = write_family(tmp_path / "g", "glm4_moe", num_nextn_predict_layers=1)
+    tensors = load_file(directory / "model.safetensors")
+    extra = {k.replace("model.layers.2.", f"model.layers.{n}."): v for k, v in tensors.items()
+             if k.startswith("model.layers.2.") for n in (3,)}
+    save_file({**tensors, **extra}, directory / "model.safetensors")
+    model, _ = load(directory, dtype=mx.float32)
+    ids = tokens(12)
+    assert max_diff(np.array(model(mx.array(ids[None]))[0]), reference(hf_model, ids)) <= BOUND
+    edit = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**edit, "num_nextn_predict_layers": 0}))
+    with pytest.raises(MlxformerError, match="config says 3 layers, but the tensors are for 4"):
+        load(directory)

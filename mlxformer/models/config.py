@@ -99,6 +99,7 @@ class ModelArgs:
     qk_nope_head_dim: int = 0
     v_head_dim: int = 0
     rope_traditional: bool = False  # RoPE rotates interleaved pairs (DeepSeek's layout)
+    mtp_layers: int = 0  # multi-token-prediction layers stored after the decoder's (unused, dropped)
 
     def layer_window(self, index: int) -> int | None:
         """The sliding window layer ``index`` attends with (None: the whole context)."""
