@@ -20,6 +20,7 @@ from mlxformer.models.config import ModelArgs, float_dtype
 from mlxformer.models.decoder import Model
 from mlxformer.formats.gpt_oss import MXFP4, derive_dict, fused_expert_derivations
 from mlxformer.models.families import text_weight_names
+from mlxformer.models.mla import absorbed_kv_b
 from mlxformer.models.moe import expert_groups, stack_expert_arrays
 from mlxformer.models.dtype_policy import apply_dtype_policy, cast_except_quantized_linears, is_quantized
 from mlxformer.models.row_sharding import apply_thread_policy
@@ -103,6 +104,8 @@ def used_tensors(args: ModelArgs, tensors: Tensors) -> Tensors:
     if args.num_experts:  # HF's per-expert matrices -> stacked (experts, out, in), still lazy
         tensors = tensors.stacked(expert_groups(tensors.entries, args.num_experts))
         tensors = tensors.derived(fused_expert_derivations(tensors.entries))  # gpt-oss
+    if args.attention_type == "mla":  # mlx-lm's split kv_b_proj -> HF's, still lazy
+        tensors = tensors.derived(absorbed_kv_b(tensors.entries, args))
     kept = Model(args, num_layers=0, with_ends=False).sanitize(dict(tensors.entries))
     if any(kept[name] is not tensors.entries.get(name) for name in kept):
         raise MlxformerError("Model.sanitize changed a tensor; streamed reading needs it to only drop keys")

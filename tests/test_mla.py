@@ -6,13 +6,15 @@ eager logits; engine batch and speculative greedy identity; the latent cache's b
 
 from __future__ import annotations
 
+import json
+
 import mlx.core as mx
 import numpy as np
 import pytest
 import torch
 
 from conftest import cpu_default_device, max_diff, write_byte_tokenizer, write_tiny_checkpoint
-from mlxformer import load, stream_generate
+from mlxformer import convert, load, stream_generate
 from mlxformer.cache import CacheSettings, make_cache
 from mlxformer.engine import batch_generate
 from mlxformer.generation import decode_step, prefill
@@ -22,7 +24,7 @@ from mlxformer.speculative import SpeculativeSettings
 BOUND = 3e-4  # fp32 on both sides
 _ROUTED = dict(n_routed_experts=8, num_experts_per_tok=3, moe_intermediate_size=24, first_k_dense_replace=1,
                n_shared_experts=1, num_hidden_layers=3)
-_MLA = dict(kv_lora_rank=64, qk_rope_head_dim=32, qk_nope_head_dim=24, v_head_dim=20, num_attention_heads=5,
+_MLA = dict(kv_lora_rank=64, qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=20, num_attention_heads=5,
             num_key_value_heads=5, hidden_size=80)
 CASES = {
     # grouped sigmoid routing with a correction bias, q/k norm, q/k/v biases, half the head rotated
@@ -212,3 +214,70 @@ def test_prompt_cache_memory_disk_and_file(case, tmp_path):
     save_prompt_cache(tmp_path / "c.safetensors", cache, first, model, tokenizer)
     loaded, ids = load_prompt_cache(tmp_path / "c.safetensors", model, tokenizer)
     assert ids == first and all(mx.array_equal(a, b) for c, d in zip(cache, loaded) for a, b in zip(c.state, d.state))
+
+
+def test_mlx_lm_dirs(case, tmp_path):
+    """mlx-lm's own conversions of each checkpoint (float, and 4-bit as mlx-community dirs are
+    made; MLA's ``kv_b_proj`` stored split as ``embed_q``/``unembed_out``) load in mlxformer with
+    mlx-lm's logits, and ``mlxformer convert``'s (float and ``-q``) in both with equal logits;
+    the float dirs also with transformers'. mlx-lm's DeepSeek-V3 router departs
+    from transformers' here (it zeroes the groups left out, where transformers sets them to
+    -inf; this checkpoint's random correction bias makes kept scores negative), so that family
+    is compared with transformers only; and mlx-lm re-quantizes a quantized ``kv_b_proj`` into
+    its split (another 4-bit rounding), so on our 4-bit MLA dirs it only has to load and run."""
+    import shutil
+
+    from mlx_lm import convert as mlx_lm_convert
+    from mlx_lm import load as mlx_lm_load
+
+    from conftest import add_mlx_lm_config_keys
+
+    name, directory, _, _, hf_model = case
+    source = tmp_path / "hf"
+    shutil.copytree(directory, source)
+    config = add_mlx_lm_config_keys(source)
+    config.setdefault("rope_scaling", None if name == "glm4_moe" else {"factor": 1.0})  # mlx-lm's args require it
+    (source / "config.json").write_text(json.dumps(config))
+    mlx_lm_convert(str(source), str(tmp_path / "mlx-lm"))
+    mlx_lm_convert(str(source), str(tmp_path / "mlx-lm-q4"), quantize=True, q_group_size=32, q_bits=4)
+    convert(source, tmp_path / "ours")
+    convert(source, tmp_path / "ours-q4", quantize=True, q_group_size=32, q_bits=4)
+    ids = tokens(40)
+    for converted in ("mlx-lm", "mlx-lm-q4", "ours", "ours-q4"):
+        stored = mx.load(str(tmp_path / converted / "model.safetensors"))
+        split = converted.startswith("mlx-lm") and name in ("deepseek_v3", "glm4_moe_lite")
+        assert split == any(".embed_q." in n for n in stored)  # mlx-lm's split kv_b_proj
+        quantized = ".embed_q.scales" if split else ".scales"
+        assert converted.endswith("q4") == any(n.endswith(quantized) for n in stored)
+        theirs, _ = mlx_lm_load(str(tmp_path / converted))
+        theirs.set_dtype(mx.float32)
+        ours, _ = load(tmp_path / converted, dtype=mx.float32, threads=1)
+        got = np.array(ours(mx.array(ids[None]))[0])
+        requantized = converted == "ours-q4" and name in ("deepseek_v3", "glm4_moe_lite")
+        if name != "deepseek_v3" and not requantized:
+            assert max_diff(got, np.array(theirs(mx.array(ids[None]))[0])) <= 1e-3, converted
+        if not converted.endswith("q4"):
+            assert max_diff(got, reference(hf_model, ids)) <= BOUND
+
+
+
+def test_multi_token_prediction_layer_is_dropped(tmp_path):
+    """GLM-4.5 and DeepSeek-V3 checkpoints store ``num_nextn_predict_layers`` MTP layers after the
+    decoder's (``model.layers.N``): they load without them, with unchanged logits; any other
+    extra layer is still refused."""
+    from safetensors.numpy import load_file, save_file
+
+    from mlxformer.errors import MlxformerError
+
+    directory, hf_model = write_family(tmp_path / "g", "glm4_moe", num_nextn_predict_layers=1)
+    tensors = load_file(directory / "model.safetensors")
+    extra = {k.replace("model.layers.2.", f"model.layers.{n}."): v for k, v in tensors.items()
+             if k.startswith("model.layers.2.") for n in (3,)}
+    save_file({**tensors, **extra}, directory / "model.safetensors")
+    model, _ = load(directory, dtype=mx.float32)
+    ids = tokens(12)
+    assert max_diff(np.array(model(mx.array(ids[None]))[0]), reference(hf_model, ids)) <= BOUND
+    edit = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**edit, "num_nextn_predict_layers": 0}))
+    with pytest.raises(MlxformerError, match="config says 3 layers, but the tensors are for 4"):
+        load(directory)

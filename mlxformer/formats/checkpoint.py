@@ -120,7 +120,8 @@ def check_config(config: dict[str, Any], entries: Mapping[str, TensorEntry], sou
         raise MlxformerError(f"{where} has a value of the wrong type ({exc})") from None
     renames = text_weight_names(entries)
     layers = {int(m.group(1)) for name in entries if (m := _LAYER.match(renames.get(name, name)))}
-    if layers != set(range(args.num_hidden_layers)):
+    if layers - set(range(args.num_hidden_layers, args.num_hidden_layers + args.mtp_layers)) != set(
+            range(args.num_hidden_layers)):  # beside the multi-token-prediction layers (GLM, DeepSeek)
         raise MlxformerError(f"{where} says {config.get('num_hidden_layers')} layers, but the tensors are for "
                              f"{len(layers)} (indices up to {max(layers, default=-1)})")
     return args

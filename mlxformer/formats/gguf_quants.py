@@ -18,7 +18,6 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from mlxformer.errors import MlxformerError
 
 QK_K = 256
 EXACT_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K")

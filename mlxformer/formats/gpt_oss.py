@@ -83,13 +83,14 @@ def fused_expert_derivations(entries: Mapping[str, Any]) -> dict[str, Derivation
             else:
                 kind, new_shape = "scales", _halve(shape, 1) if parity is not None else shape
                 make, new_dtype = _rows(parity, False), dtype
-            out[f"{prefix}.{target}.{kind}"] = Derivation(name, new_shape, new_dtype, make)
+            out[f"{prefix}.{target}.{kind}"] = Derivation((name,), new_shape, new_dtype,
+                                                           lambda arrays, make=make: make(arrays[0]))
     return out
 
 
 def derive_dict(weights: dict[str, mx.array], derivations: Mapping[str, Derivation]) -> dict[str, mx.array]:
     """``weights`` with the derivations' sources replaced by the derived arrays."""
-    sources = {d.source for d in derivations.values()}
+    sources = {source for d in derivations.values() for source in d.sources}
     out = {name: value for name, value in weights.items() if name not in sources}
-    out.update({name: d.make(weights[d.source]) for name, d in derivations.items()})
+    out.update({name: d.make([weights[source] for source in d.sources]) for name, d in derivations.items()})
     return out

@@ -41,21 +41,22 @@ class StackedEntry(TensorEntry):
 
 @dataclass(frozen=True)
 class DerivedEntry(TensorEntry):
-    """A tensor made from ``source`` by ``make`` (a slice, a transpose, a reinterpretation of
-    bytes: gpt-oss's fused experts split into the decoder's)."""
+    """A tensor made from ``parts`` by ``make`` (a slice, a transpose, a reinterpretation of
+    bytes, a concatenation)."""
 
-    source: TensorEntry | None = None
-    make: Callable[[mx.array], mx.array] | None = None
+    parts: tuple[TensorEntry, ...] = ()
+    make: Callable[[list[mx.array]], mx.array] | None = None
 
 
 @dataclass(frozen=True)
 class Derivation:
-    """How one tensor comes from another: the source name, the result's shape and dtype, the map."""
+    """How one tensor comes from others: the source names, the result's shape and dtype, and the
+    map from the sources' arrays (in that order) to it."""
 
-    source: str
+    sources: tuple[str, ...]
     shape: tuple[int, ...]
     dtype: mx.Dtype
-    make: Callable[[mx.array], mx.array]
+    make: Callable[[list[mx.array]], mx.array]
 
 
 class Tensors(Mapping[str, mx.array]):
@@ -101,18 +102,20 @@ class Tensors(Mapping[str, mx.array]):
         return Tensors(entries, load)
 
     def derived(self, derivations: Mapping[str, Derivation]) -> Tensors:
-        """The same tensors with each source of ``derivations`` replaced by the tensors derived
-        from it (still lazy: a derived tensor reads its source when accessed)."""
-        entries = {n: e for n, e in self.entries.items() if n not in {d.source for d in derivations.values()}}
+        """The same tensors with the sources of ``derivations`` replaced by the tensors made from
+        them (still lazy: a derived tensor reads its sources when accessed): gpt-oss's fused
+        experts split into the decoder's, mlx-lm's split ``kv_b_proj`` joined back (``models.mla``)."""
+        used = {source for d in derivations.values() for source in d.sources}
+        entries = {n: e for n, e in self.entries.items() if n not in used}
         for name, d in derivations.items():
-            source = self.entries[d.source]
-            entries[name] = DerivedEntry(name, d.shape, d.dtype, source.file, source, d.make)
+            parts = tuple(self.entries[source] for source in d.sources)
+            entries[name] = DerivedEntry(name, d.shape, d.dtype, parts[0].file, parts, d.make)
         base = self._load
 
         def load(entry: TensorEntry) -> mx.array:
             if isinstance(entry, DerivedEntry):
-                assert entry.source is not None and entry.make is not None
-                return entry.make(base(entry.source))
+                assert entry.make is not None
+                return entry.make([base(part) for part in entry.parts])
             return base(entry)
 
         return Tensors(entries, load)

@@ -115,6 +115,7 @@ class ModelArgs:
     linear_fused_projections: bool = False  # Qwen3-Next's in_proj_qkvz/in_proj_ba (Qwen3.5: split)
     linear_conv_channels_last: bool = False  # conv1d weight (C, K, 1) as mlx-lm stores it (HF: (C, 1, K))
     attn_output_gate: bool = False  # q_proj also gives a sigmoid gate on the attention output (Qwen3.5/Next)
+    mtp_layers: int = 0  # multi-token-prediction layers stored after the decoder's (unused, dropped)
 
     def layer_window(self, index: int) -> int | None:
         """The sliding window layer ``index`` attends with (None: the whole context)."""

@@ -239,6 +239,10 @@ class Model(nn.Module):
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         """Drop checkpoint keys that carry no weights for this decoder."""
         weights = {k: v for k, v in weights.items() if "rotary_emb.inv_freq" not in k and not k.startswith(_NOT_TEXT)}
+        first = self.args.num_hidden_layers  # GLM/DeepSeek's multi-token-prediction layers follow the decoder's
+        mtp = tuple(f"model.layers.{i}." for i in range(first, first + self.args.mtp_layers))
+        if mtp:
+            weights = {k: v for k, v in weights.items() if not k.startswith(mtp)}
         if self.args.tie_word_embeddings:
             weights.pop("lm_head.weight", None)
             weights.pop("lm_head.scales", None)

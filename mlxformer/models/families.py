@@ -249,6 +249,7 @@ def _routed(config: dict[str, Any], router: str, norm_default: bool) -> Fields:
         "router": router, "n_group": n_group, "topk_group": topk_group,
         "routed_scaling_factor": float(config.get("routed_scaling_factor") or 1.0),
         "n_shared_experts": int(config.get("n_shared_experts") or 0),
+        "mtp_layers": int(config.get("num_nextn_predict_layers") or 0),
     }
 
 

@@ -6,12 +6,16 @@ Keys and values come from one compressed latent per token, ``kv_a_layernorm`` of
 head's ``qk_nope_head_dim`` key features and ``v_head_dim`` values; instead its key part is
 folded into the queries (``q_nope @ W_k``: ``(H, nope) -> (H, rank)``) and its value part
 applied to the attention output (``out @ W_v^T``), so the cache holds only the latent and the
-rope key (``cache.latent``) and no step expands the cached context. The queries come from
+rope key (``cache.latent``) and no decode step expands the cached context (a prompt chunk
+over float storage expands it: for many queries that is the cheaper form). The queries come from
 ``q_proj``, or through the low-rank ``q_a_proj`` / ``q_a_layernorm`` / ``q_b_proj``. Module
 names are the checkpoint's.
 """
 
 from __future__ import annotations
+
+import re
+from typing import Mapping, Protocol
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -19,11 +23,13 @@ import mlx.nn as nn
 from mlxformer.cache.codec import FLOAT_CODEC
 from mlxformer.cache.latent import latent_attention
 from mlxformer.cache.protocol import Cache
+from mlxformer.formats.tensors import Derivation
 from mlxformer.models.config import ModelArgs
 from mlxformer.models.mask import Mask
 from mlxformer.models.norms import RMSNorm
 from mlxformer.models.rope_variants import make_rope
 
+EXPAND_MIN = 16  # queries from which a float-cached chunk attends over expanded keys/values
 LATENT_NORM_EPS = 1e-6  # transformers builds q_a_layernorm / kv_a_layernorm with the default eps
 
 
@@ -71,13 +77,76 @@ class MLAttention(nn.Module):
         k_rope = compressed[..., self.rank :][:, None]  # (B, 1, L, rope)
         offset = cache.offset if cache is not None else 0
         q_rope, k_rope = self.rope(q_rope, offset, rope_length), self.rope(k_rope, offset, rope_length)
-        w_k, w_v = self.absorbed()
-        q_latent = q_nope @ w_k  # (B, H, L, nope) @ (H, nope, rank) -> (B, H, L, rank)
+        keys, values = (k_rope,), (latent,)  # packs: float storage is a 1-tuple (``cache.codec``)
         if cache is not None:
             keys, values = cache.update_and_fetch(k_rope, latent)
-            out = cache.latent_attention(q_latent, q_rope, keys, values, self.scale, mask)
+        if L >= EXPAND_MIN and len(values) == 1:  # a prompt chunk over float storage
+            out = self.expanded(q_nope, q_rope, keys[0], values[0], mask)
         else:
-            out = latent_attention(FLOAT_CODEC, q_latent, q_rope, (k_rope,), (latent,), self.scale, mask)
-        out = out @ w_v.swapaxes(-1, -2)  # (B, H, L, rank) @ (H, rank, v) -> (B, H, L, v)
+            w_k, w_v = self.absorbed()
+            q_latent = q_nope @ w_k  # (B, H, L, nope) @ (H, nope, rank) -> (B, H, L, rank)
+            if cache is not None:
+                out = cache.latent_attention(q_latent, q_rope, keys, values, self.scale, mask)
+            else:
+                out = latent_attention(FLOAT_CODEC, q_latent, q_rope, keys, values, self.scale, mask)
+            out = out @ w_v.swapaxes(-1, -2)  # (B, H, L, rank) @ (H, rank, v) -> (B, H, L, v)
         # (B, H, L, v) -> (B, L, H * v)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+    def expanded(self, q_nope: mx.array, q_rope: mx.array, k_rope: mx.array, latent: mx.array, mask: Mask) -> mx.array:
+        """Attention with the keys and values expanded from the latents ``(B, 1, S, rank)``
+        through ``kv_b_proj``: cheaper than the absorbed form for a prompt chunk of many queries
+        (each key feature costs once, not once per query), and what transformers computes."""
+        B, H, L, _ = q_nope.shape
+        S = latent.shape[2]
+        kv = self.kv_b_proj(latent[:, 0])  # (B, S, H * (nope + v))
+        kv = kv.reshape(B, S, H, self.nope + self.v_dim).transpose(0, 2, 1, 3)  # (B, H, S, nope + v)
+        k_rope = mx.broadcast_to(k_rope, (B, H, S, self.rope_dims))
+        keys = mx.concatenate([kv[..., : self.nope], k_rope], axis=-1)  # (B, H, S, nope + rope)
+        queries = mx.concatenate([q_nope, q_rope], axis=-1)  # (B, H, L, nope + rope)
+        return mx.fast.scaled_dot_product_attention(queries, keys, kv[..., self.nope :], scale=self.scale, mask=mask)
+
+
+class Shaped(Protocol):
+    shape: tuple[int, ...]
+    dtype: mx.Dtype
+
+
+_EMBED_Q = re.compile(r"^(.*\.self_attn)\.embed_q\.weight$")
+
+
+def _dense(arrays: list[mx.array], in_dims: int) -> mx.array:
+    """A part's float weight: dequantized when stored with scales (and biases)."""
+    if len(arrays) == 1:
+        return arrays[0]
+    weight, scales, *biases = arrays
+    return mx.dequantize(weight, scales, *biases, group_size=in_dims // scales.shape[-1],
+                         bits=weight.shape[-1] * 32 // in_dims)
+
+
+
+def absorbed_kv_b(entries: Mapping[str, Shaped], args: ModelArgs) -> dict[str, Derivation]:
+    """mlx-lm stores ``kv_b_proj`` split per head: ``embed_q`` ``(H, rank, nope)`` (its key part,
+    transposed) and ``unembed_out`` ``(H, v, rank)``, each maybe quantized (bits and group size
+    read off the shapes). Returns, per layer, the ``kv_b_proj.weight`` they make back (for
+    ``Tensors.derived``)."""
+    H, rank, nope, v = args.num_attention_heads, args.kv_lora_rank, args.qk_nope_head_dim, args.v_head_dim
+    derivations: dict[str, Derivation] = {}
+    for name in entries:
+        match = _EMBED_Q.match(name)
+        if match is None:
+            continue
+        prefix = match.group(1)
+        parts = {part: [f"{prefix}.{part}.{kind}" for kind in ("weight", "scales", "biases")
+                        if f"{prefix}.{part}.{kind}" in entries] for part in ("embed_q", "unembed_out")}
+        members = parts["embed_q"] + parts["unembed_out"]
+        split = len(parts["embed_q"])
+
+        def join(arrays: list[mx.array], split: int = split) -> mx.array:
+            wk, wv = _dense(arrays[:split], nope), _dense(arrays[split:], rank)
+            # (H, rank, nope) -> (H, nope, rank); with (H, v, rank) -> (H * (nope + v), rank)
+            return mx.concatenate([wk.swapaxes(-1, -2), wv], axis=1).reshape(H * (nope + v), rank)
+
+        dtype = entries[parts["embed_q"][1] if split > 1 else name].dtype
+        derivations[f"{prefix}.kv_b_proj.weight"] = Derivation(tuple(members), (H * (nope + v), rank), dtype, join)
+    return derivations
