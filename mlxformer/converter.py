@@ -25,6 +25,7 @@ from mlxformer.formats.mlx_writer import MAX_SHARD_BYTES, check_destination, pla
 from mlxformer.formats.tensors import Tensors
 from mlxformer.loader import checked_model, load_tokenizer, quantization_of
 from mlxformer.models.config import FLOAT_DTYPES, float_dtype
+from mlxformer.models.dtype_policy import float16_safe
 from mlxformer.models.moe import QuantizedSwitchLinear, SwitchLinear
 from mlxformer.quant.calibration import CALIBRATION_TEXT, activation_importance
 from mlxformer.quant.quantize import (
@@ -82,7 +83,8 @@ def convert(
         quantize: quantize the matrices (default recipe unless ``quant_recipe``).
         q_bits, q_group_size: base bits (default 4) and group size (default 64).
         dtype: float16/bfloat16/float32 for float tensors and scales (default: keep the source's
-            dtypes when not quantizing, float16 when quantizing).
+            dtypes when not quantizing, float16 when quantizing; bfloat16 instead of float16 for
+            a family whose activations overflow float16, see ``default_float_dtype``).
         quant_recipe: a name from ``mlxformer.quantize.RECIPES``.
         dequantize: turn a quantized source float (before ``quantize``, if both).
         force: replace an existing ``mlx_path`` once the new one is complete; only an empty dir
@@ -106,6 +108,16 @@ def convert(
     return destination
 
 
+def default_float_dtype(quantize: bool, model_type: str, stored: set[mx.Dtype]) -> mx.Dtype | None:
+    """The output's float dtype by default (None: each tensor keeps the source's): float16 for
+    quantized outputs (more precise than bfloat16 for scales), but bfloat16 wherever the output
+    would hold float16 for a family whose activations overflow float16 (mlx-lm computes in the
+    weights' dtype: NaN logits)."""
+    if float16_safe(model_type):
+        return mx.float16 if quantize else None
+    return mx.bfloat16 if quantize or mx.float16 in stored else None
+
+
 class _Job:
     """One conversion: the source, the per-matrix plan and the tensor producers."""
 
@@ -124,8 +136,8 @@ class _Job:
             raise MlxformerError("the source is already quantized; add --dequantize to requantize from its float values")
         self.modules = {path: m for path, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Embedding,
                         nn.QuantizedLinear, nn.QuantizedEmbedding, SwitchLinear, QuantizedSwitchLinear))}
-        # quantized outputs default to float16 scales/floats (more precise than bfloat16 for scales)
-        self.float_dtype = settings.dtype or (mx.float16 if settings.quantize else None)
+        stored = {e.dtype for e in self.entries.values()}
+        self.float_dtype = settings.dtype or default_float_dtype(settings.quantize, self.args.model_type, stored)
         self.specs = self._plan() if settings.quantize else {}
         self.importance: dict[str, mx.array] = {}
         if settings.quantize and settings.recipe is not None and settings.recipe.calibrate:

@@ -1,7 +1,7 @@
 """One sequence's decoding state, the object every generation loop drives.
 
 ``DecodingState`` holds a sequence's token history (prompt, cached prefix included, then the
-generated tokens), its per-layer caches, its sampler and logits processors, its PRNG key, its
+generated tokens), its per-layer caches, its sampling settings, its PRNG state, its
 constraint, its stop matcher and detokenizer, and its speculation (a ``Speculator`` whose
 proposer sees the whole history). Its invariant, kept by ``settle`` after every step: the
 cache holds exactly ``tokens[:-1]``, every token handed out but the last (one that a
@@ -27,7 +27,7 @@ from mlxformer.errors import MlxformerError
 from mlxformer.models.decoder import Model
 from mlxformer.options import SamplingSettings, check_integer
 from mlxformer.choosing import Row, choose, draw_key
-from mlxformer.sampling import TokenConstraint, make_distribution, make_logits_processors
+from mlxformer.sampling import TokenConstraint, make_distribution
 from mlxformer.speculative import Proposer, SpeculativeSettings, Speculator, new_proposer, rewind
 from mlxformer.stop import StopMatcher
 from mlxformer.tokenizer import StreamingDetokenizer
@@ -78,7 +78,6 @@ class DecodingState:
         self.generated: list[int] = []  # (the engine's replay edits it in place)
         self.max_tokens = max_tokens
         self.sampling = sampling
-        self.processors = make_logits_processors(sampling, len(self.prompt))
         self.seed = sampling.seeded().seed
         self.key = 0  # the PRNG state: how many draws the sequence made (``choosing.draw_key``)
         self.constraint = constraint
@@ -133,11 +132,6 @@ class DecodingState:
     @property
     def greedy(self) -> bool:
         return self.sampling.greedy
-
-    @property
-    def plain_greedy(self) -> bool:
-        """Greedy with nothing altering the logits: its row can be chosen together with others."""
-        return self.greedy and not self.processors and self.constraint is None
 
     def next_key(self) -> mx.array:
         """A fresh key ``(2,)`` from the sequence's own PRNG stream (``choosing.draw_key``)."""
@@ -211,7 +205,7 @@ class DecodingState:
         if proposer is None:
             proposer = new_proposer(settings, cache_settings)
         proposer.bind(distribution, self.next_key)
-        self.speculator = Speculator(proposer, settings.num_draft_tokens, distribution, self.processors, self.next_key)
+        self.speculator = Speculator(proposer, settings.num_draft_tokens, s, len(self.prompt), self.next_key)
 
     def propose(self) -> list[int]:
         """This round's proposals (none when not speculating or without a guess)."""
@@ -219,7 +213,7 @@ class DecodingState:
             return []
         return self.speculator.propose(self.tokens, self.room)
 
-    def verify(self, logits: mx.array) -> list[tuple[mx.array, mx.array]]:
+    def verify(self, logits: mx.array) -> tuple[list[int], mx.array]:
         """The round's outcome from the target's ``logits`` ``(k + 1, vocab)`` over the last
         token and the proposals: ``(token (1,), log-probabilities (1, vocab))`` to record in order."""
         assert self.speculator is not None

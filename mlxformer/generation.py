@@ -84,11 +84,11 @@ def _pipelined(model: Model, state: DecodingState, logits: mx.array) -> Iterator
 
 def _speculative(model: Model, state: DecodingState, logits: mx.array) -> Iterator[tuple[int, str]]:
     """Speculation rounds: the proposals after the last token are verified in one forward pass of
-    ``k + 1`` positions; without proposals, a plain decode step."""
-    choices = [state.choose(logits)]
+    ``k + 1`` positions, and the round's tokens read in one host sync; without proposals, a
+    plain decode step."""
+    tokens = [int(state.choose(logits)[0].item())]
     while True:
-        for token, _ in choices:
-            value = int(token.item())
+        for value in tokens:
             yield value, state.record(value)
             if state.finished:
                 return
@@ -96,9 +96,9 @@ def _speculative(model: Model, state: DecodingState, logits: mx.array) -> Iterat
         proposed = state.propose()
         if proposed:
             logits = model(mx.array([[state.last_token, *proposed]]), state.cache)[0]  # (k + 1, vocab)
-            choices = state.verify(logits)
+            tokens, _ = state.verify(logits)
         else:
-            choices = [state.choose(decode_step(model, mx.array([state.last_token]), state.cache))]
+            tokens = [int(state.choose(decode_step(model, mx.array([state.last_token]), state.cache))[0].item())]
 
 
 def _peak_memory_gb() -> float:

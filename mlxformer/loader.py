@@ -23,6 +23,7 @@ from mlxformer.models.families import text_weight_names
 from mlxformer.models.mla import absorbed_kv_b
 from mlxformer.models.moe import expert_groups, stack_expert_arrays
 from mlxformer.models.dtype_policy import apply_dtype_policy, cast_except_quantized_linears, is_quantized
+from mlxformer.models.device_plan import DevicePlan, wire_memory
 from mlxformer.models.row_sharding import apply_thread_policy
 from mlxformer.tokenizer import Tokenizer, load_tokenizer_from_dir, load_tokenizer_from_gguf
 
@@ -168,7 +169,8 @@ def load_tokenizer(checkpoint: Checkpoint) -> Tokenizer:
 
 
 def load(
-    path_or_repo: str | Path, dtype: mx.Dtype | str | None = None, threads: int | None = None
+    path_or_repo: str | Path, dtype: mx.Dtype | str | None = None, threads: int | None = None,
+    plan: DevicePlan | None = None,
 ) -> tuple[Model, Tokenizer]:
     """Load a model and its tokenizer from a local HF/MLX dir, a hub repo id or a ``.gguf`` file.
 
@@ -179,11 +181,16 @@ def load(
             (see ``models.dtype_policy.decide_dtype``).
         threads: CPU streams each projection is split over; ``None`` applies the backend
             policy (see ``models.row_sharding.apply_thread_policy``), 1 turns it off.
+        plan: the device plan whose policies apply (default: the default device's); the GPU
+            plan may be forced on the CPU (``DevicePlan("gpu")``: its dtype, no CPU streams).
     """
     dtype = float_dtype(dtype)
     checkpoint = open_checkpoint(path_or_repo)
     model = build_model(checkpoint.config, checkpoint.tensors)
     tokenizer = load_tokenizer(checkpoint)
-    apply_dtype_policy(model, dtype)
-    apply_thread_policy(model, threads)
+    plan = plan or DevicePlan.current()
+    apply_dtype_policy(model, dtype, plan.device)
+    apply_thread_policy(model, plan.threads if threads is None else threads)
+    if plan.kind == "gpu":
+        wire_memory()
     return model, tokenizer

@@ -18,7 +18,9 @@ from mlxformer.cache.state import state_nbytes
 from mlxformer.formats.checkpoint import Checkpoint, open_checkpoint
 from mlxformer.loader import checked_model
 from mlxformer.models.config import ModelArgs
-from mlxformer.models.dtype_policy import DtypePlan, cast_floating, decide_dtype, floating_dtypes, is_quantized
+from mlxformer.models.dtype_policy import (
+    DtypePlan, cast_floating, decide_dtype, float16_safe, floating_dtypes, is_quantized,
+)
 from mlxformer.models.moe import QuantizedSwitchLinear
 
 # Weight quantizations reported (bits; MLX affine, groups of 64 with 16-bit scales and biases).
@@ -129,7 +131,8 @@ def footprint(path_or_repo: str | Path | Checkpoint, device: mx.DeviceType | Non
     # Placeholders of the stored shapes and dtypes (lazy: never allocated), cast by the policy.
     model.load_weights([(n, mx.zeros(e.shape, e.dtype)) for n, e in tensors.entries.items()], strict=True)
     stored = dict(tree_flatten(model.parameters()))
-    plan = decide_dtype(device or mx.default_device().type, floating_dtypes(model), is_quantized(model), None)
+    plan = decide_dtype(device or mx.default_device().type, floating_dtypes(model), is_quantized(model), None,
+                        float16_safe(checkpoint.args.model_type))
     cast_floating(model, plan.compute, plan.keep_quantized_linear_scales)
     loaded = dict(tree_flatten(model.parameters()))
     entries = []

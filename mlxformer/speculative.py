@@ -27,9 +27,10 @@ import mlx.core as mx
 from mlxformer.cache.protocol import Cache
 from mlxformer.errors import MlxformerError
 from mlxformer.models.decoder import Model
-from mlxformer.options import check_integer
+from mlxformer.options import SamplingSettings, check_integer
 from mlxformer.cache import CacheSettings, make_cache
-from mlxformer.sampling import Distribution, LogitsProcessor
+from mlxformer.choosing import Row, process
+from mlxformer.sampling import Distribution, draw, filtered, normalize
 from mlxformer.steps import prefill
 from mlxformer.tokenizer import Tokenizer
 
@@ -94,17 +95,34 @@ class Proposer(Protocol):
 @dataclass
 class PromptLookupProposer:
     """Prompt-lookup (n-gram) proposals: find the most recent earlier occurrence of the last
-    ``n`` tokens (longest ``n`` first) and propose the tokens that followed it."""
+    ``n`` tokens (longest ``n`` first) and propose the tokens that followed it.
+
+    An index maps each n-gram to its latest start, updated with the tokens that arrived since
+    the last call (rebuilt only when the history is not a continuation of the one indexed), so
+    a round costs the new tokens, not a scan of the history."""
 
     ngram_max: int = 3
     ngram_min: int = 2
+    seen: list[int] = field(default_factory=list)  # the history indexed
+    starts: dict[tuple[int, ...], int] = field(default_factory=dict)  # n-gram -> latest start indexed
+
+    def _index(self, history: Sequence[int]) -> None:
+        """Index every n-gram that ends before the last token of ``history``."""
+        if len(history) < len(self.seen) or list(history[: len(self.seen)]) != self.seen:
+            self.seen, self.starts = [], {}
+        done = len(self.seen)
+        self.seen.extend(history[done:])
+        for n in range(self.ngram_min, self.ngram_max + 1):
+            # starts s with s + n <= len - 1, not indexed before (those had s + n <= done - 1)
+            for start in range(max(done - n, 0), len(history) - n):
+                self.starts[tuple(history[start:start + n])] = start
 
     def propose(self, history: Sequence[int], k: int) -> tuple[list[int], mx.array | None]:
+        self._index(history)
         for n in range(min(self.ngram_max, len(history) - 1), self.ngram_min - 1, -1):
-            tail = list(history[-n:])
-            for start in range(len(history) - n - 1, -1, -1):
-                if list(history[start:start + n]) == tail:
-                    return list(history[start + n:start + n + k]), None
+            start = self.starts.get(tuple(history[-n:]))
+            if start is not None:
+                return list(history[start + n:start + n + k]), None
         return [], None
 
     def bind(self, distribution: Distribution | None, next_key: KeySource | None) -> None:
@@ -143,21 +161,25 @@ class DraftModelProposer:
         return list(history[keep:])
 
     def propose(self, history: Sequence[int], k: int) -> tuple[list[int], mx.array | None]:
-        tokens: list[int] = []
+        # The draft tokens stay on the device, each fed lazily to the next step: one host read
+        # at the end of the round's proposals.
+        tokens: list[mx.array] = []
         probs: list[mx.array] = []
         logits = prefill(self.model, mx.array(self._sync(history)), self.cache)  # (1, vocab)
         for i in range(k):
             if self.distribution is None:
-                token = int(mx.argmax(logits, axis=-1).item())
+                token = mx.argmax(logits, axis=-1)  # (1,)
             else:
-                p = self.distribution(logits.astype(mx.float32))  # (1, vocab)
-                token = int(mx.random.categorical(mx.log(p), axis=-1, key=_key(self.next_key)).item())
+                p = self.distribution(logits)  # (1, vocab)
+                key = _key(self.next_key)
+                token = draw(mx.log(p), key[None] if key is not None else None)
                 probs.append(p[0])
             tokens.append(token)
             if i + 1 < k:
-                logits = self.model.last_logits(mx.array([[token]]), self.cache)
-                self.seen.append(token)
-        return tokens, (mx.stack(probs) if probs else None)
+                logits = self.model.last_logits(token[None], self.cache)
+        proposed = mx.concatenate(tokens).tolist()  # the round's one sync on the draft side
+        self.seen.extend(proposed[:-1])
+        return proposed, (mx.stack(probs) if probs else None)
 
 
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
@@ -210,47 +232,49 @@ class AdaptiveLength:
         self.current = max(1, min(self.limit, self.current + step))
 
 
-def apply_processors(logits: mx.array, history: list[int], processors: Sequence[LogitsProcessor]) -> mx.array:
-    """``logits`` ``(1, vocab)`` after each processor, given the tokens so far ``history``."""
-    if not processors:
-        return logits
-    history_array = mx.array(history)
-    for process in processors:
-        logits = process(history_array, logits)
-    return logits
-
-
 def verify(
     logits: mx.array,
     history: list[int],
     proposed: list[int],
     draft_probs: mx.array | None,
-    distribution: Distribution | None,
-    processors: Sequence[LogitsProcessor],
+    sampling: SamplingSettings,
+    prompt_length: int,
     next_key: KeySource | None = None,
-) -> tuple[int, int]:
-    """Decide how many ``proposed`` tokens to keep and the token after them.
+) -> tuple[list[int], mx.array]:
+    """Decide a round in one graph and one host read: the tokens to hand out (the accepted
+    proposals, then the target's next token) and the log-probabilities ``(n, vocab)`` each was
+    chosen from (after the penalties; lazy).
 
-    ``logits`` is ``(k + 1, vocab)``: row ``i`` predicts the token after ``proposed[:i]``.
-    Random draws use keys from ``next_key`` (default: MLX's global stream).
-    Returns ``(accepted, next_token)``.
+    ``logits`` is ``(k + 1, vocab)``: row ``i`` predicts the token after ``proposed[:i]``, and is
+    penalised as the history it follows. Greedy keeps the proposals while they are the argmax.
+    Sampling accepts proposal ``d`` with probability ``min(1, p(d)/q(d))`` (``q``: the draft's
+    probabilities, a point mass without them) and after the first rejection draws from
+    ``max(p - q, 0)`` normalised, or from ``p`` after the last proposal; every round takes
+    ``2k + 1`` keys from ``next_key`` (default: MLX's global stream), whatever it decides.
     """
-    for i, token in enumerate([*proposed, None]):
-        row = apply_processors(logits[i:i + 1], history + proposed[:i], processors)  # (1, vocab)
-        if distribution is None:  # greedy: keep while the proposal is the argmax
-            target = int(mx.argmax(row, axis=-1).item())
-            if token != target:
-                return i, target
-            continue
-        p = distribution(row)[0]  # (vocab,)
-        if token is None:  # every proposal accepted: the bonus token
-            return i, int(mx.random.categorical(mx.log(p), key=_key(next_key)).item())
-        q = draft_probs[i] if draft_probs is not None else mx.zeros_like(p).at[token].add(1.0)
-        if mx.random.uniform(key=_key(next_key)).item() * q[token].item() < p[token].item():  # accept w.p. min(1, p/q)
-            continue
+    k = len(proposed)
+    rows = [Row(sampling, history + proposed[:i], prompt_length) for i in range(k + 1)]
+    logprobs = normalize(process(logits, rows))  # (k + 1, vocab)
+    ids = mx.array(proposed, mx.int32)  # (k,)
+    if sampling.greedy:
+        targets = mx.argmax(logprobs, axis=-1)  # (k + 1,)
+        accepts = targets[:k] == ids
+    else:
+        p = mx.softmax(filtered(logprobs, sampling.temp, sampling.top_k, sampling.top_p, sampling.min_p), axis=-1)
+        q = draft_probs if draft_probs is not None else mx.zeros((k, p.shape[-1])).at[mx.arange(k), ids].add(1.0)
+        q = mx.concatenate([q.astype(mx.float32), mx.zeros((1, p.shape[-1]))])  # (k + 1, vocab): none after the last
+        keys = [next_key() for _ in range(2 * k + 1)] if next_key is not None else None
+        uniform = (mx.vmap(lambda key: mx.random.uniform(shape=(), key=key))(mx.stack(keys[:k])) if keys
+                   else mx.random.uniform(shape=(k,)))
+        chosen = mx.arange(k)
+        p_d, q_d = p[chosen, ids], q[chosen, ids]  # (k,)
+        accepts = uniform * q_d < p_d
         residual = mx.maximum(p - q, 0.0)
-        return i, int(mx.random.categorical(mx.log(residual / residual.sum()), key=_key(next_key)).item())
-    raise AssertionError("unreachable")
+        targets = draw(mx.log(residual), mx.stack(keys[k:]) if keys else None)  # (k + 1,)
+    accepted = mx.sum(mx.cumprod(accepts.astype(mx.int32)), keepdims=True) if k else mx.zeros((1,), mx.int32)
+    read = mx.concatenate([accepted, mx.take(targets, accepted)]).tolist()  # the round's one host read
+    n = int(read[0])
+    return [*proposed[:n], int(read[1])], logprobs[: n + 1]
 
 
 @dataclass
@@ -268,14 +292,13 @@ class Speculator:
         self,
         proposer: Proposer,
         limit: int,
-        distribution: Distribution | None,
-        processors: Sequence[LogitsProcessor],
+        sampling: SamplingSettings,
+        prompt_length: int,
         next_key: KeySource,
     ) -> None:
         self.proposer = proposer
         self.length = AdaptiveLength(limit)
-        self.distribution = distribution  # None: greedy
-        self.processors = processors
+        self.sampling, self.prompt_length = sampling, prompt_length
         self.next_key = next_key
         self.stats = SpeculativeStats()
         self.round: Round | None = None
@@ -291,24 +314,19 @@ class Speculator:
             self.round = Round(list(proposed), draft_probs)
         return list(proposed)
 
-    def verify(self, logits: mx.array, history: list[int]) -> list[tuple[mx.array, mx.array]]:
-        """Decide the round from the target's ``logits`` ``(k + 1, vocab)``: the accepted proposals
-        then the next token, each as ``(token (1,), log-probabilities (1, vocab))`` (the
-        distribution after the processors, lazy) in order."""
+    def verify(self, logits: mx.array, history: list[int]) -> tuple[list[int], mx.array]:
+        """Decide the round from the target's ``logits`` ``(k + 1, vocab)`` (``verify``): the
+        accepted proposals then the next token, and their log-probabilities ``(n, vocab)``."""
         assert self.round is not None
         proposed = self.round.proposed
-        accepted, next_token = verify(
-            logits, history, proposed, self.round.draft_probs, self.distribution, self.processors, self.next_key
-        )
+        tokens, logprobs = verify(logits, history, proposed, self.round.draft_probs, self.sampling,
+                                  self.prompt_length, self.next_key)
+        accepted = len(tokens) - 1
         self.length.update(accepted, len(proposed))
         self.stats.proposed += len(proposed)
         self.stats.accepted += accepted
         self.stats.rounds += 1
-        choices = []
-        for i, token in enumerate([*proposed[:accepted], next_token]):
-            row = apply_processors(logits[i : i + 1], history + proposed[:i], self.processors)  # (1, vocab)
-            choices.append((mx.array([token]), row - mx.logsumexp(row, axis=-1, keepdims=True)))
-        return choices
+        return tokens, logprobs
 
 
 def check_draft(settings: SpeculativeSettings, tokenizer: Tokenizer) -> None:

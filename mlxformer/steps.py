@@ -8,21 +8,13 @@ from typing import Sequence
 import mlx.core as mx
 
 from mlxformer.cache.protocol import Cache
-from mlxformer.device import on_cpu
 from mlxformer.errors import MlxformerError
 from mlxformer.models.decoder import Model
-
-# Prompt tokens per prefill chunk. On the CPU device smaller chunks are as fast or faster
-# (cache-friendly matmuls) and cut the activations' peak memory (measured on SmolLM2, 256
-# tokens: 128-token chunks +19 MB over the weights vs +26 MB at 256, same tok/s); a GPU
-# wants large chunks to fill the device.
-GPU_PREFILL_STEP = 512
-CPU_PREFILL_STEP = 128
-
+from mlxformer.models.device_plan import DevicePlan
 
 def default_prefill_step() -> int:
-    """Prefill chunk size for the default device."""
-    return CPU_PREFILL_STEP if on_cpu() else GPU_PREFILL_STEP
+    """Prefill chunk size for the default device (``DevicePlan.prefill_step``)."""
+    return DevicePlan.current().prefill_step
 
 
 def prefill(model: Model, tokens: mx.array, cache: Sequence[Cache], step_size: int | None = None) -> mx.array:

@@ -30,7 +30,7 @@ def add_verbose(parser: argparse.ArgumentParser) -> None:
 
 
 def add_model_args(parser: argparse.ArgumentParser, several: bool = False) -> None:
-    """``--model`` (repeatable when ``several``), ``--dtype`` and ``--threads``."""
+    """``--model`` (repeatable when ``several``), ``--dtype``, ``--threads`` and ``--device-plan``."""
     parser.add_argument(
         "--model", "-m", action="append" if several else "store",
         help="HF repo id (REPO:QUANT picks a GGUF by quant tag), local HF/MLX dir or .gguf file "
@@ -43,6 +43,10 @@ def add_model_args(parser: argparse.ArgumentParser, several: bool = False) -> No
     parser.add_argument(
         "--threads", "-t", type=int, default=None,
         help="CPU streams to split each projection over (default: usable cores, at most 4, on CPU; 1 on GPU)",
+    )
+    parser.add_argument(
+        "--device-plan", choices=("gpu", "cpu"), default=None,
+        help="load as planned for this device (compute dtype, CPU streams) whatever MLX runs on (default: its device)",
     )
 
 
@@ -154,16 +158,18 @@ def cache_settings(args: argparse.Namespace) -> CacheSettings:
 
 
 def load_for_cli(args: argparse.Namespace) -> tuple[Model, Tokenizer]:
-    """``load`` on ``--model`` (or the default model) with ``--dtype`` and ``--threads``."""
+    """``load`` on ``--model`` (or the default model) with ``--dtype``, ``--threads`` and ``--device-plan``."""
     from mlxformer.default_model import default_model_path
     from mlxformer.errors import MlxformerError
     from mlxformer.loader import load
     from mlxformer.models.config import FLOAT_DTYPES
+    from mlxformer.models.device_plan import DevicePlan
 
     if args.threads is not None and args.threads < 1:
         raise MlxformerError("--threads must be at least 1")
     source = args.model if args.model else default_model_path()
-    return load(source, dtype=FLOAT_DTYPES[args.dtype] if args.dtype else None, threads=args.threads)
+    return load(source, dtype=FLOAT_DTYPES[args.dtype] if args.dtype else None, threads=args.threads,
+                plan=DevicePlan.named(args.device_plan))
 
 
 def check_output_path(path: str | Path) -> None:
@@ -212,6 +218,7 @@ def speculative_settings(args: argparse.Namespace, tokenizer: Tokenizer) -> Spec
     from mlxformer.errors import MlxformerError, OptionError
     from mlxformer.loader import load
     from mlxformer.models.config import FLOAT_DTYPES
+    from mlxformer.models.device_plan import DevicePlan
     from mlxformer.speculative import SpeculativeSettings
 
     if not args.prompt_lookup and not args.draft_model:
@@ -227,5 +234,5 @@ def speculative_settings(args: argparse.Namespace, tokenizer: Tokenizer) -> Spec
     except OptionError as exc:
         raise flag_error(exc) from None
     draft, draft_tokenizer = load(args.draft_model, dtype=FLOAT_DTYPES[args.dtype] if args.dtype else None,
-                                  threads=args.threads)
+                                  threads=args.threads, plan=DevicePlan.named(args.device_plan))
     return SpeculativeSettings(num_draft_tokens=count, draft_model=draft, draft_tokenizer=draft_tokenizer)

@@ -21,6 +21,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--model", "-m", help="HF repo id, local HF/MLX dir or .gguf file (default: the offline SmolLM2)")
     parser.add_argument("--context", type=int, default=4096, help="tokens of KV cache to plan for (default 4096)")
+    parser.add_argument("--device-plan", choices=("gpu", "cpu"), default=None,
+                        help="the device the sizes are planned for (default: MLX's; both plans are listed)")
     add_verbose(parser)
     parser.set_defaults(handler=run)
 
@@ -34,6 +36,19 @@ def _size(n: int) -> str:
 
 def _dtype_name(fp: Footprint) -> str:
     return str(fp.plan.compute).rpartition(".")[2]
+
+
+def plan_lines(plans: dict[str, Footprint], current: str) -> list[str]:
+    """One line per device plan: its compute dtype, CPU streams and prefill chunk."""
+    from mlxformer.models.device_plan import DevicePlan
+
+    lines = ["device plans:"]
+    for kind, fp in plans.items():
+        plan = DevicePlan(kind)
+        mark = "  (this device)" if kind == current else ""
+        lines.append(f"  {kind}  {_dtype_name(fp)} compute, {plan.threads} CPU stream(s) per projection, "
+                     f"prefill chunks of {plan.prefill_step}{mark}")
+    return lines
 
 
 def format_report(fp: Footprint, context: int, memory: int) -> str:
@@ -79,9 +94,13 @@ def run(args: argparse.Namespace) -> int:
 
     if args.context < 1:
         raise MlxformerError("--context must be positive")
+    from mlxformer.models.device_plan import KINDS, DevicePlan
+
     checkpoint = open_checkpoint(args.model if args.model else default_model_path())
-    fp = footprint(checkpoint)
-    print(format_report(fp, args.context, machine_memory()))
+    plans = {kind: footprint(checkpoint, DevicePlan(kind).device) for kind in KINDS}
+    kind = DevicePlan.named(args.device_plan).kind
+    print(format_report(plans[kind], args.context, machine_memory()))
+    print("\n".join(plan_lines(plans, DevicePlan.current().kind)))
     defaults = SamplingDefaults.of_checkpoint(checkpoint.tokenizer_dir, checkpoint.gguf_metadata)
     print(f"sampling defaults (unless a flag or request sets them): {defaults.describe()}")
     return 0

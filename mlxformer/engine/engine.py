@@ -299,7 +299,8 @@ class Engine:
         for sequence, proposed in verifying:
             try:
                 logits = self.runner.verify([sequence.last_token, *proposed], sequence.cache)
-                choices += [([sequence], *c) for c in sequence.verify(logits)]
+                tokens, logprobs = sequence.verify(logits)
+                choices.append(([sequence] * len(tokens), mx.array(tokens), logprobs))
             except Exception as exc:
                 self._fail(sequence, exc)
         for chunk in step.prefill:

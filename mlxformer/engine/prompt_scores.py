@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from mlxformer.sampling import normalize, top_logprobs
+
 
 class PromptScores:
     """Each prompt token's log-probability given the tokens before it, and the ``top`` most
@@ -30,11 +32,12 @@ class PromptScores:
         targets = self.prompt[start + 1 : start + 1 + logits.shape[0]]
         if not targets:
             return []
-        rows = logits[: len(targets)].astype(mx.float32)  # (k, vocab)
-        logprobs = rows - mx.logsumexp(rows, axis=-1, keepdims=True)
+        logprobs = normalize(logits[: len(targets)])  # (k, vocab) float32
         chosen = mx.take_along_axis(logprobs, mx.array(targets)[:, None], axis=-1)[:, 0]  # (k,)
-        top_ids = mx.argsort(-logprobs, axis=-1)[:, : self.top]  # (k, top)
-        top_values = mx.take_along_axis(logprobs, top_ids, axis=-1)
+        if self.top:
+            top_ids, top_values = top_logprobs(logprobs, self.top)  # (k, top): a partition, not a sort
+        else:
+            top_ids = top_values = mx.zeros((logprobs.shape[0], 0), mx.int32)
         self._chosen.append(chosen)
         self._top_ids.append(top_ids)
         self._top_values.append(top_values)

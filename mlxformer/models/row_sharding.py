@@ -18,14 +18,14 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxformer.device import available_cores, on_cpu
+from mlxformer.device import on_cpu
 from mlxformer.errors import MlxformerError
 from mlxformer.models.decoder import Model
+from mlxformer.models.device_plan import DevicePlan
 from mlxformer.models.mlp import GATES, MLP
 from mlxformer.models.moe import QuantizedSwitchLinear, SwitchLinear
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "gate_proj", "up_proj", "gate_up_proj", "down_proj")
-MAX_DEFAULT_THREADS = 4
 # Measured on SmolLM2 float32, 2 streams: a 55/45 split decodes 4-5% faster than 50/50.
 LEAD_SHARE = 1.2
 # MLX streams belong to the thread that made them: each thread running the model (the caller,
@@ -34,8 +34,8 @@ _STREAMS = threading.local()
 
 
 def default_threads() -> int:
-    """Streams to split projections over: the usable cores (at most 4) on the CPU device, else 1."""
-    return min(available_cores(), MAX_DEFAULT_THREADS) if on_cpu() else 1
+    """Streams to split projections over on the default device (``DevicePlan.threads``)."""
+    return DevicePlan.current().threads
 
 
 def worker_streams(count: int) -> list[mx.Stream]:

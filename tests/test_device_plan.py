@@ -1,0 +1,129 @@
+"""The GPU plan, run on the CPU: every family's tiny checkpoint and the real Gemma 3 270M GGUF
+load as a GPU would load them (16-bit, never float16 where it overflows; no CPU streams) and
+give finite logits and float32's greedy tokens; the float16 rule (family and probe), the
+converter's default dtype, ``info``'s plan lines and Metal's wired limit."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from conftest import cpu_default_device, write_byte_tokenizer, write_tiny_checkpoint
+from mlxformer import load
+from mlxformer.models.device_plan import DevicePlan, wire_memory
+from mlxformer.models.dtype_policy import apply_dtype_policy, cast_floating, floating_dtypes
+from mlxformer.models.row_sharding import RowSharded
+from test_families import CASES, tokens
+from test_gemma3_real import REFERENCE, gemma3_path  # noqa: F401 (the fixture)
+
+FAMILIES = {"llama": ("llama", {}), "qwen2": ("qwen2", {}), **CASES}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cpu_device():
+    with cpu_default_device():
+        yield
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_gpu_plan_on_the_cpu_for_every_family(family, tmp_path):
+    """bfloat16 rounding moves tiny random models' logits (perturbed weights; Gemma 2's soft cap
+    leaves top-2 gaps of hundredths), so the bound is transformers' own: our bfloat16 logits are
+    as close to float32's as transformers' bfloat16 logits are, and their argmax agrees as often."""
+    import torch
+
+    model_type, overrides = FAMILIES[family]
+    directory, hf_model = write_tiny_checkpoint(tmp_path, model_type, **overrides)
+    write_byte_tokenizer(directory)
+    model, _ = load(directory, plan=DevicePlan("gpu"))
+    assert set(floating_dtypes(model)) == {mx.bfloat16}  # a float32 checkpoint computes in bfloat16 on a GPU
+    assert not any(isinstance(m, RowSharded) for _, m in model.named_modules())  # no CPU streams
+    ids = tokens(24)
+    got = model(mx.array(ids[None]))[0]
+    assert got.dtype == mx.bfloat16 and bool(mx.isfinite(got).all())
+    with torch.no_grad():
+        want = hf_model(torch.tensor(ids[None])).logits[0].numpy()
+        hf_bf16 = hf_model.to(torch.bfloat16)(torch.tensor(ids[None])).logits[0].float().numpy()
+    ours = np.array(got.astype(mx.float32))
+    ours_error, hf_error = np.abs(ours - want).max(), np.abs(hf_bf16 - want).max()
+    assert ours_error <= 1.5 * hf_error + 0.05, (ours_error, hf_error)
+    agree = (ours.argmax(-1) == want.argmax(-1)).mean()
+    assert agree >= (hf_bf16.argmax(-1) == want.argmax(-1)).mean() - 2 / len(ids), agree
+
+
+@pytest.mark.parametrize("model_type, expected", [("llama", mx.float16), ("gemma3_text", mx.bfloat16)])
+def test_a_float16_checkpoint_keeps_float16_on_a_gpu_unless_its_family_overflows(model_type, expected, tmp_path):
+    extra = dict(head_dim=32, sliding_window=8, query_pre_attn_scalar=16) if model_type == "gemma3_text" else {}
+    directory, _ = write_tiny_checkpoint(tmp_path, model_type, **extra)
+    write_byte_tokenizer(directory)
+    model, _ = load(directory, dtype=mx.float16)  # as a float16 checkpoint would hold it
+    assert apply_dtype_policy(model, None, mx.DeviceType.gpu).compute == expected
+    assert set(floating_dtypes(model)) == {expected}
+
+
+def test_the_load_probe_moves_an_overflowing_float16_model_to_bfloat16(tmp_path):
+    """A llama whose logits pass 65,504 (a final norm weight of 30,000, finite in float16): its
+    float16 logits are not finite, so the GPU plan computes it in bfloat16."""
+    directory, _ = write_tiny_checkpoint(tmp_path, "llama")
+    write_byte_tokenizer(directory)
+    model, _ = load(directory, dtype=mx.float32)
+    model.model.norm.weight = mx.full(model.model.norm.weight.shape, 3e4)
+    cast_floating(model, mx.float16)  # a float16 checkpoint
+    ids = mx.array(tokens(8)[None])
+    assert not bool(mx.isfinite(model(ids)).all())
+    assert apply_dtype_policy(model, None, mx.DeviceType.gpu).compute == mx.bfloat16
+    assert bool(mx.isfinite(model(ids)).all())
+
+
+def test_gemma3_270m_gguf_gpu_plan_on_the_cpu(gemma3_path):  # noqa: F811
+    """The Q4_K_M GGUF's scales are float16, which the old GPU rule computed in: its residual
+    reaches ~103,800, past float16's range (non-finite logits). The GPU plan computes in
+    bfloat16: finite logits, and over transformers' greedy continuation (float32's, teacher
+    forced) the same next token at most positions; where they differ, the two were
+    near-tied in bfloat16 too (it moves these logits by up to ~3: the first token, "the" vs "a", is one)."""
+    model, _ = load(gemma3_path, plan=DevicePlan("gpu"))
+    dtypes = floating_dtypes(model)
+    assert mx.float16 not in dtypes and max(dtypes, key=dtypes.__getitem__) == mx.bfloat16
+    prompt, greedy = REFERENCE["ids"], REFERENCE["greedy"]
+    ids = mx.array([prompt + greedy])
+    logits = model(ids)[0, len(prompt) - 1 : -1]  # (24, vocab): the predictions of the greedy tokens
+    assert bool(mx.isfinite(logits).all())
+    got = np.array(logits.astype(mx.float32))
+    differ = got.argmax(-1) != np.array(greedy)
+    assert differ.mean() <= 0.25, got.argmax(-1).tolist()
+    chosen = np.take_along_axis(got, np.array(greedy)[:, None], axis=-1)[:, 0]
+    assert (got.max(-1)[differ] - chosen[differ] < 2.0).all()  # a near-tie in bfloat16 too (gaps seen: <= 1.75)
+    forced, _ = load(gemma3_path, dtype=mx.float16)  # what float16 gives: the rule matters
+    assert not bool(mx.isfinite(forced(mx.array([prompt]))).all())
+
+
+def test_convert_never_defaults_to_float16_for_a_family_that_overflows():
+    from mlxformer.converter import default_float_dtype
+
+    assert default_float_dtype(True, "llama", {mx.float32}) == mx.float16
+    assert default_float_dtype(False, "llama", {mx.float16}) is None  # keeps the source's
+    assert default_float_dtype(True, "gemma3_text", {mx.float32}) == mx.bfloat16
+    assert default_float_dtype(False, "gemma2", {mx.float16, mx.float32}) == mx.bfloat16
+    assert default_float_dtype(False, "gemma", {mx.float32}) is None
+
+
+def test_info_prints_each_device_plan(smollm_gguf, capsys):
+    from mlxformer.cli.main import main
+
+    assert main(["info", "--model", str(smollm_gguf), "--device-plan", "gpu"]) == 0
+    out = capsys.readouterr().out
+    assert "as loaded here" in out and "(float16 compute)" in out  # the GPU plan's sizes
+    lines = out.split("device plans:")[1].strip().splitlines()
+    assert lines[0].split()[:2] == ["gpu", "float16"] and "prefill chunks of 512" in lines[0]
+    assert lines[1].split()[:2] == ["cpu", "float32"] and "(this device)" in lines[1]
+
+
+def test_wired_limit_is_set_on_metal_only(monkeypatch):
+    calls = []
+    monkeypatch.setattr(mx, "set_wired_limit", lambda limit: calls.append(limit))
+    monkeypatch.setattr(mx.metal, "is_available", lambda: False)
+    assert wire_memory() is None and calls == []
+    monkeypatch.setattr(mx.metal, "is_available", lambda: True)
+    monkeypatch.setattr(mx.metal, "device_info", lambda: {"max_recommended_working_set_size": 123456})
+    assert wire_memory() == 123456 and calls == [123456]
