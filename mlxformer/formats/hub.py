@@ -10,6 +10,7 @@ returned is its (first) file. Offline, the repo's files are what the cache holds
 from __future__ import annotations
 
 import fnmatch
+import importlib
 import os
 import re
 from pathlib import Path
@@ -48,10 +49,20 @@ def _reason(exc: BaseException) -> str:
 
 
 def _hub_errors() -> tuple[type[BaseException], ...]:
-    import httpx
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
 
-    return (LocalEntryNotFoundError, RepositoryNotFoundError, HfHubHTTPError, OSError, httpx.HTTPError)
+    return (LocalEntryNotFoundError, RepositoryNotFoundError, HfHubHTTPError, OSError, *_transport_errors())
+
+
+def _transport_errors() -> tuple[type[BaseException], ...]:
+    """The HTTP client's own errors (a refused connection, a timeout): huggingface-hub 2 uses
+    ``httpx2``, 1.x ``httpx``; neither is ours to depend on, so whichever is installed."""
+    for name in ("httpx2", "httpx"):
+        try:
+            return (importlib.import_module(name).HTTPError,)
+        except ImportError:
+            continue
+    return ()
 
 
 def repo_files(repo: str) -> dict[str, int]:
