@@ -85,9 +85,9 @@ def test_gemma3_270m_gguf_gpu_plan_on_the_cpu(gemma3_path):  # noqa: F811
     model, _ = load(gemma3_path, plan=DevicePlan("gpu"))
     dtypes = floating_dtypes(model)
     assert mx.float16 not in dtypes and max(dtypes, key=dtypes.__getitem__) == mx.bfloat16
-    prompt, greedy = REFERENCE["ids"], REFERENCE["greedy"]
+    prompt, greedy = REFERENCE["ids"], REFERENCE["greedy"][:16]  # (bfloat16 quantized matmuls are slow on the CPU)
     ids = mx.array([prompt + greedy])
-    logits = model(ids)[0, len(prompt) - 1 : -1]  # (24, vocab): the predictions of the greedy tokens
+    logits = model(ids)[0, len(prompt) - 1 : -1]  # (16, vocab): the predictions of the greedy tokens
     assert bool(mx.isfinite(logits).all())
     got = np.array(logits.astype(mx.float32))
     differ = got.argmax(-1) != np.array(greedy)
