@@ -84,7 +84,8 @@ def poison(stage: str, engine: Engine, monkeypatch) -> None:
     """Make ``stage`` fail for the sequence whose prompt holds ``POISON`` (the detokenizer: the
     ``POISONED``-th request's)."""
     runner = engine.runner
-    if stage == "prefill":
+    real_step = runner.step
+    if stage == "prefill":  # a chunk alone (``prefill``) or in a step's forward (``step``)
         real_prefill = runner.prefill
 
         def prefill(tokens, *args):
@@ -92,17 +93,23 @@ def poison(stage: str, engine: Engine, monkeypatch) -> None:
                 raise RuntimeError("injected prefill fault")
             return real_prefill(tokens, *args)
 
-        monkeypatch.setattr(runner, "prefill", prefill)
-    elif stage == "decode":
-        real_decode = runner.decode
+        def prefill_step(sequences, chunks=()):
+            outputs = real_step(sequences, chunks)  # every layer's cache is written, then the step fails
+            if any(POISON in c.tokens for c in chunks):
+                raise RuntimeError("injected prefill fault")
+            return outputs
 
-        def decode(sequences):
-            logits = real_decode(sequences)  # every layer's cache is written, then the step fails
+        monkeypatch.setattr(runner, "prefill", prefill)
+        monkeypatch.setattr(runner, "step", prefill_step)
+    elif stage == "decode":  # ``decode`` (rows rerun alone) runs a ``step`` too
+
+        def decode_step(sequences, chunks=()):
+            outputs = real_step(sequences, chunks)  # every layer's cache is written, then the step fails
             if any(POISON in s.prompt and len(s.generated) >= 3 for s in sequences):
                 raise RuntimeError("injected decode fault")
-            return logits
+            return outputs
 
-        monkeypatch.setattr(runner, "decode", decode)
+        monkeypatch.setattr(runner, "step", decode_step)
     elif stage == "detokenizer":
         made = engine.tokenizer.detokenizer
         calls = itertools.count()

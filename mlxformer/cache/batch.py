@@ -1,9 +1,10 @@
 """Batched decode storage: B sequences' keys/values of one layer in one buffer of slots.
 
-A ``BatchLayout`` (host-side, shared by the layers that store alike: all of them, or, in a model
-mixing sliding-window and global layers such as Gemma 2/3, each kind's) records which absolute
-position each slot of each row holds; a ``BatchLayerCache`` holds one layer's buffers
-``(B, n_kv, C, ...)``. A
+A ``BatchLayout`` (shared by the layers that store alike: all of them, or, in a model mixing
+sliding-window and global layers such as Gemma 2/3, each kind's) records which absolute
+position each slot of each row holds, in a ``(B, C)`` device array: a step's slots, offsets and
+mask are built from it with MLX ops, so the host's work per step is a few numbers per row,
+whatever the context; a ``BatchLayerCache`` holds one layer's buffers ``(B, n_kv, C, ...)``. A
 decode step writes every row's new key/value at that row's own slot with one scatter per array
 and attends over all ``C`` slots of all rows in one call, masked by position. The slots are the
 ones the sequence's own cache would use (the growing cache appends; the rotating cache fills,
@@ -20,7 +21,6 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 import mlx.core as mx
-import numpy as np
 
 from mlxformer.cache.codec import CENTER_BLOCK, FLOAT_CODEC, KVCodec, Pack, pack_nbytes
 from mlxformer.cache.kv import KVCache
@@ -75,9 +75,10 @@ def row_quantizes_next(row: "Row") -> bool:
 
 @dataclass
 class Row:
-    """One sequence's place in the batch (host-side; the same for every layer)."""
+    """One sequence's place in the batch (host-side; the same for every layer); the positions
+    its slots hold are its row of the layout's device array."""
 
-    positions: list[int]  # absolute position held by each used slot
+    used: int  # slots in use
     offset: int  # tokens seen (the next token's position)
     idx: int  # the next ring slot once every slot is used
     metas: list[dict[str, str]] = field(default_factory=list)  # each layer's cache settings, to rebuild it
@@ -90,16 +91,18 @@ class BatchLayout:
         self.kind, self.window = kind, window
         self.rows: list[Row] = []
         self.width = 0  # C: slots per row in the buffers
+        self.positions = mx.zeros((0, 0), dtype=mx.int32)  # (B, C') position held by each slot, -1: empty
         self.slots: mx.array | None = None  # (B,) this step's slot of each row
         self.offsets: mx.array | None = None  # (B,) this step's position of each row
         self.mask: mx.array | None = None  # (B, 1, 1, C) the slots each row's query sees
         self.key_blocks: mx.array | None = None  # (B, C) each slot's key-center block
         self.query_blocks: mx.array | None = None  # (B, 1) the key-center block of this step's token
+        self._next: mx.array | None = None  # (B, C) the positions once this step's token is written
 
     def slot_of(self, row: Row) -> int:
         """Where ``row`` writes its next token."""
         capacity = self.kind.capacity
-        return len(row.positions) if capacity is None or len(row.positions) < capacity else row.idx
+        return row.used if capacity is None or row.used < capacity else row.idx
 
     def fit(self, slots_needed: int) -> None:
         """Grow the width (in steps, never past the capacity) to hold ``slots_needed`` slots."""
@@ -107,38 +110,62 @@ class BatchLayout:
             width = -(-slots_needed // STEP) * STEP
             self.width = width if self.kind.capacity is None else min(width, self.kind.capacity)
 
+    def padded(self) -> mx.array:
+        """The positions ``(B, C)``: slots past the ones recorded hold -1 (empty)."""
+        short = self.width - self.positions.shape[1]
+        if short > 0:
+            empty = mx.full((self.positions.shape[0], short), -1, dtype=mx.int32)
+            self.positions = mx.concatenate([self.positions, empty], axis=1)
+        return self.positions[:, : self.width]
+
     def prepare(self) -> None:
-        """Choose this step's slots and build its offsets and mask (call before the forward)."""
+        """Choose this step's slots and build its offsets and mask (call before the forward):
+        O(B) host work, the (B, C) arrays are MLX ops."""
         slots = [self.slot_of(r) for r in self.rows]
         self.fit(max(slots) + 1)
-        positions = np.full((len(self.rows), self.width), -1, dtype=np.int64)  # (B, C)
-        for i, (row, slot) in enumerate(zip(self.rows, slots)):
-            positions[i, : len(row.positions)] = row.positions
-            positions[i, slot] = row.offset
-        query = np.array([r.offset for r in self.rows], dtype=np.int64)[:, None]  # (B, 1)
+        self.slots = mx.array(slots, dtype=mx.int32)
+        self.offsets = mx.array([r.offset for r in self.rows], dtype=mx.int32)
+        query = self.offsets[:, None]  # (B, 1)
+        positions = mx.put_along_axis(self.padded(), self.slots[:, None], query, axis=1)  # (B, C)
         visible = (positions >= 0) & (positions <= query)
         if self.kind.max_size is not None:
             visible &= (positions < self.kind.keep) | (positions > query - (self.kind.max_size - self.kind.keep))
         if self.window is not None:
             visible &= positions > query - self.window
-        self.slots = mx.array(slots, dtype=mx.int32)
-        self.offsets = mx.array(query[:, 0].tolist(), dtype=mx.int32)
-        self.mask = mx.array(visible[:, None, None, :])  # (B, 1, 1, C)
-        self.key_blocks = mx.array(np.maximum(positions, 0) // CENTER_BLOCK, dtype=mx.int32)
-        self.query_blocks = mx.array(query // CENTER_BLOCK, dtype=mx.int32)
+        self._next = positions
+        self.mask = visible[:, None, None, :]  # (B, 1, 1, C)
+        self.key_blocks = mx.maximum(positions, 0) // CENTER_BLOCK
+        self.query_blocks = query // CENTER_BLOCK
 
     def commit(self) -> None:
         """Record this step's token in every row (call after the forward is built)."""
+        assert self._next is not None, "prepare() first"
+        self.positions, self._next = self._next, None
         capacity, keep = self.kind.capacity, self.kind.keep
         for row in self.rows:
             slot = self.slot_of(row)
-            if slot == len(row.positions):
-                row.positions.append(row.offset)
-                row.idx = len(row.positions) if capacity is None or len(row.positions) < capacity else keep
+            if slot == row.used:
+                row.used += 1
+                row.idx = row.used if capacity is None or row.used < capacity else keep
             else:
-                row.positions[slot] = row.offset
                 row.idx = slot + 1 if capacity is None or slot + 1 < capacity else keep
             row.offset += 1
+
+    def add(self, rows: list[Row], positions: list[mx.array]) -> None:
+        """Append rows, the positions their used slots hold (each ``(used,)``)."""
+        padded = [mx.concatenate([p, mx.full((self.width - p.shape[0],), -1, dtype=mx.int32)]) for p in positions]
+        self.positions = mx.concatenate([self.padded(), mx.stack(padded)], axis=0)  # (B + new, C)
+        self.rows += rows
+
+    def remove(self, index: int, keep: mx.array) -> tuple[Row, mx.array]:
+        """Remove row ``index`` (``keep``: the other rows' indices); returns it and its used
+        slots' positions ``(used,)``; the width narrows to what the rows left need."""
+        row = self.rows.pop(index)
+        held = self.positions[index, : row.used]
+        self.width = 0
+        self.fit(max((r.used for r in self.rows), default=0) + 1)
+        self.positions = self.positions[keep][:, : self.width]
+        return row, held
 
 
 def _pad(pack: Pack, width: int) -> Pack:
@@ -254,9 +281,10 @@ class DecodeBatch:
     def join(self, caches: Sequence[Sequence[Cache]]) -> list[list[RowView]]:
         """Add rows from per-sequence caches (one list of layer caches each); returns each
         new row's stand-in caches."""
-        rows = {kind: [_row_of([c[i] for i in layers]) for c in caches] for kind, layers in self.groups.items()}
-        for kind, layout in self.layouts.items():
-            layout.fit(max(len(r.positions) for r in rows[kind]) + 1)
+        rows, positions = {}, {}
+        for kind, layers in self.groups.items():
+            rows[kind], positions[kind] = zip(*(_row_of([c[i] for i in layers]) for c in caches))
+            self.layouts[kind].fit(max(r.used for r in rows[kind]) + 1)
         merged = []
         for layer in range(self.n_layers):
             kind = self.key[layer]
@@ -280,7 +308,7 @@ class DecodeBatch:
             merged.append(BatchLayerCache(self.layouts[kind], codec, _cat_rows(keys), _cat_rows(values)))
         self.layers = merged
         for kind, layout in self.layouts.items():
-            layout.rows += rows[kind]
+            layout.add(list(rows[kind]), list(positions[kind]))
         views: list[list[RowView]] = []
         for j in range(len(caches)):
             views.append([RowView(self, rows[self.key[i]][j], i) for i in range(self.n_layers)])
@@ -293,11 +321,9 @@ class DecodeBatch:
         keep = mx.array([i for i in range(count) if i != index], dtype=mx.int32)
         for kind, layers in self.groups.items():
             layout = self.layouts[kind]
-            row = layout.rows.pop(index)
-            size = len(row.positions)
             # narrowed to what the rows left need (the KV budget counts each row by its own length)
-            layout.width = 0
-            layout.fit(max((len(r.positions) for r in layout.rows), default=0) + 1)
+            row, positions = layout.remove(index, keep)
+            size = row.used
             for meta, layer in zip(row.metas, layers):
                 batched = self.layers[layer]
                 if isinstance(batched, StateCache):
@@ -307,7 +333,7 @@ class DecodeBatch:
                 keys = tuple(mx.contiguous(x[index : index + 1, :, :size, :]) for x in batched.keys)
                 values = tuple(mx.contiguous(x[index : index + 1, :, :size, :]) for x in batched.values)
                 center = tuple(c[index : index + 1] for c in batched.codec.state)
-                caches[layer] = _rebuild(meta, row, keys + values + center)
+                caches[layer] = _rebuild(meta, row, keys + values + center, positions)
                 batched.keys = tuple(x[keep][:, :, : layout.width] for x in batched.keys)
                 batched.values = tuple(x[keep][:, :, : layout.width] for x in batched.values)
                 if batched.codec.key_center is not None:
@@ -341,21 +367,22 @@ def _storage(cache: Cache) -> tuple[Pack, Pack, mx.array | None]:
     return keys, values, cache.codec.key_center
 
 
-def _row_of(caches: Sequence[Cache]) -> Row:
+def _row_of(caches: Sequence[Cache]) -> tuple[Row, mx.array]:
+    """A joining sequence's row and the positions its used slots hold ``(used,)``."""
     first = caches[0]
     metas = [c.meta_state for c in caches]
     if isinstance(first, RotatingKVCache):
-        return Row(list(first.positions), first.offset, first.idx, metas)
-    return Row(list(range(first.offset)), first.offset, first.offset, metas)
+        return Row(len(first.positions), first.offset, first.idx, metas), mx.array(first.positions, dtype=mx.int32)
+    return Row(first.offset, first.offset, first.offset, metas), mx.arange(first.offset, dtype=mx.int32)
 
 
-def _rebuild(meta: dict[str, str], row: Row, arrays: tuple[mx.array, ...]) -> Cache:
+def _rebuild(meta: dict[str, str], row: Row, arrays: tuple[mx.array, ...], positions: mx.array) -> Cache:
     """A per-sequence cache from a row's slots (through the protocol's ``meta_state``/``state``)."""
     cache: Cache
     if "max_size" in meta:
         cache = RotatingKVCache()
         cache.meta_state = {**meta, "offset": str(row.offset), "idx": str(row.idx)}  # type: ignore[misc]
-        cache.state = arrays + (mx.array(row.positions, dtype=mx.int32),)  # type: ignore[misc]
+        cache.state = arrays + (positions,)  # type: ignore[misc]
     else:
         cache = KVCache()
         cache.meta_state = meta  # type: ignore[misc]

@@ -1,6 +1,7 @@
 """Runs the one decoder over a batch of sequences.
 
-Prompt chunks and speculation rounds run on one sequence's own caches. Decoding sequences live
+Prompt chunks and speculation rounds run on one sequence's own caches; an engine step runs the
+decoding rows and the prompt chunks in one forward (``step``, ``cache/packed.py``). Decoding sequences live
 in ``DecodeBatch``es (``cache/batch.py``): their keys/values of each layer in one buffer, so a
 decode step is one forward for all rows — one cache write and one attention per layer, each row
 rotated at its own position and masked to its own slots (a model mixing sliding-window and
@@ -10,14 +11,18 @@ batch on its first decode step and leaves it (as per-sequence caches again) thro
 
 from __future__ import annotations
 
+import itertools
+from dataclasses import dataclass
 from typing import Protocol, Sequence
 
 import mlx.core as mx
 
 from mlxformer.cache import Cache
+from mlxformer.cache.packed import PackedLayerCache, Segment, positions
 from mlxformer.engine.prompt_scores import PromptScores
 from mlxformer.cache.batch import BatchKey, DecodeBatch, batch_key, quantizes_next, row_quantizes_next
-from mlxformer.models.decoder import Model
+from mlxformer.models.decoder import Attention, Model
+from mlxformer.models.rope import RoPE
 
 
 class Decoding(Protocol):
@@ -30,6 +35,30 @@ class Decoding(Protocol):
     def last_token(self) -> int: ...
 
 
+@dataclass(frozen=True)
+class PromptChunk:
+    """A piece of one sequence's prompt for ``BatchRunner.step``."""
+
+    tokens: Sequence[int]
+    cache: Sequence[Cache]  # the sequence's own caches
+    last: bool  # the chunk ends the prompt: its last logits are wanted
+    prompt_length: int  # the whole prompt's (dynamic NTK's base depends on it)
+
+
+def packs(model: Model) -> bool:
+    """Whether a step's tokens can share one forward (``cache/packed.py``): every layer is
+    attention whose RoPE takes a position per token (not dynamic NTK nor LongRoPE, whose
+    rotation depends on each sequence's length)."""
+    for layer in model.layers:
+        attention = layer[layer.mixer_name]
+        if not isinstance(attention, Attention):
+            return False
+        rope = attention.rope
+        if rope is not None and not (isinstance(rope, RoPE) and rope.config.type != "dynamic"):
+            return False
+    return True
+
+
 class BatchRunner:
     """Turns the scheduled work into decoder calls: prompt chunks and batched decode steps."""
 
@@ -38,6 +67,7 @@ class BatchRunner:
         self.windows = [layer.window for layer in model.layers]
         # a layer whose row says when the keys turn quantized (an attention layer, not a recurrent one)
         self.kv_layer = next((i for i, layer in enumerate(model.layers) if not layer.recurrent), 0)
+        self.packs = packs(model)
         self.batches: dict[BatchKey, DecodeBatch] = {}
         self._rows: dict[BatchKey, list[Decoding]] = {}  # each batch's sequences, in row order
         self._members: dict[int, BatchKey] = {}  # id(sequence) -> the batch it is in
@@ -68,10 +98,46 @@ class BatchRunner:
         return self.model(mx.array(tokens)[None], cache)[0]  # (1, T, vocab) -> (T, vocab)
 
     def decode(self, sequences: Sequence[Decoding]) -> mx.array:
-        """One token per sequence in, next-token logits ``(B, vocab)`` in the same order out (lazy).
+        """One token per sequence in, next-token logits ``(B, vocab)`` in the same order out (lazy)."""
+        logits, _ = self.step(sequences)
+        assert logits is not None
+        return logits
+
+    def step(
+        self, sequences: Sequence[Decoding], chunks: Sequence[PromptChunk] = ()
+    ) -> tuple[mx.array | None, list[mx.array | None]]:
+        """One engine step in one forward (``cache/packed.py``): one token per decoding sequence
+        and each prompt chunk's tokens on its own caches (a prompt's chunks in order). Returns
+        the next-token logits ``(B, vocab)`` in the order of ``sequences`` (None without any)
+        and each chunk's last logits ``(1, vocab)`` when it wants them (lazy; a chunk that does
+        not is evaluated). A model whose RoPE depends on each sequence's length runs one
+        forward per batch kind and per chunk instead.
 
         Sequences not yet in a batch join one; one whose storage changes this step (a cache
         turning quantized) or that speculates runs on its own caches."""
+        groups = self._groups(sequences)
+        if self.packs and len(groups) + len(chunks) > 1:  # one batch alone needs no packing
+            parts, chunk_logits = self._packed(groups, chunks)
+        else:
+            parts = []
+            for caches, rows, batch in groups:
+                tokens = mx.array([s.last_token for s in rows])[:, None]  # (B, 1)
+                parts.append(self.model.last_logits(tokens, caches))
+                if batch is not None:
+                    batch.commit()
+            chunk_logits = [self.prefill(c.tokens, c.cache, c.last, c.prompt_length) for c in chunks]
+        if not parts:
+            return None, chunk_logits
+        logits = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)
+        where = {id(s): i for i, s in enumerate(s for _, rows, _ in groups for s in rows)}
+        wanted = [where[id(s)] for s in sequences]
+        if wanted == list(range(len(wanted))):
+            return logits, chunk_logits
+        return logits[mx.array(wanted)], chunk_logits
+
+    def _groups(self, sequences: Sequence[Decoding]) -> list[tuple[Sequence[Cache], list[Decoding], DecodeBatch | None]]:
+        """The decoding sequences by the caches they step on: each batch's rows (its layouts
+        prepared), then each sequence decoding on its own caches."""
         alone: list[Decoding] = []
         joining: dict[BatchKey, list[Decoding]] = {}
         for sequence in sequences:
@@ -89,25 +155,41 @@ class BatchRunner:
                 sequence.cache = views
                 self._members[id(sequence)] = kind
             self._rows.setdefault(kind, []).extend(newcomers)
-        parts: list[mx.array] = []
-        order: list[int] = []  # id(sequence) of each row of the concatenated logits
+        groups: list[tuple[Sequence[Cache], list[Decoding], DecodeBatch | None]] = []
         for kind, batch in self.batches.items():
-            rows = self._rows.get(kind, [])
-            if not rows:
-                continue
-            tokens = mx.array([s.last_token for s in rows])[:, None]  # (B, 1)
-            parts.append(self.model.last_logits(tokens, batch.step_caches()))
-            batch.commit()
-            order += [id(s) for s in rows]
-        for sequence in alone:
-            parts.append(self.model.last_logits(mx.array([[sequence.last_token]]), sequence.cache))
-            order.append(id(sequence))
-        logits = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)
-        where = {key: i for i, key in enumerate(order)}
-        wanted = [where[id(s)] for s in sequences]
-        if wanted == list(range(len(order))):
-            return logits
-        return logits[mx.array(wanted)]
+            if rows := self._rows.get(kind, []):
+                groups.append((batch.step_caches(), list(rows), batch))
+        groups += [(sequence.cache, [sequence], None) for sequence in alone]
+        return groups
+
+    def _packed(
+        self, groups: list[tuple[Sequence[Cache], list[Decoding], DecodeBatch | None]], chunks: Sequence[PromptChunk]
+    ) -> tuple[list[mx.array], list[mx.array | None]]:
+        """``step``'s one forward: the decoding rows' tokens, then the chunks', packed on one row."""
+        inputs = [mx.array([s.last_token for s in rows]) for _, rows, _ in groups] + [mx.array(c.tokens) for c in chunks]
+        segments = [[Segment(caches[i], len(rows), 1) for caches, rows, _ in groups]
+                    + [Segment(c.cache[i], 1, len(c.tokens)) for c in chunks] for i in range(len(self.windows))]
+        where = positions(segments[0])
+        layers = [PackedLayerCache(s, window, where) for s, window in zip(segments, self.windows)]
+        hidden = self.model.hidden_states(mx.concatenate(inputs)[None], layers)[0]  # (1, T, hidden) -> (T, hidden)
+        for _, _, batch in groups:
+            if batch is not None:
+                batch.commit()
+        decoding = sum(len(rows) for _, rows, _ in groups)
+        ends = list(itertools.accumulate((len(c.tokens) for c in chunks), initial=decoding))[1:]
+        picked = list(range(decoding)) + [end - 1 for c, end in zip(chunks, ends) if c.last]
+        unwanted = [a for c in chunks if not c.last for layer in c.cache for a in layer.state]
+        if not picked:
+            mx.eval(unwanted)
+            return [], [None] * len(chunks)
+        mx.async_eval(unwanted)
+        logits = self.model.logits(hidden[mx.array(picked)])  # (K, vocab)
+        chunk_logits: list[mx.array | None] = []
+        index = decoding
+        for chunk in chunks:
+            chunk_logits.append(logits[index : index + 1] if chunk.last else None)
+            index += chunk.last
+        return ([logits[:decoding]] if decoding else []), chunk_logits
 
     def batched(self, sequence: Decoding) -> bool:
         """Whether ``sequence`` is in a batch (the KV budget counts its share of the buffers)."""

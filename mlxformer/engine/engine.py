@@ -19,14 +19,15 @@ import mlx.core as mx
 from prometheus_client import CollectorRegistry
 
 from mlxformer.cache import CacheSettings, make_cache
-from mlxformer.engine.batch_runner import BatchRunner
+from mlxformer.engine.admission import Admission
+from mlxformer.engine.batch_runner import BatchRunner, PromptChunk
 from mlxformer.engine.handle import RequestHandle
 from mlxformer.engine.memory import KVBudgetExceeded, KVSizer, MemoryPlanner, held, nbytes, resolve_budget
 from mlxformer.engine.metrics import EngineMetrics
 from mlxformer.engine.prefix_sharing import PrefixSharing
 from mlxformer.engine.prompt_cache import PromptCacheSettings, build_prefix_cache
-from mlxformer.engine.replay import Replays, resume_tokens, rewind_caches
-from mlxformer.engine.scheduler import EngineNotRunning, Scheduler, Step
+from mlxformer.engine.replay import Replays, rewind_caches
+from mlxformer.engine.scheduler import Chunk, EngineNotRunning, Scheduler, Step
 from mlxformer.engine.sequence import (
     GenerationRequest, Sequence, Status, TokenEvent, check_request,
 )
@@ -40,7 +41,7 @@ from mlxformer.models.decoder import Model
 from mlxformer.tokenizer import Tokenizer
 
 
-class Engine:
+class Engine(Admission):
     """Continuous-batching generation over one model: see the module docstring of ``mlxformer.engine``.
 
     ``speculative``: decode every request (unless it sets ``speculate=False`` or has a constraint)
@@ -49,7 +50,9 @@ class Engine:
     ``max_kv_memory``: the bytes of KV cache (sequences and prefix cache together) the engine may
     hold, or ``"auto"`` (the device's memory less the weights and a margin); while it runs, MLX's
     memory and cache limits are set from the same figure. ``metrics``: the Prometheus registry
-    to register the engine's metrics in (default: a new one, ``engine.metrics.registry``)."""
+    to register the engine's metrics in (default: a new one, ``engine.metrics.registry``).
+    ``prefill_chunk``: prompt tokens per chunk (cut as ``prefill`` cuts a prompt alone);
+    ``step_tokens``: tokens per step, decode rows and prompt chunks together (``scheduler.py``)."""
 
     def __init__(
         self,
@@ -61,6 +64,7 @@ class Engine:
         cache_settings: CacheSettings | None = None,
         prefix_cache_bytes: int = 512 * 2**20,
         prefill_chunk: int | None = None,
+        step_tokens: int | None = None,
         speculative: SpeculativeSettings | None = None,
         prompt_cache: PromptCacheSettings | None = None,
         max_kv_memory: int | str | None = None,
@@ -83,7 +87,7 @@ class Engine:
         self.budget = resolve_budget(model, max_kv_memory)
         self.sizer = KVSizer(model, self.cache_settings, self.draft_tokens)
         self.planner = MemoryPlanner(self.sizer, self.budget, self.draft_tokens)
-        self.scheduler = Scheduler(max_batch, max_queue, prefill_chunk or default_prefill_step())
+        self.scheduler = Scheduler(max_batch, max_queue, prefill_chunk or default_prefill_step(), step_tokens)
         # ``prompt_cache``: the tiers (memory budget, disk directory); else memory of ``prefix_cache_bytes``
         tiers = prompt_cache or PromptCacheSettings(memory_bytes=prefix_cache_bytes)
         self.prefix_cache = build_prefix_cache(model, tokenizer, self.cache_settings, tiers, kv_dtype)
@@ -234,68 +238,16 @@ class Engine:
                 self._fail(sequence, exc)
         self._run(self._fit(self.scheduler.plan(skip=self.sharing.held)))
 
-    # --- memory -------------------------------------------------------------------------
-
-    def _fit(self, step: Step) -> Step:
-        """``step``, or a smaller one after preemptions, whose KV fits the budget beside the prefix
-        cache (evicted down to the room left)."""
-        if self.budget is None:
-            return step
-        while (room := self.budget.limit - self.planner.step_need(self.scheduler, step, self.runner.batched)) < 0:
-            victim = self.scheduler.latest_active()
-            assert victim is not None
-            if self.scheduler.active == 1:  # alone and still too big (submit's check prevents it)
-                self._fail(victim, KVBudgetExceeded("the request outgrew the KV memory budget"))
-            else:
-                self._preempt(victim)
-            step = self.scheduler.plan(skip=self.sharing.held)
-        self.prefix_cache.evict_to(room)
-        return step
-
-    def _preempt(self, sequence: Sequence, keep_cache: bool = True) -> None:
-        """Take ``sequence`` out of the batch to be recomputed when there is room again; its caches
-        go to the prefix cache (kept while room allows) unless they cannot be trusted."""
-        self.metrics.preemptions.inc()
-        self.sharing.held[:] = [s for s in self.sharing.held if s is not sequence]
-        self._unbatch(sequence)
-        if keep_cache and held(sequence) > sequence.cached_tokens:  # it computed something worth keeping
-            self.prefix_cache.insert(sequence.cache_tokens, sequence.cache)
-        sequence.cache, sequence.processed = [], 0
-        self.scheduler.preempt(sequence)
-
-    def _unbatch(self, sequence: Sequence) -> None:
-        """Give a sequence leaving the batch its own caches and all its generated tokens back."""
-        self.replays.stop(sequence)
-        self.runner.release(sequence)
-
-    def _attach_cache(self, sequence: Sequence) -> None:
-        """Give an admitted sequence its caches: a prefix-cache copy when one serves, else new.
-        A preempted one looks up everything it had; what is missing it recomputes."""
-        resumed = bool(sequence.generated)
-        scoring = sequence.prompt_scores is not None and not resumed  # scores need every position
-        hit = None if scoring else self.prefix_cache.lookup(
-            resume_tokens(sequence, self.prefix_cache, self.scheduler.prefill_chunk) if resumed else sequence.prompt)
-        sequence.cache, cached = hit if hit is not None else (make_cache(self.model, self.cache_settings), 0)
-        sequence.processed = min(cached, len(sequence.prompt))
-        if resumed:
-            if cached >= len(sequence.prompt):
-                self.scheduler.start_decoding(sequence)
-                self.replays.start(sequence, cached - len(sequence.prompt))
-            return
-        sequence.cached_tokens = cached
-        self.metrics.prompt_tokens.inc(len(sequence.prompt))
-        self.metrics.prefix_hit_tokens.inc(cached)
-        request = sequence.request
-        if self.speculative is not None and request.speculate and request.constraint is None:
-            sequence.speculate(self.speculative, self.cache_settings)
-
     # --- running a step -------------------------------------------------------------------
 
     def _run(self, step: Step) -> None:
         choices: list[Choice] = []
         decode, verifying = self._propose(step.decode)
-        if decode:
-            choices += self._decode(decode)
+        # chunks in the decode step's forward (a scored prompt needs every position's logits: its own)
+        riding = [c for c in step.prefill if c.sequence.prompt_scores is None and c.sequence.packs]
+        ridden: dict[int, mx.array | None] = {}  # id(chunk) -> its logits, once its forward ran
+        if decode or riding:
+            choices += self._decode(decode, riding, ridden)
         for sequence, proposed in verifying:
             try:
                 logits = self.runner.verify([sequence.last_token, *proposed], sequence.cache)
@@ -305,9 +257,11 @@ class Engine:
                 self._fail(sequence, exc)
         for chunk in step.prefill:
             sequence = chunk.sequence
+            if sequence.status is not Status.PREFILLING:  # failed (or preempted) at an earlier chunk
+                continue
             try:
-                logits = self.runner.prefill(chunk.tokens, sequence.cache, chunk.last, len(sequence.prompt),
-                                             sequence.prompt_scores, sequence.processed)
+                logits = ridden[id(chunk)] if id(chunk) in ridden else self.runner.prefill(
+                    chunk.tokens, sequence.cache, chunk.last, len(sequence.prompt), sequence.prompt_scores, sequence.processed)
             except Exception as exc:
                 self._fail(sequence, exc)
                 continue
@@ -325,24 +279,37 @@ class Engine:
         if choices:
             self._emit(choices)
 
-    def _decode(self, decode: list[Sequence]) -> list[Choice]:
-        """One batched decode step; the choices of the sequences that are not replaying.
+    def _decode(self, decode: list[Sequence], riding: list[Chunk], ridden: dict[int, mx.array | None]) -> list[Choice]:
+        """One batched decode step, with the ``riding`` prompt chunks in its forward (their
+        logits go to ``ridden``); the choices of the sequences that are not replaying.
 
         If the step fails, each sequence leaves the batch with its caches rolled back and runs
-        alone, so that the one at fault fails alone (one that cannot be rolled back is recomputed)."""
+        alone, so that the one at fault fails alone (one that cannot be rolled back is
+        recomputed); the chunks are rolled back and run alone after it."""
         replaying = {id(s) for s in decode if s in self.replays}
         offsets, keys = [held(s) for s in decode], [s.key for s in decode]
+        prompts = {id(c.sequence): (c.sequence, held(c.sequence)) for c in riding}  # before the step
         try:
-            logits = self.runner.decode(decode)
+            logits, chunk_logits = self.runner.step(decode, [
+                PromptChunk(c.tokens, c.sequence.cache, c.last, len(c.sequence.prompt)) for c in riding])
+            ridden.update({id(c): x for c, x in zip(riding, chunk_logits)})
+            if logits is None:
+                mx.eval([x for x in chunk_logits if x is not None])
+                return []
             mx.async_eval(logits)  # constraints compute their masks while the step runs
             rows = [i for i, s in enumerate(decode) if id(s) not in replaying]
             choosing = [decode[i] for i in rows]
             chosen = logits[mx.array(rows)] if len(rows) < len(decode) else logits
             choices = self._choose_each(choosing, [chosen]) if choosing else []
-            mx.eval(logits)
+            mx.eval(logits, [x for x in chunk_logits if x is not None])
         except Exception:
             for sequence, key in zip(decode, keys):
                 sequence.key = key
+            ridden.clear()
+            for sequence, before in prompts.values():  # their chunks run alone from now on (after the rows)
+                sequence.packs = False
+                if not rewind_caches(sequence.cache, before):
+                    self._preempt(sequence, keep_cache=False)
             return self._decode_alone(decode, offsets, replaying)
         self.replays.advance(decode)
         return choices

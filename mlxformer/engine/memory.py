@@ -251,7 +251,9 @@ class MemoryPlanner:
         """KV bytes the active sequences need while ``step`` runs. The decoding sequences share a
         batch buffer as wide as its longest row ever was (``cache/batch.py``): rows times a row's
         bytes, plus the old buffer while it is rewritten (``_rows_need``)."""
-        chunks = {id(c.sequence): len(c.tokens) for c in step.prefill}
+        chunks: dict[int, int] = {}
+        for chunk in step.prefill:  # a sequence may run several chunks in one step
+            chunks[id(chunk.sequence)] = chunks.get(id(chunk.sequence), 0) + len(chunk.tokens)
         need = sum(self.sizer.step_need(held(s), chunks.get(id(s), 0), nbytes(s)) for s in scheduler.prefilling)
         rows = []
         for sequence in scheduler.running:

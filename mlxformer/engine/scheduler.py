@@ -1,6 +1,8 @@
 """Which sequences run at each engine step: admission bounded by ``max_batch`` (and by what the
-engine says fits), a bounded waiting queue, one prompt chunk per step for newcomers, one decode
-step for the running; preempted sequences go back to the front of the queue."""
+engine says fits), a bounded waiting queue, and each step's plan as a token budget (vLLM's and
+Sarathi-Serve's chunked prefill): one decode token for every running sequence, then prompt
+chunks of every prefilling sequence, shortest remaining prompt first, within ``step_tokens``;
+preempted sequences go back to the front of the queue."""
 
 from __future__ import annotations
 
@@ -10,8 +12,20 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Container
 
+from mlxformer.device import on_cpu
 from mlxformer.engine.sequence import Sequence, Status
 from mlxformer.errors import MlxformerError
+
+# Tokens one engine step runs (decode rows and prompt chunks). A GPU step is memory bound up to
+# a few thousand tokens, so a large budget costs the decoding rows little; on the CPU a step's
+# time grows with its tokens, and the budget bounds how long a prompt stalls the decoding rows.
+GPU_STEP_TOKENS = 2048
+CPU_STEP_TOKENS = 512
+
+
+def default_step_tokens() -> int:
+    """The per-step token budget for the default device."""
+    return CPU_STEP_TOKENS if on_cpu() else GPU_STEP_TOKENS
 
 
 class EngineOverloaded(MlxformerError):
@@ -35,17 +49,19 @@ class Chunk:
 class Step:
     """The work of one engine step."""
 
-    prefill: list[Chunk] = field(default_factory=list)  # at most ``prefill_chunk`` tokens in all
+    prefill: list[Chunk] = field(default_factory=list)  # a sequence's chunks in prompt order
     decode: list[Sequence] = field(default_factory=list)  # sequences decoding one token each
 
 
 class Scheduler:
     """Queues, admits and plans: thread-safe ``add``; the rest runs on the engine thread."""
 
-    def __init__(self, max_batch: int, max_queue: int, prefill_chunk: int) -> None:
-        if max_batch < 1 or max_queue < 0 or prefill_chunk < 1:
-            raise MlxformerError("need max_batch >= 1, max_queue >= 0 and prefill_chunk >= 1")
+    def __init__(self, max_batch: int, max_queue: int, prefill_chunk: int, step_tokens: int | None = None) -> None:
+        step_tokens = step_tokens or default_step_tokens()
+        if max_batch < 1 or max_queue < 0 or prefill_chunk < 1 or step_tokens < 1:
+            raise MlxformerError("need max_batch >= 1, max_queue >= 0, prefill_chunk >= 1 and step_tokens >= 1")
         self.max_batch, self.max_queue, self.prefill_chunk = max_batch, max_queue, prefill_chunk
+        self.step_tokens = step_tokens
         self.waiting: deque[Sequence] = deque()
         self.prefilling: list[Sequence] = []
         self.running: list[Sequence] = []
@@ -96,24 +112,29 @@ class Scheduler:
         return dropped
 
     def plan(self, skip: Container[Sequence] = ()) -> Step:
-        """This step's work: every running sequence decodes one token, and newcomers' next
-        prompt chunks run, oldest first, within ``prefill_chunk`` tokens (the oldest always).
+        """This step's work within ``step_tokens``: every running sequence decodes one token,
+        then the prefilling sequences get prompt chunks in rounds (one chunk each per round,
+        shortest remaining prompt first) while the budget lasts; at least one chunk always runs.
+        A newcomer's first chunk thus runs at its first step, whatever else is prefilling.
 
-        A prompt is cut as ``prefill`` cuts it alone (full chunks, then the rest), so that its
-        computation, and hence its output, is the same as when it runs alone. Sequences in
-        ``skip`` (waiting for a shared prefix) get no chunk."""
+        A prompt is cut as ``prefill`` cuts it alone (chunks of ``prefill_chunk``, then the
+        rest), so that its computation, and hence its output, is the same as when it runs alone.
+        Sequences in ``skip`` (waiting for a shared prefix) get no chunk."""
         step = Step(decode=list(self.running))
-        budget = self.prefill_chunk
-        for sequence in self.prefilling:
-            if sequence in skip:
-                continue
-            remaining = len(sequence.prompt) - sequence.processed
-            size = self.prefill_chunk if remaining > self.prefill_chunk else remaining
-            if step.prefill and size > budget:
-                break
-            tokens = sequence.prompt[sequence.processed : sequence.processed + size]
-            step.prefill.append(Chunk(sequence, tokens, size == remaining))
-            budget -= size
+        budget = self.step_tokens - len(step.decode)
+        queue = sorted((s for s in self.prefilling if s not in skip), key=lambda s: len(s.prompt) - s.processed)
+        planned = {id(s): s.processed for s in queue}  # each one's prompt position after its planned chunks
+        while queue:
+            for sequence in list(queue):
+                start = planned[id(sequence)]
+                size = min(self.prefill_chunk, len(sequence.prompt) - start)
+                if step.prefill and size > budget:
+                    queue = []  # the budget is spent: this round ends the plan
+                    break
+                step.prefill.append(Chunk(sequence, sequence.prompt[start : start + size], start + size == len(sequence.prompt)))
+                planned[id(sequence)], budget = start + size, budget - size
+                if start + size == len(sequence.prompt):
+                    queue.remove(sequence)
         return step
 
     def start_decoding(self, sequence: Sequence) -> None:

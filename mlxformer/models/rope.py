@@ -89,7 +89,10 @@ class RoPE(nn.Module):
 
         ``length`` is the sequence length dynamic NTK scaling computes its base from (default
         ``offset + T``): a prompt prefilled in chunks passes its whole length, so every chunk is
-        rotated as one forward pass over the whole prompt would rotate it (as transformers does)."""
+        rotated as one forward pass over the whole prompt would rotate it (as transformers does).
+        An offset array ``(1, T)`` gives each token its own position (a packed engine step)."""
+        if isinstance(offset, mx.array) and offset.ndim == 2:  # (1, H, T, D) -> (T, H, 1, D), and back
+            return self(x.transpose(2, 1, 0, 3), offset[0], length).transpose(2, 1, 0, 3)
         if isinstance(offset, mx.array) and self.config.type == "dynamic":
             # the dynamic base depends on each sequence's length: rotate row by row
             rows = [self(x[i : i + 1], int(o)) for i, o in enumerate(offset.tolist())]

@@ -1,0 +1,111 @@
+"""One forward for a whole engine step: segments of tokens packed side by side on one row.
+
+A step's tokens (every decoding row's one token, then each prompt chunk's tokens) go through
+the decoder as one ``(1, T)`` row, so every projection, norm and MLP runs once for all of them
+(the weights are read once per step: what a GPU's memory-bound step pays for). Attention is
+the only part that needs to know whose token is whose: ``PackedLayerCache`` is one layer's
+cache for that row; it cuts the packed keys, values and queries back into segments, each
+written to and attended over by its own cache (a decode batch's layer for its rows, a
+sequence's own cache for its chunk), with that cache's own mask. RoPE rotates each token at
+its own position (``offset`` is ``(1, T)``). Each segment therefore computes exactly what it
+computes in a forward of its own: a matmul's rows do not depend on the other rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import mlx.core as mx
+
+from mlxformer.cache.protocol import Cache
+from mlxformer.models.mask import Mask
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A run of packed tokens: ``rows`` sequences of ``length`` tokens each, stored in ``cache``
+    (a batch layer's cache when ``rows > 1``, whose rows each take one token)."""
+
+    cache: Cache
+    rows: int
+    length: int
+
+    @property
+    def tokens(self) -> int:
+        return self.rows * self.length
+
+
+def positions(segments: Sequence[Segment]) -> mx.array:
+    """Each packed token's position ``(1, T)``, from the segments' caches before the step (a
+    cache taking several segments, a prompt's consecutive chunks, continues where the last ended)."""
+    parts, ahead = [], {}  # id(cache) -> tokens its earlier segments add
+    for segment in segments:
+        offset = segment.cache.offset
+        if isinstance(offset, mx.array):  # a batch: (rows,) offsets, one token each
+            parts.append(offset.astype(mx.int32))
+            continue
+        start = offset + ahead.get(id(segment.cache), 0)
+        ahead[id(segment.cache)] = start - offset + segment.length
+        parts.append(mx.arange(start, start + segment.length, dtype=mx.int32))
+    return mx.concatenate(parts)[None]
+
+
+def _unpack(x: mx.array, segment: Segment) -> mx.array:
+    """A segment's part of packed ``(1, heads, T', D)`` as ``(rows, heads, length, D)``."""
+    return x if segment.rows == 1 else x.transpose(2, 1, 0, 3)  # (1, H, rows, D) -> (rows, H, 1, D)
+
+
+def _pack(x: mx.array, segment: Segment) -> mx.array:
+    """Inverse of ``_unpack``."""
+    return x if segment.rows == 1 else x.transpose(2, 1, 0, 3)  # (rows, H, 1, D) -> (1, H, rows, D)
+
+
+class PackedLayerCache:
+    """One layer's cache for a packed step: each segment's tokens go to its own cache."""
+
+    def __init__(self, segments: Sequence[Segment], window: int | None, offset: mx.array) -> None:
+        self.segments, self.window = list(segments), window
+        self.offset = offset  # (1, T): RoPE rotates each token at its own position
+
+    def _cut(self, x: mx.array) -> list[mx.array]:
+        """Packed ``(1, heads, T, D)`` cut into each segment's ``(rows, heads, length, D)``."""
+        parts, start = [], 0
+        for segment in self.segments:
+            parts.append(_unpack(x[:, :, start : start + segment.tokens], segment))
+            start += segment.tokens
+        return parts
+
+    def make_mask(self, query_len: int, window: int | None) -> Mask:
+        return None  # each segment's own mask is taken when it attends
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Any, Any]:
+        return keys, values  # written segment by segment in ``attention``
+
+    def attention(
+        self, queries: mx.array, keys: Any, values: Any, scale: float, mask: Mask, softcap: float | None = None,
+        sinks: mx.array | None = None,
+    ) -> mx.array:
+        """Each segment in turn: its mask, its write, its attention (a cache taking two segments,
+        a prompt's consecutive chunks, sees the first written before the second)."""
+        outs = []
+        for segment, q, k, v in zip(self.segments, self._cut(queries), self._cut(keys), self._cut(values)):
+            own = segment.cache.make_mask(segment.length, self.window)  # before its update
+            k, v = segment.cache.update_and_fetch(k, v)
+            outs.append(_pack(segment.cache.attention(q, k, v, scale, own, softcap, sinks), segment))
+        return mx.concatenate(outs, axis=2)  # (1, heads, T, D)
+
+    @property
+    def state(self) -> tuple[mx.array, ...]:
+        return tuple(a for segment in self.segments for a in segment.cache.state)
+
+    @property
+    def meta_state(self) -> dict[str, str]:
+        return {}
+
+    def trim(self, n: int) -> int:
+        return 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(segment.cache.nbytes for segment in self.segments)

@@ -1,0 +1,176 @@
+"""The engine's step as a token budget (chunked prefill as in vLLM / Sarathi-Serve): a short
+request is not queued behind a long prompt's prefill, several prompts prefill in one step, and
+every output equals the one the prompt gets alone through ``stream_generate``."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+from types import SimpleNamespace
+
+import mlx.core as mx
+import pytest
+
+from mlxformer import stream_generate
+from mlxformer.cache import CacheSettings, make_cache
+from mlxformer.engine import Engine, GenerationRequest
+from mlxformer.engine.batch_runner import BatchRunner, PromptChunk
+from mlxformer.engine.scheduler import Scheduler
+from mlxformer.engine.sequence import Sequence, Status
+from test_batch_step import tiny_gemma3  # noqa: F401  (a fixture: sliding-window and global layers)
+
+CHUNK = 64
+
+
+def alone(model, tokenizer, request: GenerationRequest, settings=None) -> list[int]:
+    """The tokens ``request`` gets alone (``stream_generate``, prompt cut in ``CHUNK``s)."""
+    return [r.token for r in stream_generate(model, tokenizer, request.prompt_ids, request.max_tokens,
+                                             cache_settings=settings, prefill_step_size=CHUNK)]
+
+
+def test_a_short_request_is_not_queued_behind_a_long_prefill(tiny_byte_llama):
+    """A short request sent while a 3,000-token prompt prefills gets its first token before the
+    long one, within two engine steps of its arrival (before: after the whole prefill, ~12
+    steps of 256 tokens later); both outputs equal each one alone."""
+    model, tokenizer = tiny_byte_llama
+    rng = random.Random(0)
+    long = GenerationRequest([rng.randrange(256) for _ in range(3000)], max_tokens=3)
+    short = GenerationRequest(tokenizer.encode("Hi there"), max_tokens=3)
+    steps = 0
+    with Engine(model, tokenizer, prefill_chunk=CHUNK, step_tokens=256, prefix_cache_bytes=0) as engine:
+        step = engine.step
+
+        def counted_step() -> None:  # a step takes at least 20 ms: the test thread sees the prefill going
+            nonlocal steps
+            begun = time.monotonic()
+            step()
+            steps += 1
+            time.sleep(max(0.0, 0.02 - (time.monotonic() - begun)))
+
+        engine.step = counted_step  # type: ignore[method-assign]
+        long_handle = engine.submit(long)
+        long_sequence = long_handle.sequence
+        for _ in range(2000):  # until the long prompt is well into its prefill
+            if long_sequence.processed >= 512:
+                break
+            time.sleep(0.005)
+        assert long_sequence.status is Status.PREFILLING
+        sent_at = steps
+        short_handle = engine.submit(short)
+        first = next(iter(short_handle))
+        first_at, long_done = steps, long_sequence.processed
+        short_tokens = [first.token] + [e.token for e in short_handle if e.token is not None]
+        long_tokens = [e.token for e in long_handle if e.token is not None]
+    assert long_done < len(long.prompt_ids), "the short request's first token came after the long prefill"
+    assert first_at - sent_at <= 2, (sent_at, first_at)
+    assert short_tokens == alone(model, tokenizer, short)
+    assert long_tokens == alone(model, tokenizer, long)
+
+
+def test_the_plan_fills_the_budget_decode_rows_first():
+    """Decode rows count one token each; chunks go round by round, shortest prompt first, cut
+    as alone (full chunks, then the rest); the first chunk runs even over the budget."""
+    def sequence(length: int, processed: int = 0) -> Sequence:
+        s = Sequence(GenerationRequest(list(range(1, length + 1))), detokenizer=None, eos_ids=[])  # type: ignore[arg-type]
+        s.processed = processed
+        return s
+
+    scheduler = Scheduler(max_batch=8, max_queue=8, prefill_chunk=64, step_tokens=200)
+    running = [sequence(10) for _ in range(8 - 3)]
+    scheduler.running = running
+    long, short, middle = sequence(1000, 128), sequence(20), sequence(100)
+    scheduler.prefilling = [long, short, middle]
+    step = scheduler.plan()
+    assert step.decode == running
+    # budget 200 - 5 decode rows = 195: round 1 gives short 20, middle 64, long 64 (47 left);
+    # round 2: middle's last 36 fit, long's next 64 does not
+    assert [(c.sequence, len(c.tokens), c.last) for c in step.prefill] == [
+        (short, 20, True), (middle, 64, False), (long, 64, False), (middle, 36, True)]
+    assert step.prefill[2].tokens == long.prompt[128:192]
+    assert step.prefill[3].tokens == middle.prompt[64:100]
+    scheduler.step_tokens = 3  # fewer tokens than decode rows: one chunk still runs
+    step = scheduler.plan(skip=[short])
+    assert [(c.sequence, len(c.tokens)) for c in step.prefill] == [(middle, 64)]
+
+
+SETTINGS = {
+    "float": None,
+    "kv8": CacheSettings(kv_bits=8, kv_group_size=32),
+    "rotating": CacheSettings(max_kv_size=48, keep=4),
+}
+
+
+@pytest.mark.parametrize("model_name,cache", [("llama", "float"), ("llama", "kv8"), ("llama", "rotating"),
+                                              ("gemma3", "float"), ("gemma3", "kv8")])
+def test_prompts_prefilled_together_equal_each_alone(request, model_name, cache):
+    """Prompts of different lengths prefilling in the same steps (a budget that holds several
+    chunks, packed into the decode rows' forward), one of them with a prefix cached by an
+    earlier request, on a Llama and on a Gemma 3 (sliding-window and global layers), with
+    float, 8-bit and rotating caches: each output equals alone."""
+    model, tokenizer = request.getfixturevalue("tiny_byte_llama" if model_name == "llama" else "tiny_gemma3")
+    settings = SETTINGS[cache]
+    rng = random.Random(1)
+    base = [rng.randrange(256) for _ in range(200)]
+    prompts = [base + [rng.randrange(256) for _ in range(40)], [rng.randrange(256) for _ in range(300)],
+               tokenizer.encode("abc"), [rng.randrange(256) for _ in range(90)]]
+    requests = [GenerationRequest(p, max_tokens=6 + i) for i, p in enumerate(prompts)]
+    with Engine(model, tokenizer, cache_settings=settings, prefill_chunk=CHUNK, step_tokens=3 * CHUNK) as engine:
+        first = GenerationRequest(base, max_tokens=2)
+        assert [e.token for e in engine.submit(first) if e.token is not None] == alone(model, tokenizer, first, settings)
+        handles = [engine.submit(r) for r in requests]
+        events = [list(h) for h in handles]
+    for request_, got in zip(requests, events):
+        assert [e.token for e in got if e.token is not None] == alone(model, tokenizer, request_, settings)
+    if model_name == "llama" and cache != "rotating":  # a rotating cache that evicted is reused only whole
+        assert events[0][-1].cached_tokens > 0  # the first prompt's prefix came from the prefix cache
+
+
+class Counting:
+    """``model`` counting its forward passes."""
+
+    def __init__(self, model) -> None:
+        self.model, self.forwards = model, 0
+        self.layers = model.layers
+
+    def hidden_states(self, *args, **kwargs):
+        self.forwards += 1
+        return self.model.hidden_states(*args, **kwargs)
+
+    def last_logits(self, *args, **kwargs):
+        self.forwards += 1
+        return self.model.last_logits(*args, **kwargs)
+
+    def logits(self, hidden):
+        return self.model.logits(hidden)
+
+
+def test_decode_rows_and_prompt_chunks_run_in_one_forward(tiny_byte_llama):
+    """Two decoding rows of different lengths and three prompt chunks (two of one prompt) run
+    in one forward; every logit row is the one the sequence gets from a forward of its own
+    over all its tokens."""
+    model, _ = tiny_byte_llama
+    counting = Counting(model)
+    runner = BatchRunner(counting)  # type: ignore[arg-type]
+    rows = []
+    for i, length in enumerate((30, 45)):
+        cache = make_cache(model, CacheSettings())
+        runner.prefill(list(range(1, length)), cache, want_logits=False)
+        rows.append(SimpleNamespace(cache=cache, speculator=None, last_token=7 + i))
+    mx.eval(runner.decode(rows))  # they join the batch
+    prompt_a, prompt_b = list(range(10, 110)), list(range(50, 57))
+    cache_a, cache_b = make_cache(model, CacheSettings()), make_cache(model, CacheSettings())
+    chunks = [PromptChunk(prompt_a[:64], cache_a, False, 100), PromptChunk(prompt_b, cache_b, True, 7),
+              PromptChunk(prompt_a[64:], cache_a, True, 100)]
+    counting.forwards = 0
+    logits, chunk_logits = runner.step(rows, chunks)
+    assert counting.forwards == 1
+    assert chunk_logits[0] is None
+    for prompt, got in ((prompt_b, chunk_logits[1]), (prompt_a, chunk_logits[2])):
+        want = model.last_logits(mx.array(prompt)[None], make_cache(model, CacheSettings()))
+        assert got is not None and mx.allclose(got, want, atol=1e-5).item()
+    assert cache_a[0].offset == 100 and cache_b[0].offset == 7
+    for i, length in enumerate((30, 45)):  # the rows: the prefix, the joined token, then this step's token
+        want = model.last_logits(mx.array(list(range(1, length)) + [7 + i, 7 + i])[None], make_cache(model, CacheSettings()))
+        assert mx.allclose(logits[i : i + 1], want, atol=1e-4).item()
