@@ -200,8 +200,8 @@ class ModelArgs:
             "rope_scaling": rope_scaling_dict(self.rope),
             "hidden_act": "silu" if self.hidden_act == "silu" else "gelu_pytorch_tanh",
         }
-        if self.model_type != "qwen2":
-            config["attention_bias"] = self.o_proj_bias
+        if self.model_type != "qwen2":  # Llama's covers all four projections; GLM-4.5's only q/k/v
+            config["attention_bias"] = self.qkv_bias or self.o_proj_bias
         config["mlp_bias"] = self.mlp_bias
         if self.sliding_window is not None:
             config["sliding_window"] = self.sliding_window
