@@ -138,9 +138,12 @@ class BatchLayout:
         self.query_blocks = query // CENTER_BLOCK
 
     def commit(self) -> None:
-        """Record this step's token in every row (call after the forward is built)."""
-        assert self._next is not None, "prepare() first"
-        self.positions, self._next = self._next, None
+        """Record this step's token in every row (call after the forward is built; a recurrent
+        layer's rows, which have no slots, only count it)."""
+        if self._next is not None:
+            self.positions, self._next = self._next, None
+        else:
+            assert self.kind.recurrent, "prepare() first"
         capacity, keep = self.kind.capacity, self.kind.keep
         for row in self.rows:
             slot = self.slot_of(row)
