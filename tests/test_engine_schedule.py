@@ -70,8 +70,9 @@ def test_a_short_request_is_not_queued_behind_a_long_prefill(tiny_byte_llama):
 
 
 def test_the_plan_fills_the_budget_decode_rows_first():
-    """Decode rows count one token each; chunks go round by round, shortest prompt first, cut
-    as alone (full chunks, then the rest); the first chunk runs even over the budget."""
+    """Decode rows count one token each; chunks go round by round, newcomers then the shortest
+    remaining prompt first, cut as alone (full chunks, then the rest); the first chunk runs
+    even over the budget."""
     def sequence(length: int, processed: int = 0) -> Sequence:
         s = Sequence(GenerationRequest(list(range(1, length + 1))), detokenizer=None, eos_ids=[])  # type: ignore[arg-type]
         s.processed = processed
@@ -93,6 +94,10 @@ def test_the_plan_fills_the_budget_decode_rows_first():
     scheduler.step_tokens = 3  # fewer tokens than decode rows: one chunk still runs
     step = scheduler.plan(skip=[short])
     assert [(c.sequence, len(c.tokens)) for c in step.prefill] == [(middle, 64)]
+    scheduler.running, scheduler.step_tokens = [], 64  # one chunk a step: a newcomer goes first
+    nearly_done, newcomer = sequence(1000, 960), sequence(3000)
+    scheduler.prefilling = [nearly_done, newcomer]
+    assert [c.sequence for c in scheduler.plan().prefill] == [newcomer]
 
 
 SETTINGS = {

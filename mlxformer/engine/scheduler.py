@@ -1,7 +1,8 @@
 """Which sequences run at each engine step: admission bounded by ``max_batch`` (and by what the
 engine says fits), a bounded waiting queue, and each step's plan as a token budget (vLLM's and
 Sarathi-Serve's chunked prefill): one decode token for every running sequence, then prompt
-chunks of every prefilling sequence, shortest remaining prompt first, within ``step_tokens``;
+chunks of every prefilling sequence, newcomers then shortest remaining prompt first, within
+``step_tokens``;
 preempted sequences go back to the front of the queue."""
 
 from __future__ import annotations
@@ -18,9 +19,11 @@ from mlxformer.errors import MlxformerError
 
 # Tokens one engine step runs (decode rows and prompt chunks). A GPU step is memory bound up to
 # a few thousand tokens, so a large budget costs the decoding rows little; on the CPU a step's
-# time grows with its tokens, and the budget bounds how long a prompt stalls the decoding rows.
+# time grows with its tokens (one forward of 4 chunks costs 4 forwards of one), so the budget
+# only sets how long a request waits behind others' chunks: one chunk (a short request sent
+# while a 3,000-token prompt prefills gets its first token after ~2 chunks: 0.1 of the long TTFT).
 GPU_STEP_TOKENS = 2048
-CPU_STEP_TOKENS = 512
+CPU_STEP_TOKENS = 128
 
 
 def default_step_tokens() -> int:
@@ -113,16 +116,18 @@ class Scheduler:
 
     def plan(self, skip: Container[Sequence] = ()) -> Step:
         """This step's work within ``step_tokens``: every running sequence decodes one token,
-        then the prefilling sequences get prompt chunks in rounds (one chunk each per round,
-        shortest remaining prompt first) while the budget lasts; at least one chunk always runs.
-        A newcomer's first chunk thus runs at its first step, whatever else is prefilling.
+        then the prefilling sequences get prompt chunks in rounds (one chunk each per round;
+        those with nothing prefilled yet first, then the shortest remaining prompt) while the
+        budget lasts; at least one chunk always runs. A newcomer's first chunk thus runs at its
+        first step, whatever else is prefilling.
 
         A prompt is cut as ``prefill`` cuts it alone (chunks of ``prefill_chunk``, then the
         rest), so that its computation, and hence its output, is the same as when it runs alone.
         Sequences in ``skip`` (waiting for a shared prefix) get no chunk."""
         step = Step(decode=list(self.running))
         budget = self.step_tokens - len(step.decode)
-        queue = sorted((s for s in self.prefilling if s not in skip), key=lambda s: len(s.prompt) - s.processed)
+        queue = sorted((s for s in self.prefilling if s not in skip),
+                       key=lambda s: (s.processed > s.cached_tokens, len(s.prompt) - s.processed))
         planned = {id(s): s.processed for s in queue}  # each one's prompt position after its planned chunks
         while queue:
             for sequence in list(queue):
