@@ -140,3 +140,53 @@ def test_package_runs_with_runtime_dependencies_only(tmp_path):
                          text=True, timeout=300, cwd=ROOT, env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.strip().startswith("served")
+
+
+def test_a_clean_venv_with_the_demo_install_serves(tmp_path, hf_smollm_tokenizer):
+    """The README's demo install (``pip install -e .``, no extras) into a new virtual environment
+    (nothing of this one's site-packages), then ``mlxformer serve`` answers a chat completion."""
+    import os
+    import shutil
+    import socket
+    import time
+    import urllib.request
+    import venv
+
+    from word_model import WORD, write_word_model
+
+    model = tmp_path / "word"
+    write_word_model(model, hf_smollm_tokenizer, context=2048)
+    env_dir = tmp_path / "venv"
+    venv.EnvBuilder(with_pip=True).create(env_dir)
+    bin_dir = env_dir / "bin"
+    clean = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
+    clean["PATH"] = f"{bin_dir}{os.pathsep}{clean.get('PATH', '')}"
+    # a copy of the source (an editable install into the tree would leave build files in it)
+    source = tmp_path / "src"
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".git", "tests", "benchmarks", "docs", "*.egg-info",
+                                                                "__pycache__", "build"))
+    install = subprocess.run([str(bin_dir / "python"), "-m", "pip", "install", "-q", "-e", str(source)],
+                             capture_output=True, text=True, timeout=900, env=clean, cwd=tmp_path)
+    assert install.returncode == 0, install.stderr[-3000:]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = tmp_path / "serve.log"
+    with log.open("w") as out:
+        server = subprocess.Popen([str(bin_dir / "mlxformer"), "serve", "--model", str(model), "--port", str(port),
+                                   "--threads", "1"], stdout=out, stderr=subprocess.STDOUT, env=clean, cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 120
+        while "Uvicorn running" not in log.read_text():
+            assert server.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.2)
+        body = json.dumps({"model": "word", "max_tokens": 8, "temperature": 0,
+                           "messages": [{"role": "user", "content": "hi"}]}).encode()
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", body,
+                                         {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=120) as reply:
+            answer = json.loads(reply.read())
+        assert answer["choices"][0]["message"]["content"].strip() == WORD, answer
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
