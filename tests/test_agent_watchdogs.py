@@ -37,7 +37,8 @@ def server(hf_smollm_tokenizer, tmp_path_factory):
     directory = tmp_path_factory.mktemp("word_model")
     write_word_model(directory, hf_smollm_tokenizer, context=4096)
     model, tokenizer = load(directory, threads=1)
-    with running_engine(model, tokenizer, max_batch=1, prefill_chunk=PREFILL_CHUNK) as engine:
+    # one chunk a step, so that each chunk is one (slowed) prefill call
+    with running_engine(model, tokenizer, max_batch=1, prefill_chunk=PREFILL_CHUNK, step_tokens=PREFILL_CHUNK) as engine:
         calls: list[tuple[float, float, bool]] = []  # each prompt chunk's (start, end, last)
         prefill = engine.runner.prefill
 
