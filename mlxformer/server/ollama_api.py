@@ -22,7 +22,7 @@ from mlxformer.errors import MlxformerError
 from mlxformer.server.context import ServerContext
 from mlxformer.server.errors import APIError, bad_request
 from mlxformer.server.hooks import constraint_for
-from mlxformer.server.hosting import frames
+from mlxformer.server.sse import frames
 from mlxformer.server.ollama_protocol import (
     OLLAMA_VERSION, ChatBody, GenerateBody, ModelBody, chat_messages, keep_alive_seconds, response_format,
     sampling_fields, thinking,
