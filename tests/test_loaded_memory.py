@@ -18,6 +18,8 @@ from mlxformer.server.runner import ServerThread
 
 KV = 2**20  # each engine's KV budget (--max-kv-memory)
 A, B, BIG = "a", "b", "big"
+TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}</{{ m.role }}>{% endfor %}"
+            "{% if add_generation_prompt %}<assistant>{% endif %}")
 
 
 def measured_weights(directory) -> int:
@@ -43,6 +45,7 @@ def bounded(tmp_path_factory):
 
     dirs = {A: write_tiny_byte_llama(tmp_path_factory.mktemp("a"), seed=0),
             B: write_tiny_byte_llama(tmp_path_factory.mktemp("b"), seed=1)}
+    (dirs[A] / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE}))  # B has none
     big = tmp_path_factory.mktemp("big")
     write_tiny_checkpoint(big, "llama", hidden_size=512, intermediate_size=1024, num_attention_heads=8,
                           num_key_value_heads=2)
@@ -78,6 +81,23 @@ def chat(url: str, model: str) -> tuple[int, dict]:
     status, _, body = http(url, "POST", "/v1/completions", {
         "model": model, "prompt": "Hi", "max_tokens": 2, "temperature": 0})
     return status, json.loads(body)
+
+
+def test_models_not_loaded_show_context_length_and_capabilities(bounded):
+    """Read from the checkpoint alone (nothing loads); equal to what the model shows once loaded."""
+    listed = models(bounded.url)
+    assert {n: m["state"] for n, m in listed.items()} == {A: "on disk", B: "on disk", BIG: "on disk"}
+    for name, directory in bounded.dirs.items():
+        config = json.loads((directory / "config.json").read_text())
+        assert listed[name]["context_length"] == config["max_position_embeddings"]
+    assert listed[A]["capabilities"]["chat"] is True and listed[B]["capabilities"]["chat"] is False
+    assert listed[A]["capabilities"]["tools"] is True and listed[A]["capabilities"]["reasoning"] is False
+    assert all(e.app is None for e in bounded.host.models.values())  # still nothing loaded
+    before = {n: (m["context_length"], m["capabilities"]) for n, m in listed.items()}
+    for name in (A, B):
+        assert chat(bounded.url, name)[0] == 200
+        loaded = models(bounded.url)[name]
+        assert loaded["state"] == "loaded" and (loaded["context_length"], loaded["capabilities"]) == before[name]
 
 
 def test_the_estimate_from_headers_is_the_loaded_weights(bounded):

@@ -205,7 +205,10 @@ class MultiHost:
             if entry.app is not None:
                 out.append(loaded_record(entry.name, entry.source, entry.context, entry.expires_at))
             else:
-                out.append(ModelRecord(entry.name, entry.source, "", "?", "", 0, False, None, None, entry.problem))
+                facts = self.facts(entry)  # from its checkpoint: no weights are loaded
+                out.append(ModelRecord(entry.name, entry.source, "", "?", "", 0, False,
+                                       facts.context_length if facts else None, None, entry.problem,
+                                       facts.capabilities if facts else None))
         return out
 
     def close(self) -> None:

@@ -5,6 +5,7 @@ and ``serve_models`` runs it with uvicorn."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any, Callable, Iterable, Sequence
 
 import uvicorn
@@ -38,9 +39,11 @@ def several_models_app(
 
     @front.get("/v1/models", dependencies=[key])
     async def models() -> dict[str, Any]:
+        records = await asyncio.get_running_loop().run_in_executor(None, host.records)  # may read checkpoints
         data = [{"id": r.name, "object": "model", "created": 0, "owned_by": "mlxformer",
                  "state": "loaded" if r.loaded else "on disk", "context_length": r.context_length,
-                 "source": r.path, **({"error": r.problem} if r.problem else {})} for r in host.records()]
+                 "capabilities": r.capabilities, "source": r.path, **({"error": r.problem} if r.problem else {})}
+                for r in records]
         return {"object": "list", "data": data}
 
     @front.get("/metrics", dependencies=[key], response_class=PlainTextResponse)
