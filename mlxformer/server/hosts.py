@@ -135,7 +135,7 @@ class MultiHost:
                 f"the model {entry.name!r} needs {mib(total)} (weights {mib(need[0])} + KV budget {mib(need[1])}), "  # type: ignore[index]
                 f"more than the server's --max-loaded-memory of {mib(self.max_memory)}", 507, "server_error",
                 "model", "model_too_large")
-        loaded = sorted((e for e in self.models.values() if e.app is not None and e is not entry),
+        loaded = sorted((e for e in list(self.models.values()) if e.app is not None and e is not entry),
                         key=lambda e: e.last_used)
 
         def over(kept: list[Hosted]) -> bool:
@@ -199,9 +199,14 @@ class MultiHost:
                         and entry.expires_at <= now:
                     await asyncio.get_running_loop().run_in_executor(None, self.unload, entry.name)
 
+    def add(self, name: str) -> None:
+        if name not in self.models:
+            self.models[name] = Hosted(name, name)  # loaded from the cache on first use
+            log.info("serving %s (pulled)", name)
+
     def records(self) -> list[ModelRecord]:
         out = []
-        for entry in self.models.values():
+        for entry in list(self.models.values()):
             if entry.app is not None:
                 out.append(loaded_record(entry.name, entry.source, entry.context, entry.expires_at))
             else:

@@ -52,6 +52,10 @@ class ModelHost(Protocol):
         """Unload ``name`` if it is loaded; whether it was."""
         ...
 
+    def add(self, name: str) -> None:
+        """Serve the model ``name`` (a hub ``REPO[:QUANT]`` just pulled) too, if it can host more."""
+        ...
+
 
 def not_found(name: str, names: list[str]) -> APIError:
     """The 404 of a model name this server does not host."""
@@ -107,3 +111,6 @@ class SingleHost:
 
     def unload(self, name: str) -> bool:
         return False
+
+    def add(self, name: str) -> None:
+        return None  # one model's server serves its own
