@@ -136,3 +136,20 @@ def test_serve_parses_the_bound():
     assert parse_loaded_memory("auto") == device_memory() - margin_for(device_memory())
     with pytest.raises(MlxformerError, match="--max-loaded-memory"):
         parse_loaded_memory("lots")
+
+
+def test_a_busy_model_is_not_unloaded_for_another(bounded):
+    """While A's engine works on a request (its in-flight count), B does not fit beside it: 503
+    with Retry-After, A stays loaded; once A is idle, B loads in its place."""
+    assert chat(bounded.url, A)[0] == 200
+    inflight = bounded.host.models[A].context.inflight
+    inflight.count += 1  # a request of A's in flight
+    try:
+        status, headers, body = http(bounded.url, "POST", "/v1/completions", {"model": B, "prompt": "Hi", "max_tokens": 2})
+        assert status == 503 and json.loads(body)["error"]["code"] == "model_memory_busy"
+        assert headers["retry-after"] == "1"
+        assert models(bounded.url)[A]["state"] == "loaded" and models(bounded.url)[B]["state"] == "on disk"
+    finally:
+        inflight.count -= 1
+    assert chat(bounded.url, B)[0] == 200
+    assert models(bounded.url)[A]["state"] == "on disk"

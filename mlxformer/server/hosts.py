@@ -151,8 +151,8 @@ class MultiHost:
             if not victim.busy:
                 self._unload(victim)
                 kept.remove(victim)
-        if total is not None and over(kept) and len(kept) + 1 <= self.max_loaded:
-            used = sum(self.held(e) for e in kept)
+        used = sum(self.held(e) for e in kept)
+        if total is not None and self.max_memory is not None and used + total > self.max_memory:
             raise APIError(
                 f"the model {entry.name!r} needs {mib(total)} and the busy models hold {mib(used)} of the server's "
                 f"--max-loaded-memory of {mib(self.max_memory or 0)}; retry when they finish", 503, "server_error",
@@ -280,7 +280,7 @@ class MultiModelApp:
             keep = keep_alive_seconds(keep_alive)
             entry = await self.host.hosted(name)
         except APIError as exc:
-            await send_json(send, exc.status, exc.body())
+            await send_json(send, exc.status, exc.body(), exc.headers)
             return
         replayed = [False]
 
@@ -297,9 +297,11 @@ class MultiModelApp:
             self.host.finished(entry.name, keep)
 
 
-async def send_json(send: Any, status: int, body: dict[str, Any]) -> None:
+async def send_json(send: Any, status: int, body: dict[str, Any], headers: dict[str, str] | None = None) -> None:
     data = json.dumps(body).encode()
+    extra = [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
     await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()),
+                            *extra]})
     await send({"type": "http.response.body", "body": data})
 
