@@ -276,3 +276,60 @@ def test_ollama_client_pulls_and_deletes_through_the_server(sources, tmp_path):
         finally:
             server.terminate()
             server.wait(timeout=30)
+
+
+def test_a_model_pulled_through_a_several_models_server_is_served(sources, tmp_path):
+    """``/api/pull`` on a server of several models adds the pulled model: ``/api/tags`` and
+    ``/v1/models`` list it, and a request for it gets the greedy reply of transformers on the
+    GGUF's stored weights."""
+    import socket
+    import time
+    import urllib.request
+
+    import ollama
+
+    cache, pulled = tmp_path / "cache", f"{GGUF_REPO}:q8_0"
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with serve_mirror(Mirror(sources[0])) as endpoint:
+        model_dir = sources[0][ST_REPO]["config.json"].parent
+        server = subprocess.Popen(
+            [sys.executable, "-m", "mlxformer", "serve", "--model", str(model_dir), "--model",
+             str(sources[0][GGUF_REPO]["tiny-F16.gguf"]), "--dtype", "float32", "--port", str(port)],
+            env=env_for(cache, HF_ENDPOINT=endpoint, HF_HUB_OFFLINE="0"), stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE, text=True)
+        try:
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:
+                try:
+                    urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+                    break
+                except OSError:
+                    assert server.poll() is None, server.stderr.read() if server.stderr else ""
+                    time.sleep(0.5)
+            client = ollama.Client(host=f"http://127.0.0.1:{port}", timeout=120)
+            before = [m.model for m in client.list().models]
+            assert pulled not in before and len(before) == 2
+            with pytest.raises(ollama.ResponseError) as error:
+                client.generate(model=pulled, prompt="abc", raw=True)
+            assert error.value.status_code == 404  # not served before the pull
+            assert client.pull(pulled).status == "success"
+            assert [m.model for m in client.list().models] == [*before, pulled]
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=30) as answer:
+                listed = {m["id"]: m for m in json.load(answer)["data"]}
+            assert listed[pulled]["state"] == "on disk" and listed[pulled]["context_length"] is not None
+            reply = client.generate(model=pulled, prompt="abc", raw=True, options={"temperature": 0, "num_predict": 3})
+            from mlxformer.formats.checkpoint import open_checkpoint
+            from mlxformer.loader import load_tokenizer
+
+            tokenizer = load_tokenizer(open_checkpoint(sources[0][GGUF_REPO]["tiny-Q8_0.gguf"]))
+            prompt = tokenizer.encode("abc", add_special_tokens=False)
+            with torch.no_grad():
+                ids = sources[1]["tiny-Q8_0.gguf"].generate(torch.tensor([prompt]), max_new_tokens=3,
+                                                            do_sample=False)[0, len(prompt):].tolist()
+            assert reply.response == tokenizer.decode(ids)
+            assert pulled in [m.model for m in client.ps().models]
+        finally:
+            server.terminate()
+            server.wait(timeout=30)

@@ -23,6 +23,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="also serve every loadable model of the Hugging Face cache (see 'mlxformer list')")
     parser.add_argument("--max-loaded-models", type=int, default=1, metavar="N",
                         help="with several models: most loaded at once, least recently used out (default 1)")
+    parser.add_argument("--max-loaded-memory", metavar="BYTES|auto", default=None,
+                        help="with several models: most bytes of loaded models, each counted as its weights plus its "
+                             "KV budget (--max-kv-memory), least recently used out (auto: the device's memory less "
+                             "a margin; default: no bound)")
     parser.add_argument("--idle-unload", type=float, default=None, metavar="SECONDS",
                         help="with several models: unload a model idle this long (default: never; a request's "
                              "keep_alive overrides it, Ollama's semantics)")
@@ -195,6 +199,7 @@ def run_several(args: argparse.Namespace, sources: dict[str, str], settings: Any
     from mlxformer.loader import load
     from mlxformer.models.config import FLOAT_DTYPES
     from mlxformer.server.app import create_app
+    from mlxformer.server.model_facts import parse_loaded_memory
     from mlxformer.server.multi_app import serve_models
     from mlxformer.server.runner import served_hosts
     from mlxformer.server.translate import ServedModel
@@ -220,7 +225,9 @@ def run_several(args: argparse.Namespace, sources: dict[str, str], settings: Any
         engine.start()
         return app, engine.stop
 
+    max_memory = parse_loaded_memory(args.max_loaded_memory) if args.max_loaded_memory is not None else None
     serve_models(sources, make_app, host=args.host, port=args.port, max_loaded=args.max_loaded_models,
+                 max_memory=max_memory, max_kv_memory=max_kv_memory, tool_parser=args.tool_parser,
                  idle_unload=args.idle_unload, strict=args.strict_model_names, api_key=args.api_key,
                  allowed_hosts=hosts, **extra)
     return 0

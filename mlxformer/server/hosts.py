@@ -1,5 +1,8 @@
 """Several models in one server: ``MultiHost`` loads each on first use (its own engine and API
-app, made by ``create_app``), keeps at most ``max_loaded`` (least recently used out), unloads a
+app, made by ``create_app``), keeps at most ``max_loaded`` and, with ``max_memory``, at most that
+many bytes of weights plus KV budgets (least recently used out; the sizes of a model not loaded
+come from its checkpoint, ``server/model_facts.py``; a model that cannot fit even alone gets a
+507 naming the sizes, and the others keep serving), unloads a
 model idle for its keep-alive (``idle_unload`` seconds by default, or a request's ``keep_alive``
 with Ollama's semantics: 0 unloads after the reply, negative keeps it), and reports each
 model's state. ``MultiModelApp`` is the ASGI front: model-level routes (Ollama's ``/api``,
@@ -21,6 +24,7 @@ from fastapi import FastAPI
 
 from mlxformer.server.context import ServerContext
 from mlxformer.server.errors import APIError
+from mlxformer.server.model_facts import ModelFacts, kv_budget_of, mib, model_facts
 from mlxformer.server.registry import ModelRecord, loaded_record, not_found
 
 log = logging.getLogger("mlxformer.server")
@@ -40,6 +44,7 @@ class Hosted:
     last_used: float = 0.0
     expires_at: float | None = None  # when it unloads if idle (None: never)
     problem: str | None = None
+    facts: ModelFacts | None = None  # read from its checkpoint when first needed
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     @property
@@ -57,9 +62,11 @@ class MultiHost:
     """The ``ModelHost`` of several models (see the module docstring)."""
 
     def __init__(self, sources: dict[str, str], make_app: AppMaker, *, max_loaded: int = 1,
-                 idle_unload: float | None = None, strict: bool = False) -> None:
+                 idle_unload: float | None = None, strict: bool = False, max_memory: int | None = None,
+                 max_kv_memory: int | str | None = None, tool_parser: str | None = None) -> None:
         self.models = {name: Hosted(name, source) for name, source in sources.items()}
         self.make_app, self.max_loaded, self.idle_unload, self.strict = make_app, max(1, max_loaded), idle_unload, strict
+        self.max_memory, self.max_kv_memory, self.tool_parser = max_memory, max_kv_memory, tool_parser
         self.guard = threading.Lock()  # loads and unloads, one at a time
         self.reaper: asyncio.Task[None] | None = None
 
@@ -85,12 +92,9 @@ class MultiHost:
         return entry
 
     def load(self, entry: Hosted) -> None:
+        need = self.need(entry)
         with self.guard:
-            loaded = sorted((e for e in self.models.values() if e.app is not None and e is not entry),
-                            key=lambda e: e.last_used)
-            for victim in loaded[: max(0, len(loaded) + 1 - self.max_loaded)]:
-                if not victim.busy:
-                    self._unload(victim)
+            self.make_room(entry, need)
             try:
                 entry.app, entry.stop = self.make_app(entry.name, entry.source)
                 entry.problem = None
@@ -99,6 +103,60 @@ class MultiHost:
                 log.warning("model %s failed to load: %s", entry.name, entry.problem)
                 raise APIError(f"the model {entry.name!r} failed to load: {entry.problem}", 500, "server_error",
                                "model", "model_load_failed") from None
+
+    def facts(self, entry: Hosted) -> ModelFacts | None:
+        """``entry``'s facts from its checkpoint (None when it cannot be read: loading it will say why)."""
+        if entry.facts is None:
+            try:
+                entry.facts = model_facts(entry.source, self.tool_parser)
+            except Exception as exc:
+                log.info("cannot read %s's checkpoint: %s", entry.name, exc)
+        return entry.facts
+
+    def need(self, entry: Hosted) -> tuple[int, int] | None:
+        """``(weights, KV budget)`` bytes of ``entry`` before it loads (None: unknown or no bound)."""
+        facts = self.facts(entry) if self.max_memory is not None else None
+        return None if facts is None else (facts.weights, kv_budget_of(facts.weights, self.max_kv_memory))
+
+    @staticmethod
+    def held(entry: Hosted) -> int:
+        """Bytes a loaded model holds by the bound's count: its weights plus its engine's KV budget."""
+        from mlxformer.engine.memory import weights_nbytes
+
+        engine = entry.context.engine
+        return weights_nbytes(engine.model) + (engine.budget.limit if engine.budget is not None else 0)
+
+    def make_room(self, entry: Hosted, need: tuple[int, int] | None) -> None:
+        """Unload idle models, least recently used first, until ``entry`` fits ``max_loaded`` and
+        ``max_memory``; 507 when it cannot fit even alone, 503 when busy models leave no room."""
+        total = None if need is None else sum(need)
+        if total is not None and self.max_memory is not None and total > self.max_memory:
+            raise APIError(
+                f"the model {entry.name!r} needs {mib(total)} (weights {mib(need[0])} + KV budget {mib(need[1])}), "  # type: ignore[index]
+                f"more than the server's --max-loaded-memory of {mib(self.max_memory)}", 507, "server_error",
+                "model", "model_too_large")
+        loaded = sorted((e for e in list(self.models.values()) if e.app is not None and e is not entry),
+                        key=lambda e: e.last_used)
+
+        def over(kept: list[Hosted]) -> bool:
+            if len(kept) + 1 > self.max_loaded:
+                return True
+            return total is not None and self.max_memory is not None \
+                and sum(self.held(e) for e in kept) + total > self.max_memory
+
+        kept = list(loaded)
+        for victim in loaded:
+            if not over(kept):
+                break
+            if not victim.busy:
+                self._unload(victim)
+                kept.remove(victim)
+        used = sum(self.held(e) for e in kept)
+        if total is not None and self.max_memory is not None and used + total > self.max_memory:
+            raise APIError(
+                f"the model {entry.name!r} needs {mib(total)} and the busy models hold {mib(used)} of the server's "
+                f"--max-loaded-memory of {mib(self.max_memory or 0)}; retry when they finish", 503, "server_error",
+                "model", "model_memory_busy", headers={"Retry-After": "1"})
 
     async def context(self, name: str | None) -> ServerContext:
         return (await self.hosted(name)).context
@@ -141,13 +199,21 @@ class MultiHost:
                         and entry.expires_at <= now:
                     await asyncio.get_running_loop().run_in_executor(None, self.unload, entry.name)
 
+    def add(self, name: str) -> None:
+        if name not in self.models:
+            self.models[name] = Hosted(name, name)  # loaded from the cache on first use
+            log.info("serving %s (pulled)", name)
+
     def records(self) -> list[ModelRecord]:
         out = []
-        for entry in self.models.values():
+        for entry in list(self.models.values()):
             if entry.app is not None:
                 out.append(loaded_record(entry.name, entry.source, entry.context, entry.expires_at))
             else:
-                out.append(ModelRecord(entry.name, entry.source, "", "?", "", 0, False, None, None, entry.problem))
+                facts = self.facts(entry)  # from its checkpoint: no weights are loaded
+                out.append(ModelRecord(entry.name, entry.source, "", "?", "", 0, False,
+                                       facts.context_length if facts else None, None, entry.problem,
+                                       facts.capabilities if facts else None))
         return out
 
     def close(self) -> None:
@@ -214,7 +280,7 @@ class MultiModelApp:
             keep = keep_alive_seconds(keep_alive)
             entry = await self.host.hosted(name)
         except APIError as exc:
-            await send_json(send, exc.status, exc.body())
+            await send_json(send, exc.status, exc.body(), exc.headers)
             return
         replayed = [False]
 
@@ -231,9 +297,11 @@ class MultiModelApp:
             self.host.finished(entry.name, keep)
 
 
-async def send_json(send: Any, status: int, body: dict[str, Any]) -> None:
+async def send_json(send: Any, status: int, body: dict[str, Any], headers: dict[str, str] | None = None) -> None:
     data = json.dumps(body).encode()
+    extra = [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
     await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()),
+                            *extra]})
     await send({"type": "http.response.body", "body": data})
 

@@ -5,6 +5,7 @@ and ``serve_models`` runs it with uvicorn."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any, Callable, Iterable, Sequence
 
 import uvicorn
@@ -38,9 +39,11 @@ def several_models_app(
 
     @front.get("/v1/models", dependencies=[key])
     async def models() -> dict[str, Any]:
+        records = await asyncio.get_running_loop().run_in_executor(None, host.records)  # may read checkpoints
         data = [{"id": r.name, "object": "model", "created": 0, "owned_by": "mlxformer",
                  "state": "loaded" if r.loaded else "on disk", "context_length": r.context_length,
-                 "source": r.path, **({"error": r.problem} if r.problem else {})} for r in host.records()]
+                 "capabilities": r.capabilities, "source": r.path, **({"error": r.problem} if r.problem else {})}
+                for r in records]
         return {"object": "list", "data": data}
 
     @front.get("/metrics", dependencies=[key], response_class=PlainTextResponse)
@@ -69,7 +72,8 @@ def several_models_app(
 
 def serve_models(
     sources: dict[str, str], make_app: Callable[[str, str, MultiHost], tuple[FastAPI, Callable[[], None]]], *,
-    host: str = "127.0.0.1", port: int = 8080, max_loaded: int = 1, idle_unload: float | None = None,
+    host: str = "127.0.0.1", port: int = 8080, max_loaded: int = 1, max_memory: int | None = None,
+    max_kv_memory: int | str | None = None, tool_parser: str | None = None, idle_unload: float | None = None,
     strict: bool = False, api_key: str | None = None, allowed_hosts: Sequence[str] | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
 ) -> None:
@@ -81,7 +85,8 @@ def serve_models(
         assert models is not None
         return make_app(name, source, models)
 
-    models = MultiHost(sources, maker, max_loaded=max_loaded, idle_unload=idle_unload, strict=strict)
+    models = MultiHost(sources, maker, max_loaded=max_loaded, idle_unload=idle_unload, strict=strict,
+                       max_memory=max_memory, max_kv_memory=max_kv_memory, tool_parser=tool_parser)
     app = several_models_app(models, api_key=api_key, allowed_hosts=allowed_hosts, max_body_bytes=max_body_bytes)
     try:
         uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)

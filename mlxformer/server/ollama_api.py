@@ -265,6 +265,7 @@ def ollama_router(host: ModelHost) -> APIRouter:
         async def work() -> None:
             try:
                 await loop.run_in_executor(None, lambda: fetch(name, progress))
+                host.add(name)  # a several-models server serves it from now on
                 for status in ("verifying sha256 digest", "writing manifest", "success"):
                     await queue.put({"status": status})
             except MlxformerError as exc:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from mlxformer.server.context import ServerContext
 from mlxformer.server.errors import APIError
@@ -28,6 +28,7 @@ class ModelRecord:
     context_length: int | None
     expires_at: float | None = None  # epoch seconds when an idle model unloads (None: never)
     problem: str | None = None  # why its last load failed
+    capabilities: dict[str, Any] | None = None  # its /v1/models capabilities (None when unknown)
 
 
 class ModelHost(Protocol):
@@ -49,6 +50,10 @@ class ModelHost(Protocol):
 
     def unload(self, name: str) -> bool:
         """Unload ``name`` if it is loaded; whether it was."""
+        ...
+
+    def add(self, name: str) -> None:
+        """Serve the model ``name`` (a hub ``REPO[:QUANT]`` just pulled) too, if it can host more."""
         ...
 
 
@@ -75,12 +80,15 @@ def loaded_record(name: str, path: str | None, ctx: ServerContext, expires_at: f
     from mlxformer.formats.hub_gguf import quant_of
 
     family = ctx.engine.model.args.model_type
+    capabilities = ctx.traits.capabilities(ctx.served) if ctx.traits is not None else None
     if path is None:
-        return ModelRecord(name, "", "", "?", family, 0, True, ctx.served.context_length, expires_at)
+        return ModelRecord(name, "", "", "?", family, 0, True, ctx.served.context_length, expires_at,
+                           capabilities=capabilities)
     local = resolve_source(path)
     is_gguf = local.is_file()
     quant = (quant_of(local.name) or "?") if is_gguf else safetensors_quant(local)
-    return ModelRecord(name, path, "gguf" if is_gguf else "safetensors", quant, family, files_size(local), True, ctx.served.context_length, expires_at)
+    return ModelRecord(name, path, "gguf" if is_gguf else "safetensors", quant, family, files_size(local), True,
+                       ctx.served.context_length, expires_at, capabilities=capabilities)
 
 
 class SingleHost:
@@ -103,3 +111,6 @@ class SingleHost:
 
     def unload(self, name: str) -> bool:
         return False
+
+    def add(self, name: str) -> None:
+        return None  # one model's server serves its own
