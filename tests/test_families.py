@@ -15,17 +15,14 @@ import dataclasses
 import mlx.core as mx
 import numpy as np
 import pytest
-import torch
 from mlx.utils import tree_flatten
 
+from family_checks import assert_batch_and_speculation_match_alone, chunked_then_decoded, hf_logits
 from conftest import cpu_default_device, log_softmax, max_diff, write_byte_tokenizer, write_tiny_checkpoint
-from mlxformer import load, stream_generate
+from mlxformer import load
 from mlxformer.cache import CacheSettings, KVCache, RotatingKVCache, make_cache
-from mlxformer.engine import batch_generate
-from mlxformer.generation import decode_step, prefill
 from mlxformer.models.rope_config import RopeConfig
 from mlxformer.models.decoder import Model
-from mlxformer.speculative import SpeculativeSettings
 
 WINDOW = 8
 SEQ_LEN = 40
@@ -97,8 +94,7 @@ def case(request, tmp_path_factory):
     write_byte_tokenizer(directory)
     model, tokenizer = load(directory, dtype=mx.float32, threads=2 if request.param == "phi3" else 1)
     tokenizer.eos_token_ids = []  # random weights: every run has all its tokens
-    with torch.no_grad():
-        ref = hf_model(torch.tensor(tokens()[None])).logits[0].numpy()
+    ref = hf_logits(hf_model, tokens())
     return request.param, model, tokenizer, hf_model, ref
 
 
@@ -128,8 +124,7 @@ def test_chunked_prefill_then_decode(case):
     length = 30 if name == "phi4mini-longrope" else SEQ_LEN
     ids = tokens(length)
     if length != SEQ_LEN:
-        with torch.no_grad():
-            ref = hf_model(torch.tensor(ids[None])).logits[0].numpy()
+        ref = hf_logits(hf_model, ids)
     # 8-bit on Gemma 2: quantized keys with soft-capping. (On these chaotic random models 8-bit
     # moves Gemma 3's log-probs by up to 2.9, with or without its windows, and 4-bit by 10-15:
     # rounding, too close to a wrong window's effect to tell them apart.)
@@ -140,25 +135,15 @@ def test_chunked_prefill_then_decode(case):
                 assert isinstance(layer_cache, KVCache)
             else:
                 assert isinstance(layer_cache, RotatingKVCache) and layer_cache.max_size == layer.window
-        steps = [np.array(prefill(model, mx.array(ids[:PREFILL_LEN]), cache, step_size=7)[0])]
-        for t in range(PREFILL_LEN, length):
-            steps.append(np.array(decode_step(model, mx.array(ids[t : t + 1]), cache)[0]))
+        steps = chunked_then_decoded(model, ids, PREFILL_LEN, cache)
         # float: summation order only; 8-bit: the cache rounding (measured 0.40 with soft-capping; a wrong
         # window or RoPE moves log-probs by > 2)
-        assert max_diff(np.stack(steps), ref[PREFILL_LEN - 1 :]) <= (BOUND if bits is None else 0.5), bits
-
-
-PROMPTS = ["Once upon a time, in a land far away,", "abcabcabcabc", "The quick brown fox jumps over"]
+        assert max_diff(steps, ref[PREFILL_LEN - 1 :]) <= (BOUND if bits is None else 0.5), bits
 
 
 def test_engine_batch_and_speculation_match_alone(case):
     """Greedy: each sequence of an engine batch (ragged prompts past the window) and
     speculative decoding (prompt lookup) give the tokens of plain decoding alone."""
     name, model, tokenizer, _, _ = case
-    alone = [[r.token for r in stream_generate(model, tokenizer, p, 12)] for p in PROMPTS]
-    texts = batch_generate(model, tokenizer, PROMPTS, 12, max_batch=3)
-    assert texts == [tokenizer.decode(t) for t in alone]
-    lookup = SpeculativeSettings(prompt_lookup=True, num_draft_tokens=4, ngram_min=1)
-    responses = list(stream_generate(model, tokenizer, PROMPTS[1], 12, speculative=lookup))
-    assert [r.token for r in responses] == alone[1]
+    responses = assert_batch_and_speculation_match_alone(model, tokenizer)
     assert responses[-1].proposed_tokens > 0

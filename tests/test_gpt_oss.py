@@ -12,15 +12,12 @@ import numpy as np
 import pytest
 import torch
 
+from family_checks import assert_batch_and_speculation_match_alone, chunked_then_decoded
 from conftest import cpu_default_device, max_diff, write_byte_tokenizer, write_tiny_checkpoint
-from mlxformer import load, stream_generate
-from mlxformer.cache import CacheSettings, make_cache
+from mlxformer import load
 from mlxformer.cache.kv import KVCache
-from mlxformer.engine import batch_generate
-from mlxformer.generation import decode_step, prefill
 from mlxformer.models.attention_ops import fused_attention, softcapped_attention
 from mlxformer.models.moe_gpt_oss import TopKSoftmaxMoE
-from mlxformer.speculative import SpeculativeSettings
 
 BOUND = 3e-4  # fp32 on both sides
 SEQ_LEN, PREFILL_LEN = 40, 20
@@ -142,16 +139,9 @@ def test_quantized_kv_attention_counts_the_sinks():
 def test_chunked_prefill_then_decode_past_the_window(case):
     """Chunks of 7 then single tokens: the sliding layers' rotating caches hold the window."""
     _, model, _, _, ref = case
-    ids = tokens(SEQ_LEN)
     with cpu_default_device():
-        cache = make_cache(model, CacheSettings())
-        steps = [np.array(prefill(model, mx.array(ids[:PREFILL_LEN]), cache, step_size=7)[0])]
-        for t in range(PREFILL_LEN, SEQ_LEN):
-            steps.append(np.array(decode_step(model, mx.array(ids[t : t + 1]), cache)[0]))
-    assert max_diff(np.stack(steps), ref[PREFILL_LEN - 1 :]) <= BOUND
-
-
-PROMPTS = ["Once upon a time, in a land far away,", "abcabcabcabc", "The quick brown fox jumps over"]
+        steps = chunked_then_decoded(model, tokens(SEQ_LEN), PREFILL_LEN)
+    assert max_diff(steps, ref[PREFILL_LEN - 1 :]) <= BOUND
 
 
 def test_engine_batch_and_speculation_match_alone(case):
@@ -159,7 +149,4 @@ def test_engine_batch_and_speculation_match_alone(case):
     speculation give the tokens of plain decoding alone."""
     _, model, tokenizer, _, _ = case
     with cpu_default_device():
-        alone = [[r.token for r in stream_generate(model, tokenizer, p, 12)] for p in PROMPTS]
-        assert batch_generate(model, tokenizer, PROMPTS, 12, max_batch=3) == [tokenizer.decode(t) for t in alone]
-        lookup = SpeculativeSettings(prompt_lookup=True, num_draft_tokens=4, ngram_min=1)
-        assert [r.token for r in stream_generate(model, tokenizer, PROMPTS[1], 12, speculative=lookup)] == alone[1]
+        assert_batch_and_speculation_match_alone(model, tokenizer)

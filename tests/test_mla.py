@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 import torch
 
+from family_checks import PROMPTS, assert_batch_and_speculation_match_alone, chunked_then_decoded, hf_logits
 from conftest import cpu_default_device, max_diff, write_byte_tokenizer, write_tiny_checkpoint
 from mlxformer import convert, load, stream_generate
 from mlxformer.cache import CacheSettings, make_cache
 from mlxformer.engine import batch_generate
 from mlxformer.generation import decode_step, prefill
 from mlxformer.models.moe import SparseMoE
-from mlxformer.speculative import SpeculativeSettings
 
 BOUND = 3e-4  # fp32 on both sides
 _ROUTED = dict(n_routed_experts=8, num_experts_per_tok=3, moe_intermediate_size=24, first_k_dense_replace=1,
@@ -77,9 +77,7 @@ def case(request, tmp_path_factory):
     return request.param, directory, model, tokenizer, hf_model
 
 
-def reference(hf_model, ids: np.ndarray) -> np.ndarray:
-    with torch.no_grad():
-        return hf_model(torch.tensor(ids[None])).logits[0].numpy()
+reference = hf_logits
 
 
 def test_forward(case):
@@ -93,24 +91,12 @@ def test_forward(case):
 def test_chunked_prefill_then_decode(case):
     name, _, model, _, hf_model = case
     ids = tokens(40)
-    ref = reference(hf_model, ids)
-    cache = make_cache(model, CacheSettings())
-    steps = [np.array(prefill(model, mx.array(ids[:20]), cache, step_size=7)[0])]
-    for t in range(20, 40):
-        steps.append(np.array(decode_step(model, mx.array(ids[t : t + 1]), cache)[0]))
-    assert max_diff(np.stack(steps), ref[19:]) <= BOUND
-
-
-PROMPTS = ["Once upon a time, in a land far away,", "abcabcabcabc", "The quick brown fox jumps over"]
+    assert max_diff(chunked_then_decoded(model, ids, 20), reference(hf_model, ids)[19:]) <= BOUND
 
 
 def test_engine_batch_and_speculation_match_alone(case):
     name, _, model, tokenizer, _ = case
-    alone = [[r.token for r in stream_generate(model, tokenizer, p, 12)] for p in PROMPTS]
-    assert batch_generate(model, tokenizer, PROMPTS, 12, max_batch=3) == [tokenizer.decode(t) for t in alone]
-    lookup = SpeculativeSettings(prompt_lookup=True, num_draft_tokens=4, ngram_min=1)
-    responses = list(stream_generate(model, tokenizer, PROMPTS[1], 12, speculative=lookup))
-    assert [r.token for r in responses] == alone[1]
+    assert_batch_and_speculation_match_alone(model, tokenizer)
 
 
 def test_cache_bytes_per_token(case):
