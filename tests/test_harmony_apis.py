@@ -4,13 +4,17 @@ the real server routes with the official ``openai`` and ``anthropic`` clients: C
 Responses and Anthropic Messages, whole and streamed.
 
 The model is the tiny random gpt-oss of tests/test_harmony.py with its Harmony tokenizer, and
-its vocabulary projection is scripted: at each sampling step the logits put the completion's
-next token (as the tokenizer encodes it, control tokens as their special ids) above all others,
+its vocabulary projection is scripted (the stand-in sits at the model's logits, not at the
+engine): at each sampling step the logits put the completion's next token above all others,
 counted from the prompt's prefill (a multi-token ``hidden_states`` call). Everything after the
 logits is the real path: the engine's sampling, stop ids (``<|return|>``, ``<|call|>``) and
-``max_tokens``, the detokenizer, the Harmony parser and each API's translation. (A real model
-cannot be made to say a given text in the time this had: a bigram table as tests/word_model.py
-writes needs every token distinct, and these completions repeat ``<|message|>`` and letters.)
+``max_tokens``, the detokenizer, the Harmony parser and each API's translation. Each completion
+runs twice: with the control tokens as the special ids a gpt-oss writes (each arrives whole),
+and spelled out a character a token (the closing stop id excepted), so the routes get the reply
+one character an event: split at every point, the parser's hold-back of a partial control
+token checked through the APIs. (Weights that say a scripted text need a position signal from
+the reply's start; a bigram table as tests/word_model.py writes cannot, as these completions
+repeat ``<|message|>`` and letters. That was not built in the time this had.)
 
 The expectations are the completions' own parts, written by hand below, never our output;
 streamed replies are folded and compared with them and with the whole reply. Past turns: the
@@ -119,19 +123,22 @@ def server(tmp_path_factory):
                 yield SimpleNamespace(url=url, script=script, tokenizer=tokenizer)
 
 
-def scripted(server, name: str) -> tuple[str, int | None]:
-    """Script the completion ``name``; its (reasoning, content, calls, cut) and the max_tokens that cuts it."""
+def scripted(server, name: str, spelled: bool = False) -> tuple[str, int | None]:
+    """Script the completion ``name``; its text and the max_tokens that cuts it (None: not cut).
+    ``spelled``: every control token but the closing stop id written as its characters (a
+    token each), so the routes receive the reply one character an event: split at every point."""
     text, *_, cut = COMPLETIONS[name]
     tokenizer = server.tokenizer
     ids = tokenizer.encode(text, add_special_tokens=False)
-    assert tokenizer.decode(ids) == text and sum(t in tokenizer.eos_token_ids for t in ids) == 1, text
+    assert tokenizer.decode(ids) == text and [t in tokenizer.eos_token_ids for t in ids].index(True) == len(ids) - 1
+    if spelled:
+        ids = [t for ch in tokenizer.decode(ids[:-1]) for t in tokenizer.encode(ch, add_special_tokens=False)] + ids[-1:]
+        assert tokenizer.decode(ids) == text and len(ids) == len(tokenizer.decode(ids[:-1])) + 1
     server.script.tokens = ids
     if cut is None:
         return text, None
     head = text[: text.index(cut) + len(cut)]
-    limit = len(tokenizer.encode(head, add_special_tokens=False))
-    assert tokenizer.decode(ids[:limit]) == head
-    return text, limit
+    return text, next(k for k in range(len(ids)) if tokenizer.decode(ids[:k]) == head)
 
 
 def no_control(*texts: str | None) -> None:
@@ -153,13 +160,14 @@ def as_calls(pairs) -> list[tuple[str, dict | str]]:
 # ---------------------------------------------------------------- Chat Completions
 
 
-def test_chat_completions(server):
+@pytest.mark.parametrize("spelled", [False, True], ids=["control-tokens", "spelled"])
+def test_chat_completions(server, spelled):
     import openai
 
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
     tools = [{"type": "function", "function": {"name": n, "description": n, "parameters": p}} for n, p in PARAMETERS.items()]
     for name, (_, reasoning, content, calls, cut) in COMPLETIONS.items():
-        _, limit = scripted(server, name)
+        _, limit = scripted(server, name, spelled)
         kwargs: dict = dict(model=MODEL_NAME, messages=[{"role": "user", "content": "Weather?"}], tools=tools,
                             max_tokens=limit or 400, temperature=0)
         choice = client.chat.completions.create(**kwargs).choices[0]
@@ -186,13 +194,14 @@ def test_chat_completions(server):
 # ---------------------------------------------------------------- Responses
 
 
-def test_responses(server):
+@pytest.mark.parametrize("spelled", [False, True], ids=["control-tokens", "spelled"])
+def test_responses(server, spelled):
     import openai
 
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
     tools = [{"type": "function", "name": n, "description": n, "parameters": p} for n, p in PARAMETERS.items()]
     for name, (_, reasoning, content, calls, cut) in COMPLETIONS.items():
-        _, limit = scripted(server, name)
+        _, limit = scripted(server, name, spelled)
         kwargs: dict = dict(model=MODEL_NAME, input="Weather?", tools=tools, max_output_tokens=limit or 400, temperature=0)
         reply = client.responses.create(**kwargs)
 
@@ -228,13 +237,14 @@ def test_responses(server):
 # ---------------------------------------------------------------- Anthropic Messages
 
 
-def test_anthropic_messages(server):
+@pytest.mark.parametrize("spelled", [False, True], ids=["control-tokens", "spelled"])
+def test_anthropic_messages(server, spelled):
     import anthropic
 
     client = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0, timeout=300)
     tools = [{"name": n, "description": n, "input_schema": p} for n, p in PARAMETERS.items()]
     for name, (_, reasoning, content, calls, cut) in COMPLETIONS.items():
-        _, limit = scripted(server, name)
+        _, limit = scripted(server, name, spelled)
         kwargs: dict = dict(model=MODEL_NAME, max_tokens=limit or 400, tools=tools,
                             messages=[{"role": "user", "content": "Weather?"}])
         reply = client.messages.create(**kwargs)
