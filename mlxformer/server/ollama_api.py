@@ -22,13 +22,13 @@ from mlxformer.errors import MlxformerError
 from mlxformer.server.context import ServerContext
 from mlxformer.server.errors import APIError, bad_request
 from mlxformer.server.hooks import constraint_for
-from mlxformer.server.sse import frames
 from mlxformer.server.ollama_protocol import (
     OLLAMA_VERSION, ChatBody, GenerateBody, ModelBody, chat_messages, keep_alive_seconds, response_format,
     sampling_fields, thinking,
 )
 from mlxformer.server.registry import ModelHost, ModelRecord
 from mlxformer.server.reply import ReplyParser, whole_reply
+from mlxformer.server.sse import frames
 from mlxformer.server.streaming import EventStream, collect_unless_gone
 from mlxformer.server.tools import tool_plan
 from mlxformer.server.translate import check_prompt_chars, engine_request
