@@ -237,3 +237,16 @@ def test_anthropic_messages_forced_tool_use_and_thinking_budget(served):
                                         thinking={"type": "enabled", "budget_tokens": budget}).usage.input_tokens
                  for budget in (1024, 20000))
     assert high - low == 1  # budget 1024 -> "Reasoning: low", 20000 -> "high"
+
+
+def test_a_tool_without_a_description_renders():
+    """OpenAI's ``description`` is optional; the gpt-oss template reads it unconditionally, so the
+    tools handed to templates carry an empty one (it failed with "no attribute 'description'")."""
+    from mlxformer.constrained.tools import with_tools
+
+    bare = [{"type": "function", "function": {"name": "get_time", "parameters": PARAMETERS["get_time"]}}]
+    user = [{"role": "user", "content": "Time?"}]
+    with pytest.raises(Exception, match="description"):
+        render(template(SOURCE), user, True, tools=bare)
+    messages, variables = with_tools(user, bare, template(SOURCE))
+    assert "type get_time = (_: {" in render(template(SOURCE), messages, True, **variables)

@@ -98,8 +98,17 @@ def with_tools(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | Non
     if not tools:
         return messages, {}
     if template_takes_tools(chat_template):
-        return messages, {"tools": tools}
+        return messages, {"tools": [_described(tool) for tool in tools]}
     text = tools_system_text(tools)
     if messages and messages[0].get("role") == "system" and isinstance(messages[0].get("content"), str):
         return [{**messages[0], "content": messages[0]["content"] + "\n\n" + text}, *messages[1:]], {}
     return [{"role": "system", "content": text}, *messages], {}
+
+
+def _described(tool: dict[str, Any]) -> dict[str, Any]:
+    """A function tool with a ``description`` (OpenAI's is optional; templates such as gpt-oss's
+    read it unconditionally)."""
+    function = tool.get("function")
+    if isinstance(function, dict) and "description" not in function:
+        return {**tool, "function": {**function, "description": ""}}
+    return tool
