@@ -8,7 +8,7 @@ content); and through the three APIs with the official ``openai`` and ``anthropi
 a tiny random gpt-oss with a Harmony tokenizer (the control tokens as special tokens), where
 a forced call (the grammar) parses back to a valid call on each.
 
-(``openai-harmony`` cannot run offline here: it downloads its o200k vocabulary at run time.)
+(``openai-harmony``, OpenAI's reference, is compared with in test_harmony_reference.py, offline.)
 """
 
 from __future__ import annotations
