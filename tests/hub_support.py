@@ -14,17 +14,20 @@ from typing import Iterator
 from contextlib import contextmanager
 from urllib.parse import unquote, urlparse
 
-COMMIT = "0123456789abcdef0123456789abcdef01234567"
+def commit_of(repo: str) -> str:
+    """The repo's commit hash: distinct per repo, as on the hub (the cache's deletion finds
+    revisions by hash, so repos sharing one would delete each other's)."""
+    return hashlib.sha1(repo.encode()).hexdigest()
 
 
 def repo_folder(cache: Path, repo: str) -> Path:
     return cache / f"models--{repo.replace('/', '--')}"
 
 
-def add_to_cache(cache: Path, repo: str, files: dict[str, Path], commit: str = COMMIT) -> Path:
+def add_to_cache(cache: Path, repo: str, files: dict[str, Path], commit: str | None = None) -> Path:
     """Put ``{path in repo: local file}`` in the cache as the hub client does: content-addressed
     blobs, the snapshot's relative symlinks to them, ``refs/main``. Returns the snapshot dir."""
-    folder = repo_folder(cache, repo)
+    folder, commit = repo_folder(cache, repo), commit or commit_of(repo)
     snapshot = folder / "snapshots" / commit
     (folder / "blobs").mkdir(parents=True, exist_ok=True)
     for name, source in files.items():
@@ -55,7 +58,7 @@ class Mirror:
             files = self.repos[repo]
             if kind == "revision":
                 siblings = [{"rfilename": n, "size": f.stat().st_size} for n, f in files.items()]
-                return "json", {"id": repo, "modelId": repo, "sha": COMMIT, "siblings": siblings}
+                return "json", {"id": repo, "modelId": repo, "sha": commit_of(repo), "siblings": siblings}
             if kind == "tree":
                 return "json", [{"type": "file", "path": n, "size": f.stat().st_size, "oid": _sha1(f)}
                                 for n, f in files.items()]
@@ -93,7 +96,8 @@ def serve_mirror(mirror: Mirror) -> Iterator[str]:
             self.send_header("Content-Type", "application/json" if kind == "json" else "application/octet-stream")
             self.send_header("Content-Length", str(len(data)))
             if kind == "file":
-                self.send_header("X-Repo-Commit", COMMIT)
+                repo = "/".join(unquote(p) for p in urlparse(self.path).path.strip("/").split("/")[:2])
+                self.send_header("X-Repo-Commit", commit_of(repo))
                 self.send_header("ETag", f'"{hashlib.sha256(data).hexdigest()}"')
             self.end_headers()
             if body:

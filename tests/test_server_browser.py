@@ -29,7 +29,9 @@ def page(tmp_path):
 
 def test_chat_page_streams_the_answer(server, page):
     page.goto(server)
-    page.wait_for_function("document.getElementById('model').textContent === 'smollm2-test'")
+    # a locator, not wait_for_function: Playwright evaluates a string predicate with eval, which the
+    # page's Content-Security-Policy refuses once it has to poll
+    page.locator("#model", has_text="smollm2-test").wait_for()
     page.fill("#temperature", "0")
     page.fill("#max_tokens", "24")
     page.fill("#prompt", "What is the capital of France?")

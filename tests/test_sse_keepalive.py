@@ -56,7 +56,7 @@ class SlowPrefill:
 def test_long_prefill_streams_pings_and_progress(tiny_byte_llama):
     model, tokenizer = tiny_byte_llama
     prompt = "x" * 60
-    with running_engine(model, tokenizer, prefill_chunk=16, prefix_cache_bytes=0) as engine:
+    with running_engine(model, tokenizer, prefill_chunk=16, step_tokens=16, prefix_cache_bytes=0) as engine:  # a chunk a step
         SlowPrefill(engine, 0.15)
         with running_server(engine, model, tokenizer, sse_ping_seconds=0.1) as url:
             body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 3, "stream": True, "temperature": 0,
