@@ -110,6 +110,24 @@ def poison(stage: str, engine: Engine, monkeypatch) -> None:
             return outputs
 
         monkeypatch.setattr(runner, "step", decode_step)
+    elif stage == "publish":  # offering a prefilled chunk's blocks to requests waiting on the prefix
+        real_publish = engine.sharing.publish
+
+        def publish(sequence):
+            if POISON in sequence.prompt:
+                raise RuntimeError("injected publish fault")
+            return real_publish(sequence)
+
+        monkeypatch.setattr(engine.sharing, "publish", publish)
+    elif stage == "retire":  # keeping a finished request's cache for prefix reuse
+        real_insert = engine.prefix_cache.insert
+
+        def insert(tokens, caches):
+            if POISON in tokens:
+                raise RuntimeError("injected retire fault")
+            return real_insert(tokens, caches)
+
+        monkeypatch.setattr(engine.prefix_cache, "insert", insert)
     elif stage == "detokenizer":
         made = engine.tokenizer.detokenizer
         calls = itertools.count()
@@ -119,6 +137,7 @@ def poison(stage: str, engine: Engine, monkeypatch) -> None:
 
 @pytest.mark.parametrize("stage,cache", [
     ("prefill", "float"), ("decode", "float"), ("decode", "rotating"), ("constraint", "float"), ("detokenizer", "float"),
+    ("publish", "float"), ("retire", "float"),
 ])
 def test_one_poisoned_request_of_eight_fails_alone(tiny, alone, stage, cache, monkeypatch):
     """A failed decode step is rolled back (also in rotating caches that have evicted) and rerun
@@ -129,11 +148,13 @@ def test_one_poisoned_request_of_eight_fails_alone(tiny, alone, stage, cache, mo
         poison(stage, engine, monkeypatch)
         handles = []
         for i, prompt in enumerate(PROMPTS):
-            ids = [POISON, *prompt] if i == POISONED and stage in ("prefill", "decode") else prompt
+            ids = [POISON, *prompt] if i == POISONED and stage in ("prefill", "decode", "publish", "retire") else prompt
             constraint = FaultyConstraint() if i == POISONED and stage == "constraint" else None
             handles.append(engine.submit(GenerationRequest(ids, MAX_TOKENS, constraint=constraint)))
         for i, handle in enumerate(handles):
-            if i == POISONED:
+            if i == POISONED and stage == "retire":  # the reply was whole: only its cache is not kept
+                assert [e.finish_reason for e in handle][-1] == "length"
+            elif i == POISONED:
                 with pytest.raises(RuntimeError, match=f"injected {stage} fault"):
                     list(handle)
             else:

@@ -12,6 +12,7 @@ prefill, the generated tokens replayed through decode steps, so the output does 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 from typing import Any
 
@@ -39,6 +40,8 @@ from mlxformer.speculative import SpeculativeSettings, check_draft
 from mlxformer.steps import default_prefill_step
 from mlxformer.models.decoder import Model
 from mlxformer.tokenizer import Tokenizer
+
+log = logging.getLogger("mlxformer.engine")
 
 
 class Engine(Admission):
@@ -262,12 +265,12 @@ class Engine(Admission):
             try:
                 logits = ridden[id(chunk)] if id(chunk) in ridden else self.runner.prefill(
                     chunk.tokens, sequence.cache, chunk.last, len(sequence.prompt), sequence.prompt_scores, sequence.processed)
+                sequence.processed += len(chunk.tokens)
+                self.metrics.prefilled_tokens.inc(len(chunk.tokens))
+                self.sharing.publish(sequence)  # its blocks for those waiting on the same prefix
             except Exception as exc:
                 self._fail(sequence, exc)
                 continue
-            sequence.processed += len(chunk.tokens)
-            self.metrics.prefilled_tokens.inc(len(chunk.tokens))
-            self.sharing.publish(sequence)
             if logits is None:
                 continue
             self.scheduler.start_decoding(sequence)
@@ -440,7 +443,10 @@ class Engine(Admission):
         self.scheduler.release(sequence)
         self._handles.pop(id(sequence), None)
         if sequence.cache:
-            self.prefix_cache.insert(sequence.cache_tokens, sequence.cache)
+            try:  # the reply is whole: a cache that cannot be kept is only not reused
+                self.prefix_cache.insert(sequence.cache_tokens, sequence.cache)
+            except Exception:
+                log.exception("a finished request's cache could not be kept for prefix reuse")
             if self.budget is not None:  # within what the active sequences leave
                 self.prefix_cache.evict_to(self.budget.limit - self.kv_bytes() + self.prefix_cache.nbytes)
 
