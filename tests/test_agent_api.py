@@ -271,3 +271,32 @@ def test_system_messages_merged_when_the_template_refuses_them():
     assert merge_system(chat) == [{"role": "system", "content": "A\n\nB"}, {"role": "user", "content": "u"},
                                   {"role": "assistant", "content": "a"}]
     assert merge_system(chat[:2]) is not None and merge_system(chat[:2]) == chat[:2]
+
+
+def test_a_failed_responses_stream_ends_with_response_failed(server, monkeypatch):
+    """A request that fails after its stream started (its detokenizer raising at the 2nd token):
+    the official client reads OpenAI's ``error`` event, then ``response.failed`` with the error."""
+    import openai
+
+    made, calls = server.tokenizer.detokenizer, []
+
+    class Failing:
+        def __init__(self) -> None:
+            self.inner, self.count = made(), 0
+
+        def add_token(self, token: int) -> str:
+            self.count += 1
+            if self.count == 2:
+                raise RuntimeError("injected detokenizer fault")
+            return self.inner.add_token(token)
+
+        def finalize(self) -> str:
+            return self.inner.finalize()
+
+    monkeypatch.setattr(server.tokenizer, "detokenizer", lambda: calls.append(1) or Failing())
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    events = list(client.responses.create(model="gpt-x", input="Say it.", max_output_tokens=8, stream=True))
+    assert calls and [e.type for e in events][:2] == ["response.created", "response.in_progress"]
+    assert [e.type for e in events][-2:] == ["error", "response.failed"]
+    failed = events[-1].response
+    assert failed.status == "failed" and failed.error.message == events[-2].message == "generation failed (RuntimeError)"

@@ -251,8 +251,10 @@ def responses_router(ctx: ServerContext) -> APIRouter:
                     out.append({"type": f"response.{final['status']}", "response": final})
                 return [numbered(payload) for payload in out]
 
-            def on_error(message: str) -> list[str]:
-                return [numbered({"type": "error", "code": "server_error", "message": message, "param": None})]
+            def on_error(message: str) -> list[str]:  # OpenAI's order: the error, then the failed response
+                failed = {**response("failed", None), "error": {"code": "server_error", "message": message}}
+                return [numbered({"type": "error", "code": "server_error", "message": message, "param": None}),
+                        numbered({"type": "response.failed", "response": failed})]
 
             # announced as soon as the request is admitted, before a long prefill
             opening = [numbered({"type": kind, "response": response("in_progress", None)})

@@ -96,7 +96,7 @@ class ResponseObject(BaseModel):
     object: Literal["response"]
     created_at: float
     model: str
-    status: Literal["completed", "incomplete", "in_progress"]
+    status: Literal["completed", "incomplete", "in_progress", "failed"]
     output: list[dict[str, Any]]  # message, reasoning and function_call items
     incomplete_details: Optional[dict[str, Any]]
     error: Optional[dict[str, Any]]
