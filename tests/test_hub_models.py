@@ -12,6 +12,8 @@ import os
 import shutil
 import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
 
 import mlx.core as mx
@@ -81,6 +83,18 @@ def env_for(cache: Path, **extra: str) -> dict[str, str]:
 def cli(cache: Path, *argv: str, stdin: str = "", **extra: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "mlxformer", *argv], env=env_for(cache, **extra), input=stdin,
                           capture_output=True, text=True, timeout=300)
+
+
+def wait_until_serving(server: subprocess.Popen, port: int, seconds: float = 120) -> None:
+    """Wait for the ``serve`` subprocess on ``port`` to answer ``/health`` (it must not exit)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+            return
+        except OSError:
+            assert server.poll() is None, server.stderr.read() if server.stderr else ""
+            time.sleep(0.5)
 
 
 def resolved(cache: Path, refs: list[str]) -> dict[str, str]:
@@ -232,8 +246,6 @@ def test_ollama_client_pulls_and_deletes_through_the_server(sources, tmp_path):
     """The official ``ollama`` client's ``pull`` (streamed progress) and ``delete`` against
     ``mlxformer serve`` (a subprocess whose hub endpoint is the local mirror)."""
     import socket
-    import time
-    import urllib.request
 
     import ollama
 
@@ -248,14 +260,7 @@ def test_ollama_client_pulls_and_deletes_through_the_server(sources, tmp_path):
             env=env_for(cache, HF_ENDPOINT=endpoint, HF_HUB_OFFLINE="0"), stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE, text=True)
         try:
-            deadline = time.monotonic() + 120
-            while time.monotonic() < deadline:
-                try:
-                    urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
-                    break
-                except OSError:
-                    assert server.poll() is None, server.stderr.read() if server.stderr else ""
-                    time.sleep(0.5)
+            wait_until_serving(server, port)
             client = ollama.Client(host=f"http://127.0.0.1:{port}", timeout=120)
             progress = list(client.pull(f"{GGUF_REPO}:q8_0", stream=True))
             assert progress[0].status == "pulling manifest" and progress[-1].status == "success"
@@ -283,8 +288,6 @@ def test_a_model_pulled_through_a_several_models_server_is_served(sources, tmp_p
     ``/v1/models`` list it, and a request for it gets the greedy reply of transformers on the
     GGUF's stored weights."""
     import socket
-    import time
-    import urllib.request
 
     import ollama
 
@@ -300,14 +303,7 @@ def test_a_model_pulled_through_a_several_models_server_is_served(sources, tmp_p
             env=env_for(cache, HF_ENDPOINT=endpoint, HF_HUB_OFFLINE="0"), stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE, text=True)
         try:
-            deadline = time.monotonic() + 120
-            while time.monotonic() < deadline:
-                try:
-                    urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
-                    break
-                except OSError:
-                    assert server.poll() is None, server.stderr.read() if server.stderr else ""
-                    time.sleep(0.5)
+            wait_until_serving(server, port)
             client = ollama.Client(host=f"http://127.0.0.1:{port}", timeout=120)
             before = [m.model for m in client.list().models]
             assert pulled not in before and len(before) == 2
