@@ -32,16 +32,17 @@ def time_decode(model, context: int, steps: int) -> float:  # type: ignore[no-un
     return (time.perf_counter() - start) / steps
 
 
-def time_matmuls(model, steps: int) -> float:  # type: ignore[no-untyped-def]
-    """Seconds per step for only the projections (every Linear plus the vocabulary projection) at M=1."""
+def time_matmuls(model, steps: int, rows: int = 1) -> float:  # type: ignore[no-untyped-def]
+    """Seconds per step for only the projections (every Linear plus the vocabulary projection)
+    at M = ``rows`` (a batched decode step's token rows)."""
     linears = [
         m for name, m in model.named_modules()
         # the layers themselves, not the private shard views of sharded ones
         if isinstance(m, (nn.Linear, nn.QuantizedLinear)) and not any(p.startswith("_") for p in name.split("."))
     ]
     dtype = model.model.norm.weight.dtype
-    inputs = [mx.random.normal((1, 1, m.weight.shape[1] * (32 // m.bits if isinstance(m, nn.QuantizedLinear) else 1))).astype(dtype) for m in linears]
-    head_input = mx.random.normal((1, 1, model.args.hidden_size)).astype(dtype)
+    inputs = [mx.random.normal((rows, 1, m.weight.shape[1] * (32 // m.bits if isinstance(m, nn.QuantizedLinear) else 1))).astype(dtype) for m in linears]
+    head_input = mx.random.normal((rows, 1, model.args.hidden_size)).astype(dtype)
     mx.eval(inputs, head_input)
 
     def one_step() -> None:

@@ -1,32 +1,35 @@
 """`mlxformer serve` beside `mlx_lm.server` on the same model files, 1/2/4/8 concurrent clients.
 
-Both servers run as subprocesses on 127.0.0.1, one at a time, in one run; the order alternates
-per model and cache setting (A B, then B A). Each client streams one chat completion of its
-own prompt, greedy, with every EOS id biased away (``logit_bias`` -100) so that each request
-generates exactly ``--max-tokens`` tokens on both servers. Reported per server and client
-count: aggregate generated tokens/s (all tokens over the round's wall time) and time to first
-token p50/p95. Also measured: mlxformer's own single-stream decode speed (library, no server).
-With ``--kv-bits 8`` both servers quantize their KV cache (mlx-lm then serves one request at a time).
+Both servers run with their defaults as subprocesses on 127.0.0.1, one at a time, in one run;
+the order alternates per model and cache setting (A B, then B A). Each client streams one chat
+completion of its own short prompt, greedy, with every EOS id biased away (``logit_bias`` -100)
+so that each request generates exactly ``--max-tokens`` tokens on both servers. Reported per
+server and client count: aggregate generated tokens/s (all tokens over the round's wall time,
+time to first token included) and time to first token p50/p95; then the ratios the issue-32
+targets name (8 clients: TTFT p50 <= mlx_lm.server's, tokens/s >= 2x; 1 client: >= 1x).
+Also measured: mlxformer's own single-stream decode speed (library, no server). The plot shows
+throughput and TTFT p50 against clients for both servers. With ``--kv-bits 8`` both servers
+quantize their KV cache (mlx-lm then serves one request at a time).
 
 Usage:
   python benchmarks/prepare_models.py --skip-1b     # once: writes .bench/models
-  python benchmarks/serve_vs_mlx_lm.py [--models smollm2-f32 smollm2-bf16] [--max-tokens 32]
+  python benchmarks/serve_vs_mlx_lm.py [--models smollm2-f32 smollm2-bf16 smollm2-4bit] [--max-tokens 32]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import platform
 import statistics
 import subprocess
 import sys
-import threading
 from datetime import date
 from pathlib import Path
 
 from serving import KINDS as SERVERS
-from serving import Server, load_average, pyplot, save_figure
+from serving import Server, concurrently, eos_ids_of, load_average, percentile, pyplot, save_figure
 
 TOPICS = ["the sea", "a robot", "the moon", "a small town", "winter", "a dragon", "coffee", "a library"]
 
@@ -39,18 +42,13 @@ def server_flags(server: str, kv_bits: int | None, max_batch: int) -> list[str]:
 
 def run_round(server: Server, clients: int, max_tokens: int, eos_ids: list[int]) -> dict[str, float]:
     """``clients`` concurrent streams of ``max_tokens`` tokens each (EOS biased away)."""
-    results: list[dict[str, float]] = [{} for _ in range(clients)]
     bias = {str(i): -100.0 for i in eos_ids}
 
-    def client(i: int) -> None:
+    def client(i: int) -> dict:
         prompt = f"Write a long story about {TOPICS[i % len(TOPICS)]}."
-        results[i] = server.stream_chat([{"role": "user", "content": prompt}], max_tokens, logit_bias=bias)
+        return server.stream_chat([{"role": "user", "content": prompt}], max_tokens, logit_bias=bias)
 
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    results = concurrently([functools.partial(client, i) for i in range(clients)])
     wall = max(r["end"] for r in results) - min(r["start"] for r in results)
     return {"tokens": sum(r["tokens"] for r in results), "wall": wall, "ttfts": [r["ttft"] for r in results],
             "load": load_average()}
@@ -75,17 +73,6 @@ def single_stream_decode(model_dir: Path, max_tokens: int) -> float:
     return float(out.stdout.strip().splitlines()[-1])
 
 
-def eos_ids_of(model_dir: Path) -> list[int]:
-    from mlxformer.tokenizer import load_tokenizer_from_dir
-
-    return load_tokenizer_from_dir(model_dir).eos_token_ids
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
-
-
 def summarize(rounds: list[dict[str, float]]) -> dict[str, float]:
     ttfts = [t for r in rounds for t in r["ttfts"]]
     return {
@@ -96,30 +83,48 @@ def summarize(rounds: list[dict[str, float]]) -> dict[str, float]:
 
 
 def plot(results: dict, clients: list[int], path: Path) -> None:
+    """Aggregate tokens/s and TTFT p50 against clients, one colour per model, both servers."""
     plt = pyplot()
-    figure, axis = plt.subplots(figsize=(7, 4.5))
+    figure, (throughput, ttft) = plt.subplots(1, 2, figsize=(11, 4.5))
     for index, (key, per_server) in enumerate(results.items()):
         for server, rows in per_server.items():
             style = "-o" if server == "mlxformer" else "--s"
-            axis.plot(clients, [rows[str(c)]["tok_s"] for c in clients], style, color=f"C{index}",
-                      label=f"{server} {key}")
-    axis.set_xlabel("concurrent clients")
-    axis.set_ylabel("aggregate generated tokens/s")
-    axis.set_xticks(clients)
-    axis.set_title("mlxformer serve vs mlx_lm.server (SmolLM2-135M, CPU)")
-    axis.grid(alpha=0.3)
-    axis.legend(fontsize=8)
+            for axis, field in ((throughput, "tok_s"), (ttft, "ttft_p50")):
+                axis.plot(clients, [rows[str(c)][field] for c in clients], style, color=f"C{index}",
+                          label=f"{server} {key}")
+    throughput.set_ylabel("aggregate generated tokens/s")
+    ttft.set_ylabel("time to first token p50 (s)")
+    for axis in (throughput, ttft):
+        axis.set_xlabel("concurrent clients")
+        axis.set_xticks(clients)
+        axis.grid(alpha=0.3)
+    throughput.legend(fontsize=7)
+    figure.suptitle("mlxformer serve vs mlx_lm.server (SmolLM2-135M, CPU)")
     save_figure(figure, path)
+
+
+def targets(results: dict, clients: list[int]) -> dict[str, dict[str, float]]:
+    """Per model: the ratios issue 32 sets targets for (ours / mlx_lm.server's)."""
+    out = {}
+    for key, per in results.items():
+        ratios = {}
+        for c in (1, max(clients)):
+            if str(c) in per["mlxformer"]:
+                ours, theirs = per["mlxformer"][str(c)], per["mlx-lm"][str(c)]
+                ratios[f"tok_s_ratio_{c}"] = round(ours["tok_s"] / theirs["tok_s"], 3)
+                ratios[f"ttft_p50_ratio_{c}"] = round(ours["ttft_p50"] / theirs["ttft_p50"], 3)
+        out[key] = ratios
+    return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models-dir", type=Path, default=Path(".bench/models"))
-    parser.add_argument("--models", nargs="+", default=["smollm2-f32", "smollm2-bf16"])
+    parser.add_argument("--models", nargs="+", default=["smollm2-f32", "smollm2-bf16", "smollm2-4bit"])
     parser.add_argument("--clients", nargs="+", type=int, default=[1, 2, 4, 8])
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--trials", type=int, default=1)
-    parser.add_argument("--kv-bits", nargs="+", type=int, default=[0, 8], help="0: float KV cache")
+    parser.add_argument("--kv-bits", nargs="+", type=int, default=[0], help="0: float KV cache (default)")
     parser.add_argument("--first", choices=SERVERS, default=SERVERS[0], help="the server of the first round")
     parser.add_argument("--skip-single", action="store_true", help="no library single-stream decode figure")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
@@ -160,6 +165,10 @@ def main() -> None:
             ours, theirs = per["mlxformer"][str(c)], per["mlx-lm"][str(c)]
             print(f"| {key} | {c} | {ours['tok_s']:.1f} | {theirs['tok_s']:.1f} | {ours['tok_s'] / theirs['tok_s']:.2f}x "
                   f"| {ours['ttft_p50']:.2f} / {theirs['ttft_p50']:.2f} | {ours['ttft_p95']:.2f} / {theirs['ttft_p95']:.2f} |")
+    ratios = targets(results, args.clients)
+    print("\nissue 32 (ours / mlx_lm.server; targets at 8 clients: TTFT p50 <= 1, tok/s >= 2; 1 client tok/s >= 1):")
+    for key, per in ratios.items():
+        print(f"  {key}: {per}")
     print(f"\nload average {start_load} at the start, {load_average()} at the end")
     print("mlxformer single-stream decode (library): "
           + ", ".join(f"{k}: {v:.1f} tok/s" for k, v in single.items()))
@@ -172,7 +181,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "serve_vs_mlx_lm.json").write_text(json.dumps({
         "date": str(date.today()), "max_tokens": args.max_tokens, "load_start": start_load,
-        "load_end": load_average(), "results": results, "single_stream": single}, indent=2))
+        "load_end": load_average(), "results": results, "targets": ratios, "single_stream": single}, indent=2))
     plot(results, args.clients, args.out / "serve_throughput.png")
 
 

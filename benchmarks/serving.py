@@ -1,8 +1,9 @@
-"""What the serving benchmarks share: server subprocesses, streamed chat requests, plots, load.
+"""What the serving benchmarks share: server subprocesses, streamed chat requests, concurrent
+clients, a watcher of the server's memory and metrics, prompts of a given length, plots, load.
 
-``serve_vs_mlx_lm.py`` and ``prompt_cache.py`` run `mlxformer serve` and `mlx_lm.server` as
-subprocesses on 127.0.0.1 (one at a time), stream OpenAI chat completions at them and time
-the first content token.
+``serve_vs_mlx_lm.py``, ``serve_head_of_line.py``, ``serve_kv_budget.py`` and ``prompt_cache.py``
+run `mlxformer serve` and `mlx_lm.server` as subprocesses on 127.0.0.1 (one at a time), stream
+OpenAI chat completions at them and time the first content token.
 """
 
 from __future__ import annotations
@@ -12,10 +13,13 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from http.client import HTTPConnection
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, TypeVar
+
+T = TypeVar("T")
 
 START_TIMEOUT_SECONDS = 300
 KINDS = ("mlxformer", "mlx-lm")
@@ -85,7 +89,8 @@ class Server:
         raise SystemExit(f"{self.kind} server did not start in {START_TIMEOUT_SECONDS} s")
 
     def stream_chat(self, messages: list[dict[str, str]], max_tokens: int, **body: Any) -> dict[str, float]:
-        """One streamed greedy chat completion: ``ttft`` (s), generated ``tokens``, ``start``/``end``."""
+        """One streamed greedy chat completion: ``ttft`` (s), generated ``tokens``, ``start``/``end``
+        (``time.perf_counter``) and the reply's ``text``."""
         request = {"model": self.name, "messages": messages, "max_tokens": max_tokens, "temperature": 0.0,
                    "stream": True, "stream_options": {"include_usage": True}, **body}
         connection = HTTPConnection("127.0.0.1", self.port, timeout=3600)
@@ -94,35 +99,132 @@ class Server:
         response = connection.getresponse()
         if response.status != 200:
             raise SystemExit(f"{self.kind}: {response.status} {response.read()[:500]!r}")
-        first, tokens, chunks = None, 0, 0
+        first, tokens, chunks, pieces = None, 0, 0, []
         for raw in response:
             line = raw.decode().strip()
             if not line.startswith("data:") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[5:])
             for choice in chunk.get("choices") or []:
-                if (choice.get("delta") or {}).get("content"):
+                if content := (choice.get("delta") or {}).get("content"):
+                    pieces.append(content)
                     chunks += 1
                     first = first or time.perf_counter()
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
         end = time.perf_counter()
         connection.close()
-        return {"ttft": (first or end) - start, "tokens": tokens or chunks, "start": start, "end": end}
+        return {"ttft": (first or end) - start, "tokens": tokens or chunks, "start": start, "end": end,
+                "text": "".join(pieces)}
 
     def metric(self, name: str) -> float | None:
         """One unlabelled counter or gauge from ``/metrics`` (mlxformer only; None if absent)."""
+        return self.metrics((name,)).get(name)
+
+    def metrics(self, names: tuple[str, ...]) -> dict[str, float]:
+        """The unlabelled counters and gauges ``names`` found in one ``/metrics`` scrape (mlxformer only)."""
         if self.kind != "mlxformer":
-            return None
+            return {}
         connection = HTTPConnection("127.0.0.1", self.port, timeout=60)
         connection.request("GET", "/metrics")
-        response = connection.getresponse()
-        text = response.read().decode()
+        text = connection.getresponse().read().decode()
         connection.close()
+        found = {}
         for line in text.splitlines():
-            if line.startswith(name + " "):
-                return float(line.split()[1])
-        return None
+            name, _, value = line.partition(" ")
+            if name in names:
+                found[name] = float(value)
+        return found
+
+    def rss(self) -> tuple[int, int]:
+        """The server process's resident set now and its peak (``VmRSS``, ``VmHWM``), in bytes (Linux)."""
+        fields = dict(line.split(":", 1) for line in Path(f"/proc/{self.process.pid}/status").read_text().splitlines())
+        return int(fields["VmRSS"].split()[0]) * 1024, int(fields["VmHWM"].split()[0]) * 1024
+
+    def reset_peak_rss(self) -> None:
+        """Start the peak (``VmHWM``) over from the RSS now (Linux's ``clear_refs`` 5)."""
+        Path(f"/proc/{self.process.pid}/clear_refs").write_text("5")
+
+
+class Watcher:
+    """Samples a server's ``/metrics`` gauges ``names`` and its RSS every ``period`` seconds on a
+    thread while the block runs; ``peaks`` holds each one's largest value (``rss``: bytes)."""
+
+    def __init__(self, server: Server, names: tuple[str, ...], period: float = 0.1) -> None:
+        self.server, self.names, self.period = server, names, period
+        self.peaks: dict[str, float] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _sample(self) -> None:
+        values = {**self.server.metrics(self.names), "rss": float(self.server.rss()[0])}
+        for name, value in values.items():
+            self.peaks[name] = max(value, self.peaks.get(name, value))
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period):
+            self._sample()
+
+    def __enter__(self) -> "Watcher":
+        self._sample()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+
+
+def concurrently(calls: list[Callable[[], T]]) -> list[T]:
+    """Run ``calls`` at once, one thread each; their results in order (the first error is raised)."""
+    results: list[Any] = [None] * len(calls)
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            results[i] = calls[i]()
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    return results
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The ``q`` quantile of ``values`` (nearest rank)."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def eos_ids_of(model_dir: Path) -> list[int]:
+    """The model's end-of-sequence token ids (biased away so that every reply has its full length)."""
+    from mlxformer.tokenizer import load_tokenizer_from_dir
+
+    return load_tokenizer_from_dir(model_dir).eos_token_ids
+
+
+def text_of_tokens(model_dir: Path, tokens: int, seed: int = 0) -> str:
+    """A user message of about ``tokens`` tokens for ``model_dir``'s tokenizer: ordinary words,
+    shuffled by ``seed`` (so that two prompts share no prefix beyond the chat template's)."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    words = ("river stone market lantern garden winter copper violin harbor meadow signal orchard "
+             "thunder pocket ladder candle forest mirror engine saddle").split()
+    rng = random.Random(seed)
+    text = ""
+    while len(tokenizer.encode(text)) < tokens:
+        text += " ".join(rng.choice(words) for _ in range(max(8, (tokens - len(tokenizer.encode(text))) // 2))) + ". "
+    return text
 
 
 def save_figure(figure: Any, path: Path) -> None:
