@@ -25,6 +25,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import time
 from datetime import date
 from pathlib import Path
 
@@ -152,8 +153,10 @@ def main() -> None:
                 order = SERVERS[::-1] if flip else SERVERS
                 flip = not flip
                 for server in order:
+                    begun = time.monotonic()
                     for c, measured in bench_server(server, model_dir, args, kv_bits or None, eos_ids).items():
                         rounds[server][c].append(measured)
+                    print(f"{key} {server}: {time.monotonic() - begun:.0f} s", flush=True)
             results[key] = {s: {str(c): summarize(r) for c, r in per.items()} for s, per in rounds.items()}
             print(f"{key}: {json.dumps(results[key])}", flush=True)
 
