@@ -13,7 +13,7 @@ quantize their KV cache (mlx-lm then serves one request at a time).
 
 Usage:
   python benchmarks/prepare_models.py --skip-1b     # once: writes .bench/models
-  python benchmarks/serve_vs_mlx_lm.py [--models smollm2-f32 smollm2-bf16 smollm2-4bit] [--max-tokens 32]
+  python benchmarks/serve_vs_mlx_lm.py [--models smollm2-f32 smollm2-bf16] [--guard-models smollm2-4bit] [--max-tokens 32]
 """
 
 from __future__ import annotations
@@ -56,10 +56,10 @@ def run_round(server: Server, clients: int, max_tokens: int, eos_ids: list[int])
 
 
 def bench_server(server: str, model_dir: Path, args: argparse.Namespace, kv_bits: int | None,
-                 eos_ids: list[int]) -> dict[int, dict[str, float]]:
+                 eos_ids: list[int], clients: list[int]) -> dict[int, dict[str, float]]:
     with Server(server, model_dir, server_flags(server, kv_bits, max(args.clients))) as running:
         running.stream_chat([{"role": "user", "content": "Hello"}], 4)  # warm-up
-        return {c: run_round(running, c, args.max_tokens, eos_ids) for c in args.clients}
+        return {c: run_round(running, c, args.max_tokens, eos_ids) for c in clients}
 
 
 def single_stream_decode(model_dir: Path, max_tokens: int) -> float:
@@ -90,8 +90,9 @@ def plot(results: dict, clients: list[int], path: Path) -> None:
     for index, (key, per_server) in enumerate(results.items()):
         for server, rows in per_server.items():
             style = "-o" if server == "mlxformer" else "--s"
+            measured = [c for c in clients if str(c) in rows]  # a guard model has fewer
             for axis, field in ((throughput, "tok_s"), (ttft, "ttft_p50")):
-                axis.plot(clients, [rows[str(c)][field] for c in clients], style, color=f"C{index}",
+                axis.plot(measured, [rows[str(c)][field] for c in measured], style, color=f"C{index}",
                           label=f"{server} {key}")
     throughput.set_ylabel("aggregate generated tokens/s")
     ttft.set_ylabel("time to first token p50 (s)")
@@ -121,7 +122,9 @@ def targets(results: dict, clients: list[int]) -> dict[str, dict[str, float]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models-dir", type=Path, default=Path(".bench/models"))
-    parser.add_argument("--models", nargs="+", default=["smollm2-f32", "smollm2-bf16", "smollm2-4bit"])
+    parser.add_argument("--models", nargs="+", default=["smollm2-f32", "smollm2-bf16"])
+    parser.add_argument("--guard-models", nargs="*", default=["smollm2-4bit"],
+                        help="also measured, at 1 and the most clients only (mlx-lm's 4-bit is slow on a CPU)")
     parser.add_argument("--clients", nargs="+", type=int, default=[1, 2, 4, 8])
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--trials", type=int, default=1)
@@ -133,7 +136,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.replot:
         saved = json.loads(args.replot.read_text())["results"]
-        clients = sorted(int(c) for c in next(iter(next(iter(saved.values())).values())))
+        clients = sorted({int(c) for per in saved.values() for rows in per.values() for c in rows})
         plot(saved, clients, args.out / "serve_throughput.png")
         return
 
@@ -141,20 +144,21 @@ def main() -> None:
     results: dict[str, dict[str, dict[str, dict[str, float]]]] = {}
     single: dict[str, float] = {}
     flip = args.first != SERVERS[0]
-    for name in args.models:
+    for name in args.models + args.guard_models:
         model_dir = args.models_dir / name
+        clients = args.clients if name in args.models else sorted({min(args.clients), max(args.clients)})
         eos_ids = eos_ids_of(model_dir)
         if not args.skip_single:
             single[name] = single_stream_decode(model_dir, args.max_tokens)
         for kv_bits in args.kv_bits:
             key = f"{name}" + (f" kv{kv_bits}" if kv_bits else "")
-            rounds: dict[str, dict[int, list]] = {s: {c: [] for c in args.clients} for s in SERVERS}
+            rounds: dict[str, dict[int, list]] = {s: {c: [] for c in clients} for s in SERVERS}
             for _ in range(args.trials):
                 order = SERVERS[::-1] if flip else SERVERS
                 flip = not flip
                 for server in order:
                     begun = time.monotonic()
-                    for c, measured in bench_server(server, model_dir, args, kv_bits or None, eos_ids).items():
+                    for c, measured in bench_server(server, model_dir, args, kv_bits or None, eos_ids, clients).items():
                         rounds[server][c].append(measured)
                     print(f"{key} {server}: {time.monotonic() - begun:.0f} s", flush=True)
             results[key] = {s: {str(c): summarize(r) for c, r in per.items()} for s, per in rounds.items()}
@@ -164,7 +168,7 @@ def main() -> None:
     print("| model | clients | mlxformer tok/s | mlx-lm tok/s | ratio | TTFT p50 ours / mlx-lm (s) | TTFT p95 ours / mlx-lm (s) |")
     print("|---|---|---|---|---|---|---|")
     for key, per in results.items():
-        for c in args.clients:
+        for c in (c for c in args.clients if str(c) in per["mlxformer"]):
             ours, theirs = per["mlxformer"][str(c)], per["mlx-lm"][str(c)]
             print(f"| {key} | {c} | {ours['tok_s']:.1f} | {theirs['tok_s']:.1f} | {ours['tok_s'] / theirs['tok_s']:.2f}x "
                   f"| {ours['ttft_p50']:.2f} / {theirs['ttft_p50']:.2f} | {ours['ttft_p95']:.2f} / {theirs['ttft_p95']:.2f} |")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -54,6 +55,8 @@ class Server:
         self.name = model_dir.name if kind == "mlxformer" else "default_model"  # the served model's name
 
     def __enter__(self) -> "Server":
+        if threading.current_thread() is threading.main_thread():  # a SIGTERM (e.g. timeout) stops the server too
+            signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
         self.process = subprocess.Popen(self.command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             self._wait_healthy()

@@ -12,13 +12,13 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1
 [ -d .bench/models/smollm2-4bit ] || python benchmarks/prepare_models.py --skip-1b
 if [ "${1:-}" = "--smoke" ]; then
   out=/tmp/serving_set
-  clients=(--models smollm2-bf16 --clients 1 2 --max-tokens 8 --skip-single)
+  clients=(--models smollm2-bf16 --guard-models --clients 1 2 --max-tokens 8 --skip-single)
   hol=(--model smollm2-bf16 --long 600 --trials 1 --max-tokens 2)
   kv=(--model smollm2-bf16 --prompt-tokens 300 --max-tokens 16)
   step=(--context 4096 --steps 3)
 else
   out=benchmarks/results
-  clients=(--models smollm2-f32 smollm2-bf16 smollm2-4bit --clients 1 2 4 8 --max-tokens 32)
+  clients=(--models smollm2-f32 smollm2-bf16 --guard-models smollm2-4bit --clients 1 2 4 8 --max-tokens 32)
   hol=(--model smollm2-f32 --long 3000 --trials 2)
   kv=(--model smollm2-f32 --prompt-tokens 1300 --max-tokens 100)
   step=(--context 32768 --steps 5)
