@@ -7,7 +7,7 @@ send. Reported per server: the short request's TTFT as a fraction of the long on
 request's TTFT alone (sent to the idle server first). Each trial uses new prompts (no
 prompt-cache hit on either server); the servers alternate A B, B A across trials.
 
-Usage: python benchmarks/serve_head_of_line.py [--model smollm2-f32] [--long 3000] [--trials 2]
+Usage: python benchmarks/serve_head_of_line.py [--model smollm2-bf16] [--long 3000] [--trials 2]
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def trial(server: Server, long_text: str, n: int, args: argparse.Namespace) -> d
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models-dir", type=Path, default=Path(".bench/models"))
-    parser.add_argument("--model", default="smollm2-f32")
+    parser.add_argument("--model", default="smollm2-bf16")
     parser.add_argument("--long", type=int, default=3000, help="long prompt tokens")
     parser.add_argument("--delay", type=float, default=0.3, help="seconds between the long and the short request")
     parser.add_argument("--max-tokens", type=int, default=4)

@@ -10,7 +10,7 @@ Reported: whether both were admitted (no 400) and ran at once (the engine's
 each reply equals the one it gets alone, and the server's peak RSS growth over its RSS after
 start-up and a one-token warm-up (the weights), against the budget (issue 32: within 10%).
 
-Usage: python benchmarks/serve_kv_budget.py [--model smollm2-f32] [--prompt-tokens 1300] [--max-tokens 100]
+Usage: python benchmarks/serve_kv_budget.py [--model smollm2-bf16] [--prompt-tokens 1300] [--max-tokens 100]
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def save(result: dict, out: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models-dir", type=Path, default=Path(".bench/models"))
-    parser.add_argument("--model", default="smollm2-f32")
+    parser.add_argument("--model", default="smollm2-bf16")
     parser.add_argument("--prompt-tokens", type=int, default=1300)
     parser.add_argument("--max-tokens", type=int, default=100)
     parser.add_argument("--block", type=int, default=256, help="the engine's KV block, tokens")

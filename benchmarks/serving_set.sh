@@ -19,8 +19,8 @@ if [ "${1:-}" = "--smoke" ]; then
 else
   out=benchmarks/results
   clients=(--models smollm2-f32 smollm2-bf16 --guard-models smollm2-4bit --clients 1 2 4 8 --max-tokens 32)
-  hol=(--model smollm2-f32 --long 3000 --trials 2)
-  kv=(--model smollm2-f32 --prompt-tokens 1300 --max-tokens 100)
+  hol=(--model smollm2-bf16 --long 3000 --trials 1)
+  kv=(--model smollm2-bf16 --prompt-tokens 1300 --max-tokens 100)
   step=(--context 32768 --steps 5)
 fi
 uptime
