@@ -95,7 +95,8 @@ def plot(results: dict, clients: list[int], path: Path) -> None:
                 axis.plot(measured, [rows[str(c)][field] for c in measured], style, color=f"C{index}",
                           label=f"{server} {key}")
     throughput.set_ylabel("aggregate generated tokens/s")
-    ttft.set_ylabel("time to first token p50 (s)")
+    ttft.set_ylabel("time to first token p50 (s, log scale)")
+    ttft.set_yscale("log")
     for axis in (throughput, ttft):
         axis.set_xlabel("concurrent clients")
         axis.set_xticks(clients)
