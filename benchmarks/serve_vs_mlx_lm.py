@@ -13,7 +13,7 @@ quantize their KV cache (mlx-lm then serves one request at a time).
 
 Usage:
   python benchmarks/prepare_models.py --skip-1b     # once: writes .bench/models
-  python benchmarks/serve_vs_mlx_lm.py [--models smollm2-f32 smollm2-bf16] [--guard-models smollm2-4bit] [--max-tokens 32]
+  python benchmarks/serve_vs_mlx_lm.py [--models smollm2-bf16] [--ends-only smollm2-f32 smollm2-4bit] [--max-tokens 32]
 """
 
 from __future__ import annotations
@@ -123,9 +123,10 @@ def targets(results: dict, clients: list[int]) -> dict[str, dict[str, float]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models-dir", type=Path, default=Path(".bench/models"))
-    parser.add_argument("--models", nargs="+", default=["smollm2-f32", "smollm2-bf16"])
-    parser.add_argument("--guard-models", nargs="*", default=["smollm2-4bit"],
-                        help="also measured, at 1 and the most clients only (mlx-lm's 4-bit is slow on a CPU)")
+    parser.add_argument("--models", nargs="+", default=["smollm2-bf16"], help="measured at every --clients count")
+    parser.add_argument("--ends-only", nargs="*", default=["smollm2-f32", "smollm2-4bit"],
+                        help="models measured at the fewest and the most --clients only (for time: a float32 "
+                             "prefill runs on the CPU's reference BLAS, mlx-lm's 4-bit is slow on a CPU)")
     parser.add_argument("--clients", nargs="+", type=int, default=[1, 2, 4, 8])
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--trials", type=int, default=1)
@@ -145,7 +146,7 @@ def main() -> None:
     results: dict[str, dict[str, dict[str, dict[str, float]]]] = {}
     single: dict[str, float] = {}
     flip = args.first != SERVERS[0]
-    for name in args.models + args.guard_models:
+    for name in args.models + args.ends_only:
         model_dir = args.models_dir / name
         clients = args.clients if name in args.models else sorted({min(args.clients), max(args.clients)})
         eos_ids = eos_ids_of(model_dir)

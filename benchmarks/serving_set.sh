@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The serving set of issue 32, for a quiet machine: `mlxformer serve` beside `mlx_lm.server`
-# (8 concurrent clients and 1/2/4 on SmolLM2 float32, bfloat16 and 4-bit; head-of-line behind a
-# 3,000-token prompt), the KV budget sized for two requests, and the engine's step profile.
-# About 15 minutes on 2 idle x86 cores; results in benchmarks/results/ (JSON, serve_throughput.png).
+# (1 and 8 concurrent clients on SmolLM2 float32, bfloat16 and 4-bit, and 2 and 4 on bfloat16 for
+# the plot; head-of-line behind a 3,000-token prompt), the KV budget sized for two requests, and
+# the engine's step profile. Roughly 20 minutes on 2 idle x86 cores (an estimate: the parts
+# were smoke-run at small sizes on a loaded machine); results in benchmarks/results/ (JSON,
+# serve_throughput.png), each part's time printed.
 #
 #   bash benchmarks/serving_set.sh            # everything
 #   bash benchmarks/serving_set.sh --smoke    # small sizes, results in /tmp/serving_set (a few minutes)
@@ -12,15 +14,15 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1
 [ -d .bench/models/smollm2-4bit ] || python benchmarks/prepare_models.py --skip-1b
 if [ "${1:-}" = "--smoke" ]; then
   out=/tmp/serving_set
-  clients=(--models smollm2-bf16 --guard-models --clients 1 2 --max-tokens 8 --skip-single)
+  clients=(--models smollm2-bf16 --ends-only --clients 1 2 --max-tokens 8 --skip-single)
   hol=(--model smollm2-bf16 --long 600 --trials 1 --max-tokens 2)
   kv=(--model smollm2-bf16 --prompt-tokens 300 --max-tokens 16)
   step=(--context 4096 --steps 3)
 else
   out=benchmarks/results
-  clients=(--models smollm2-f32 smollm2-bf16 --guard-models smollm2-4bit --clients 1 2 4 8 --max-tokens 32)
+  clients=(--models smollm2-bf16 --ends-only smollm2-f32 smollm2-4bit --clients 1 2 4 8 --max-tokens 32)
   hol=(--model smollm2-bf16 --long 3000 --trials 1)
-  kv=(--model smollm2-bf16 --prompt-tokens 1300 --max-tokens 100)
+  kv=(--model smollm2-bf16 --prompt-tokens 1000 --max-tokens 64)
   step=(--context 32768 --steps 5)
 fi
 uptime
