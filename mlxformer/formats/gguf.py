@@ -23,6 +23,7 @@ from mlxformer.errors import MlxformerError
 from mlxformer.formats.gguf_quants import EXACT_TYPES, FLOAT_DECODED_TYPES, GROUP_SIZE, decode_codes, decode_mxfp4, \
     decode_values, requantize
 from mlxformer.formats.gguf_families import GGUF_ARCHITECTURES, NORM_SHIFTED_ARCHS, arch_config
+from mlxformer.formats.gguf_hybrid import HYBRID_ARCHS, undo_converter
 from mlxformer.formats.gguf_names import CONFIG_TENSORS, PERMUTED_QK_ARCHS, hf_name
 from mlxformer.formats.gguf_reader import GGUFFile, TensorInfo
 from mlxformer.formats.gguf_split import read_any_gguf
@@ -99,6 +100,9 @@ def config_from_metadata(metadata: dict[str, Any], tensor_names: set[str]) -> di
     pattern = _meta(metadata, f"{arch}.attention.sliding_window_pattern")
     if isinstance(pattern, list):  # one flag per layer (OLMo 3)
         config["layer_types"] = ["sliding_attention" if p else "full_attention" for p in pattern]
+    recurrent = _meta(metadata, f"{arch}.attention.recurrent_layers")
+    if isinstance(recurrent, list):  # one flag per layer (Gated DeltaNet hybrids; MTP layers last)
+        config["layer_types"] = ["linear_attention" if r else "full_attention" for r in recurrent][:config["num_hidden_layers"]]
     if arch == "qwen2":
         config["attention_bias"] = True
     config.update(arch_config(arch, field, config))
@@ -298,7 +302,9 @@ def open_gguf(path: Path) -> tuple[dict[str, Any], dict[str, TensorEntry], Calla
                                          if len(info.shape) >= 2})
     if quantization:
         config["quantization"] = quantization
-    decoder = _Decoder(gguf, sources, heads, arch in NORM_SHIFTED_ARCHS)
+    decoder: Callable[[TensorEntry], mx.array] = _Decoder(gguf, sources, heads, arch in NORM_SHIFTED_ARCHS)
+    if arch in HYBRID_ARCHS:  # Gated DeltaNet: the converter's edits undone
+        config, entries, decoder = undo_converter(str(arch), config, entries, decoder)
     return config, entries, decoder, gguf.metadata, gguf.header_bytes
 
 
