@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import cpu_default_device, max_diff, write_tiny_checkpoint
+from conftest import cpu_default_device, max_diff, write_byte_tokenizer, write_tiny_checkpoint
 from test_gguf_families import CONVERTER, DRIVER
 from test_hybrid import BOUND, CASES, HYBRID
 from mlxformer import convert, load
@@ -118,13 +118,15 @@ def test_converter_gguf_matches_transformers(converted, name):
 
 
 @pytest.mark.parametrize("model_type", list(CASES))
-def test_mlxformer_conversions_load_in_mlx_lm(converted, model_type, tmp_path):
+def test_mlxformer_conversions_load_in_mlx_lm(model_type, tmp_path):
     """``convert`` of each HF checkpoint (float, and 4-bit): mlx-lm's own model class loads it,
     with mlxformer's logits on the same dir; the float one equals transformers, and both read
     back in mlxformer in mlx-lm's layout (conv ``(C, K, 1)``, norms without offset)."""
     from mlx_lm import load as mlx_lm_load
 
-    directory, hf_model, _, _ = converted[model_type]
+    directory, hf_model = write_tiny_checkpoint(tmp_path / "hf", model_type, **HYBRID, **CASES[model_type])
+    write_byte_tokenizer(directory)
+    (directory / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
     ids = IDS[:40]
     for quantize in (False, True):
         out = tmp_path / ("q4" if quantize else "float")
@@ -158,3 +160,32 @@ def test_gguf_sourced_conversion_loads_in_mlx_lm(converted, tmp_path):
     got = np.array(theirs(mx.array(ids[None]))[0])
     assert max_diff(got, np.array(ours(mx.array(ids[None]))[0])) <= 1e-3
     assert max_diff(got, reference(hf_model, ids)) <= BOUND
+
+
+def test_qwen3_next_gguf_with_mixed_types_fuses_in_float(converted, tmp_path):
+    """llama.cpp's own quantizer (Q3_K_M mix) stores ``attn_qkv`` as Q5_1 and ``attn_gate`` as
+    Q4_0 here: ``in_proj_qkvz`` is fused from both dequantized (a float layer, the others
+    quantized), each row within its quantization error of transformers' row (rows from the
+    wrong head differ by O(1))."""
+    import ctypes
+
+    import llama_cpp
+
+    from mlxformer.formats.checkpoint import open_checkpoint
+    from mlxformer.formats.gguf_reader import read_gguf
+
+    _, hf_model, path, _ = converted["qwen3_next"]
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype, params.nthread = llama_cpp.LLAMA_FTYPE_MOSTLY_Q3_K_M, 1
+    out = tmp_path / "q3_k_m.gguf"
+    assert llama_cpp.llama_model_quantize(str(path).encode(), str(out).encode(), ctypes.byref(params)) == 0
+    types = {name: info.type_name for name, info in read_gguf(out).tensors.items()}
+    assert types["blk.0.attn_qkv.weight"] != types["blk.0.attn_gate.weight"]
+    checkpoint = open_checkpoint(out)
+    fused = np.array(checkpoint.tensors["model.layers.0.linear_attn.in_proj_qkvz.weight"])
+    expected = hf_model.model.layers[0].linear_attn.in_proj_qkvz.weight.detach().numpy()
+    assert (np.abs(fused - expected).max(1) / np.abs(expected).max(1)).max() < 0.2  # measured 0.12
+    model, _ = load(out, dtype=mx.float32, threads=1)
+    mixer = model.layers[0].linear_attn
+    assert type(mixer.in_proj_qkvz).__name__ == "Linear" and type(mixer.in_proj_ba).__name__ == "QuantizedLinear"
+    assert np.all(np.isfinite(np.array(model(mx.array(IDS[None, :8])))))

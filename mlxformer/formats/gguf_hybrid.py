@@ -95,22 +95,49 @@ class _Undo:
             return Derivation(*same, self._heads(-1, entry.shape[-1] // self.n_v))
         return None
 
-    def fused(self, module: str, key: str) -> Derivation:
-        """Qwen3-Next's ``in_proj_qkvz`` (``key``: weight, scales or biases) from ``in_proj_qkv``
-        and ``in_proj_z``: each key head's q, k, v and z rows together again."""
-        qkv, z = self.entries[f"{module}.in_proj_qkv.{key}"], self.entries[f"{module}.in_proj_z.{key}"]
-        if (qkv.dtype, qkv.shape[1:]) != (z.dtype, z.shape[1:]):
-            raise MlxformerError(f"{module}: attn_qkv and attn_gate are stored in different GGUF types, "
-                                 "they cannot be fused back into in_proj_qkvz")
-        n_k, key_dim = self.n_k, self.key_dim
+    def fused(self, module: str) -> dict[str, Derivation]:
+        """Qwen3-Next's ``in_proj_qkvz`` from ``in_proj_qkv`` and ``in_proj_z``: each key head's
+        q, k, v and z rows together again. Stored alike (float, or one quantized type), each of
+        ``weight``/``scales``/``biases`` is fused as it is; stored differently (llama.cpp's
+        ``_K_M`` mixes give ``attn_qkv`` more bits), the two are dequantized and fused in float32."""
+        keys = ("weight", "scales", "biases")
+        qkv = [self.entries.get(f"{module}.in_proj_qkv.{k}") for k in keys]
+        z = [self.entries.get(f"{module}.in_proj_z.{k}") for k in keys]
+        alike = [(e.dtype, e.shape[1:]) if e else None for e in qkv] == [(e.dtype, e.shape[1:]) if e else None for e in z]
+        if alike:
+            return {f"{module}.in_proj_qkvz.{k}": Derivation((a.name, b.name), (a.shape[0] + b.shape[0], *a.shape[1:]),
+                                                             a.dtype, self._interleave)
+                    for k, a, b in zip(keys, qkv, z) if a is not None and b is not None}
+        qkv_parts, z_parts = [e for e in qkv if e], [e for e in z if e]
+        rows, cols = qkv[0].shape[0] + z[0].shape[0], _columns(qkv_parts)
+        split = len(qkv_parts)
 
         def make(parts: list[mx.array]) -> mx.array:
-            q, k, v = mx.split(parts[0], [key_dim, 2 * key_dim], axis=0)
-            # (rows, ...) -> (key heads, rows per head, ...) each, joined per head
-            heads = [t.reshape(n_k, -1, *t.shape[1:]) for t in (q, k, v, parts[1])]
-            return mx.concatenate(heads, axis=1).reshape(-1, *qkv.shape[1:])
+            return self._interleave([_float(parts[:split]), _float(parts[split:])])
 
-        return Derivation((qkv.name, z.name), (qkv.shape[0] + z.shape[0], *qkv.shape[1:]), qkv.dtype, make)
+        return {f"{module}.in_proj_qkvz.weight": Derivation(tuple(e.name for e in qkv_parts + z_parts), (rows, cols),
+                                                            mx.float32, make)}
+
+    def _interleave(self, parts: list[mx.array]) -> mx.array:
+        """``[qkv rows (all q, all k, all v), z rows]`` -> the rows of each key head together."""
+        q, k, v = mx.split(parts[0], [self.key_dim, 2 * self.key_dim], axis=0)
+        # (rows, ...) -> (key heads, rows per head, ...) each, joined per head
+        heads = [t.reshape(self.n_k, -1, *t.shape[1:]) for t in (q, k, v, parts[1])]
+        return mx.concatenate(heads, axis=1).reshape(-1, *parts[0].shape[1:])
+
+
+def _columns(parts: list[TensorEntry]) -> int:
+    """Columns of a float matrix (``[weight]``) or a quantized one (``[weight, scales, biases]``)."""
+    return parts[0].shape[-1] if len(parts) == 1 else parts[1].shape[-1] * GROUP_SIZE
+
+
+def _float(parts: list[mx.array]) -> mx.array:
+    """A float matrix, or a GGUF-decoded affine one (groups of ``GROUP_SIZE``) dequantized."""
+    if len(parts) == 1:
+        return parts[0].astype(mx.float32)
+    weight, scales, biases = parts
+    bits = weight.shape[-1] * 32 // (scales.shape[-1] * GROUP_SIZE)
+    return mx.dequantize(weight, scales, biases, group_size=GROUP_SIZE, bits=bits).astype(mx.float32)
 
 
 def undo_converter(arch: str, config: dict[str, Any], entries: dict[str, TensorEntry],
@@ -122,25 +149,30 @@ def undo_converter(arch: str, config: dict[str, Any], entries: dict[str, TensorE
     for name, entry in entries.items():
         if name.endswith(SHIFTED_NORMS) and len(entry.shape) == 1:
             derivations[name] = Derivation((name,), entry.shape, entry.dtype, lambda p: p[0] - 1)
+        elif name.endswith("shared_expert_gate.weight") and len(entry.shape) == 1:  # llama-quantize: (1, n) as (n,)
+            derivations[name] = Derivation((name,), (1, *entry.shape), entry.dtype, lambda p: p[0][None])
         elif match := _DELTA.match(name):
             module, rest = match.groups()
             if arch == "qwen3next" and rest.startswith(("in_proj_qkv.", "in_proj_z.")):
-                key = rest.rpartition(".")[2]
-                derivations.setdefault(f"{module}.in_proj_qkvz.{key}", undo.fused(module, key))
+                if f"{module}.in_proj_qkvz.weight" not in derivations:
+                    derivations.update(undo.fused(module))
             elif (derivation := undo.derivation(name, module, rest)) is not None:
                 derivations[name] = derivation
     tensors = Tensors(entries, load).derived(derivations)
     if arch == "qwen3next" and isinstance(config.get("quantization"), dict):
-        config = {**config, "quantization": _fused_quantization(config["quantization"])}
+        config = {**config, "quantization": _fused_quantization(config["quantization"], tensors.entries)}
     return config, tensors.entries, tensors.load
 
 
-def _fused_quantization(quantization: dict[str, Any]) -> dict[str, Any]:
-    """Per-layer ``in_proj_qkv``/``in_proj_z`` entries (equal: ``fused`` checked the types) as
-    ``in_proj_qkvz``'s."""
+def _fused_quantization(quantization: dict[str, Any], entries: dict[str, TensorEntry]) -> dict[str, Any]:
+    """Per-layer ``in_proj_qkv`` entries as ``in_proj_qkvz``'s, when it stayed quantized (then
+    ``in_proj_z``'s is the same)."""
     out = {}
     for key, value in quantization.items():
-        if key.endswith(".in_proj_z"):
+        if key.endswith(".in_proj_qkv"):
+            key = key[: -len(".in_proj_qkv")] + ".in_proj_qkvz"
+        elif key.endswith(".in_proj_z"):
             continue
-        out[key[: -len(".in_proj_qkv")] + ".in_proj_qkvz" if key.endswith(".in_proj_qkv") else key] = value
+        if not key.endswith(".in_proj_qkvz") or f"{key}.scales" in entries:
+            out[key] = value
     return out
