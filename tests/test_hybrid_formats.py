@@ -27,16 +27,17 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import cpu_default_device, max_diff, write_byte_tokenizer, write_tiny_checkpoint
+from conftest import TINY_SHAPE, cpu_default_device, max_diff, write_byte_tokenizer, write_tiny_checkpoint
 from test_gguf_families import CONVERTER, DRIVER
 from test_hybrid import BOUND, CASES, HYBRID
 from mlxformer import convert, load
 
-# name -> (model_type, converter --outtype)
+# name -> (model_type, converter --outtype); "-mtp": the checkpoint with an MTP layer, converted with it
 GGUF_CASES = {
     "qwen3_5_text": ("qwen3_5_text", "f32"), "qwen3_5_moe_text": ("qwen3_5_moe_text", "f32"),
     "qwen3_next": ("qwen3_next", "f32"),
     "qwen3_5_text-q8_0": ("qwen3_5_text", "q8_0"), "qwen3_next-q8_0": ("qwen3_next", "q8_0"),
+    "qwen3_5_text-mtp": ("qwen3_5_text", "f32"),
 }
 MLX_LM_TYPES = {"qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe", "qwen3_next": "qwen3_next"}
 IDS = np.random.default_rng(1).integers(3, 256, size=150)  # three chunks of the parallel form
@@ -66,8 +67,11 @@ def converted(tmp_path_factory, hf_smollm_tokenizer):
             config = json.loads((source / "config.json").read_text())
             (source / "config.json").write_text(json.dumps({**config, "model_type": "qwen3_5_text"}))
         checkpoints[model_type] = (directory, hf_model, source)
+    mtp_source = with_mtp_layer(checkpoints["qwen3_5_text"][0], root / "with_mtp")
     for name, (model_type, outtype) in GGUF_CASES.items():
-        argv = [str(checkpoints[model_type][2]), "--outtype", outtype, "--no-mtp", "--outfile", str(root / f"{name}.gguf")]
+        source = mtp_source if name.endswith("-mtp") else checkpoints[model_type][2]
+        flags = [] if name.endswith("-mtp") else ["--no-mtp"]
+        argv = [str(source), "--outtype", outtype, *flags, "--outfile", str(root / f"{name}.gguf")]
         jobs.append({"name": name, "argv": argv})
     (root / "jobs.json").write_text(json.dumps(jobs))
     done = subprocess.run([sys.executable, str(DRIVER), str(CONVERTER), str(root / "jobs.json"), str(root / "out.jsonl")],
@@ -76,6 +80,26 @@ def converted(tmp_path_factory, hf_smollm_tokenizer):
     errors = {r["name"]: r["error"] for r in map(json.loads, (root / "out.jsonl").read_text().splitlines())}
     return {name: (*checkpoints[model_type][:2], root / f"{name}.gguf", errors[name])
             for name, (model_type, _) in GGUF_CASES.items()}
+
+
+def with_mtp_layer(directory, out):
+    """A copy of the Qwen3.5 checkpoint with a multi-token-prediction layer in the hub's names
+    (``mtp.layers.0.*``: the attention layer's weights; ``mtp.fc``, its norms), which llama.cpp's
+    converter appends as block 4 with ``nextn_predict_layers`` 1."""
+    from safetensors.numpy import load_file, save_file
+
+    shutil.copytree(directory, out)
+    tensors = load_file(out / "model.safetensors")
+    prefix = "model.layers.3."
+    tensors.update({"mtp.layers.0." + k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)})
+    hidden = TINY_SHAPE["hidden_size"]
+    tensors["mtp.fc.weight"] = np.random.default_rng(0).standard_normal((hidden, 2 * hidden)).astype(np.float32)
+    for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        tensors[f"mtp.{norm}.weight"] = np.zeros(hidden, np.float32)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "mtp_num_hidden_layers": 1}))
+    return out
 
 
 def reference(hf_model, ids: np.ndarray = IDS) -> np.ndarray:
@@ -107,7 +131,8 @@ def stored_like_q8_0(hf_model):
 def test_converter_gguf_matches_transformers(converted, name):
     """The GGUF's logits equal transformers' on the checkpoint it was made from (q8_0: on the
     same rounded weights). Every converter edit left in place moves them by O(1): ``-exp(A_log)``
-    read as ``A_log``, the norms' added 1, Qwen3.5's tiled value heads, Qwen3-Next's split qkvz."""
+    read as ``A_log``, the norms' added 1, Qwen3.5's tiled value heads, Qwen3-Next's split qkvz.
+    A file with the MTP block loads the decoder without it (no native MTP yet)."""
     _, hf_model, path, error = converted[name]
     assert error is None, f"llama.cpp's converter failed on {name}: {error}"
     if name.endswith("q8_0"):

@@ -13,6 +13,7 @@ scaling (``gguf_rope``).
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 from typing import Any, Callable
 
@@ -79,7 +80,7 @@ def config_from_metadata(metadata: dict[str, Any], tensor_names: set[str]) -> di
     config: dict[str, Any] = {
         "model_type": SUPPORTED_ARCHITECTURES[arch],
         "hidden_size": hidden,
-        "num_hidden_layers": int(field("block_count")),
+        "num_hidden_layers": int(field("block_count")) - int(field("nextn_predict_layers", 0)),  # MTP blocks: not read
         "intermediate_size": int(field("feed_forward_length")),
         "num_attention_heads": heads,
         "num_key_value_heads": int(field("attention.head_count_kv", heads)),
@@ -272,7 +273,8 @@ def open_gguf(path: Path) -> tuple[dict[str, Any], dict[str, TensorEntry], Calla
     name and type is checked, no tensor is decoded."""
     gguf = read_any_gguf(path)
     arch = gguf.metadata.get("general.architecture")
-    tensors = {name: info for name, info in gguf.tensors.items() if name not in CONFIG_TENSORS}
+    mtp = _mtp_blocks(gguf.metadata, str(arch))
+    tensors = {name: info for name, info in gguf.tensors.items() if name not in CONFIG_TENSORS and not mtp.match(name)}
     names = {name: hf_name(name, str(arch)) for name in tensors}
     entries: dict[str, TensorEntry] = {}
     sources: dict[str, tuple[TensorInfo, str]] = {}
@@ -306,6 +308,15 @@ def open_gguf(path: Path) -> tuple[dict[str, Any], dict[str, TensorEntry], Calla
     if arch in HYBRID_ARCHS:  # Gated DeltaNet: the converter's edits undone
         config, entries, decoder = undo_converter(str(arch), config, entries, decoder)
     return config, entries, decoder, gguf.metadata, gguf.header_bytes
+
+
+def _mtp_blocks(metadata: dict[str, Any], arch: str) -> re.Pattern[str]:
+    """The names of the multi-token-prediction blocks llama.cpp's converter appends after the
+    decoder's (``{arch}.nextn_predict_layers`` of the ``block_count``): skipped (no native MTP yet)."""
+    nextn, blocks = metadata.get(f"{arch}.nextn_predict_layers"), metadata.get(f"{arch}.block_count")
+    if not isinstance(nextn, int) or not isinstance(blocks, int) or not 0 < nextn <= blocks:
+        return re.compile(r"(?!)")  # matches nothing
+    return re.compile(rf"^blk\.({'|'.join(str(i) for i in range(blocks - nextn, blocks))})\.")
 
 
 def _rope_factors(gguf: GGUFFile, info: TensorInfo, head_dim: Any) -> np.ndarray:
