@@ -80,7 +80,7 @@ class _Undo:
             channels, kernel = entry.shape
             return Derivation((name,), (channels, 1, kernel), entry.dtype,
                               lambda p: reorder(p).reshape(channels, 1, kernel))
-        projection, _, key = rest.rpartition(".")
+        projection = rest.rpartition(".")[0]
         if projection == "in_proj_qkv":
             return Derivation(*same, self._heads(0, self.d_v, 2 * self.key_dim))
         if projection == "in_proj_z":
