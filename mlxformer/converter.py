@@ -21,11 +21,13 @@ import mlx.nn as nn
 from mlxformer.errors import MlxformerError
 from mlxformer.formats.checkpoint import Checkpoint, open_checkpoint
 from mlxformer.formats.hub import resolve_source
+from mlxformer.formats.mlx_lm_layout import mlx_lm_config, stored_for_mlx_lm
 from mlxformer.formats.mlx_writer import MAX_SHARD_BYTES, check_destination, plan_shards, staged_output, write_shards
 from mlxformer.formats.tensors import Tensors
 from mlxformer.loader import checked_model, load_tokenizer, quantization_of
 from mlxformer.models.config import FLOAT_DTYPES, float_dtype
 from mlxformer.models.dtype_policy import float16_safe
+from mlxformer.models.families import MLX_LM_LAYOUT, text_config_of
 from mlxformer.models.moe import QuantizedSwitchLinear, SwitchLinear
 from mlxformer.quant.calibration import CALIBRATION_TEXT, activation_importance
 from mlxformer.quant.quantize import (
@@ -127,8 +129,9 @@ class _Job:
         self.source_quant = quantization_of(source.config)
         model, weights = checked_model(source.config, source.tensors)  # parameters lazy: never evaluated
         assert isinstance(weights, Tensors)
-        self.weights = weights  # lazy: each tensor is read when its shard is written
-        self.entries = weights.entries  # shapes and dtypes, from the headers
+        # lazy: each tensor is read when its shard is written; hybrids in mlx-lm's layout
+        self.args, self.weights = stored_for_mlx_lm(self.args, weights)
+        self.entries = self.weights.entries  # shapes and dtypes, from the headers
         if self.args.rope.type == "freq_factors":
             raise MlxformerError(f"{source.path}: its rope_freqs factors are not llama3's, and mlx-lm cannot read "
                                  "a config with per-frequency rope factors; load the file directly instead")
@@ -287,8 +290,10 @@ class _Job:
         # winning: one config that mlx-lm, transformers and mlxformer read alike (transformers 5
         # writes only ``rope_parameters``, a GGUF's config has llama.cpp's spellings; mlx-lm needs
         # the classic ``rope_theta``/``rope_scaling``, per-layer types, MoE sparsity keys, ...).
-        source = {k: v for k, v in self.source.config.items() if k not in ("quantization", "quantization_config")}
+        source = text_config_of({k: v for k, v in self.source.config.items()
+                                 if k not in ("quantization", "quantization_config", MLX_LM_LAYOUT)})  # an image-text model's, flat
         config = {**source, **{k: v for k, v in self.args.to_dict().items() if v is not None or k not in source}}
+        config = mlx_lm_config(config)
         if self.float_dtype is not None:
             name = next(k for k, v in FLOAT_DTYPES.items() if v == self.float_dtype)
             config["torch_dtype"] = name

@@ -13,6 +13,7 @@ scaling (``gguf_rope``).
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 from typing import Any, Callable
 
@@ -23,6 +24,7 @@ from mlxformer.errors import MlxformerError
 from mlxformer.formats.gguf_quants import EXACT_TYPES, FLOAT_DECODED_TYPES, GROUP_SIZE, decode_codes, decode_mxfp4, \
     decode_values, requantize
 from mlxformer.formats.gguf_families import GGUF_ARCHITECTURES, NORM_SHIFTED_ARCHS, arch_config
+from mlxformer.formats.gguf_hybrid import HYBRID_ARCHS, undo_converter
 from mlxformer.formats.gguf_names import CONFIG_TENSORS, PERMUTED_QK_ARCHS, hf_name
 from mlxformer.formats.gguf_reader import GGUFFile, TensorInfo
 from mlxformer.formats.gguf_split import read_any_gguf
@@ -78,7 +80,7 @@ def config_from_metadata(metadata: dict[str, Any], tensor_names: set[str]) -> di
     config: dict[str, Any] = {
         "model_type": SUPPORTED_ARCHITECTURES[arch],
         "hidden_size": hidden,
-        "num_hidden_layers": int(field("block_count")),
+        "num_hidden_layers": int(field("block_count")) - int(field("nextn_predict_layers", 0)),  # MTP blocks: not read
         "intermediate_size": int(field("feed_forward_length")),
         "num_attention_heads": heads,
         "num_key_value_heads": int(field("attention.head_count_kv", heads)),
@@ -99,6 +101,9 @@ def config_from_metadata(metadata: dict[str, Any], tensor_names: set[str]) -> di
     pattern = _meta(metadata, f"{arch}.attention.sliding_window_pattern")
     if isinstance(pattern, list):  # one flag per layer (OLMo 3)
         config["layer_types"] = ["sliding_attention" if p else "full_attention" for p in pattern]
+    recurrent = _meta(metadata, f"{arch}.attention.recurrent_layers")
+    if isinstance(recurrent, list):  # one flag per layer (Gated DeltaNet hybrids; MTP layers last)
+        config["layer_types"] = ["linear_attention" if r else "full_attention" for r in recurrent][:config["num_hidden_layers"]]
     if arch == "qwen2":
         config["attention_bias"] = True
     config.update(arch_config(arch, field, config))
@@ -268,7 +273,8 @@ def open_gguf(path: Path) -> tuple[dict[str, Any], dict[str, TensorEntry], Calla
     name and type is checked, no tensor is decoded."""
     gguf = read_any_gguf(path)
     arch = gguf.metadata.get("general.architecture")
-    tensors = {name: info for name, info in gguf.tensors.items() if name not in CONFIG_TENSORS}
+    mtp = _mtp_blocks(gguf.metadata, str(arch))
+    tensors = {name: info for name, info in gguf.tensors.items() if name not in CONFIG_TENSORS and not mtp.match(name)}
     names = {name: hf_name(name, str(arch)) for name in tensors}
     entries: dict[str, TensorEntry] = {}
     sources: dict[str, tuple[TensorInfo, str]] = {}
@@ -298,8 +304,19 @@ def open_gguf(path: Path) -> tuple[dict[str, Any], dict[str, TensorEntry], Calla
                                          if len(info.shape) >= 2})
     if quantization:
         config["quantization"] = quantization
-    decoder = _Decoder(gguf, sources, heads, arch in NORM_SHIFTED_ARCHS)
+    decoder: Callable[[TensorEntry], mx.array] = _Decoder(gguf, sources, heads, arch in NORM_SHIFTED_ARCHS)
+    if arch in HYBRID_ARCHS:  # Gated DeltaNet: the converter's edits undone
+        config, entries, decoder = undo_converter(str(arch), config, entries, decoder)
     return config, entries, decoder, gguf.metadata, gguf.header_bytes
+
+
+def _mtp_blocks(metadata: dict[str, Any], arch: str) -> re.Pattern[str]:
+    """The names of the multi-token-prediction blocks llama.cpp's converter appends after the
+    decoder's (``{arch}.nextn_predict_layers`` of the ``block_count``): skipped (no native MTP yet)."""
+    nextn, blocks = metadata.get(f"{arch}.nextn_predict_layers"), metadata.get(f"{arch}.block_count")
+    if not isinstance(nextn, int) or not isinstance(blocks, int) or not 0 < nextn <= blocks:
+        return re.compile(r"(?!)")  # matches nothing
+    return re.compile(rf"^blk\.({'|'.join(str(i) for i in range(blocks - nextn, blocks))})\.")
 
 
 def _rope_factors(gguf: GGUFFile, info: TensorInfo, head_dim: Any) -> np.ndarray:

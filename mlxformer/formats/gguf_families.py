@@ -17,6 +17,7 @@ GGUF_ARCHITECTURES = {
     "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "olmoe": "olmoe",  # llama + experts: mixtral
     "mistral3": "ministral3",  # olmo2 with a sliding window: olmo3
     "gpt-oss": "gpt_oss",
+    "qwen35": "qwen3_5_text", "qwen35moe": "qwen3_5_moe_text", "qwen3next": "qwen3_next",  # Gated DeltaNet hybrids
 }
 # Architectures whose converter stored every RMSNorm weight as ``1 + weight`` (Gemma's offset).
 NORM_SHIFTED_ARCHS = ("gemma", "gemma2", "gemma3")
@@ -133,12 +134,34 @@ def _gpt_oss(field: Field, config: dict[str, Any]) -> dict[str, Any]:
             "sliding_window": int(field("attention.sliding_window")), "rope_scaling": rope or None}
 
 
+def _gated_delta(field: Field, config: dict[str, Any]) -> dict[str, Any]:
+    """Qwen3.5 / Qwen3-Next: the DeltaNet sizes as llama.cpp's ``ssm.*`` keys (``time_step_rank``:
+    value heads, ``group_count``: key heads, ``state_size``: key head dim, ``inner_size``: all
+    value features), the recurrent layers, the rotated share of the head dim."""
+    layers, value_heads = config["num_hidden_layers"], int(field("ssm.time_step_rank"))
+    interval = int(field("full_attention_interval", 4))  # llama.cpp's rule without a recurrent_layers key
+    written = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers)]
+    return {
+        "layer_types": config.get("layer_types") or written,  # ``recurrent_layers``, read by ``config_from_metadata``
+        "linear_num_key_heads": int(field("ssm.group_count")), "linear_num_value_heads": value_heads,
+        "linear_key_head_dim": int(field("ssm.state_size")),
+        "linear_value_head_dim": int(field("ssm.inner_size")) // max(value_heads, 1),
+        "linear_conv_kernel_dim": int(field("ssm.conv_kernel")),
+        "partial_rotary_factor": int(field("rope.dimension_count", config["head_dim"])) / config["head_dim"],
+    }
+
+
+def _gated_delta_moe(field: Field, config: dict[str, Any]) -> dict[str, Any]:
+    return {**_gated_delta(field, config), **_experts(field, config, True)}
+
+
 _ARCH_KEYS: dict[str, Callable[[Field, dict[str, Any]], dict[str, Any]]] = {
     "gemma2": _gemma2, "gemma3": _gemma3, "phi3": _phi3, "granite": _granite, "smollm3": _smollm3,
     "llama": _llama, "qwen2moe": _qwen2moe, "olmo2": _olmo2, "mistral3": _mistral3,
     "qwen3moe": lambda field, config: _experts(field, config, True),
     "olmoe": lambda field, config: _experts(field, config, False),
     "gpt-oss": _gpt_oss,
+    "qwen35": _gated_delta, "qwen35moe": _gated_delta_moe, "qwen3next": _gated_delta_moe,
 }
 
 

@@ -70,8 +70,19 @@ ARCH_TENSOR_NAMES["gpt-oss"] = {  # sinks, a biased router, biased experts (mlx-
     "blk.{i}.ffn_gate_inp": "model.layers.{i}.mlp.router",
     **{f"blk.{{i}}.ffn_{p}_exps": f"model.layers.{{i}}.mlp.experts.{p}_proj" for p in ("gate", "up", "down")},
 }
-# Parameters HF names without a ``.weight`` suffix (the converter added one).
-BARE_PARAMETERS = ("self_attn.sinks",)
+_DELTA = "model.layers.{i}.linear_attn"  # Gated DeltaNet (Qwen3.5, Qwen3-Next): ``gguf_hybrid`` undoes the converter's edits
+_HYBRID = {
+    "blk.{i}.post_attention_norm": "model.layers.{i}.post_attention_layernorm",
+    "blk.{i}.attn_qkv": f"{_DELTA}.in_proj_qkv", "blk.{i}.attn_gate": f"{_DELTA}.in_proj_z",
+    "blk.{i}.ssm_a": f"{_DELTA}.A_log", "blk.{i}.ssm_dt": f"{_DELTA}.dt_bias", "blk.{i}.ssm_conv1d": f"{_DELTA}.conv1d",
+    "blk.{i}.ssm_norm": f"{_DELTA}.norm", "blk.{i}.ssm_out": f"{_DELTA}.out_proj",
+}
+_QWEN35 = {**_HYBRID, "blk.{i}.ssm_beta": f"{_DELTA}.in_proj_b", "blk.{i}.ssm_alpha": f"{_DELTA}.in_proj_a"}
+ARCH_TENSOR_NAMES["qwen35"] = _QWEN35
+ARCH_TENSOR_NAMES["qwen35moe"] = {**_QWEN35, **_experts("mlp")}
+ARCH_TENSOR_NAMES["qwen3next"] = {**_HYBRID, **_experts("mlp"), "blk.{i}.ssm_ba": f"{_DELTA}.in_proj_ba"}
+# Parameters HF names without a ``.weight`` suffix (the converter added one, or wrote none: ``ssm_a``).
+BARE_PARAMETERS = ("self_attn.sinks", "linear_attn.A_log", "linear_attn.dt_bias")
 # Architectures whose Q/K rows llama.cpp's converter permuted (interleaved rotary pairs): its
 # LlamaModel and the converters derived from it.
 PERMUTED_QK_ARCHS = ("llama", "granite", "smollm3", "mistral3")
@@ -85,10 +96,13 @@ def hf_name(gguf_name: str, arch: str) -> str:
     """Map e.g. ``blk.3.attn_q.weight`` to ``model.layers.3.self_attn.q_proj.weight``; a name
     without a row in the table raises."""
     stem, _, suffix = gguf_name.rpartition(".")
+    if suffix not in ("weight", "bias"):  # a name without a suffix (``blk.0.ssm_a``)
+        stem, suffix = gguf_name, ""
     layer = _LAYER_NAME.match(stem)
     pattern, index = (f"blk.{{i}}.{layer.group(2)}", layer.group(1)) if layer else (stem, None)
     table = {**TENSOR_NAMES, **ARCH_TENSOR_NAMES.get(arch, {})}
-    if pattern not in table or suffix not in ("weight", "bias"):
+    name = table[pattern].format(i=index) if pattern in table else ""
+    bare = name.endswith(BARE_PARAMETERS)
+    if not name or not (suffix or bare):
         raise MlxformerError(f"GGUF tensor {gguf_name!r} has no mapping to this decoder (architecture {arch})")
-    name = table[pattern].format(i=index)
-    return name if name.endswith(BARE_PARAMETERS) else name + "." + suffix
+    return name if bare else name + "." + suffix

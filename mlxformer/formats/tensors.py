@@ -123,6 +123,10 @@ class Tensors(Mapping[str, mx.array]):
     def __getitem__(self, name: str) -> mx.array:
         return self._load(self.entries[name])
 
+    def load(self, entry: TensorEntry) -> mx.array:
+        """The array of ``entry`` (one of ``entries``, or a part of a stacked or derived one)."""
+        return self._load(entry)
+
     def __contains__(self, name: object) -> bool:
         return name in self.entries
 
