@@ -23,7 +23,7 @@ from mlxformer.errors import MlxformerError
 from mlxformer.formats.gguf_quants import EXACT_TYPES, FLOAT_DECODED_TYPES, GROUP_SIZE, decode_codes, decode_mxfp4, \
     decode_values, requantize
 from mlxformer.formats.gguf_families import GGUF_ARCHITECTURES, NORM_SHIFTED_ARCHS, arch_config
-from mlxformer.formats.gguf_names import CONFIG_TENSORS, PERMUTED_QK_ARCHS, hf_name
+from mlxformer.formats.gguf_names import CONFIG_TENSORS, PERMUTED_QK_ARCHS, hf_name, is_block_from
 from mlxformer.formats.gguf_reader import GGUFFile, TensorInfo
 from mlxformer.formats.gguf_split import read_any_gguf
 from mlxformer.formats.gguf_rope import rope_scaling_from_factors
@@ -57,12 +57,17 @@ def config_from_metadata(metadata: dict[str, Any], tensor_names: set[str]) -> di
         raise MlxformerError(f"unsupported GGUF architecture {arch!r} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
 
     def field(name: str, default: Any = ...) -> Any:
-        """``{arch}.{name}`` as a finite number; ``default`` when absent (None: None; none: an error)."""
+        """``{arch}.{name}`` as a finite number (a bool when ``default`` is one); ``default`` when
+        absent (None: None; none: an error)."""
         value = _meta(metadata, f"{arch}.{name}", None if default is ... else default)
         if value is None:
             if default is None:
                 return None
             raise MlxformerError(f"GGUF metadata is missing {arch}.{name}")
+        if isinstance(default, bool):
+            if not isinstance(value, bool):
+                raise MlxformerError(f"GGUF metadata {arch}.{name} is not a bool: {str(value)[:50]!r}")
+            return value
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or abs(value) == float("inf"):
             raise MlxformerError(f"GGUF metadata {arch}.{name} is not a finite number: {str(value)[:50]!r}")
         return value
@@ -78,7 +83,8 @@ def config_from_metadata(metadata: dict[str, Any], tensor_names: set[str]) -> di
     config: dict[str, Any] = {
         "model_type": SUPPORTED_ARCHITECTURES[arch],
         "hidden_size": hidden,
-        "num_hidden_layers": int(field("block_count")),
+        # GLM / DeepSeek: the multi-token-prediction blocks after the decoder's are dropped (``open_gguf``)
+        "num_hidden_layers": int(field("block_count")) - int(field("nextn_predict_layers", 0)),
         "intermediate_size": int(field("feed_forward_length")),
         "num_attention_heads": heads,
         "num_key_value_heads": int(field("attention.head_count_kv", heads)),
@@ -101,7 +107,7 @@ def config_from_metadata(metadata: dict[str, Any], tensor_names: set[str]) -> di
         config["layer_types"] = ["sliding_attention" if p else "full_attention" for p in pattern]
     if arch == "qwen2":
         config["attention_bias"] = True
-    config.update(arch_config(arch, field, config))
+    config.update(arch_config(arch, field, config, frozenset(tensor_names)))
     return config
 
 
@@ -268,7 +274,9 @@ def open_gguf(path: Path) -> tuple[dict[str, Any], dict[str, TensorEntry], Calla
     name and type is checked, no tensor is decoded."""
     gguf = read_any_gguf(path)
     arch = gguf.metadata.get("general.architecture")
-    tensors = {name: info for name, info in gguf.tensors.items() if name not in CONFIG_TENSORS}
+    first_mtp = _first_mtp_block(gguf.metadata, str(arch))
+    tensors = {name: info for name, info in gguf.tensors.items()
+               if name not in CONFIG_TENSORS and not is_block_from(name, first_mtp)}
     names = {name: hf_name(name, str(arch)) for name in tensors}
     entries: dict[str, TensorEntry] = {}
     sources: dict[str, tuple[TensorInfo, str]] = {}
@@ -300,6 +308,18 @@ def open_gguf(path: Path) -> tuple[dict[str, Any], dict[str, TensorEntry], Calla
         config["quantization"] = quantization
     decoder = _Decoder(gguf, sources, heads, arch in NORM_SHIFTED_ARCHS)
     return config, entries, decoder, gguf.metadata, gguf.header_bytes
+
+
+def _first_mtp_block(metadata: dict[str, Any], arch: str) -> int | None:
+    """The index of the first multi-token-prediction block (``nextn_predict_layers`` of them end
+    the file's blocks: GLM-4.5, GLM-4.7-Flash), None when there are none."""
+    blocks, nextn = metadata.get(f"{arch}.block_count"), metadata.get(f"{arch}.nextn_predict_layers")
+    if nextn is None:
+        return None
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (blocks, nextn)) or not 0 <= nextn < blocks:
+        raise MlxformerError(f"GGUF metadata {arch}.nextn_predict_layers {str(nextn)[:20]} does not fit "
+                             f"{arch}.block_count {str(blocks)[:20]}")
+    return blocks - nextn
 
 
 def _rope_factors(gguf: GGUFFile, info: TensorInfo, head_dim: Any) -> np.ndarray:
