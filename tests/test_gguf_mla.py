@@ -20,6 +20,7 @@ import subprocess
 import sys
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 import torch
@@ -36,13 +37,16 @@ SEQ_LEN = 40
 BOUND = 3e-4  # float32 on both sides
 GLM_TOKENS = ["[gMASK]", "<|user|>", "<|observation|>"]  # with SmolLM2's <|endoftext|>
 _YARN = test_mla.CASES["deepseek_v3"]["rope_parameters"]
-# name -> (test_mla case, overrides)
+# scoring_func: the released config's key, written as expert_gating_func; mscale as mscale_all_dim
+_V3 = {"scoring_func": "sigmoid", "rope_parameters": {**_YARN, "mscale": _YARN["mscale_all_dim"]}}
+# name -> (test_mla family, overrides, the converter's --outtype)
 CASES = {
-    "glm4_moe": {},  # four groups of two experts, two groups kept
-    # scoring_func: the released config's key, written as expert_gating_func; mscale as mscale_all_dim
-    "deepseek_v3": {"scoring_func": "sigmoid", "rope_parameters": {**_YARN, "mscale": _YARN["mscale_all_dim"]}},
-    "deepseek_v2": {},  # softmax, group-limited (no gating key: no correction bias, so softmax)
-    "glm4_moe_lite": {},  # no gating key, a correction bias: sigmoid
+    "glm4_moe": ("glm4_moe", {}, "f32"),  # four groups of two experts, two groups kept
+    "deepseek_v3": ("deepseek_v3", _V3, "f32"),
+    "deepseek_v2": ("deepseek_v2", {}, "f32"),  # softmax, group-limited (no gating key, no correction bias)
+    "glm4_moe_lite": ("glm4_moe_lite", {}, "f32"),  # no gating key, a correction bias: sigmoid
+    # Q8_0 where rows split in blocks of 32 (attn_k_b/attn_v_b 3-D, the dense down projection), F16 elsewhere
+    "deepseek_v3-q8_0": ("deepseek_v3", _V3, "q8_0"),
 }
 ROUTERS = {"glm4_moe": "noaux_tc", "deepseek_v3": "noaux_tc", "deepseek_v2": "group_limited_greedy",
            "glm4_moe_lite": "noaux_tc"}
@@ -72,17 +76,17 @@ def converted(tmp_path_factory, hf_smollm_tokenizer):
         pytest.fail(f"{CONVERTER} is missing: run scripts/install_test_deps.sh")
     root = tmp_path_factory.mktemp("gguf_mla")
     models, jobs = {}, []
-    for name, overrides in CASES.items():
+    for name, (family, overrides, outtype) in CASES.items():
         tokenizer = copy.deepcopy(hf_smollm_tokenizer)
-        if name.startswith("glm"):
+        if family.startswith("glm"):
             tokenizer.add_special_tokens({"additional_special_tokens": GLM_TOKENS})
-        directory, models[name] = test_mla.write_family(root / name, name, vocab_size=len(tokenizer), **overrides)
+        directory, models[name] = test_mla.write_family(root / name, family, vocab_size=len(tokenizer), **overrides)
         (directory / "tokenizer.json").unlink()  # test_mla's byte tokenizer: the converter needs a BPE it knows
         tokenizer.save_pretrained(directory)
         if name == "glm4_moe":
             assert json.loads((directory / "config.json").read_text())["num_nextn_predict_layers"] == 1
             add_mtp_block(directory, models[name].config.num_hidden_layers)
-        jobs.append({"name": name, "argv": [str(directory), "--outtype", "f32", "--outfile", str(root / f"{name}.gguf")]})
+        jobs.append({"name": name, "argv": [str(directory), "--outtype", outtype, "--outfile", str(root / f"{name}.gguf")]})
     (root / "jobs.json").write_text(json.dumps(jobs))
     done = subprocess.run([sys.executable, str(DRIVER), str(CONVERTER), str(root / "jobs.json"), str(root / "out.jsonl")],
                           capture_output=True, text=True, timeout=300)
@@ -101,25 +105,63 @@ def tokens() -> np.ndarray:
     return np.random.default_rng(1).integers(3, 256, size=SEQ_LEN)
 
 
+def q8_0(x: np.ndarray) -> np.ndarray:
+    """``x`` through gguf-py's Q8_0 quantize/dequantize (blocks along the last axis)."""
+    from gguf import GGMLQuantizationType, quants
+
+    x = np.ascontiguousarray(x)
+    return quants.dequantize(quants.quantize(x, GGMLQuantizationType.Q8_0), GGMLQuantizationType.Q8_0).reshape(x.shape)
+
+
+def converter_rounded(hf_model):
+    """A copy of ``hf_model`` with its matrices as ``--outtype q8_0`` stores them: Q8_0 where a
+    stored row splits into blocks of 32, float16 elsewhere, the router in float32; ``kv_b_proj``
+    rounded as the converter stores it, split per head with the key part transposed."""
+    import copy
+
+    config = hf_model.config
+    H, nope, v, rank = config.num_attention_heads, config.qk_nope_head_dim, config.v_head_dim, config.kv_lora_rank
+    rounded = copy.deepcopy(hf_model)
+    with torch.no_grad():
+        for name, param in rounded.named_parameters():
+            x = param.numpy()
+            if name.endswith("kv_b_proj.weight"):
+                kv = x.reshape(H, nope + v, rank)  # (H * (nope + v), rank) -> per head
+                k_b = q8_0(kv[:, :nope].transpose(0, 2, 1)).transpose(0, 2, 1)  # stored (H, rank, nope)
+                x = np.concatenate([k_b, q8_0(kv[:, nope:])], axis=1).reshape(x.shape)
+            elif x.ndim >= 2 and not name.endswith("mlp.gate.weight"):
+                x = q8_0(x) if x.shape[-1] % 32 == 0 else x.astype(np.float16).astype(np.float32)
+            param.copy_(torch.from_numpy(np.ascontiguousarray(x)))
+    return rounded
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_converter_gguf_matches_transformers(converted, name):
     """The file's MLA sizes, routers, groups and correction biases read back into the decoder
-    transformers' checkpoint describes."""
+    transformers' checkpoint describes. Q8_0: against transformers on the same rounded weights
+    (the split ``kv_b_proj`` dequantized in float32: in float16 these random models' logits
+    moved by 0.03)."""
     import gguf
 
     hf_model, path, error = converted[name]
+    family, _, outtype = CASES[name]
     assert error is None, f"llama.cpp's converter failed on {name}: {error}"
     written = {t.name for t in gguf.GGUFReader(str(path)).tensors}
-    if name == "glm4_moe":
+    if family == "glm4_moe":
         assert "blk.3.nextn.eh_proj.weight" in written  # the MTP block is in the file
     else:  # kv_b_proj split per head
         assert {"blk.0.attn_k_b.weight", "blk.0.attn_v_b.weight"} <= written and "blk.0.attn_kv_b.weight" not in written
-    assert "blk.1.exp_probs_b.bias" in written or name == "deepseek_v2"
+    assert "blk.1.exp_probs_b.bias" in written or family == "deepseek_v2"
     ids = tokens()
+    reference = converter_rounded(hf_model) if outtype == "q8_0" else hf_model
     with torch.no_grad():
-        ref = hf_model(torch.tensor(ids[None])).logits[0].numpy()
+        ref = reference(torch.tensor(ids[None])).logits[0].numpy()
     model, _ = load(path, dtype=mx.float32)
-    assert model.args.router == ROUTERS[name]
+    assert model.args.router == ROUTERS[family]
+    if family != "glm4_moe":  # attn_k_b/attn_v_b joined back into one float kv_b_proj
+        assert type(model.layers[0].self_attn.kv_b_proj) is nn.Linear
+    quantized = {n for n, m in model.named_modules() if isinstance(m, nn.QuantizedLinear)}
+    assert bool(quantized) == (outtype == "q8_0")
     assert max_diff(np.array(model(mx.array(ids[None]))[0]), ref) <= BOUND
     assert not isinstance(model.layers[0].mlp, SparseMoE) and isinstance(model.layers[1].mlp, SparseMoE)
     biases = sum(b.numel() for n, b in hf_model.named_buffers() if n.endswith("e_score_correction_bias"))
