@@ -182,3 +182,21 @@ def test_converted_gguf_loads_in_mlx_lm(converted, name, tmp_path):
     theirs, _ = mlx_lm_load(str(tmp_path / "mlx"))
     theirs.set_dtype(mx.float32)
     assert max_diff(np.array(theirs(ids)[0]), np.array(ours(ids)[0])) <= 1e-4
+
+
+def test_bad_routing_metadata_is_one_line(converted):
+    """A gating function other than softmax/sigmoid, a non-bool renormalisation flag and more
+    MTP blocks than blocks are one-line errors naming the key."""
+    from mlxformer.errors import MlxformerError
+    from mlxformer.formats.gguf import config_from_metadata
+    from mlxformer.formats.gguf_reader import read_gguf
+
+    _, path, _ = converted["deepseek_v3"]
+    gguf = read_gguf(path)
+    metadata, names = dict(gguf.metadata), set(gguf.tensors)
+    assert config_from_metadata(metadata, names)["model_type"] == "deepseek_v3"
+    for key, value, message in (("expert_gating_func", 3, "expert_gating_func 3 is not supported"),
+                                ("expert_weights_norm", 1, "expert_weights_norm is not a bool"),
+                                ("nextn_predict_layers", 3, "nextn_predict_layers 3 does not fit .*block_count 3")):
+        with pytest.raises(MlxformerError, match=message):
+            config_from_metadata({**metadata, f"deepseek2.{key}": value}, names)

@@ -83,8 +83,7 @@ def config_from_metadata(metadata: dict[str, Any], tensor_names: set[str]) -> di
     config: dict[str, Any] = {
         "model_type": SUPPORTED_ARCHITECTURES[arch],
         "hidden_size": hidden,
-        # GLM / DeepSeek: the multi-token-prediction blocks after the decoder's are dropped (``open_gguf``)
-        "num_hidden_layers": int(field("block_count")) - int(field("nextn_predict_layers", 0)),
+        "num_hidden_layers": int(field("block_count")),
         "intermediate_size": int(field("feed_forward_length")),
         "num_attention_heads": heads,
         "num_key_value_heads": int(field("attention.head_count_kv", heads)),
@@ -107,6 +106,9 @@ def config_from_metadata(metadata: dict[str, Any], tensor_names: set[str]) -> di
         config["layer_types"] = ["sliding_attention" if p else "full_attention" for p in pattern]
     if arch == "qwen2":
         config["attention_bias"] = True
+    first_mtp = _first_mtp_block(metadata, arch)  # GLM / DeepSeek: MTP blocks end the file's (dropped)
+    if first_mtp is not None:
+        config["num_hidden_layers"] = first_mtp
     config.update(arch_config(arch, field, config, frozenset(tensor_names)))
     return config
 
