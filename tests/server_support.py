@@ -102,6 +102,13 @@ def free_port() -> int:
 def serve_subprocess(command: list[str]) -> Iterator[str]:
     """``command`` (an ``mlxformer serve`` invocation) on a free port; yields the base URL once
     ``/health`` answers; at the end SIGINT, and the server must exit 0 within 30 s."""
+    with serving_process(command) as (url, _):
+        yield url
+
+
+@contextlib.contextmanager
+def serving_process(command: list[str]) -> Iterator[tuple[str, subprocess.Popen]]:
+    """``serve_subprocess`` yielding ``(base URL, the server's process)``."""
     port = free_port()
     process = subprocess.Popen([*command, "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True)
@@ -117,7 +124,7 @@ def serve_subprocess(command: list[str]) -> Iterator[str]:
                 pass
             assert time.monotonic() < deadline, "the server did not come up"
             time.sleep(0.3)
-        yield url
+        yield url, process
     finally:
         process.send_signal(signal.SIGINT)
         try:

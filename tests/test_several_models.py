@@ -2,8 +2,8 @@
 GGUF and a tiny random Llama alternate, each reply equal to ``generate`` alone on that model;
 ``/v1/models``, ``/api/tags``, ``/api/ps`` and ``/metrics`` show which are loaded; ``keep_alive: 0``
 unloads after the reply, an idle keep-alive unloads in the background; a model that fails to
-load gets a 500 naming the reason while the others keep serving; unloading SmolLM2 returns its
-memory (RSS measured with psutil)."""
+load gets a 500 naming the reason while the others keep serving; no model object outlives its
+unload (the memory it returns is measured on a subprocess server: ``test_unload_memory.py``)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import json
 import time
 
 import ollama
-import psutil
 import pytest
 from server_support import http
 
@@ -76,10 +75,6 @@ def reference(source, max_tokens: int = 4) -> str:
     return "".join(r.text for r in stream_generate(model, tokenizer, ids, max_tokens))
 
 
-def rss() -> int:
-    return psutil.Process().memory_info().rss
-
-
 def test_models_alternate_and_keep_alive_unloads(several):
     assert states(several.url) == {SMOL: "on disk", TINY: "on disk", BROKEN: "on disk"}
     expected = {SMOL: reference(several.smollm_gguf), TINY: reference(several.tiny)}
@@ -115,31 +110,23 @@ def test_a_model_that_fails_to_load_names_the_reason_and_others_keep_serving(sev
     assert status == 404 and body["error"]["code"] == "model_not_found"
 
 
-def test_idle_keep_alive_unloads_and_returns_the_memory(several):
-    """After a warm-up load and unload (the allocators' pools, the libraries' first use), a load
-    followed by the idle unload brings the RSS back within 10% of where it was, and no model
-    object outlives its unload."""
+def test_idle_keep_alive_unloads_and_frees_the_model(several):
+    """An idle keep-alive unloads the model, and no model object outlives its unload (this
+    process's RSS says nothing of it: its heap holds what earlier tests freed)."""
     import gc
 
     several.host.unload(SMOL)
     several.host.unload(TINY)
-    assert chat(several.url, SMOL, keep_alive=0)[0] == 200  # warm-up, unloaded after the reply
-    baseline = rss()
     status, _ = chat(several.url, SMOL, keep_alive="1s")
     assert status == 200
-    loaded = rss()
     deadline = time.monotonic() + 30
     while states(several.url)[SMOL] == "loaded" and time.monotonic() < deadline:
         time.sleep(0.2)
     assert states(several.url)[SMOL] == "on disk"
     while any(model() is not None for _, model in several.loaded) and time.monotonic() < deadline:
         time.sleep(0.2)  # the unload finishes freeing
-    after = rss()
-    print(f"RSS: {baseline / 1e6:.0f} MB with no model loaded, {loaded / 1e6:.0f} MB with SmolLM2 loaded, "
-          f"{after / 1e6:.0f} MB after its idle unload")
     gc.collect()
     assert [(i, name) for i, (name, model) in enumerate(several.loaded) if model() is not None] == []  # all freed
-    assert after < 1.1 * baseline
 
 
 def test_serve_flags_name_the_models(tmp_path):

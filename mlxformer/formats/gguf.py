@@ -13,7 +13,6 @@ scaling (``gguf_rope``).
 from __future__ import annotations
 
 import math
-import re
 from pathlib import Path
 from typing import Any, Callable
 
@@ -24,8 +23,7 @@ from mlxformer.errors import MlxformerError
 from mlxformer.formats.gguf_quants import EXACT_TYPES, FLOAT_DECODED_TYPES, GROUP_SIZE, decode_codes, decode_mxfp4, \
     decode_values, requantize
 from mlxformer.formats.gguf_families import GGUF_ARCHITECTURES, NORM_SHIFTED_ARCHS, arch_config
-from mlxformer.formats.gguf_hybrid import HYBRID_ARCHS, undo_converter
-from mlxformer.formats.gguf_names import CONFIG_TENSORS, PERMUTED_QK_ARCHS, hf_name
+from mlxformer.formats.gguf_names import CONFIG_TENSORS, PERMUTED_QK_ARCHS, hf_name, is_block_from
 from mlxformer.formats.gguf_reader import GGUFFile, TensorInfo
 from mlxformer.formats.gguf_split import read_any_gguf
 from mlxformer.formats.gguf_rope import rope_scaling_from_factors
@@ -59,12 +57,17 @@ def config_from_metadata(metadata: dict[str, Any], tensor_names: set[str]) -> di
         raise MlxformerError(f"unsupported GGUF architecture {arch!r} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
 
     def field(name: str, default: Any = ...) -> Any:
-        """``{arch}.{name}`` as a finite number; ``default`` when absent (None: None; none: an error)."""
+        """``{arch}.{name}`` as a finite number (a bool when ``default`` is one); ``default`` when
+        absent (None: None; none: an error)."""
         value = _meta(metadata, f"{arch}.{name}", None if default is ... else default)
         if value is None:
             if default is None:
                 return None
             raise MlxformerError(f"GGUF metadata is missing {arch}.{name}")
+        if isinstance(default, bool):
+            if not isinstance(value, bool):
+                raise MlxformerError(f"GGUF metadata {arch}.{name} is not a bool: {str(value)[:50]!r}")
+            return value
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or abs(value) == float("inf"):
             raise MlxformerError(f"GGUF metadata {arch}.{name} is not a finite number: {str(value)[:50]!r}")
         return value
@@ -80,7 +83,7 @@ def config_from_metadata(metadata: dict[str, Any], tensor_names: set[str]) -> di
     config: dict[str, Any] = {
         "model_type": SUPPORTED_ARCHITECTURES[arch],
         "hidden_size": hidden,
-        "num_hidden_layers": int(field("block_count")) - int(field("nextn_predict_layers", 0)),  # MTP blocks: not read
+        "num_hidden_layers": int(field("block_count")),
         "intermediate_size": int(field("feed_forward_length")),
         "num_attention_heads": heads,
         "num_key_value_heads": int(field("attention.head_count_kv", heads)),
@@ -101,12 +104,15 @@ def config_from_metadata(metadata: dict[str, Any], tensor_names: set[str]) -> di
     pattern = _meta(metadata, f"{arch}.attention.sliding_window_pattern")
     if isinstance(pattern, list):  # one flag per layer (OLMo 3)
         config["layer_types"] = ["sliding_attention" if p else "full_attention" for p in pattern]
+    first_mtp = _first_mtp_block(metadata, arch)  # MTP blocks end the file's (GLM, DeepSeek, Qwen3.5): not read
+    if first_mtp is not None:
+        config["num_hidden_layers"] = first_mtp
     recurrent = _meta(metadata, f"{arch}.attention.recurrent_layers")
     if isinstance(recurrent, list):  # one flag per layer (Gated DeltaNet hybrids; MTP layers last)
         config["layer_types"] = ["linear_attention" if r else "full_attention" for r in recurrent][:config["num_hidden_layers"]]
     if arch == "qwen2":
         config["attention_bias"] = True
-    config.update(arch_config(arch, field, config))
+    config.update(arch_config(arch, field, config, frozenset(tensor_names)))
     return config
 
 
@@ -273,8 +279,9 @@ def open_gguf(path: Path) -> tuple[dict[str, Any], dict[str, TensorEntry], Calla
     name and type is checked, no tensor is decoded."""
     gguf = read_any_gguf(path)
     arch = gguf.metadata.get("general.architecture")
-    mtp = _mtp_blocks(gguf.metadata, str(arch))
-    tensors = {name: info for name, info in gguf.tensors.items() if name not in CONFIG_TENSORS and not mtp.match(name)}
+    first_mtp = _first_mtp_block(gguf.metadata, str(arch))
+    tensors = {name: info for name, info in gguf.tensors.items()
+               if name not in CONFIG_TENSORS and not is_block_from(name, first_mtp)}
     names = {name: hf_name(name, str(arch)) for name in tensors}
     entries: dict[str, TensorEntry] = {}
     sources: dict[str, tuple[TensorInfo, str]] = {}
@@ -310,13 +317,16 @@ def open_gguf(path: Path) -> tuple[dict[str, Any], dict[str, TensorEntry], Calla
     return config, entries, decoder, gguf.metadata, gguf.header_bytes
 
 
-def _mtp_blocks(metadata: dict[str, Any], arch: str) -> re.Pattern[str]:
-    """The names of the multi-token-prediction blocks llama.cpp's converter appends after the
-    decoder's (``{arch}.nextn_predict_layers`` of the ``block_count``): skipped (no native MTP yet)."""
-    nextn, blocks = metadata.get(f"{arch}.nextn_predict_layers"), metadata.get(f"{arch}.block_count")
-    if not isinstance(nextn, int) or not isinstance(blocks, int) or not 0 < nextn <= blocks:
-        return re.compile(r"(?!)")  # matches nothing
-    return re.compile(rf"^blk\.({'|'.join(str(i) for i in range(blocks - nextn, blocks))})\.")
+def _first_mtp_block(metadata: dict[str, Any], arch: str) -> int | None:
+    """The index of the first multi-token-prediction block (``nextn_predict_layers`` of them end
+    the file's blocks: GLM-4.5, GLM-4.7-Flash), None when there are none."""
+    blocks, nextn = metadata.get(f"{arch}.block_count"), metadata.get(f"{arch}.nextn_predict_layers")
+    if nextn is None:
+        return None
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (blocks, nextn)) or not 0 <= nextn < blocks:
+        raise MlxformerError(f"GGUF metadata {arch}.nextn_predict_layers {str(nextn)[:20]} does not fit "
+                             f"{arch}.block_count {str(blocks)[:20]}")
+    return blocks - nextn
 
 
 def _rope_factors(gguf: GGUFFile, info: TensorInfo, head_dim: Any) -> np.ndarray:

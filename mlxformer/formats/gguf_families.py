@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from mlxformer.errors import MlxformerError
+
 # general.architecture -> HF model_type
 GGUF_ARCHITECTURES = {
     "llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma": "gemma", "gemma2": "gemma2",
@@ -18,6 +20,7 @@ GGUF_ARCHITECTURES = {
     "mistral3": "ministral3",  # olmo2 with a sliding window: olmo3
     "gpt-oss": "gpt_oss",
     "qwen35": "qwen3_5_text", "qwen35moe": "qwen3_5_moe_text", "qwen3next": "qwen3_next",  # Gated DeltaNet hybrids
+    "glm4moe": "glm4_moe", "deepseek2": "deepseek_v3",  # deepseek2: DeepSeek-V2/V3, GLM-4.7-Flash (MLA)
 }
 # Architectures whose converter stored every RMSNorm weight as ``1 + weight`` (Gemma's offset).
 NORM_SHIFTED_ARCHS = ("gemma", "gemma2", "gemma3")
@@ -165,7 +168,83 @@ _ARCH_KEYS: dict[str, Callable[[Field, dict[str, Any]], dict[str, Any]]] = {
 }
 
 
-def arch_config(arch: str, field: Field, config: dict[str, Any]) -> dict[str, Any]:
-    """The config.json keys of ``arch`` beyond the shared ones already in ``config``."""
+# llama.cpp's ``expert_gating_func`` values
+GATING_SOFTMAX, GATING_SIGMOID = 1, 2
+
+
+def _routed(field: Field) -> dict[str, Any]:
+    """DeepSeek-style experts (``models.router``): shared experts, leading dense layers, groups,
+    the renormalisation and scale of the chosen weights (llama.cpp's defaults when absent)."""
+    return {
+        "n_routed_experts": int(field("expert_count")),
+        "num_experts_per_tok": int(field("expert_used_count")),
+        "moe_intermediate_size": int(field("expert_feed_forward_length")),
+        "n_shared_experts": int(field("expert_shared_count", 0)),
+        "first_k_dense_replace": int(field("leading_dense_block_count", 0)),
+        "routed_scaling_factor": float(field("expert_weights_scale", 1.0)),
+        "norm_topk_prob": field("expert_weights_norm", False),
+        "n_group": int(field("expert_group_count", 1)),
+        "topk_group": int(field("expert_group_used_count", 1)),
+    }
+
+
+def _has(tensors: frozenset[str], suffix: str) -> bool:
+    return any(name.endswith(suffix) for name in tensors)
+
+
+def _glm4moe(field: Field, config: dict[str, Any], tensors: frozenset[str]) -> dict[str, Any]:
+    """GLM-4.5/4.6: partial rotary (``rope.dimension_count``), q/k/v biases and q/k norms when
+    the file has them, sigmoid-routed experts."""
+    if field("expert_gating_func", GATING_SIGMOID) != GATING_SIGMOID:
+        raise MlxformerError("GGUF glm4moe with a router other than sigmoid is not supported")
+    return {"partial_rotary_factor": int(field("rope.dimension_count", config["head_dim"])) / config["head_dim"],
+            "attention_bias": _has(tensors, ".attn_q.bias"), "use_qk_norm": _has(tensors, ".attn_q_norm.weight"),
+            **_routed(field)}
+
+
+def _deepseek2(field: Field, config: dict[str, Any], tensors: frozenset[str]) -> dict[str, Any]:
+    """Multi-head latent attention (DeepSeek-V2/V3, GLM-4.7-Flash). The converter writes MLA as
+    one KV head of ``kv_lora_rank + rope`` features; the per-head sizes are the ``_mla`` keys.
+    A sigmoid router (``expert_gating_func`` 2, or no key and a correction bias: llama.cpp
+    itself guesses softmax there unless the sizes are GLM-4.7-Flash's) is DeepSeek-V3's
+    ``noaux_tc``; softmax is V2's, group-limited when there are groups. DeepSeek's
+    ``yarn_log_multiplier`` is written as 0.1 * ``mscale_all_dim``."""
+    rope = int(field("rope.dimension_count"))
+    key_length = int(field("attention.key_length_mla", config["head_dim"]))  # older files: key_length
+    q_lora = field("attention.q_lora_rank", None)
+    routed = _routed(field)
+    gating = field("expert_gating_func", None)
+    if gating is None:
+        gating = GATING_SIGMOID if _has(tensors, ".exp_probs_b.bias") else GATING_SOFTMAX
+    if gating not in (GATING_SOFTMAX, GATING_SIGMOID):
+        raise MlxformerError(f"GGUF deepseek2 expert_gating_func {gating} is not supported (1 softmax, 2 sigmoid)")
+    extra: dict[str, Any] = {
+        "model_type": "deepseek_v3" if gating == GATING_SIGMOID else "deepseek_v2",
+        "num_key_value_heads": config["num_attention_heads"],
+        "kv_lora_rank": int(field("attention.kv_lora_rank")), "q_lora_rank": None if q_lora is None else int(q_lora),
+        "qk_rope_head_dim": rope, "qk_nope_head_dim": key_length - rope,
+        "v_head_dim": int(field("attention.value_length_mla", field("attention.value_length"))),
+        "attention_bias": _has(tensors, ".attn_kv_a_mqa.bias"), **routed,
+    }
+    if gating == GATING_SOFTMAX:
+        extra["topk_method"] = "group_limited_greedy" if routed["n_group"] > 1 else "greedy"
+    scaling = config.get("rope_scaling")
+    if scaling and "mscale_all_dim" in scaling:
+        extra["rope_scaling"] = {**scaling, "mscale": scaling["mscale"] / 0.1,
+                                 "mscale_all_dim": scaling["mscale_all_dim"] / 0.1}
+    return extra
+
+
+# Readers that also look at which tensors the file has (optional biases and norms).
+_ARCH_TENSOR_KEYS: dict[str, Callable[[Field, dict[str, Any], frozenset[str]], dict[str, Any]]] = {
+    "glm4moe": _glm4moe, "deepseek2": _deepseek2,
+}
+
+
+def arch_config(arch: str, field: Field, config: dict[str, Any], tensors: frozenset[str] = frozenset()) -> dict[str, Any]:
+    """The config.json keys of ``arch`` beyond the shared ones already in ``config`` (``tensors``:
+    the file's tensor names)."""
+    if arch in _ARCH_TENSOR_KEYS:
+        return _ARCH_TENSOR_KEYS[arch](field, config, tensors)
     reader = _ARCH_KEYS.get(arch)
     return reader(field, config) if reader else {}

@@ -36,16 +36,23 @@ _SANDWICH_NORMS = {  # Gemma 2/3: four norms a layer
 }
 
 
-def _experts(block: str) -> dict[str, str]:
+def _experts(block: str, shared: str = "shared_expert") -> dict[str, str]:
     """Mixture-of-experts rows: the router, the routed experts stored 3-D ``(experts, out, in)``
-    as the stacked ``SwitchLinear`` weights, and Qwen2-MoE's gated shared expert."""
+    as the stacked ``SwitchLinear`` weights, and Qwen2-MoE's gated shared expert (DeepSeek's
+    ungated ``shared_experts``)."""
     prefix = f"model.layers.{{i}}.{block}"
     rows = {"blk.{i}.ffn_gate_inp": f"{prefix}.gate",
             "blk.{i}.ffn_gate_inp_shexp": f"{prefix}.shared_expert_gate"}
     for gguf_proj, proj in (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")):
         rows[f"blk.{{i}}.ffn_{gguf_proj}_exps"] = f"{prefix}.switch_mlp.{proj}"
-        rows[f"blk.{{i}}.ffn_{gguf_proj}_shexp"] = f"{prefix}.shared_expert.{proj}"
+        rows[f"blk.{{i}}.ffn_{gguf_proj}_shexp"] = f"{prefix}.{shared}.{proj}"
     return rows
+
+
+# DeepSeek-style experts (``models.router``): the sigmoid router's ``e_score_correction_bias``
+# is llama.cpp's ``exp_probs_b``.
+_ROUTED_EXPERTS = {**_experts("mlp", "shared_experts"),
+                   "blk.{i}.exp_probs_b": "model.layers.{i}.mlp.gate.e_score_correction_bias"}
 
 
 # Per-architecture rows, added to (or replacing) ``TENSOR_NAMES``.
@@ -63,6 +70,17 @@ ARCH_TENSOR_NAMES: dict[str, dict[str, str]] = {
         "blk.{i}.attn_qkv": "model.layers.{i}.self_attn.qkv_proj",
         "blk.{i}.ffn_up": "model.layers.{i}.mlp.gate_up_proj",
     },
+}
+ARCH_TENSOR_NAMES["glm4moe"] = {"blk.{i}.post_attention_norm": "model.layers.{i}.post_attention_layernorm",
+                                **_ROUTED_EXPERTS}
+ARCH_TENSOR_NAMES["deepseek2"] = {  # multi-head latent attention (``models.mla``)
+    **{f"blk.{{i}}.attn_{gguf}": f"model.layers.{{i}}.self_attn.{hf}" for gguf, hf in (
+        ("q_a", "q_a_proj"), ("q_a_norm", "q_a_layernorm"), ("q_b", "q_b_proj"),
+        ("kv_a_mqa", "kv_a_proj_with_mqa"), ("kv_a_norm", "kv_a_layernorm"), ("kv_b", "kv_b_proj"),
+        # kv_b_proj split per head, as mlx-lm splits it: k_b (H, rank, nope), v_b (H, v, rank)
+        # (``mla.absorbed_kv_b`` joins them back); older files have the whole ``attn_kv_b``
+        ("k_b", "embed_q"), ("v_b", "unembed_out"))},
+    **_ROUTED_EXPERTS,
 }
 ARCH_TENSOR_NAMES["gpt-oss"] = {  # sinks, a biased router, biased experts (mlx-lm's names)
     "blk.{i}.post_attention_norm": "model.layers.{i}.post_attention_layernorm",
@@ -82,7 +100,7 @@ ARCH_TENSOR_NAMES["qwen35"] = _QWEN35
 ARCH_TENSOR_NAMES["qwen35moe"] = {**_QWEN35, **_experts("mlp")}
 ARCH_TENSOR_NAMES["qwen3next"] = {**_HYBRID, **_experts("mlp"), "blk.{i}.ssm_ba": f"{_DELTA}.in_proj_ba"}
 # Parameters HF names without a ``.weight`` suffix (the converter added one, or wrote none: ``ssm_a``).
-BARE_PARAMETERS = ("self_attn.sinks", "linear_attn.A_log", "linear_attn.dt_bias")
+BARE_PARAMETERS = ("self_attn.sinks", "linear_attn.A_log", "linear_attn.dt_bias", "mlp.gate.e_score_correction_bias")
 # Architectures whose Q/K rows llama.cpp's converter permuted (interleaved rotary pairs): its
 # LlamaModel and the converters derived from it.
 PERMUTED_QK_ARCHS = ("llama", "granite", "smollm3", "mistral3")
@@ -90,6 +108,12 @@ PERMUTED_QK_ARCHS = ("llama", "granite", "smollm3", "mistral3")
 CONFIG_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 
 _LAYER_NAME = re.compile(r"^blk\.(\d+)\.(.+)$")
+
+
+def is_block_from(gguf_name: str, first: int | None) -> bool:
+    """Whether ``gguf_name`` is a tensor of block ``first`` or a later one (None: never)."""
+    layer = _LAYER_NAME.match(gguf_name)
+    return first is not None and layer is not None and int(layer.group(1)) >= first
 
 
 def hf_name(gguf_name: str, arch: str) -> str:

@@ -208,6 +208,8 @@ class ModelArgs:
         config.update(self._layer_and_rope_keys())
         if self.linear_num_value_heads:
             config.update(hybrid_config(self))
+        if self.attention_type == "mla" and config["rope_scaling"] is None:  # mlx-lm's DeepSeek-V2 reads its factor
+            config["rope_scaling"] = {"rope_type": "default", "type": "default", "factor": 1.0}
         if self.num_experts:
             config.update(num_experts=self.num_experts, num_local_experts=self.num_experts,
                           num_experts_per_tok=self.num_experts_per_tok, norm_topk_prob=self.norm_topk_prob,

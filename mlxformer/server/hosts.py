@@ -126,6 +126,16 @@ class MultiHost:
         engine = entry.context.engine
         return weights_nbytes(engine.model) + (engine.budget.limit if engine.budget is not None else 0)
 
+    def weight_bytes(self) -> dict[str, int]:
+        """Bytes of each model's weights in memory (0 when not loaded), for ``/metrics``."""
+        from mlxformer.engine.memory import weights_nbytes
+
+        out = {}
+        for entry in list(self.models.values()):
+            app = entry.app  # once: an unload may clear it meanwhile
+            out[entry.name] = 0 if app is None else weights_nbytes(app.state.context.engine.model)
+        return out
+
     def make_room(self, entry: Hosted, need: tuple[int, int] | None) -> None:
         """Unload idle models, least recently used first, until ``entry`` fits ``max_loaded`` and
         ``max_memory``; 507 when it cannot fit even alone, 503 when busy models leave no room."""

@@ -52,6 +52,7 @@ def several_models_app(
             lines = ["# HELP mlxformer_model_loaded Whether each hosted model is loaded",
                      "# TYPE mlxformer_model_loaded gauge"]
             lines += [f'mlxformer_model_loaded{{model="{r.name}"}} {int(r.loaded)}' for r in host.records()]
+            lines += memory_metric_lines(host)
             return PlainTextResponse("\n".join(lines) + "\n")
         entry = host.entry(model)
         if entry.app is None:
@@ -68,6 +69,21 @@ def several_models_app(
     hosts = None if allowed_hosts is None else frozenset(host_name(h) for h in allowed_hosts)
     front.add_middleware(RequestGuard, allowed_hosts=hosts, max_body_bytes=max_body_bytes, shape=api_shape)
     return MultiModelApp(front, host, is_front_path)
+
+
+def memory_metric_lines(host: MultiHost) -> list[str]:
+    """Prometheus lines of the memory the models hold: each one's weights (0 once unloaded) and
+    MLX's allocated and cached bytes (all models)."""
+    import mlx.core as mx
+
+    lines = ["# HELP mlxformer_model_weight_bytes Bytes of each hosted model's weights in memory",
+             "# TYPE mlxformer_model_weight_bytes gauge"]
+    lines += [f'mlxformer_model_weight_bytes{{model="{name}"}} {size}' for name, size in host.weight_bytes().items()]
+    for name, value, help_ in (("active", mx.get_active_memory(), "held by MLX arrays"),
+                               ("cache", mx.get_cache_memory(), "in MLX's buffer cache")):
+        lines += [f"# HELP mlxformer_mlx_{name}_bytes Bytes {help_}", f"# TYPE mlxformer_mlx_{name}_bytes gauge",
+                  f"mlxformer_mlx_{name}_bytes {value}"]
+    return lines
 
 
 def serve_models(
