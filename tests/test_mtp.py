@@ -81,15 +81,23 @@ def add_mtp_weights(directory, model_type: str, hf_model, extra: dict) -> dict[s
     return {"source": source, "fc": fc, "norm_e": norm_e, "norm_h": norm_h}
 
 
-@pytest.fixture(scope="module", params=list(CASES))
-def case(request, tmp_path_factory):
-    directory, hf_model = write_tiny_checkpoint(tmp_path_factory.mktemp(request.param), request.param,
-                                                **HYBRID, **CASES[request.param])
+def make_case(tmp_path_factory, name: str):
+    directory, hf_model = write_tiny_checkpoint(tmp_path_factory.mktemp(name), name, **HYBRID, **CASES[name])
     write_byte_tokenizer(directory)
-    pieces = add_mtp_weights(directory, request.param, hf_model, CASES[request.param])
+    pieces = add_mtp_weights(directory, name, hf_model, CASES[name])
     model, tokenizer = load(directory, dtype=mx.float32, threads=1)
     tokenizer.eos_token_ids = []
     return directory, model, tokenizer, hf_model, pieces
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def case(request, tmp_path_factory):
+    return make_case(tmp_path_factory, request.param)
+
+
+@pytest.fixture(scope="module")
+def dense(tmp_path_factory):
+    return make_case(tmp_path_factory, "qwen3_5_text")
 
 
 def mtp_reference(hf_model, pieces, ids: list[int]) -> np.ndarray:
@@ -214,3 +222,40 @@ def test_a_checkpoint_without_mtp_weights_is_a_one_line_error(tmp_path):
                              "-p", "hi", "--max-tokens", "2"], capture_output=True, text=True, timeout=300)
     assert result.returncode != 0
     assert result.stderr.strip().count("\n") == 0 and "multi-token-prediction" in result.stderr
+
+
+def test_engine_turn_from_the_prefix_cache_equals_plain(case):
+    """A second turn served from the prefix cache: the MTP layer's cache starts where the
+    prefill did (the watch never saw the cached prefix), and the output is still plain decoding's."""
+    directory, model, tokenizer, _, _ = case
+    with Engine(model, tokenizer, speculative=SpeculativeSettings(mtp=load_mtp(directory, model))) as engine:
+        reply = [e.token for e in engine.submit(GenerationRequest(PROMPT, 8)) if e.token is not None]
+        turn = PROMPT + reply + [40, 41, 42]
+        events = [e for e in engine.submit(GenerationRequest(turn, 10)) if e.token is not None]
+    assert events[-1].cached_tokens > len(PROMPT) // 2 and events[-1].proposed_tokens > 0
+    assert [e.token for e in events] == [r.token for r in stream_generate(model, tokenizer, turn, max_tokens=10)]
+
+
+def test_serve_with_mtp_equals_plain_generate(dense):
+    """``mlxformer serve --mtp --mtp-tokens 2`` through the openai client: concurrent greedy
+    completions are plain ``generate``'s, and the usage reports the proposals."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import openai
+    from server_support import serve_subprocess
+
+    from mlxformer import generate
+
+    directory, model, tokenizer, _, _ = dense
+    prompts = [PROMPT, PROMPT[4:]]
+    expected = [generate(model, tokenizer, p, 12) for p in prompts]
+    command = [sys.executable, "-m", "mlxformer", "serve", "--model", str(directory), "--dtype", "float32",
+               "--threads", "1", "--served-model-name", "m", "--mtp", "--mtp-tokens", "2"]
+    with serve_subprocess(command) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            replies = list(pool.map(lambda ids: client.completions.create(
+                model="m", prompt=ids, max_tokens=12, temperature=0), prompts))
+    assert [r.choices[0].text for r in replies] == expected
+    details = [r.usage.completion_tokens_details for r in replies]
+    assert all(d.accepted_prediction_tokens + d.rejected_prediction_tokens > 0 for d in details)
