@@ -30,6 +30,7 @@ from mlxformer.cache import CacheSettings, make_cache
 from mlxformer.engine import Engine, GenerationRequest
 from mlxformer.errors import MlxformerError
 from mlxformer.mtp import load_mtp
+from mlxformer.sampling import make_distribution
 from mlxformer.speculative import SpeculativeSettings, rewind
 from mlxformer.steps import prefill
 
@@ -128,22 +129,41 @@ def test_head_matches_transformers(case):
 
 
 def test_proposer_feeds_the_pairs_the_target_computed(case):
-    """First round after the prompt, then a round after a partial rejection (the chained drafts
-    and the rejected rows trimmed): each first draft is transformers' MTP argmax for the history."""
+    """First round after the prompt, then rounds after partial rejections (the chained drafts
+    and the rejected rows trimmed), then a next turn that changes the last two tokens (a stale
+    MTP entry trimmed): each round's first draft is drawn from transformers' MTP distribution
+    for the history (drafts sampled at temperature 1, so their probabilities are returned)."""
+    from conftest import log_softmax
+
     directory, model, _, hf_model, pieces = case
     drafter = load_mtp(directory, model)
-    cache = make_cache(model, CacheSettings(rewind=3))  # the hybrid state caches keep 3 tokens' states
+    cache = make_cache(model, CacheSettings(rewind=4))  # the hybrid state caches keep 4 tokens' states
     proposer = drafter.new_proposer(None)
+    keys = iter(range(1000))
+    proposer.bind(make_distribution(1.0), lambda: mx.random.key(next(keys)))
     proposer.follow(cache)
+
+    def check(history: list[int], k: int) -> list[int]:
+        drafts, probs = proposer.propose(history, k)
+        reference = log_softmax(mtp_reference(hf_model, pieces, history)[-1])
+        assert np.abs(np.log(np.array(probs[0])) - reference).max() <= BOUND
+        return drafts
+
     history = PROMPT + [int(mx.argmax(prefill(model, mx.array(PROMPT), cache, step_size=4), axis=-1).item())]
     for _ in range(3):
-        drafts, _ = proposer.propose(history, 3)
-        assert drafts[0] == int(np.argmax(mtp_reference(hf_model, pieces, history)[-1]))
+        drafts = check(history, 3)
         targets = mx.argmax(model(mx.array([[history[-1], *drafts]]), cache)[0], axis=-1).tolist()
         accepted = next((i for i, (d, t) in enumerate(zip(drafts, targets)) if d != t), len(drafts))
         accepted = min(accepted, 1)  # take back at least one accepted draft's rows too
         rewind(cache, len(drafts) - accepted)
         history = history + drafts[:accepted] + [targets[accepted]]
+    # a next turn that changes the last two tokens (as a chat's re-rendered reply may): the
+    # target's cache is cut back one token, and the MTP entry paired with the first changed
+    # token is stale and goes too; the rest is prefilled
+    turn = history[:-2] + [50, 51, 52, 53]
+    rewind(cache, 1)
+    prefill(model, mx.array(turn[len(history) - 2:-1]), cache)
+    check(turn, 2)
 
 
 def greedy(model, tokenizer, speculative=None, n=24):
@@ -177,6 +197,7 @@ def exact_head(directory, model):
     head.fc.weight = mx.concatenate([mx.eye(hidden), mx.zeros((hidden, hidden))], axis=1)
     head.pre_fc_norm_embedding.weight = mx.zeros((hidden,))  # (1 + w) norms: scale 1
     head.norm.weight = model.model.norm.weight
+    mx.eval(model.parameters(), head.parameters())  # not lazily: the engine's thread runs it
     return drafter
 
 
