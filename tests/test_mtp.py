@@ -280,3 +280,18 @@ def test_serve_with_mtp_equals_plain_generate(dense):
     assert [r.choices[0].text for r in replies] == expected
     details = [r.usage.completion_tokens_details for r in replies]
     assert all(d.accepted_prediction_tokens + d.rejected_prediction_tokens > 0 for d in details)
+
+
+def test_sampled_mtp_is_reproducible_with_its_seed(dense):
+    """Sampled drafts (the rejection rule with the MTP head's probabilities): the same seed gives
+    the same tokens, another seed other ones."""
+    directory, model, tokenizer, _, _ = dense
+    settings = SpeculativeSettings(mtp=load_mtp(directory, model), num_draft_tokens=2)
+
+    def run(seed: int):
+        return [(r.token, r.proposed_tokens) for r in stream_generate(
+            model, tokenizer, PROMPT, max_tokens=16, speculative=settings, temp=1.0, seed=seed)]
+
+    first = run(3)
+    assert first == run(3) and first[-1][1] > 0
+    assert [t for t, _ in run(4)] != [t for t, _ in first]
