@@ -84,9 +84,21 @@ class DecodingState:
         self.detokenizer = detokenizer
         self.stops = StopMatcher(stop)
         self.eos = set(eos_ids)
-        self.cache: list[Cache] = cache if cache is not None else []
         self.speculator: Speculator | None = None
+        self.cache = cache if cache is not None else []
         self.finish_reason: str | None = None
+
+    @property
+    def cache(self) -> list[Cache]:
+        """The per-layer caches the sequence decodes on (the engine swaps them: batch views, a
+        prefix-cache copy after preemption); a speculator's proposer follows them (native MTP)."""
+        return self._cache
+
+    @cache.setter
+    def cache(self, value: list[Cache]) -> None:
+        self._cache = value
+        if self.speculator is not None:
+            self.speculator.proposer.follow(value)
 
     # --- tokens -------------------------------------------------------------------------
 
@@ -205,6 +217,7 @@ class DecodingState:
         if proposer is None:
             proposer = new_proposer(settings, cache_settings)
         proposer.bind(distribution, self.next_key)
+        proposer.follow(self.cache)
         self.speculator = Speculator(proposer, settings.num_draft_tokens, s, len(self.prompt), self.next_key)
 
     def propose(self) -> list[int]:

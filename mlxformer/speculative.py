@@ -4,8 +4,9 @@ Decoding reads every weight once per token; verifying ``k`` proposed tokens in o
 pass of ``k + 1`` positions costs little more, so every accepted proposal is nearly free.
 
 - Proposers: ``PromptLookupProposer`` (the tokens that followed the last n-gram where it
-  occurred earlier in the prompt or the output; no second model) and ``DraftModelProposer``
-  (a small model with the same tokenizer).
+  occurred earlier in the prompt or the output; no second model), ``DraftModelProposer``
+  (a small model with the same tokenizer) and native MTP (``mlxformer.mtp``: the target's own
+  multi-token-prediction head, fed the target's hidden states).
 - Verification (``verify``, run by ``Speculator`` for one sequence's ``DecodingState``): greedy keeps the longest prefix of proposals that
   equals the target's argmax, so the output is token for token that of plain decoding. With
   sampling, the standard rejection rule (accept ``d`` with probability ``min(1, p(d)/q(d))``,
@@ -20,7 +21,7 @@ pass of ``k + 1`` positions costs little more, so every accepted proposal is nea
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Callable, Protocol, Sequence
+from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 
 import mlx.core as mx
 
@@ -34,15 +35,19 @@ from mlxformer.sampling import Distribution, draw, filtered, normalize
 from mlxformer.steps import prefill
 from mlxformer.tokenizer import Tokenizer
 
+if TYPE_CHECKING:
+    from mlxformer.mtp import MTPDrafter
+
 
 @dataclass(frozen=True)
 class SpeculativeSettings:
-    """How to speculate: prompt lookup, or a draft model (with its own cache settings)."""
+    """How to speculate: prompt lookup, a draft model (with its own cache settings) or MTP."""
 
     num_draft_tokens: int = 4  # the most tokens proposed per round
     prompt_lookup: bool = False
     draft_model: Model | None = None
     draft_tokenizer: Tokenizer | None = None  # must map ids exactly as the target's tokenizer
+    mtp: MTPDrafter | None = None  # native MTP: the target's own multi-token-prediction head (``mlxformer.mtp``)
     draft_cache: CacheSettings | None = None  # the draft's KV cache (default: ``draft_cache_settings``)
     ngram_max: int = 3  # prompt lookup: longest suffix n-gram searched for
     # Shortest n-gram that may propose. A single recurring token is a weak cue: on SmolLM2
@@ -51,8 +56,8 @@ class SpeculativeSettings:
 
     def __post_init__(self) -> None:
         check_integer("num_draft_tokens", self.num_draft_tokens, low=1)
-        if self.prompt_lookup == (self.draft_model is not None):
-            raise MlxformerError("speculative decoding needs exactly one of prompt lookup or a draft model")
+        if [self.prompt_lookup, self.draft_model is not None, self.mtp is not None].count(True) != 1:
+            raise MlxformerError("speculative decoding needs exactly one of prompt lookup, a draft model or MTP")
         check_integer("ngram_min", self.ngram_min, low=1)
         check_integer("ngram_max", self.ngram_max, low=self.ngram_min)
 
@@ -89,6 +94,11 @@ class Proposer(Protocol):
     def bind(self, distribution: Distribution | None, next_key: KeySource | None) -> None:
         """Draw (where it samples) from ``distribution`` (None: greedy) with keys from ``next_key``:
         those of the sequence it proposes for now."""
+        ...
+
+    def follow(self, cache: Sequence[Cache]) -> None:
+        """The target's caches of the sequence it proposes for (native MTP reads the hidden
+        states of the forwards over them; the others ignore them)."""
         ...
 
 
@@ -128,6 +138,9 @@ class PromptLookupProposer:
     def bind(self, distribution: Distribution | None, next_key: KeySource | None) -> None:
         return None  # deterministic
 
+    def follow(self, cache: Sequence[Cache]) -> None:
+        return None
+
 
 def same_vocabulary(a: Tokenizer, b: Tokenizer) -> bool:
     """Whether two tokenizers map every id to the same token and share the eos ids."""
@@ -152,6 +165,9 @@ class DraftModelProposer:
     def bind(self, distribution: Distribution | None, next_key: KeySource | None) -> None:
         self.distribution, self.next_key = distribution, next_key
 
+    def follow(self, cache: Sequence[Cache]) -> None:
+        return None  # it runs on its own cache
+
     def _sync(self, history: Sequence[int]) -> list[int]:
         """Trim the cache to its common prefix with ``history``; the tokens left to feed."""
         keep = trim_to_common_prefix(self.cache, self.seen, history)
@@ -167,19 +183,26 @@ class DraftModelProposer:
         probs: list[mx.array] = []
         logits = prefill(self.model, mx.array(self._sync(history)), self.cache)  # (1, vocab)
         for i in range(k):
-            if self.distribution is None:
-                token = mx.argmax(logits, axis=-1)  # (1,)
-            else:
-                p = self.distribution(logits)  # (1, vocab)
-                key = _key(self.next_key)
-                token = draw(mx.log(p), key[None] if key is not None else None)
-                probs.append(p[0])
+            token, p = draft_token(logits, self.distribution, self.next_key)
+            if p is not None:
+                probs.append(p)
             tokens.append(token)
             if i + 1 < k:
                 logits = self.model.last_logits(token[None], self.cache)
         proposed = mx.concatenate(tokens).tolist()  # the round's one sync on the draft side
         self.seen.extend(proposed[:-1])
         return proposed, (mx.stack(probs) if probs else None)
+
+
+def draft_token(logits: mx.array, distribution: Distribution | None, next_key: KeySource | None
+                ) -> tuple[mx.array, mx.array | None]:
+    """A draft's token ``(1,)`` from its logits ``(1, vocab)``: the argmax (``distribution``
+    None), or a draw from ``distribution`` and then also the probabilities ``(vocab,)`` drawn from."""
+    if distribution is None:
+        return mx.argmax(logits, axis=-1), None
+    p = distribution(logits)  # (1, vocab)
+    key = _key(next_key)
+    return draw(mx.log(p), key[None] if key is not None else None), p[0]
 
 
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
@@ -344,7 +367,8 @@ def draft_cache_settings(settings: SpeculativeSettings, target: CacheSettings | 
     chosen = settings.draft_cache
     if chosen is None and target is not None:
         chosen = target
-        head_dim = settings.draft_model.args.head_dim if settings.draft_model is not None else 0
+        draft = settings.draft_model or (settings.mtp.head if settings.mtp is not None else None)
+        head_dim = draft.args.head_dim if draft is not None else 0
         if target.kv_bits is not None and head_dim % target.kv_group_size:
             chosen = replace(target, kv_bits=None)
     return replace(chosen or CacheSettings(), rewind=settings.num_draft_tokens)
@@ -353,6 +377,8 @@ def draft_cache_settings(settings: SpeculativeSettings, target: CacheSettings | 
 def new_proposer(settings: SpeculativeSettings, cache_settings: CacheSettings | None = None) -> Proposer:
     """The proposer ``settings`` ask for (a draft model already accepted by ``check_draft``);
     ``cache_settings`` are the target's, from which the draft's default. ``bind`` it to a sequence."""
+    if settings.mtp is not None:
+        return settings.mtp.new_proposer(draft_cache_settings(settings, cache_settings))
     if settings.draft_model is None:
         return PromptLookupProposer(settings.ngram_max, settings.ngram_min)
     draft_settings = draft_cache_settings(settings, cache_settings)

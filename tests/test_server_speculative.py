@@ -61,4 +61,4 @@ def test_num_draft_tokens_alone_is_refused(tiny_dir):
         capture_output=True, text=True, timeout=120,
     )
     assert result.returncode == 1
-    assert result.stderr.strip() == "mlxformer: error: --num-draft-tokens needs --prompt-lookup or --draft-model"
+    assert result.stderr.strip() == "mlxformer: error: --num-draft-tokens needs --prompt-lookup, --draft-model or --mtp"

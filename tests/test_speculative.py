@@ -222,4 +222,4 @@ def test_cli_prompt_lookup_and_draft(family_models, tmp_path, capsys):
                  "--trials", "1", "--draft-model", str(directory), "--json"]) == 0
     assert '"proposed_tokens"' in capsys.readouterr().out
     assert main(["generate", "--model", str(directory), "--prompt", prompt, "--num-draft-tokens", "3"]) == 1
-    assert "needs --prompt-lookup or --draft-model" in capsys.readouterr().err
+    assert "needs --prompt-lookup, --draft-model or --mtp" in capsys.readouterr().err

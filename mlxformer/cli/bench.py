@@ -48,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
         raise MlxformerError("need --prompt-tokens >= 1, --generation-tokens >= 2 and --trials >= 1")
     settings = cache_settings(args)
     model, tokenizer = load_for_cli(args)
-    speculative = speculative_settings(args, tokenizer)
+    speculative = speculative_settings(args, tokenizer, model)
     count = iter(range(1, args.trials + 1))
 
     def show(trial: Trial) -> None:

@@ -96,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
     sampling = sampling_settings(args, tokenizer.sampling_defaults)
     session = ChatSession(
         model, tokenizer, system=args.system, sampling=sampling, cache_settings=settings,
-        max_tokens=args.max_tokens, stop=args.stop, speculative=speculative_settings(args, tokenizer),
+        max_tokens=args.max_tokens, stop=args.stop, speculative=speculative_settings(args, tokenizer, model),
     )
     if sys.stdin.isatty():
         print(HELP, file=sys.stderr)

@@ -204,28 +204,40 @@ def prompt_ids_for_cli(
 
 
 def add_speculative_args(parser: argparse.ArgumentParser) -> None:
-    """``--prompt-lookup``, ``--draft-model`` and ``--num-draft-tokens``."""
+    """``--prompt-lookup``, ``--draft-model``, ``--mtp`` and ``--num-draft-tokens`` (alias ``--mtp-tokens``)."""
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--prompt-lookup", action="store_true",
                        help="speculative decoding: propose the tokens that followed the last n-gram earlier in the text")
     group.add_argument("--draft-model", help="speculative decoding with this small model (same tokenizer)")
-    parser.add_argument("--num-draft-tokens", type=int, default=None,
-                        help="most tokens proposed per step (default: 8 with --prompt-lookup, 4 with --draft-model)")
+    group.add_argument("--mtp", action="store_true",
+                       help="speculative decoding with the model's own multi-token-prediction head (Qwen3.5/3.6, "
+                            "Qwen3-Next checkpoints that ship mtp.* weights)")
+    parser.add_argument("--num-draft-tokens", "--mtp-tokens", type=int, default=None, dest="num_draft_tokens",
+                        help="most tokens proposed per step (default: 8 with --prompt-lookup, 4 with --draft-model, "
+                             "2 with --mtp)")
 
 
-def speculative_settings(args: argparse.Namespace, tokenizer: Tokenizer) -> SpeculativeSettings | None:
-    """The speculative settings from flags (loading ``--draft-model``), or None."""
+def speculates(args: argparse.Namespace) -> bool:
+    """Whether the flags ask for speculative decoding."""
+    return bool(args.prompt_lookup or args.draft_model or args.mtp)
+
+
+def speculative_settings(args: argparse.Namespace, tokenizer: Tokenizer, model: Model | None = None
+                         ) -> SpeculativeSettings | None:
+    """The speculative settings from flags (loading ``--draft-model``, or ``--mtp``'s head of
+    ``model`` from ``--model``), or None."""
+    from mlxformer.default_model import default_model_path
     from mlxformer.errors import MlxformerError, OptionError
     from mlxformer.loader import load
     from mlxformer.models.config import FLOAT_DTYPES
     from mlxformer.models.device_plan import DevicePlan
     from mlxformer.speculative import SpeculativeSettings
 
-    if not args.prompt_lookup and not args.draft_model:
+    if not speculates(args):
         if args.num_draft_tokens is not None:
-            raise MlxformerError("--num-draft-tokens needs --prompt-lookup or --draft-model")
+            raise MlxformerError("--num-draft-tokens needs --prompt-lookup, --draft-model or --mtp")
         return None
-    default = 8 if args.prompt_lookup else 4
+    default = 8 if args.prompt_lookup else 2 if args.mtp else 4
     count = default if args.num_draft_tokens is None else args.num_draft_tokens
     try:
         if args.prompt_lookup:
@@ -233,6 +245,11 @@ def speculative_settings(args: argparse.Namespace, tokenizer: Tokenizer) -> Spec
         SpeculativeSettings(num_draft_tokens=count, prompt_lookup=True)  # the flags' values, before loading
     except OptionError as exc:
         raise flag_error(exc) from None
+    if args.mtp:
+        from mlxformer.mtp import load_mtp
+
+        assert model is not None, "--mtp needs the loaded model"
+        return SpeculativeSettings(num_draft_tokens=count, mtp=load_mtp(args.model or default_model_path(), model))
     draft, draft_tokenizer = load(args.draft_model, dtype=FLOAT_DTYPES[args.dtype] if args.dtype else None,
                                   threads=args.threads, plan=DevicePlan.named(args.device_plan))
     return SpeculativeSettings(num_draft_tokens=count, draft_model=draft, draft_tokenizer=draft_tokenizer)

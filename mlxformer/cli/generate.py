@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING
 
 from mlxformer.cli.common import (
     add_cache_args, add_model_args, add_prompt_args, add_sampling_args, add_speculative_args, add_verbose,
-    cache_settings, flag_error, load_for_cli, prompt_ids_for_cli, read_prompt, sampling_settings, speculative_settings, verbose,
+    cache_settings, flag_error, load_for_cli, prompt_ids_for_cli, read_prompt, sampling_settings, speculates,
+    speculative_settings, verbose,
 )
 from mlxformer.cli.structured import add_structured_args, structured_output_args
 
@@ -64,12 +65,12 @@ def run(args: argparse.Namespace) -> int:
     sampling_settings(args)  # bad flags fail before the model loads
     settings = cache_settings(args)
     structured = structured_output_args(args)
-    if structured and (args.prompt_lookup or args.draft_model):
+    if structured and speculates(args):
         raise MlxformerError("--json-schema, --regex and --grammar are not supported with speculative decoding")
     validate_structured_output(**structured)  # a bad schema or grammar fails before the model loads
     model, tokenizer = load_for_cli(args)
     sampling = sampling_settings(args, tokenizer.sampling_defaults)
-    speculative = speculative_settings(args, tokenizer)
+    speculative = speculative_settings(args, tokenizer, model)
     constraint = make_constraint(tokenizer, model.args.vocab_size, **structured) if structured else None
     ids = prompt_ids_for_cli(tokenizer, prompt, args)
     cache = None
@@ -109,7 +110,7 @@ def run_parallel(args: argparse.Namespace) -> int:
         raise MlxformerError("--prompt-cache-file is not supported with --parallel")
     if structured_output_args(args):
         raise MlxformerError("--json-schema, --regex and --grammar are not supported with --parallel")
-    if args.prompt_lookup or args.draft_model:
+    if speculates(args):
         raise MlxformerError("speculative decoding is not supported with --parallel")
     if args.threads not in (None, 1):
         raise MlxformerError("--threads is not supported with --parallel (each rank runs one stream)")

@@ -7,7 +7,8 @@ import os
 from typing import Any, Callable
 
 from mlxformer.cli.common import (
-    add_cache_args, add_model_args, add_speculative_args, add_verbose, cache_settings, load_for_cli, speculative_settings,
+    add_cache_args, add_model_args, add_speculative_args, add_verbose, cache_settings, load_for_cli, speculates,
+    speculative_settings,
 )
 
 API_KEY_VARIABLE = "MLXFORMER_API_KEY"
@@ -123,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
         return run_several(args, sources, settings, max_kv_memory, prompt_cache)
     args.model = next(iter(sources.values()), None)
     model, tokenizer = load_for_cli(args)
-    speculative = speculative_settings(args, tokenizer)
+    speculative = speculative_settings(args, tokenizer, model)
     name = args.served_model_name or (model_name(args.model) if args.model else default_model_name())
     serve(
         model, tokenizer, name, host=args.host, port=args.port, max_batch=args.max_batch, max_queue=args.max_queue,
@@ -208,7 +209,7 @@ def run_several(args: argparse.Namespace, sources: dict[str, str], settings: Any
         raise MlxformerError("--max-loaded-models must be at least 1")
     if args.idle_unload is not None and not args.idle_unload >= 0:
         raise MlxformerError("--idle-unload must be >= 0 seconds")
-    if args.prompt_lookup or args.draft_model:
+    if speculates(args):
         raise MlxformerError("speculative decoding is not supported with several models")
     hosts = served_hosts(args.host, args.allowed_host)
     extra = {"max_body_bytes": args.max_body_bytes} if args.max_body_bytes is not None else {}

@@ -170,6 +170,8 @@ class Model(nn.Module):
         self.args = args
         # Set by ``use_remote_layers``: the layers other pipeline stages run after ours.
         self._remote_layers: Callable[[mx.array, int | None], mx.array] | None = None
+        # Set by ``watch_hidden``: sees each forward's final hidden states with its caches (native MTP).
+        self._hidden_watch: Callable[[mx.array, Sequence[Cache]], None] | None = None
         self.model = DecoderStack(args, num_layers, with_ends, first_layer)
         if with_ends and not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
@@ -189,7 +191,10 @@ class Model(nn.Module):
         h = self.run_layers(h, cache, rope_length)
         if self._remote_layers is not None:
             h = self._remote_layers(h, rope_length)
-        return self.model.norm(h)
+        h = self.model.norm(h)
+        if self._hidden_watch is not None and cache is not None:
+            self._hidden_watch(h, cache)
+        return h
 
     def run_layers(
         self, h: mx.array, cache: Sequence[Cache] | None = None, rope_length: int | None = None
@@ -215,6 +220,11 @@ class Model(nn.Module):
         between this model's layers and the final norm: the layers the other stages of a
         pipeline hold."""
         self._remote_layers = run
+
+    def watch_hidden(self, watch: Callable[[mx.array, Sequence[Cache]], None] | None) -> None:
+        """Call ``watch(hidden (B, T, hidden), caches)`` after every forward over caches with its
+        final-norm hidden states (lazy): native MTP drafts from them (``mlxformer.mtp``)."""
+        self._hidden_watch = watch
 
     def logits(self, hidden: mx.array) -> mx.array:
         """Project hidden states ``(B, T, hidden)`` to vocabulary logits ``(B, T, vocab)``."""

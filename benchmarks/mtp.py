@@ -1,0 +1,156 @@
+"""Native MTP speculation: decode tokens/s with and without ``--mtp`` on a random Qwen3.5-shaped
+model (3 Gated DeltaNet layers to 1 gated attention layer, Qwen3.5's head sizes) whose
+checkpoint carries ``mtp.*`` weights in the hub's layout, written by transformers.
+
+Two heads, the same target cost:
+- ``random``: random MTP weights. Its drafts are almost never accepted: the cost of a round
+  (the MTP steps and a ``k + 1``-token verification) against plain decoding.
+- ``exact``: the mechanism at full acceptance. Every mixer's and MLP's output projection of the
+  target is zeroed (same shapes, same cost; its next token then depends on its input token only)
+  and the MTP head is made to reproduce it one token ahead (its layer adds nothing, ``fc``
+  passes the embedding through, its final norm is the target's), so every draft is accepted.
+  Real Qwen3.5 MTP heads are reported to accept most first drafts; the truth lies between.
+
+Greedy output is checked equal to plain decoding for every run. Reported per head and per
+``--mtp-tokens``: decode tokens/s (after the first token), the ratio to plain decoding
+(interleaved rounds, median), and acceptance. Record ``uptime``'s load beside the figures.
+
+Usage: python benchmarks/mtp.py [--hidden 1024] [--layers 8] [--vocab 32000] [--prompt 128]
+       [--tokens 64] [--draft-tokens 1 2 3] [--rounds 3] [--dtype float32] [--dir .bench/models]
+Smoke: python benchmarks/mtp.py --hidden 256 --layers 4 --vocab 4096 --tokens 24 --rounds 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def write_checkpoint(directory: Path, hidden: int, layers: int, vocab: int) -> Path:
+    """A random Qwen3.5 text checkpoint with one MTP layer (``mtp.*``) and a word tokenizer."""
+    import torch
+    from safetensors.numpy import load_file, save_file
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if (directory / "config.json").exists():
+        return directory
+    shape = dict(hidden_size=hidden, intermediate_size=3 * hidden, vocab_size=vocab, num_attention_heads=max(hidden // 256, 2),
+                 num_key_value_heads=1, head_dim=256, linear_num_key_heads=max(hidden // 128, 2),
+                 linear_num_value_heads=max(hidden // 64, 4), linear_key_head_dim=128, linear_value_head_dim=128,
+                 linear_conv_kernel_dim=4, rms_norm_eps=1e-6, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    config = AutoConfig.for_model("qwen3_5_text", num_hidden_layers=layers, **shape)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(directory)
+    layer_config = AutoConfig.for_model("qwen3_5_text", num_hidden_layers=1, layer_types=["full_attention"], **shape)
+    source = directory.parent / f"{directory.name}-mtp-layer"
+    AutoModelForCausalLM.from_config(layer_config, dtype=torch.float32).save_pretrained(source)
+    tensors = load_file(directory / "model.safetensors")
+    for name, value in load_file(source / "model.safetensors").items():
+        if name.startswith("model.layers.0."):
+            tensors["mtp.layers.0." + name[len("model.layers.0."):]] = value
+    rng = np.random.default_rng(1)
+    tensors["mtp.fc.weight"] = (rng.standard_normal((hidden, 2 * hidden)) * 0.02).astype(np.float32)
+    for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        tensors[f"mtp.{name}.weight"] = np.zeros(hidden, np.float32)  # (1 + w) norms
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    path = directory / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "mtp_num_hidden_layers": 1}))
+    words = {f"w{i}": i for i in range(vocab)}
+    tokenizer = Tokenizer(models.WordLevel(vocab=words, unk_token="w0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(str(directory / "tokenizer.json"))
+    return directory
+
+
+def make_exact(model, drafter) -> None:
+    """The ``exact`` head (see the module docstring), in place."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten, tree_unflatten
+
+    def zero_outputs(module) -> None:
+        module.update(tree_unflatten([(k, mx.zeros_like(v)) for k, v in tree_flatten(module.parameters())
+                                      if k.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight"))]))
+
+    zero_outputs(model)
+    head = drafter.head
+    zero_outputs(head)
+    hidden = model.args.hidden_size
+    dtype = head.fc.weight.dtype
+    head.fc.weight = mx.concatenate([mx.eye(hidden), mx.zeros((hidden, hidden))], axis=1).astype(dtype)
+    head.pre_fc_norm_embedding.weight = mx.zeros((hidden,), dtype)
+    head.norm.weight = model.model.norm.weight
+    mx.eval(model.parameters(), head.parameters())
+
+
+def decode_run(model, tokenizer, prompt: list[int], tokens: int, speculative) -> tuple[list[int], float, int, int]:
+    """(tokens, decode tokens/s after the first, proposed, accepted)."""
+    from mlxformer import stream_generate
+
+    out, first, last = [], 0.0, None
+    for response in stream_generate(model, tokenizer, prompt, max_tokens=tokens, speculative=speculative):
+        out.append(response.token)
+        if len(out) == 1:
+            first = time.perf_counter()
+        last = response
+    elapsed = time.perf_counter() - first
+    return out, (len(out) - 1) / max(elapsed, 1e-9), last.proposed_tokens, last.accepted_tokens
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--prompt", type=int, default=128)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--draft-tokens", type=int, nargs="+", default=[1, 2, 3])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--dir", default=".bench/models")
+    args = parser.parse_args()
+
+    import os
+
+    from mlxformer import load
+    from mlxformer.mtp import load_mtp
+    from mlxformer.speculative import SpeculativeSettings
+
+    directory = write_checkpoint(Path(args.dir) / f"qwen3_5-mtp-h{args.hidden}-l{args.layers}-v{args.vocab}",
+                                 args.hidden, args.layers, args.vocab)
+    prompt = [int(t) for t in np.random.default_rng(2).integers(1, args.vocab, size=args.prompt)]
+    print(f"model {directory.name}, {args.dtype}, prompt {args.prompt}, {args.tokens} tokens, "
+          f"load average {os.getloadavg()[0]:.1f}")
+    for head in ("random", "exact"):
+        model, tokenizer = load(directory, dtype=args.dtype)
+        drafter = load_mtp(directory, model)
+        if head == "exact":
+            make_exact(model, drafter)
+        plain_tps: list[float] = []
+        runs: dict[int, list[tuple[float, int, int]]] = {k: [] for k in args.draft_tokens}
+        decode_run(model, tokenizer, prompt, 4, None)  # warm up
+        for _ in range(args.rounds):
+            expected, tps, _, _ = decode_run(model, tokenizer, prompt, args.tokens, None)
+            plain_tps.append(tps)
+            for k in args.draft_tokens:
+                settings = SpeculativeSettings(mtp=drafter, num_draft_tokens=k)
+                got, tps, proposed, accepted = decode_run(model, tokenizer, prompt, args.tokens, settings)
+                assert got == expected, f"--mtp-tokens {k} changed the greedy output"
+                runs[k].append((tps, proposed, accepted))
+        plain = statistics.median(plain_tps)
+        print(f"{head:>6} head | plain decode {plain:7.2f} tok/s")
+        for k, rows in runs.items():
+            tps = statistics.median(r[0] for r in rows)
+            proposed, accepted = sum(r[1] for r in rows), sum(r[2] for r in rows)
+            print(f"{head:>6} head | --mtp-tokens {k}: {tps:7.2f} tok/s ({tps / plain:.2f}x plain), "
+                  f"accepted {accepted}/{proposed} ({accepted / max(proposed, 1):.0%})")
+    print(f"load average after: {os.getloadavg()[0]:.1f}")
+
+
+if __name__ == "__main__":
+    main()
