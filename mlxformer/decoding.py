@@ -220,10 +220,11 @@ class DecodingState:
         proposer.follow(self.cache)
         self.speculator = Speculator(proposer, settings.num_draft_tokens, s, len(self.prompt), self.next_key)
 
-    def propose(self) -> list[int]:
-        """This round's proposals (none when not speculating or without a guess)."""
+    def propose(self) -> mx.array | None:
+        """This round's proposals ``(k,)``, maybe still on the device (None when not speculating
+        or without a guess)."""
         if self.speculator is None:
-            return []
+            return None
         return self.speculator.propose(self.tokens, self.room)
 
     def verify(self, logits: mx.array) -> tuple[list[int], mx.array]:

@@ -94,8 +94,9 @@ def _speculative(model: Model, state: DecodingState, logits: mx.array) -> Iterat
                 return
         state.settle()
         proposed = state.propose()
-        if proposed:
-            logits = model(mx.array([[state.last_token, *proposed]]), state.cache)[0]  # (k + 1, vocab)
+        if proposed is not None:
+            inputs = mx.concatenate([mx.array([state.last_token], mx.int32), proposed])[None]  # (1, k + 1)
+            logits = model(inputs, state.cache)[0]  # (k + 1, vocab)
             tokens, _ = state.verify(logits)
         else:
             tokens = [int(state.choose(decode_step(model, mx.array([state.last_token]), state.cache))[0].item())]

@@ -201,7 +201,10 @@ class MTPProposer:
             self._restart(first)
         return True
 
-    def propose(self, history: Sequence[int], k: int) -> tuple[list[int], mx.array | None]:
+    def read(self, proposed: list[int]) -> None:
+        return None  # the next round trims by ``history`` alone
+
+    def propose(self, history: Sequence[int], k: int) -> tuple[mx.array | list[int], mx.array | None]:
         end = len(history) - 1  # the target's cache holds positions 0..end-1, whose rows are wanted
         if k < 1 or not self._sync(end, history):
             return [], None
@@ -222,7 +225,7 @@ class MTPProposer:
                 probs.append(p)
             if i + 1 < k:
                 g = head(self.drafter.embed(token[None]), g, self.cache)  # (1, 1, hidden)
-        proposed = mx.concatenate(tokens).tolist()  # the round's one sync on the draft side
+        proposed = mx.concatenate(tokens).astype(mx.int32)  # (k,): read with the verification
         self.fed, self.chained, self.seen = end, k - 1, list(history)
         self.rows.drop_before(end - 1)  # the last one may be fed again (a changed next token)
         return proposed, (mx.stack(probs) if probs else None)

@@ -86,9 +86,14 @@ def _key(next_key: KeySource | None) -> mx.array | None:
 class Proposer(Protocol):
     """Something that guesses the next tokens."""
 
-    def propose(self, history: Sequence[int], k: int) -> tuple[list[int], mx.array | None]:
-        """Up to ``k`` tokens to follow ``history``, and their draft probabilities ``(n, vocab)``
+    def propose(self, history: Sequence[int], k: int) -> tuple[Sequence[int] | mx.array, mx.array | None]:
+        """Up to ``k`` tokens to follow ``history`` (ids, or an int array ``(n,)`` left on the
+        device until the round's one read), and their draft probabilities ``(n, vocab)``
         (``None`` when the proposal is deterministic: a point mass on each token)."""
+        ...
+
+    def read(self, proposed: list[int]) -> None:
+        """The round's proposals as its verification read them on the host."""
         ...
 
     def bind(self, distribution: Distribution | None, next_key: KeySource | None) -> None:
@@ -140,6 +145,8 @@ class PromptLookupProposer:
 
     def follow(self, cache: Sequence[Cache]) -> None:
         return None
+    def read(self, proposed: list[int]) -> None:
+        return None  # they came from the host
 
 
 def same_vocabulary(a: Tokenizer, b: Tokenizer) -> bool:
@@ -161,24 +168,31 @@ class DraftModelProposer:
     distribution: Distribution | None = None  # None: greedy proposals
     next_key: KeySource | None = None  # PRNG keys for sampled proposals (None: the global stream)
     seen: list[int] = field(default_factory=list)
+    unread: mx.array | None = None  # the last round's proposals, until they are ``read``
 
     def bind(self, distribution: Distribution | None, next_key: KeySource | None) -> None:
         self.distribution, self.next_key = distribution, next_key
 
     def follow(self, cache: Sequence[Cache]) -> None:
         return None  # it runs on its own cache
+    def read(self, proposed: list[int]) -> None:
+        if self.unread is not None:
+            self.seen.extend(proposed[:-1])  # the cache holds every proposal but the last
+            self.unread = None
 
     def _sync(self, history: Sequence[int]) -> list[int]:
         """Trim the cache to its common prefix with ``history``; the tokens left to feed."""
+        if self.unread is not None:  # a round that was never verified (e.g. its request ended)
+            self.read(self.unread.tolist())
         keep = trim_to_common_prefix(self.cache, self.seen, history)
         if keep is None:  # e.g. a rotating cache past its slack
             self.cache, keep = make_cache(self.model, self.settings), 0
         self.seen = list(history)
         return list(history[keep:])
 
-    def propose(self, history: Sequence[int], k: int) -> tuple[list[int], mx.array | None]:
-        # The draft tokens stay on the device, each fed lazily to the next step: one host read
-        # at the end of the round's proposals.
+    def propose(self, history: Sequence[int], k: int) -> tuple[mx.array, mx.array | None]:
+        # The draft tokens stay on the device, each fed lazily to the next step and to the
+        # target's verification: the round's one host read is the verification's (``read``).
         tokens: list[mx.array] = []
         probs: list[mx.array] = []
         logits = prefill(self.model, mx.array(self._sync(history)), self.cache)  # (1, vocab)
@@ -189,9 +203,8 @@ class DraftModelProposer:
             tokens.append(token)
             if i + 1 < k:
                 logits = self.model.last_logits(token[None], self.cache)
-        proposed = mx.concatenate(tokens).tolist()  # the round's one sync on the draft side
-        self.seen.extend(proposed[:-1])
-        return proposed, (mx.stack(probs) if probs else None)
+        self.unread = mx.concatenate(tokens).astype(mx.int32)  # (k,)
+        return self.unread, (mx.stack(probs) if probs else None)
 
 
 def draft_token(logits: mx.array, distribution: Distribution | None, next_key: KeySource | None
@@ -258,15 +271,18 @@ class AdaptiveLength:
 def verify(
     logits: mx.array,
     history: list[int],
-    proposed: list[int],
+    proposed: mx.array,
     draft_probs: mx.array | None,
     sampling: SamplingSettings,
     prompt_length: int,
     next_key: KeySource | None = None,
-) -> tuple[list[int], mx.array]:
+    known: list[int] | None = None,
+) -> tuple[list[int], mx.array, list[int]]:
     """Decide a round in one graph and one host read: the tokens to hand out (the accepted
-    proposals, then the target's next token) and the log-probabilities ``(n, vocab)`` each was
-    chosen from (after the penalties; lazy).
+    proposals, then the target's next token), the log-probabilities ``(n, vocab)`` each was
+    chosen from (after the penalties; lazy) and the ``proposed`` ids ``(k,)`` as read
+    (``known``: already on the host). The penalties need the proposals in each row's history:
+    with them, proposals still on the device are read first (a second read).
 
     ``logits`` is ``(k + 1, vocab)``: row ``i`` predicts the token after ``proposed[:i]``, and is
     penalised as the history it follows. Greedy keeps the proposals while they are the argmax.
@@ -275,10 +291,13 @@ def verify(
     ``max(p - q, 0)`` normalised, or from ``p`` after the last proposal; every round takes
     ``2k + 1`` keys from ``next_key`` (default: MLX's global stream), whatever it decides.
     """
-    k = len(proposed)
-    rows = [Row(sampling, history + proposed[:i], prompt_length) for i in range(k + 1)]
+    k = proposed.shape[0]
+    ids = proposed.astype(mx.int32)  # (k,)
+    s = sampling
+    if known is None and (s.repetition_penalty not in (None, 1.0) or s.presence_penalty or s.frequency_penalty):
+        known = ids.tolist()
+    rows = [Row(sampling, history + (known or [])[:i], prompt_length) for i in range(k + 1)]
     logprobs = normalize(process(logits, rows))  # (k + 1, vocab)
-    ids = mx.array(proposed, mx.int32)  # (k,)
     if sampling.greedy:
         targets = mx.argmax(logprobs, axis=-1)  # (k + 1,)
         accepts = targets[:k] == ids
@@ -295,17 +314,18 @@ def verify(
         residual = mx.maximum(p - q, 0.0)
         targets = draw(mx.log(residual), mx.stack(keys[k:]) if keys else None)  # (k + 1,)
     accepted = mx.sum(mx.cumprod(accepts.astype(mx.int32)), keepdims=True) if k else mx.zeros((1,), mx.int32)
-    read = mx.concatenate([accepted, mx.take(targets, accepted)]).tolist()  # the round's one host read
-    n = int(read[0])
-    return [*proposed[:n], int(read[1])], logprobs[: n + 1]
+    read = mx.concatenate([accepted, ids, mx.take(targets, accepted).astype(mx.int32)]).tolist()  # the round's one host read
+    n, ids_read = int(read[0]), [int(t) for t in read[1 : k + 1]]
+    return [*ids_read[:n], int(read[k + 1])], logprobs[: n + 1], ids_read
 
 
 @dataclass
 class Round:
     """One speculation round in flight: the proposals awaiting verification."""
 
-    proposed: list[int]
+    proposed: mx.array  # (k,) int32
     draft_probs: mx.array | None  # (k, vocab), None for point-mass proposals
+    known: list[int] | None = None  # the proposals, when they came from the host
 
 
 class Speculator:
@@ -326,24 +346,26 @@ class Speculator:
         self.stats = SpeculativeStats()
         self.round: Round | None = None
 
-    def propose(self, history: list[int], room: int) -> list[int]:
-        """Proposals to follow ``history`` (at most ``room - 1``, so that the round's tokens fit in
-        ``room``); starts a round when there are any."""
+    def propose(self, history: list[int], room: int) -> mx.array | None:
+        """Proposals ``(k,)`` to follow ``history`` (at most ``room - 1``, so that the round's
+        tokens fit in ``room``; maybe still on the device); starts a round when there are any."""
         k = min(self.length.current, room - 1)
         if k <= 0:
-            return []
+            return None
         proposed, draft_probs = self.proposer.propose(history, k)
-        if proposed:
-            self.round = Round(list(proposed), draft_probs)
-        return list(proposed)
+        if not len(proposed):
+            return None
+        known = None if isinstance(proposed, mx.array) else list(proposed)
+        self.round = Round(mx.array(proposed, mx.int32), draft_probs, known)
+        return self.round.proposed
 
     def verify(self, logits: mx.array, history: list[int]) -> tuple[list[int], mx.array]:
         """Decide the round from the target's ``logits`` ``(k + 1, vocab)`` (``verify``): the
         accepted proposals then the next token, and their log-probabilities ``(n, vocab)``."""
         assert self.round is not None
-        proposed = self.round.proposed
-        tokens, logprobs = verify(logits, history, proposed, self.round.draft_probs, self.sampling,
-                                  self.prompt_length, self.next_key)
+        tokens, logprobs, proposed = verify(logits, history, self.round.proposed, self.round.draft_probs,
+                                            self.sampling, self.prompt_length, self.next_key, self.round.known)
+        self.proposer.read(proposed)
         accepted = len(tokens) - 1
         self.length.update(accepted, len(proposed))
         self.stats.proposed += len(proposed)

@@ -207,21 +207,24 @@ from mlxformer.formats.checkpoint import open_checkpoint
 from mlxformer.loader import load_tokenizer
 
 group = mx.distributed.init()  # one rank: every all_sum is a wait that returns at once
-watchdog = Watchdog(0, timeout=0.5, poll=0.05)
+watchdog = Watchdog(0, timeout=2.0, poll=0.05)
 reader = open_checkpoint(sys.argv[1])
-model = load_tensor_shard(reader, group, None, watchdog)
+model = load_tensor_shard(reader, group, None)
 layer = model.layers[0]
 forward = type(layer).__call__
-def slow(self, *args, **kwargs):  # this rank's own compute: 0.8 s, longer than the timeout
-    time.sleep(0.8 if self is layer else 0.0)
-    return forward(self, *args, **kwargs)
+def slow(self, x, *args, **kwargs):  # this rank's own compute: the prompt 2.5 s (longer than one timeout), a step 0.5 s
+    time.sleep((2.5 if x.shape[1] > 1 else 0.5) if self is layer else 0.0)
+    return forward(self, x, *args, **kwargs)
 type(layer).__call__ = slow
 dist = DistributedModel(group, "tensor", model, load_tokenizer(reader), watchdog)
 print(len(list(stream_distributed(dist, [1, 2, 3, 4], 3))))
 """
 
 
-def test_tensor_parallel_watchdog_does_not_count_the_ranks_own_compute(tiny_dirs):
+def test_tensor_parallel_watchdog_guards_each_step_and_gives_the_prompt_more(tiny_dirs):
+    """The watchdog's countdown runs once per step (the sums are in the step's graph): a step
+    under the timeout passes, and the first (the prompt's chunks then a step) gets a timeout per
+    chunk more."""
     result = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(TENSOR_WATCHDOG), str(tiny_dirs[0])], capture_output=True, text=True,
         timeout=120, env={**__import__("os").environ, "PYTHONPATH": str(REPO)},

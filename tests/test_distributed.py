@@ -218,7 +218,8 @@ def tiny_chat_model(tmp_path_factory, hf_smollm_tokenizer) -> Path:
     return directory
 
 
-@pytest.mark.parametrize("failure, parallel", [("kill", "pipeline"), ("hang", "pipeline"), ("kill", "tensor")])
+@pytest.mark.parametrize("failure, parallel", [("kill", "pipeline"), ("hang", "pipeline"), ("kill", "tensor"),
+                                               ("hang", "tensor")])  # tensor: the step's watchdog (sums in the graph)
 def test_lost_rank_ends_the_other_non_zero(tiny_chat_model, failure, parallel):
     """A killed rank (sockets closed) or a hung one (SIGSTOP: sockets open, nothing sent)
     makes rank 0 exit non-zero; the hang is caught by the watchdog (--timeout 5)."""

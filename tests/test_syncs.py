@@ -1,7 +1,8 @@
 """Host syncs, counted by a hook on every way MLX hands values to Python (``mx.eval``,
-``array.item``, ``array.tolist``): one per speculative round (greedy and sampled, prompt lookup),
-one per single-stream decode step, and one for a whole batch's choices; prompt lookup's n-gram
-index answers what a rescan of the history answers."""
+``array.item``, ``array.tolist``): one per speculative round (greedy and sampled, prompt lookup
+and a draft model), one per single-stream decode step, one per engine decode step at batch 1
+and 4 (greedy, and sampled with logprobs); prompt lookup's n-gram index answers what a rescan
+of the history answers."""
 
 from __future__ import annotations
 
@@ -11,8 +12,11 @@ import random
 import mlx.core as mx
 import pytest
 
-from mlxformer import stream_generate
+from conftest import write_tiny_byte_llama
+from mlxformer import load, stream_generate
 from mlxformer.decoding import open_sequence
+from mlxformer.engine import Engine, GenerationRequest
+from mlxformer.engine.scheduler import Step
 from mlxformer.options import SamplingSettings
 from mlxformer.speculative import PromptLookupProposer, SpeculativeSettings
 from mlxformer.steps import prefill
@@ -36,13 +40,25 @@ def counting_syncs(monkeypatch):
 REPEATING = "the cat sat on the mat. the cat sat on the mat. the cat sat on the"
 
 
-@pytest.mark.parametrize("sampling", [SamplingSettings(), SamplingSettings(temp=0.8, top_p=0.9, seed=3,
-                                                                           repetition_penalty=1.1)])
-def test_one_sync_per_speculative_round(tiny_byte_llama, sampling, monkeypatch):
+@pytest.fixture(scope="module")
+def tiny_draft(tmp_path_factory):
+    """Another tiny random Llama with the same byte tokenizer: a draft model."""
+    return load(write_tiny_byte_llama(tmp_path_factory.mktemp("tiny_draft"), seed=1), dtype=mx.float32)
+
+
+SAMPLED = SamplingSettings(temp=0.8, top_p=0.9, seed=3)
+PENALIZED = SamplingSettings(temp=0.8, top_p=0.9, seed=3, repetition_penalty=1.1)
+
+
+@pytest.mark.parametrize("proposer,sampling", [("lookup", SamplingSettings()), ("lookup", PENALIZED),
+                                               ("draft", SamplingSettings()), ("draft", SAMPLED)],
+                         ids=["lookup-greedy", "lookup-penalized", "draft-greedy", "draft-sampled"])
+def test_one_sync_per_speculative_round(tiny_byte_llama, tiny_draft, proposer, sampling, monkeypatch):
     model, tokenizer = tiny_byte_llama
+    speculative = (SpeculativeSettings(num_draft_tokens=4, prompt_lookup=True, ngram_min=1) if proposer == "lookup"
+                   else SpeculativeSettings(num_draft_tokens=4, draft_model=tiny_draft[0], draft_tokenizer=tiny_draft[1]))
     state = open_sequence(model, tokenizer.encode(REPEATING), eos_ids=[], detokenizer=None, sampling=sampling,
-                          max_tokens=60, speculative=SpeculativeSettings(num_draft_tokens=4, prompt_lookup=True,
-                                                                         ngram_min=1))
+                          max_tokens=60, speculative=speculative)
     logits = prefill(model, mx.array(state.tokens), state.cache)
     state.record(int(state.choose(logits)[0].item()))
     rounds = 0
@@ -50,12 +66,15 @@ def test_one_sync_per_speculative_round(tiny_byte_llama, sampling, monkeypatch):
         state.settle()
         with counting_syncs(monkeypatch) as syncs:
             proposed = state.propose()
-            if not proposed:  # a plain step
+            if proposed is None:  # a plain step
                 state.record(int(state.choose(model.last_logits(mx.array([[state.last_token]]), state.cache))[0].item()))
                 continue
-            target = model(mx.array([[state.last_token, *proposed]]), state.cache)[0]  # (k + 1, vocab)
+            inputs = mx.concatenate([mx.array([state.last_token]), proposed])[None]  # (1, k + 1)
+            target = model(inputs, state.cache)[0]  # (k + 1, vocab)
             tokens, logprobs = state.verify(target)
-        assert syncs == ["tolist"], syncs  # before: one item() per draft and per verified token
+        # before: one item() per draft and per verified token; then (a draft model) one read of
+        # its proposals and one of the verification
+        assert syncs == ["tolist"], syncs
         assert 1 <= len(tokens) <= len(proposed) + 1 and logprobs.shape == (len(tokens), model.args.vocab_size)
         for token in tokens:
             state.record(token)
@@ -99,3 +118,81 @@ def test_prompt_lookup_index_equals_a_rescan():
             history = [rng.randrange(6) for _ in range(3)]
         assert lookup.propose(history, 4)[0] == rescan(history, 4, 3, 1), step
         history = history + [rng.randrange(6) for _ in range(rng.randrange(1, 4))]
+
+
+ENGINE_PROMPTS = ["hello world", "once upon a time", "good morning", "lorem ipsum"]  # none reaches EOS in 16
+ENGINE_SAMPLINGS = {
+    "greedy": (SamplingSettings(), None),
+    "sampled+logprobs": (SamplingSettings(temp=0.8, top_p=0.9, seed=5, repetition_penalty=1.1), 3),
+}
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize("mode", list(ENGINE_SAMPLINGS))
+def test_one_sync_per_engine_step(tiny_byte_llama, batch, mode, monkeypatch):
+    """Every engine step that only decodes reads its rows' tokens (and logprobs) in one host
+    sync; the tokens equal ``stream_generate`` alone (the reference for each row)."""
+    model, tokenizer = tiny_byte_llama
+    sampling, logprobs = ENGINE_SAMPLINGS[mode]
+    prompts = ENGINE_PROMPTS[:batch]
+    expected = [[r.token for r in stream_generate(model, tokenizer, p, 16, sampling=sampling)] for p in prompts]
+    engine = Engine(model, tokenizer, max_batch=4, prefix_cache_bytes=0)
+    steps: list[tuple[int, list[str]]] = []  # (decode rows of a step without prompt chunks, its syncs)
+    real_step, real_run = engine.step, engine._run
+    planned: list[Step] = []
+    monkeypatch.setattr(engine, "_run", lambda step: (planned.append(step), real_run(step))[1])
+
+    def step() -> None:
+        start = len(syncs)
+        planned.clear()
+        real_step()
+        rows = len(planned[0].decode) if len(planned) == 1 and not planned[0].prefill else 0
+        steps.append((rows, syncs[start:]))
+
+    with counting_syncs(monkeypatch) as syncs:
+        monkeypatch.setattr(engine, "step", step)
+        with engine:
+            handles = [engine.submit(GenerationRequest(tokenizer.encode(p), max_tokens=16, sampling=sampling,
+                                                       logprobs=logprobs)) for p in prompts]
+            events = [list(h) for h in handles]
+    assert [[e.token for e in ev] for ev in events] == expected
+    if logprobs is not None:
+        assert all(e.logprob is not None and len(e.top_logprobs) == logprobs for ev in events for e in ev)
+    assert sum(rows == batch for rows, _ in steps) >= 5, steps
+    decoding = [s for rows, s in steps if rows]
+    assert all(s == ["tolist"] for s in decoding), decoding
+
+
+def test_tensor_parallel_step_is_one_sync_and_one_watchdog_countdown(tmp_path, monkeypatch):
+    """Tensor parallel over a group of one (every ``all_sum`` is real but returns at once):
+    each decode step is one host read and one watchdog countdown (before: two evals per summed
+    projection, 4 per layer), and the tokens equal the plain model's."""
+    from mlxformer.distributed.runner import DistributedModel, stream_distributed
+    from mlxformer.distributed.tensor import RankSummed, load_tensor_shard
+    from mlxformer.distributed.watchdog import Watchdog
+    from mlxformer.formats.checkpoint import open_checkpoint
+    from mlxformer.loader import load_tokenizer
+
+    directory = write_tiny_byte_llama(tmp_path)
+    plain, tokenizer = load(directory, dtype=mx.float32)
+    expected = [r.token for r in stream_generate(plain, tokenizer, "hello world", 8)]
+    reader = open_checkpoint(directory)
+    group = mx.distributed.init()
+    model = load_tensor_shard(reader, group, mx.float32)
+    assert isinstance(model.layers[0].mlp.down_proj, RankSummed)
+    watchdog = Watchdog(0, timeout=600)
+    dist = DistributedModel(group, "tensor", model, load_tokenizer(reader), watchdog)
+    arms: list[str] = []
+    real_arm = watchdog.arm
+    monkeypatch.setattr(watchdog, "arm", lambda what, timeout=None: (arms.append(what), real_arm(what, timeout))[1])
+    per_token = []
+    with counting_syncs(monkeypatch) as syncs:
+        responses = stream_distributed(dist, tokenizer.encode("hello world"), 8, sampling=SamplingSettings(seed=0))
+        tokens = []
+        for response in responses:
+            per_token.append((list(syncs), len(arms)))
+            syncs.clear()
+            arms.clear()
+            tokens.append(response.token)
+    assert tokens == expected
+    assert all(s == ["item"] and n == 1 for s, n in per_token[1:]), per_token  # decode steps

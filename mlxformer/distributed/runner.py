@@ -19,6 +19,7 @@ from mlxformer.formats.checkpoint import open_checkpoint
 from mlxformer.generation import GenerationResponse, stream_generate
 from mlxformer.loader import load_tokenizer
 from mlxformer.options import SamplingSettings
+from mlxformer.steps import default_prefill_step
 from mlxformer.models.decoder import Model
 from mlxformer.tokenizer import Tokenizer
 
@@ -68,7 +69,7 @@ def load_distributed(
             link = PipelineLink(group, watchdog)
             model.use_remote_layers(link)
     else:
-        model = load_tensor_shard(checkpoint, group, dtype, watchdog)
+        model = load_tensor_shard(checkpoint, group, dtype)
     runs_loop = parallel == "tensor" or is_leader(group)
     tokenizer = load_tokenizer(checkpoint) if with_tokenizer and runs_loop else None
     with watchdog.guard("waiting for the other ranks to load", timeout * LOAD_TIMEOUTS):
@@ -97,11 +98,13 @@ def stream_distributed(
         sampling = dataclasses.replace(sampling, seed=shared_seed(dist.group, given))
     if dist.tokenizer is None:
         raise MlxformerError("stream_distributed needs the model loaded with its tokenizer")
-    try:  # every wait for another rank is guarded where it happens (tensor.py, pipeline.py)
-        for response in stream_generate(
-            dist.model, dist.tokenizer, list(prompt), max_tokens, sampling=sampling, stop=stop,
-            cache_settings=cache_settings,
-        ):
+    responses = stream_generate(dist.model, dist.tokenizer, list(prompt), max_tokens, sampling=sampling, stop=stop,
+                                cache_settings=cache_settings)
+    if dist.parallel == "tensor":  # its sums are inside each step's graph: the watchdog guards each step
+        chunks = -(-len(prompt) // default_prefill_step())  # the first response waits for the prompt's chunks too
+        responses = dist.watchdog.each(responses, "waiting for the other ranks' partial sums", chunks + 1)
+    try:  # pipeline: every wait for another rank is guarded where it happens (pipeline.py)
+        for response in responses:
             if dist.leader:
                 yield response
     except RuntimeError as exc:

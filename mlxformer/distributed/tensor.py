@@ -8,9 +8,9 @@ narrower MLP. ``o_proj`` and ``down_proj`` then hold partial sums, added up over
 output projection are replicated, so every rank computes the same logits and runs the same
 generation loop (with the same sampling seed). Each rank caches its own K/V heads.
 
-The watchdog counts only the waits for the other ranks: each partial sum is evaluated first
-(this rank's own compute, however long a prefill takes, is outside the countdown), then the
-``all_sum`` runs under ``Watchdog.guard``.
+The sums stay inside the step's graph (no evaluation inside a projection): a decode step is
+one graph with its ``2 x layers`` ``all_sum``s, evaluated by the loop's one host read, and the
+watchdog guards each step as a whole (``runner.stream_distributed``).
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from typing import Callable
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxformer.distributed.watchdog import Watchdog
 from mlxformer.errors import MlxformerError
 from mlxformer.formats.checkpoint import Checkpoint
 from mlxformer.loader import apply_dtype_policy, build_model, used_tensors
@@ -36,17 +35,9 @@ class RankSummed:
     ranks are summed (``all_sum``), giving every rank the full projection."""
 
     group: mx.distributed.Group
-    watchdog: Watchdog | None = None
 
     def __call__(self, x: mx.array) -> mx.array:
-        partial = super().__call__(x)  # type: ignore[misc]
-        if self.watchdog is None:
-            return mx.distributed.all_sum(partial, group=self.group)
-        mx.eval(partial)  # our own compute, outside the countdown
-        with self.watchdog.guard("waiting for the other ranks' partial sums"):
-            total = mx.distributed.all_sum(partial, group=self.group)
-            mx.eval(total)
-        return total
+        return mx.distributed.all_sum(super().__call__(x), group=self.group)  # type: ignore[misc]
 
 
 class RankSummedLinear(RankSummed, nn.Linear):
@@ -125,12 +116,8 @@ def local_config(config: dict, args: ModelArgs, size: int) -> dict:
     }
 
 
-def load_tensor_shard(
-    checkpoint: Checkpoint, group: mx.distributed.Group, dtype: mx.Dtype | None = None,
-    watchdog: Watchdog | None = None,
-) -> Model:
-    """This rank's shard of every layer, reading only its slices of the weights; ``watchdog``
-    guards its waits for the other ranks."""
+def load_tensor_shard(checkpoint: Checkpoint, group: mx.distributed.Group, dtype: mx.Dtype | None = None) -> Model:
+    """This rank's shard of every layer, reading only its slices of the weights."""
     args, size = checkpoint.args, group.size()
     check_divisible(args, size)
     weights = checkpoint.read(used_tensors(args, checkpoint.tensors), slice_for(group.rank(), size))
@@ -141,5 +128,4 @@ def load_tensor_shard(
             projection = owner[name]
             projection.__class__ = SUMMED_CLASS[type(projection)]
             projection.group = group
-            projection.watchdog = watchdog
     return model

@@ -14,13 +14,14 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Iterator, TypeVar
 
 from mlxformer.errors import MlxformerError
 from mlxformer.options import check_number
 
 EXIT_CODE = 1
 DEFAULT_TIMEOUT = 60.0
+T = TypeVar("T")
 
 
 def check_timeout(timeout: float) -> float:
@@ -35,6 +36,7 @@ class Watchdog:
         self.rank, self.timeout, self._poll = rank, check_timeout(timeout), poll
         self._deadline: float | None = None
         self._what = ""
+        self._armed = timeout
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._watch, name="mlxformer-watchdog", daemon=True)
         self._thread.start()
@@ -42,7 +44,8 @@ class Watchdog:
     def arm(self, what: str, timeout: float | None = None) -> None:
         """Start (or restart) the countdown for a wait described by ``what``."""
         with self._lock:
-            self._deadline = time.monotonic() + (timeout or self.timeout)
+            self._armed = timeout or self.timeout
+            self._deadline = time.monotonic() + self._armed
             self._what = what
 
     def disarm(self) -> None:
@@ -64,15 +67,27 @@ class Watchdog:
         finally:
             self.disarm()
 
+    def each(self, items: Iterator[T], what: str, first: int = 1) -> Iterator[T]:
+        """``items`` with the making of each one guarded (one countdown per step of a loop; the
+        consumer's time between items is not counted); the first gets ``first`` timeouts."""
+        timeout = self.timeout * first
+        while True:
+            with self.guard(what, timeout):
+                item = next(items, None)
+            if item is None:
+                return
+            yield item
+            timeout = self.timeout
+
     def _watch(self) -> None:
         while True:
             time.sleep(self._poll)
             with self._lock:
                 expired = self._deadline is not None and time.monotonic() > self._deadline
-                what = self._what
+                what, armed = self._what, self._armed
             if expired:
                 print(
-                    f"mlxformer: error: rank {self.rank}: no progress for {self.timeout:.0f} s while {what} "
+                    f"mlxformer: error: rank {self.rank}: no progress for {armed:g} s while {what} "
                     "(another rank failed, hangs or disconnected); exiting",
                     file=sys.stderr, flush=True,
                 )

@@ -92,10 +92,11 @@ class BatchRunner:
         mx.eval([c.state for c in cache])
         return None
 
-    def verify(self, tokens: Sequence[int], cache: Sequence[Cache]) -> mx.array:
-        """A speculation round on one sequence's caches: the last token then the proposals in,
-        every position's logits ``(T, vocab)`` out (lazy)."""
-        return self.model(mx.array(tokens)[None], cache)[0]  # (1, T, vocab) -> (T, vocab)
+    def verify(self, last: int, proposed: mx.array, cache: Sequence[Cache]) -> mx.array:
+        """A speculation round on one sequence's caches: the ``last`` token then the proposals
+        ``(k,)`` (maybe still on the device) in, every position's logits ``(k + 1, vocab)`` out (lazy)."""
+        tokens = mx.concatenate([mx.array([last], mx.int32), proposed.astype(mx.int32)])  # (k + 1,)
+        return self.model(tokens[None], cache)[0]  # (1, k + 1, vocab) -> (k + 1, vocab)
 
     def decode(self, sequences: Sequence[Decoding]) -> mx.array:
         """One token per sequence in, next-token logits ``(B, vocab)`` in the same order out (lazy)."""

@@ -1,5 +1,5 @@
 """A step's chosen tokens as the engine hands them out: groups of rows chosen in one graph
-(``Choice``), the log-probabilities their requests ask for, and one host read per group."""
+(``Choice``), the log-probabilities their requests ask for, and one host read for all groups."""
 
 from __future__ import annotations
 
@@ -36,13 +36,31 @@ def arrays(picked: Picked) -> list[mx.array]:
     return [x for x in picked[1:] if x is not None]
 
 
-def each_row(picked: Picked) -> Iterator[tuple[Sequence, int, float | None, list[tuple[int, float]] | None]]:
-    """Each row of an evaluated ``picked``: its sequence, token, log-probability and top
-    alternatives, as its request asks (one ``tolist`` per array)."""
-    sequences, tokens, chosen, top_ids, top_values = picked
-    values = chosen.tolist() if chosen is not None else None
-    ids, tops = (top_ids.tolist(), top_values.tolist()) if top_ids is not None and top_values is not None else ([], [])
-    for row, (sequence, token) in enumerate(zip(sequences, tokens.tolist())):
+def read(picks: list[Picked]) -> list[list[float]]:
+    """Every array of ``picks`` read to the host in one sync (one ``tolist`` of their values as
+    one float32 vector: token ids are exact in float32 below 2**24); each pick's values, flat."""
+    parts = [x.astype(mx.float32).reshape(-1) for p in picks for x in arrays(p)]  # each (n * width,)
+    if not parts:
+        return [[] for _ in picks]
+    values = mx.concatenate(parts).tolist()
+    out, start = [], 0
+    for p in picks:
+        size = sum(x.size for x in arrays(p))
+        out.append(values[start : start + size])
+        start += size
+    return out
+
+
+def each_row(
+    picked: Picked, values: list[float]
+) -> Iterator[tuple[Sequence, int, float | None, list[tuple[int, float]] | None]]:
+    """Each row of ``picked`` from its ``values`` (``read``): its sequence, token,
+    log-probability and top alternatives, as its request asks."""
+    sequences, tokens, chosen, top_ids, _ = picked
+    n, top = len(sequences), top_ids.shape[1] if top_ids is not None else 0
+    ids = values[n + (n if chosen is not None else 0):]  # (n * top) ids then (n * top) values
+    for row, sequence in enumerate(sequences):
         k = sequence.request.logprobs
-        top = None if k is None else list(zip(ids[row][:k], tops[row][:k])) if k else []
-        yield sequence, int(token), values[row] if values is not None and k is not None else None, top
+        lp = values[n + row] if chosen is not None and k is not None else None
+        alternatives = [(int(ids[row * top + j]), ids[n * top + row * top + j]) for j in range(min(k, top))] if k else []
+        yield sequence, int(values[row]), lp, None if k is None else alternatives

@@ -33,7 +33,7 @@ from mlxformer.engine.sequence import (
     GenerationRequest, Sequence, Status, TokenEvent, check_request,
 )
 from mlxformer.choosing import choose
-from mlxformer.engine.choices import Choice, arrays, each_row, with_logprobs
+from mlxformer.engine.choices import Choice, arrays, each_row, read, with_logprobs
 from mlxformer.decoding import with_rewind
 from mlxformer.options import SamplingSettings
 from mlxformer.speculative import SpeculativeSettings, check_draft
@@ -253,7 +253,7 @@ class Engine(Admission):
             choices += self._decode(decode, riding, ridden)
         for sequence, proposed in verifying:
             try:
-                logits = self.runner.verify([sequence.last_token, *proposed], sequence.cache)
+                logits = self.runner.verify(sequence.last_token, proposed, sequence.cache)
                 tokens, logprobs = sequence.verify(logits)
                 choices.append(([sequence] * len(tokens), mx.array(tokens), logprobs))
             except Exception as exc:
@@ -297,14 +297,12 @@ class Engine(Admission):
                 PromptChunk(c.tokens, c.sequence.cache, c.last, len(c.sequence.prompt)) for c in riding])
             ridden.update({id(c): x for c, x in zip(riding, chunk_logits)})
             if logits is None:
-                mx.eval([x for x in chunk_logits if x is not None])
                 return []
             mx.async_eval(logits)  # constraints compute their masks while the step runs
             rows = [i for i, s in enumerate(decode) if id(s) not in replaying]
             choosing = [decode[i] for i in rows]
             chosen = logits[mx.array(rows)] if len(rows) < len(decode) else logits
             choices = self._choose_each(choosing, [chosen]) if choosing else []
-            mx.eval(logits, [x for x in chunk_logits if x is not None])
         except Exception:
             for sequence, key in zip(decode, keys):
                 sequence.key = key
@@ -345,7 +343,7 @@ class Engine(Admission):
                 choices += self._choose_each([sequence], [logits])
         return choices
 
-    def _propose(self, running: list[Sequence]) -> tuple[list[Sequence], list[tuple[Sequence, list[int]]]]:
+    def _propose(self, running: list[Sequence]) -> tuple[list[Sequence], list[tuple[Sequence, mx.array]]]:
         """Split the running sequences into those decoding one token in the batch and those
         with proposals to verify (each with its proposals)."""
         decode, verifying = [], []
@@ -358,7 +356,7 @@ class Engine(Admission):
             except Exception as exc:  # e.g. a draft model failing
                 self._fail(sequence, exc)
                 continue
-            if proposed:
+            if proposed is not None:
                 verifying.append((sequence, proposed))
             else:
                 decode.append(sequence)
@@ -387,11 +385,12 @@ class Engine(Admission):
         """Evaluate the chosen tokens (and the logprobs asked for) in one sync, record them, send the events."""
         picked = [with_logprobs(choice) for choice in choices]
         try:
-            mx.eval([x for p in picked for x in arrays(p)])
+            values = read(picked)  # the step's one host sync
         except Exception:  # find whose arrays fail
             picked = [p for p in picked if self._evaluates(p[0], arrays(p))]
+            values = read(picked)
         emitted: list[tuple[Sequence, TokenEvent]] = []
-        for sequence, token, logprob, top in (row for p in picked for row in each_row(p)):
+        for sequence, token, logprob, top in (row for p, v in zip(picked, values) for row in each_row(p, v)):
             if sequence.status is Status.FINISHED:  # a stop ended it earlier in its speculation round
                 continue
             try:

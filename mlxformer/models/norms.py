@@ -25,4 +25,7 @@ class RMSNorm(nn.RMSNorm):
     def __call__(self, x: mx.array) -> mx.array:
         if not self.offset:
             return super().__call__(x)
-        return mx.fast.rms_norm(x, self.offset + self.weight, self.eps)
+        # ``offset + weight`` and the product in float32, as transformers' Gemma norms compute
+        # them: in bfloat16, ``1 + weight`` keeps 8 bits (a 0.4% error on every scale)
+        scale = self.offset + self.weight.astype(mx.float32)
+        return mx.fast.rms_norm(x, scale, self.eps).astype(x.dtype)
