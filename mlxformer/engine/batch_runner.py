@@ -64,9 +64,9 @@ class BatchRunner:
 
     def __init__(self, model: Model) -> None:
         self.model = model
-        self.windows = [layer.window for layer in model.layers]
+        self.windows = [layer.window for layer in model.cache_layers]  # one per cache
         # a layer whose row says when the keys turn quantized (an attention layer, not a recurrent one)
-        self.kv_layer = next((i for i, layer in enumerate(model.layers) if not layer.recurrent), 0)
+        self.kv_layer = next((i for i, layer in enumerate(model.cache_layers) if not layer.recurrent), 0)
         self.packs = packs(model)
         self.batches: dict[BatchKey, DecodeBatch] = {}
         self._rows: dict[BatchKey, list[Decoding]] = {}  # each batch's sequences, in row order
