@@ -240,8 +240,9 @@ class ModelArgs:
         config.update(self._layer_and_rope_keys())
         if self.linear_num_value_heads:
             config.update(hybrid_config(self))
-        if self.global_head_dim:
+        if self.global_head_dim:  # Gemma 4: RoPE per layer type only (transformers refuses a flat one)
             config.update(gemma4_config(self))
+            del config["rope_theta"], config["rope_scaling"]
         if self.num_experts:
             config.update(num_experts=self.num_experts, num_local_experts=self.num_experts,
                           num_experts_per_tok=self.num_experts_per_tok, norm_topk_prob=self.norm_topk_prob,
