@@ -21,6 +21,7 @@ from mlxformer import convert, load
 from mlxformer.cache import CacheSettings, make_cache
 from mlxformer.generation import prefill
 from mlxformer.models.config import ModelArgs
+from mlxformer.models.dtype_policy import float16_safe
 
 BOUND = 3e-4  # fp32 on both sides
 _SHAPE = dict(hidden_size=40, num_attention_heads=3, num_key_value_heads=1, head_dim=16, global_head_dim=24,
@@ -78,6 +79,7 @@ def test_forward(case):
     name, _, model, _, hf_model = case
     a = model.args
     assert (a.model_type, a.global_head_dim, a.layer_scalar) == ("gemma4_text", 24, True)
+    assert not float16_safe(a.model_type)  # the GPU plan never computes Gemma in float16
     assert [layer.self_attn.head_dim for layer in model.layers] == [
         24 if t == "full" else 16 for t in a.layer_types]
     for length in (30, 9):
