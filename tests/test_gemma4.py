@@ -185,3 +185,33 @@ def test_mlx_lm_both_ways(case, tmp_path):
         assert max_diff(got, np.array(theirs(mx.array(ids[None]))[0])) <= 1e-3, converted
         if not converted.endswith("q4"):
             assert max_diff(got, hf_logits(hf_model, ids)) <= BOUND, converted
+
+
+def test_quantized_cache_with_shared_layers(tmp_path):
+    """The 8-bit KV cache (head sizes 32 and 64, groups of 32): the KV-shared layers attend over
+    their source layer's quantized storage; chunked prefill then decode stays near transformers'
+    logits and the engine's batch on it equals each prompt alone."""
+    from mlxformer import stream_generate
+    from mlxformer.engine import batch_generate
+    from mlxformer.generation import decode_step
+
+    directory, hf_model = write_tiny_checkpoint(tmp_path / "q", "gemma4_text", **{
+        **CASES["per_layer"], "head_dim": 32, "global_head_dim": 64})
+    write_byte_tokenizer(directory)
+    model, tokenizer = load(directory, dtype=mx.float32)
+    tokenizer.eos_token_ids = []
+    ids = tokens(30)
+    settings = CacheSettings(kv_bits=8, kv_group_size=32)
+    cache = make_cache(model, settings)
+    steps = [np.array(prefill(model, mx.array(ids[:12]), cache, step_size=5)[0])]
+    for t in range(12, 30):
+        steps.append(np.array(decode_step(model, mx.array(ids[t : t + 1]), cache)[0]))
+    ref = hf_logits(hf_model, ids)[11:]
+    err = float(np.abs(np.stack(steps) - ref).max() / np.abs(ref).max())
+    # measured: 0.062 here, 0.051 for the same model without shared layers, 0.046 for "dense"
+    # (these O(1)-weight models amplify the rounding; 4-bit: 0.53, 0.54, 0.42)
+    assert 0 < err <= 0.15, err
+    prompts = ["Once upon a time, in a land far away,", "abcabcabcabc"]
+    alone = [[r.token for r in stream_generate(model, tokenizer, p, 8, cache_settings=settings)] for p in prompts]
+    got = batch_generate(model, tokenizer, prompts, 8, max_batch=2, cache_settings=settings)
+    assert got == [tokenizer.decode(t) for t in alone]
