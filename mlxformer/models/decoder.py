@@ -49,6 +49,9 @@ class Attention(nn.Module):
     def __init__(self, args: ModelArgs, layer_index: int = 0):
         super().__init__()
         self.layer_index, self.kv_source = layer_index, args.kv_source(layer_index)
+        # whether later layers attend over this one's keys/values (Gemma 4's KV sharing)
+        self.kv_read = args.num_kv_shared_layers > 0 and any(
+            args.kv_source(i) == layer_index for i in range(layer_index + 1, args.num_hidden_layers))
         self.n_heads = args.num_attention_heads
         self.n_kv_heads = args.layer_kv_heads(layer_index)
         self.head_dim = args.layer_head_dim(layer_index)
@@ -125,7 +128,7 @@ class Attention(nn.Module):
             queries = queries * scale.astype(queries.dtype)
         if cache is not None:
             keys, values = cache.update_and_fetch(keys, values)
-        if shared is not None:
+        if shared is not None and self.kv_read:
             shared[self.layer_index] = (keys, values, offset)
         out = self._attend(queries, keys, values, mask, cache, sinks)
         # (B, heads, L, head_dim) -> (B, L, heads * head_dim)
