@@ -160,6 +160,12 @@ def test_unsupported_settings_are_refused():
         ModelArgs.from_dict({**base, "num_kv_shared_layers": 2})
     with pytest.raises(MlxformerError, match="use_bidirectional_attention"):
         ModelArgs.from_dict({**base, "use_bidirectional_attention": "all"})
+    from mlxformer.models.decoder import Model
+
+    shared = ModelArgs.from_dict({**base, "num_hidden_layers": 3, "layer_types": [_S, _F, _F], "num_kv_shared_layers": 1})
+    assert shared.kv_source(2) == 1 and shared.kv_source(1) is None
+    with pytest.raises(MlxformerError, match="pipeline"):  # a stage without the layer it reads
+        Model(shared, num_layers=1, first_layer=2)
 
 
 def test_mlx_lm_both_ways(case, tmp_path):
