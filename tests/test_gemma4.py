@@ -221,3 +221,63 @@ def test_quantized_cache_with_shared_layers(tmp_path):
     alone = [[r.token for r in stream_generate(model, tokenizer, p, 8, cache_settings=settings)] for p in prompts]
     got = batch_generate(model, tokenizer, prompts, 8, max_batch=2, cache_settings=settings)
     assert got == [tokenizer.decode(t) for t in alone]
+
+
+@pytest.fixture(scope="module")
+def llama_cpp_ggufs(tmp_path_factory):
+    """name -> (transformers model, HF dir, GGUF path, the converter's error or None): llama.cpp's
+    own ``convert_hf_to_gguf.py`` on the dense and per-layer checkpoints, given a Llama-style
+    ``tokenizer.json`` (its Gemma 4 vocabulary reader needs a byte-fallback BPE) built from a
+    tiny SentencePiece model."""
+    import subprocess
+    import sys
+
+    import sentencepiece as sp
+
+    from mlxformer.formats.gguf_vocab import spm_bpe_tokenizer
+    from test_gguf_families import CONVERTER, DRIVER, write_spm_tokenizer
+
+    root = tmp_path_factory.mktemp("gemma4_gguf")
+    write_spm_tokenizer(root)
+    pieces = sp.SentencePieceProcessor(model_file=str(root / "tokenizer.model"))
+    tokens = [pieces.id_to_piece(i) for i in range(pieces.get_piece_size())]
+    tokenizer = spm_bpe_tokenizer(tokens, [pieces.get_score(i) for i in range(len(tokens))], False)  # Gemma: no prefix
+    out, jobs = {}, []
+    for name in ("dense", "per_layer"):
+        directory, hf_model = write_gemma4(root / name, name)
+        tokenizer.save(str(directory / "tokenizer.json"))
+        (directory / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
+        out[name] = (hf_model, directory, root / f"{name}.gguf")
+        jobs.append({"name": name, "argv": [str(directory), "--outtype", "f32", "--outfile", str(root / f"{name}.gguf")]})
+    (root / "jobs.json").write_text(json.dumps(jobs))
+    done = subprocess.run([sys.executable, str(DRIVER), str(CONVERTER), str(root / "jobs.json"), str(root / "out.jsonl")],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    errors = {r["name"]: r["error"] for r in map(json.loads, (root / "out.jsonl").read_text().splitlines())}
+    return {name: (*value, errors[name]) for name, value in out.items()}
+
+
+@pytest.mark.parametrize("name", ["dense", "per_layer"])
+def test_llama_cpp_gguf(llama_cpp_ggufs, name):
+    """The GGUF llama.cpp writes (per-layer K/V heads and feed-forward lengths, the two head
+    sizes, ``rope_freqs`` as the proportional RoPE, K = V as a missing ``attn_v``, the layer
+    scalar and per-layer input tensors, the ``gemma4`` vocabulary) loads to the HF dir's
+    settings, with transformers' logits on the vocabulary rows the converter keeps (the
+    tokenizer's), and tokenizes as the HF tokenizer does."""
+    from transformers import AutoTokenizer
+
+    hf_model, directory, path, error = llama_cpp_ggufs[name]
+    assert error is None, f"llama.cpp's converter failed: {error}"
+    model, tokenizer = load(path, dtype=mx.float32)
+    a, b = model.args, load(directory, dtype=mx.float32)[0].args
+    fields = ("head_dim", "global_head_dim", "num_key_value_heads", "global_kv_heads", "attention_k_eq_v", "rope",
+              "rope_local", "layer_types", "sliding_window", "num_kv_shared_layers", "double_wide_mlp",
+              "hidden_size_per_layer_input", "vocab_size_per_layer_input", "final_logit_softcap", "intermediate_size")
+    assert [getattr(a, f) for f in fields] == [getattr(b, f) for f in fields]
+    n = a.vocab_size
+    ids = np.random.default_rng(1).integers(3, n, size=30)
+    got, ref = np.array(model(mx.array(ids[None]))[0]), hf_logits(hf_model, ids)[:, :n]
+    assert np.abs(got - ref).max() <= 1e-4 * np.abs(ref).max()
+    text = "the of and a to in is you"
+    assert tokenizer.encode(text, add_special_tokens=False) == AutoTokenizer.from_pretrained(directory).encode(
+        text, add_special_tokens=False)

@@ -16,7 +16,7 @@ GGUF_ARCHITECTURES = {
     "gemma3": "gemma3_text", "phi3": "phi3", "olmo2": "olmo2", "granite": "granite", "smollm3": "smollm3",
     "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "olmoe": "olmoe",  # llama + experts: mixtral
     "mistral3": "ministral3",  # olmo2 with a sliding window: olmo3
-    "gpt-oss": "gpt_oss",
+    "gpt-oss": "gpt_oss", "gemma4": "gemma4_text",
 }
 # Architectures whose converter stored every RMSNorm weight as ``1 + weight`` (Gemma's offset).
 NORM_SHIFTED_ARCHS = ("gemma", "gemma2", "gemma3")
@@ -140,6 +140,46 @@ _ARCH_KEYS: dict[str, Callable[[Field, dict[str, Any]], dict[str, Any]]] = {
     "olmoe": lambda field, config: _experts(field, config, False),
     "gpt-oss": _gpt_oss,
 }
+
+
+def gemma4_config(field: Field, config: dict[str, Any], array: Callable[[str], Any], tensor_names: set[str]) -> dict[str, Any]:
+    """Gemma 4's keys: per-layer K/V heads and feed-forward lengths as arrays (``array``: the
+    raw metadata value), the two head sizes, K = V where a full layer has no ``attn_v``; the
+    proportional RoPE's rotated share comes from ``rope_freqs`` (``gguf.open_gguf``)."""
+    types = config["layer_types"]
+    layers = len(types)
+    shared = int(field("attention.shared_kv_layers", 0))
+    full = next(i for i, t in enumerate(types) if t == "full_attention")
+    sliding = next((i for i, t in enumerate(types) if t == "sliding_attention"), full)
+
+    def at(name: str, index: int, default: Any) -> int:
+        value = array(name)
+        return int(default if value is None else value[index] if isinstance(value, list) else value)
+
+    ff = array("feed_forward_length")
+    global_head_dim = int(field("attention.key_length"))
+    extra: dict[str, Any] = {
+        "head_dim": int(field("attention.key_length_swa", global_head_dim)), "global_head_dim": global_head_dim,
+        "num_key_value_heads": at("attention.head_count_kv", sliding, config["num_attention_heads"]),
+        "num_global_key_value_heads": at("attention.head_count_kv", full, config["num_attention_heads"]),
+        "attention_k_eq_v": any(f"blk.{i}.attn_v.weight" not in tensor_names
+                                for i in range(layers - shared) if types[i] == "full_attention"),
+        "intermediate_size": at("feed_forward_length", 0, 0),
+        "use_double_wide_mlp": isinstance(ff, list) and len(set(ff)) > 1,
+        "sliding_window": int(field("attention.sliding_window")), "num_kv_shared_layers": shared,
+        "hidden_size_per_layer_input": int(field("embedding_length_per_layer_input", 0)),
+        "vocab_size_per_layer_input": config["vocab_size"],
+        "final_logit_softcapping": field("final_logit_softcapping", None),
+        "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": float(field("rope.freq_base_swa", 10000.0))},
+            "full_attention": {"rope_type": "proportional", "rope_theta": float(field("rope.freq_base", 1e6)),
+                               "partial_rotary_factor": 1.0}},
+    }
+    if field("expert_count", None):
+        extra.update(enable_moe_block=True, num_experts=int(field("expert_count")),
+                     top_k_experts=int(field("expert_used_count")),
+                     moe_intermediate_size=int(field("expert_feed_forward_length")))
+    return extra
 
 
 def arch_config(arch: str, field: Field, config: dict[str, Any]) -> dict[str, Any]:

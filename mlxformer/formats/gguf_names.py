@@ -70,8 +70,18 @@ ARCH_TENSOR_NAMES["gpt-oss"] = {  # sinks, a biased router, biased experts (mlx-
     "blk.{i}.ffn_gate_inp": "model.layers.{i}.mlp.router",
     **{f"blk.{{i}}.ffn_{p}_exps": f"model.layers.{{i}}.mlp.experts.{p}_proj" for p in ("gate", "up", "down")},
 }
+ARCH_TENSOR_NAMES["gemma4"] = {  # sandwich norms, the layer scalar, per-layer inputs (experts: not mapped yet)
+    **_SANDWICH_NORMS,
+    "blk.{i}.layer_output_scale": "model.layers.{i}.layer_scalar",
+    "per_layer_token_embd": "model.embed_tokens_per_layer",
+    "per_layer_model_proj": "model.per_layer_model_projection",
+    "per_layer_proj_norm": "model.per_layer_projection_norm",
+    "blk.{i}.inp_gate": "model.layers.{i}.per_layer_input_gate",
+    "blk.{i}.proj": "model.layers.{i}.per_layer_projection",
+    "blk.{i}.post_norm": "model.layers.{i}.post_per_layer_input_norm",
+}
 # Parameters HF names without a ``.weight`` suffix (the converter added one).
-BARE_PARAMETERS = ("self_attn.sinks",)
+BARE_PARAMETERS = ("self_attn.sinks", "layer_scalar")
 # Architectures whose Q/K rows llama.cpp's converter permuted (interleaved rotary pairs): its
 # LlamaModel and the converters derived from it.
 PERMUTED_QK_ARCHS = ("llama", "granite", "smollm3", "mistral3")
