@@ -226,7 +226,7 @@ def test_quantized_cache_with_shared_layers(tmp_path):
 @pytest.fixture(scope="module")
 def llama_cpp_ggufs(tmp_path_factory):
     """name -> (transformers model, HF dir, GGUF path, the converter's error or None): llama.cpp's
-    own ``convert_hf_to_gguf.py`` on the dense and per-layer checkpoints, given a Llama-style
+    own ``convert_hf_to_gguf.py`` on each checkpoint, given a Llama-style
     ``tokenizer.json`` (its Gemma 4 vocabulary reader needs a byte-fallback BPE) built from a
     tiny SentencePiece model."""
     import subprocess
@@ -243,7 +243,7 @@ def llama_cpp_ggufs(tmp_path_factory):
     tokens = [pieces.id_to_piece(i) for i in range(pieces.get_piece_size())]
     tokenizer = spm_bpe_tokenizer(tokens, [pieces.get_score(i) for i in range(len(tokens))], False)  # Gemma: no prefix
     out, jobs = {}, []
-    for name in ("dense", "per_layer"):
+    for name in CASES:
         directory, hf_model = write_gemma4(root / name, name)
         tokenizer.save(str(directory / "tokenizer.json"))
         (directory / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
@@ -257,11 +257,12 @@ def llama_cpp_ggufs(tmp_path_factory):
     return {name: (*value, errors[name]) for name, value in out.items()}
 
 
-@pytest.mark.parametrize("name", ["dense", "per_layer"])
+@pytest.mark.parametrize("name", list(CASES))
 def test_llama_cpp_gguf(llama_cpp_ggufs, name):
     """The GGUF llama.cpp writes (per-layer K/V heads and feed-forward lengths, the two head
     sizes, ``rope_freqs`` as the proportional RoPE, K = V as a missing ``attn_v``, the layer
-    scalar and per-layer input tensors, the ``gemma4`` vocabulary) loads to the HF dir's
+    scalar, per-layer input and expert tensors, the router's ``.scale``s, the ``gemma4``
+    vocabulary) loads to the HF dir's
     settings, with transformers' logits on the vocabulary rows the converter keeps (the
     tokenizer's), and tokenizes as the HF tokenizer does."""
     from transformers import AutoTokenizer
@@ -272,7 +273,8 @@ def test_llama_cpp_gguf(llama_cpp_ggufs, name):
     a, b = model.args, load(directory, dtype=mx.float32)[0].args
     fields = ("head_dim", "global_head_dim", "num_key_value_heads", "global_kv_heads", "attention_k_eq_v", "rope",
               "rope_local", "layer_types", "sliding_window", "num_kv_shared_layers", "double_wide_mlp",
-              "hidden_size_per_layer_input", "vocab_size_per_layer_input", "final_logit_softcap", "intermediate_size")
+              "hidden_size_per_layer_input", "vocab_size_per_layer_input", "final_logit_softcap", "intermediate_size",
+              "experts_beside_mlp", "num_experts", "num_experts_per_tok", "moe_intermediate_size")
     assert [getattr(a, f) for f in fields] == [getattr(b, f) for f in fields]
     n = a.vocab_size
     ids = np.random.default_rng(1).integers(3, n, size=30)

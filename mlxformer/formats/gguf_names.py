@@ -70,8 +70,16 @@ ARCH_TENSOR_NAMES["gpt-oss"] = {  # sinks, a biased router, biased experts (mlx-
     "blk.{i}.ffn_gate_inp": "model.layers.{i}.mlp.router",
     **{f"blk.{{i}}.ffn_{p}_exps": f"model.layers.{{i}}.mlp.experts.{p}_proj" for p in ("gate", "up", "down")},
 }
-ARCH_TENSOR_NAMES["gemma4"] = {  # sandwich norms, the layer scalar, per-layer inputs (experts: not mapped yet)
+ARCH_TENSOR_NAMES["gemma4"] = {  # sandwich norms, the layer scalar, per-layer inputs, experts beside the MLP
     **_SANDWICH_NORMS,
+    "blk.{i}.pre_ffw_norm_2": "model.layers.{i}.pre_feedforward_layernorm_2",
+    "blk.{i}.post_ffw_norm_1": "model.layers.{i}.post_feedforward_layernorm_1",
+    "blk.{i}.post_ffw_norm_2": "model.layers.{i}.post_feedforward_layernorm_2",
+    "blk.{i}.ffn_gate_inp": "model.layers.{i}.router.proj",
+    "blk.{i}.ffn_gate_inp.scale": "model.layers.{i}.router.scale",  # ``.scale`` tensors: rows of their own
+    "blk.{i}.ffn_down_exps.scale": "model.layers.{i}.router.per_expert_scale",
+    "blk.{i}.ffn_gate_up_exps": "model.layers.{i}.experts.gate_up_proj",  # HF's fused (E, 2I, H), split at load
+    "blk.{i}.ffn_down_exps": "model.layers.{i}.experts.down_proj",
     "blk.{i}.layer_output_scale": "model.layers.{i}.layer_scalar",
     "per_layer_token_embd": "model.embed_tokens_per_layer",
     "per_layer_model_proj": "model.per_layer_model_projection",
@@ -80,8 +88,9 @@ ARCH_TENSOR_NAMES["gemma4"] = {  # sandwich norms, the layer scalar, per-layer i
     "blk.{i}.proj": "model.layers.{i}.per_layer_projection",
     "blk.{i}.post_norm": "model.layers.{i}.post_per_layer_input_norm",
 }
-# Parameters HF names without a ``.weight`` suffix (the converter added one).
+# Parameters HF names without a ``.weight`` suffix (the converter added one), and per architecture.
 BARE_PARAMETERS = ("self_attn.sinks", "layer_scalar")
+ARCH_BARE_PARAMETERS = {"gemma4": ("router.scale", "router.per_expert_scale", "experts.gate_up_proj", "experts.down_proj")}
 # Architectures whose Q/K rows llama.cpp's converter permuted (interleaved rotary pairs): its
 # LlamaModel and the converters derived from it.
 PERMUTED_QK_ARCHS = ("llama", "granite", "smollm3", "mistral3")
@@ -98,7 +107,9 @@ def hf_name(gguf_name: str, arch: str) -> str:
     layer = _LAYER_NAME.match(stem)
     pattern, index = (f"blk.{{i}}.{layer.group(2)}", layer.group(1)) if layer else (stem, None)
     table = {**TENSOR_NAMES, **ARCH_TENSOR_NAMES.get(arch, {})}
+    if suffix == "scale" and f"{pattern}.scale" in table:  # Gemma 4's router and per-expert scales
+        pattern, suffix = f"{pattern}.scale", "weight"
     if pattern not in table or suffix not in ("weight", "bias"):
         raise MlxformerError(f"GGUF tensor {gguf_name!r} has no mapping to this decoder (architecture {arch})")
     name = table[pattern].format(i=index)
-    return name if name.endswith(BARE_PARAMETERS) else name + "." + suffix
+    return name if name.endswith(BARE_PARAMETERS + ARCH_BARE_PARAMETERS.get(arch, ())) else name + "." + suffix
