@@ -20,6 +20,7 @@ from mlxformer.models.config import ModelArgs, float_dtype
 from mlxformer.models.decoder import Model
 from mlxformer.formats.gpt_oss import MXFP4, derive_dict, fused_expert_derivations
 from mlxformer.models.families import text_weight_names
+from mlxformer.models.gemma4 import expert_derivations as gemma4_expert_derivations
 from mlxformer.models.mla import absorbed_kv_b
 from mlxformer.models.moe import expert_groups, stack_expert_arrays
 from mlxformer.models.dtype_policy import apply_dtype_policy, cast_except_quantized_linears, is_quantized
@@ -105,6 +106,7 @@ def used_tensors(args: ModelArgs, tensors: Tensors) -> Tensors:
     if args.num_experts:  # HF's per-expert matrices -> stacked (experts, out, in), still lazy
         tensors = tensors.stacked(expert_groups(tensors.entries, args.num_experts))
         tensors = tensors.derived(fused_expert_derivations(tensors.entries))  # gpt-oss
+        tensors = tensors.derived(gemma4_expert_derivations(tensors.entries))  # Gemma 4
     if args.attention_type == "mla":  # mlx-lm's split kv_b_proj -> HF's, still lazy
         tensors = tensors.derived(absorbed_kv_b(tensors.entries, args))
     kept = Model(args, num_layers=0, with_ends=False).sanitize(dict(tensors.entries))
@@ -131,6 +133,7 @@ def checked_model(
         if model.args.num_experts:
             weights = stack_expert_arrays(weights, model.args.num_experts)
             weights = derive_dict(weights, fused_expert_derivations(weights))
+            weights = derive_dict(weights, gemma4_expert_derivations(weights))
         weights = described = model.sanitize(weights)
     quantization = quantization_of(config)
     if quantization:  # per-layer entries under the decoder's names (an image-text checkpoint's renamed)

@@ -114,13 +114,16 @@ class Footprint:
     def kv_bytes_per_token(self, bits: int | None = None, group_size: int = KV_GROUP_SIZE) -> int:
         """KV-cache bytes per token over the attention layers (keys and values), in the activation dtype."""
         element_bytes = self.activation_bytes
-        heads, key_dims, value_dims = self.args.cache_dims()  # MLA: one rope key and one latent
 
         def row_bytes(dims: int) -> int:  # float, or packed codes plus one scale and one bias per group
             return dims * element_bytes if bits is None else dims * bits // 8 + 2 * (dims // group_size) * element_bytes
 
-        attention = sum(not self.args.layer_is_linear(i) for i in range(self.args.num_hidden_layers))
-        return attention * heads * (row_bytes(key_dims) + row_bytes(value_dims))
+        def layer_bytes(index: int) -> int:
+            heads, key_dims, value_dims = self.args.cache_dims(index)  # MLA: one rope key and one latent
+            return heads * (row_bytes(key_dims) + row_bytes(value_dims))
+
+        cached = self.args.num_hidden_layers - self.args.num_kv_shared_layers  # Gemma 4's last layers: none
+        return sum(layer_bytes(i) for i in range(cached) if not self.args.layer_is_linear(i))
 
 
 def footprint(path_or_repo: str | Path | Checkpoint, device: mx.DeviceType | None = None) -> Footprint:

@@ -39,7 +39,8 @@ class CacheSettings:
 
 
 def make_cache(model: HasLayers, settings: CacheSettings | None = None) -> list[Cache]:
-    """One cache per decoder layer, as ``settings`` asks and each layer's window needs."""
+    """One cache per decoder layer with a cache of its own (``cache_layers``), as ``settings``
+    asks and each layer's window needs."""
     settings = settings or CacheSettings()
     bits, group, start = settings.kv_bits, settings.kv_group_size, settings.quantized_kv_start
     if bits is not None:
@@ -49,7 +50,7 @@ def make_cache(model: HasLayers, settings: CacheSettings | None = None) -> list[
     if settings.max_kv_size is not None and settings.max_kv_size < 1:
         raise MlxformerError("max_kv_size must be positive")
     return [StateCache(settings.rewind) if layer.recurrent else _layer_cache(layer.window, settings)
-            for layer in model.layers]
+            for layer in model.cache_layers]
 
 
 def _layer_cache(window: int | None, settings: CacheSettings) -> Cache:

@@ -74,16 +74,18 @@ def check_layer(
     # tokens stored: every cached token, or one per ring slot (the positions array's length)
     stored = arrays[-1].shape[0] if rotating and arrays[-1].ndim == 1 else n_tokens
     blocks = (n_tokens - 1) // CENTER_BLOCK + 1  # key centers needed (one per block up to the last token)
-    for j, (array, (shape, kind)) in enumerate(zip(arrays, _layouts(fields, args, stored, quantized, rotating))):
+    for j, (array, (shape, kind)) in enumerate(zip(arrays, _layouts(fields, args.cache_dims(layer), stored, quantized,
+                                                                     rotating))):
         if not _fits(tuple(array.shape), shape, blocks):
             expected = tuple(f">={blocks}" if n is None else n for n in shape)
             fields.fail(f"array {j} has shape {tuple(array.shape)}, expected {expected} for this model")
         if not _is(array.dtype, kind):
             fields.fail(f"array {j} has dtype {array.dtype}, expected {kind}")
+    window = args.layer_window(layer)  # Gemma 2-4's global layers have none
     if rotating:
-        _check_ring(fields, arrays[-1], args, n_tokens)
-    elif args.sliding_window is not None:
-        fields.fail(f"a {name} for a model with a {args.sliding_window}-token sliding window")
+        _check_ring(fields, arrays[-1], window, n_tokens)
+    elif window is not None:
+        fields.fail(f"a {name} for a model with a {window}-token sliding window")
 
 
 def _check_state(fields: _Layer, arrays: list[mx.array], args: Any, n_tokens: int) -> None:
@@ -100,9 +102,10 @@ def _check_state(fields: _Layer, arrays: list[mx.array], args: Any, n_tokens: in
             fields.fail(f"array {j} has shape {tuple(array.shape)} and dtype {array.dtype}, expected {shape}, float")
 
 
-def _layouts(fields: _Layer, args: Any, stored: int, quantized: bool, rotating: bool):
-    """(shape, dtype kind) of each array of the layer, in ``state`` order."""
-    n_kv, key_dim, value_dim = args.cache_dims()  # MLA: one rope key and one latent
+def _layouts(fields: _Layer, dims: tuple[int, int, int], stored: int, quantized: bool, rotating: bool):
+    """(shape, dtype kind) of each array of the layer, in ``state`` order; ``dims``: the layer's
+    ``ModelArgs.cache_dims`` (MLA: one rope key and one latent)."""
+    n_kv, key_dim, value_dim = dims
     prefix = (1, n_kv, stored)
     if quantized:
         group, bits = fields.ints["group_size"], fields.bits
@@ -134,14 +137,13 @@ def _is(dtype: mx.Dtype, kind: str) -> bool:
     return dtype == getattr(mx, kind)
 
 
-def _check_ring(fields: _Layer, positions: mx.array, args: Any, n_tokens: int) -> None:
+def _check_ring(fields: _Layer, positions: mx.array, window: int | None, n_tokens: int) -> None:
     """The ring's fields against its slots: the positions, read in the time order ``idx`` gives,
     must be the sinks then every token of the window up to the last cached one."""
     ints = fields.ints
     max_size, keep, offset, idx, slack = ints["max_size"], ints["keep"], ints["offset"], ints["idx"], ints["slack"]
     if not 0 <= keep < max_size:
         fields.fail(f"keep={keep} does not fit max_size={max_size}")
-    window = args.sliding_window
     if window is not None and (max_size > window or (max_size == window and keep)):
         fields.fail(f"max_size={max_size}, keep={keep} does not fit the model's {window}-token sliding window")
     if offset != n_tokens:

@@ -216,7 +216,7 @@ def load_prompt_cache_file(
 def check_cache_settings(path: str | Path, cache: Sequence[Cache], model: Model, settings: CacheSettings) -> None:
     """Refuse cache settings given explicitly (not at their defaults) that ``cache`` does not have."""
     default = CacheSettings()
-    first = next((i for i, layer in enumerate(model.layers) if not layer.recurrent), 0)  # a KV layer
+    first = next((i for i, layer in enumerate(model.cache_layers) if not layer.recurrent), 0)  # a KV layer
     wanted, got = make_cache(model, settings)[first], cache[first]
     keys: list[str] = []
     if settings.kv_bits != default.kv_bits or (settings.kv_bits and settings.kv_group_size != default.kv_group_size):
@@ -249,15 +249,16 @@ def _check_fields(
 ) -> list[int]:
     """The file-wide fields: one class and meta_state per layer, token ids in the vocabulary."""
     where = f"prompt cache file {path}"
-    if not isinstance(classes, list) or len(classes) != len(model.layers):
-        raise MlxformerError(f"{where}: 'classes' must list one cache class per layer ({len(model.layers)})")
+    layers = model.cache_layers  # the layers with caches of their own
+    if not isinstance(classes, list) or len(classes) != len(layers):
+        raise MlxformerError(f"{where}: 'classes' must list one cache class per layer ({len(layers)})")
     if not isinstance(meta_states, list) or len(meta_states) != len(classes):
-        raise MlxformerError(f"{where}: 'meta_states' must hold one object per layer ({len(model.layers)})")
+        raise MlxformerError(f"{where}: 'meta_states' must hold one object per layer ({len(layers)})")
     if unknown := sorted({str(c) for c in classes} - set(CACHE_CLASSES)):
         raise MlxformerError(f"{where}: unknown cache class {unknown[0]!r}")
-    if any((c == "StateCache") != layer.recurrent for c, layer in zip(classes, model.layers)):
+    if any((c == "StateCache") != layer.recurrent for c, layer in zip(classes, layers)):
         raise MlxformerError(f"{where}: the cache classes do not fit the model's attention and recurrent layers")
-    kv_layers = [(c, m) for c, m, layer in zip(classes, meta_states, model.layers) if not layer.recurrent]
+    kv_layers = [(c, m) for c, m, layer in zip(classes, meta_states, layers) if not layer.recurrent]
     if any(layer != kv_layers[0] for layer in kv_layers):
         raise MlxformerError(f"{where}: the layers' cache settings differ")
     n = max(tokenizer.vocab_size, model.args.vocab_size)

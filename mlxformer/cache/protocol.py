@@ -33,6 +33,11 @@ class HasLayers(Protocol):
     @property
     def layers(self) -> Sequence[HasWindow]: ...
 
+    @property
+    def cache_layers(self) -> Sequence[HasWindow]:
+        """The layers with a cache of their own (Gemma 4's last layers read an earlier layer's)."""
+        ...
+
 
 class Cache(Protocol):
     """What the decoder needs from one layer's cache."""

@@ -48,7 +48,10 @@ class PromptChunk:
 def packs(model: Model) -> bool:
     """Whether a step's tokens can share one forward (``cache/packed.py``): every layer is
     attention whose RoPE takes a position per token (not dynamic NTK nor LongRoPE, whose
-    rotation depends on each sequence's length)."""
+    rotation depends on each sequence's length), each with keys/values of its own (a packed
+    cache writes them when attending, so a layer reading another's would write them twice)."""
+    if model.args.num_kv_shared_layers:
+        return False
     for layer in model.layers:
         attention = layer[layer.mixer_name]
         if not isinstance(attention, Attention):
@@ -64,9 +67,9 @@ class BatchRunner:
 
     def __init__(self, model: Model) -> None:
         self.model = model
-        self.windows = [layer.window for layer in model.layers]
+        self.windows = [layer.window for layer in model.cache_layers]  # one per cache
         # a layer whose row says when the keys turn quantized (an attention layer, not a recurrent one)
-        self.kv_layer = next((i for i, layer in enumerate(model.layers) if not layer.recurrent), 0)
+        self.kv_layer = next((i for i, layer in enumerate(model.cache_layers) if not layer.recurrent), 0)
         self.packs = packs(model)
         self.batches: dict[BatchKey, DecodeBatch] = {}
         self._rows: dict[BatchKey, list[Decoding]] = {}  # each batch's sequences, in row order

@@ -51,8 +51,8 @@ class DiskBlockStore:
         except OSError as exc:
             raise MlxformerError(f"cannot use the prompt cache directory {directory}: {exc.strerror}") from None
         self.max_bytes, self.identity, self.dtype, self.block_size = max_bytes, dict(identity), dtype, block_size
-        self.n_layers = args.num_hidden_layers
-        self._args = SimpleNamespace(cache_dims=args.cache_dims, sliding_window=None)
+        self.n_layers = args.num_hidden_layers - args.num_kv_shared_layers  # the layers with caches of their own
+        self._args = SimpleNamespace(cache_dims=args.cache_dims, layer_window=lambda index: None)
         self._lock = threading.Lock()
         self._index: OrderedDict[str, int] = OrderedDict()  # key -> file bytes, least recently used first
         self._pending: set[str] = set()

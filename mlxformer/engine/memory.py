@@ -92,7 +92,6 @@ class KVSizer:
         args = model.args
         self.model, self.settings = model, settings
         self.dtype = model.hidden_states(mx.array([[0]])).dtype  # the keys' dtype (lazy: never evaluated)
-        self.heads, self.key_dims, self.value_dims = args.cache_dims()
         self.max_blocks = math.ceil((args.max_position_embeddings + extra_tokens) / BLOCK) + 1
         self._probed: dict[int, int] = {0: 0}
 
@@ -101,13 +100,14 @@ class KVSizer:
         if blocks not in self._probed:
             n, total = blocks * BLOCK, 0
             start = self.settings.quantized_kv_start if self.settings.kv_bits is not None else 0
-            for cache in make_cache(self.model, self.settings):
+            for index, cache in enumerate(make_cache(self.model, self.settings)):
                 if isinstance(cache, StateCache):  # a fixed size whatever the length
                     total += state_nbytes(self.model.args, cache.keep, self.dtype) if blocks else 0
                     continue
+                heads, key_dims, value_dims = self.model.args.cache_dims(index)  # the cache's layer's
                 for length in ([start, n - start] if 0 < start < n else [n]):
-                    keys = mx.zeros((1, self.heads, length, self.key_dims), self.dtype)
-                    cache.update_and_fetch(keys, mx.zeros((1, self.heads, length, self.value_dims), self.dtype))
+                    keys = mx.zeros((1, heads, length, key_dims), self.dtype)
+                    cache.update_and_fetch(keys, mx.zeros((1, heads, length, value_dims), self.dtype))
                 total += cache.nbytes
             self._probed[blocks] = total
         return self._probed[blocks]

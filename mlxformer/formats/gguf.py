@@ -22,7 +22,7 @@ import numpy as np
 from mlxformer.errors import MlxformerError
 from mlxformer.formats.gguf_quants import EXACT_TYPES, FLOAT_DECODED_TYPES, GROUP_SIZE, decode_codes, decode_mxfp4, \
     decode_values, requantize
-from mlxformer.formats.gguf_families import GGUF_ARCHITECTURES, NORM_SHIFTED_ARCHS, arch_config
+from mlxformer.formats.gguf_families import GGUF_ARCHITECTURES, NORM_SHIFTED_ARCHS, arch_config, gemma4_config
 from mlxformer.formats.gguf_hybrid import HYBRID_ARCHS, undo_converter
 from mlxformer.formats.gguf_names import CONFIG_TENSORS, PERMUTED_QK_ARCHS, hf_name, is_block_from
 from mlxformer.formats.gguf_reader import GGUFFile, TensorInfo
@@ -42,6 +42,8 @@ LEGACY_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")  # float16 scales in the
 
 
 SUPPORTED_ARCHITECTURES = GGUF_ARCHITECTURES
+# Keys Gemma 4 writes as one value per layer (the shared reading takes the first layer's)
+_PER_LAYER_KEYS = ("feed_forward_length", "attention.head_count_kv")
 
 def _meta(metadata: dict[str, Any], key: str, default: Any = None) -> Any:
     value = metadata.get(key, default)
@@ -61,6 +63,8 @@ def config_from_metadata(metadata: dict[str, Any], tensor_names: set[str]) -> di
         """``{arch}.{name}`` as a finite number (a bool when ``default`` is one); ``default`` when
         absent (None: None; none: an error)."""
         value = _meta(metadata, f"{arch}.{name}", None if default is ... else default)
+        if isinstance(value, list) and value and name in _PER_LAYER_KEYS:  # Gemma 4: its reader takes the rest
+            value = value[0]
         if value is None:
             if default is None:
                 return None
@@ -114,6 +118,8 @@ def config_from_metadata(metadata: dict[str, Any], tensor_names: set[str]) -> di
     if arch == "qwen2":
         config["attention_bias"] = True
     config.update(arch_config(arch, field, config, frozenset(tensor_names)))
+    if arch == "gemma4":
+        config.update(gemma4_config(field, config, lambda name: _meta(metadata, f"{arch}.{name}"), tensor_names))
     return config
 
 
@@ -292,7 +298,9 @@ def open_gguf(path: Path) -> tuple[dict[str, Any], dict[str, TensorEntry], Calla
             sources[entry.name] = (info, key)
     config = config_from_metadata(gguf.metadata, set(tensors))
     rope_freqs = gguf.tensors.get("rope_freqs.weight")
-    if rope_freqs is not None:
+    if arch == "gemma4":
+        _gemma4_tensors(gguf, rope_freqs, config)
+    elif rope_freqs is not None:
         factors = _rope_factors(gguf, rope_freqs, config["head_dim"])
         config["rope_scaling"] = rope_scaling_from_factors(factors, config["rope_theta"], config["head_dim"])
     long, short = gguf.tensors.get("rope_factors_long.weight"), gguf.tensors.get("rope_factors_short.weight")
@@ -328,6 +336,21 @@ def _first_mtp_block(metadata: dict[str, Any], arch: str) -> int | None:
         raise MlxformerError(f"GGUF metadata {arch}.nextn_predict_layers {str(nextn)[:20]} does not fit "
                              f"{arch}.block_count {str(blocks)[:20]}")
     return blocks - nextn
+def _gemma4_tensors(gguf: GGUFFile, info: TensorInfo | None, config: dict[str, Any]) -> None:
+    """Gemma 4's config from its tensors: the per-layer embedding's vocabulary, and the full
+    layers' ``rope_freqs`` (1 for each rotated pair, then 1e30: unrotated), the proportional
+    RoPE's ``partial_rotary_factor``."""
+    per_layer = gguf.tensors.get("per_layer_token_embd.weight")
+    if per_layer is not None:
+        config["vocab_size_per_layer_input"] = int(per_layer.shape[0])
+    if info is None:
+        raise MlxformerError(f"{gguf.path}: a gemma4 GGUF needs rope_freqs (its full layers' RoPE)")
+    head_dim = config["global_head_dim"]
+    factors = _rope_factors(gguf, info, head_dim)
+    rotated = int(np.sum(factors == 1.0))
+    if not (np.all(factors[:rotated] == 1.0) and np.all(factors[rotated:] >= 1e20)):
+        raise MlxformerError(f"{gguf.path}: gemma4 rope_freqs must be 1 for rotated pairs, then >= 1e20")
+    config["rope_parameters"]["full_attention"]["partial_rotary_factor"] = 2 * rotated / head_dim
 
 
 def _rope_factors(gguf: GGUFFile, info: TensorInfo, head_dim: Any) -> np.ndarray:

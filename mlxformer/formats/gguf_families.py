@@ -18,7 +18,7 @@ GGUF_ARCHITECTURES = {
     "gemma3": "gemma3_text", "phi3": "phi3", "olmo2": "olmo2", "granite": "granite", "smollm3": "smollm3",
     "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "olmoe": "olmoe",  # llama + experts: mixtral
     "mistral3": "ministral3",  # olmo2 with a sliding window: olmo3
-    "gpt-oss": "gpt_oss",
+    "gpt-oss": "gpt_oss", "gemma4": "gemma4_text",
     "qwen35": "qwen3_5_text", "qwen35moe": "qwen3_5_moe_text", "qwen3next": "qwen3_next",  # Gated DeltaNet hybrids
     "glm4moe": "glm4_moe", "deepseek2": "deepseek_v3",  # deepseek2: DeepSeek-V2/V3, GLM-4.7-Flash (MLA)
 }
@@ -239,6 +239,46 @@ def _deepseek2(field: Field, config: dict[str, Any], tensors: frozenset[str]) ->
 _ARCH_TENSOR_KEYS: dict[str, Callable[[Field, dict[str, Any], frozenset[str]], dict[str, Any]]] = {
     "glm4moe": _glm4moe, "deepseek2": _deepseek2,
 }
+
+
+def gemma4_config(field: Field, config: dict[str, Any], array: Callable[[str], Any], tensor_names: set[str]) -> dict[str, Any]:
+    """Gemma 4's keys: per-layer K/V heads and feed-forward lengths as arrays (``array``: the
+    raw metadata value), the two head sizes, K = V where a full layer has no ``attn_v``; the
+    proportional RoPE's rotated share comes from ``rope_freqs`` (``gguf.open_gguf``)."""
+    types = config["layer_types"]
+    layers = len(types)
+    shared = int(field("attention.shared_kv_layers", 0))
+    full = next(i for i, t in enumerate(types) if t == "full_attention")
+    sliding = next((i for i, t in enumerate(types) if t == "sliding_attention"), full)
+
+    def at(name: str, index: int, default: Any) -> int:
+        value = array(name)
+        return int(default if value is None else value[index] if isinstance(value, list) else value)
+
+    ff = array("feed_forward_length")
+    global_head_dim = int(field("attention.key_length"))
+    extra: dict[str, Any] = {
+        "head_dim": int(field("attention.key_length_swa", global_head_dim)), "global_head_dim": global_head_dim,
+        "num_key_value_heads": at("attention.head_count_kv", sliding, config["num_attention_heads"]),
+        "num_global_key_value_heads": at("attention.head_count_kv", full, config["num_attention_heads"]),
+        "attention_k_eq_v": any(f"blk.{i}.attn_v.weight" not in tensor_names
+                                for i in range(layers - shared) if types[i] == "full_attention"),
+        "intermediate_size": at("feed_forward_length", 0, 0),
+        "use_double_wide_mlp": isinstance(ff, list) and len(set(ff)) > 1,
+        "sliding_window": int(field("attention.sliding_window")), "num_kv_shared_layers": shared,
+        "hidden_size_per_layer_input": int(field("embedding_length_per_layer_input", 0)),
+        "vocab_size_per_layer_input": config["vocab_size"],
+        "final_logit_softcapping": field("final_logit_softcapping", None),
+        "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": float(field("rope.freq_base_swa", 10000.0))},
+            "full_attention": {"rope_type": "proportional", "rope_theta": float(field("rope.freq_base", 1e6)),
+                               "partial_rotary_factor": 1.0}},
+    }
+    if field("expert_count", None):
+        extra.update(enable_moe_block=True, num_experts=int(field("expert_count")),
+                     top_k_experts=int(field("expert_used_count")),
+                     moe_intermediate_size=int(field("expert_feed_forward_length")))
+    return extra
 
 
 def arch_config(arch: str, field: Field, config: dict[str, Any], tensors: frozenset[str] = frozenset()) -> dict[str, Any]:

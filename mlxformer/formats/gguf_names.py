@@ -99,8 +99,29 @@ _QWEN35 = {**_HYBRID, "blk.{i}.ssm_beta": f"{_DELTA}.in_proj_b", "blk.{i}.ssm_al
 ARCH_TENSOR_NAMES["qwen35"] = _QWEN35
 ARCH_TENSOR_NAMES["qwen35moe"] = {**_QWEN35, **_experts("mlp")}
 ARCH_TENSOR_NAMES["qwen3next"] = {**_HYBRID, **_experts("mlp"), "blk.{i}.ssm_ba": f"{_DELTA}.in_proj_ba"}
-# Parameters HF names without a ``.weight`` suffix (the converter added one, or wrote none: ``ssm_a``).
-BARE_PARAMETERS = ("self_attn.sinks", "linear_attn.A_log", "linear_attn.dt_bias", "mlp.gate.e_score_correction_bias")
+ARCH_TENSOR_NAMES["gemma4"] = {  # sandwich norms, the layer scalar, per-layer inputs, experts beside the MLP
+    **_SANDWICH_NORMS,
+    "blk.{i}.pre_ffw_norm_2": "model.layers.{i}.pre_feedforward_layernorm_2",
+    "blk.{i}.post_ffw_norm_1": "model.layers.{i}.post_feedforward_layernorm_1",
+    "blk.{i}.post_ffw_norm_2": "model.layers.{i}.post_feedforward_layernorm_2",
+    "blk.{i}.ffn_gate_inp": "model.layers.{i}.router.proj",
+    "blk.{i}.ffn_gate_inp.scale": "model.layers.{i}.router.scale",  # ``.scale`` tensors: rows of their own
+    "blk.{i}.ffn_down_exps.scale": "model.layers.{i}.router.per_expert_scale",
+    "blk.{i}.ffn_gate_up_exps": "model.layers.{i}.experts.gate_up_proj",  # HF's fused (E, 2I, H), split at load
+    "blk.{i}.ffn_down_exps": "model.layers.{i}.experts.down_proj",
+    "blk.{i}.layer_output_scale": "model.layers.{i}.layer_scalar",
+    "per_layer_token_embd": "model.embed_tokens_per_layer",
+    "per_layer_model_proj": "model.per_layer_model_projection",
+    "per_layer_proj_norm": "model.per_layer_projection_norm",
+    "blk.{i}.inp_gate": "model.layers.{i}.per_layer_input_gate",
+    "blk.{i}.proj": "model.layers.{i}.per_layer_projection",
+    "blk.{i}.post_norm": "model.layers.{i}.post_per_layer_input_norm",
+}
+# Parameters HF names without a ``.weight`` suffix (the converter added one, or wrote none:
+# ``ssm_a``), and per architecture.
+BARE_PARAMETERS = ("self_attn.sinks", "linear_attn.A_log", "linear_attn.dt_bias", "mlp.gate.e_score_correction_bias",
+                   "layer_scalar")
+ARCH_BARE_PARAMETERS = {"gemma4": ("router.scale", "router.per_expert_scale", "experts.gate_up_proj", "experts.down_proj")}
 # Architectures whose Q/K rows llama.cpp's converter permuted (interleaved rotary pairs): its
 # LlamaModel and the converters derived from it.
 PERMUTED_QK_ARCHS = ("llama", "granite", "smollm3", "mistral3")
@@ -125,8 +146,8 @@ def hf_name(gguf_name: str, arch: str) -> str:
     layer = _LAYER_NAME.match(stem)
     pattern, index = (f"blk.{{i}}.{layer.group(2)}", layer.group(1)) if layer else (stem, None)
     table = {**TENSOR_NAMES, **ARCH_TENSOR_NAMES.get(arch, {})}
-    name = table[pattern].format(i=index) if pattern in table else ""
-    bare = name.endswith(BARE_PARAMETERS)
+    name = table[pattern].format(i=index) if pattern in table else ""  # Gemma 4's ``.scale`` rows: whole names
+    bare = name.endswith(BARE_PARAMETERS + ARCH_BARE_PARAMETERS.get(arch, ()))
     if not name or not (suffix or bare):
         raise MlxformerError(f"GGUF tensor {gguf_name!r} has no mapping to this decoder (architecture {arch})")
     return name if bare else name + "." + suffix

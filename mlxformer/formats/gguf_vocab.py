@@ -221,13 +221,16 @@ def spm_merges(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
 
 
 def spm_bpe_tokenizer(
-    tokens: list[str], scores: list[float], add_prefix_space: bool, legacy: bool = False
+    tokens: list[str], scores: list[float], add_prefix_space: bool, legacy: bool = False,
+    merges: list[tuple[str, str]] | None = None,
 ) -> HFTokenizer:
     """A SentencePiece BPE vocabulary as a `tokenizers` BPE with byte fallback, as transformers'
     LlamaTokenizer builds it: a Metaspace pre-tokenizer that adds the dummy-prefix space at the
-    start of the text, or (``legacy``) also after every added token."""
+    start of the text, or (``legacy``) also after every added token. ``merges``: the file's own
+    (Gemma 4's ``gemma4`` vocabulary), else implied by the scores."""
     vocab = {tok: i for i, tok in enumerate(tokens)}
-    model = models.BPE(vocab=vocab, merges=spm_merges(tokens, scores), fuse_unk=True, byte_fallback=True)
+    merges = spm_merges(tokens, scores) if merges is None else merges
+    model = models.BPE(vocab=vocab, merges=merges, fuse_unk=True, byte_fallback=True)
     tok = HFTokenizer(model)
     scheme = ("always" if legacy else "first") if add_prefix_space else "never"
     tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme=scheme, split=False)
@@ -265,8 +268,8 @@ def build_gguf_vocab(metadata: dict[str, Any], source: str = "GGUF file") -> GGU
     tokens = meta.strings("tokenizer.ggml.tokens")
     if kind is None or tokens is None:
         raise MlxformerError(f"{source}: no tokenizer (missing tokenizer.ggml.model / tokenizer.ggml.tokens)")
-    if kind not in ("gpt2", "llama"):
-        raise MlxformerError(f"{source}: unsupported tokenizer.ggml.model {kind!r} (supported: 'gpt2', 'llama')")
+    if kind not in ("gpt2", "llama", "gemma4"):
+        raise MlxformerError(f"{source}: unsupported tokenizer.ggml.model {kind!r} (supported: 'gpt2', 'llama', 'gemma4')")
     token_type = meta.numbers("tokenizer.ggml.token_type", len(tokens), integer=True)
     pre = meta.scalar("tokenizer.ggml.pre", str)
     ids = {name: meta.token_id(f"tokenizer.ggml.{key}", len(tokens)) for name, key in _SPECIAL_IDS.items()}
@@ -276,6 +279,9 @@ def build_gguf_vocab(metadata: dict[str, Any], source: str = "GGUF file") -> GGU
     if kind == "gpt2":
         tok = _byte_level_model(tokens, token_type, meta.merges(), pre)
         default_bos = pre in _BOS_BY_DEFAULT  # llama.cpp's default for these pre-tokenizers
+    elif kind == "gemma4":  # SentencePiece-style pieces (spaces as ▁, byte fallback) with stored merges
+        tok = spm_bpe_tokenizer(tokens, [], False, merges=meta.merges())
+        default_bos = True
     else:
         prefix = meta.scalar("tokenizer.ggml.add_space_prefix", bool)
         scores = meta.numbers("tokenizer.ggml.scores", len(tokens), integer=False)

@@ -15,6 +15,7 @@ import mlx.core as mx
 from mlxformer.errors import MlxformerError
 from mlxformer.models.config_bounds import check_config_sizes
 from mlxformer.models.families import FAMILIES, family_fields, hybrid_config, text_config_of
+from mlxformer.models.gemma4_family import gemma4_config  # also registers the gemma4_text family
 from mlxformer.models.rope_config import SUPPORTED_ROPE_TYPES, RopeConfig, rope_config_from_dict, rope_scaling_dict
 
 __all__ = ["FLOAT_DTYPES", "float_dtype", "ModelArgs", "RopeConfig", "SUPPORTED_ROPE_TYPES", "rope_config_from_dict", "rope_scaling_dict"]
@@ -116,6 +117,17 @@ class ModelArgs:
     linear_conv_channels_last: bool = False  # conv1d weight (C, K, 1) as mlx-lm stores it (HF: (C, 1, K))
     attn_output_gate: bool = False  # q_proj also gives a sigmoid gate on the attention output (Qwen3.5/Next)
     mtp_layers: int = 0  # multi-token-prediction layers stored after the decoder's (unused, dropped)
+    # --- Gemma 4 (``models.gemma4_family``, ``models.gemma4``) ---
+    global_head_dim: int = 0  # the head size of "full" layers (0: head_dim)
+    global_kv_heads: int = 0  # the K/V heads of "full" layers (0: num_key_value_heads)
+    attention_k_eq_v: bool = False  # "full" layers have no v_proj: the values are the keys' projection
+    v_norm: bool = False  # values pass a scale-free RMSNorm per head
+    layer_scalar: bool = False  # each layer's output is multiplied by its stored ``layer_scalar``
+    hidden_size_per_layer_input: int = 0  # per-layer token inputs of this size (0: none)
+    vocab_size_per_layer_input: int = 0
+    num_kv_shared_layers: int = 0  # the last layers attend over an earlier layer's keys/values (``kv_source``)
+    double_wide_mlp: bool = False  # the KV-shared layers' MLP is twice ``intermediate_size``
+    experts_beside_mlp: bool = False  # a routed experts block beside the dense MLP (Gemma 4's MoE)
 
     def layer_window(self, index: int) -> int | None:
         """The sliding window layer ``index`` attends with (None: the whole context)."""
@@ -135,12 +147,32 @@ class ModelArgs:
             return self.rope_local
         return self.rope
 
-    def cache_dims(self) -> tuple[int, int, int]:
-        """What one layer's cache stores per token: ``(heads, key dims, value dims)``; an MLA
-        layer stores one rope key and one latent (``cache.latent``)."""
+    def layer_is_global(self, index: int) -> bool:
+        """Whether layer ``index`` is a "full" layer of a model with per-type head sizes (Gemma 4)."""
+        return bool(self.global_head_dim) and self.layer_types[index] == "full"
+
+    def layer_head_dim(self, index: int) -> int:
+        """The head size of layer ``index``'s attention."""
+        return self.global_head_dim if self.layer_is_global(index) else self.head_dim
+
+    def layer_kv_heads(self, index: int) -> int:
+        """The K/V head count of layer ``index``'s attention."""
+        return self.global_kv_heads if self.layer_is_global(index) else self.num_key_value_heads
+
+    def kv_source(self, index: int) -> int | None:
+        """The earlier layer whose keys/values layer ``index`` attends over (Gemma 4's last
+        ``num_kv_shared_layers``: the last unshared layer of the same type); None: its own."""
+        first_shared = self.num_hidden_layers - self.num_kv_shared_layers
+        if index < first_shared:
+            return None
+        return max(i for i in range(first_shared) if self.layer_types[i] == self.layer_types[index])
+
+    def cache_dims(self, index: int = 0) -> tuple[int, int, int]:
+        """What layer ``index``'s cache stores per token: ``(heads, key dims, value dims)``; an
+        MLA layer stores one rope key and one latent (``cache.latent``)."""
         if self.attention_type == "mla":
             return 1, self.qk_rope_head_dim, self.kv_lora_rank
-        return self.num_key_value_heads, self.head_dim, self.head_dim
+        return self.layer_kv_heads(index), self.layer_head_dim(index), self.layer_head_dim(index)
 
     @classmethod
     def from_dict(cls, config: dict[str, Any]) -> "ModelArgs":
@@ -210,6 +242,9 @@ class ModelArgs:
             config.update(hybrid_config(self))
         if self.attention_type == "mla" and config["rope_scaling"] is None:  # mlx-lm's DeepSeek-V2 reads its factor
             config["rope_scaling"] = {"rope_type": "default", "type": "default", "factor": 1.0}
+        if self.global_head_dim:  # Gemma 4: RoPE per layer type only (transformers refuses a flat one)
+            config.update(gemma4_config(self))
+            del config["rope_theta"], config["rope_scaling"]
         if self.num_experts:
             config.update(num_experts=self.num_experts, num_local_experts=self.num_experts,
                           num_experts_per_tok=self.num_experts_per_tok, norm_topk_prob=self.norm_topk_prob,
@@ -260,4 +295,5 @@ ARCHITECTURES = {
     "qwen3_5_text": "Qwen3_5ForCausalLM",
     "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
     "qwen3_next": "Qwen3NextForCausalLM",
+    "gemma4_text": "Gemma4ForCausalLM",
 }

@@ -46,6 +46,8 @@ SIZE_BOUNDS: dict[str, int] = {
     "hidden_size_per_layer_input": 1 << 17,
     "vocab_size_per_layer_input": 1 << 23,
     "num_kv_shared_layers": 4096,
+    "num_global_key_value_heads": 4096,
+    "top_k_experts": 1 << 14,
     "no_rope_layer_interval": 4096,
     "sliding_window_pattern": 4096,
 }

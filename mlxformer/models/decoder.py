@@ -9,11 +9,13 @@ load without a renaming table.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlxformer.errors import MlxformerError
 from mlxformer.models.mask import Mask, causal_mask_for
 from mlxformer.cache.protocol import Cache
 from mlxformer.models.attention_ops import fused_attention, position_query_scale, softcap_scores, softcapped_attention
@@ -21,13 +23,18 @@ from mlxformer.models.config import ModelArgs
 from mlxformer.models.mla import MLAttention
 from mlxformer.models.gated_delta import GatedDeltaNet
 from mlxformer.models.mlp import MLP, make_mlp, swiglu
+from mlxformer.models import gemma4
 import mlxformer.models.moe  # noqa: F401  registers the "moe" MLP type
 import mlxformer.models.moe_gpt_oss  # noqa: F401  registers gpt-oss's experts and gate
 from mlxformer.models.norms import NORM_LAYOUTS, RMSNorm
 from mlxformer.models.rope_variants import make_rope
 
 # An image-text checkpoint's vision tower and a multi-token-prediction head: not the decoder's.
-_NOT_TEXT = ("model.visual.", "visual.", "vision_tower.", "mtp.")
+_NOT_TEXT = ("model.visual.", "visual.", "vision_tower.", "mtp.", "model.vision_tower.", "model.audio_tower.",
+             "model.embed_vision.", "model.embed_audio.")
+# A layer's keys/values as the layers reading them get them (``kv_source``): what the cache
+# returned, and the position of the first new token.
+SharedKV = dict[int, tuple[object, object, "int | mx.array"]]
 
 __all__ = ["Attention", "DecoderLayer", "DecoderStack", "MLP", "Model", "swiglu"]
 
@@ -35,31 +42,44 @@ __all__ = ["Attention", "DecoderLayer", "DecoderStack", "MLP", "Model", "swiglu"
 class Attention(nn.Module):
     """Multi-head attention with grouped K/V heads, passed unrepeated to the fused kernel.
 
-    ``layer_index`` (in the whole model) picks the layer's RoPE (none, local or global)."""
+    ``layer_index`` (in the whole model) picks the layer's RoPE (none, local or global), head
+    sizes, and whether it attends over another layer's keys/values (``kv_source``: no k/v
+    projections of its own)."""
 
     def __init__(self, args: ModelArgs, layer_index: int = 0):
         super().__init__()
+        self.layer_index, self.kv_source = layer_index, args.kv_source(layer_index)
+        # whether later layers attend over this one's keys/values (Gemma 4's KV sharing)
+        self.kv_read = args.num_kv_shared_layers > 0 and any(
+            args.kv_source(i) == layer_index for i in range(layer_index + 1, args.num_hidden_layers))
         self.n_heads = args.num_attention_heads
-        self.n_kv_heads = args.num_key_value_heads
-        self.head_dim = args.head_dim
-        self.scale = args.head_dim**-0.5 if args.attention_scale is None else args.attention_scale
+        self.n_kv_heads = args.layer_kv_heads(layer_index)
+        self.head_dim = args.layer_head_dim(layer_index)
+        self.scale = self.head_dim**-0.5 if args.attention_scale is None else args.attention_scale
         self.softcap = args.attn_logit_softcap
         self.q_dim, self.kv_dim = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         self.fused_qkv = args.fused_qkv
         self.output_gate = args.attn_output_gate  # q_proj gives each head's queries, then its gate
+        # Gemma 4's full layers: the values are the keys' projection (before the key norm)
+        self.values_from_keys = args.attention_k_eq_v and args.layer_is_global(layer_index)
+        self.v_norm_eps = args.rms_norm_eps if args.v_norm else None  # a scale-free RMSNorm on values
+        own_kv = self.kv_source is None
         if args.fused_qkv:
             self.qkv_proj = nn.Linear(args.hidden_size, self.q_dim + 2 * self.kv_dim, bias=args.qkv_bias)
         else:
             self.q_proj = nn.Linear(args.hidden_size, self.q_dim * (2 if self.output_gate else 1), bias=args.qkv_bias)
-            self.k_proj = nn.Linear(args.hidden_size, self.kv_dim, bias=args.qkv_bias)
-            self.v_proj = nn.Linear(args.hidden_size, self.kv_dim, bias=args.qkv_bias)
+            if own_kv:
+                self.k_proj = nn.Linear(args.hidden_size, self.kv_dim, bias=args.qkv_bias)
+            if own_kv and not self.values_from_keys:
+                self.v_proj = nn.Linear(args.hidden_size, self.kv_dim, bias=args.qkv_bias)
         self.o_proj = nn.Linear(self.q_dim, args.hidden_size, bias=args.o_proj_bias)
         # q/k RMSNorm per head (Qwen3, Gemma 3) or over the whole projection (OLMo 2)
         self.qk_norm = args.qk_norm_scope if args.qk_norm else None
         if args.qk_norm:
             q_dims, k_dims = (self.q_dim, self.kv_dim) if self.qk_norm == "projection" else (self.head_dim,) * 2
             self.q_norm = RMSNorm(q_dims, eps=args.rms_norm_eps, offset=args.norm_offset)
-            self.k_norm = RMSNorm(k_dims, eps=args.rms_norm_eps, offset=args.norm_offset)
+            if own_kv:
+                self.k_norm = RMSNorm(k_dims, eps=args.rms_norm_eps, offset=args.norm_offset)
         if args.attention_sinks:  # gpt-oss: a learned logit per head that joins each softmax
             self.sinks = mx.zeros((self.n_heads,))
         rope = args.layer_rope(layer_index)
@@ -73,9 +93,16 @@ class Attention(nn.Module):
         if self.fused_qkv:
             qkv = self.qkv_proj(x)  # (B, L, q_dim + 2 * kv_dim)
             return qkv[..., : self.q_dim], qkv[..., self.q_dim : self.q_dim + self.kv_dim], qkv[..., self.q_dim + self.kv_dim :]
-        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        keys = self.k_proj(x)
+        return self.q_proj(x), keys, keys if self.values_from_keys else self.v_proj(x)
 
-    def __call__(self, x: mx.array, mask: Mask, cache: Cache | None, rope_length: int | None = None) -> mx.array:
+    def __call__(
+        self, x: mx.array, mask: Mask, cache: Cache | None, rope_length: int | None = None, shared: SharedKV | None = None
+    ) -> mx.array:
+        """``shared``: the keys/values of the layers that others read (``kv_source``), kept here
+        by those layers and read by the others (their ``cache`` is their source's)."""
+        if self.kv_source is not None:
+            return self._attend_shared(x, mask, cache, rope_length, shared)
         B, L, _ = x.shape
         queries, keys, values = self.project(x)
         gate = None
@@ -90,6 +117,8 @@ class Attention(nn.Module):
         values = values.reshape(B, L, self.n_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
         if self.qk_norm == "head":
             queries, keys = self.q_norm(queries), self.k_norm(keys)
+        if self.v_norm_eps is not None:
+            values = mx.fast.rms_norm(values, None, self.v_norm_eps)
         offset = cache.offset if cache is not None else 0
         if self.rope is not None:
             queries, keys = self.rope(queries, offset, rope_length), self.rope(keys, offset, rope_length)
@@ -99,14 +128,37 @@ class Attention(nn.Module):
             queries = queries * scale.astype(queries.dtype)
         if cache is not None:
             keys, values = cache.update_and_fetch(keys, values)
-            out = cache.attention(queries, keys, values, scale=self.scale, mask=mask, softcap=self.softcap, sinks=sinks)
-        elif self.softcap is not None:
-            out = softcapped_attention(queries, keys, values, self.scale, mask, self.softcap, sinks)
-        else:
-            out = fused_attention(queries, keys, values, self.scale, mask, sinks)
+        if shared is not None and self.kv_read:
+            shared[self.layer_index] = (keys, values, offset)
+        out = self._attend(queries, keys, values, mask, cache, sinks)
         # (B, heads, L, head_dim) -> (B, L, heads * head_dim)
         out = out.transpose(0, 2, 1, 3).reshape(B, L, -1)
         return self.o_proj(out if gate is None else out * mx.sigmoid(gate))
+
+    def _attend(self, queries: mx.array, keys: object, values: object, mask: Mask, cache: Cache | None,
+                sinks: mx.array | None = None) -> mx.array:
+        """Queries ``(B, heads, L, head_dim)`` over the keys/values (as ``cache`` returned them)."""
+        if cache is not None:
+            return cache.attention(queries, keys, values, scale=self.scale, mask=mask, softcap=self.softcap, sinks=sinks)
+        if self.softcap is not None:
+            return softcapped_attention(queries, keys, values, self.scale, mask, self.softcap, sinks)  # type: ignore[arg-type]
+        return fused_attention(queries, keys, values, self.scale, mask, sinks)  # type: ignore[arg-type]
+
+    def _attend_shared(self, x: mx.array, mask: Mask, cache: Cache | None, rope_length: int | None,
+                       shared: SharedKV | None) -> mx.array:
+        """Attention over the keys/values layer ``kv_source`` computed in this forward."""
+        if shared is None or self.kv_source not in shared:
+            raise ValueError(f"layer {self.layer_index} reads layer {self.kv_source}'s keys/values, which did not run")
+        keys, values, offset = shared[self.kv_source]
+        B, L, _ = x.shape
+        # (B, L, heads * head_dim) -> (B, heads, L, head_dim)
+        queries = self.q_proj(x).reshape(B, L, self.n_heads, self.head_dim).transpose(0, 2, 1, 3)
+        if self.qk_norm == "head":
+            queries = self.q_norm(queries)
+        if self.rope is not None:
+            queries = self.rope(queries, offset, rope_length)
+        out = self._attend(queries, keys, values, mask, cache)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
 class DecoderLayer(nn.Module):
@@ -123,8 +175,17 @@ class DecoderLayer(nn.Module):
             self[self.mixer_name] = GatedDeltaNet(args, layer_index)
         else:
             self[self.mixer_name] = MLAttention(args, layer_index) if args.attention_type == "mla" else Attention(args, layer_index)
+        self.kv_source = args.kv_source(layer_index)  # the layer whose cache this one reads (None: its own)
         self.mlp_name = args.mlp_name  # the checkpoint's name for the block (Mixtral: block_sparse_moe)
-        self[args.mlp_name] = make_mlp(args, layer_index)
+        wide = args.double_wide_mlp and self.kv_source is not None  # Gemma 4's KV-shared layers
+        mlp_args = dataclasses.replace(args, intermediate_size=2 * args.intermediate_size) if wide else args
+        self[args.mlp_name] = make_mlp(mlp_args, layer_index)
+        # Gemma 4: per-layer inputs, experts beside the MLP, a stored output scalar
+        self.experts_beside, self.activation = args.experts_beside_mlp, args.hidden_act
+        for name, module in gemma4.layer_modules(args).items():
+            self[name] = module
+        if args.layer_scalar:
+            self.layer_scalar = mx.ones((1,))
         self.norm_layout = args.norm_layout  # a string: kept out of the parameter tree
         for name in NORM_LAYOUTS[args.norm_layout]:
             if name is not None:
@@ -138,9 +199,23 @@ class DecoderLayer(nn.Module):
     def _residual(self, x: mx.array, out: mx.array) -> mx.array:
         return x + (out if self.residual_scale == 1.0 else out * self.residual_scale)
 
-    def __call__(self, x: mx.array, mask: Mask, cache: Cache | None, rope_length: int | None = None) -> mx.array:
-        h = self._residual(x, self._norm(1, self[self.mixer_name](self._norm(0, x), mask, cache, rope_length)))
-        return self._residual(h, self._norm(3, self[self.mlp_name](self._norm(2, h))))
+    def __call__(
+        self, x: mx.array, mask: Mask, cache: Cache | None, rope_length: int | None = None,
+        shared: SharedKV | None = None, per_layer_input: mx.array | None = None,
+    ) -> mx.array:
+        """``shared``: keys/values passed between layers (``Attention``); ``per_layer_input``:
+        this layer's extra input ``(B, T, size)`` (Gemma 4)."""
+        mixer = self[self.mixer_name]
+        mixed = mixer(self._norm(0, x), mask, cache, rope_length) if shared is None else (
+            mixer(self._norm(0, x), mask, cache, rope_length, shared))
+        h = self._residual(x, self._norm(1, mixed))
+        ff = self[self.mlp_name](self._norm(2, h))
+        if self.experts_beside:
+            ff = gemma4.experts_beside_mlp(self, h, ff)
+        out = self._residual(h, self._norm(3, ff))
+        if per_layer_input is not None:
+            out = gemma4.add_per_layer_input(self, self.activation, out, per_layer_input)
+        return out * self["layer_scalar"] if "layer_scalar" in self else out
 
 
 class DecoderStack(nn.Module):
@@ -157,6 +232,9 @@ class DecoderStack(nn.Module):
         self.layers = [DecoderLayer(args, first_layer + i) for i in range(count)]
         if with_ends:
             self.norm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps, offset=args.norm_offset)
+            if args.hidden_size_per_layer_input:  # Gemma 4
+                for name, module in gemma4.stack_modules(args).items():
+                    self[name] = module
 
 
 class Model(nn.Module):
@@ -173,12 +251,20 @@ class Model(nn.Module):
         # Set by ``watch_hidden``: sees each forward's final hidden states with its caches (native MTP).
         self._hidden_watch: Callable[[mx.array, Sequence[Cache]], None] | None = None
         self.model = DecoderStack(args, num_layers, with_ends, first_layer)
+        if args.num_kv_shared_layers and 0 < len(self.layers) < args.num_hidden_layers:
+            raise MlxformerError("a model whose layers share keys/values (Gemma 4) runs in one process, not a pipeline")
         if with_ends and not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 
     @property
     def layers(self) -> list[DecoderLayer]:
         return self.model.layers
+
+    @property
+    def cache_layers(self) -> list[DecoderLayer]:
+        """The layers with a cache of their own (``make_cache``'s, in order): all but those
+        reading another layer's keys/values (Gemma 4's last ``num_kv_shared_layers``)."""
+        return [layer for layer in self.model.layers if layer.kv_source is None]
 
     def hidden_states(
         self, inputs: mx.array, cache: Sequence[Cache] | None = None, rope_length: int | None = None
@@ -188,7 +274,8 @@ class Model(nn.Module):
         h = self.model.embed_tokens(inputs)  # (B, T, hidden)
         if self.args.embedding_scale != 1.0:  # in the activation dtype, as transformers does
             h = h * mx.array(self.args.embedding_scale, dtype=h.dtype)
-        h = self.run_layers(h, cache, rope_length)
+        extra = gemma4.per_layer_inputs(self.model, self.args, inputs, h) if self.args.hidden_size_per_layer_input else None
+        h = self.run_layers(h, cache, rope_length, extra)
         if self._remote_layers is not None:
             h = self._remote_layers(h, rope_length)
         h = self.model.norm(h)
@@ -197,22 +284,27 @@ class Model(nn.Module):
         return h
 
     def run_layers(
-        self, h: mx.array, cache: Sequence[Cache] | None = None, rope_length: int | None = None
+        self, h: mx.array, cache: Sequence[Cache] | None = None, rope_length: int | None = None,
+        per_layer_inputs: mx.array | None = None,
     ) -> mx.array:
-        """This model's decoder layers on hidden states ``(B, T, hidden)``."""
+        """This model's decoder layers on hidden states ``(B, T, hidden)``; ``cache`` holds one
+        cache per layer of ``cache_layers``, and a layer reading another's keys/values gets that
+        layer's. ``per_layer_inputs``: each layer's extra input ``(B, T, layers, size)`` (Gemma 4)."""
         if not self.layers:
             return h
         query_len = h.shape[1]
-        layer_caches: Sequence[Cache | None] = [None] * len(self.layers) if cache is None else cache
         masks: dict[int | None, Mask] = {}  # one mask per window, from the first cache of that window
-        for layer, layer_cache in zip(self.layers, layer_caches):
+        shared: SharedKV | None = {} if self.args.num_kv_shared_layers else None  # keys/values read by later layers
+        for i, layer in enumerate(self.layers):
+            layer_cache = None if cache is None else cache[i if layer.kv_source is None else layer.kv_source]
             if layer.recurrent:  # no mask: the state holds the past
                 h = layer(h, None, layer_cache, rope_length)
                 continue
             if layer.window not in masks:
                 masks[layer.window] = (causal_mask_for(query_len, query_len, layer.window) if layer_cache is None
                                        else layer_cache.make_mask(query_len, layer.window))
-            h = layer(h, masks[layer.window], layer_cache, rope_length)
+            extra = None if per_layer_inputs is None else per_layer_inputs[:, :, i, :]
+            h = layer(h, masks[layer.window], layer_cache, rope_length, shared, extra)
         return h
 
     def use_remote_layers(self, run: Callable[[mx.array, int | None], mx.array]) -> None:
@@ -253,6 +345,11 @@ class Model(nn.Module):
         mtp = tuple(f"model.layers.{i}." for i in range(first, first + self.args.mtp_layers))
         if mtp:
             weights = {k: v for k, v in weights.items() if not k.startswith(mtp)}
+        if self.args.num_kv_shared_layers:  # checkpoints keep k/v projections the shared layers never use
+            first = self.args.num_hidden_layers - self.args.num_kv_shared_layers
+            unused = tuple(f"model.layers.{i}.self_attn.{name}." for i in range(first, self.args.num_hidden_layers)
+                           for name in ("k_proj", "v_proj", "k_norm", "v_norm"))
+            weights = {k: v for k, v in weights.items() if not k.startswith(unused)}
         if self.args.tie_word_embeddings:
             weights.pop("lm_head.weight", None)
             weights.pop("lm_head.scales", None)

@@ -23,7 +23,7 @@ SIXTEEN_BIT = (mx.float16, mx.bfloat16)
 # Families whose activations pass float16's 65,504 (Gemma scales the embedding by sqrt(hidden);
 # the Gemma 3 270M GGUF's residual reaches ~103,800: NaN logits in float16). They never compute
 # in float16 by default; other models are probed at load (``overflows``).
-FLOAT16_OVERFLOW_FAMILIES = frozenset({"gemma", "gemma2", "gemma3_text"})
+FLOAT16_OVERFLOW_FAMILIES = frozenset({"gemma", "gemma2", "gemma3_text", "gemma4_text"})
 PROBE_TOKENS = 16
 
 

@@ -296,7 +296,7 @@ def _deepseek_v3(config: dict[str, Any], base: Fields) -> Fields:
 
 
 # Qwen3.5/3.6 ship as image-text models: the language model's settings sit under ``text_config``.
-_TEXT_CONFIG_TYPES = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
+_TEXT_CONFIG_TYPES = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text", "gemma4": "gemma4_text"}
 _HYBRID_LAYERS = {"linear_attention": "linear", "full_attention": "full"}
 
 
@@ -306,7 +306,7 @@ def text_config_of(config: dict[str, Any]) -> dict[str, Any]:
     inner = _TEXT_CONFIG_TYPES.get(config.get("model_type"))  # type: ignore[arg-type]
     if inner is None:
         return config
-    outer = {k: v for k, v in config.items() if k not in ("text_config", "vision_config")}
+    outer = {k: v for k, v in config.items() if k not in ("text_config", "vision_config", "audio_config")}
     return {**outer, **(config.get("text_config") or {}), "model_type": inner}
 
 

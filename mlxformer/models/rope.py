@@ -65,9 +65,12 @@ class RoPE(nn.Module):
         self._periods: mx.array | None = None
         # YaRN scales cos and sin, i.e. the rotated features, by its attention factor.
         self.attention_factor = rope.attention_factor if rope.type == "yarn" else 1.0
-        if rope.type in ("llama3", "freq_factors", "yarn"):
+        if rope.type in ("llama3", "freq_factors", "yarn", "proportional"):
             inv_freq = 1.0 / (rope.theta ** (mx.arange(0, dims, 2, dtype=mx.float32) / dims))
-            if rope.type == "llama3":
+            if rope.type == "proportional":  # Gemma 4: later pairs unrotated (an infinite period)
+                rotated = int(rope.rotated_fraction * dims // 2)
+                inv_freq = mx.where(mx.arange(dims // 2) < rotated, inv_freq, 0.0) / rope.factor
+            elif rope.type == "llama3":
                 inv_freq = _llama3_inv_freq(inv_freq, rope)
             elif rope.type == "yarn":
                 inv_freq = _yarn_inv_freq(inv_freq, dims, rope)

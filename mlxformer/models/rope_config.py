@@ -9,7 +9,7 @@ from typing import Any
 
 from mlxformer.errors import MlxformerError
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "freq_factors", "longrope", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "freq_factors", "longrope", "yarn", "proportional")
 # Older spellings of rope types.
 _ROPE_ALIASES = {"su": "longrope"}
 
@@ -39,6 +39,9 @@ class RopeConfig:
     truncate: bool = True
     mscale: float = 0.0
     mscale_all_dim: float = 0.0
+    # "proportional" (Gemma 4's full layers): the first ``rotated_fraction * dims / 2`` frequencies
+    # of the whole head's, the rest zero (those feature pairs are not rotated).
+    rotated_fraction: float = 1.0
 
 
 def rope_config_from_dict(config: dict[str, Any], layer_type: str = "full_attention") -> RopeConfig:
@@ -54,7 +57,7 @@ def rope_config_from_dict(config: dict[str, Any], layer_type: str = "full_attent
     rope_type = _ROPE_ALIASES.get(rope_type, rope_type)
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise MlxformerError(f"unsupported rope type {rope_type!r} (supported: default, linear, dynamic, llama3, longrope, "
-                             "yarn)")
+                             "yarn, proportional)")
     factor = float(merged.get("factor", 1.0))
     if rope_type in ("linear", "dynamic", "llama3", "yarn") and "factor" not in merged:
         raise MlxformerError(f"rope type {rope_type!r} needs a 'factor'")
@@ -90,6 +93,7 @@ def rope_config_from_dict(config: dict[str, Any], layer_type: str = "full_attent
         truncate=bool(merged.get("truncate", True)),
         mscale=float(merged.get("mscale") or 0.0),
         mscale_all_dim=float(merged.get("mscale_all_dim") or 0.0),
+        rotated_fraction=float(merged.get("partial_rotary_factor", 1.0)) if rope_type == "proportional" else 1.0,
     )
 
 
@@ -128,6 +132,8 @@ def rope_scaling_dict(rope: RopeConfig) -> dict[str, Any] | None:
                        original_max_position_embeddings=rope.original_max_position_embeddings)
         if rope.mscale:
             scaling.update(mscale=rope.mscale, mscale_all_dim=rope.mscale_all_dim)
+    if rope.type == "proportional":
+        scaling["partial_rotary_factor"] = rope.rotated_fraction
     if rope.type == "longrope":
         del scaling["factor"]
         scaling.update(short_factor=list(rope.short_factor), long_factor=list(rope.long_factor),

@@ -18,7 +18,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlxformer.models.config import ModelArgs
-from mlxformer.models.decoder import Model
+from mlxformer.models.decoder import Model, SharedKV
+from mlxformer.models.gemma4 import per_layer_inputs
 from mlxformer.models.mask import causal_mask_for
 
 # The float32 parameters of the module at a path (``model.layers.3``), named relative to it
@@ -99,6 +100,22 @@ def _record_linear_inputs(layer: nn.Module, prefix: str, stats: _Statistics) -> 
                 parent[name] = _Recorder(child, stats.recorder_for(f"{prefix}.{parent_name}.{name}"))
 
 
+def _per_layer_inputs(model: Model, params_of: ParamsOf, tokens: mx.array, h: mx.array) -> mx.array | None:
+    """Gemma 4's per-layer inputs ``(1, T, layers, size)`` of the embedded ``tokens`` (``h``,
+    unscaled), their float32 modules loaded for this and released; None without them."""
+    args = model.args
+    if not args.hidden_size_per_layer_input:
+        return None
+    names = ("embed_tokens_per_layer", "per_layer_model_projection", "per_layer_projection_norm")
+    for name in names:
+        model.model[name].load_weights(list(params_of(f"model.{name}").items()), strict=True)
+    extra = per_layer_inputs(model.model, args, tokens, h * mx.array(args.embedding_scale, dtype=h.dtype))
+    mx.eval(extra)
+    for name in names:
+        del model.model[name]
+    return extra
+
+
 def activation_importance(
     args: ModelArgs, params_of: ParamsOf, token_ids: list[int], max_tokens: int = 128
 ) -> dict[str, mx.array]:
@@ -119,6 +136,8 @@ def activation_importance(
     h = embedding(tokens)  # (1, T, hidden)
     mx.eval(h)
     del embedding, model.model.embed_tokens  # the stage is done: free its float32 matrix
+    extra = _per_layer_inputs(model, params_of, tokens, h)  # Gemma 4 (None for every other family)
+    shared: SharedKV | None = {} if args.num_kv_shared_layers else None  # keys/values later layers read
     layers = model.layers
     for index in range(len(layers)):
         prefix = f"model.layers.{index}"
@@ -130,7 +149,8 @@ def activation_importance(
         layer.load_weights(list(params.items()), strict=True)
         del params
         _record_linear_inputs(layer, prefix, stats)
-        h = layer(h, causal_mask_for(tokens.shape[1], tokens.shape[1], layer.window), None)
+        mask = causal_mask_for(tokens.shape[1], tokens.shape[1], layer.window)
+        h = layer(h, mask, None, None, shared, None if extra is None else extra[:, :, index])
         mx.eval(h, stats.sums)
         del layer
     norm = model.model.norm
