@@ -76,6 +76,20 @@ def test_a_prompt_leaving_a_cached_one_mid_turn_resumes_from_an_inner_block(hybr
     assert (tokens, logprobs, 0) == cold(hybrid, settings, second)  # bit for bit
 
 
+def test_a_turn_whose_history_drops_the_reply_resumes_at_the_previous_prompts_end(hybrid):
+    """The client sends the previous turn back with another reply (a template dropping its
+    reasoning): the new prompt resumes at the previous prompt's end (its snapshot), not at the
+    last chunk boundary, and decodes exactly as a cold engine does."""
+    model, tokenizer = hybrid
+    first = ids(90, seed=5)
+    with cpu_default_device(), Engine(model, tokenizer, prefill_chunk=CHUNK, prefix_cache_bytes=10**8) as engine:
+        reply, _, _ = run(engine, first)
+        second = first + [t + 1 for t in reply] + ids(20, seed=6)
+        tokens, logprobs, cached = run(engine, second)
+    assert cached == 90
+    assert tokens == cold(hybrid, CacheSettings(), second)[0]
+
+
 def test_the_disk_tier_keeps_snapshots_across_a_restart(hybrid, tmp_path):
     """A 4-turn conversation on a disk-backed cache: after a restart (memory empty) each new
     turn resumes from the last block boundary of the cached conversation (its tail is in memory

@@ -214,7 +214,7 @@ class PrefixCache:
                 if mine != theirs:
                     break
                 n += 1
-            if n > best_n:
+            if n > best_n or (n == best_n and n == len(block.tokens)):  # a whole one keeps its snapshot
                 best, best_n = block, n
         return None if best is None else head_of(best, best_n)
 
