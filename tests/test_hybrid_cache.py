@@ -90,24 +90,26 @@ def test_a_turn_whose_history_drops_the_reply_resumes_at_the_previous_prompts_en
     assert tokens == cold(hybrid, CacheSettings(), second)[0]
 
 
-def test_the_disk_tier_keeps_snapshots_across_a_restart(hybrid, tmp_path):
+@pytest.mark.parametrize("storage", list(STORAGE))
+def test_the_disk_tier_keeps_snapshots_across_a_restart(hybrid, tmp_path, storage):
     """A 4-turn conversation on a disk-backed cache: after a restart (memory empty) each new
     turn resumes from the last block boundary of the cached conversation (its tail is in memory
     only), served from disk, and decodes exactly as a cold engine; /metrics shows the hit rate."""
     model, tokenizer = hybrid
+    settings = STORAGE[storage]
     tiers = PromptCacheSettings(memory_bytes=10**8, directory=str(tmp_path), block_size=32)
     turn = ids(70, seed=3)
-    with cpu_default_device(), Engine(model, tokenizer, prefill_chunk=CHUNK, prompt_cache=tiers) as engine:
+    with cpu_default_device(), Engine(model, tokenizer, prefill_chunk=CHUNK, cache_settings=settings,
+                                      prompt_cache=tiers) as engine:
         reply, _, _ = run(engine, turn)
     assert len(list(tmp_path.glob("*.state.safetensors"))) == 2  # snapshots at 32 and 64 (70 is a tail)
-    prompts = []
     for i in range(3):  # each turn: the previous prompt, its reply and a new message
         turn = turn + reply + ids(25, seed=4 + i)
-        prompts.append(turn)
-        with cpu_default_device(), Engine(model, tokenizer, prefill_chunk=CHUNK, prompt_cache=tiers) as engine:
+        with cpu_default_device(), Engine(model, tokenizer, prefill_chunk=CHUNK, cache_settings=settings,
+                                          prompt_cache=tiers) as engine:
             tokens, logprobs, cached = run(engine, turn)
             assert cached == (len(turn) - 25 - len(reply)) // 32 * 32  # the previous prompt's last block
             assert engine.prefix_cache.stats.disk_tokens == cached
             assert sample(engine, "mlxformer_prefix_cache_hit_ratio") == pytest.approx(cached / len(turn))
-        assert (tokens, logprobs, 0) == cold(hybrid, CacheSettings(), turn)
+        assert (tokens, logprobs, 0) == cold(hybrid, settings, turn)
         reply = tokens
