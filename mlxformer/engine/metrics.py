@@ -28,6 +28,8 @@ class EngineMetrics:
         self.prompt_tokens = Counter("mlxformer_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
         self.generated_tokens = Counter("mlxformer_generated_tokens", "Tokens generated", registry=r)
         self.prefix_hit_tokens = Counter("mlxformer_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache", registry=r)
+        self.prefix_hit_ratio = Gauge("mlxformer_prefix_cache_hit_ratio", "Prompt tokens served from the prefix cache over all admitted prompt tokens", registry=r)
+        self.prefix_hit_ratio.set_function(lambda: _ratio(self.prefix_hit_tokens, self.prompt_tokens))
         self.prefilled_tokens = Counter("mlxformer_prefilled_tokens", "Prompt tokens run through the model (not served by the prompt cache)", registry=r)
         self.preemptions = Counter("mlxformer_preemptions", "Sequences preempted to keep KV memory within the budget", registry=r)
         self.finished = Counter("mlxformer_engine_requests", "Requests the engine ended, by finish reason", ["reason"], registry=r)
@@ -67,3 +69,9 @@ class EngineMetrics:
             handle.last_event_at = now
         if event.finish_reason is not None:
             self.finished.labels(event.finish_reason).inc()
+
+
+def _ratio(part: Counter, whole: Counter) -> float:
+    """``part / whole`` of two counters' totals (0 while ``whole`` is 0)."""
+    total = lambda counter: next(s.value for s in counter.collect()[0].samples if s.name.endswith("_total"))  # noqa: E731
+    return total(part) / total(whole) if total(whole) else 0.0

@@ -10,8 +10,9 @@ digest of the sequence's key centers): a run of blocks is used only while the ta
 
 A hybrid model's recurrent layers (``StateCache``) hold no per-token arrays: their packs are
 empty, and the block that ends where the sequence's cache ended carries a snapshot of every
-recurrent layer's state there (``states``). A hit on a hybrid model ends at a whole block with
-a snapshot (the state after any other prefix is not known).
+recurrent layer's state there (``states``). A hit on a hybrid model ends at a block with a
+snapshot, taken whole (the state after any other prefix is not known); the engine inserts a
+hybrid prompt after each prefill chunk, so its chunk ends have snapshots too.
 """
 
 from __future__ import annotations

@@ -11,6 +11,12 @@ sequences share it. With a ``DiskBlockStore``, every block inserted is also writ
 background, and a block evicted from memory is still found there (after a restart too); tail
 blocks live in memory only.
 
+A hybrid model's hit must end where a block carries a state snapshot (``prefix_blocks``): the
+blocks where a sequence's cache ended when it was inserted (the engine inserts a hybrid
+prompt's blocks after every prefill chunk, and the whole sequence when it ends). A block that
+gets its snapshot after it was cached without one is cut again; the disk tier writes a
+snapshot beside its block's file.
+
 For the engine's memory budget: ``nbytes`` is what the memory tier holds, ``evict_to(limit)``
 drops blocks until it holds at most ``limit`` bytes.
 """
@@ -53,14 +59,15 @@ class PrefixCache:
         self._children: dict[str, set[str]] = {}  # the inverse: the blocks cached after a key
         self.nbytes = 0
         self.stats = PrefixStats()
+        self.hybrid = model is not None and any(layer.recurrent for layer in model.layers)
 
     def __len__(self) -> int:
         return len(self.blocks)
 
     @property
-    def hybrid(self) -> bool:
-        """Whether the model has recurrent layers (a hit must end at a state snapshot)."""
-        return self.model is not None and any(layer.recurrent for layer in self.model.layers)
+    def caching(self) -> bool:
+        """Whether any tier keeps blocks."""
+        return self.budget > 0 or self.disk is not None
 
     def keys_for(self, tokens: Sequence[int], count: int | None = None) -> list[str]:
         """The chain keys of the full blocks of ``tokens``."""
@@ -84,7 +91,7 @@ class PrefixCache:
         if tail_id is not None and tail_id not in self.blocks:
             spans.append((tail_id, len(tokens) - tail, len(tokens)))
         fresh = {block.key: block for block in cut_blocks(caches, tokens, spans)} if spans else {}
-        if self.disk is not None and not self.hybrid:  # (the disk tier holds no state snapshots yet)
+        if self.disk is not None:
             for key in keys:
                 if key in fresh:
                     self.disk.put(fresh[key])
@@ -148,34 +155,50 @@ class PrefixCache:
         if self.model is None:
             return None
         run: list[Block] = []
-        from_disk = 0
+        from_disk: set[str] = set()
         keys = self.keys_for(prompt, (len(prompt) - 1) // self.block_size)
         for key in keys:
             block = self.blocks.get(key)
-            on_disk = block is None and self.disk is not None and not self.hybrid
+            on_disk = block is None and self.disk is not None
             if on_disk:
                 start = len(run) * self.block_size
                 block = self.disk.get(key, tuple(prompt[start : start + self.block_size]))  # type: ignore[union-attr]
             if block is None or (run and block.storage != run[0].storage):
                 break
             if on_disk:
-                from_disk += len(block.tokens)
+                from_disk.add(block.key)
                 self._add(block, keys[len(run) - 1] if run else "")
             run.append(block)
         partial = self._best_next(keys[len(run) - 1] if run else "", prompt, len(run) * self.block_size,
                                   run[0].storage if run else None)
         if partial is not None:
             run.append(partial)
-        while self.hybrid and run and run[-1].states is None:  # end where a state snapshot is
-            run.pop()
+        while self.hybrid and run and run[-1].states is None and not self._snapshot_from_disk(run[-1]):
+            run.pop()  # end where a state snapshot is
         if not run:
             return None
         self._touch([b for b in run if b.key in self.blocks])
         self.evict_to(self.budget)
         n = sum(len(b.tokens) for b in run)
-        self.stats.memory_tokens += n - from_disk
-        self.stats.disk_tokens += from_disk
+        disk_tokens = sum(len(b.tokens) for b in run if b.key in from_disk)
+        self.stats.memory_tokens += n - disk_tokens
+        self.stats.disk_tokens += disk_tokens
         return assemble(self.model, self.settings, run), n
+
+    def _snapshot_from_disk(self, block: Block) -> bool:
+        """Give a whole block its state snapshot from the disk tier, if one is there."""
+        if self.disk is None or len(block.tokens) != self.block_size:
+            return False
+        states = self.disk.snapshot(block.key)
+        if states is None:
+            return False
+        held = self.blocks.get(block.key) is block
+        if held:
+            self.nbytes -= block.nbytes
+        block.states = states
+        if held:
+            self.nbytes += block.nbytes
+        return True
 
     def _best_next(self, parent: str, prompt: Sequence[int], start: int, storage: str | None) -> Block | None:
         """The head of the memory block after ``parent`` sharing most tokens with
@@ -191,7 +214,7 @@ class PrefixCache:
                 if mine != theirs:
                     break
                 n += 1
-            if n > best_n:
+            if n > best_n or (n == best_n and n == len(block.tokens)):  # a whole one keeps its snapshot
                 best, best_n = block, n
         return None if best is None else head_of(best, best_n)
 

@@ -6,6 +6,12 @@ after every chunk; the waiter is given its cache (a prefix-cache hit) once every
 shares is cached, or once the other prompt is done (a prefix that cannot be cached, such as a
 rotating cache past its window, is then computed as before). A waiter only ever waits for a
 sequence that already has its cache, so waits never form a cycle.
+
+A hybrid model publishes after every chunk whoever waits: a recurrent layer's state is known
+only where its cache is, so each chunk's end is the one chance to keep a snapshot there (the
+engine cuts such prompts at multiples of the chunk size, so those are block boundaries when the
+chunk size is a multiple of the block size). A later prompt that leaves the cached one inside it
+then resumes from the last snapshot before that point instead of prefilling again.
 """
 
 from __future__ import annotations
@@ -63,6 +69,8 @@ class PrefixSharing:
         return False
 
     def publish(self, sequence: Sequence) -> None:
-        """Offer the sequence's finished prompt blocks while others wait for them."""
-        if self.held and sequence.processed >= self.prefix_cache.block_size:
+        """Offer the sequence's finished prompt blocks while others wait for them (a hybrid
+        model's always: with the state snapshot where its cache ends)."""
+        wanted = self.held or (self.prefix_cache.hybrid and self.prefix_cache.caching)
+        if wanted and sequence.processed >= self.prefix_cache.block_size:
             self.prefix_cache.insert(sequence.prompt[: sequence.processed], sequence.cache)

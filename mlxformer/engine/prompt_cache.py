@@ -59,6 +59,6 @@ def build_prefix_cache(model: Model, tokenizer: Tokenizer, cache_settings: Cache
     disk = None
     if settings.directory is not None:
         disk = DiskBlockStore(settings.directory, settings.disk_bytes, identity, model.args, kv_dtype,
-                              settings.block_size)
+                              settings.block_size, [layer.recurrent for layer in model.layers])
     return PrefixCache(settings.memory_bytes, model, cache_settings, seed=seed, block_size=settings.block_size,
                        disk=disk)

@@ -59,12 +59,14 @@ class Step:
 class Scheduler:
     """Queues, admits and plans: thread-safe ``add``; the rest runs on the engine thread."""
 
-    def __init__(self, max_batch: int, max_queue: int, prefill_chunk: int, step_tokens: int | None = None) -> None:
+    def __init__(self, max_batch: int, max_queue: int, prefill_chunk: int, step_tokens: int | None = None,
+                 aligned: bool = False) -> None:
         step_tokens = step_tokens or default_step_tokens()
         if max_batch < 1 or max_queue < 0 or prefill_chunk < 1 or step_tokens < 1:
             raise MlxformerError("need max_batch >= 1, max_queue >= 0, prefill_chunk >= 1 and step_tokens >= 1")
         self.max_batch, self.max_queue, self.prefill_chunk = max_batch, max_queue, prefill_chunk
         self.step_tokens = step_tokens
+        self.aligned = aligned  # chunks end at multiples of prefill_chunk (a hybrid model's snapshots)
         self.waiting: deque[Sequence] = deque()
         self.prefilling: list[Sequence] = []
         self.running: list[Sequence] = []
@@ -123,7 +125,11 @@ class Scheduler:
 
         A prompt is cut as ``prefill`` cuts it alone (chunks of ``prefill_chunk``, then the
         rest), so that its computation, and hence its output, is the same as when it runs alone.
-        Sequences in ``skip`` (waiting for a shared prefix) get no chunk."""
+        Sequences in ``skip`` (waiting for a shared prefix) get no chunk. ``aligned``: every
+        chunk ends at a multiple of ``prefill_chunk`` (or the prompt's end), wherever the prompt
+        resumed, so a hybrid model's state snapshots (taken at chunk ends) fall on the same
+        positions, and a prompt resumed from one is cut as it is cut cold; and a sequence gets
+        one chunk per step (its snapshot is taken after the step)."""
         step = Step(decode=list(self.running))
         budget = self.step_tokens - len(step.decode)
         queue = sorted((s for s in self.prefilling if s not in skip),
@@ -132,7 +138,8 @@ class Scheduler:
         while queue:
             for sequence in list(queue):
                 start = planned[id(sequence)]
-                size = min(self.prefill_chunk, len(sequence.prompt) - start)
+                size = min(self.prefill_chunk - (start % self.prefill_chunk if self.aligned else 0),
+                           len(sequence.prompt) - start)
                 if step.prefill and size > budget:
                     queue = []  # the budget is spent: this round ends the plan
                     break
@@ -140,6 +147,8 @@ class Scheduler:
                 planned[id(sequence)], budget = start + size, budget - size
                 if start + size == len(sequence.prompt):
                     queue.remove(sequence)
+            if self.aligned:
+                break
         return step
 
     def start_decoding(self, sequence: Sequence) -> None:

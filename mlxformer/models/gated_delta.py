@@ -13,8 +13,8 @@ RMS-normalised per head, gated by ``silu(z)`` and projected by ``out_proj``.
 Two forms compute the rule (float32, as transformers does): ``chunked_delta_rule`` (prefill:
 within a chunk of ``CHUNK`` tokens a unit-triangular system, between chunks the recurrence) and
 ``recurrent_delta_rule`` (decode and the last tokens of an update, whose states the cache keeps
-so that it can take tokens back, see ``cache.state``). Both are MLX ops; a Metal kernel is not
-written yet, so every device runs these.
+so that it can take tokens back, see ``cache.state``). Both are MLX ops; on a Metal GPU the
+recurrent form runs as one kernel instead (``gated_delta_kernel``).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import mlx.nn as nn
 
 from mlxformer.cache.state import StateCache
 from mlxformer.models.config import ModelArgs
+from mlxformer.models.gated_delta_kernel import metal_recurrent_delta_rule, uses_kernel
 from mlxformer.models.mask import Mask
 
 CHUNK = 64  # tokens per chunk of the parallel form (transformers' and FLA's default)
@@ -110,6 +111,7 @@ def delta_rule(
     """The rule over an update of L tokens: the recurrent form for the last ``keep`` and for
     short updates, the chunked form for the rest. Returns the outputs and the states at the last
     ``min(L, keep) + 1`` positions (the state before those tokens first, the final state last)."""
+    recurrent = metal_recurrent_delta_rule if uses_kernel() else recurrent_delta_rule
     L = q.shape[2]
     tail = min(L, keep)
     head = L - tail
@@ -119,11 +121,11 @@ def delta_rule(
         if head >= MIN_CHUNKED:
             out, state = chunked_delta_rule(*split, state)
         else:
-            out, steps = recurrent_delta_rule(*split, state)
+            out, steps = recurrent(*split, state)
             state = steps[-1]
         outputs, states = [out], [state]
     if tail:
-        out, steps = recurrent_delta_rule(*(x[:, :, head:] for x in (q, k, v, g, beta)), state)
+        out, steps = recurrent(*(x[:, :, head:] for x in (q, k, v, g, beta)), state)
         outputs.append(out)
         states.extend(steps)
     return (mx.concatenate(outputs, axis=2) if len(outputs) > 1 else outputs[0]), states
