@@ -105,16 +105,17 @@ def test_a_growing_cache_holds_one_layer_twice_at_most(tiny):
 
 
 def test_the_budget_counts_a_request_at_its_own_size(tiny):
-    """``check``'s peak for a request is its own buffers plus one layer's old buffers at its last
-    growth (before: its buffers at the last two block counts, nearly twice its size): a budget
-    of that admits it alone and the caches it really holds never pass its own size."""
+    """``check``'s peak for a request is its own buffers plus one layer of them (held twice while
+    that layer is rewritten: a growth, the join); before, its buffers at the last two block
+    counts, nearly twice its size. A budget of that runs it alone, and the caches it really
+    holds never pass its own size."""
     model, tokenizer = tiny
     prompt, max_tokens = [(5 * j) % 250 + 1 for j in range(480)], 60  # 540 tokens: 3 blocks
     sizer = Engine(model, tokenizer).sizer
-    own, before = sizer.bytes_for(540), sizer.bytes_for(540 - BLOCK)
+    own = sizer.bytes_for(540)
     assert own == sum(c.nbytes for c in prefilled(model, 540, CacheSettings()))  # the size it stores
-    assert sizer.peak(540) == own + before // LAYERS
-    engine = Engine(model, tokenizer, prefill_chunk=CHUNK, max_kv_memory=own + before // LAYERS)
+    assert sizer.peak(540) == own + own // LAYERS
+    engine = Engine(model, tokenizer, prefill_chunk=CHUNK, max_kv_memory=own + own // LAYERS)
     held: list[int] = []
     real_run = engine._run
 

@@ -152,9 +152,10 @@ class KVSizer:
 
     def peak(self, tokens: int) -> int:
         """The most a lone sequence needs on its way to ``tokens`` tokens: its own size, plus one
-        layer's old buffers at its last growth."""
-        before = self.bytes_for(tokens - BLOCK)
-        return self.bytes_for(tokens) + math.ceil(before * self.share(tokens - BLOCK))
+        layer held twice while it is rewritten (its old buffer at a growth, its own layer while
+        that layer joins the decode batch)."""
+        own = self.bytes_for(tokens)
+        return own + math.ceil(own * self.share(tokens))
 
 
 @dataclass
