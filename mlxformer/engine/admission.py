@@ -95,11 +95,14 @@ class Admission:
 
     def _keep(self, sequence: Sequence) -> None:
         """Offer the sequence's keys/values to the prefix cache, cut from where they are (its
-        row of a batch: one copy, the blocks kept). Under a KV budget the blocks are evaluated
-        at once, so the row's buffers can be freed as it leaves."""
+        row of a batch: one copy, the blocks kept). The blocks are computed at once (under a KV
+        budget before the row leaves), or a lazy block would keep the batch's old buffers alive."""
         blocks = self.prefix_cache.insert(sequence.cache_tokens, self.runner.caches(sequence))
+        arrays = [a for block in blocks for a in block.arrays()]
         if self.budget is not None:
-            mx.eval([a for block in blocks for a in block.arrays()])
+            mx.eval(arrays)
+        else:
+            mx.async_eval(arrays)
 
     def _attach_cache(self, sequence: Sequence) -> None:
         """Give an admitted sequence its caches: a prefix-cache copy when one serves, else new.
