@@ -132,9 +132,10 @@ def test_the_budget_counts_a_request_at_its_own_size(tiny):
 
 def test_serve_with_a_budget_for_two_requests_runs_two_at_once(tiny):
     """``--max-kv-memory`` of two requests' KV (the buffers their caches hold at the end: whole
-    256-token blocks of the model's bytes per token) plus one block each: two such requests sent together over HTTP are both admitted and decode in the same
-    steps, none is preempted, and each reply is the one it gets alone. Before, the budget counted
-    ``2 * rows - 1`` rows while the second joined the batch, so they ran one after the other."""
+    256-token blocks of the model's bytes per token) plus one block each: two such requests sent
+    together over HTTP are both admitted and decode in the same steps, none is preempted, and
+    each reply is the one it gets alone. Before, the budget counted ``2 * rows - 1`` rows while
+    the second joined the batch, so they ran one after the other (checked on that code)."""
     model, tokenizer = tiny
     texts = ["".join(chr(97 + (3 * j + i) % 26) for j in range(470 + 10 * i)) for i in range(2)]
     max_tokens = 40  # up to 530 tokens: 3 blocks each

@@ -308,7 +308,9 @@ class DecodeBatch:
             views.append([RowView(self, rows[self.key[i]][j], i) for i in range(self.n_layers)])
         return views
 
-    def _merged(self, layer: int, old: "BatchLayerCache | StateCache | None", caches: list[Cache]) -> "BatchLayerCache | StateCache":
+    def _merged(
+        self, layer: int, old: "BatchLayerCache | StateCache | None", caches: list[Cache]
+    ) -> "BatchLayerCache | StateCache":
         """Layer ``layer`` of the batch with the rows of ``caches`` appended to ``old``'s."""
         kind = self.key[layer]
         storage, width = kind[0], self.layouts[kind].width
@@ -348,9 +350,11 @@ class DecodeBatch:
                     batched.keys = tuple(x[rest][:, :, : layout.width] for x in batched.keys)
                     batched.values = tuple(x[rest][:, :, : layout.width] for x in batched.values)
                     if batched.codec.key_center is not None:
-                        batched.codec = KVCodec(batched.codec.bits, batched.codec.group_size, batched.codec.key_center[rest])
+                        center = batched.codec.key_center[rest]
+                        batched.codec = KVCodec(batched.codec.bits, batched.codec.group_size, center)
                 if staged:
-                    mx.eval(batched.state, caches[layer].state if caches[layer] is not None else ())  # type: ignore[union-attr]
+                    own = caches[layer]
+                    mx.eval(batched.state, own.state if own is not None else ())
         return caches if keep else []  # type: ignore[return-value]
 
     def row_caches(self, index: int) -> list[Cache]:
