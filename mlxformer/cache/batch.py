@@ -281,35 +281,26 @@ class DecodeBatch:
     def __len__(self) -> int:
         return len(next(iter(self.layouts.values())).rows)
 
-    def join(self, caches: Sequence[Sequence[Cache]]) -> list[list[RowView]]:
+    def join(self, caches: Sequence[list[Cache]], staged: bool = False) -> list[list[RowView]]:
         """Add rows from per-sequence caches (one list of layer caches each); returns each
-        new row's stand-in caches."""
+        new row's stand-in caches. ``staged``: one layer at a time, each evaluated before the
+        next and the joining caches' layer dropped (their entries become None), so only one
+        layer is ever held twice (the old buffers beside the new, the row in both)."""
         rows, positions = {}, {}
         for kind, layers in self.groups.items():
             rows[kind], positions[kind] = zip(*(_row_of([c[i] for i in layers]) for c in caches))
             self.layouts[kind].fit(max(r.used for r in rows[kind]) + 1)
-        merged = []
+        first = not self.layers
         for layer in range(self.n_layers):
-            kind = self.key[layer]
-            storage, width = kind[0], self.layouts[kind].width
-            if storage.recurrent:  # the rows' states stacked
-                merged.append(StateCache.stack([*self.layers[layer:layer + 1], *(c[layer] for c in caches)]))
-                continue
-            parts = [_storage(c[layer]) for c in caches]
-            keys = [_pad(k, width) for k, _, _ in parts]
-            values = [_pad(v, width) for _, v, _ in parts]
-            centers = [center for _, _, center in parts if center is not None]
-            if self.layers:
-                old = self.layers[layer]
-                keys.insert(0, _pad(old.keys, width))
-                values.insert(0, _pad(old.values, width))
-                centers[:0] = list(old.codec.state)
-            n_blocks = max((c.shape[2] for c in centers), default=0)  # rows' centers, padded alike
-            centers = [KVCodec(storage.bits, storage.group_size, c).covering(n_blocks).key_center for c in centers]
-            codec = FLOAT_CODEC if storage.bits is None else KVCodec(
-                storage.bits, storage.group_size, mx.concatenate(centers, axis=0) if centers else None)
-            merged.append(BatchLayerCache(self.layouts[kind], codec, _cat_rows(keys), _cat_rows(values)))
-        self.layers = merged
+            merged = self._merged(layer, None if first else self.layers[layer], [c[layer] for c in caches])
+            if first:
+                self.layers.append(merged)
+            else:
+                self.layers[layer] = merged  # the old layer's buffers are free once evaluated
+            if staged:
+                mx.eval(merged.state)
+                for own in caches:
+                    own[layer] = None  # type: ignore[call-overload]  # its keys/values now live in the batch
         for kind, layout in self.layouts.items():
             layout.add(list(rows[kind]), list(positions[kind]))
         views: list[list[RowView]] = []
@@ -317,37 +308,77 @@ class DecodeBatch:
             views.append([RowView(self, rows[self.key[i]][j], i) for i in range(self.n_layers)])
         return views
 
-    def leave(self, index: int) -> list[Cache]:
-        """Remove row ``index``; returns its keys/values as per-sequence caches again."""
+    def _merged(
+        self, layer: int, old: "BatchLayerCache | StateCache | None", caches: list[Cache]
+    ) -> "BatchLayerCache | StateCache":
+        """Layer ``layer`` of the batch with the rows of ``caches`` appended to ``old``'s."""
+        kind = self.key[layer]
+        storage, width = kind[0], self.layouts[kind].width
+        if storage.recurrent:  # the rows' states stacked
+            return StateCache.stack([*([old] if old is not None else []), *caches])  # type: ignore[list-item]
+        parts = [_storage(c) for c in caches]
+        keys = [_pad(k, width) for k, _, _ in parts]
+        values = [_pad(v, width) for _, v, _ in parts]
+        centers = [center for _, _, center in parts if center is not None]
+        if isinstance(old, BatchLayerCache):
+            keys.insert(0, _pad(old.keys, width))
+            values.insert(0, _pad(old.values, width))
+            centers[:0] = list(old.codec.state)
+        n_blocks = max((c.shape[2] for c in centers), default=0)  # rows' centers, padded alike
+        centers = [KVCodec(storage.bits, storage.group_size, c).covering(n_blocks).key_center for c in centers]
+        codec = FLOAT_CODEC if storage.bits is None else KVCodec(
+            storage.bits, storage.group_size, mx.concatenate(centers, axis=0) if centers else None)
+        return BatchLayerCache(self.layouts[kind], codec, _cat_rows(keys), _cat_rows(values))
+
+    def leave(self, index: int, keep: bool = True, staged: bool = False) -> list[Cache]:
+        """Remove row ``index``; returns its keys/values as per-sequence caches again (copied
+        out of the batch), or ``[]`` when not ``keep``. ``staged``: one layer at a time, as in ``join``."""
         caches: list[Cache | None] = [None] * self.n_layers
         count = len(self)
-        keep = mx.array([i for i in range(count) if i != index], dtype=mx.int32)
+        rest = mx.array([i for i in range(count) if i != index], dtype=mx.int32)
         for kind, layers in self.groups.items():
             layout = self.layouts[kind]
             # narrowed to what the rows left need (the KV budget counts each row by its own length)
-            row, positions = layout.remove(index, keep)
-            size = row.used
+            row, positions = layout.remove(index, rest)
             for meta, layer in zip(row.metas, layers):
                 batched = self.layers[layer]
+                if keep:
+                    caches[layer] = _row_cache(batched, index, row, meta, positions, copy=True)
                 if isinstance(batched, StateCache):
-                    caches[layer] = batched.row(index, row.offset, int(meta["keep"]))
                     batched.drop_row(index)
-                    continue
-                keys = tuple(mx.contiguous(x[index : index + 1, :, :size, :]) for x in batched.keys)
-                values = tuple(mx.contiguous(x[index : index + 1, :, :size, :]) for x in batched.values)
-                center = tuple(c[index : index + 1] for c in batched.codec.state)
-                caches[layer] = _rebuild(meta, row, keys + values + center, positions)
-                batched.keys = tuple(x[keep][:, :, : layout.width] for x in batched.keys)
-                batched.values = tuple(x[keep][:, :, : layout.width] for x in batched.values)
-                if batched.codec.key_center is not None:
-                    batched.codec = KVCodec(batched.codec.bits, batched.codec.group_size, batched.codec.key_center[keep])
+                else:
+                    batched.keys = tuple(x[rest][:, :, : layout.width] for x in batched.keys)
+                    batched.values = tuple(x[rest][:, :, : layout.width] for x in batched.values)
+                    if batched.codec.key_center is not None:
+                        center = batched.codec.key_center[rest]
+                        batched.codec = KVCodec(batched.codec.bits, batched.codec.group_size, center)
+                if staged:
+                    own = caches[layer]
+                    mx.eval(batched.state, own.state if own is not None else ())
+        return caches if keep else []  # type: ignore[return-value]
+
+    def row_caches(self, index: int) -> list[Cache]:
+        """Row ``index`` as per-sequence caches whose arrays are views of the batch's buffers
+        (nothing copied: for the prefix cache to cut its blocks from, before the row leaves)."""
+        caches: list[Cache | None] = [None] * self.n_layers
+        for kind, layers in self.groups.items():
+            layout = self.layouts[kind]
+            row = layout.rows[index]
+            positions = layout.positions[index, : row.used] if not kind[0].recurrent else mx.zeros((0,), mx.int32)
+            for meta, layer in zip(row.metas, layers):
+                caches[layer] = _row_cache(self.layers[layer], index, row, meta, positions, copy=False)
         return caches  # type: ignore[return-value]
 
-    def step_caches(self) -> list[BatchLayerCache | StateCache]:
-        """The per-layer caches for this step's forward (the layouts prepared)."""
+    def step_caches(self, staged: bool = False) -> list[BatchLayerCache | StateCache]:
+        """The per-layer caches for this step's forward (the layouts prepared). ``staged``:
+        buffers that must widen for the step are widened one layer at a time (evaluated)."""
         for kind, layout in self.layouts.items():
             if not kind[0].recurrent:  # a recurrent layer has no slots or mask
                 layout.prepare()
+        for cache in self.layers:
+            if staged and isinstance(cache, BatchLayerCache) and cache.keys[0].shape[2] < cache.layout.width:
+                cache.keys, cache.values = _pad(cache.keys, cache.layout.width), _pad(cache.values, cache.layout.width)
+                mx.eval(cache.keys, cache.values)
         return self.layers
 
     def commit(self) -> None:
@@ -377,6 +408,19 @@ def _row_of(caches: Sequence[Cache]) -> tuple[Row, mx.array]:
     if isinstance(first, RotatingKVCache):
         return Row(len(first.positions), first.offset, first.idx, metas), mx.array(first.positions, dtype=mx.int32)
     return Row(first.offset, first.offset, first.offset, metas), mx.arange(first.offset, dtype=mx.int32)
+
+
+def _row_cache(
+    batched: "BatchLayerCache | StateCache", index: int, row: Row, meta: dict[str, str], positions: mx.array, copy: bool
+) -> Cache:
+    """Row ``index`` of one batched layer as a per-sequence cache (``copy``: its own arrays, else views)."""
+    if isinstance(batched, StateCache):
+        return batched.row(index, row.offset, int(meta["keep"]))
+    take = mx.contiguous if copy else (lambda x: x)
+    keys = tuple(take(x[index : index + 1, :, : row.used, :]) for x in batched.keys)
+    values = tuple(take(x[index : index + 1, :, : row.used, :]) for x in batched.values)
+    center = tuple(c[index : index + 1] for c in batched.codec.state)
+    return _rebuild(meta, row, keys + values + center, positions)
 
 
 def _rebuild(meta: dict[str, str], row: Row, arrays: tuple[mx.array, ...], positions: mx.array) -> Cache:

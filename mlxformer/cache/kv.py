@@ -56,18 +56,30 @@ class KVCache:
         positions = range(start, start + length)
         self.codec = self.codec.with_key_center(keys, positions)
         new_keys, new_values = self.codec.encode_keys(keys, center_blocks(positions)), self.codec.encode(values)
-        if self.keys is None or self.values is None or start + length > self.keys[0].shape[2]:
+        if self.keys is None or self.values is None:
             n_new = ((length + self.step - 1) // self.step) * self.step
-            grown_keys, grown_values = pack_zeros_like(new_keys, n_new), pack_zeros_like(new_values, n_new)
-            if self.keys is None or self.values is None:
-                self.keys, self.values = grown_keys, grown_values
-            else:
-                self.keys = pack_concat([pack_slice(self.keys, 0, start), grown_keys])
-                self.values = pack_concat([pack_slice(self.values, 0, start), grown_values])
+            self.keys, self.values = pack_zeros_like(new_keys, n_new), pack_zeros_like(new_values, n_new)
+        self.reserve(length)
+        assert self.keys is not None and self.values is not None
         pack_write(self.keys, start, new_keys)
         pack_write(self.values, start, new_values)
         self.offset += length
         return pack_slice(self.keys, 0, self.offset), pack_slice(self.values, 0, self.offset)
+
+    def reserve(self, length: int) -> bool:
+        """Make the buffers hold ``length`` more tokens (grown by whole steps past the offset, as
+        ``update_and_fetch`` grows them); returns whether they were rewritten (lazily: the engine
+        evaluates one layer's growth at a time, so only one layer's old buffers are ever held
+        beside the new ones). Nothing to do before the first update or before the update that
+        turns the storage quantized (which rewrites the buffers itself)."""
+        if self.keys is None or self.values is None or self.offset + length <= self.keys[0].shape[2]:
+            return False
+        if self.bits is not None and not self.quantized and self.offset >= self.start:
+            return False
+        n_new = ((length + self.step - 1) // self.step) * self.step
+        self.keys = pack_concat([pack_slice(self.keys, 0, self.offset), pack_zeros_like(self.keys, n_new)])
+        self.values = pack_concat([pack_slice(self.values, 0, self.offset), pack_zeros_like(self.values, n_new)])
+        return True
 
     def attention(
         self, queries: mx.array, keys: Pack, values: Pack, scale: float, mask: Mask, softcap: float | None = None,

@@ -5,7 +5,9 @@ the state named below."""
 
 from __future__ import annotations
 
-from mlxformer.cache import CacheSettings, make_cache
+import mlx.core as mx
+
+from mlxformer.cache import CacheSettings, KVCache, make_cache
 from mlxformer.engine.batch_runner import BatchRunner
 from mlxformer.engine.memory import KVBudget, KVBudgetExceeded, MemoryPlanner, held
 from mlxformer.engine.metrics import EngineMetrics
@@ -25,6 +27,7 @@ class Admission:
     cache_settings: CacheSettings
     speculative: SpeculativeSettings | None
     budget: KVBudget | None
+    draft_tokens: int
     planner: MemoryPlanner
     scheduler: Scheduler
     runner: BatchRunner
@@ -52,21 +55,54 @@ class Admission:
         self.prefix_cache.evict_to(room)
         return step
 
+    def _grow(self, step: Step) -> Step:
+        """Under a KV budget, widen the buffers of the sequences' own caches that ``step`` will
+        outgrow one layer at a time (each evaluated before the next), so that a growing cache
+        holds one layer's buffers twice at most, not all of them (``memory.KVSizer.step_need``).
+        Batch buffers widen the same way (``BatchRunner.staged``)."""
+        if self.budget is None:
+            return step
+        fed: dict[int, int] = {}
+        for chunk in step.prefill:
+            fed[id(chunk.sequence)] = fed.get(id(chunk.sequence), 0) + len(chunk.tokens)
+        for sequence in step.decode:
+            if sequence.speculator is not None:  # a round on its own caches
+                fed[id(sequence)] = 1 + self.draft_tokens
+        for sequence in [c.sequence for c in step.prefill] + step.decode:
+            for cache in sequence.cache if id(sequence) in fed else ():
+                if isinstance(cache, KVCache) and cache.reserve(fed[id(sequence)]):
+                    mx.eval(cache.keys, cache.values)
+            fed.pop(id(sequence), None)
+        return step
+
     def _preempt(self, sequence: Sequence, keep_cache: bool = True) -> None:
         """Take ``sequence`` out of the batch to be recomputed when there is room again; its caches
         go to the prefix cache (kept while room allows) unless they cannot be trusted."""
         self.metrics.preemptions.inc()
         self.sharing.held[:] = [s for s in self.sharing.held if s is not sequence]
-        self._unbatch(sequence)
+        self.replays.stop(sequence)
         if keep_cache and held(sequence) > sequence.cached_tokens:  # it computed something worth keeping
-            self.prefix_cache.insert(sequence.cache_tokens, sequence.cache)
+            self._keep(sequence)
+        self._unbatch(sequence, keep=False)
         sequence.cache, sequence.processed = [], 0
         self.scheduler.preempt(sequence)
 
-    def _unbatch(self, sequence: Sequence) -> None:
-        """Give a sequence leaving the batch its own caches and all its generated tokens back."""
+    def _unbatch(self, sequence: Sequence, keep: bool = True) -> None:
+        """Give a sequence leaving the batch all its generated tokens back, and its own caches
+        (``keep``) or none (it ended, or it is preempted: its blocks were taken by ``_keep``)."""
         self.replays.stop(sequence)
-        self.runner.release(sequence)
+        self.runner.release(sequence, keep)
+
+    def _keep(self, sequence: Sequence) -> None:
+        """Offer the sequence's keys/values to the prefix cache, cut from where they are (its
+        row of a batch: one copy, the blocks kept). The blocks are computed at once (under a KV
+        budget before the row leaves), or a lazy block would keep the batch's old buffers alive."""
+        blocks = self.prefix_cache.insert(sequence.cache_tokens, self.runner.caches(sequence))
+        arrays = [a for block in blocks for a in block.arrays()]
+        if self.budget is not None:
+            mx.eval(arrays)
+        else:
+            mx.async_eval(arrays)
 
     def _attach_cache(self, sequence: Sequence) -> None:
         """Give an admitted sequence its caches: a prefix-cache copy when one serves, else new.

@@ -74,6 +74,9 @@ class BatchRunner:
         self.batches: dict[BatchKey, DecodeBatch] = {}
         self._rows: dict[BatchKey, list[Decoding]] = {}  # each batch's sequences, in row order
         self._members: dict[int, BatchKey] = {}  # id(sequence) -> the batch it is in
+        # rewrite a batch's buffers (a join, a leave, a wider batch) one layer at a time, each
+        # evaluated before the next: only one layer is ever held twice (set under a KV budget)
+        self.staged = False
 
     def prefill(
         self, tokens: Sequence[int], cache: Sequence[Cache], want_logits: bool, prompt_length: int | None = None,
@@ -155,14 +158,14 @@ class BatchRunner:
                 joining.setdefault(batch_key(sequence.cache, self.windows), []).append(sequence)
         for kind, newcomers in joining.items():
             batch = self.batches.setdefault(kind, DecodeBatch(kind))
-            for sequence, views in zip(newcomers, batch.join([s.cache for s in newcomers])):
+            for sequence, views in zip(newcomers, batch.join([s.cache for s in newcomers], self.staged)):
                 sequence.cache = views
                 self._members[id(sequence)] = kind
             self._rows.setdefault(kind, []).extend(newcomers)
         groups: list[tuple[Sequence[Cache], list[Decoding], DecodeBatch | None]] = []
         for kind, batch in self.batches.items():
             if rows := self._rows.get(kind, []):
-                groups.append((batch.step_caches(), list(rows), batch))
+                groups.append((batch.step_caches(self.staged), list(rows), batch))
         groups += [(sequence.cache, [sequence], None) for sequence in alone]
         return groups
 
@@ -199,16 +202,26 @@ class BatchRunner:
         """Whether ``sequence`` is in a batch (the KV budget counts its share of the buffers)."""
         return id(sequence) in self._members
 
-    def release(self, sequence: Decoding) -> None:
+    def release(self, sequence: Decoding, keep: bool = True) -> None:
         """Take ``sequence`` out of its batch, if it is in one: its ``cache`` becomes its own
-        per-sequence caches again (call before reusing or keeping them)."""
+        per-sequence caches again (call before reusing them), or ``[]`` when not ``keep`` (it
+        ended: nothing is copied out)."""
         kind = self._members.pop(id(sequence), None)
         if kind is None:
             return
         rows = self._rows[kind]
         index = next(i for i, s in enumerate(rows) if s is sequence)
         rows.pop(index)
-        sequence.cache = self.batches[kind].leave(index)
+        sequence.cache = self.batches[kind].leave(index, keep, self.staged)
+
+    def caches(self, sequence: Decoding) -> list[Cache]:
+        """The sequence's caches to read its keys/values from (the prefix cache cuts its blocks
+        from them): its own, or, while it is in a batch, views of its row (nothing copied)."""
+        kind = self._members.get(id(sequence))
+        if kind is None:
+            return list(sequence.cache)
+        index = next(i for i, s in enumerate(self._rows[kind]) if s is sequence)
+        return self.batches[kind].row_caches(index)
 
     def reset(self) -> None:
         """Forget every batch (after a failed step: the sequences in them have ended)."""

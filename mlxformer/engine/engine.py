@@ -97,6 +97,7 @@ class Engine(Admission):
         self.prefix_cache = build_prefix_cache(model, tokenizer, self.cache_settings, tiers, kv_dtype)
         self.sharing = PrefixSharing(self.prefix_cache, tiers.share_prefills)
         self.runner = BatchRunner(model)
+        self.runner.staged = self.budget is not None  # a request's peak is then its own size (memory.py)
         self.vocab_size = model.args.vocab_size
         self.metrics = EngineMetrics(metrics)
         self.metrics.watch(lambda: len(self.scheduler.waiting), lambda: self.scheduler.active, self.kv_bytes,
@@ -240,7 +241,7 @@ class Engine(Admission):
                 self._attach_cache(sequence)
             except Exception as exc:  # e.g. a draft model's cache
                 self._fail(sequence, exc)
-        self._run(self._fit(self.scheduler.plan(skip=self.sharing.held)))
+        self._run(self._grow(self._fit(self.scheduler.plan(skip=self.sharing.held))))
 
     # --- running a step -------------------------------------------------------------------
 
@@ -430,7 +431,7 @@ class Engine(Admission):
     def _fail(self, sequence: Sequence, error: BaseException) -> None:
         """End one sequence with ``error`` (raised by its handle's iterator)."""
         sequence.finish("error")
-        self._unbatch(sequence)
+        self._unbatch(sequence, keep=False)
         self.scheduler.release(sequence)
         self.metrics.finished.labels("error").inc()
         handle = self._handles.pop(id(sequence), None)
@@ -438,15 +439,19 @@ class Engine(Admission):
             handle._put(error=error)
 
     def _retire(self, sequence: Sequence) -> None:
-        """Free a finished sequence's slot and offer its cache for prefix reuse."""
-        self._unbatch(sequence)
-        self.scheduler.release(sequence)
-        self._handles.pop(id(sequence), None)
-        if sequence.cache:
+        """Free a finished sequence's slot and offer its cache for prefix reuse (its blocks cut
+        from where its keys/values are, its batch row too: one copy)."""
+        self.replays.stop(sequence)
+        kept = bool(sequence.cache)
+        if kept:
             try:  # the reply is whole: a cache that cannot be kept is only not reused
-                self.prefix_cache.insert(sequence.cache_tokens, sequence.cache)
+                self._keep(sequence)
             except Exception:
                 log.exception("a finished request's cache could not be kept for prefix reuse")
+        self._unbatch(sequence, keep=False)
+        self.scheduler.release(sequence)
+        self._handles.pop(id(sequence), None)
+        if kept:
             if self.budget is not None:  # within what the active sequences leave
                 self.prefix_cache.evict_to(self.budget.limit - self.kv_bytes() + self.prefix_cache.nbytes)
 

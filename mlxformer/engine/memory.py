@@ -3,8 +3,10 @@ or ``"auto"``), what each engine step needs of it, and MLX's memory and cache li
 
 The engine never measures memory after the fact: before each step it adds up what every active
 sequence will hold once the step has run (``KVSizer.step_need``: the cache at its new length,
-plus the old buffers while a growing cache is rewritten), and the prefix cache's bytes, and
-keeps that sum within ``KVBudget.limit`` by evicting prefix entries, then preempting.
+plus one layer's old buffers while a growing cache is rewritten: under a budget the engine
+rewrites buffers, a sequence's or a decode batch's, one layer at a time, ``BatchRunner.staged``),
+and the prefix cache's bytes, and keeps that sum within ``KVBudget.limit`` by evicting prefix
+entries, then preempting. A request's peak is thus its own size plus one layer's old buffer.
 """
 
 from __future__ import annotations
@@ -94,11 +96,14 @@ class KVSizer:
         self.dtype = model.hidden_states(mx.array([[0]])).dtype  # the keys' dtype (lazy: never evaluated)
         self.max_blocks = math.ceil((args.max_position_embeddings + extra_tokens) / BLOCK) + 1
         self._probed: dict[int, int] = {0: 0}
+        self._layer: dict[int, int] = {0: 0}  # the largest single layer's bytes, per block count
+        # a cache turning quantized rewrites its storage all layers at once (not staged)
+        self.quantizes = settings.kv_bits is not None and settings.quantized_kv_start > 0
 
     def _probe(self, blocks: int) -> int:
         """Bytes of fresh caches fed ``blocks`` blocks of tokens (memoized)."""
         if blocks not in self._probed:
-            n, total = blocks * BLOCK, 0
+            n, total, largest = blocks * BLOCK, 0, 0
             start = self.settings.quantized_kv_start if self.settings.kv_bits is not None else 0
             for index, cache in enumerate(make_cache(self.model, self.settings)):
                 if isinstance(cache, StateCache):  # a fixed size whatever the length
@@ -109,8 +114,18 @@ class KVSizer:
                     keys = mx.zeros((1, heads, length, key_dims), self.dtype)
                     cache.update_and_fetch(keys, mx.zeros((1, heads, length, value_dims), self.dtype))
                 total += cache.nbytes
-            self._probed[blocks] = total
+                largest = max(largest, cache.nbytes)
+            self._probed[blocks], self._layer[blocks] = total, largest
         return self._probed[blocks]
+
+    def share(self, tokens: int) -> float:
+        """The largest single layer's part of the caches' bytes at ``tokens`` tokens (what a
+        rewrite done one layer at a time holds twice)."""
+        if self.quantizes:  # the rewrite into quantized storage is all layers at once
+            return 1.0
+        blocks = min(math.ceil(max(tokens, 1) / BLOCK), self.max_blocks)
+        total = self._probe(blocks)
+        return self._layer[blocks] / total if total else 0.0
 
     def bytes_for(self, tokens: int) -> int:
         """Bytes of caches holding ``tokens`` tokens (their buffers, rounded up to whole blocks)."""
@@ -121,23 +136,26 @@ class KVSizer:
         return last + (blocks - self.max_blocks) * (last - before)
 
     def step_need(self, held: int, fed: int, current: int | None = None) -> int:
-        """Bytes while caches holding ``held`` tokens take ``fed`` more: the new buffers, plus the
-        old ones while a growing buffer is rewritten. ``current``: the bytes the caches really hold
-        (a cache assembled from prefix blocks is exactly as long as its tokens, and grows by a
-        whole block from there)."""
+        """Bytes while caches holding ``held`` tokens take ``fed`` more: the new buffers, plus one
+        layer's old ones while a growing buffer is rewritten (layer by layer). ``current``: the
+        bytes the caches really hold (a cache assembled from prefix blocks is exactly as long as
+        its tokens, and grows by a whole block from there)."""
         after, before = self.bytes_for(held + fed), self.bytes_for(held)
         if current is None:
-            return after + (before if after != before else 0)
+            return after + (math.ceil(before * self.share(held)) if after != before else 0)
         per_token = self._probe(1) / BLOCK
         if fed == 0 or held + fed <= current / per_token:  # fits in the buffers it has
             return max(after, current)
         grown_tokens = held + math.ceil(fed / BLOCK) * BLOCK
         grown = min(int(per_token * grown_tokens), self.bytes_for(grown_tokens))
-        return max(after, grown) + current
+        return max(after, grown) + math.ceil(current * self.share(held))
 
     def peak(self, tokens: int) -> int:
-        """The most a lone sequence needs on its way to ``tokens`` tokens (at its last growth)."""
-        return self.bytes_for(tokens) + self.bytes_for(tokens - BLOCK)
+        """The most a lone sequence needs on its way to ``tokens`` tokens: its own size, plus one
+        layer held twice while it is rewritten (its old buffer at a growth, its own layer while
+        that layer joins the decode batch)."""
+        own = self.bytes_for(tokens)
+        return own + math.ceil(own * self.share(tokens))
 
 
 @dataclass
@@ -212,10 +230,12 @@ class MemoryPlanner:
     def admissible(self, scheduler: Scheduler, sequence: Sequence, batched: Callable[[Sequence], bool]) -> bool:
         """Whether ``sequence`` fits beside the active ones (the prefix cache can be evicted) with
         headroom: through its prefill, through joining the decode batch, and through the batch's
-        next growth (every row one buffer block wider, beside the buffers it replaces) when some
-        row will reach it. Without that headroom a sequence admitted into the last free bytes is
-        preempted at its next block and re-admitted as soon as one frees (measured: 34
-        preemptions over 16 requests, 0.15x the unbudgeted throughput)."""
+        next growth (every row one buffer block wider) when some row will reach it. Without that
+        headroom a sequence admitted into the last free bytes is preempted at its next block and
+        re-admitted as soon as one frees (measured: 34 preemptions over 16 requests, 0.15x the
+        unbudgeted throughput). A join or a growth rewrites the batch one layer at a time, so
+        each holds one layer twice at most (before: the whole batch, ``2 * rows - 1`` rows
+        while a row joined)."""
         if self.budget is None or not scheduler.active:
             return True
         active = scheduler.prefilling + scheduler.running
@@ -224,25 +244,29 @@ class MemoryPlanner:
         alone_need = sum(self.sizer.bytes_for(len(s.tokens) + 1 + self.draft_tokens) for s in alone)
         prefill = sum(self.sizer.bytes_for(len(s.tokens) + 1) for s in rows[:-1]) + self.sizer.peak(len(sequence.tokens))
         width = max(len(s.tokens) for s in rows) + 1
-        join = (2 * len(rows) - 1) * self._row_bytes(rows, batched, width)  # rewritten with one more row, beside the old
+        batch = len(rows) * self._row_bytes(rows, batched, width)
+        join = batch + math.ceil(batch * self.sizer.share(width))  # one layer of the batch held twice
         grown = math.ceil(width / BLOCK) * BLOCK + 1  # tokens at which every row's buffer gains a block
         now, wider = self.sizer.bytes_for(width), self.sizer.bytes_for(grown)
         growth = 0
         if wider > now and any(len(s.tokens) + s.room >= grown for s in rows):
-            growth = len(rows) * (wider + now)
+            growth = len(rows) * wider + math.ceil(len(rows) * now * self.sizer.share(width))
         return alone_need + max(prefill, join, growth) <= self.budget.limit
 
     def _rows_need(self, rows: list[Sequence], batched: Callable[[Sequence], bool], width: int) -> int:
         """Bytes of a decode batch of ``rows`` at ``width`` tokens: the batch's buffers are as wide
-        as its longest row ever was (``cache/batch.py``, they never narrow), so rows times a row's
-        bytes, plus the old buffers while they are rewritten (the batch grows, or rows join it)."""
+        as its longest row (``cache/batch.py``), so rows times a row's bytes, plus one layer of
+        the old buffers while they are rewritten (the batch grows, or rows join it)."""
         current = sum(c.nbytes for s in rows if batched(s) for c in s.cache)
         after = len(rows) * self._row_bytes(rows, batched, width)
-        return after + (current if after > current else 0)
+        if after <= current:
+            return after
+        old = sum(c.nbytes for s in rows for c in s.cache)  # the batch and the joining rows' own caches
+        return after + math.ceil(old * self.sizer.share(width))
 
     def _row_bytes(self, rows: list[Sequence], batched: Callable[[Sequence], bool], width: int) -> int:
         """Bytes of one decode-batch row at ``width`` tokens, never less than a row of the batch's
-        buffers as they are (they never narrow)."""
+        buffers as they are."""
         members = [s for s in rows if batched(s)]
         current = sum(c.nbytes for s in members for c in s.cache) // max(1, len(members))
         return max(self.sizer.bytes_for(width), current)

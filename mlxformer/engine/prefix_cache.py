@@ -73,14 +73,14 @@ class PrefixCache:
         """The chain keys of the full blocks of ``tokens``."""
         return block_keys(self.seed, tokens, self.block_size, count)
 
-    def insert(self, tokens: Sequence[int], caches: Sequence[Cache]) -> None:
+    def insert(self, tokens: Sequence[int], caches: Sequence[Cache]) -> list[Block]:
         """Keep the blocks of ``caches`` (holding exactly ``tokens``) not kept yet: the full
-        ones, and the partial one at the end in memory."""
+        ones, and the partial one at the end in memory; returns the blocks cut (lazy)."""
         if self.budget <= 0 and self.disk is None:
-            return
+            return []
         keys = self.keys_for(tokens)
         if not caches or not tokens:
-            return
+            return []
         size, parents = self.block_size, ["", *keys]
         if self.hybrid and keys and len(tokens) == len(keys) * size and keys[-1] in self.blocks \
                 and self.blocks[keys[-1]].states is None:  # the cached last block gets the state snapshot
@@ -102,6 +102,7 @@ class PrefixCache:
             if keys[i] in fresh:
                 self._add(fresh[keys[i]], parents[i])
         self.evict_to(self.budget)
+        return list(fresh.values())
 
     def _add(self, block: Block, parent: str) -> None:
         if block.key in self.blocks or block.nbytes > self.budget:
