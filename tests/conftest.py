@@ -43,6 +43,14 @@ def cpu_device():
         yield
 
 
+@pytest.fixture(scope="module")
+def cpu_module():
+    """The CPU as MLX's default device for every test of a module (``pytestmark``), module-scoped
+    fixtures included."""
+    with cpu_default_device():
+        yield
+
+
 @pytest.fixture(scope="session")
 def smollm_gguf() -> Path:
     """The real SmolLM2-135M-Instruct Q4_1 GGUF (the offline default model)."""

@@ -9,6 +9,13 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+
+
+def tokens(n: int, seed: int = 1) -> np.ndarray:
+    """``n`` random ids of a byte-tokenizer test model (above its special ids)."""
+    return np.random.default_rng(seed).integers(3, 256, size=n)
+
+
 PROMPTS = ["Once upon a time, in a land far away,", "abcabcabcabc", "The quick brown fox jumps over"]
 
 

@@ -9,7 +9,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from conftest import cpu_default_device, write_byte_tokenizer, write_tiny_checkpoint
+from conftest import write_byte_tokenizer, write_tiny_checkpoint
 from mlxformer import load
 from mlxformer.models.device_plan import DevicePlan, wire_memory
 from mlxformer.models.dtype_policy import apply_dtype_policy, cast_floating, floating_dtypes
@@ -20,10 +20,7 @@ from test_gemma3_real import REFERENCE, gemma3_path  # noqa: F401 (the fixture)
 FAMILIES = {"llama": ("llama", {}), "qwen2": ("qwen2", {}), **CASES}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def cpu_device():
-    with cpu_default_device():
-        yield
+pytestmark = pytest.mark.usefixtures("cpu_module")
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import cpu_default_device, max_diff, write_byte_tokenizer, write_tiny_checkpoint
-from family_checks import assert_batch_and_speculation_match_alone, chunked_then_decoded, hf_logits
+from conftest import max_diff, write_byte_tokenizer, write_tiny_checkpoint
+from family_checks import assert_batch_and_speculation_match_alone, chunked_then_decoded, hf_logits, tokens
 from mlxformer import convert, load
 from mlxformer.cache import CacheSettings, make_cache
 from mlxformer.generation import prefill
@@ -43,14 +43,7 @@ CASES = {
 }
 
 
-def tokens(n: int, seed: int = 1) -> np.ndarray:
-    return np.random.default_rng(seed).integers(3, 256, size=n)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def cpu_device():
-    with cpu_default_device():
-        yield
+pytestmark = pytest.mark.usefixtures("cpu_module")
 
 
 def write_gemma4(directory, name):
@@ -229,13 +222,10 @@ def llama_cpp_ggufs(tmp_path_factory):
     own ``convert_hf_to_gguf.py`` on each checkpoint, given a Llama-style
     ``tokenizer.json`` (its Gemma 4 vocabulary reader needs a byte-fallback BPE) built from a
     tiny SentencePiece model."""
-    import subprocess
-    import sys
-
     import sentencepiece as sp
 
     from mlxformer.formats.gguf_vocab import spm_bpe_tokenizer
-    from test_gguf_families import CONVERTER, DRIVER, write_spm_tokenizer
+    from test_gguf_families import run_converter, write_spm_tokenizer
 
     root = tmp_path_factory.mktemp("gemma4_gguf")
     write_spm_tokenizer(root)
@@ -249,11 +239,7 @@ def llama_cpp_ggufs(tmp_path_factory):
         (directory / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
         out[name] = (hf_model, directory, root / f"{name}.gguf")
         jobs.append({"name": name, "argv": [str(directory), "--outtype", "f32", "--outfile", str(root / f"{name}.gguf")]})
-    (root / "jobs.json").write_text(json.dumps(jobs))
-    done = subprocess.run([sys.executable, str(DRIVER), str(CONVERTER), str(root / "jobs.json"), str(root / "out.jsonl")],
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    errors = {r["name"]: r["error"] for r in map(json.loads, (root / "out.jsonl").read_text().splitlines())}
+    errors = run_converter(root, jobs)
     return {name: (*value, errors[name]) for name, value in out.items()}
 
 

@@ -38,6 +38,18 @@ from mlxformer.planning import footprint
 CACHE = cache_root()
 CONVERTER = CACHE / f"llama-cpp-python-{LLAMA_CPP_PYTHON_VERSION}" / "vendor" / "llama.cpp" / "convert_hf_to_gguf.py"
 DRIVER = Path(__file__).with_name("convert_driver.py")
+
+
+def run_converter(root: Path, jobs: list[dict]) -> dict[str, str | None]:
+    """Run llama.cpp's converter on each job (``name``, ``argv``) in one subprocess; each name's
+    error (None when it wrote its file)."""
+    if not CONVERTER.is_file():
+        pytest.fail(f"{CONVERTER} is missing: run scripts/install_test_deps.sh")
+    (root / "jobs.json").write_text(json.dumps(jobs))
+    done = subprocess.run([sys.executable, str(DRIVER), str(CONVERTER), str(root / "jobs.json"), str(root / "out.jsonl")],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return {r["name"]: r["error"] for r in map(json.loads, (root / "out.jsonl").read_text().splitlines())}
 SEQ_LEN = 40
 BOUND = 3e-4  # float32 on both sides (measured <= 3e-5)
 # The converter reads these families' vocabularies only as GPT-2 BPE, which it accepts only
@@ -86,8 +98,6 @@ def write_spm_tokenizer(directory: Path) -> None:
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory, hf_smollm_tokenizer):
     """name -> (transformers model, GGUF path or None, the converter's error or None)."""
-    if not CONVERTER.is_file():
-        pytest.fail(f"{CONVERTER} is missing: run scripts/install_test_deps.sh")
     root = tmp_path_factory.mktemp("gguf_families")
     spm_dir = root / "spm"
     spm_dir.mkdir()
@@ -102,11 +112,7 @@ def converted(tmp_path_factory, hf_smollm_tokenizer):
         else:
             shutil.copy(spm_dir / "tokenizer.model", directory)
         jobs.append({"name": name, "argv": [str(directory), "--outtype", outtype, "--outfile", str(root / f"{name}.gguf")]})
-    (root / "jobs.json").write_text(json.dumps(jobs))
-    done = subprocess.run([sys.executable, str(DRIVER), str(CONVERTER), str(root / "jobs.json"), str(root / "out.jsonl")],
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    errors = {r["name"]: r["error"] for r in map(json.loads, (root / "out.jsonl").read_text().splitlines())}
+    errors = run_converter(root, jobs)
     return {name: (models[name], root / f"{name}.gguf", errors[name]) for name in CASES}
 
 

@@ -16,8 +16,6 @@ llama.cpp takes them equal, as the released DeepSeek-V3 config has them).
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -27,11 +25,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import test_mla
-from conftest import cpu_default_device, max_diff
+from conftest import max_diff
 from mlxformer import convert, load
 from mlxformer.models.moe import SparseMoE
 from mlxformer.planning import footprint
-from test_gguf_families import CONVERTER, DRIVER
+from test_gguf_families import run_converter
 
 SEQ_LEN = 40
 BOUND = 3e-4  # float32 on both sides
@@ -72,8 +70,6 @@ def converted(tmp_path_factory, hf_smollm_tokenizer):
     """name -> (transformers model, GGUF path, the converter's error or None)."""
     import copy
 
-    if not CONVERTER.is_file():
-        pytest.fail(f"{CONVERTER} is missing: run scripts/install_test_deps.sh")
     root = tmp_path_factory.mktemp("gguf_mla")
     models, jobs = {}, []
     for name, (family, overrides, outtype) in CASES.items():
@@ -87,18 +83,11 @@ def converted(tmp_path_factory, hf_smollm_tokenizer):
             assert json.loads((directory / "config.json").read_text())["num_nextn_predict_layers"] == 1
             add_mtp_block(directory, models[name].config.num_hidden_layers)
         jobs.append({"name": name, "argv": [str(directory), "--outtype", outtype, "--outfile", str(root / f"{name}.gguf")]})
-    (root / "jobs.json").write_text(json.dumps(jobs))
-    done = subprocess.run([sys.executable, str(DRIVER), str(CONVERTER), str(root / "jobs.json"), str(root / "out.jsonl")],
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    errors = {r["name"]: r["error"] for r in map(json.loads, (root / "out.jsonl").read_text().splitlines())}
+    errors = run_converter(root, jobs)
     return {name: (models[name], root / f"{name}.gguf", errors[name]) for name in CASES}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def cpu_device():
-    with cpu_default_device():
-        yield
+pytestmark = pytest.mark.usefixtures("cpu_module")
 
 
 def tokens() -> np.ndarray:

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from family_checks import assert_batch_and_speculation_match_alone, chunked_then_decoded
+from family_checks import assert_batch_and_speculation_match_alone, chunked_then_decoded, tokens
 from conftest import cpu_default_device, max_diff, write_byte_tokenizer, write_tiny_checkpoint
 from mlxformer import load
 from mlxformer.cache.kv import KVCache
@@ -27,10 +27,6 @@ GPT_OSS = dict(
     rope_parameters=dict(rope_type="yarn", rope_theta=1000.0, factor=4.0, beta_fast=32.0, beta_slow=1.0,
                          original_max_position_embeddings=32, truncate=False),
 )
-
-
-def tokens(n: int, seed: int = 1) -> np.ndarray:
-    return np.random.default_rng(seed).integers(3, 256, size=n)
 
 
 def write_gpt_oss(directory, **overrides):

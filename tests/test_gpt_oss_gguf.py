@@ -5,9 +5,6 @@ logits (on the dequantized reference for MXFP4)."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 
 import mlx.core as mx
 import numpy as np
@@ -18,7 +15,7 @@ from conftest import cpu_default_device, max_diff
 from mlxformer import load
 from mlxformer.formats.gguf_reader import read_gguf
 from mlxformer.models.moe import QuantizedSwitchLinear
-from test_gguf_families import CONVERTER, DRIVER
+from test_gguf_families import run_converter
 from test_gpt_oss import BOUND, SEQ_LEN, reference, tokens, write_gpt_oss
 from test_gpt_oss_mxfp4 import to_mxfp4_checkpoint
 
@@ -35,11 +32,7 @@ def converted(tmp_path_factory, hf_smollm_tokenizer):
             if name == "mxfp4":
                 to_mxfp4_checkpoint(directory, models[name])
             jobs.append({"name": name, "argv": [str(directory), "--outtype", "f32", "--outfile", str(root / f"{name}.gguf")]})
-    (root / "jobs.json").write_text(json.dumps(jobs))
-    done = subprocess.run([sys.executable, str(DRIVER), str(CONVERTER), str(root / "jobs.json"), str(root / "out.jsonl")],
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    errors = {r["name"]: r["error"] for r in map(json.loads, (root / "out.jsonl").read_text().splitlines())}
+    errors = run_converter(root, jobs)
     assert errors == {"f32": None, "mxfp4": None}, errors
     return {name: (models[name], root / f"{name}.gguf") for name in models}
 

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import cpu_default_device, max_diff, write_byte_tokenizer, write_tiny_checkpoint
+from conftest import max_diff, write_byte_tokenizer, write_tiny_checkpoint
 from mlxformer import load, stream_generate
 from mlxformer.cache import CacheSettings, KVCache, StateCache, make_cache
 from mlxformer.cache.files import load_prompt_cache, save_prompt_cache
@@ -27,6 +27,8 @@ from mlxformer.generation import decode_step, prefill
 from mlxformer.models import gated_delta
 from mlxformer.models.gated_delta import GatedDeltaNet, chunked_delta_rule, recurrent_delta_rule
 from mlxformer.speculative import SpeculativeSettings
+
+from family_checks import tokens
 
 # fp32 on both sides. Measured: qwen3_5_text 1.7e-4, qwen3_5_moe_text 2.3e-4, qwen3_next 1.2e-3
 # (the same with the recurrent form alone: the random MoE amplifies float32 rounding).
@@ -37,10 +39,7 @@ EXPERTS = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, s
 CASES = {"qwen3_5_text": {}, "qwen3_5_moe_text": EXPERTS, "qwen3_next": EXPERTS}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def cpu_device():
-    with cpu_default_device():
-        yield
+pytestmark = pytest.mark.usefixtures("cpu_module")
 
 
 @pytest.fixture(scope="module", params=list(CASES))
@@ -51,10 +50,6 @@ def case(request, tmp_path_factory):
     model, tokenizer = load(directory, dtype=mx.float32, threads=1)
     tokenizer.eos_token_ids = []
     return request.param, directory, model, tokenizer, hf_model
-
-
-def tokens(n: int, seed: int = 1) -> np.ndarray:
-    return np.random.default_rng(seed).integers(3, 256, size=n)
 
 
 def reference(hf_model, ids: np.ndarray) -> np.ndarray:

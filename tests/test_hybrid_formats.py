@@ -19,16 +19,14 @@ from __future__ import annotations
 import copy
 import json
 import shutil
-import subprocess
-import sys
 
 import mlx.core as mx
 import numpy as np
 import pytest
 import torch
 
-from conftest import TINY_SHAPE, cpu_default_device, max_diff, write_byte_tokenizer, write_tiny_checkpoint
-from test_gguf_families import CONVERTER, DRIVER
+from conftest import TINY_SHAPE, max_diff, write_byte_tokenizer, write_tiny_checkpoint
+from test_gguf_families import run_converter
 from test_hybrid import BOUND, CASES, HYBRID
 from mlxformer import convert, load
 
@@ -43,17 +41,12 @@ MLX_LM_TYPES = {"qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe", "q
 IDS = np.random.default_rng(1).integers(3, 256, size=150)  # three chunks of the parallel form
 
 
-@pytest.fixture(scope="module", autouse=True)
-def cpu_device():
-    with cpu_default_device():
-        yield
+pytestmark = pytest.mark.usefixtures("cpu_module")
 
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory, hf_smollm_tokenizer):
     """name -> (HF dir, transformers model, GGUF path, the converter's error or None)."""
-    if not CONVERTER.is_file():
-        pytest.fail(f"{CONVERTER} is missing: run scripts/install_test_deps.sh")
     root = tmp_path_factory.mktemp("hybrid_formats")
     checkpoints, jobs = {}, []
     for model_type in CASES:
@@ -73,11 +66,7 @@ def converted(tmp_path_factory, hf_smollm_tokenizer):
         flags = [] if name.endswith("-mtp") else ["--no-mtp"]
         argv = [str(source), "--outtype", outtype, *flags, "--outfile", str(root / f"{name}.gguf")]
         jobs.append({"name": name, "argv": argv})
-    (root / "jobs.json").write_text(json.dumps(jobs))
-    done = subprocess.run([sys.executable, str(DRIVER), str(CONVERTER), str(root / "jobs.json"), str(root / "out.jsonl")],
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    errors = {r["name"]: r["error"] for r in map(json.loads, (root / "out.jsonl").read_text().splitlines())}
+    errors = run_converter(root, jobs)
     return {name: (*checkpoints[model_type][:2], root / f"{name}.gguf", errors[name])
             for name, (model_type, _) in GGUF_CASES.items()}
 

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from family_checks import PROMPTS, assert_batch_and_speculation_match_alone, chunked_then_decoded, hf_logits
-from conftest import cpu_default_device, max_diff, write_byte_tokenizer, write_tiny_checkpoint
+from family_checks import PROMPTS, assert_batch_and_speculation_match_alone, chunked_then_decoded, hf_logits, tokens
+from conftest import max_diff, write_byte_tokenizer, write_tiny_checkpoint
 from mlxformer import convert, load, stream_generate
 from mlxformer.cache import CacheSettings, make_cache
 from mlxformer.engine import batch_generate
@@ -45,14 +45,7 @@ CASES = {
 }
 
 
-def tokens(n: int, seed: int = 1) -> np.ndarray:
-    return np.random.default_rng(seed).integers(3, 256, size=n)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def cpu_device():
-    with cpu_default_device():
-        yield
+pytestmark = pytest.mark.usefixtures("cpu_module")
 
 
 def write_family(directory, model_type, **overrides):

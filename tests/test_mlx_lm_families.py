@@ -26,7 +26,7 @@ from mlx.utils import tree_flatten
 
 import test_families
 import test_moe
-from conftest import add_mlx_lm_config_keys, cpu_default_device, max_diff, write_byte_tokenizer, write_tiny_checkpoint
+from conftest import add_mlx_lm_config_keys, max_diff, write_byte_tokenizer, write_tiny_checkpoint
 from mlxformer import convert, load
 
 BOUND = 1e-4  # the same MLX ops on both sides (measured <= 3e-6)
@@ -46,10 +46,7 @@ CASES["qwen2_moe"] = ("qwen2_moe", {**test_moe.CASES["qwen2_moe"], "mlp_only_lay
 CASES["ministral3"] = ("ministral3", {**test_families.CASES["ministral3"][1], "sliding_window": None}, 40, BOUND)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def cpu_device():
-    with cpu_default_device():
-        yield
+pytestmark = pytest.mark.usefixtures("cpu_module")
 
 
 @pytest.fixture(scope="module", params=list(CASES))

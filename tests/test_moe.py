@@ -13,8 +13,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from family_checks import assert_batch_and_speculation_match_alone, chunked_then_decoded, hf_logits
-from conftest import add_mlx_lm_config_keys, cpu_default_device, max_diff, write_byte_tokenizer, write_tiny_checkpoint
+from family_checks import assert_batch_and_speculation_match_alone, chunked_then_decoded, hf_logits, tokens
+from conftest import add_mlx_lm_config_keys, max_diff, write_byte_tokenizer, write_tiny_checkpoint
 from mlxformer import load
 from mlxformer.errors import MlxformerError
 from mlxformer.models.moe import SORT_THRESHOLD, SparseMoE, expert_groups
@@ -32,14 +32,7 @@ CASES = {
 }
 
 
-def tokens(n: int, seed: int = 1) -> np.ndarray:
-    return np.random.default_rng(seed).integers(3, 256, size=n)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def cpu_device():
-    with cpu_default_device():
-        yield
+pytestmark = pytest.mark.usefixtures("cpu_module")
 
 
 def write_moe(directory, model_type, **overrides):

@@ -24,7 +24,7 @@ import torch
 from mlx.utils import tree_flatten, tree_unflatten
 from safetensors.numpy import load_file, save_file
 
-from conftest import cpu_default_device, max_diff, perturb_, write_byte_tokenizer, write_tiny_checkpoint
+from conftest import max_diff, perturb_, write_byte_tokenizer, write_tiny_checkpoint
 from mlxformer import load, stream_generate
 from mlxformer.cache import CacheSettings, make_cache
 from mlxformer.engine import Engine, GenerationRequest
@@ -42,10 +42,7 @@ CASES = {"qwen3_5_text": {}, "qwen3_next": EXPERTS}
 PROMPT = [int(t) for t in np.random.default_rng(3).integers(3, 256, size=11)]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def cpu_device():
-    with cpu_default_device():
-        yield
+pytestmark = pytest.mark.usefixtures("cpu_module")
 
 
 def add_mtp_weights(directory, model_type: str, hf_model, extra: dict) -> dict[str, torch.Tensor]:

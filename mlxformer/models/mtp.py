@@ -49,6 +49,11 @@ class MTPHead(nn.Module):
         self.layers = [DecoderLayer(self.args, i) for i in range(num_layers)]
         self.norm = RMSNorm(hidden, eps=eps, offset=offset)
 
+    @property
+    def cache_layers(self) -> list[DecoderLayer]:
+        """The layers with caches (``make_cache``'s): all of them."""
+        return self.layers
+
     def __call__(self, embeddings: mx.array, hidden: mx.array, cache: Sequence[Cache]) -> mx.array:
         """Embeddings of tokens ``x_{p+1}`` and the hidden states ``h_p`` ``(B, L, hidden)`` of
         positions ``p`` in, the normed MTP hidden states ``(B, L, hidden)`` out (logits of
