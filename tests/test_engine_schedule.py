@@ -137,7 +137,7 @@ class Counting:
 
     def __init__(self, model) -> None:
         self.model, self.forwards = model, 0
-        self.layers = model.layers
+        self.layers, self.cache_layers, self.args = model.layers, model.cache_layers, model.args
 
     def hidden_states(self, *args, **kwargs):
         self.forwards += 1

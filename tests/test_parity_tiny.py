@@ -190,8 +190,8 @@ def test_wrong_rope_setting_is_detected(tmp_path):
 
 def test_unsupported_rope_type_is_named(tmp_path):
     directory, _ = write_tiny_checkpoint(tmp_path, "llama")
-    edit_config(directory, rope_parameters={"rope_type": "proportional", "rope_theta": 1e4, "factor": 4.0})
-    with pytest.raises(MlxformerError, match="proportional"):
+    edit_config(directory, rope_parameters={"rope_type": "quadratic", "rope_theta": 1e4, "factor": 4.0})
+    with pytest.raises(MlxformerError, match="quadratic"):
         read_checkpoint(directory)
     edit_config(directory, rope_parameters=None, rope_theta=1e4, rope_scaling={"type": "mrope", "factor": 4.0})
     with pytest.raises(MlxformerError, match="mrope"):

@@ -268,7 +268,8 @@ def test_requests_sharing_a_prefix_prefill_it_once(tiny_byte_llama, share):
     alone = [[r.token for r in stream_generate(model, tokenizer, q.prompt_ids, 5)] for q in requests]
     tiers_ = PromptCacheSettings(memory_bytes=2**30, block_size=BLOCK, share_prefills=share)
     with Engine(model, tokenizer, max_batch=4, prefill_chunk=BLOCK, prompt_cache=tiers_) as engine:
-        handles = [engine.submit(r) for r in requests]
+        with engine._wake:  # together: the loop sees all four in one step (a loaded machine may step between submits)
+            handles = [engine.submit(r) for r in requests]
         got = [[e.token for e in h] for h in handles]
         prefilled = engine.metrics.registry.get_sample_value("mlxformer_prefilled_tokens_total")  # /metrics
     assert got == alone
