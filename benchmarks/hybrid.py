@@ -105,17 +105,13 @@ def worker(runtime: str, model_dir: str, prompt_tokens: int, generation_tokens: 
         loop = mlxformer_loop(model)
     else:
         from mlx_lm import load as mlx_lm_load
-        from mlx_lm.generate import generate_step
+        from vs_mlx_lm import mlx_lm_loop  # benchmarks/ is the script's directory
 
         model, _ = mlx_lm_load(model_dir)
         if cast:
             model.set_dtype(mx.float32)
 
-        def loop(prompt: mx.array, n: int):  # type: ignore[no-untyped-def]
-            for count, (token, _) in enumerate(generate_step(prompt, model, max_tokens=n), start=1):
-                yield int(token)
-                if count == n:
-                    break
+        loop = mlx_lm_loop(model)
 
     vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
     measure(loop, random_prompt(vocab, 16, seed=1), 4)  # warm-up

@@ -88,7 +88,7 @@ def worker(runtime: str, model_dir: str, prompt_tokens: int, generation_tokens: 
             mx.eval(prefill(model, prompt, cache))
             return sum(c.nbytes for c in cache)
     else:
-        from mlx_lm.generate import generate_step
+        from vs_mlx_lm import mlx_lm_loop  # benchmarks/ is the script's directory
         from mlx_lm.models.cache import make_prompt_cache
         from mlx_lm.utils import load_model
 
@@ -96,11 +96,7 @@ def worker(runtime: str, model_dir: str, prompt_tokens: int, generation_tokens: 
         if mx.default_device() == mx.cpu:  # mlx-lm's gather_mm is float32-only on the CPU (mlxformer's policy casts too)
             model.set_dtype(mx.float32)
 
-        def loop(prompt: mx.array, n: int):  # type: ignore[no-untyped-def]
-            for count, (token, _) in enumerate(generate_step(prompt, model, max_tokens=n), start=1):
-                yield int(token)
-                if count == n:
-                    break
+        loop = mlx_lm_loop(model)
 
         def kv_bytes(prompt: mx.array) -> int:
             cache = make_prompt_cache(model)

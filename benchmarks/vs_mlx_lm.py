@@ -26,10 +26,22 @@ DEFAULT_MODELS = ["smollm2-f32", "smollm2-bf16", "smollm2-8bit", "smollm2-4bit",
 RUNTIMES = ("mlxformer", "mlx-lm")
 
 
+def mlx_lm_loop(model, **extra):  # type: ignore[no-untyped-def]
+    """mlx-lm's greedy token loop over ``model`` (``extra``: generate_step's options), in the
+    ``(prompt, n) -> token ids`` form ``mlxformer.bench.measure`` times."""
+    from mlx_lm.generate import generate_step
+
+    def loop(prompt, n: int):  # type: ignore[no-untyped-def]
+        for count, (token, _) in enumerate(generate_step(prompt, model, max_tokens=n, **extra), start=1):
+            yield int(token)
+            if count == n:
+                break
+
+    return loop
+
+
 def worker(runtime: str, model_dir: str, prompt_tokens: int, generation_tokens: int, kv_bits: int | None) -> None:
     """Run one trial in this process and print its JSON."""
-    import mlx.core as mx
-
     from mlxformer.bench import measure, mlxformer_loop, random_prompt
     from mlxformer.cache import CacheSettings
 
@@ -41,17 +53,10 @@ def worker(runtime: str, model_dir: str, prompt_tokens: int, generation_tokens: 
         vocab = model.args.vocab_size
     else:
         from mlx_lm import load as mlx_lm_load
-        from mlx_lm.generate import generate_step
 
         model, _ = mlx_lm_load(model_dir)
         vocab = model.args.vocab_size
-
-        def loop(prompt: mx.array, n: int):  # type: ignore[no-untyped-def]
-            extra = {"kv_bits": kv_bits, "quantized_kv_start": 0} if kv_bits else {}
-            for count, (token, _) in enumerate(generate_step(prompt, model, max_tokens=n, **extra), start=1):
-                yield int(token)
-                if count == n:
-                    break
+        loop = mlx_lm_loop(model, **({"kv_bits": kv_bits, "quantized_kv_start": 0} if kv_bits else {}))
 
     prompt = random_prompt(vocab, prompt_tokens)
     measure(loop, prompt[:16], 4)  # warm-up
