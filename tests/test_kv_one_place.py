@@ -71,7 +71,9 @@ def test_a_join_holds_one_layer_twice_at_most(tiny, settings):
             del joining
             mx.eval([layer.state for layer in batch.layers])
             rises[staged].append((mx.get_peak_memory() - before) / kv)
-            assert mx.get_active_memory() - before < kv / 100  # moved, not kept twice
+            # moved, not kept twice: a kept copy of one joining row is a third of kv or more; the
+            # batch's own small arrays (offsets, the 8-bit scales' padding) were 1.1% once
+            assert mx.get_active_memory() - before < kv / 20
         assert sum(layer.nbytes for layer in batch.layers) == kv  # rows as wide as their own buffers (512 slots)
         assert sum(v.nbytes for v in views[0]) == kv // 3
     # one layer of the three-row batch is 1/8 of the KV: staged, each join peaks under two of them
