@@ -1,8 +1,10 @@
 """Run by tests/test_gguf_families.py: llama.cpp's own ``convert_hf_to_gguf.py`` (unmodified,
 from the llama-cpp-python sdist) on several checkpoints in one interpreter, so torch and
 transformers are imported once. Each job is the converter's own command line
-``DIR --outtype T --outfile F``; one JSON line per job says whether it succeeded (if not, its last
-error line) and the CPU seconds it took.
+``DIR --outtype T --outfile F`` and gets the converter's own modules afresh (its flags, e.g.
+``--no-mtp`` and ``--mtp``, are set on the model classes, and would otherwise stay for the next
+jobs); one JSON line per job says whether it succeeded (if not, its last error line) and the CPU
+seconds it took.
 
 Usage: python convert_driver.py CONVERTER JOBS.json RESULTS.jsonl
 """
@@ -22,6 +24,8 @@ def main() -> None:
     sys.path.insert(0, str(converter.parent))  # its ``conversion`` package
     with results.open("w") as out:
         for job in jobs:
+            for name in [m for m in sys.modules if m == "conversion" or m.startswith("conversion.")]:
+                del sys.modules[name]  # fresh model classes: the converter's flags are class attributes
             sys.argv = [str(converter), *job["argv"]]
             start = time.process_time()
             try:
