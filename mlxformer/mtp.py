@@ -29,7 +29,7 @@ import mlx.core as mx
 
 from mlxformer.cache import Cache, CacheSettings, make_cache
 from mlxformer.errors import MlxformerError
-from mlxformer.formats.checkpoint import open_checkpoint
+from mlxformer.formats.checkpoint import open_part
 from mlxformer.loader import check_weights, quantization_of, quantize_like_checkpoint
 from mlxformer.models.decoder import Model
 from mlxformer.models.dtype_policy import cast_except_quantized_linears
@@ -54,22 +54,29 @@ def _mtp_names(names: Sequence[str]) -> dict[str, str]:
 
 
 def load_mtp(path_or_repo: str | Path, model: Model) -> MTPDrafter:
-    """The MTP head of the checkpoint at ``path_or_repo`` (the one ``model`` was loaded from),
-    checked by name, shape and dtype, in ``model``'s float dtype; a one-line error when the
-    checkpoint has none."""
-    checkpoint = open_checkpoint(path_or_repo)
-    tensors = checkpoint.tensors.renamed(text_weight_names(checkpoint.tensors.entries))
+    """The MTP head of the checkpoint at ``path_or_repo``, checked by name, shape and dtype, in
+    ``model``'s float dtype; a one-line error when the checkpoint has none. The checkpoint is
+    the one ``model`` was loaded from (an HF dir's ``mtp.*``; a GGUF's MTP block, which
+    llama.cpp's converter writes by default), or a file holding the head alone (the converter's
+    ``--mtp`` output, ``mtp-*.gguf``)."""
+    path, config, tensors = open_part(path_or_repo)
+    tensors = tensors.renamed(text_weight_names(tensors.entries))
     names = _mtp_names(list(tensors.entries))
     if not names:
         raise MlxformerError(
-            f"{checkpoint.path.name} has no multi-token-prediction weights (mtp.*): --mtp needs a checkpoint "
-            "that ships them (the hub's Qwen3.5/3.6 and Qwen3-Next; mlx-lm conversions and GGUF files drop them)")
+            f"{path.name} has no multi-token-prediction weights (mtp.*, a GGUF's nextn block): --mtp needs a "
+            "checkpoint that ships them (the hub's Qwen3.5/3.6 and Qwen3-Next, their GGUFs converted by llama.cpp "
+            "without --no-mtp, or its --mtp file as --mtp FILE; mlx-lm conversions drop them)")
+    embedding = tensors.entries.get("model.embed_tokens.weight")
+    if embedding is not None and embedding.shape[0] != model.args.vocab_size:
+        raise MlxformerError(f"{path.name}: its MTP head is for a vocabulary of {embedding.shape[0]} tokens, "
+                             f"the model's has {model.args.vocab_size}")
     tensors = tensors.subset(names).renamed(names)
     layers = {int(n.split(".")[1]) for n in tensors.entries if n.startswith("layers.") and n.split(".")[1].isdigit()}
     head = MTPHead(model.args, len(layers))
     if model.args.num_experts:
         tensors = tensors.stacked(expert_groups(tensors.entries, model.args.num_experts))
-    quantization = quantization_of(checkpoint.config)
+    quantization = quantization_of(config)
     if quantization:
         quantize_like_checkpoint(head, {_mtp_names([k]).get(k, k): v for k, v in quantization.items()}, tensors.entries)
     check_weights(head, tensors.entries)

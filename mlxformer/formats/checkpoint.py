@@ -67,18 +67,30 @@ def open_checkpoint(path_or_repo: str | Path) -> Checkpoint:
     """Open a local HF/MLX dir, a hub repo id or a ``.gguf`` file: headers and config only,
     all checked (the config against the tensor names too); no tensor data is read."""
     source = resolve_source(path_or_repo)
+    config, tensors, metadata, header_bytes = _open_files(source)
+    args = check_config(config, tensors.entries, source)
+    return Checkpoint(source, config, args, tensors, None if source.is_file() else source, metadata, header_bytes)
+
+
+def open_part(path_or_repo: str | Path) -> tuple[Path, dict[str, Any], Tensors]:
+    """``(path, config, tensors)`` of a checkpoint that may hold only part of a model (llama.cpp's
+    MTP GGUF: the multi-token-prediction block beside the embedding and output): its headers
+    and names checked as ``open_checkpoint`` checks them, but not that they make a whole decoder."""
+    source = resolve_source(path_or_repo)
+    config, tensors, _, _ = _open_files(source)
+    return source, config, tensors
+
+
+def _open_files(source: Path) -> tuple[dict[str, Any], Tensors, dict[str, Any] | None, int]:
+    """``(config, tensors, GGUF metadata or None, header bytes)`` of a model dir or .gguf file."""
     if source.is_file():
         if source.suffix.lower() != ".gguf":
             raise MlxformerError(f"{source}: not a model dir or .gguf file")
         config, entries, load, metadata, header_bytes = open_gguf(source)
-        tensors, tokenizer_dir = Tensors(entries, load), None
-    else:
-        config = read_config(source)
-        tensors, header_bytes = _open_safetensors(source)
-        config = with_stored_layout(config, tensors.entries)
-        metadata, tokenizer_dir = None, source
-    args = check_config(config, tensors.entries, source)
-    return Checkpoint(source, config, args, tensors, tokenizer_dir, metadata, header_bytes)
+        return config, Tensors(entries, load), metadata, header_bytes
+    config = read_config(source)
+    tensors, header_bytes = _open_safetensors(source)
+    return with_stored_layout(config, tensors.entries), tensors, None, header_bytes
 
 
 def _open_safetensors(directory: Path) -> tuple[Tensors, int]:

@@ -24,7 +24,8 @@ from mlxformer.formats.gguf_quants import EXACT_TYPES, FLOAT_DECODED_TYPES, GROU
     decode_values, requantize
 from mlxformer.formats.gguf_families import GGUF_ARCHITECTURES, NORM_SHIFTED_ARCHS, arch_config, gemma4_config
 from mlxformer.formats.gguf_hybrid import HYBRID_ARCHS, undo_converter
-from mlxformer.formats.gguf_names import CONFIG_TENSORS, PERMUTED_QK_ARCHS, hf_name, is_block_from
+from mlxformer.formats.gguf_names import CONFIG_TENSORS, MTP_ARCHS, PERMUTED_QK_ARCHS, hf_name, is_block_from, \
+    mtp_name
 from mlxformer.formats.gguf_reader import GGUFFile, TensorInfo
 from mlxformer.formats.gguf_split import read_any_gguf
 from mlxformer.formats.gguf_rope import rope_scaling_from_factors
@@ -109,7 +110,7 @@ def config_from_metadata(metadata: dict[str, Any], tensor_names: set[str]) -> di
     pattern = _meta(metadata, f"{arch}.attention.sliding_window_pattern")
     if isinstance(pattern, list):  # one flag per layer (OLMo 3)
         config["layer_types"] = ["sliding_attention" if p else "full_attention" for p in pattern]
-    first_mtp = _first_mtp_block(metadata, arch)  # MTP blocks end the file's (GLM, DeepSeek, Qwen3.5): not read
+    first_mtp = _first_mtp_block(metadata, arch)  # MTP blocks end the file's (GLM, DeepSeek, Qwen3.5): not the decoder's
     if first_mtp is not None:
         config["num_hidden_layers"] = first_mtp
     recurrent = _meta(metadata, f"{arch}.attention.recurrent_layers")
@@ -287,9 +288,11 @@ def open_gguf(path: Path) -> tuple[dict[str, Any], dict[str, TensorEntry], Calla
     gguf = read_any_gguf(path)
     arch = gguf.metadata.get("general.architecture")
     first_mtp = _first_mtp_block(gguf.metadata, str(arch))
+    read_mtp = arch in MTP_ARCHS  # MTP blocks as the hub's ``mtp.*`` (``--mtp``); others' are not read
     tensors = {name: info for name, info in gguf.tensors.items()
-               if name not in CONFIG_TENSORS and not is_block_from(name, first_mtp)}
-    names = {name: hf_name(name, str(arch)) for name in tensors}
+               if name not in CONFIG_TENSORS and (read_mtp or not is_block_from(name, first_mtp))}
+    names = {name: mtp_name(name, str(arch), first_mtp) if is_block_from(name, first_mtp) and first_mtp is not None
+             else hf_name(name, str(arch)) for name in tensors}
     entries: dict[str, TensorEntry] = {}
     sources: dict[str, tuple[TensorInfo, str]] = {}
     for gguf_name, info in tensors.items():  # every name and type checked before the metadata

@@ -29,7 +29,8 @@ HYBRID_ARCHS = ("qwen35", "qwen35moe", "qwen3next")
 TILED_VALUE_HEADS = ("qwen35", "qwen35moe")  # the converter's _LinearAttentionVReorderBase
 # The ``(1 + w)`` RMSNorms the converter stored with the 1 added (not the gated ``linear_attn.norm``).
 SHIFTED_NORMS = (".input_layernorm.weight", ".post_attention_layernorm.weight", "model.norm.weight",
-                 ".q_norm.weight", ".k_norm.weight")
+                 ".q_norm.weight", ".k_norm.weight",  # and the MTP head's (its layer's by the suffixes above)
+                 "mtp.norm.weight", "mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight")
 _DELTA = re.compile(r"^(model\.layers\.\d+\.linear_attn)\.(.+)$")
 Make = Callable[[list[mx.array]], mx.array]
 

@@ -137,6 +137,34 @@ def is_block_from(gguf_name: str, first: int | None) -> bool:
     return first is not None and layer is not None and int(layer.group(1)) >= first
 
 
+# The multi-token-prediction block's own tensors (llama.cpp's ``nextn``; the converter's
+# ``_QwenMtpMixin`` renames the hub's ``mtp.*`` to them) -> the hub's names, read as ``mtp.*``
+# by ``mlxformer.mtp``; the block's other tensors are a decoder layer's, ``mtp.layers.{k}.*``.
+NEXTN_NAMES: dict[str, str] = {
+    "nextn.eh_proj": "mtp.fc",
+    "nextn.enorm": "mtp.pre_fc_norm_embedding",
+    "nextn.hnorm": "mtp.pre_fc_norm_hidden",
+    "nextn.shared_head_norm": "mtp.norm",
+}
+# Architectures whose MTP blocks are read (as ``mtp.*``, beside the decoder); others' are skipped.
+MTP_ARCHS = ("qwen35", "qwen35moe", "qwen3next")
+
+
+def mtp_name(gguf_name: str, arch: str, first: int) -> str:
+    """Map a tensor of MTP block ``first + k`` to the hub's name: ``blk.4.nextn.eh_proj.weight``
+    to ``mtp.fc.weight``, ``blk.4.attn_q.weight`` to ``mtp.layers.0.self_attn.q_proj.weight``
+    (``first`` 4); a name without a row raises."""
+    layer = _LAYER_NAME.match(gguf_name)
+    if layer is None or int(layer.group(1)) < first:
+        raise MlxformerError(f"GGUF tensor {gguf_name!r} is not in a multi-token-prediction block")
+    index, rest = int(layer.group(1)), layer.group(2)
+    stem, _, suffix = rest.rpartition(".")
+    if stem in NEXTN_NAMES and suffix == "weight":
+        return f"{NEXTN_NAMES[stem]}.{suffix}"
+    name = hf_name(gguf_name, arch)  # model.layers.{index}.*
+    return f"mtp.layers.{index - first}." + name[len(f"model.layers.{index}."):]
+
+
 def hf_name(gguf_name: str, arch: str) -> str:
     """Map e.g. ``blk.3.attn_q.weight`` to ``model.layers.3.self_attn.q_proj.weight``; a name
     without a row in the table raises."""
