@@ -30,6 +30,7 @@ import mlx.core as mx
 from mlxformer.cache import Cache, CacheSettings, make_cache
 from mlxformer.errors import MlxformerError
 from mlxformer.formats.checkpoint import open_part
+from mlxformer.formats.gguf_split import read_any_gguf
 from mlxformer.loader import check_weights, quantization_of, quantize_like_checkpoint
 from mlxformer.models.decoder import Model
 from mlxformer.models.dtype_policy import cast_except_quantized_linears
@@ -40,7 +41,7 @@ from mlxformer.sampling import Distribution
 from mlxformer.speculative import KeySource, common_prefix_length, draft_token
 from mlxformer.steps import default_prefill_step
 
-__all__ = ["HiddenRows", "MTPDrafter", "MTPProposer", "load_mtp"]
+__all__ = ["HiddenRows", "MTPDrafter", "MTPProposer", "has_mtp_block", "load_mtp"]
 
 
 def _mtp_names(names: Sequence[str]) -> dict[str, str]:
@@ -51,6 +52,17 @@ def _mtp_names(names: Sequence[str]) -> dict[str, str]:
             if name.startswith(prefix):
                 out[name] = name[len(prefix):]
     return out
+
+
+def has_mtp_block(path: str | Path | None) -> bool:
+    """Whether ``path`` is a GGUF file whose last block is a multi-token-prediction block (its
+    ``nextn.eh_proj``): llama.cpp's test for drafting with a ``-md`` file's MTP head (the
+    converter's ``--mtp`` output, or a whole model converted with its MTP layer)."""
+    if path is None or not str(path).lower().endswith(".gguf") or not Path(path).is_file():
+        return False
+    metadata = (gguf := read_any_gguf(Path(path))).metadata
+    blocks = metadata.get(f"{metadata.get('general.architecture')}.block_count")
+    return isinstance(blocks, int) and f"blk.{blocks - 1}.nextn.eh_proj.weight" in gguf.tensors
 
 
 def load_mtp(path_or_repo: str | Path, model: Model) -> MTPDrafter:

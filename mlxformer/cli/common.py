@@ -209,9 +209,10 @@ def add_speculative_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--prompt-lookup", action="store_true",
                        help="speculative decoding: propose the tokens that followed the last n-gram earlier in the text")
     group.add_argument("--draft-model", help="speculative decoding with this small model (same tokenizer)")
-    group.add_argument("--mtp", action="store_true",
+    group.add_argument("--mtp", nargs="?", const=True, default=False, metavar="FILE",
                        help="speculative decoding with the model's own multi-token-prediction head (Qwen3.5/3.6, "
-                            "Qwen3-Next checkpoints that ship mtp.* weights)")
+                            "Qwen3-Next: an HF checkpoint's mtp.* weights, a GGUF's MTP block); FILE: the head from "
+                            "a file of its own (llama.cpp's convert_hf_to_gguf.py --mtp output, mtp-*.gguf)")
     parser.add_argument("--num-draft-tokens", "--mtp-tokens", type=int, default=None, dest="num_draft_tokens",
                         help="most tokens proposed per step (default: 8 with --prompt-lookup, 4 with --draft-model, "
                              "2 with --mtp)")
@@ -225,7 +226,8 @@ def speculates(args: argparse.Namespace) -> bool:
 def speculative_settings(args: argparse.Namespace, tokenizer: Tokenizer, model: Model | None = None
                          ) -> SpeculativeSettings | None:
     """The speculative settings from flags (loading ``--draft-model``, or ``--mtp``'s head of
-    ``model`` from ``--model``), or None."""
+    ``model`` from ``--model``, from ``--mtp FILE``, or from a ``--draft-model`` GGUF with an MTP
+    block, as llama.cpp's ``-md`` takes one), or None."""
     from mlxformer.default_model import default_model_path
     from mlxformer.errors import MlxformerError, OptionError
     from mlxformer.loader import load
@@ -237,7 +239,11 @@ def speculative_settings(args: argparse.Namespace, tokenizer: Tokenizer, model: 
         if args.num_draft_tokens is not None:
             raise MlxformerError("--num-draft-tokens needs --prompt-lookup, --draft-model or --mtp")
         return None
-    default = 8 if args.prompt_lookup else 2 if args.mtp else 4
+    from mlxformer.mtp import has_mtp_block, load_mtp
+
+    # --mtp FILE, or a GGUF with an MTP block as --draft-model (llama.cpp's -md drafts with its head)
+    mtp_file = args.draft_model if has_mtp_block(args.draft_model) else args.mtp if isinstance(args.mtp, str) else None
+    default = 8 if args.prompt_lookup else 2 if args.mtp or mtp_file else 4
     count = default if args.num_draft_tokens is None else args.num_draft_tokens
     try:
         if args.prompt_lookup:
@@ -245,11 +251,10 @@ def speculative_settings(args: argparse.Namespace, tokenizer: Tokenizer, model: 
         SpeculativeSettings(num_draft_tokens=count, prompt_lookup=True)  # the flags' values, before loading
     except OptionError as exc:
         raise flag_error(exc) from None
-    if args.mtp:
-        from mlxformer.mtp import load_mtp
-
+    if args.mtp or mtp_file:
         assert model is not None, "--mtp needs the loaded model"
-        return SpeculativeSettings(num_draft_tokens=count, mtp=load_mtp(args.model or default_model_path(), model))
+        source = mtp_file or args.model or default_model_path()
+        return SpeculativeSettings(num_draft_tokens=count, mtp=load_mtp(source, model))
     draft, draft_tokenizer = load(args.draft_model, dtype=FLOAT_DTYPES[args.dtype] if args.dtype else None,
                                   threads=args.threads, plan=DevicePlan.named(args.device_plan))
     return SpeculativeSettings(num_draft_tokens=count, draft_model=draft, draft_tokenizer=draft_tokenizer)
