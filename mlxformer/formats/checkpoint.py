@@ -132,6 +132,9 @@ def check_config(config: dict[str, Any], entries: Mapping[str, TensorEntry], sou
         raise MlxformerError(f"{where} has a value of the wrong type ({exc})") from None
     renames = text_weight_names(entries)
     layers = {int(m.group(1)) for name in entries if (m := _LAYER.match(renames.get(name, name)))}
+    if not layers and any(name.startswith("mtp.") for name in entries):
+        raise MlxformerError(f"{source}: holds only a multi-token-prediction head (llama.cpp's convert_hf_to_gguf.py "
+                             "--mtp output): load the model's own file and pass this one as --mtp FILE")
     if layers - set(range(args.num_hidden_layers, args.num_hidden_layers + args.mtp_layers)) != set(
             range(args.num_hidden_layers)):  # beside the multi-token-prediction layers (GLM, DeepSeek)
         raise MlxformerError(f"{where} says {config.get('num_hidden_layers')} layers, but the tensors are for "
