@@ -29,6 +29,7 @@ from conftest import TINY_SHAPE, max_diff, write_byte_tokenizer, write_tiny_chec
 from test_gguf_families import run_converter
 from test_hybrid import BOUND, CASES, HYBRID
 from mlxformer import convert, load
+from mlxformer.mtp import has_mtp_block
 
 # name -> (model_type, converter --outtype); "-mtp": the checkpoint with an MTP layer, converted with it
 GGUF_CASES = {
@@ -121,9 +122,10 @@ def test_converter_gguf_matches_transformers(converted, name):
     """The GGUF's logits equal transformers' on the checkpoint it was made from (q8_0: on the
     same rounded weights). Every converter edit left in place moves them by O(1): ``-exp(A_log)``
     read as ``A_log``, the norms' added 1, Qwen3.5's tiled value heads, Qwen3-Next's split qkvz.
-    A file with the MTP block loads the decoder without it (no native MTP yet)."""
+    A file with the MTP block loads the decoder without it (its head: ``--mtp``, tests/test_mtp_gguf.py)."""
     _, hf_model, path, error = converted[name]
     assert error is None, f"llama.cpp's converter failed on {name}: {error}"
+    assert has_mtp_block(path) == name.endswith("-mtp")
     if name.endswith("q8_0"):
         hf_model = stored_like_q8_0(hf_model)
     model, _ = load(path, dtype=mx.float32, threads=1)
