@@ -30,7 +30,9 @@ import mlx.core as mx
 from mlxformer.cache import Cache, CacheSettings, make_cache
 from mlxformer.errors import MlxformerError
 from mlxformer.formats.checkpoint import open_part
+from mlxformer.formats.gguf_names import MTP_ARCHS
 from mlxformer.formats.gguf_split import read_any_gguf
+from mlxformer.formats.hub import fetch_mtp_sidecar
 from mlxformer.loader import check_weights, quantization_of, quantize_like_checkpoint
 from mlxformer.models.decoder import Model
 from mlxformer.models.dtype_policy import cast_except_quantized_linears
@@ -56,13 +58,15 @@ def _mtp_names(names: Sequence[str]) -> dict[str, str]:
 
 def has_mtp_block(path: str | Path | None) -> bool:
     """Whether ``path`` is a GGUF file whose last block is a multi-token-prediction block (its
-    ``nextn.eh_proj``): llama.cpp's test for drafting with a ``-md`` file's MTP head (the
-    converter's ``--mtp`` output, or a whole model converted with its MTP layer)."""
+    ``nextn.eh_proj``) of an architecture whose head is read (``MTP_ARCHS``): llama.cpp's test
+    for drafting with a ``-md`` file's MTP head (the converter's ``--mtp`` output, or a whole
+    model converted with its MTP layer)."""
     if path is None or not str(path).lower().endswith(".gguf") or not Path(path).is_file():
         return False
     metadata = (gguf := read_any_gguf(Path(path))).metadata
-    blocks = metadata.get(f"{metadata.get('general.architecture')}.block_count")
-    return isinstance(blocks, int) and f"blk.{blocks - 1}.nextn.eh_proj.weight" in gguf.tensors
+    arch = metadata.get("general.architecture")
+    blocks = metadata.get(f"{arch}.block_count")
+    return arch in MTP_ARCHS and isinstance(blocks, int) and f"blk.{blocks - 1}.nextn.eh_proj.weight" in gguf.tensors
 
 
 def load_mtp(path_or_repo: str | Path, model: Model) -> MTPDrafter:
@@ -70,10 +74,13 @@ def load_mtp(path_or_repo: str | Path, model: Model) -> MTPDrafter:
     ``model``'s float dtype; a one-line error when the checkpoint has none. The checkpoint is
     the one ``model`` was loaded from (an HF dir's ``mtp.*``; a GGUF's MTP block, which
     llama.cpp's converter writes by default), or a file holding the head alone (the converter's
-    ``--mtp`` output, ``mtp-*.gguf``)."""
+    ``--mtp`` output, ``mtp-*.gguf``); for a hub GGUF ``REPO[:QUANT]`` without the head, the
+    repo's ``mtp-*.gguf`` beside it (llama.cpp's ``-hf REPO:QUANT --mtp``)."""
     path, config, tensors = open_part(path_or_repo)
     tensors = tensors.renamed(text_weight_names(tensors.entries))
     names = _mtp_names(list(tensors.entries))
+    if not names and not Path(path_or_repo).expanduser().exists() and (sidecar := fetch_mtp_sidecar(str(path_or_repo))):
+        return load_mtp(sidecar, model)  # a hub GGUF without the head: the repo's mtp-*.gguf beside it
     if not names:
         raise MlxformerError(
             f"{path.name} has no multi-token-prediction weights (mtp.*, a GGUF's nextn block): --mtp needs a "

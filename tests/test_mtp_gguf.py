@@ -10,8 +10,9 @@ random Qwen3.5 (``qwen35``) and Qwen3-Next (``qwen3next``) checkpoints with ``mt
 The head read from either file gives transformers' MTP logits (``test_mtp.mtp_reference``: its
 decoder layer, final norm and ``lm_head`` on ``fc([norm_e(emb), norm_h(h)])``) and those of the
 HF checkpoint's head; greedy decoding with it equals plain decoding (library and command line,
-``--mtp``, ``--mtp FILE`` and llama.cpp's way, the file as ``--draft-model``); a GGUF without the
-block is a one-line error. A q8_0 file's head is quantized as stored.
+``--mtp``, ``--mtp FILE`` and llama.cpp's ways: the file as ``--draft-model``, a hub repo's
+``mtp-*.gguf`` beside its model); a GGUF without the block is a one-line error. A q8_0 file's head
+is quantized as stored.
 """
 
 from __future__ import annotations
@@ -151,21 +152,31 @@ def test_mtp_flag_forms_pick_the_file(converted):
     assert settings.mtp is None and settings.draft_model is not None
 
 
-def run_generate(model, *flags: str) -> subprocess.CompletedProcess:
+def run_generate(model, *flags: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "mlxformer", "generate", "--model", str(model), "--dtype", "float32",
                            "--threads", "1", "-p", "The sky is", "--ignore-chat-template", "--max-tokens", "12",
-                           "--temp", "0", *flags], capture_output=True, text=True, timeout=300)
+                           "--temp", "0", *flags], capture_output=True, text=True, timeout=300, env=env)
 
 
-def test_generate_mtp_on_the_gguf_equals_plain(converted):
-    """``mlxformer generate --mtp`` on the GGUF with its MTP block prints plain decoding's text;
-    given a GGUF without one, ``--mtp`` is a one-line error, and so is the ``--mtp`` file loaded
-    as a model."""
+def test_generate_mtp_on_the_gguf_equals_plain(converted, tmp_path):
+    """``mlxformer generate --mtp`` prints plain decoding's text: on the GGUF with its MTP block,
+    and on a hub repo's GGUF without one whose ``mtp-*.gguf`` sits beside it (llama.cpp's
+    ``-hf REPO:QUANT --mtp``: the sidecar with the model's tag is picked, a decoy with another tag
+    has no head; the sidecars are not models, or ``:F32`` would name two files). Given a GGUF
+    without the head, ``--mtp`` is a one-line error, and so is the ``--mtp`` file loaded as a model."""
+    from hub_support import add_to_cache
+    from test_hub_models import env_for
+
     files = converted["qwen3_5_text"][3]
-    plain, fast = run_generate(files["with-mtp"]), run_generate(files["with-mtp"], "--mtp", "--verbose")
-    assert plain.returncode == 0 and fast.returncode == 0, plain.stderr + fast.stderr
-    assert fast.stdout == plain.stdout and plain.stdout.strip()
-    assert "proposed" in fast.stderr
+    plain = run_generate(files["with-mtp"])
+    cache = tmp_path / "hub"
+    add_to_cache(cache, "org/tiny-GGUF", {"tiny-F32.gguf": files["no-mtp"], "mtp-tiny-F32.gguf": files["mtp-only"],
+                                          "mtp-tiny-Q8_0.gguf": files["no-mtp"]})
+    for fast in (run_generate(files["with-mtp"], "--mtp", "--verbose"),
+                 run_generate("org/tiny-GGUF:F32", "--mtp", "--verbose", env=env_for(cache))):
+        assert plain.returncode == 0 and fast.returncode == 0, plain.stderr + fast.stderr
+        assert fast.stdout == plain.stdout and plain.stdout.strip()
+        assert "proposed" in fast.stderr
     refused = run_generate(files["no-mtp"], "--mtp")
     assert refused.returncode != 0
     assert refused.stderr.strip().count("\n") == 0 and "no multi-token-prediction weights" in refused.stderr

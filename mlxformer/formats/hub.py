@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Callable
 
 from mlxformer.errors import MlxformerError
-from mlxformer.formats.hub_gguf import gguf_models, pick_gguf, split_ref
+from mlxformer.formats.hub_gguf import gguf_models, pick_gguf, pick_sidecar, split_ref
 from mlxformer.formats.safetensors import WEIGHT_GLOB
 
 # Only data files are fetched: never pickles, never code. The weights are ``model*.safetensors``
@@ -136,3 +136,16 @@ def fetch(ref: str, on_file: Callable[[str, int, bool], None] | None = None) -> 
     if missing:
         raise MlxformerError(f"{repo}: {missing[0]} is not in the cache (offline: HF_HUB_OFFLINE is set)")
     return folder if main is None else folder / main
+
+
+def fetch_mtp_sidecar(ref: str) -> Path | None:
+    """The ``mtp-*.gguf`` beside the GGUF that ``REPO[:QUANT]`` names (``hub_gguf.pick_sidecar``,
+    llama.cpp's ``-hf REPO:QUANT --mtp``), fetched; None for a repo without one, or not a GGUF."""
+    repo, _, main = fetch_plan(ref)
+    sidecar = None if main is None else pick_sidecar(repo_files(repo), main, split_ref(ref)[1])
+    if sidecar is None:
+        return None
+    path = _download(repo, [sidecar]) / sidecar
+    if not path.is_file():
+        raise MlxformerError(f"{repo}: {sidecar} is not in the cache (offline: HF_HUB_OFFLINE is set)")
+    return path

@@ -6,8 +6,10 @@ path (split at ``-``, ``.``, ``/``) that reads like llama.cpp's type names (``Q4
 ``IQ4_XS``, ``Q8_0``, ``F16``, ``BF16``, ...), upper-cased. As llama.cpp's ``-hf REPO:QUANT``
 does, the tag is matched case-insensitively; without a tag, ``DEFAULT_QUANTS`` in order, then
 the largest model that fits in ``memory`` bytes, then the smallest. Multimodal projectors
-(``mmproj*``) are not models. No match, or several models with the tag, is a one-line error
-listing what there is.
+(``mmproj*``) and llama.cpp's sidecars (``mtp-*``, ``eagle3-*``, ``dflash-*``, ``dspark-*``,
+``imatrix``) are not models. No match, or several models with the tag, is a one-line error
+listing what there is. ``pick_sidecar`` finds a model's ``mtp-*`` file as llama.cpp's
+``-hf REPO:QUANT --mtp`` does.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from mlxformer.formats.gguf_split import SPLIT_NAME, split_part_names
 DEFAULT_QUANTS = ("Q4_K_M",)
 QUANT_PIECE = re.compile(r"^(I?Q\d(_[A-Z0-9]+)*|TQ\d_\d|MXFP4(_MOE)?|B?F16|F32|FP16)$", re.IGNORECASE)
 REF_PREFIXES = ("hf.co/", "huggingface.co/", "https://huggingface.co/")
+# File names that are not models (llama.cpp's ``gguf_filename_is_model``), by prefix or part.
+SIDECAR_PREFIXES = ("mmproj", "mtp-", "eagle3-", "dflash-", "dspark-")
 
 
 @dataclass(frozen=True)
@@ -63,7 +67,7 @@ def gguf_models(files: Mapping[str, int]) -> list[GGUFModel]:
     models = []
     for path in sorted(files):
         name = path.rsplit("/", 1)[-1]
-        if not name.lower().endswith(".gguf") or name.lower().startswith("mmproj"):
+        if not name.lower().endswith(".gguf") or name.lower().startswith(SIDECAR_PREFIXES) or "imatrix" in name.lower():
             continue
         parts = split_part_names(name)
         if parts is None:
@@ -100,3 +104,28 @@ def pick_gguf(repo: str, models: list[GGUFModel], tag: str | None, memory: int |
             return chosen[0]
     fitting = [m for m in models if memory is None or m.size <= memory]
     return max(fitting, key=lambda m: m.size) if fitting else min(models, key=lambda m: m.size)
+
+
+def _bits(quant: str | None) -> int:
+    """The first number of a quant tag (``Q4_K_M``: 4, ``BF16``: 16), 0 without one."""
+    match = re.search(r"\d+", quant or "")
+    return int(match.group()) if match else 0
+
+
+def pick_sidecar(files: Mapping[str, int], model: str, tag: str | None, prefix: str = "mtp-") -> str | None:
+    """The repo's ``{prefix}*.gguf`` file for GGUF ``model``, as llama.cpp's ``find_best_sibling``
+    picks it: in the model's folder or one above it, the deepest folder shared with the model
+    first, then one with the tag in its name, then the nearest quant bits; None when there is none."""
+    folder = model.rsplit("/", 1)[0].split("/") if "/" in model else []
+    wanted = _bits(tag) if tag else _bits(quant_of(model))
+    best: tuple[int, bool, int] | None = None
+    chosen = None
+    for path in sorted(files):
+        *parts, name = path.split("/")
+        if not (name.lower().startswith(prefix) and name.lower().endswith(".gguf")) or parts != folder[:len(parts)]:
+            continue
+        exact = tag is not None and f"-{tag.upper()}." in path.upper()
+        rank = (len(parts), exact, -abs(_bits(quant_of(path)) - wanted))
+        if best is None or rank > best:
+            best, chosen = rank, path
+    return chosen
