@@ -182,3 +182,23 @@ def test_generate_mtp_on_the_gguf_equals_plain(converted, tmp_path):
     assert refused.stderr.strip().count("\n") == 0 and "no multi-token-prediction weights" in refused.stderr
     with pytest.raises(MlxformerError, match="only a multi-token-prediction head.*--mtp FILE"):
         load(files["mtp-only"])
+
+
+def test_the_hub_sidecar_is_picked_as_llama_cpp_picks_it():
+    """``pick_sidecar`` against the rule of llama.cpp's ``find_best_sibling`` (common/download.cpp):
+    only files in the model's folder or above it, the deepest first, then the tag in the name,
+    then the nearest quant bits (the tag's, else the model file's)."""
+    from mlxformer.formats.hub_gguf import gguf_models, pick_sidecar
+
+    files = dict.fromkeys(["Q4_K_M/m-Q4_K_M.gguf", "Q4_K_M/mtp-m-Q6_K.gguf", "mtp-m-F16.gguf", "mtp-m-Q8_0.gguf",
+                           "other/mtp-m-Q4_K_M.gguf"], 1)
+    assert pick_sidecar(files, "Q4_K_M/m-Q4_K_M.gguf", "Q4_K_M") == "Q4_K_M/mtp-m-Q6_K.gguf"  # its own folder
+    del files["Q4_K_M/mtp-m-Q6_K.gguf"]
+    assert pick_sidecar(files, "Q4_K_M/m-Q4_K_M.gguf", "Q4_K_M") == "mtp-m-Q8_0.gguf"  # above it; 8 bits nearer 4
+    assert pick_sidecar(dict.fromkeys(["m-Q8_0.gguf", "mtp-m-F16.gguf", "mtp-m-Q4_0.gguf"], 1), "m-Q8_0.gguf",
+                        None) == "mtp-m-Q4_0.gguf"  # no tag: the model file's 8 bits
+    tagged = dict.fromkeys(["m-Q4_0.gguf", "m-Q4_K_M.gguf", "mtp-m-Q4_0.gguf", "mtp-m-Q4_K_M.gguf"], 1)
+    assert [pick_sidecar(tagged, f"m-{t}.gguf", t) for t in ("Q4_0", "q4_k_m")] == ["mtp-m-Q4_0.gguf",
+                                                                                    "mtp-m-Q4_K_M.gguf"]
+    assert pick_sidecar(dict.fromkeys(["m-Q8_0.gguf", "mmproj-m-Q8_0.gguf"], 1), "m-Q8_0.gguf", "Q8_0") is None
+    assert [m.name for m in gguf_models(tagged)] == ["m-Q4_0.gguf", "m-Q4_K_M.gguf"]
