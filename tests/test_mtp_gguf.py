@@ -1,5 +1,6 @@
 """Native MTP from GGUF files that llama.cpp's own ``convert_hf_to_gguf.py`` writes from tiny
-random Qwen3.5 (``qwen35``) and Qwen3-Next (``qwen3next``) checkpoints with ``mtp.*`` weights
+random Qwen3.5 (``qwen35``), Qwen3-Next (``qwen3next``) and Qwen3.5-MoE (``qwen35moe``, the
+default file only) checkpoints with ``mtp.*`` weights
 (``test_mtp``'s writer, the vocabulary SmolLM2's so the converter knows the tokenizer):
 
 - by default it appends the MTP layer as the last block (``blk.4.nextn.*`` beside the layer's
@@ -18,6 +19,8 @@ is quantized as stored.
 from __future__ import annotations
 
 import argparse
+import json
+import shutil
 import subprocess
 import sys
 
@@ -28,7 +31,7 @@ import pytest
 
 from conftest import max_diff, write_tiny_checkpoint
 from test_gguf_families import run_converter
-from test_mtp import BOUND, CASES, HYBRID, PROMPT, add_mtp_weights, mtp_reference
+from test_mtp import BOUND, CASES, EXPERTS, HYBRID, PROMPT, add_mtp_weights, mtp_reference
 from mlxformer import load, stream_generate
 from mlxformer.cache import make_cache
 from mlxformer.errors import MlxformerError
@@ -37,6 +40,10 @@ from mlxformer.speculative import SpeculativeSettings
 
 # file kind -> the converter's flags: the head in the model's file, alone, left out
 KINDS = {"with-mtp": [], "mtp-only": ["--mtp"], "no-mtp": ["--no-mtp"]}
+# Qwen3.5-MoE (``qwen35moe``) too, its default file only; the converter's input says
+# ``qwen3_5_text`` (its tokenizer, see test_hybrid_formats), its architectures pick the class
+MODELS = {**CASES, "qwen3_5_moe_text": EXPERTS}
+HEAD_CASES = [(t, k) for t in CASES for k in ("with-mtp", "mtp-only")] + [("qwen3_5_moe_text", "with-mtp")]
 SAME_AS_HF = 3e-4  # the GGUF's head against the HF dir's, float32 both (measured 3.5e-5)
 IDS = [int(t) for t in np.random.default_rng(5).integers(3, 256, size=40)]
 
@@ -50,14 +57,21 @@ def converted(tmp_path_factory, hf_smollm_tokenizer):
     root = tmp_path_factory.mktemp("mtp_gguf")
     vocab = len(hf_smollm_tokenizer)
     out, jobs = {}, []
-    for model_type, extra in CASES.items():
+    for model_type, extra in MODELS.items():
         directory, hf_model = write_tiny_checkpoint(root / model_type, model_type, **HYBRID, **extra, vocab_size=vocab)
         hf_smollm_tokenizer.save_pretrained(directory)
         pieces = add_mtp_weights(directory, model_type, hf_model, {**extra, "vocab_size": vocab})
-        files = {kind: root / f"{model_type}-{kind}.gguf" for kind in KINDS}
-        jobs += [{"name": f"{model_type}-{kind}", "argv": [str(directory), "--outtype", "f32", *flags,
+        kinds = KINDS if model_type in CASES else {"with-mtp": []}
+        files = {kind: root / f"{model_type}-{kind}.gguf" for kind in kinds}
+        source = directory
+        if model_type == "qwen3_5_moe_text":
+            source = root / "converter_input_moe"
+            shutil.copytree(directory, source)
+            config = json.loads((source / "config.json").read_text())
+            (source / "config.json").write_text(json.dumps({**config, "model_type": "qwen3_5_text"}))
+        jobs += [{"name": f"{model_type}-{kind}", "argv": [str(source), "--outtype", "f32", *flags,
                                                             "--outfile", str(files[kind])]}
-                 for kind, flags in KINDS.items()]
+                 for kind, flags in kinds.items()]
         out[model_type] = (directory, hf_model, pieces, files)
     jobs.append({"name": "q8_0", "argv": [str(out["qwen3_5_text"][0]), "--outtype", "q8_0",
                                           "--outfile", str(root / "q8_0.gguf")]})
@@ -80,10 +94,10 @@ def test_the_files_the_converter_writes(converted, model_type):
     files (llama.cpp's test for an MTP draft) and absent from the ``--no-mtp`` one."""
     files = converted[model_type][3]
     assert [has_mtp_block(files[kind]) for kind in KINDS] == [True, True, False]
+    assert has_mtp_block(converted["qwen3_5_moe_text"][3]["with-mtp"])
 
 
-@pytest.mark.parametrize("kind", ["with-mtp", "mtp-only"])
-@pytest.mark.parametrize("model_type", list(CASES))
+@pytest.mark.parametrize(("model_type", "kind"), HEAD_CASES)
 def test_gguf_head_matches_transformers_and_the_hf_head(converted, model_type, kind):
     """The head from the model's GGUF, or from the ``--mtp`` file beside the ``--no-mtp`` model,
     gives transformers' MTP logits and the HF checkpoint's head's (the norms' added 1 left in
