@@ -107,6 +107,7 @@ class Engine(Admission):
         self.metrics = EngineMetrics(metrics)
         self.metrics.watch(lambda: len(self.scheduler.waiting), lambda: self.scheduler.active, self.kv_bytes,
                            self.budget.limit if self.budget is not None else 0)
+        self.metrics.step_reserve.set(self.budget.reserve if self.budget is not None else 0)
         self._handles: dict[int, RequestHandle] = {}
         self.replays = Replays()  # preempted sequences catching up
         self._wake = threading.Condition()
