@@ -80,3 +80,28 @@ def test_the_step_reserve_bounds_a_chunks_activations(kv_heavy):
     reserve = step_reserve(model.args, 128, 1152, 1, 4)
     assert measured <= reserve, (measured, reserve)
     assert reserve <= 4 * measured, (measured, reserve)
+
+
+def test_a_retiring_request_keeps_its_prefix_blocks_within_the_budget(kv_heavy):
+    """A lone request in a budget of its own size plus one layer (``KVSizer.peak``): when it
+    retires, the prefix cache's blocks (copies cut from its row, held beside it until it
+    leaves) are kept only as far as the budget allows, so MLX's peak over what it held before
+    the run stays within the budget and the step reserve. Before, every block was cut beside
+    the row: its KV held twice (17 MiB of blocks beside 24 MiB of row, budget 25.5 MiB)."""
+    from mlxformer import generate
+    from mlxformer.engine import Engine, GenerationRequest
+
+    model, tokenizer = load(kv_heavy, dtype=mx.float32)
+    tokenizer.eos_token_ids = []
+    prompt, max_tokens = [(5 * j) % 250 + 1 for j in range(480)], 60
+    expected = generate(model, tokenizer, prompt, max_tokens, prefill_step_size=128)
+    budget = Engine(model, tokenizer).sizer.peak(len(prompt) + max_tokens)
+    engine = Engine(model, tokenizer, prefill_chunk=128, max_kv_memory=budget)
+    with engine:
+        mx.synchronize()
+        before = mx.get_active_memory()
+        mx.reset_peak_memory()
+        reply = "".join(e.text for e in engine.submit(GenerationRequest(prompt, max_tokens)))
+    assert reply == expected
+    assert engine.prefix_cache.nbytes <= budget
+    assert mx.get_peak_memory() - before <= budget + engine.budget.reserve

@@ -129,7 +129,10 @@ class Admission:
         return tokens[: int(max(room, 0) // (per_token * size)) * size]
 
     def _kv_layout(self) -> tuple:
-        """What changes when KV buffers are freed: the sequences decoding and prefilling, and the KV bytes held."""
+        """What changes when KV buffers are freed: the sequences decoding and prefilling, and the
+        KV bytes held (nothing without a budget)."""
+        if self.budget is None:
+            return ()
         active = self.scheduler.prefilling + self.scheduler.running
         return [id(s) for s in self.scheduler.running], [id(s) for s in active], self.kv_bytes()
 
@@ -137,7 +140,7 @@ class Admission:
         """Under a KV budget, empty MLX's buffer cache after a step that freed KV buffers (a
         growth, a join or leave, a retire, an eviction): buffers of those sizes seldom serve
         again, and kept they fill the cache that the next step's activations would reuse."""
-        if self.budget is not None and self._kv_layout() != before:
+        if before and self._kv_layout() != before:
             mx.clear_cache()
 
     def kv_bytes(self) -> int:
