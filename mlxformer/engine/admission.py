@@ -10,6 +10,7 @@ import math
 import mlx.core as mx
 
 from mlxformer.cache import CacheSettings, KVCache, make_cache
+from mlxformer.cache.rewrite import evaluate_rewrite
 from mlxformer.engine.batch_runner import BatchRunner
 from mlxformer.engine.memory import BLOCK, KVBudget, KVBudgetExceeded, MemoryPlanner, held, nbytes
 from mlxformer.engine.metrics import EngineMetrics
@@ -73,7 +74,7 @@ class Admission:
         for sequence in [c.sequence for c in step.prefill] + step.decode:
             for cache in sequence.cache if id(sequence) in fed else ():
                 if isinstance(cache, KVCache) and cache.reserve(fed[id(sequence)]):
-                    mx.eval(cache.keys, cache.values)
+                    evaluate_rewrite(cache.keys, cache.values)
             fed.pop(id(sequence), None)
         return step
 

@@ -178,9 +178,10 @@ class KVBudget:
     @property
     def mlx_cache_limit(self) -> int:
         """MLX's freed-buffer cache limit: one step's activations (``reserve``), kept for the next
-        step. Before, the margin (512 MiB at least): freed KV buffers of every size piled up in it
-        (measured: 301 MiB beside a 112.5 MiB budget, ``docs/design/scheduler.md``)."""
-        return self.reserve
+        step, never more than the margin. Before, the margin (512 MiB at least): freed KV buffers
+        of every size piled up in it (measured: 301 MiB beside a 112.5 MiB budget,
+        ``docs/design/scheduler.md``)."""
+        return min(self.reserve, margin_for(self.weights + self.limit))
 
     def describe(self) -> str:
         """One line for the server's start: the budget, the step reserve, the bound on growth."""

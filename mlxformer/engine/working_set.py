@@ -5,11 +5,14 @@ the model's shape, the step's tokens and the longest context the KV budget can h
 What a step allocates beside the caches (measured on SmolLM2-135M float32, 128-token chunks,
 ``benchmarks/rss_profile.py``, ``docs/design/scheduler.md``): the attention scores and their
 softmax of the largest layer (``(T, heads, S)`` each, float32 on the CPU's unfused path: 9 MiB
-at S = 1,000), the mask, the cache's keys and values copied contiguous for the matmul, the MLP's three ``(T, intermediate)`` arrays, a few ``(T, hidden)`` residuals, and
-the logits of the rows that sample (float32, with the sampling graph's copies); layers run one
-after the other, so one layer's worth is live at a time. MLX keeps freed buffers for reuse (its
-cache, resident memory too): under a budget the engine bounds that cache by the same figure, so
-a step's activations and the buffers kept for the next one stay within ``2 x reserve``.
+at S = 1,000), the mask, the cache's keys and values made contiguous for the matmul, the MLP's
+three ``(T, intermediate)`` arrays, a few ``(T, hidden)`` residuals, and the logits of the rows
+that sample (float32, with the sampling graph's copies); layers run one after the other, so one
+layer's worth is live at a time. MLX keeps freed buffers for reuse (its cache, resident memory
+too): under a budget the engine bounds that cache by the same figure, so a step's activations
+and the buffers kept for the next one stay within ``2 x reserve``. (Metal's fused attention
+does not materialize the scores: there the reserve overstates; not measured.) Not covered: a
+request asking for ``prompt_logprobs`` projects every prompt position, ``(T, vocab)``.
 """
 
 from __future__ import annotations
