@@ -166,6 +166,7 @@ def test_metrics_in_prometheus_format(tiny):
     assert samples[("mlxformer_generated_tokens_total", ())] == 10
     assert samples[("mlxformer_prompt_tokens_total", ())] >= 6
     assert samples[("mlxformer_kv_bytes_budget", ())] == 400_000
+    assert samples[("mlxformer_step_reserve_bytes", ())] == engine.budget.reserve > 0  # also MLX's cache limit
     assert samples[("mlxformer_time_to_first_token_seconds_count", ())] == 2
     assert samples[("mlxformer_inter_token_latency_seconds_count", ())] == 8
     assert samples[("mlxformer_engine_requests_total", (("reason", "length"),))] == 2
