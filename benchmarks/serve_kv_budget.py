@@ -24,7 +24,7 @@ from pathlib import Path
 from serving import Server, Watcher, concurrently, eos_ids_of, load_average, text_of_tokens
 
 GAUGES = ("mlxformer_running_sequences", "mlxformer_kv_bytes_used", "mlxformer_mlx_active_bytes",
-          "mlxformer_mlx_cache_bytes", "mlxformer_preemptions_total")
+          "mlxformer_mlx_cache_bytes", "mlxformer_preemptions_total", "mlxformer_step_reserve_bytes")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -99,7 +99,10 @@ def main() -> None:
         "kv_bytes_used_peak": watched.peaks.get("mlxformer_kv_bytes_used"),
         "mlx_active_peak": watched.peaks.get("mlxformer_mlx_active_bytes"),
         "mlx_cache_peak": watched.peaks.get("mlxformer_mlx_cache_bytes"),
-        "rss_after_warmup": rest, "rss_peak": peak, "rss_growth_over_budget": round((peak - rest) / budget, 3),
+        "rss_after_warmup": rest, "rss_peak": peak, "rss_growth_mib": round((peak - rest) / 2**20, 1),
+        "budget_mib": round(budget / 2**20, 1), "rss_growth_over_budget": round((peak - rest) / budget, 3),
+        # a step's activations the server allows beside the KV (and MLX's buffer cache limit)
+        "step_reserve_mib": round(watched.peaks.get("mlxformer_step_reserve_bytes", 0) / 2**20, 1),
         # MLX keeps freed buffers for reuse (its cache, in the RSS): the growth without its peak
         "rss_growth_less_mlx_cache_over_budget": round((peak - rest - watched.peaks.get("mlxformer_mlx_cache_bytes", 0)) / budget, 3),
         "rss_sampled_peak": watched.peaks["rss"], "ttfts": [t["ttft"] for t in together], "load_end": load_average(),

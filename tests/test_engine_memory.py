@@ -83,7 +83,7 @@ def test_eight_full_contexts_in_a_two_sequence_budget(tiny, cache):
     # Peak RSS over the warmed-up baseline (weights, first-use kernels, the references' buffers):
     # within the budget plus MARGIN. Measured here: 5.4 MiB of growth (float), 2.3 MiB (kv8),
     # about what MLX's freed-buffer cache holds after the run (mx.get_cache_memory(); the engine's
-    # KVBudget.apply() lets it keep up to margin_for(weights + budget) = 512 MiB). The ~70 MB seen
+    # KVBudget.apply() bounds it by a step's activations, working_set.step_reserve). The ~70 MB seen
     # when the baseline was taken before the warm-up were first-use costs, not the engine's.
     growth = max(peak[0] - baseline, 0)
     print(f"{cache}: peak RSS growth {growth / 2**20:.1f} MiB; budget {budget / 2**20:.1f} MiB; "
@@ -166,6 +166,7 @@ def test_metrics_in_prometheus_format(tiny):
     assert samples[("mlxformer_generated_tokens_total", ())] == 10
     assert samples[("mlxformer_prompt_tokens_total", ())] >= 6
     assert samples[("mlxformer_kv_bytes_budget", ())] == 400_000
+    assert samples[("mlxformer_step_reserve_bytes", ())] == engine.budget.reserve > 0  # also MLX's cache limit
     assert samples[("mlxformer_time_to_first_token_seconds_count", ())] == 2
     assert samples[("mlxformer_inter_token_latency_seconds_count", ())] == 8
     assert samples[("mlxformer_engine_requests_total", (("reason", "length"),))] == 2

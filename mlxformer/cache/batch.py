@@ -26,6 +26,7 @@ from mlxformer.cache.codec import CENTER_BLOCK, FLOAT_CODEC, KVCodec, Pack, pack
 from mlxformer.cache.kv import KVCache
 from mlxformer.cache.latent import latent_attention
 from mlxformer.cache.protocol import Cache
+from mlxformer.cache.rewrite import evaluate_rewrite
 from mlxformer.cache.rotating import RotatingKVCache
 from mlxformer.cache.state import StateCache
 from mlxformer.models.mask import Mask
@@ -298,7 +299,7 @@ class DecodeBatch:
             else:
                 self.layers[layer] = merged  # the old layer's buffers are free once evaluated
             if staged:
-                mx.eval(merged.state)
+                evaluate_rewrite(merged.state)
                 for own in caches:
                     own[layer] = None  # type: ignore[call-overload]  # its keys/values now live in the batch
         for kind, layout in self.layouts.items():
@@ -354,7 +355,7 @@ class DecodeBatch:
                         batched.codec = KVCodec(batched.codec.bits, batched.codec.group_size, center)
                 if staged:
                     own = caches[layer]
-                    mx.eval(batched.state, own.state if own is not None else ())
+                    evaluate_rewrite(batched.state, own.state if own is not None else ())
         return caches if keep else []  # type: ignore[return-value]
 
     def row_caches(self, index: int) -> list[Cache]:
@@ -378,7 +379,7 @@ class DecodeBatch:
         for cache in self.layers:
             if staged and isinstance(cache, BatchLayerCache) and cache.keys[0].shape[2] < cache.layout.width:
                 cache.keys, cache.values = _pad(cache.keys, cache.layout.width), _pad(cache.values, cache.layout.width)
-                mx.eval(cache.keys, cache.values)
+                evaluate_rewrite(cache.keys, cache.values)
         return self.layers
 
     def commit(self) -> None:

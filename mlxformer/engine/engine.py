@@ -23,8 +23,9 @@ from mlxformer.cache import CacheSettings, make_cache
 from mlxformer.engine.admission import Admission
 from mlxformer.engine.batch_runner import BatchRunner, PromptChunk
 from mlxformer.engine.handle import RequestHandle
-from mlxformer.engine.memory import KVBudgetExceeded, KVSizer, MemoryPlanner, held, nbytes, resolve_budget
+from mlxformer.engine.memory import BLOCK, KVBudgetExceeded, KVSizer, MemoryPlanner, held, nbytes, resolve_budget
 from mlxformer.engine.metrics import EngineMetrics
+from mlxformer.engine.working_set import engine_reserve
 from mlxformer.engine.prefix_sharing import PrefixSharing
 from mlxformer.engine.prompt_cache import PromptCacheSettings, build_prefix_cache
 from mlxformer.engine.replay import Replays, rewind_caches
@@ -98,10 +99,15 @@ class Engine(Admission):
         self.sharing = PrefixSharing(self.prefix_cache, tiers.share_prefills)
         self.runner = BatchRunner(model)
         self.runner.staged = self.budget is not None  # a request's peak is then its own size (memory.py)
+        if self.budget is not None:  # a step's activations beside the KV; MLX's buffer cache is bounded by it
+            self.budget.reserve = engine_reserve(
+                model.args, self.budget.limit, self.sizer.bytes_for(BLOCK) / BLOCK, self.scheduler.step_tokens,
+                self.scheduler.prefill_chunk, max_batch, self.draft_tokens, kv_dtype.size)
         self.vocab_size = model.args.vocab_size
         self.metrics = EngineMetrics(metrics)
         self.metrics.watch(lambda: len(self.scheduler.waiting), lambda: self.scheduler.active, self.kv_bytes,
                            self.budget.limit if self.budget is not None else 0)
+        self.metrics.step_reserve.set(self.budget.reserve if self.budget is not None else 0)
         self._handles: dict[int, RequestHandle] = {}
         self.replays = Replays()  # preempted sequences catching up
         self._wake = threading.Condition()
@@ -229,6 +235,7 @@ class Engine(Admission):
     def step(self) -> None:
         """One engine step: drop cancelled, admit, fit the step into the KV budget, run a prompt
         chunk and a decode step, emit."""
+        layout = self._kv_layout()
         for sequence in self.scheduler.drop_cancelled_waiting():
             self._end(sequence, "cancelled")
         for sequence in self.scheduler.prefilling + self.scheduler.running:
@@ -242,6 +249,7 @@ class Engine(Admission):
             except Exception as exc:  # e.g. a draft model's cache
                 self._fail(sequence, exc)
         self._run(self._grow(self._fit(self.scheduler.plan(skip=self.sharing.held))))
+        self._drop_freed(layout)
 
     # --- running a step -------------------------------------------------------------------
 

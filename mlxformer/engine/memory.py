@@ -161,10 +161,14 @@ class KVSizer:
 @dataclass
 class KVBudget:
     """The KV bytes the engine may hold (sequences and prefix cache together), and the MLX
-    memory and cache limits derived from it, set while the engine runs."""
+    memory and cache limits derived from it, set while the engine runs. ``reserve``: the
+    activations one step may hold beside the KV (``working_set.step_reserve``), also the
+    bound of MLX's freed-buffer cache, so the process grows over its weights by at most
+    ``limit + 2 * reserve`` (``describe``)."""
 
     limit: int
     weights: int
+    reserve: int = 0
 
     @property
     def mlx_memory_limit(self) -> int:
@@ -173,8 +177,18 @@ class KVBudget:
 
     @property
     def mlx_cache_limit(self) -> int:
-        """MLX's freed-buffer cache limit: the margin (so that kept buffers stay within the memory limit)."""
-        return margin_for(self.weights + self.limit)
+        """MLX's freed-buffer cache limit: one step's activations (``reserve``), kept for the next
+        step, never more than the margin. Before, the margin (512 MiB at least): freed KV buffers
+        of every size piled up in it (measured: 301 MiB beside a 112.5 MiB budget,
+        ``docs/design/scheduler.md``)."""
+        return min(self.reserve, margin_for(self.weights + self.limit))
+
+    def describe(self) -> str:
+        """One line for the server's start: the budget, the step reserve, the bound on growth."""
+        mib = 2**20
+        return (f"KV budget {self.limit / mib:.1f} MiB; a step's activations up to {self.reserve / mib:.1f} MiB and "
+                f"MLX's buffer cache within that again: memory above the weights ({self.weights / mib:.1f} MiB) "
+                f"up to {(self.limit + 2 * self.reserve) / mib:.1f} MiB")
 
     def apply(self) -> tuple[int, int]:
         """Set MLX's limits; returns the previous ``(memory limit, cache limit)``."""

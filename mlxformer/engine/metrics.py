@@ -41,6 +41,8 @@ class EngineMetrics:
         self.kv_budget = Gauge("mlxformer_kv_bytes_budget", "The KV memory budget in bytes (0: none)", registry=r)
         self.mlx_active = Gauge("mlxformer_mlx_active_bytes", "Bytes in MLX's live arrays (weights, KV, activations)", registry=r)
         self.mlx_cache = Gauge("mlxformer_mlx_cache_bytes", "Bytes MLX keeps in freed buffers for reuse", registry=r)
+        self.step_reserve = Gauge("mlxformer_step_reserve_bytes", "A step's activations allowed beside the KV budget, "
+                                  "also MLX's buffer cache limit (0: no budget)", registry=r)
 
     def counter(self, name: str, documentation: str, labels: tuple[str, ...] = ()) -> Counter:
         """A counter in this registry, made on first use (so that two apps over one engine share it)."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 import socket
+import sys
 import threading
 import time
 from typing import Sequence
@@ -84,6 +85,8 @@ def serve(
         log.warning("serving on %s without --api-key: anyone who can reach this host can use the model", host)
     engine = Engine(model, tokenizer, max_batch=max_batch, max_queue=max_queue, cache_settings=cache_settings,
                     speculative=speculative, prompt_cache=prompt_cache, max_kv_memory=max_kv_memory)
+    if engine.budget is not None:  # what the process may grow by over its weights (engine/working_set.py)
+        print(f"mlxformer: {engine.budget.describe()}", file=sys.stderr, flush=True)
     served = ServedModel.of(name, model, tokenizer)
     app = create_app(engine, served, api_key=api_key, cors_origins=cors_origins,
                      allowed_hosts=served_hosts(host, allowed_hosts), max_body_bytes=max_body_bytes, openapi=openapi,
