@@ -1,5 +1,5 @@
 """Host syncs, counted by a hook on every way MLX hands values to Python (``mx.eval``,
-``array.item``, ``array.tolist``): one per speculative round (greedy and sampled, prompt lookup
+``array.item``, ``array.tolist``): one per speculative round (greedy, sampled and penalised; prompt lookup
 and a draft model), one per single-stream decode step, one per engine decode step at batch 1
 and 4 (greedy, and sampled with logprobs); prompt lookup's n-gram index answers what a rescan
 of the history answers."""
@@ -48,11 +48,14 @@ def tiny_draft(tmp_path_factory):
 
 SAMPLED = SamplingSettings(temp=0.8, top_p=0.9, seed=3)
 PENALIZED = SamplingSettings(temp=0.8, top_p=0.9, seed=3, repetition_penalty=1.1)
+GREEDY_PENALIZED = SamplingSettings(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.3)
 
 
 @pytest.mark.parametrize("proposer,sampling", [("lookup", SamplingSettings()), ("lookup", PENALIZED),
-                                               ("draft", SamplingSettings()), ("draft", SAMPLED)],
-                         ids=["lookup-greedy", "lookup-penalized", "draft-greedy", "draft-sampled"])
+                                               ("draft", SamplingSettings()), ("draft", SAMPLED),
+                                               ("draft", PENALIZED), ("draft", GREEDY_PENALIZED)],
+                         ids=["lookup-greedy", "lookup-penalized", "draft-greedy", "draft-sampled",
+                              "draft-penalized", "draft-greedy-penalized"])
 def test_one_sync_per_speculative_round(tiny_byte_llama, tiny_draft, proposer, sampling, monkeypatch):
     model, tokenizer = tiny_byte_llama
     speculative = (SpeculativeSettings(num_draft_tokens=4, prompt_lookup=True, ngram_min=1) if proposer == "lookup"
@@ -73,7 +76,7 @@ def test_one_sync_per_speculative_round(tiny_byte_llama, tiny_draft, proposer, s
             target = model(inputs, state.cache)[0]  # (k + 1, vocab)
             tokens, logprobs = state.verify(target)
         # before: one item() per draft and per verified token; then (a draft model) one read of
-        # its proposals and one of the verification
+        # its proposals and one of the verification; a draft's round with penalties: two reads
         assert syncs == ["tolist"], syncs
         assert 1 <= len(tokens) <= len(proposed) + 1 and logprobs.shape == (len(tokens), model.args.vocab_size)
         for token in tokens:
@@ -97,6 +100,22 @@ def test_speculative_greedy_equals_plain_decoding(tiny_byte_llama):
     settings = SpeculativeSettings(num_draft_tokens=4, prompt_lookup=True, ngram_min=1)
     fast = list(stream_generate(model, tokenizer, prompt, 30, speculative=settings))
     assert [r.token for r in fast] == plain and fast[-1].proposed_tokens > 0
+
+
+@pytest.mark.parametrize("sampling", [GREEDY_PENALIZED, SamplingSettings(repetition_penalty=1.5)],
+                         ids=["rep+presence+frequency", "repetition"])
+def test_draft_rounds_with_penalties_equal_plain_decoding(tiny_byte_llama, tiny_draft, sampling):
+    """Greedy with penalties: a draft model's rounds (their proposals penalised on the device as
+    each verification row's pending history) give plain decoding's tokens; a round whose rows
+    ignored the proposals in the history would pick tokens the penalties forbid."""
+    model, tokenizer = tiny_byte_llama
+    prompt = tokenizer.encode(REPEATING)
+    plain = [r.token for r in stream_generate(model, tokenizer, prompt, 30, sampling=sampling)]
+    settings = SpeculativeSettings(num_draft_tokens=4, draft_model=model, draft_tokenizer=tokenizer)  # self-draft
+    fast = list(stream_generate(model, tokenizer, prompt, 30, sampling=sampling, speculative=settings))
+    assert [r.token for r in fast] == plain and fast[-1].accepted_tokens > 0
+    other = SpeculativeSettings(num_draft_tokens=4, draft_model=tiny_draft[0], draft_tokenizer=tiny_draft[1])
+    assert [r.token for r in stream_generate(model, tokenizer, prompt, 30, sampling=sampling, speculative=other)] == plain
 
 
 def rescan(history: list[int], k: int, ngram_max: int, ngram_min: int) -> list[int]:
