@@ -143,6 +143,8 @@ ENGINE_PROMPTS = ["hello world", "once upon a time", "good morning", "lorem ipsu
 ENGINE_SAMPLINGS = {
     "greedy": (SamplingSettings(), None),
     "sampled+logprobs": (SamplingSettings(temp=0.8, top_p=0.9, seed=5, repetition_penalty=1.1), 3),
+    "penalized": (GREEDY_PENALIZED, None),
+    "sampled+penalized": (SamplingSettings(temp=0.8, seed=7, presence_penalty=0.8, frequency_penalty=0.4), 2),
 }
 
 
@@ -150,7 +152,9 @@ ENGINE_SAMPLINGS = {
 @pytest.mark.parametrize("mode", list(ENGINE_SAMPLINGS))
 def test_one_sync_per_engine_step(tiny_byte_llama, batch, mode, monkeypatch):
     """Every engine step that only decodes reads its rows' tokens (and logprobs) in one host
-    sync; the tokens equal ``stream_generate`` alone (the reference for each row)."""
+    sync, and overlaps: it reads the last step's tokens after its own graph, fed those tokens
+    from the device, is queued (``mx.async_eval``); the tokens equal ``stream_generate`` alone
+    (the reference for each row; the penalties count the token in flight)."""
     model, tokenizer = tiny_byte_llama
     sampling, logprobs = ENGINE_SAMPLINGS[mode]
     prompts = ENGINE_PROMPTS[:batch]
@@ -160,15 +164,28 @@ def test_one_sync_per_engine_step(tiny_byte_llama, batch, mode, monkeypatch):
     real_step, real_run = engine.step, engine._run
     planned: list[Step] = []
     monkeypatch.setattr(engine, "_run", lambda step: (planned.append(step), real_run(step))[1])
+    queued: list[mx.array] = []  # every array given to mx.async_eval
+    overlapped: list[bool] = []  # per read: the next step's tokens were queued before it
+    real_emit = engine._emit
+
+    def emit(picked) -> None:
+        ahead = engine.pipeline is not None and all(any(a is p[1] for a in queued) for p in engine.pipeline.picked)
+        overlapped.append(ahead)
+        real_emit(picked)
 
     def step() -> None:
         start = len(syncs)
         planned.clear()
+        overlapped.clear()
         real_step()
         rows = len(planned[0].decode) if len(planned) == 1 and not planned[0].prefill else 0
-        steps.append((rows, syncs[start:]))
+        steps.append((rows, syncs[start:], list(overlapped)))
 
     with counting_syncs(monkeypatch) as syncs:
+        real_async_eval = mx.async_eval
+        monkeypatch.setattr(mx, "async_eval", lambda *a: (queued.extend(a[0] if isinstance(a[0], list) else a),
+                                                          real_async_eval(*a))[1])
+        monkeypatch.setattr(engine, "_emit", emit)
         monkeypatch.setattr(engine, "step", step)
         with engine:
             handles = [engine.submit(GenerationRequest(tokenizer.encode(p), max_tokens=16, sampling=sampling,
@@ -177,9 +194,10 @@ def test_one_sync_per_engine_step(tiny_byte_llama, batch, mode, monkeypatch):
     assert [[e.token for e in ev] for ev in events] == expected
     if logprobs is not None:
         assert all(e.logprob is not None and len(e.top_logprobs) == logprobs for ev in events for e in ev)
-    assert sum(rows == batch for rows, _ in steps) >= 5, steps
-    decoding = [s for rows, s in steps if rows]
-    assert all(s == ["tolist"] for s in decoding), decoding
+    assert sum(rows == batch for rows, _, _ in steps) >= 5, steps
+    decoding = [(s, o) for rows, s, o in steps if rows]
+    # the first decode step after the prompt's (which read the first token) has nothing to read yet
+    assert decoding[0] == ([], []) and all(d == (["tolist"], [True]) for d in decoding[1:]), decoding
 
 
 def test_tensor_parallel_step_is_one_sync_and_one_watchdog_countdown(tmp_path, monkeypatch):
