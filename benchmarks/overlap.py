@@ -41,7 +41,7 @@ def run(engine: Engine, requests: list[GenerationRequest], overlap: bool) -> lis
 
     engine._run, engine.step = run_step, step  # type: ignore[method-assign]
     try:
-        with engine.scheduler.lock:  # they arrive together
+        with engine._wake:  # they arrive together (the idle loop waits on it)
             handles = [engine.submit(r) for r in requests]
         outputs = [[e.token for e in h] for h in handles]
     finally:

@@ -188,8 +188,9 @@ def test_one_sync_per_engine_step(tiny_byte_llama, batch, mode, monkeypatch):
         monkeypatch.setattr(engine, "_emit", emit)
         monkeypatch.setattr(engine, "step", step)
         with engine:
-            handles = [engine.submit(GenerationRequest(tokenizer.encode(p), max_tokens=16, sampling=sampling,
-                                                       logprobs=logprobs)) for p in prompts]
+            with engine._wake:  # together: the idle loop sees them in one step
+                handles = [engine.submit(GenerationRequest(tokenizer.encode(p), max_tokens=16, sampling=sampling,
+                                                           logprobs=logprobs)) for p in prompts]
             events = [list(h) for h in handles]
     assert [[e.token for e in ev] for ev in events] == expected
     if logprobs is not None:
