@@ -293,7 +293,10 @@ class Engine(Admission):
             choices += self._choose_each([sequence], [logits])
         waits = self.overlap and not choices and all(s.constraint is None and s.speculator is None
                                                       for c in batched for s in c[0])
-        self._hand_out(batched, []) if waits else self._hand_out([], batched + choices)
+        if waits:
+            self._hand_out(batched, [])
+        else:
+            self._hand_out([], batched + choices)
 
     def _hand_out(self, queued: list[Choice], now: list[Choice]) -> None:
         """Queue ``queued`` for the next step (``Pipeline``); read the tokens in flight and ``now`` in one sync, hand them out."""
@@ -394,8 +397,7 @@ class Engine(Admission):
                 decode.append(sequence)
         return decode, verifying
 
-    def _choose_each(self, sequences: list[Sequence], logits: list[mx.array], pending: mx.array | None = None
-                     ) -> list[Choice]:
+    def _choose_each(self, sequences: list[Sequence], logits: list[mx.array], pending: mx.array | None = None) -> list[Choice]:
         """The sequences' choices in one graph (``choosing.choose``) over the rows of ``logits``
         (blocks ``(n, vocab)``, one row per sequence in order); one whose constraint fails ends
         alone. ``pending``: their input tokens ``(n,)``, not recorded yet where in ``self.pipeline``."""
