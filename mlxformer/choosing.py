@@ -49,6 +49,7 @@ class Row:
     prompt_length: int
     key: tuple[int, int] | None = None
     mask: mx.array | None = None  # bool (n,): the tokens allowed next
+    pending: int = 0  # tokens chosen but not yet in ``history`` that follow it (its row of ``pending``)
 
 
 def _padded(rows: list[list[int]], fill: int) -> np.ndarray:
@@ -60,10 +61,18 @@ def _padded(rows: list[list[int]], fill: int) -> np.ndarray:
     return matrix
 
 
-def _ids(rows: list[list[int]], vocab: int, pending: mx.array | None) -> mx.array:
-    """``rows`` as a padded ``(B, n)`` id array, with the ``pending`` tokens ``(B,)`` appended."""
+def _ids(rows: list[list[int]], vocab: int, pending: mx.array | None, counts: list[int], window: int | None = None
+         ) -> mx.array:
+    """``rows`` as a padded ``(B, n)`` id array, then each row's first ``counts`` pending tokens
+    (``(B, m)``; the last ``window`` of its history and them, when given; the rest padding)."""
     ids = mx.array(_padded(rows, vocab))
-    return ids if pending is None else mx.concatenate([ids, pending.astype(mx.int32)[:, None]], axis=1)
+    if pending is None:
+        return ids
+    columns = np.arange(pending.shape[1])[None]  # (1, m)
+    real = columns < np.array(counts)[:, None]  # (B, m)
+    if window is not None:
+        real &= columns >= np.array(counts)[:, None] - window
+    return mx.concatenate([ids, mx.where(mx.array(real), pending.astype(mx.int32), vocab)], axis=1)
 
 
 def _vector(values: list[float]) -> mx.array:
@@ -72,18 +81,24 @@ def _vector(values: list[float]) -> mx.array:
 
 def process(logits: mx.array, rows: Sequence[Row], pending: mx.array | None = None) -> mx.array:
     """Float32 logits ``(B, vocab)`` after each row's penalties, logit bias and constraint mask.
-    ``pending``: tokens ``(B,)`` chosen but not yet in the histories (a pipelined loop)."""
+    ``pending``: tokens ``(B,)`` or ``(B, m)`` chosen but not yet in the histories (a pipelined
+    loop; a speculation round's proposals), on the device: row ``b``'s history continues with
+    its first ``rows[b].pending`` of them."""
     logits = logits.astype(mx.float32)
     vocab = logits.shape[-1]
     settings = [r.sampling for r in rows]
-    extra = 0 if pending is None else 1
+    if pending is not None and pending.ndim == 1:
+        pending = pending[:, None]  # (B,) -> (B, 1)
+    counts = [r.pending if pending is not None else 0 for r in rows]
     repetition = [s.repetition_penalty if s.repetition_penalty is not None else 1.0 for s in settings]
     if any(p != 1.0 for p in repetition):
-        recent = [list(r.history[-(REPETITION_CONTEXT - extra):]) if p != 1.0 else [] for r, p in zip(rows, repetition)]
-        logits = repetition_penalized(logits, _ids(recent, vocab, pending), _vector(repetition))
+        recent = [list(r.history[len(r.history) - max(REPETITION_CONTEXT - n, 0):]) if p != 1.0 else []
+                  for r, p, n in zip(rows, repetition, counts)]
+        counted = [n if p != 1.0 else 0 for p, n in zip(repetition, counts)]
+        logits = repetition_penalized(logits, _ids(recent, vocab, pending, counted, REPETITION_CONTEXT), _vector(repetition))
     if any(s.presence_penalty or s.frequency_penalty for s in settings):
         generated = [list(r.history[r.prompt_length:]) for r in rows]
-        logits = occurrence_penalized(logits, _ids(generated, vocab, pending),
+        logits = occurrence_penalized(logits, _ids(generated, vocab, pending, counts),
                                       _vector([s.presence_penalty for s in settings]),
                                       _vector([s.frequency_penalty for s in settings]))
     if any(s.logit_bias for s in settings):

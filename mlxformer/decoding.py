@@ -151,22 +151,23 @@ class DecodingState:
         self.key += 1
         return key
 
-    def row(self) -> Row:
+    def row(self, pending: int = 0) -> Row:
         """This sequence as a row of a batch choice (a draw taken from its stream unless it is
-        greedy; its constraint's mask computed)."""
+        greedy; its constraint's mask computed); ``pending``: tokens chosen after its history but
+        not yet recorded (``choosing.process``)."""
         key = None
         if not self.greedy:
             key = draw_key(self.seed, self.key)  # type: ignore[arg-type]
             self.key += 1
         mask = self.constraint.next_mask() if self.constraint is not None else None
-        return Row(self.sampling, self.tokens, len(self.prompt), key, mask)
+        return Row(self.sampling, self.tokens, len(self.prompt), key, mask, pending)
 
     def choose(self, logits: mx.array, pending: mx.array | None = None) -> tuple[mx.array, mx.array]:
         """Next token ``(1,)`` and the processed log-probabilities ``(1, vocab)`` from logits
         ``(1, vocab)``, lazily (``choosing.choose`` with a batch of one). ``pending``: a token
         ``(1,)`` already chosen but not yet recorded (a pipelined loop), which the penalties
         count as history."""
-        return choose(logits, [self.row()], pending)
+        return choose(logits, [self.row(1 if pending is not None else 0)], pending)
 
     # --- recording ----------------------------------------------------------------------
 

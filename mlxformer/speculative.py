@@ -281,8 +281,9 @@ def verify(
     """Decide a round in one graph and one host read: the tokens to hand out (the accepted
     proposals, then the target's next token), the log-probabilities ``(n, vocab)`` each was
     chosen from (after the penalties; lazy) and the ``proposed`` ids ``(k,)`` as read
-    (``known``: already on the host). The penalties need the proposals in each row's history:
-    with them, proposals still on the device are read first (a second read).
+    (``known``: already on the host). The penalties take the proposals into each row's history
+    where they are: on the host (``known``), or on the device (row ``i`` counts the first ``i``
+    as pending tokens, ``choosing.process``), so a draft's round is one read too.
 
     ``logits`` is ``(k + 1, vocab)``: row ``i`` predicts the token after ``proposed[:i]``, and is
     penalised as the history it follows. Greedy keeps the proposals while they are the argmax.
@@ -293,11 +294,12 @@ def verify(
     """
     k = proposed.shape[0]
     ids = proposed.astype(mx.int32)  # (k,)
-    s = sampling
-    if known is None and (s.repetition_penalty not in (None, 1.0) or s.presence_penalty or s.frequency_penalty):
-        known = ids.tolist()
-    rows = [Row(sampling, history + (known or [])[:i], prompt_length) for i in range(k + 1)]
-    logprobs = normalize(process(logits, rows))  # (k + 1, vocab)
+    if known is not None:
+        rows = [Row(sampling, history + known[:i], prompt_length) for i in range(k + 1)]
+        logprobs = normalize(process(logits, rows))  # (k + 1, vocab)
+    else:  # row i follows the history with proposals[:i]
+        rows = [Row(sampling, history, prompt_length, pending=i) for i in range(k + 1)]
+        logprobs = normalize(process(logits, rows, mx.broadcast_to(ids[None], (k + 1, k))))  # (k + 1, vocab)
     if sampling.greedy:
         targets = mx.argmax(logprobs, axis=-1)  # (k + 1,)
         accepts = targets[:k] == ids

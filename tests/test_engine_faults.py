@@ -93,8 +93,8 @@ def poison(stage: str, engine: Engine, monkeypatch) -> None:
                 raise RuntimeError("injected prefill fault")
             return real_prefill(tokens, *args)
 
-        def prefill_step(sequences, chunks=()):
-            outputs = real_step(sequences, chunks)  # every layer's cache is written, then the step fails
+        def prefill_step(sequences, chunks=(), inputs=None):
+            outputs = real_step(sequences, chunks, inputs)  # every layer's cache is written, then the step fails
             if any(POISON in c.tokens for c in chunks):
                 raise RuntimeError("injected prefill fault")
             return outputs
@@ -103,8 +103,8 @@ def poison(stage: str, engine: Engine, monkeypatch) -> None:
         monkeypatch.setattr(runner, "step", prefill_step)
     elif stage == "decode":  # ``decode`` (rows rerun alone) runs a ``step`` too
 
-        def decode_step(sequences, chunks=()):
-            outputs = real_step(sequences, chunks)  # every layer's cache is written, then the step fails
+        def decode_step(sequences, chunks=(), inputs=None):
+            outputs = real_step(sequences, chunks, inputs)  # every layer's cache is written, then the step fails
             if any(POISON in s.prompt and len(s.generated) >= 3 for s in sequences):
                 raise RuntimeError("injected decode fault")
             return outputs

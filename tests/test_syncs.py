@@ -1,5 +1,5 @@
 """Host syncs, counted by a hook on every way MLX hands values to Python (``mx.eval``,
-``array.item``, ``array.tolist``): one per speculative round (greedy and sampled, prompt lookup
+``array.item``, ``array.tolist``): one per speculative round (greedy, sampled and penalised; prompt lookup
 and a draft model), one per single-stream decode step, one per engine decode step at batch 1
 and 4 (greedy, and sampled with logprobs); prompt lookup's n-gram index answers what a rescan
 of the history answers."""
@@ -48,11 +48,14 @@ def tiny_draft(tmp_path_factory):
 
 SAMPLED = SamplingSettings(temp=0.8, top_p=0.9, seed=3)
 PENALIZED = SamplingSettings(temp=0.8, top_p=0.9, seed=3, repetition_penalty=1.1)
+GREEDY_PENALIZED = SamplingSettings(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.3)
 
 
 @pytest.mark.parametrize("proposer,sampling", [("lookup", SamplingSettings()), ("lookup", PENALIZED),
-                                               ("draft", SamplingSettings()), ("draft", SAMPLED)],
-                         ids=["lookup-greedy", "lookup-penalized", "draft-greedy", "draft-sampled"])
+                                               ("draft", SamplingSettings()), ("draft", SAMPLED),
+                                               ("draft", PENALIZED), ("draft", GREEDY_PENALIZED)],
+                         ids=["lookup-greedy", "lookup-penalized", "draft-greedy", "draft-sampled",
+                              "draft-penalized", "draft-greedy-penalized"])
 def test_one_sync_per_speculative_round(tiny_byte_llama, tiny_draft, proposer, sampling, monkeypatch):
     model, tokenizer = tiny_byte_llama
     speculative = (SpeculativeSettings(num_draft_tokens=4, prompt_lookup=True, ngram_min=1) if proposer == "lookup"
@@ -73,7 +76,7 @@ def test_one_sync_per_speculative_round(tiny_byte_llama, tiny_draft, proposer, s
             target = model(inputs, state.cache)[0]  # (k + 1, vocab)
             tokens, logprobs = state.verify(target)
         # before: one item() per draft and per verified token; then (a draft model) one read of
-        # its proposals and one of the verification
+        # its proposals and one of the verification; a draft's round with penalties: two reads
         assert syncs == ["tolist"], syncs
         assert 1 <= len(tokens) <= len(proposed) + 1 and logprobs.shape == (len(tokens), model.args.vocab_size)
         for token in tokens:
@@ -97,6 +100,22 @@ def test_speculative_greedy_equals_plain_decoding(tiny_byte_llama):
     settings = SpeculativeSettings(num_draft_tokens=4, prompt_lookup=True, ngram_min=1)
     fast = list(stream_generate(model, tokenizer, prompt, 30, speculative=settings))
     assert [r.token for r in fast] == plain and fast[-1].proposed_tokens > 0
+
+
+@pytest.mark.parametrize("sampling", [GREEDY_PENALIZED, SamplingSettings(repetition_penalty=1.5)],
+                         ids=["rep+presence+frequency", "repetition"])
+def test_draft_rounds_with_penalties_equal_plain_decoding(tiny_byte_llama, tiny_draft, sampling):
+    """Greedy with penalties: a draft model's rounds (their proposals penalised on the device as
+    each verification row's pending history) give plain decoding's tokens; a round whose rows
+    ignored the proposals in the history would pick tokens the penalties forbid."""
+    model, tokenizer = tiny_byte_llama
+    prompt = tokenizer.encode(REPEATING)
+    plain = [r.token for r in stream_generate(model, tokenizer, prompt, 30, sampling=sampling)]
+    settings = SpeculativeSettings(num_draft_tokens=4, draft_model=model, draft_tokenizer=tokenizer)  # self-draft
+    fast = list(stream_generate(model, tokenizer, prompt, 30, sampling=sampling, speculative=settings))
+    assert [r.token for r in fast] == plain and fast[-1].accepted_tokens > 0
+    other = SpeculativeSettings(num_draft_tokens=4, draft_model=tiny_draft[0], draft_tokenizer=tiny_draft[1])
+    assert [r.token for r in stream_generate(model, tokenizer, prompt, 30, sampling=sampling, speculative=other)] == plain
 
 
 def rescan(history: list[int], k: int, ngram_max: int, ngram_min: int) -> list[int]:
@@ -124,6 +143,8 @@ ENGINE_PROMPTS = ["hello world", "once upon a time", "good morning", "lorem ipsu
 ENGINE_SAMPLINGS = {
     "greedy": (SamplingSettings(), None),
     "sampled+logprobs": (SamplingSettings(temp=0.8, top_p=0.9, seed=5, repetition_penalty=1.1), 3),
+    "penalized": (GREEDY_PENALIZED, None),
+    "sampled+penalized": (SamplingSettings(temp=0.8, seed=7, presence_penalty=0.8, frequency_penalty=0.4), 2),
 }
 
 
@@ -131,7 +152,9 @@ ENGINE_SAMPLINGS = {
 @pytest.mark.parametrize("mode", list(ENGINE_SAMPLINGS))
 def test_one_sync_per_engine_step(tiny_byte_llama, batch, mode, monkeypatch):
     """Every engine step that only decodes reads its rows' tokens (and logprobs) in one host
-    sync; the tokens equal ``stream_generate`` alone (the reference for each row)."""
+    sync, and overlaps: it reads the last step's tokens after its own graph, fed those tokens
+    from the device, is queued (``mx.async_eval``); the tokens equal ``stream_generate`` alone
+    (the reference for each row; the penalties count the token in flight)."""
     model, tokenizer = tiny_byte_llama
     sampling, logprobs = ENGINE_SAMPLINGS[mode]
     prompts = ENGINE_PROMPTS[:batch]
@@ -141,26 +164,41 @@ def test_one_sync_per_engine_step(tiny_byte_llama, batch, mode, monkeypatch):
     real_step, real_run = engine.step, engine._run
     planned: list[Step] = []
     monkeypatch.setattr(engine, "_run", lambda step: (planned.append(step), real_run(step))[1])
+    queued: list[mx.array] = []  # every array given to mx.async_eval
+    overlapped: list[bool] = []  # per read: the next step's tokens were queued before it
+    real_emit = engine._emit
+
+    def emit(picked) -> None:
+        ahead = engine.pipeline is not None and all(any(a is p[1] for a in queued) for p in engine.pipeline.picked)
+        overlapped.append(ahead)
+        real_emit(picked)
 
     def step() -> None:
         start = len(syncs)
         planned.clear()
+        overlapped.clear()
         real_step()
         rows = len(planned[0].decode) if len(planned) == 1 and not planned[0].prefill else 0
-        steps.append((rows, syncs[start:]))
+        steps.append((rows, syncs[start:], list(overlapped)))
 
     with counting_syncs(monkeypatch) as syncs:
+        real_async_eval = mx.async_eval
+        monkeypatch.setattr(mx, "async_eval", lambda *a: (queued.extend(a[0] if isinstance(a[0], list) else a),
+                                                          real_async_eval(*a))[1])
+        monkeypatch.setattr(engine, "_emit", emit)
         monkeypatch.setattr(engine, "step", step)
         with engine:
-            handles = [engine.submit(GenerationRequest(tokenizer.encode(p), max_tokens=16, sampling=sampling,
-                                                       logprobs=logprobs)) for p in prompts]
+            with engine._wake:  # together: the idle loop sees them in one step
+                handles = [engine.submit(GenerationRequest(tokenizer.encode(p), max_tokens=16, sampling=sampling,
+                                                           logprobs=logprobs)) for p in prompts]
             events = [list(h) for h in handles]
     assert [[e.token for e in ev] for ev in events] == expected
     if logprobs is not None:
         assert all(e.logprob is not None and len(e.top_logprobs) == logprobs for ev in events for e in ev)
-    assert sum(rows == batch for rows, _ in steps) >= 5, steps
-    decoding = [s for rows, s in steps if rows]
-    assert all(s == ["tolist"] for s in decoding), decoding
+    assert sum(rows == batch for rows, _, _ in steps) >= 5, steps
+    decoding = [(s, o) for rows, s, o in steps if rows]
+    # the first decode step after the prompt's (which read the first token) has nothing to read yet
+    assert decoding[0] == ([], []) and all(d == (["tolist"], [True]) for d in decoding[1:]), decoding
 
 
 def test_tensor_parallel_step_is_one_sync_and_one_watchdog_countdown(tmp_path, monkeypatch):

@@ -16,7 +16,7 @@ from mlxformer.engine.memory import BLOCK, KVBudget, KVBudgetExceeded, MemoryPla
 from mlxformer.engine.metrics import EngineMetrics
 from mlxformer.engine.prefix_cache import PrefixCache
 from mlxformer.engine.prefix_sharing import PrefixSharing
-from mlxformer.engine.replay import Replays, resume_tokens
+from mlxformer.engine.replay import Replays, resume_tokens, taken_back
 from mlxformer.engine.scheduler import Scheduler, Step
 from mlxformer.engine.sequence import Sequence
 from mlxformer.models.decoder import Model
@@ -42,6 +42,9 @@ class Admission:
     def _fail(self, sequence: Sequence, error: BaseException) -> None:
         raise NotImplementedError
 
+    def _drain(self) -> bool:
+        raise NotImplementedError
+
     def _fit(self, step: Step) -> Step:
         """``step``, or a smaller one after preemptions, whose KV fits the budget beside the prefix
         cache (evicted down to the room left)."""
@@ -50,6 +53,9 @@ class Admission:
         while (room := self.budget.limit - self.planner.step_need(self.scheduler, step, self.runner.batched)) < 0:
             victim = self.scheduler.latest_active()
             assert victim is not None
+            if self._drain():  # tokens in flight are handed out first (one that ends frees its room)
+                step = self.scheduler.plan(skip=self.sharing.held)
+                continue
             if self.scheduler.active == 1:  # alone and still too big (submit's check prevents it)
                 self._fail(victim, KVBudgetExceeded("the request outgrew the KV memory budget"))
             else:
@@ -99,21 +105,26 @@ class Admission:
     def _keep(self, sequence: Sequence) -> None:
         """Offer the sequence's keys/values to the prefix cache, cut from where they are (its
         row of a batch: one copy, the blocks kept). The blocks are computed at once (under a KV
-        budget before the row leaves), or a lazy block would keep the batch's old buffers alive."""
-        blocks = self.prefix_cache.insert(self._keepable(sequence), self.runner.caches(sequence))
+        budget before the row leaves), or a lazy block would keep the batch's old buffers alive.
+        A pipelined step that fed its last token (it ended when that token was read) is taken
+        back where every layer can (not a recurrent state: it is kept with every token it holds)."""
+        caches = self.runner.caches(sequence)
+        if (ahead := held(sequence) - (len(sequence.tokens) - 1)) > 0:
+            caches = taken_back(caches, ahead)
+        tokens = self._keepable(sequence.tokens[: int(caches[0].offset)])
+        blocks = self.prefix_cache.insert(tokens, caches)
         arrays = [a for block in blocks for a in block.arrays()]
         if self.budget is not None:
             mx.eval(arrays)
         else:
             mx.async_eval(arrays)
 
-    def _keepable(self, sequence: Sequence) -> list[int]:
-        """The tokens whose blocks the prefix cache may cut from ``sequence``. Under a KV budget
-        the new blocks are copies held beside the sequence's row until it leaves (one layer of
+    def _keepable(self, tokens: list[int]) -> list[int]:
+        """The tokens of a retiring sequence whose blocks the prefix cache may cut. Under a KV
+        budget the new blocks are copies held beside the sequence's row until it leaves (one layer of
         the batch twice while it does), so they must fit in what the active sequences leave:
         older blocks are evicted first, then the blocks kept are cut short. Before, a request's
         retire held its KV twice (measured: MLX's peak 135.5 MiB over the weights, budget 112.5)."""
-        tokens = list(sequence.cache_tokens)
         if self.budget is None:
             return tokens
         cache, size = self.prefix_cache, self.prefix_cache.block_size

@@ -111,7 +111,7 @@ class BatchRunner:
         return logits
 
     def step(
-        self, sequences: Sequence[Decoding], chunks: Sequence[PromptChunk] = ()
+        self, sequences: Sequence[Decoding], chunks: Sequence[PromptChunk] = (), inputs: mx.array | None = None
     ) -> tuple[mx.array | None, list[mx.array | None]]:
         """One engine step in one forward (``cache/packed.py``): one token per decoding sequence
         and each prompt chunk's tokens on its own caches (a prompt's chunks in order). Returns
@@ -121,15 +121,17 @@ class BatchRunner:
         forward per batch kind and per chunk instead.
 
         Sequences not yet in a batch join one; one whose storage changes this step (a cache
-        turning quantized) or that speculates runs on its own caches."""
+        turning quantized) or that speculates runs on its own caches. ``inputs``: the tokens
+        ``(B,)`` the sequences take, in their order (maybe still on the device: a pipelined
+        step's); default: their last tokens."""
         groups = self._groups(sequences)
+        tokens = self._tokens(groups, sequences, inputs)
         if self.packs and len(groups) + len(chunks) > 1:  # one batch alone needs no packing
-            parts, chunk_logits = self._packed(groups, chunks)
+            parts, chunk_logits = self._packed(groups, tokens, chunks)
         else:
             parts = []
-            for caches, rows, batch in groups:
-                tokens = mx.array([s.last_token for s in rows])[:, None]  # (B, 1)
-                parts.append(self.model.last_logits(tokens, caches))
+            for (caches, rows, batch), fed in zip(groups, tokens):
+                parts.append(self.model.last_logits(fed[:, None], caches))  # (B,) -> (B, 1) in
                 if batch is not None:
                     batch.commit()
             chunk_logits = [self.prefill(c.tokens, c.cache, c.last, c.prompt_length) for c in chunks]
@@ -169,11 +171,26 @@ class BatchRunner:
         groups += [(sequence.cache, [sequence], None) for sequence in alone]
         return groups
 
+    @staticmethod
+    def _tokens(groups: list[tuple[Sequence[Cache], list[Decoding], DecodeBatch | None]], sequences: Sequence[Decoding],
+                inputs: mx.array | None) -> list[mx.array]:
+        """Each group's input tokens ``(rows,)``: taken from ``inputs`` (in the order of
+        ``sequences``), or the rows' last tokens."""
+        if inputs is None:
+            return [mx.array([s.last_token for s in rows]) for _, rows, _ in groups]
+        where = {id(s): i for i, s in enumerate(sequences)}
+        out = []
+        for _, rows, _ in groups:
+            index = [where[id(s)] for s in rows]  # every batched row decodes in the step
+            out.append(inputs if index == list(range(len(sequences))) else inputs[mx.array(index)])
+        return out
+
     def _packed(
-        self, groups: list[tuple[Sequence[Cache], list[Decoding], DecodeBatch | None]], chunks: Sequence[PromptChunk]
+        self, groups: list[tuple[Sequence[Cache], list[Decoding], DecodeBatch | None]], tokens: list[mx.array],
+        chunks: Sequence[PromptChunk],
     ) -> tuple[list[mx.array], list[mx.array | None]]:
         """``step``'s one forward: the decoding rows' tokens, then the chunks', packed on one row."""
-        inputs = [mx.array([s.last_token for s in rows]) for _, rows, _ in groups] + [mx.array(c.tokens) for c in chunks]
+        inputs = tokens + [mx.array(c.tokens) for c in chunks]
         segments = [[Segment(caches[i], len(rows), 1) for caches, rows, _ in groups]
                     + [Segment(c.cache[i], 1, len(c.tokens)) for c in chunks] for i in range(len(self.windows))]
         where = positions(segments[0])

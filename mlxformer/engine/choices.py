@@ -64,3 +64,30 @@ def each_row(
         lp = values[n + row] if chosen is not None and k is not None else None
         alternatives = [(int(ids[row * top + j]), ids[n * top + row * top + j]) for j in range(min(k, top))] if k else []
         yield sequence, int(values[row]), lp, None if k is None else alternatives
+
+
+class Pipeline:
+    """One step's choices queued (``mx.async_eval``) but not read yet: the next step feeds their
+    tokens from the device, queues itself, then reads them (overlap: the device never waits on
+    the host's handing out)."""
+
+    def __init__(self, picked: list[Picked]) -> None:
+        self.picked = picked
+        tokens = [p[1].astype(mx.int32) for p in picked]
+        self.tokens = tokens[0] if len(tokens) == 1 else mx.concatenate(tokens)  # (n,)
+        self.where = {id(s): i for i, s in enumerate(s for p in picked for s in p[0])}  # one row each
+        mx.async_eval([a for p in picked for a in arrays(p)])
+
+    def __contains__(self, sequence: Sequence) -> bool:
+        return id(sequence) in self.where
+
+    def inputs(self, sequences: list[Sequence]) -> mx.array | None:
+        """Each sequence's next input token ``(B,)``: its pending token, else its last one (from
+        the host); None when none of them has one pending."""
+        index = [self.where.get(id(s), -1) for s in sequences]
+        if all(i < 0 for i in index):
+            return None
+        if index == list(range(self.tokens.shape[0])):
+            return self.tokens
+        taken = self.tokens[mx.array([max(i, 0) for i in index])]  # (B,)
+        return mx.where(mx.array([i >= 0 for i in index]), taken, mx.array([s.last_token for s in sequences], mx.int32))

@@ -34,7 +34,7 @@ from mlxformer.engine.sequence import (
     GenerationRequest, Sequence, Status, TokenEvent, check_request,
 )
 from mlxformer.choosing import choose
-from mlxformer.engine.choices import Choice, arrays, each_row, read, with_logprobs
+from mlxformer.engine.choices import Choice, Picked, Pipeline, arrays, each_row, read, with_logprobs
 from mlxformer.decoding import with_rewind
 from mlxformer.options import SamplingSettings
 from mlxformer.speculative import SpeculativeSettings, check_draft
@@ -110,6 +110,8 @@ class Engine(Admission):
         self.metrics.step_reserve.set(self.budget.reserve if self.budget is not None else 0)
         self._handles: dict[int, RequestHandle] = {}
         self.replays = Replays()  # preempted sequences catching up
+        self.pipeline: Pipeline | None = None  # the last step's tokens, queued and not yet read
+        self.overlap = True  # queue step n+1 before reading step n's tokens (off: to measure it)
         self._wake = threading.Condition()
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -145,6 +147,7 @@ class Engine(Admission):
             for handle in list(self._handles.values()):  # e.g. the loop ended before they were admitted
                 self._end(handle.sequence, "cancelled")
             self.replays.clear()
+            self.pipeline = None
             self.runner.reset()  # its buffers were built on the ended thread's streams
             self.prefix_cache.flush()  # the disk tier's writes are done when stop returns
             if self._limits is not None:
@@ -223,6 +226,7 @@ class Engine(Admission):
                 self._fail_all(exc)
 
     def _fail_all(self, error: BaseException) -> None:  # every request in flight, with ``error``
+        self.pipeline = None
         self.runner.reset()
         self.sharing.held.clear()
         self.scheduler.clear()
@@ -254,13 +258,19 @@ class Engine(Admission):
     # --- running a step -------------------------------------------------------------------
 
     def _run(self, step: Step) -> None:
-        choices: list[Choice] = []
+        """Build the step (its decode rows fed the last step's tokens where they are pending),
+        then hand out: overlapped, the decode rows' choices are queued and the last step's read
+        (``_hand_out``); a step whose choices must be read now (a first token, a speculation
+        round, a constraint's next mask, a row rerun alone) reads the last step's and its own."""
+        choices: list[Choice] = []  # to read in this step
+        batched: list[Choice] = []  # the batched decode rows': queued for the next step's read when they can wait
         decode, verifying = self._propose(step.decode)
         # chunks in the decode step's forward (a scored prompt needs every position's logits: its own)
         riding = [c for c in step.prefill if c.sequence.prompt_scores is None and c.sequence.packs]
         ridden: dict[int, mx.array | None] = {}  # id(chunk) -> its logits, once its forward ran
         if decode or riding:
-            choices += self._decode(decode, riding, ridden)
+            decoded, alone = self._decode(decode, riding, ridden)
+            (choices if alone else batched).extend(decoded)
         for sequence, proposed in verifying:
             try:
                 logits = self.runner.verify(sequence.last_token, proposed, sequence.cache)
@@ -289,12 +299,32 @@ class Engine(Admission):
                 continue
             mx.async_eval(logits)
             choices += self._choose_each([sequence], [logits])
-        if choices:
-            self._emit(choices)
+        waits = self.overlap and not choices and all(s.constraint is None and s.speculator is None
+                                                      for c in batched for s in c[0])
+        if waits:
+            self._hand_out(batched, [])
+        else:
+            self._hand_out([], batched + choices)
 
-    def _decode(self, decode: list[Sequence], riding: list[Chunk], ridden: dict[int, mx.array | None]) -> list[Choice]:
+    def _hand_out(self, queued: list[Choice], now: list[Choice]) -> None:
+        """Queue ``queued`` for the next step (``Pipeline``); read the tokens in flight and ``now`` in one sync, hand them out."""
+        last, self.pipeline = self.pipeline, None
+        if queued:
+            self.pipeline = Pipeline([with_logprobs(choice) for choice in queued])
+        picked = (last.picked if last is not None else []) + [with_logprobs(choice) for choice in now]
+        if picked:
+            self._emit(picked)
+
+    def _drain(self) -> bool:
+        """Hand out the tokens in flight (before a preemption, or rows rerun alone): every cache
+        then holds its sequence's tokens but the last. Whether there were any."""
+        return self.pipeline is not None and (self._hand_out([], []) or True)
+
+    def _decode(self, decode: list[Sequence], riding: list[Chunk], ridden: dict[int, mx.array | None]) -> tuple[list[Choice], bool]:
         """One batched decode step, with the ``riding`` prompt chunks in its forward (their
-        logits go to ``ridden``); the choices of the sequences that are not replaying.
+        logits go to ``ridden``); the choices of the sequences that are not replaying, and
+        whether they were rerun alone. A sequence whose last step's token is still in flight
+        is fed it from the device, and its penalties count it (``pending``).
 
         If the step fails, each sequence leaves the batch with its caches rolled back and runs
         alone, so that the one at fault fails alone (one that cannot be rolled back is
@@ -303,16 +333,18 @@ class Engine(Admission):
         offsets, keys = [held(s) for s in decode], [s.key for s in decode]
         prompts = {id(c.sequence): (c.sequence, held(c.sequence)) for c in riding}  # before the step
         try:
+            inputs = self.pipeline.inputs(decode) if self.pipeline is not None else None  # (B,) or None
             logits, chunk_logits = self.runner.step(decode, [
-                PromptChunk(c.tokens, c.sequence.cache, c.last, len(c.sequence.prompt)) for c in riding])
+                PromptChunk(c.tokens, c.sequence.cache, c.last, len(c.sequence.prompt)) for c in riding], inputs)
             ridden.update({id(c): x for c, x in zip(riding, chunk_logits)})
             if logits is None:
-                return []
+                return [], False
             mx.async_eval(logits)  # constraints compute their masks while the step runs
             rows = [i for i, s in enumerate(decode) if id(s) not in replaying]
             choosing = [decode[i] for i in rows]
             chosen = logits[mx.array(rows)] if len(rows) < len(decode) else logits
-            choices = self._choose_each(choosing, [chosen]) if choosing else []
+            pending = None if inputs is None else inputs[mx.array(rows)] if len(rows) < len(decode) else inputs
+            choices = self._choose_each(choosing, [chosen], pending) if choosing else []
         except Exception:
             for sequence, key in zip(decode, keys):
                 sequence.key = key
@@ -321,11 +353,12 @@ class Engine(Admission):
                 sequence.packs = False
                 if not rewind_caches(sequence.cache, before):
                     self._preempt(sequence, keep_cache=False)
-            return self._decode_alone(decode, offsets, replaying)
+            return self._decode_alone(decode, offsets, replaying), True
         self.replays.advance(decode)
-        return choices
+        return choices, False
 
     def _decode_alone(self, decode: list[Sequence], offsets: list[int], replaying: set[int]) -> list[Choice]:
+        self._drain()  # the rows then take their last tokens from the host, and end alone if those end them
         alone = []
         for sequence, before in zip(decode, offsets):
             if sequence.status is Status.FINISHED:  # e.g. its constraint failed while the step was built
@@ -372,13 +405,14 @@ class Engine(Admission):
                 decode.append(sequence)
         return decode, verifying
 
-    def _choose_each(self, sequences: list[Sequence], logits: list[mx.array]) -> list[Choice]:
+    def _choose_each(self, sequences: list[Sequence], logits: list[mx.array], pending: mx.array | None = None) -> list[Choice]:
         """The sequences' choices in one graph (``choosing.choose``) over the rows of ``logits``
-        (blocks ``(n, vocab)``, one row per sequence in order); one whose constraint fails ends alone."""
+        (blocks ``(n, vocab)``, one row per sequence in order); one whose constraint fails ends
+        alone. ``pending``: their input tokens ``(n,)``, not recorded yet where in ``self.pipeline``."""
         rows, kept = [], []
         for i, sequence in enumerate(sequences):
             try:
-                rows.append(sequence.row())
+                rows.append(sequence.row(int(pending is not None and sequence in (self.pipeline or ()))))
                 kept.append(i)
             except Exception as exc:
                 self._fail(sequence, exc)
@@ -387,13 +421,13 @@ class Engine(Admission):
         batch = logits[0] if len(logits) == 1 else mx.concatenate(logits)  # (B, vocab)
         if len(kept) < len(sequences):
             batch = batch[mx.array(kept)]
-        return [([sequences[i] for i in kept], *choose(batch, rows))]
+            pending = pending[mx.array(kept)] if pending is not None else None
+        return [([sequences[i] for i in kept], *choose(batch, rows, pending))]
 
     # --- output -------------------------------------------------------------------------
 
-    def _emit(self, choices: list[Choice]) -> None:
+    def _emit(self, picked: list[Picked]) -> None:
         """Evaluate the chosen tokens (and the logprobs asked for) in one sync, record them, send the events."""
-        picked = [with_logprobs(choice) for choice in choices]
         try:
             values = read(picked)  # the step's one host sync
         except Exception:  # find whose arrays fail

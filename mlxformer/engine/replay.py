@@ -15,6 +15,8 @@ tokens after it wait here; their logits are not used."""
 
 from __future__ import annotations
 
+import copy
+
 from mlxformer.cache import Cache
 from mlxformer.engine.prefix_cache import PrefixCache
 from mlxformer.engine.sequence import Sequence
@@ -70,3 +72,11 @@ def rewind_caches(cache: list[Cache], offset: int) -> bool:
         if extra > 0 and layer.trim(extra) != extra:
             return False
     return True
+
+
+def taken_back(cache: list[Cache], n: int) -> list[Cache]:
+    """``cache`` without its last ``n`` tokens when every layer can give them back, else
+    ``cache`` (trimmed shallow copies: a cache's ``trim`` rebinds its fields, so the originals,
+    e.g. a batch row's views or a sequence's own caches, are left as they are)."""
+    copies = [copy.copy(c) for c in cache]
+    return copies if all(c.trim(n) == n for c in copies) else list(cache)
