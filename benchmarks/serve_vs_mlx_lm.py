@@ -35,9 +35,9 @@ from serving import Server, concurrently, eos_ids_of, load_average, percentile, 
 TOPICS = ["the sea", "a robot", "the moon", "a small town", "winter", "a dragon", "coffee", "a library"]
 
 
-def server_flags(server: str, kv_bits: int | None, max_batch: int) -> list[str]:
+def server_flags(server: str, kv_bits: int | None, max_batch: int, ours: tuple[str, ...] = ()) -> list[str]:
     if server == "mlxformer":
-        return ["--max-batch", str(max_batch)] + (["--kv-bits", str(kv_bits)] if kv_bits else [])
+        return ["--max-batch", str(max_batch), *ours] + (["--kv-bits", str(kv_bits)] if kv_bits else [])
     return ["--kv-bits", str(kv_bits), "--quantized-kv-start", "0"] if kv_bits else []
 
 
@@ -58,7 +58,7 @@ def run_round(server: Server, clients: int, max_tokens: int, eos_ids: list[int])
 
 def bench_server(server: str, model_dir: Path, args: argparse.Namespace, kv_bits: int | None,
                  eos_ids: list[int], clients: list[int]) -> dict[int, dict[str, float]]:
-    with Server(server, model_dir, server_flags(server, kv_bits, max(args.clients))) as running:
+    with Server(server, model_dir, server_flags(server, kv_bits, max(args.clients), args.ours)) as running:
         running.stream_chat([{"role": "user", "content": "Hello"}], 4)  # warm-up
         return {c: run_round(running, c, args.max_tokens, eos_ids) for c in clients}
 
@@ -135,6 +135,7 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=1)
     parser.add_argument("--kv-bits", nargs="+", type=int, default=[0], help="0: float KV cache (default)")
     parser.add_argument("--first", choices=SERVERS, default=SERVERS[0], help="the server of the first round")
+    parser.add_argument("--ours", action="append", default=[], help="one more `mlxformer serve` flag (repeatable), e.g. --ours=--threads=1")
     parser.add_argument("--skip-single", action="store_true", help="no library single-stream decode figure")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     parser.add_argument("--replot", type=Path, help="only redraw the plot from a results JSON this script wrote")
