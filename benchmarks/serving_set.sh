@@ -38,6 +38,7 @@ time python benchmarks/serve_vs_mlx_lm.py "${one_stream[@]}" --first mlx-lm --ou
 # a 2-layer random model with SmolLM2's tokenizer: the servers' own per-token cost (a forward of a few ms)
 time python benchmarks/serve_vs_mlx_lm.py "${tiny[@]}" --out "$out/tiny"
 time python benchmarks/serve_vs_mlx_lm.py "${tiny[@]}" --first mlx-lm --out "$out/tiny_threads1" --ours=--threads=1
+time python benchmarks/handoffs.py --model .bench/models/tiny-smollm2 | tee "$out/handoffs.txt"
 time python benchmarks/serve_head_of_line.py "${hol[@]}" --out "$out"
 time python benchmarks/serve_kv_budget.py "${kv[@]}" --out "$out" || echo "serve_kv_budget: a request was refused (see $out/serve_kv_budget.json)"
 time python benchmarks/step_profile.py --model .bench/models/smollm2-f32 "${step[@]}" --out "$out"
