@@ -3,6 +3,8 @@
 - smollm2-f32, smollm2-bf16: SmolLM2-135M-Instruct in HF layout, dequantized from the
   offline GGUF by transformers (the reference implementation) and saved as safetensors.
 - smollm2-8bit, smollm2-4bit: mlx-lm's own conversions of smollm2-bf16 (its default settings).
+- tiny-smollm2: a random 2-layer Llama (hidden 64) with SmolLM2's tokenizer and chat template:
+  a forward of a few ms, so a server's own per-token cost shows (``serve_vs_mlx_lm.py``).
 - llama-1b-bf16: a random checkpoint of the Llama-3.2-1B shape (1.24B parameters, bf16).
 - qwen3moe-f32, qwen3moe-4bit: a random Qwen3-MoE-shaped checkpoint (Qwen3-30B-A3B's 128
   experts and top-8 routing, smaller widths: 4 layers, hidden 512, experts of 128), written by
@@ -59,6 +61,21 @@ def write_mlx_lm_quantized(out: Path) -> None:
         target = out / f"smollm2-{bits}bit"
         if not target.exists():
             convert(hf_path=str(out / "smollm2-bf16"), mlx_path=str(target), quantize=True, q_bits=bits)
+
+
+def write_tiny(out: Path) -> None:
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    target = out / "tiny-smollm2"
+    if target.exists():
+        return
+    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=32, tie_word_embeddings=True,
+                         bos_token_id=1, eos_token_id=2, max_position_embeddings=8192)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(target)
+    AutoTokenizer.from_pretrained(out / "smollm2-f32").save_pretrained(target)
 
 
 def write_llama_1b(out: Path) -> None:
@@ -129,6 +146,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     write_smollm(args.out)
     write_mlx_lm_quantized(args.out)
+    write_tiny(args.out)
     if not args.skip_1b:
         write_llama_1b(args.out)
     write_qwen3_moe(args.out)

@@ -35,9 +35,9 @@ from serving import Server, concurrently, eos_ids_of, load_average, percentile, 
 TOPICS = ["the sea", "a robot", "the moon", "a small town", "winter", "a dragon", "coffee", "a library"]
 
 
-def server_flags(server: str, kv_bits: int | None, max_batch: int) -> list[str]:
+def server_flags(server: str, kv_bits: int | None, max_batch: int, ours: tuple[str, ...] = ()) -> list[str]:
     if server == "mlxformer":
-        return ["--max-batch", str(max_batch)] + (["--kv-bits", str(kv_bits)] if kv_bits else [])
+        return ["--max-batch", str(max_batch), *ours] + (["--kv-bits", str(kv_bits)] if kv_bits else [])
     return ["--kv-bits", str(kv_bits), "--quantized-kv-start", "0"] if kv_bits else []
 
 
@@ -49,15 +49,16 @@ def run_round(server: Server, clients: int, max_tokens: int, eos_ids: list[int])
         prompt = f"Write a long story about {TOPICS[i % len(TOPICS)]}."
         return server.stream_chat([{"role": "user", "content": prompt}], max_tokens, logit_bias=bias)
 
+    cpu = server.cpu_seconds()
     results = concurrently([functools.partial(client, i) for i in range(clients)])
     wall = max(r["end"] for r in results) - min(r["start"] for r in results)
     return {"tokens": sum(r["tokens"] for r in results), "wall": wall, "ttfts": [r["ttft"] for r in results],
-            "load": load_average()}
+            "cpu": server.cpu_seconds() - cpu, "load": load_average()}
 
 
 def bench_server(server: str, model_dir: Path, args: argparse.Namespace, kv_bits: int | None,
                  eos_ids: list[int], clients: list[int]) -> dict[int, dict[str, float]]:
-    with Server(server, model_dir, server_flags(server, kv_bits, max(args.clients))) as running:
+    with Server(server, model_dir, server_flags(server, kv_bits, max(args.clients), args.ours)) as running:
         running.stream_chat([{"role": "user", "content": "Hello"}], 4)  # warm-up
         return {c: run_round(running, c, args.max_tokens, eos_ids) for c in clients}
 
@@ -78,6 +79,7 @@ def summarize(rounds: list[dict[str, float]]) -> dict[str, float]:
     ttfts = [t for r in rounds for t in r["ttfts"]]
     return {
         "tok_s": statistics.median(r["tokens"] / r["wall"] for r in rounds),
+        "cpu_ms_per_token": statistics.median(1e3 * r["cpu"] / r["tokens"] for r in rounds),  # prefill included
         "ttft_p50": percentile(ttfts, 0.5), "ttft_p95": percentile(ttfts, 0.95),
         "load": [r["load"][0] for r in rounds],
     }
@@ -116,6 +118,7 @@ def targets(results: dict, clients: list[int]) -> dict[str, dict[str, float]]:
                 ours, theirs = per["mlxformer"][str(c)], per["mlx-lm"][str(c)]
                 ratios[f"tok_s_ratio_{c}"] = round(ours["tok_s"] / theirs["tok_s"], 3)
                 ratios[f"ttft_p50_ratio_{c}"] = round(ours["ttft_p50"] / theirs["ttft_p50"], 3)
+                ratios[f"cpu_per_token_ratio_{c}"] = round(ours["cpu_ms_per_token"] / theirs["cpu_ms_per_token"], 3)
         out[key] = ratios
     return out
 
@@ -132,6 +135,7 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=1)
     parser.add_argument("--kv-bits", nargs="+", type=int, default=[0], help="0: float KV cache (default)")
     parser.add_argument("--first", choices=SERVERS, default=SERVERS[0], help="the server of the first round")
+    parser.add_argument("--ours", action="append", default=[], help="one more `mlxformer serve` flag (repeatable), e.g. --ours=--threads=1")
     parser.add_argument("--skip-single", action="store_true", help="no library single-stream decode figure")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     parser.add_argument("--replot", type=Path, help="only redraw the plot from a results JSON this script wrote")
@@ -167,13 +171,15 @@ def main() -> None:
             print(f"{key}: {json.dumps(results[key])}", flush=True)
 
     print(f"\n{date.today()} {platform.machine()} {platform.system()}, {args.max_tokens} tokens per client\n")
-    print("| model | clients | mlxformer tok/s | mlx-lm tok/s | ratio | TTFT p50 ours / mlx-lm (s) | TTFT p95 ours / mlx-lm (s) |")
-    print("|---|---|---|---|---|---|---|")
+    print("| model | clients | mlxformer tok/s | mlx-lm tok/s | ratio | TTFT p50 ours / mlx-lm (s) | TTFT p95 ours / mlx-lm (s) "
+          "| server CPU ms/token ours / mlx-lm |")
+    print("|---|---|---|---|---|---|---|---|")
     for key, per in results.items():
         for c in (c for c in args.clients if str(c) in per["mlxformer"]):
             ours, theirs = per["mlxformer"][str(c)], per["mlx-lm"][str(c)]
             print(f"| {key} | {c} | {ours['tok_s']:.1f} | {theirs['tok_s']:.1f} | {ours['tok_s'] / theirs['tok_s']:.2f}x "
-                  f"| {ours['ttft_p50']:.2f} / {theirs['ttft_p50']:.2f} | {ours['ttft_p95']:.2f} / {theirs['ttft_p95']:.2f} |")
+                  f"| {ours['ttft_p50']:.2f} / {theirs['ttft_p50']:.2f} | {ours['ttft_p95']:.2f} / {theirs['ttft_p95']:.2f} "
+                  f"| {ours['cpu_ms_per_token']:.0f} / {theirs['cpu_ms_per_token']:.0f} |")
     ratios = targets(results, args.clients)
     print("\nissue 32 (ours / mlx_lm.server; targets at 8 clients: TTFT p50 <= 1, tok/s >= 2; 1 client tok/s >= 1):")
     for key, per in ratios.items():
