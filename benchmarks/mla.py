@@ -29,21 +29,26 @@ from pathlib import Path
 RUNTIMES = ("mlxformer", "mlx-lm")
 
 
-def flash_config(layers: int, experts: int) -> dict:
-    """GLM-4.7-Flash's config.json values, with ``layers`` layers and ``experts`` routed experts."""
+VOCAB = 154880  # GLM-4.7-Flash's vocabulary
+
+
+def flash_config(layers: int, experts: int, vocab: int = VOCAB) -> dict:
+    """GLM-4.7-Flash's config.json values, with ``layers`` layers, ``experts`` routed experts and
+    ``vocab`` tokens (not a head size or rank: a smaller one only shortens the embedding and the
+    output projection)."""
     return {
         "model_type": "glm4_moe_lite", "architectures": ["Glm4MoeLiteForCausalLM"],
         "hidden_size": 2048, "num_attention_heads": 20, "num_key_value_heads": 20,
         "q_lora_rank": 768, "kv_lora_rank": 512, "qk_nope_head_dim": 192, "qk_rope_head_dim": 64, "v_head_dim": 256,
         "intermediate_size": 10240, "moe_intermediate_size": 1536, "n_routed_experts": experts, "n_shared_experts": 1,
         "num_experts_per_tok": 4, "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.8, "norm_topk_prob": True,
-        "first_k_dense_replace": 1, "num_hidden_layers": layers, "vocab_size": 154880, "rms_norm_eps": 1e-5,
+        "first_k_dense_replace": 1, "num_hidden_layers": layers, "vocab_size": vocab, "rms_norm_eps": 1e-5,
         "rope_theta": 1000000.0, "rope_interleave": True, "max_position_embeddings": 202752, "attention_bias": False,
         "tie_word_embeddings": False, "hidden_act": "silu", "torch_dtype": "bfloat16",
     }
 
 
-def write_checkpoint(directory: Path, layers: int, experts: int) -> None:
+def write_checkpoint(directory: Path, layers: int, experts: int, vocab: int = VOCAB) -> None:
     """Random bfloat16 weights (std 0.02, norms 1) of the shaped model, as one safetensors file."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
@@ -51,7 +56,7 @@ def write_checkpoint(directory: Path, layers: int, experts: int) -> None:
     from mlxformer.models.config import ModelArgs
     from mlxformer.models.decoder import Model
 
-    config = flash_config(layers, experts)
+    config = flash_config(layers, experts, vocab)
     model = Model(ModelArgs.from_dict(config))
     weights = {}
     for i, (name, value) in enumerate(tree_flatten(model.parameters())):
@@ -99,12 +104,15 @@ def worker(runtime: str, model_dir: str, prompt_tokens: int, generation_tokens: 
         loop = mlx_lm_loop(model)
 
         def kv_bytes(prompt: mx.array) -> int:
+            # as generate_step prefills: chunks of its default 2048 tokens, only the cache evaluated
+            # (the chunk's logits stay lazy, never computed)
             cache = make_prompt_cache(model)
-            for start in range(0, prompt.size, 2048):  # mlx-lm's default prefill step
-                mx.eval(model(prompt[None, start : start + 2048], cache=cache))
+            for start in range(0, prompt.size, 2048):
+                model(prompt[None, start : start + 2048], cache=cache)
+                mx.eval([c.state for c in cache])
             return sum(c.nbytes for c in cache)
 
-    vocab = 154880
+    vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
     measure(loop, random_prompt(vocab, 16, seed=1), 4)  # warm-up
     trial = measure(loop, random_prompt(vocab, prompt_tokens), generation_tokens).__dict__
     trial["kv_bytes"] = kv_bytes(random_prompt(vocab, kv_context, seed=2))
@@ -126,6 +134,7 @@ def main() -> None:
     parser.add_argument("--write", type=Path, help="write the shaped checkpoint here and exit")
     parser.add_argument("--layers", type=int, default=3)
     parser.add_argument("--experts", type=int, default=64)
+    parser.add_argument("--vocab", type=int, default=VOCAB, help="vocabulary of the written checkpoint")
     parser.add_argument("--model-dir", type=Path, default=Path(".bench/glm47-flash-shaped"))
     parser.add_argument("--trials", type=int, default=3)
     parser.add_argument("--prompt-tokens", type=int, default=512)
@@ -134,7 +143,7 @@ def main() -> None:
     parser.add_argument("--worker", choices=RUNTIMES, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.write:
-        write_checkpoint(args.write, args.layers, args.experts)
+        write_checkpoint(args.write, args.layers, args.experts, args.vocab)
         return
     if args.worker:
         worker(args.worker, str(args.model_dir), args.prompt_tokens, args.generation_tokens, args.kv_context)

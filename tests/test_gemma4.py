@@ -117,6 +117,33 @@ def test_kv_shared_layers_have_no_cache(case):
     assert sizer.bytes_for(1024) - sizer.bytes_for(512) == 512 * growing
 
 
+def test_prompt_cache_past_the_window(case):
+    """Issue 30: a prompt longer than the sliding window (7) is served from the prompt cache: the
+    sliding layers' caches are rebuilt from the blocks holding their last 7 tokens (cut after
+    each chunk of 3, while the window held them), and the continuation is a cold engine's, token
+    and log-probability bit for bit where the hit ends at one of the cold run's chunk ends.
+    (Before: ``cached_tokens`` 0 for every such prompt.)"""
+    from mlxformer.engine import Engine, GenerationRequest
+    from mlxformer.engine.prompt_cache import PromptCacheSettings
+
+    name, _, model, tokenizer, _ = case
+    first = [int(t) for t in tokens(30)]
+    second = first + [5, 6, 7]
+    settings = dict(prompt_cache=PromptCacheSettings(memory_bytes=2**30, block_size=4), prefill_chunk=3)
+    with Engine(model, tokenizer, **settings) as engine:
+        cold = list(engine.submit(GenerationRequest(second, max_tokens=6, logprobs=0)))
+    with Engine(model, tokenizer, **settings) as engine:
+        list(engine.submit(GenerationRequest(first, max_tokens=6)))
+        hit = list(engine.submit(GenerationRequest(second, max_tokens=6, logprobs=0)))
+        again = list(engine.submit(GenerationRequest(second, max_tokens=6, logprobs=0)))
+    assert cold[-1].cached_tokens == 0 and hit[-1].cached_tokens == len(first)
+    assert again[-1].cached_tokens == len(second) - 1  # the same prompt again: all but its last token
+    assert [(e.token, e.logprob) for e in hit] == [(e.token, e.logprob) for e in cold]  # cut where cold is cut
+    # the last token alone (cold: inside the chunk 30..33): the same tokens, log-probabilities to rounding
+    assert [e.token for e in again] == [e.token for e in cold]
+    assert max(abs(a.logprob - b.logprob) for a, b in zip(again, cold)) < 1e-5
+
+
 def test_config_round_trip(case):
     """``to_dict`` (what ``convert`` writes) reads back to the same args."""
     _, _, model, _, _ = case

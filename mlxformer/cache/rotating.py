@@ -75,6 +75,10 @@ class RotatingKVCache:
         positions = [p for a, b in spans for p in self.positions[a:b]]
         return keys, values, positions
 
+    def time_order(self) -> tuple[Pack, Pack, list[int]]:
+        """The stored keys, values and their positions, oldest first."""
+        return self._time_order()
+
     def _quantize_storage(self) -> None:
         assert self.bits is not None
         self.codec, float_codec = KVCodec(self.bits, self.group_size), self.codec

@@ -92,7 +92,7 @@ class Engine(Admission):
         self.sizer = KVSizer(model, self.cache_settings, self.draft_tokens)
         self.planner = MemoryPlanner(self.sizer, self.budget, self.draft_tokens)
         self.scheduler = Scheduler(max_batch, max_queue, prefill_chunk or default_prefill_step(), step_tokens,
-                                   aligned=any(layer.recurrent for layer in model.layers))
+                                   aligned=any(layer.recurrent or layer.window for layer in model.layers))
         # ``prompt_cache``: the tiers (memory budget, disk directory); else memory of ``prefix_cache_bytes``
         tiers = prompt_cache or PromptCacheSettings(memory_bytes=prefix_cache_bytes)
         self.prefix_cache = build_prefix_cache(model, tokenizer, self.cache_settings, tiers, kv_dtype)

@@ -13,6 +13,15 @@ empty, and the block that ends where the sequence's cache ended carries a snapsh
 recurrent layer's state there (``states``). A hit on a hybrid model ends at a block with a
 snapshot, taken whole (the state after any other prefix is not known); the engine inserts a
 hybrid prompt after each prefill chunk, so its chunk ends have snapshots too.
+
+A sliding-window layer (a rotating cache without sinks: Gemma's, Mistral's local layers) only
+ever sees its last ``capacity`` tokens, and that is all a cold prefill leaves in its cache: a
+block holds that layer's keys/values only while the sequence's cache still held them when the
+block was cut (``()`` otherwise), and a run of ``n`` tokens serves when the blocks covering its
+last ``capacity`` tokens hold them (``window_served``); the cache is rebuilt with those tokens
+in time order, as a cold prefill leaves it after a chunk. The engine inserts such prompts after
+every prefill chunk, so each block is cut while it is still inside the window (when the chunk
+is at most the window less a block).
 """
 
 from __future__ import annotations
@@ -76,8 +85,8 @@ def storage_tag(cache: Sequence[Cache]) -> str | None:
     first = cache[0]
     if not isinstance(first, (KVCache, RotatingKVCache)) or first.keys is None:
         return None
-    if isinstance(first, RotatingKVCache) and len(first.positions) != first.offset:
-        return None
+    if any(isinstance(c, RotatingKVCache) and c.keep and c.size != c.offset for c in cache):
+        return None  # sinks kept apart from an evicted middle: not a prefix
     codec = first.codec
     if codec.bits is None:
         return "float"
@@ -113,10 +122,30 @@ def cut_blocks(cache: Sequence[Cache], tokens: Sequence[int], spans: Sequence[tu
 
 
 def _slice(cache: Cache, name: str, a: int, b: int) -> Pack:
-    """Copies of tokens ``a:b`` of a layer's keys or values (nothing for a recurrent layer)."""
+    """Copies of tokens ``a:b`` of a layer's keys or values (nothing for a recurrent layer, nor
+    for a sliding window that no longer holds them all)."""
     if isinstance(cache, StateCache):
         return ()
+    if isinstance(cache, RotatingKVCache) and cache.size != cache.offset:  # evicted: held in time order
+        keys, values, positions = cache.time_order()
+        if a < positions[0]:
+            return ()
+        a, b = a - positions[0], b - positions[0]
+        return tuple(mx.contiguous(x[..., a:b, :]) for x in (keys if name == "keys" else values))
     return tuple(mx.contiguous(x[..., a:b, :]) for x in getattr(cache, name))
+
+
+def window_served(blocks: Sequence[Block], layer: int, capacity: int) -> bool:
+    """Whether ``blocks`` hold layer ``layer``'s keys/values for the last ``capacity`` tokens
+    of the run (all that a sliding window of that capacity keeps)."""
+    needed = capacity
+    for block in reversed(blocks):
+        if needed <= 0:
+            return True
+        if not block.keys[layer]:
+            return False
+        needed -= len(block.tokens)
+    return True
 
 
 def _center(cache: Cache) -> mx.array:
@@ -145,13 +174,21 @@ def assemble(model: HasLayers, settings: CacheSettings, blocks: Sequence[Block])
             cache.meta_state = {"offset": str(n), "keep": str(cache.keep)}  # type: ignore[misc]
             cache.state = blocks[-1].states[layer]  # type: ignore[misc]
             continue
-        keys = tuple(mx.concatenate(parts, axis=2) for parts in zip(*(b.keys[layer] for b in blocks)))
-        values = tuple(mx.concatenate(parts, axis=2) for parts in zip(*(b.values[layer] for b in blocks)))
+        held = n if not isinstance(cache, RotatingKVCache) else min(n, cache.capacity)
+        run, count = [], 0  # the blocks holding the last ``held`` tokens (a window: its capacity)
+        for block in reversed(blocks):
+            if count >= held:
+                break
+            run.insert(0, block)
+            count += len(block.tokens)
+        keys = tuple(mx.concatenate(parts, axis=2)[..., count - held :, :] for parts in zip(*(b.keys[layer] for b in run)))
+        values = tuple(mx.concatenate(parts, axis=2)[..., count - held :, :] for parts in zip(*(b.values[layer] for b in run)))
         center = (blocks[0].centers[layer],) if quantized and blocks[0].centers else ()
         meta = {**cache.meta_state, "quantized": str(int(quantized))}
-        if isinstance(cache, RotatingKVCache):
-            cache.meta_state = {**meta, "offset": str(n), "idx": str(n)}  # type: ignore[misc]
-            cache.state = keys + values + center + (mx.arange(n, dtype=mx.int32),)  # type: ignore[misc]
+        if isinstance(cache, RotatingKVCache):  # in time order, as a chunk's update leaves it
+            idx = held if held < cache.capacity else cache.keep
+            cache.meta_state = {**meta, "offset": str(n), "idx": str(idx)}  # type: ignore[misc]
+            cache.state = keys + values + center + (mx.arange(n - held, n, dtype=mx.int32),)  # type: ignore[misc]
         else:
             cache.meta_state = meta  # type: ignore[misc]
             cache.state = keys + values + center  # type: ignore[misc]

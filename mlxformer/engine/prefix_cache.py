@@ -27,9 +27,9 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
-from mlxformer.cache import Cache, CacheSettings
+from mlxformer.cache import Cache, CacheSettings, RotatingKVCache, make_cache
 from mlxformer.cache.protocol import HasLayers
-from mlxformer.engine.prefix_blocks import Block, assemble, block_keys, cut_blocks, head_of, tail_key
+from mlxformer.engine.prefix_blocks import Block, assemble, block_keys, cut_blocks, head_of, tail_key, window_served
 
 if TYPE_CHECKING:
     from mlxformer.engine.disk_cache import DiskBlockStore
@@ -60,6 +60,9 @@ class PrefixCache:
         self.nbytes = 0
         self.stats = PrefixStats()
         self.hybrid = model is not None and any(layer.recurrent for layer in model.layers)
+        # each cache's sliding window (a rotating cache without sinks: its capacity), else None
+        self.windows = [c.capacity if isinstance(c, RotatingKVCache) and not c.keep else None
+                        for c in (make_cache(model, self.settings) if model is not None else [])]
 
     def __len__(self) -> int:
         return len(self.blocks)
@@ -91,9 +94,9 @@ class PrefixCache:
         if tail_id is not None and tail_id not in self.blocks:
             spans.append((tail_id, len(tokens) - tail, len(tokens)))
         fresh = {block.key: block for block in cut_blocks(caches, tokens, spans)} if spans else {}
-        if self.disk is not None:
+        if self.disk is not None:  # whole blocks (a window's evicted tokens stay out of the disk tier)
             for key in keys:
-                if key in fresh:
+                if key in fresh and all(pack or w is None for pack, w in zip(fresh[key].keys, self.windows)):
                     self.disk.put(fresh[key])
         if tail_id in fresh:
             self._add(fresh[tail_id], parents[-1])  # least recent: a tail goes before its chain
@@ -176,6 +179,8 @@ class PrefixCache:
             run.append(partial)
         while self.hybrid and run and run[-1].states is None and not self._snapshot_from_disk(run[-1]):
             run.pop()  # end where a state snapshot is
+        while run and not all(window_served(run, layer, w) for layer, w in enumerate(self.windows) if w):
+            run.pop()  # end where every sliding window's last tokens are held
         if not run:
             return None
         self._touch([b for b in run if b.key in self.blocks])

@@ -11,7 +11,9 @@ A hybrid model publishes after every chunk whoever waits: a recurrent layer's st
 only where its cache is, so each chunk's end is the one chance to keep a snapshot there (the
 engine cuts such prompts at multiples of the chunk size, so those are block boundaries when the
 chunk size is a multiple of the block size). A later prompt that leaves the cached one inside it
-then resumes from the last snapshot before that point instead of prefilling again.
+then resumes from the last snapshot before that point instead of prefilling again. A model
+with sliding-window layers publishes after every chunk too: a block's keys/values in a window
+layer can be cut only while the window still holds them (``prefix_blocks``).
 """
 
 from __future__ import annotations
@@ -71,6 +73,7 @@ class PrefixSharing:
     def publish(self, sequence: Sequence) -> None:
         """Offer the sequence's finished prompt blocks while others wait for them (a hybrid
         model's always: with the state snapshot where its cache ends)."""
-        wanted = self.held or (self.prefix_cache.hybrid and self.prefix_cache.caching)
+        snapshots = self.prefix_cache.hybrid or any(self.prefix_cache.windows)  # states, windows: cut per chunk
+        wanted = self.held or (snapshots and self.prefix_cache.caching)
         if wanted and sequence.processed >= self.prefix_cache.block_size:
             self.prefix_cache.insert(sequence.prompt[: sequence.processed], sequence.cache)
