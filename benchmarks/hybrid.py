@@ -19,8 +19,8 @@ greedy) of each turn, and turns 2-4 as a fraction of turn 1 (the cold prefill); 
 also the prompt-cache hit ratio ``/metrics`` reports.
 
 Usage (the full run on a quiet machine; results to benchmarks/results/hybrid_cpu.md):
-  python benchmarks/hybrid.py --write .bench/qwen35-moe-shaped --layers 4 --experts 64
-  python benchmarks/hybrid.py speed --model-dir .bench/qwen35-moe-shaped --trials 3 --prompt-tokens 512
+  python benchmarks/hybrid.py --write .bench/qwen35-moe-shaped --layers 4 --experts 64 --vocab 32000
+  python benchmarks/hybrid.py speed --model-dir .bench/qwen35-moe-shaped --trials 2 --prompt-tokens 512
   python benchmarks/hybrid.py conversation --model-dir .bench/qwen35-moe-shaped/float --prefix-tokens 4096 --turn-tokens 500
 """
 
