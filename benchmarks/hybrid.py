@@ -19,8 +19,8 @@ greedy) of each turn, and turns 2-4 as a fraction of turn 1 (the cold prefill); 
 also the prompt-cache hit ratio ``/metrics`` reports.
 
 Usage (the full run on a quiet machine; results to benchmarks/results/hybrid_cpu.md):
-  python benchmarks/hybrid.py --write .bench/qwen35-moe-shaped --layers 4 --experts 64
-  python benchmarks/hybrid.py speed --model-dir .bench/qwen35-moe-shaped --trials 3 --prompt-tokens 512
+  python benchmarks/hybrid.py --write .bench/qwen35-moe-shaped --layers 4 --experts 64 --vocab 32000
+  python benchmarks/hybrid.py speed --model-dir .bench/qwen35-moe-shaped --trials 2 --prompt-tokens 512
   python benchmarks/hybrid.py conversation --model-dir .bench/qwen35-moe-shaped/float --prefix-tokens 4096 --turn-tokens 500
 """
 
@@ -96,8 +96,12 @@ def worker(runtime: str, model_dir: str, prompt_tokens: int, generation_tokens: 
 
     from mlxformer.bench import measure, mlxformer_loop, random_prompt
 
-    # MLX's gather_mm (float experts) is float32-only on the CPU: both runtimes compute in float32 there
-    cast = mx.default_device() == mx.cpu and "quantization" not in json.loads((Path(model_dir) / "config.json").read_text())
+    # On the CPU both runtimes compute in float32: MLX's gather_mm (float experts) is float32-only
+    # there, and its quantized_matmul is ~10x slower with bfloat16 activations (mlxformer's CPU
+    # dtype policy picks float32 for a quantized model by itself; mlx-lm's bfloat16 default
+    # would make the 4-bit comparison one of dtypes, not runtimes)
+    on_cpu = mx.default_device() == mx.cpu
+    cast = on_cpu and "quantization" not in json.loads((Path(model_dir) / "config.json").read_text())
     if runtime == "mlxformer":
         from mlxformer import load
 
@@ -108,8 +112,8 @@ def worker(runtime: str, model_dir: str, prompt_tokens: int, generation_tokens: 
         from vs_mlx_lm import mlx_lm_loop  # benchmarks/ is the script's directory
 
         model, _ = mlx_lm_load(model_dir)
-        if cast:
-            model.set_dtype(mx.float32)
+        if on_cpu:
+            model.set_dtype(mx.float32)  # float parameters and quantization scales
 
         loop = mlx_lm_loop(model)
 

@@ -83,9 +83,11 @@ def test_chunked_prefill_then_decode_and_token_by_token(case):
     assert all(c.offset == len(ids) for c in cache)
 
 
-def test_chunked_and_recurrent_forms_agree():
-    """The parallel form (several chunks, a partial last one, a carried-in state) equals the
-    token-by-token recurrence; a wrong decay in either moves the outputs by O(1)."""
+@pytest.mark.parametrize("chunk", [gated_delta.CPU_CHUNK, gated_delta.CHUNK])
+def test_chunked_and_recurrent_forms_agree(chunk):
+    """The parallel form (several chunks, a partial last one, a carried-in state; the CPU's and
+    the GPU's chunk size) equals the token-by-token recurrence; a wrong decay in either moves
+    the outputs by O(1)."""
     rng = np.random.default_rng(0)
     B, H, L, Dk, Dv = 2, 3, 150, 12, 10
 
@@ -97,7 +99,7 @@ def test_chunked_and_recurrent_forms_agree():
     v, state = arr(B, H, L, Dv), arr(B, H, Dk, Dv, scale=0.5)
     g = -mx.abs(arr(B, H, L, scale=0.3))
     beta = mx.sigmoid(arr(B, H, L))
-    out_c, state_c = chunked_delta_rule(q, k, v, g, beta, state)
+    out_c, state_c = chunked_delta_rule(q, k, v, g, beta, state, chunk)
     out_r, states = recurrent_delta_rule(q, k, v, g, beta, state)
     assert np.abs(np.array(out_c - out_r)).max() < 1e-4
     assert np.abs(np.array(state_c - states[-1])).max() < 1e-4
