@@ -17,7 +17,9 @@ then resumes from the last snapshot before that point instead of prefilling agai
 from __future__ import annotations
 
 import os
-from typing import Sequence as Seq
+from typing import Callable, Sequence as Seq
+
+from mlxformer.cache import Cache
 
 from mlxformer.engine.prefix_cache import PrefixCache
 from mlxformer.engine.sequence import Sequence, Status
@@ -68,9 +70,11 @@ class PrefixSharing:
                 return True
         return False
 
-    def publish(self, sequence: Sequence) -> None:
+    def publish(self, sequence: Sequence, caches: Callable[[Sequence], Seq[Cache]] | None = None) -> None:
         """Offer the sequence's finished prompt blocks while others wait for them (a hybrid
-        model's always: with the state snapshot where its cache ends)."""
+        model's always: with the state snapshot where its cache ends). ``caches``: where its
+        keys/values are (its row of a decode batch: ``BatchRunner.caches``), default its own."""
         wanted = self.held or (self.prefix_cache.hybrid and self.prefix_cache.caching)
         if wanted and sequence.processed >= self.prefix_cache.block_size:
-            self.prefix_cache.insert(sequence.prompt[: sequence.processed], sequence.cache)
+            own = caches(sequence) if caches is not None else sequence.cache
+            self.prefix_cache.insert(sequence.prompt[: sequence.processed], own)
