@@ -99,6 +99,7 @@ class Engine(Admission):
         self.runner = BatchRunner(model)
         self.runner.staged = self.budget is not None  # a request's peak is then its own size (memory.py)
         self.runner.max_rows = max_batch  # a decode batch's spare rows (cache/rows.py)
+        self.sharing.caches = self.runner.caches  # a prefilling sequence's keys/values are in its row
         self.vocab_size = model.args.vocab_size
         self.metrics = EngineMetrics(metrics)
         self.metrics.watch(lambda: len(self.scheduler.waiting), lambda: self.scheduler.active, self.kv_bytes,
@@ -270,7 +271,7 @@ class Engine(Admission):
                     chunk.tokens, sequence.cache, chunk.last, len(sequence.prompt), sequence.prompt_scores, sequence.processed)
                 sequence.processed += len(chunk.tokens)
                 self.metrics.prefilled_tokens.inc(len(chunk.tokens))
-                self.sharing.publish(sequence, self.runner.caches)  # its blocks for those waiting on the same prefix
+                self.sharing.publish(sequence)  # its blocks for those waiting on the same prefix
             except Exception as exc:
                 self._fail(sequence, exc)
                 continue

@@ -32,6 +32,9 @@ class PrefixSharing:
         self.prefix_cache = prefix_cache
         self.enabled = enabled and (prefix_cache.budget > 0 or prefix_cache.disk is not None)
         self.held: list[Sequence] = []
+        # where a sequence's keys/values are: its own caches, or its row of a decode batch
+        # (the engine sets ``BatchRunner.caches``)
+        self.caches: Callable[[Sequence], Seq[Cache]] = lambda sequence: sequence.cache
         self._keys: dict[int, list[str]] = {}
 
     def keys(self, sequence: Sequence) -> list[str]:
@@ -70,11 +73,9 @@ class PrefixSharing:
                 return True
         return False
 
-    def publish(self, sequence: Sequence, caches: Callable[[Sequence], Seq[Cache]] | None = None) -> None:
+    def publish(self, sequence: Sequence) -> None:
         """Offer the sequence's finished prompt blocks while others wait for them (a hybrid
-        model's always: with the state snapshot where its cache ends). ``caches``: where its
-        keys/values are (its row of a decode batch: ``BatchRunner.caches``), default its own."""
+        model's always: with the state snapshot where its cache ends)."""
         wanted = self.held or (self.prefix_cache.hybrid and self.prefix_cache.caching)
         if wanted and sequence.processed >= self.prefix_cache.block_size:
-            own = caches(sequence) if caches is not None else sequence.cache
-            self.prefix_cache.insert(sequence.prompt[: sequence.processed], own)
+            self.prefix_cache.insert(sequence.prompt[: sequence.processed], self.caches(sequence))
