@@ -20,7 +20,7 @@ from mlxformer.engine import Engine, GenerationRequest
 from mlxformer.engine.batch_runner import BatchRunner
 
 LAYERS = 8
-CHUNK = 8
+CHUNK = 12  # 256 is not a multiple: a chunk crosses a slot block (the batch widens mid-step)
 
 
 class Stub:
@@ -108,19 +108,24 @@ def decode_rises(runner: BatchRunner, rows: list[Stub], steps: int) -> tuple[lis
     return rises, kept
 
 
-def staggered(model, tokenizer, settings: CacheSettings | None, prompts: list[list[int]], tokens: int,
+def staggered(model, tokenizer, settings: CacheSettings | None, prompts: list[list[int]], tokens: list[int],
               max_batch: int) -> list[list[int]]:
     """Each prompt submitted once the one before has its first token (the earlier ones decode
-    while it prefills); every reply's tokens."""
+    while it prefills); every reply's tokens. No step may fail (a failed step is rerun row by
+    row, which would hide a fault behind equal replies)."""
     engine = Engine(model, tokenizer, max_batch=max_batch, cache_settings=settings, prefill_chunk=CHUNK,
                     step_tokens=2 * CHUNK, prefix_cache_bytes=0)
+    failed = []
+    engine._decode_alone = lambda *args: failed.append(args) or []  # type: ignore[method-assign]
     streams = []
     with engine:
-        for prompt in prompts:
-            stream = iter(engine.submit(GenerationRequest(prompt, max_tokens=tokens)))
+        for prompt, max_tokens in zip(prompts, tokens):
+            stream = iter(engine.submit(GenerationRequest(prompt, max_tokens=max_tokens)))
             streams.append([next(stream)])
             streams[-1].append(stream)
-        return [[first.token] + [e.token for e in rest if e.token is not None] for first, rest in streams]
+        replies = [[first.token] + [e.token for e in rest if e.token is not None] for first, rest in streams]
+    assert not failed
+    return replies
 
 
 def alone(model, tokenizer, settings: CacheSettings | None, prompt: list[int], tokens: int) -> list[int]:
@@ -128,16 +133,19 @@ def alone(model, tokenizer, settings: CacheSettings | None, prompt: list[int], t
                                              prefill_step_size=CHUNK)]
 
 
-PROMPTS = [ids(30, 1), ids(21, 2), ids(9, 3), ids(40, 4), ids(3, 5)]
+# the second prompt's rows cross a 256-slot block (the batch widens) while the first decodes
+PROMPTS = [ids(30, 1), ids(270, 2), ids(9, 3), ids(40, 4), ids(3, 5)]
+TOKENS = [40, 10, 10, 10, 10]
 
 
 @pytest.mark.parametrize("settings", [None, CacheSettings(kv_bits=8, kv_group_size=32),
                                       CacheSettings(max_kv_size=24, keep=2)], ids=["float", "kv8", "rotating"])
 def test_staggered_requests_equal_each_alone(llama, settings):
-    """Five prompts, three rows: rows are taken at admission, freed and reused, the batch grows."""
+    """Five prompts, three rows: rows are taken at admission, freed and reused, the batch grows
+    its rows and its slots."""
     model, tokenizer = llama
-    got = staggered(model, tokenizer, settings, PROMPTS, 10, max_batch=3)
-    assert got == [alone(model, tokenizer, settings, p, 10) for p in PROMPTS]
+    got = staggered(model, tokenizer, settings, PROMPTS, TOKENS, max_batch=3)
+    assert got == [alone(model, tokenizer, settings, p, n) for p, n in zip(PROMPTS, TOKENS)]
 
 
 MLA = dict(kv_lora_rank=64, qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=20, num_attention_heads=5,
@@ -154,6 +162,6 @@ def test_staggered_requests_equal_each_alone_mla_and_hybrid(family, tmp_path):
     write_byte_tokenizer(directory)
     model, tokenizer = load(directory, dtype=mx.float32)
     tokenizer.eos_token_ids = []
-    prompts = PROMPTS[:4]
-    got = staggered(model, tokenizer, None, prompts, 8, max_batch=2)
+    prompts = [ids(30, 1), ids(21, 2), ids(9, 3), ids(40, 4)]
+    got = staggered(model, tokenizer, None, prompts, [8] * 4, max_batch=2)
     assert got == [alone(model, tokenizer, None, p, 8) for p in prompts]

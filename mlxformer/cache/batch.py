@@ -91,6 +91,7 @@ class BatchLayout:
         self.kind, self.window = kind, window
         self.rows: list[Row] = []
         self.width = 0  # C: slots per row in the buffers
+        self.step_width = 0  # C at ``prepare``: this step's mask (a prompt chunk in a row may widen ``width``)
         self.positions = mx.zeros((0, 0), dtype=mx.int32)  # (B, C') position held by each slot, -1: empty
         self.slots: mx.array | None = None  # (B,) this step's slot of each row
         self.offsets: mx.array | None = None  # (B,) this step's position of each row
@@ -133,6 +134,7 @@ class BatchLayout:
         self._stepping = None if stepping is None else list(stepping)
         slots = [self.slot_of(r) for r in self.rows]
         self.fit(max(slots) + 1)
+        self.step_width = self.width
         self.slots = mx.array(slots, dtype=mx.int32)
         self.offsets = mx.array([r.offset for r in self.rows], dtype=mx.int32)
         query = self.offsets[:, None]  # (B, 1)
@@ -226,7 +228,7 @@ class BatchLayerCache:
         return self.layout.mask
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Pack, Pack]:
-        width, slots = self.layout.width, self.layout.slots
+        width, slots = self.layout.step_width, self.layout.slots
         assert slots is not None
         if self.layout.spread is not None:  # the stepping rows' (D, ...) to every row's (B, ...)
             keys, values = keys[self.layout.spread], values[self.layout.spread]
