@@ -36,13 +36,13 @@ Blank = tuple[Pack, Pack]  # a layer's keys/values pack of one row and one slot 
 def seatable(caches: Sequence[Cache]) -> bool:
     """Whether a sequence's own caches can live in a ``SpareBatch`` row: growing caches whose
     storage never changes (float, or quantized from the first token)."""
-    return bool(caches) and all(
-        type(c) is KVCache and (c.bits is None or c.quantized) for c in caches)  # noqa: E721 (not a subclass)
+    return bool(caches) and all(type(c) is KVCache and (c.bits is None or c.quantized) for c in caches)
 
 
 def spare_kind(key: BatchKey) -> bool:
-    """Whether a batch of ``key`` is a ``SpareBatch`` (every layer a growing cache)."""
-    return all(not storage.rotating and not storage.recurrent for storage, _ in key)
+    """Whether a batch of ``key`` is a ``SpareBatch``: every layer a growing cache, stored alike
+    (one slot layout for all)."""
+    return len(set(key)) == 1 and all(not storage.rotating and not storage.recurrent for storage, _ in key)
 
 
 def _rows_of(pack: Pack, rows: int, width: int) -> Pack:
@@ -57,7 +57,7 @@ class SpareBatch(DecodeBatch):
         super().__init__(key)
         self.max_rows = max_rows
         self.free: list[int] = []
-        (kind, layout), = self.layouts.items()  # growing caches: one slot layout for every layer
+        (layout,) = self.layouts.values()  # growing caches stored alike: one slot layout for every layer
         self.layout = layout
         for (keys, values), (storage, _) in zip(blanks, key):
             codec = FLOAT_CODEC if storage.bits is None else KVCodec(storage.bits, storage.group_size)
