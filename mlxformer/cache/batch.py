@@ -92,6 +92,7 @@ class BatchLayout:
         self.kind, self.window = kind, window
         self.rows: list[Row] = []
         self.width = 0  # C: slots per row in the buffers
+        self.step_width = 0  # C at ``prepare``: this step's mask (a prompt chunk in a row may widen ``width``)
         self.positions = mx.zeros((0, 0), dtype=mx.int32)  # (B, C') position held by each slot, -1: empty
         self.slots: mx.array | None = None  # (B,) this step's slot of each row
         self.offsets: mx.array | None = None  # (B,) this step's position of each row
@@ -99,6 +100,11 @@ class BatchLayout:
         self.key_blocks: mx.array | None = None  # (B, C) each slot's key-center block
         self.query_blocks: mx.array | None = None  # (B, 1) the key-center block of this step's token
         self._next: mx.array | None = None  # (B, C) the positions once this step's token is written
+        # when only some rows step (the others prefill in their rows, or are free: ``cache/rows.py``)
+        self.live: mx.array | None = None  # (D,) the stepping rows
+        self.spread: mx.array | None = None  # (B,) for each row, the stepping row whose token it takes
+        self.rope: mx.array | None = None  # (D,) the stepping rows' positions
+        self._stepping: list[int] | None = None
 
     def slot_of(self, row: Row) -> int:
         """Where ``row`` writes its next token."""
@@ -119,21 +125,41 @@ class BatchLayout:
             self.positions = mx.concatenate([self.positions, empty], axis=1)
         return self.positions[:, : self.width]
 
-    def prepare(self) -> None:
+    def prepare(self, stepping: Sequence[int] | None = None) -> None:
         """Choose this step's slots and build its offsets and mask (call before the forward):
-        O(B) host work, the (B, C) arrays are MLX ops."""
+        O(B) host work, the (B, C) arrays are MLX ops. ``stepping``: the rows that take a token
+        (default: all); each other row writes a copy of one at its next slot (its scratch: not
+        recorded, and its next prompt chunk writes there) and attends to it alone."""
+        if stepping is not None and len(stepping) == len(self.rows):
+            stepping = None
+        self._stepping = None if stepping is None else list(stepping)
         slots = [self.slot_of(r) for r in self.rows]
         self.fit(max(slots) + 1)
+        self.step_width = self.width
         self.slots = mx.array(slots, dtype=mx.int32)
         self.offsets = mx.array([r.offset for r in self.rows], dtype=mx.int32)
         query = self.offsets[:, None]  # (B, 1)
         positions = mx.put_along_axis(self.padded(), self.slots[:, None], query, axis=1)  # (B, C)
-        visible = (positions >= 0) & (positions <= query)
+        self.live = self.spread = self.rope = None
+        if stepping is not None:
+            spread = [0] * len(self.rows)
+            for j, i in enumerate(stepping):
+                spread[i] = j
+            self.live, self.spread = mx.array(stepping, dtype=mx.int32), mx.array(spread, dtype=mx.int32)
+            self.rope = mx.array([self.rows[i].offset for i in stepping], dtype=mx.int32)
+            moving = set(stepping)
+            others = mx.array([i not in moving for i in range(len(self.rows))])  # (B,)
+            # the others attend to their scratch slot alone (a softmax over nothing is NaN)
+            scratch = mx.arange(positions.shape[1])[None] == self.slots[:, None]  # (B, C)
+            self._next = mx.where(others[:, None], self.padded(), positions)
+            visible = mx.where(others[:, None], scratch, (positions >= 0) & (positions <= query))
+        else:
+            self._next = positions
+            visible = (positions >= 0) & (positions <= query)
         if self.kind.max_size is not None:
             visible &= (positions < self.kind.keep) | (positions > query - (self.kind.max_size - self.kind.keep))
         if self.window is not None:
             visible &= positions > query - self.window
-        self._next = positions
         self.mask = visible[:, None, None, :]  # (B, 1, 1, C)
         self.key_blocks = mx.maximum(positions, 0) // CENTER_BLOCK
         self.query_blocks = query // CENTER_BLOCK
@@ -146,7 +172,8 @@ class BatchLayout:
         else:
             assert self.kind.recurrent, "prepare() first"
         capacity, keep = self.kind.capacity, self.kind.keep
-        for row in self.rows:
+        stepping = self.rows if self._stepping is None else [self.rows[i] for i in self._stepping]
+        for row in stepping:
             slot = self.slot_of(row)
             if slot == row.used:
                 row.used += 1
@@ -195,15 +222,17 @@ class BatchLayerCache:
     @property
     def offset(self) -> mx.array:  # type: ignore[override]
         assert self.layout.offsets is not None, "prepare() the layout first"
-        return self.layout.offsets
+        return self.layout.offsets if self.layout.rope is None else self.layout.rope  # the stepping rows'
 
     def make_mask(self, query_len: int, window: int | None) -> Mask:
         assert query_len == 1 and self.layout.mask is not None, "a batch decodes one token per row"
         return self.layout.mask
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Pack, Pack]:
-        width, slots = self.layout.width, self.layout.slots
+        width, slots = self.layout.step_width, self.layout.slots
         assert slots is not None
+        if self.layout.spread is not None:  # the stepping rows' (D, ...) to every row's (B, ...)
+            keys, values = keys[self.layout.spread], values[self.layout.spread]
         self.keys, self.values = _pad(self.keys, width), _pad(self.values, width)
         if self.codec.key_center is not None:  # a row entering a new block keeps its last center
             self.codec = self.codec.covering(max(r.offset for r in self.layout.rows) // CENTER_BLOCK + 1)
@@ -219,12 +248,20 @@ class BatchLayerCache:
     ) -> mx.array:
         if (self.codec.bits is not None or softcap is not None) and isinstance(mask, mx.array):
             mask = mask[:, None]  # (B, 1, 1, 1, C) against the (B, n_kv, n_rep, 1, C) scores
-        return self.codec.attention(queries, keys, values, scale, mask, softcap, self.layout.key_blocks, sinks)
+        spread, live = self.layout.spread, self.layout.live
+        if spread is not None:  # (D, heads, 1, dim) -> (B, heads, 1, dim)
+            queries = queries[spread]
+        out = self.codec.attention(queries, keys, values, scale, mask, softcap, self.layout.key_blocks, sinks)
+        return out if live is None else out[live]  # (B, heads, 1, dim) -> (D, heads, 1, dim)
 
     def latent_attention(
         self, q_latent: mx.array, q_rope: mx.array, keys: Pack, values: Pack, scale: float, mask: Mask
     ) -> mx.array:
-        return latent_attention(self.codec, q_latent, q_rope, keys, values, scale, mask, self.layout.key_blocks)
+        spread, live = self.layout.spread, self.layout.live
+        if spread is not None:
+            q_latent, q_rope = q_latent[spread], q_rope[spread]
+        out = latent_attention(self.codec, q_latent, q_rope, keys, values, scale, mask, self.layout.key_blocks)
+        return out if live is None else out[live]
 
     @property
     def state(self) -> tuple[mx.array, ...]:
@@ -370,12 +407,13 @@ class DecodeBatch:
                 caches[layer] = _row_cache(self.layers[layer], index, row, meta, positions, copy=False)
         return caches  # type: ignore[return-value]
 
-    def step_caches(self, staged: bool = False) -> list[BatchLayerCache | StateCache]:
-        """The per-layer caches for this step's forward (the layouts prepared). ``staged``:
-        buffers that must widen for the step are widened one layer at a time (evaluated)."""
+    def step_caches(self, staged: bool = False, stepping: Sequence[int] | None = None) -> list[BatchLayerCache | StateCache]:
+        """The per-layer caches for this step's forward (the layouts prepared; ``stepping``: the
+        rows taking a token, default all). ``staged``: buffers that must widen for the step are
+        widened one layer at a time (evaluated)."""
         for kind, layout in self.layouts.items():
             if not kind[0].recurrent:  # a recurrent layer has no slots or mask
-                layout.prepare()
+                layout.prepare(stepping)
         for cache in self.layers:
             if staged and isinstance(cache, BatchLayerCache) and cache.keys[0].shape[2] < cache.layout.width:
                 cache.keys, cache.values = _pad(cache.keys, cache.layout.width), _pad(cache.values, cache.layout.width)

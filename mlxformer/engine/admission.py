@@ -171,11 +171,11 @@ class Admission:
             if cached >= len(sequence.prompt):
                 self.scheduler.start_decoding(sequence)
                 self.replays.start(sequence, cached - len(sequence.prompt))
-            return
-        sequence.cached_tokens = cached
-        self.metrics.prompt_tokens.inc(len(sequence.prompt))
-        self.metrics.prefix_hit_tokens.inc(cached)
-        request = sequence.request
-        if self.speculative is not None and request.speculate and request.constraint is None:
-            sequence.speculate(self.speculative, self.cache_settings)
-
+        else:
+            sequence.cached_tokens = cached
+            self.metrics.prompt_tokens.inc(len(sequence.prompt))
+            self.metrics.prefix_hit_tokens.inc(cached)
+            request = sequence.request
+            if self.speculative is not None and request.speculate and request.constraint is None:
+                sequence.speculate(self.speculative, self.cache_settings)
+        self.runner.seat(sequence)  # its row of the decode batch from now on, when it can have one

@@ -21,6 +21,8 @@ from mlxformer.cache import Cache
 from mlxformer.cache.packed import PackedLayerCache, Segment, positions
 from mlxformer.engine.prompt_scores import PromptScores
 from mlxformer.cache.batch import BatchKey, DecodeBatch, batch_key, quantizes_next, row_quantizes_next
+from mlxformer.cache.codec import FLOAT_CODEC, KVCodec
+from mlxformer.cache.rows import Blank, SpareBatch, seatable, settle, spare_kind
 from mlxformer.models.decoder import Attention, Model
 from mlxformer.models.rope import RoPE
 
@@ -72,11 +74,52 @@ class BatchRunner:
         self.kv_layer = next((i for i, layer in enumerate(model.cache_layers) if not layer.recurrent), 0)
         self.packs = packs(model)
         self.batches: dict[BatchKey, DecodeBatch] = {}
-        self._rows: dict[BatchKey, list[Decoding]] = {}  # each batch's sequences, in row order
+        self._rows: dict[BatchKey, list[Decoding | None]] = {}  # each batch's sequences, in row order (None: free)
         self._members: dict[int, BatchKey] = {}  # id(sequence) -> the batch it is in
         # rewrite a batch's buffers (a join, a leave, a wider batch) one layer at a time, each
         # evaluated before the next: only one layer is ever held twice (set under a KV budget)
         self.staged = False
+        self.max_rows: int | None = None  # a batch's spare rows grow up to this (the engine's max_batch)
+        self._dtype: mx.Dtype | None = None  # the keys' dtype (the model's)
+
+    def seat(self, sequence: Decoding) -> None:
+        """Give an admitted sequence its row in the decode batch of its kind now, when its caches
+        can live there (``cache/rows.py``): its prompt chunks write there and joining the decode
+        steps moves nothing. Not under a KV budget (``staged``: the planner counts own caches)."""
+        if self.staged or sequence.speculator is not None or self.model.args.num_kv_shared_layers \
+                or not seatable(sequence.cache):
+            return
+        kind = batch_key(sequence.cache, self.windows)
+        batch = self._batch(kind)
+        assert isinstance(batch, SpareBatch)
+        index, sequence.cache = batch.seat(sequence.cache)  # type: ignore[assignment]
+        self._place(kind, index, sequence)
+
+    def _batch(self, kind: BatchKey) -> DecodeBatch:
+        """The batch of ``kind``, made when first needed (with spare rows when it can have them)."""
+        if kind not in self.batches:
+            zero_copy = not self.staged and spare_kind(kind) and not self.model.args.num_kv_shared_layers
+            self.batches[kind] = SpareBatch(kind, self._blank(kind), self.max_rows) if zero_copy else DecodeBatch(kind)
+        return self.batches[kind]
+
+    def _blank(self, kind: BatchKey) -> list[Blank]:
+        """Each cache layer's keys/values of one slot as ``kind`` stores them (the shapes a
+        ``SpareBatch`` allocates; lazy, never evaluated)."""
+        if self._dtype is None:
+            self._dtype = self.model.hidden_states(mx.array([[0]])).dtype  # the keys'
+        blanks = []
+        for index, (storage, _) in enumerate(kind):
+            heads, key_dims, value_dims = self.model.args.cache_dims(index)
+            codec = FLOAT_CODEC if storage.bits is None else KVCodec(storage.bits, storage.group_size)
+            blanks.append((codec.encode(mx.zeros((1, heads, 1, key_dims), self._dtype)),
+                           codec.encode(mx.zeros((1, heads, 1, value_dims), self._dtype))))
+        return blanks
+
+    def _place(self, kind: BatchKey, index: int, sequence: Decoding) -> None:
+        rows = self._rows.setdefault(kind, [])
+        rows += [None] * (index + 1 - len(rows))
+        rows[index] = sequence
+        self._members[id(sequence)] = kind
 
     def prefill(
         self, tokens: Sequence[int], cache: Sequence[Cache], want_logits: bool, prompt_length: int | None = None,
@@ -89,12 +132,16 @@ class BatchRunner:
         inputs = mx.array(tokens)[None]  # (1, T)
         if scores is not None:
             hidden = self.model.hidden_states(inputs, cache, rope_length=prompt_length)
+            settle(cache)
             logits = self.model.logits(hidden)[0]  # (1, T, vocab) -> (T, vocab)
             mx.eval([*scores.add(start, logits), *(c.state for c in cache)])  # on this (the engine's) thread
             return logits[-1:] if want_logits else None
         if want_logits:
-            return self.model.last_logits(inputs, cache, rope_length=prompt_length)
+            logits = self.model.last_logits(inputs, cache, rope_length=prompt_length)
+            settle(cache)
+            return logits
         self.model.hidden_states(inputs, cache, rope_length=prompt_length)
+        settle(cache)
         mx.eval([c.state for c in cache])
         return None
 
@@ -159,15 +206,28 @@ class BatchRunner:
             else:
                 joining.setdefault(batch_key(sequence.cache, self.windows), []).append(sequence)
         for kind, newcomers in joining.items():
-            batch = self.batches.setdefault(kind, DecodeBatch(kind))
+            batch = self._batch(kind)
+            if isinstance(batch, SpareBatch):  # each into a free row (its keys/values copied there)
+                for sequence in newcomers:
+                    index, sequence.cache = batch.seat(sequence.cache)  # type: ignore[assignment]
+                    self._place(kind, index, sequence)
+                continue
             for sequence, views in zip(newcomers, batch.join([s.cache for s in newcomers], self.staged)):
                 sequence.cache = views
                 self._members[id(sequence)] = kind
             self._rows.setdefault(kind, []).extend(newcomers)
+        stepping = {id(s) for s in sequences}
         groups: list[tuple[Sequence[Cache], list[Decoding], DecodeBatch | None]] = []
         for kind, batch in self.batches.items():
-            if rows := self._rows.get(kind, []):
-                groups.append((batch.step_caches(self.staged), list(rows), batch))
+            members = self._rows.get(kind, [])
+            if not isinstance(batch, SpareBatch):
+                if members:
+                    groups.append((batch.step_caches(self.staged), list(members), batch))  # type: ignore[arg-type]
+                continue
+            # the rows decoding this step (the others prefill in their rows, or are free)
+            indices = [i for i, s in enumerate(members) if s is not None and id(s) in stepping]
+            if indices:
+                groups.append((batch.step_caches(self.staged, indices), [members[i] for i in indices], batch))  # type: ignore[misc]
         groups += [(sequence.cache, [sequence], None) for sequence in alone]
         return groups
 
@@ -199,6 +259,8 @@ class BatchRunner:
         for _, _, batch in groups:
             if batch is not None:
                 batch.commit()
+        for chunk in chunks:
+            settle(chunk.cache)
         decoding = sum(len(rows) for _, rows, _ in groups)
         ends = list(itertools.accumulate((len(c.tokens) for c in chunks), initial=decoding))[1:]
         picked = list(range(decoding)) + [end - 1 for c, end in zip(chunks, ends) if c.last]
@@ -226,10 +288,16 @@ class BatchRunner:
         kind = self._members.pop(id(sequence), None)
         if kind is None:
             return
-        rows = self._rows[kind]
+        rows, batch = self._rows[kind], self.batches[kind]
         index = next(i for i, s in enumerate(rows) if s is sequence)
-        rows.pop(index)
-        sequence.cache = self.batches[kind].leave(index, keep, self.staged)
+        if not isinstance(batch, SpareBatch):
+            rows.pop(index)
+            sequence.cache = batch.leave(index, keep, self.staged)
+            return
+        rows[index] = None  # the row is free for the next sequence (nothing moves)
+        sequence.cache = batch.leave(index, keep)
+        if not len(batch):  # the last row left: its buffers go
+            del self.batches[kind], self._rows[kind]
 
     def caches(self, sequence: Decoding) -> list[Cache]:
         """The sequence's caches to read its keys/values from (the prefix cache cuts its blocks

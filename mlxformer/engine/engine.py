@@ -103,6 +103,8 @@ class Engine(Admission):
             self.budget.reserve = engine_reserve(
                 model.args, self.budget.limit, self.sizer.bytes_for(BLOCK) / BLOCK, self.scheduler.step_tokens,
                 self.scheduler.prefill_chunk, max_batch, self.draft_tokens, kv_dtype.size)
+        self.runner.max_rows = max_batch  # a decode batch's spare rows (cache/rows.py)
+        self.sharing.caches = self.runner.caches  # a prefilling sequence's keys/values are in its row
         self.vocab_size = model.args.vocab_size
         self.metrics = EngineMetrics(metrics)
         self.metrics.watch(lambda: len(self.scheduler.waiting), lambda: self.scheduler.active, self.kv_bytes,

@@ -19,7 +19,9 @@ layer can be cut only while the window still holds them (``prefix_blocks``).
 from __future__ import annotations
 
 import os
-from typing import Sequence as Seq
+from typing import Callable, Sequence as Seq
+
+from mlxformer.cache import Cache
 
 from mlxformer.engine.prefix_cache import PrefixCache
 from mlxformer.engine.sequence import Sequence, Status
@@ -32,6 +34,9 @@ class PrefixSharing:
         self.prefix_cache = prefix_cache
         self.enabled = enabled and (prefix_cache.budget > 0 or prefix_cache.disk is not None)
         self.held: list[Sequence] = []
+        # where a sequence's keys/values are: its own caches, or its row of a decode batch
+        # (the engine sets ``BatchRunner.caches``)
+        self.caches: Callable[[Sequence], Seq[Cache]] = lambda sequence: sequence.cache
         self._keys: dict[int, list[str]] = {}
 
     def keys(self, sequence: Sequence) -> list[str]:
@@ -76,4 +81,4 @@ class PrefixSharing:
         snapshots = self.prefix_cache.hybrid or any(self.prefix_cache.windows)  # states, windows: cut per chunk
         wanted = self.held or (snapshots and self.prefix_cache.caching)
         if wanted and sequence.processed >= self.prefix_cache.block_size:
-            self.prefix_cache.insert(sequence.prompt[: sequence.processed], sequence.cache)
+            self.prefix_cache.insert(sequence.prompt[: sequence.processed], self.caches(sequence))

@@ -1,0 +1,87 @@
+"""The decode step at which prefilled rows join the batch (issue 32, "KV in one place"): its
+time and MLX's peak memory over what was held before, beside a steady decode step, for the old
+path (rows prefilled in their own caches, copied into the batch at their first decode step) and
+rows seated at admission (``cache/rows.py``: prefilled in their batch row, nothing copied).
+
+    python benchmarks/zero_copy_join.py --rows 4 --tokens 1500
+
+A random Llama with SmolLM2-135M's attention shape (9 heads, 3 KV heads of 64) and ``--layers``
+layers, float32 on the CPU; the figures are the fastest of ``--repeats`` runs."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+
+import mlx.core as mx
+
+
+def random_llama(directory: str, layers: int):
+    """A random Llama of SmolLM2-135M's widths saved with transformers, loaded by mlxformer."""
+    import torch
+    from tokenizers import Tokenizer, models
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from mlxformer import load
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=4096, hidden_size=576, intermediate_size=1536, num_hidden_layers=layers,
+                         num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192)
+    LlamaForCausalLM(config).save_pretrained(directory)
+    Tokenizer(models.BPE(vocab={chr(i): i for i in range(256)}, merges=[])).save(os.path.join(directory, "tokenizer.json"))
+    return load(directory, dtype=mx.float32)[0]
+
+
+class Row:
+    def __init__(self, cache: list, last: int) -> None:
+        self.cache, self.speculator, self.last_token = cache, None, last
+
+
+def measure(model, seat: bool, rows: int, tokens: int, chunk: int) -> tuple[float, int, float, int]:
+    """(join step s, join peak rise, steady step s, steady peak rise)."""
+    from mlxformer.cache import make_cache
+    from mlxformer.engine.batch_runner import BatchRunner
+
+    runner = BatchRunner(model)
+    runner.max_rows = rows
+    sequences = [Row(make_cache(model), 7) for _ in range(rows)]
+    for i, sequence in enumerate(sequences):
+        if seat:
+            runner.seat(sequence)
+        prompt = [(13 * j + i) % 4000 + 1 for j in range(tokens + i)]
+        for start in range(0, len(prompt), chunk):
+            runner.prefill(prompt[start : start + chunk], sequence.cache, want_logits=False)
+    figures = []
+    for _ in range(2):
+        mx.synchronize()
+        before = mx.get_active_memory()
+        mx.reset_peak_memory()
+        started = time.perf_counter()
+        mx.eval(runner.decode(sequences), [layer.state for b in runner.batches.values() for layer in b.layers])
+        figures += [time.perf_counter() - started, mx.get_peak_memory() - before]
+    runner.reset()
+    return tuple(figures)  # type: ignore[return-value]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=4)
+    parser.add_argument("--tokens", type=int, default=1500)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--chunk", type=int, default=512)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as directory:
+        model = random_llama(directory, args.layers)
+    print(f"load average {os.getloadavg()[0]:.1f}; {args.rows} rows x ~{args.tokens} tokens, {args.layers} layers")
+    for seat in (False, True):
+        best = [min(x) for x in zip(*(measure(model, seat, args.rows, args.tokens, args.chunk) for _ in range(args.repeats)))]
+        name = "seated at admission" if seat else "old join (copied)"
+        print(f"{name:22s} join step {best[0] * 1e3:7.1f} ms, peak +{best[1] / 2**20:6.1f} MiB; "
+              f"steady step {best[2] * 1e3:7.1f} ms, peak +{best[3] / 2**20:6.1f} MiB")
+
+
+if __name__ == "__main__":
+    main()
