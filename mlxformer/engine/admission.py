@@ -19,6 +19,7 @@ from mlxformer.engine.prefix_sharing import PrefixSharing
 from mlxformer.engine.replay import Replays, resume_tokens, taken_back
 from mlxformer.engine.scheduler import Scheduler, Step
 from mlxformer.engine.sequence import Sequence
+from mlxformer.engine.working_set import engine_reserve
 from mlxformer.models.decoder import Model
 from mlxformer.speculative import SpeculativeSettings
 
@@ -102,6 +103,14 @@ class Admission:
         self.replays.stop(sequence)
         self.runner.release(sequence, keep)
 
+    def _reserve(self, max_batch: int, kv_dtype: mx.Dtype) -> None:
+        """Under a budget: a step's activations beside the KV (MLX's buffer cache is bounded by it)."""
+        if self.budget is not None:
+            per_token = self.planner.sizer.bytes_for(BLOCK) / BLOCK
+            self.budget.reserve = engine_reserve(
+                self.model.args, self.budget.limit, per_token, self.scheduler.step_tokens,
+                self.scheduler.prefill_chunk, max_batch, self.draft_tokens, kv_dtype.size)
+
     def _keep(self, sequence: Sequence) -> None:
         """Offer the sequence's keys/values to the prefix cache, cut from where they are (its
         row of a batch: one copy, the blocks kept). The blocks are computed at once (under a KV
@@ -179,3 +188,15 @@ class Admission:
             if self.speculative is not None and request.speculate and request.constraint is None:
                 sequence.speculate(self.speculative, self.cache_settings)
         self.runner.seat(sequence)  # its row of the decode batch from now on, when it can have one
+
+
+def warm_up(model: Model, draft: Model | None, settings: CacheSettings) -> mx.Dtype:
+    """Validate the cache settings in the caller's thread and run one token through the model(s)
+    there: MLX arrays made lazily in a thread (weight views, for example) can only be evaluated
+    by that thread, so the engine's thread must find them all evaluated. Returns the model's KV
+    dtype."""
+    for warm in (draft, model):
+        if warm is not None:
+            probe = make_cache(warm, settings)
+            mx.eval(warm.last_logits(mx.array([[0]]), probe))
+    return next(a.dtype for a in probe[0].state if mx.issubdtype(a.dtype, mx.floating))

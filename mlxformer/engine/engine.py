@@ -19,13 +19,12 @@ from typing import Any
 import mlx.core as mx
 from prometheus_client import CollectorRegistry
 
-from mlxformer.cache import CacheSettings, make_cache
-from mlxformer.engine.admission import Admission
+from mlxformer.cache import CacheSettings
+from mlxformer.engine.admission import Admission, warm_up
 from mlxformer.engine.batch_runner import BatchRunner, PromptChunk
 from mlxformer.engine.handle import RequestHandle
-from mlxformer.engine.memory import BLOCK, KVBudgetExceeded, KVSizer, MemoryPlanner, held, nbytes, resolve_budget
+from mlxformer.engine.memory import KVBudgetExceeded, KVSizer, MemoryPlanner, held, nbytes, resolve_budget
 from mlxformer.engine.metrics import EngineMetrics
-from mlxformer.engine.working_set import engine_reserve
 from mlxformer.engine.prefix_sharing import PrefixSharing
 from mlxformer.engine.prompt_cache import PromptCacheSettings, build_prefix_cache
 from mlxformer.engine.replay import Replays, rewind_caches
@@ -79,14 +78,7 @@ class Engine(Admission):
         if speculative is not None:
             check_draft(speculative, tokenizer)
         self.cache_settings = with_rewind(cache_settings, speculative) or CacheSettings()
-        # Validate the settings in the caller's thread, and run one token through the model(s)
-        # there: MLX arrays made lazily in a thread (weight views, for example) can only be
-        # evaluated by that thread, so the engine's thread must find them all evaluated.
-        for warm in (speculative.draft_model if speculative is not None else None, model):
-            if warm is not None:
-                probe = make_cache(warm, self.cache_settings)
-                mx.eval(warm.last_logits(mx.array([[0]]), probe))
-        kv_dtype = next(a.dtype for a in probe[0].state if mx.issubdtype(a.dtype, mx.floating))  # the model's
+        kv_dtype = warm_up(model, speculative.draft_model if speculative is not None else None, self.cache_settings)
         self.draft_tokens = speculative.num_draft_tokens if speculative is not None else 0
         self.budget = resolve_budget(model, max_kv_memory)
         self.sizer = KVSizer(model, self.cache_settings, self.draft_tokens)
@@ -99,10 +91,7 @@ class Engine(Admission):
         self.sharing = PrefixSharing(self.prefix_cache, tiers.share_prefills)
         self.runner = BatchRunner(model)
         self.runner.staged = self.budget is not None  # a request's peak is then its own size (memory.py)
-        if self.budget is not None:  # a step's activations beside the KV; MLX's buffer cache is bounded by it
-            self.budget.reserve = engine_reserve(
-                model.args, self.budget.limit, self.sizer.bytes_for(BLOCK) / BLOCK, self.scheduler.step_tokens,
-                self.scheduler.prefill_chunk, max_batch, self.draft_tokens, kv_dtype.size)
+        self._reserve(max_batch, kv_dtype)
         self.runner.max_rows = max_batch  # a decode batch's spare rows (cache/rows.py)
         self.sharing.caches = self.runner.caches  # a prefilling sequence's keys/values are in its row
         self.vocab_size = model.args.vocab_size
