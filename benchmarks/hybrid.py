@@ -13,15 +13,22 @@ the first token, decode = the rest per token), medians and the ratios.
 
 ``conversation``: a 4-turn agent conversation through each server (`mlxformer serve`, then
 `mlx_lm.server`, one at a time on 127.0.0.1): a ``--prefix-tokens`` system prompt and a first
-user message, then each turn appends the assistant's reply and a new user message (about
-``--turn-tokens`` tokens a turn; the byte tokenizer makes a character a token). TTFT (1 token,
-greedy) of each turn, and turns 2-4 as a fraction of turn 1 (the cold prefill); for mlxformer
-also the prompt-cache hit ratio ``/metrics`` reports.
+user message, then each turn generates a ``--reply-tokens`` reply and the next turn sends it back
+verbatim with a new user message (``--turn-tokens`` added a turn in all; the byte tokenizer makes
+a character a token). The random model's replies are held to tokens that round-trip (a
+``logit_bias`` of +100 on the printable non-space ASCII bytes, the same request to both servers),
+so the history carries exactly the ids each server generated, as a real agent's does; both
+servers see the chat API as an agent uses it (template, tokenizer, and mlx_lm.server's own
+segment and end-of-generation cache entries). The token-id form of /v1/completions would not be
+fair: mlx_lm.server's completions take text only. TTFT (first content token, greedy) of each
+turn, turns 2-4 as a fraction of turn 1 (the cold prefill), the cached prompt tokens each server
+reports (``usage.prompt_tokens_details``), and for mlxformer the hit ratio ``/metrics`` reports.
 
 Usage (the full run on a quiet machine; results to benchmarks/results/hybrid_cpu.md):
   python benchmarks/hybrid.py --write .bench/qwen35-moe-shaped --layers 4 --experts 64
   python benchmarks/hybrid.py speed --model-dir .bench/qwen35-moe-shaped --trials 3 --prompt-tokens 512
-  python benchmarks/hybrid.py conversation --model-dir .bench/qwen35-moe-shaped/float --prefix-tokens 4096 --turn-tokens 500
+  python benchmarks/hybrid.py conversation --model-dir .bench/qwen35-moe-shaped/q4 --prefix-tokens 4096 --turn-tokens 500 --reply-tokens 100
+  (on a Mac the float dir too; on the CPU mlx_lm.server needs q4: MLX's CPU gather_mm is float32-only)
 """
 
 from __future__ import annotations
@@ -164,19 +171,41 @@ def text(tokens: int, seed: int) -> str:
     return f"[{seed}] " + " ".join(words)[: max(0, tokens - 5)]
 
 
+def round_trip_bias(model_dir: Path) -> dict[str, float]:
+    """``logit_bias`` (+100) for the tokens that are one printable ASCII character other than a
+    space: a reply made of them re-tokenizes to itself, whatever the random weights pick."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    allowed = [i for i in range(tokenizer.get_vocab_size()) if len(piece := tokenizer.decode([i])) == 1
+               and "!" <= piece <= "~" and tokenizer.encode(piece).ids == [i]]
+    return {str(i): 100.0 for i in allowed}
+
+
 def conversation(server: Server, args: argparse.Namespace) -> dict:
-    """TTFT of each turn of one conversation, and (mlxformer) the hit ratio after it."""
+    """TTFT of each turn of one conversation, the prompt tokens each server reports cached, and
+    (mlxformer) the hit ratio after it. Each turn generates a ``--reply-tokens`` reply (greedy,
+    its tokens held to ones that round-trip: ``round_trip_bias``) and the next turn sends it back
+    verbatim, as an agent does, with a new user message: ``--turn-tokens`` added a turn."""
+    bias = round_trip_bias(args.model_dir)
     server.stream_chat([{"role": "user", "content": "hi"}], 1)  # warm-up
     messages = [{"role": "system", "content": text(args.prefix_tokens, 0)},
                 {"role": "user", "content": text(args.turn_tokens, 1)}]
-    ttfts = []
+    ttfts, cached, prompts = [], [], []
     for turn in range(args.turns):
-        ttfts.append(server.stream_chat(messages, 1)["ttft"])
-        reply = text(args.reply_tokens, 100 + turn)  # the agent's reply as the client keeps it
+        result = server.stream_chat(messages, args.reply_tokens, logit_bias=bias)
+        usage = result.get("usage") or {}
+        ttfts.append(result["ttft"])
+        prompts.append(usage.get("prompt_tokens"))
+        cached.append((usage.get("prompt_tokens_details") or {}).get("cached_tokens"))
+        reply = result["text"]  # the agent's history keeps the reply verbatim
+        if len(reply) != result["tokens"]:
+            raise SystemExit(f"{server.kind}: a {result['tokens']}-token reply came back as {len(reply)} characters")
         messages += [{"role": "assistant", "content": reply},
                      {"role": "user", "content": text(args.turn_tokens - args.reply_tokens, 2 + turn)}]
-    return {"ttft": ttfts, "later / cold": [t / ttfts[0] for t in ttfts[1:]],
-            "hit_ratio": server.metric("mlxformer_prefix_cache_hit_ratio"), "load": load_average()}
+    return {"ttft": ttfts, "later / cold": [t / ttfts[0] for t in ttfts[1:]], "prompt_tokens": prompts,
+            "cached_tokens": cached, "hit_ratio": server.metric("mlxformer_prefix_cache_hit_ratio"),
+            "load": load_average()}
 
 
 def conversations(args: argparse.Namespace) -> None:
