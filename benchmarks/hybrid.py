@@ -92,9 +92,20 @@ def write_model(directory: Path, layers: int, experts: int, vocab: int) -> None:
     save_model(float_dir, model)
     save_config(config, float_dir / "config.json")
     write_byte_tokenizer(float_dir)
-    tokenizer_config = json.loads((float_dir / "tokenizer_config.json").read_text())
-    (float_dir / "tokenizer_config.json").write_text(json.dumps({**tokenizer_config, "chat_template": CHATML}))
+    add_chat_tokens(float_dir)
     convert(str(float_dir), str(directory / "q4"), quantize=True, q_group_size=64, q_bits=4)
+
+
+def add_chat_tokens(directory: Path) -> None:
+    """The ChatML template, its markers as special tokens (one token each, as in Qwen's
+    tokenizer, not 12 bytes: a turn's template then costs what it costs a real model)."""
+    from tokenizers import AddedToken, Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in ("<|im_start|>", "<|im_end|>")])
+    tokenizer.save(str(directory / "tokenizer.json"))
+    tokenizer_config = json.loads((directory / "tokenizer_config.json").read_text())
+    (directory / "tokenizer_config.json").write_text(json.dumps({**tokenizer_config, "chat_template": CHATML}))
 
 
 def worker(runtime: str, model_dir: str, prompt_tokens: int, generation_tokens: int) -> None:
@@ -210,7 +221,7 @@ def conversation(server: Server, args: argparse.Namespace) -> dict:
 
 def conversations(args: argparse.Namespace) -> None:
     record: dict = {"model": args.model_dir.name, "prefix_tokens": args.prefix_tokens, "turn_tokens": args.turn_tokens}
-    for kind in RUNTIMES:
+    for kind in args.servers:
         with Server(kind, args.model_dir) as server:
             record[kind] = conversation(server, args)
         print(f"{kind}: {json.dumps(record[kind])}", flush=True)
@@ -233,6 +244,7 @@ def main() -> None:
     parser.add_argument("--turn-tokens", type=int, default=500)
     parser.add_argument("--reply-tokens", type=int, default=100)
     parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--servers", nargs="+", choices=RUNTIMES, default=list(RUNTIMES), help="conversation: which to run")
     parser.add_argument("--worker", choices=RUNTIMES, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.write:
