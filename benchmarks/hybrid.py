@@ -1,7 +1,8 @@
 """Hybrid Gated DeltaNet (Qwen3.5-MoE-shaped) model: mlxformer beside mlx-lm on the same files.
 
-``--write DIR`` makes DIR/float (bfloat16) and DIR/q4 (4-bit, mlx-lm's ``convert``, its 8-bit
-router gates) in the mlx-community layout, both built by mlx-lm's own ``qwen3_5_moe`` model with
+``--write DIR`` makes DIR/float (bfloat16), DIR/q4 (4-bit, mlx-lm's ``convert``, its 8-bit
+router gates; bfloat16 scales) and DIR/q4-f32 (the same with float32 scales and other weights,
+for the CPU conversation) in the mlx-community layout, both built by mlx-lm's own ``qwen3_5_moe`` model with
 random weights: Qwen3.5-35B-A3B's head sizes (hidden 2048; attention 16 query / 2 key-value heads
 of 256, a quarter rotated, output gate; Gated DeltaNet 16 key / 32 value heads of 128, conv 4;
 ``--experts`` routed experts of 512, top 8, a shared expert of 512), ``--layers`` layers at 3
@@ -27,8 +28,9 @@ reports (``usage.prompt_tokens_details``), and for mlxformer the hit ratio ``/me
 Usage (the full run on a quiet machine; results to benchmarks/results/hybrid_cpu.md):
   python benchmarks/hybrid.py --write .bench/qwen35-moe-shaped --layers 4 --experts 64
   python benchmarks/hybrid.py speed --model-dir .bench/qwen35-moe-shaped --trials 3 --prompt-tokens 512
-  python benchmarks/hybrid.py conversation --model-dir .bench/qwen35-moe-shaped/q4 --prefix-tokens 4096 --turn-tokens 500 --reply-tokens 100
-  (on a Mac the float dir too; on the CPU mlx_lm.server needs q4: MLX's CPU gather_mm is float32-only)
+  python benchmarks/hybrid.py conversation --model-dir .bench/qwen35-moe-shaped/q4-f32 --prefix-tokens 4096 --turn-tokens 500 --reply-tokens 100
+  (on a Mac the float or q4 dir; on the CPU q4-f32: mlx_lm.server cannot run the float dir's bfloat16
+  experts there, MLX's CPU gather_mm being float32-only, and runs the q4 dir in bfloat16, 9-40x slower)
 """
 
 from __future__ import annotations
@@ -94,6 +96,9 @@ def write_model(directory: Path, layers: int, experts: int, vocab: int) -> None:
     write_byte_tokenizer(float_dir)
     add_chat_tokens(float_dir)
     convert(str(float_dir), str(directory / "q4"), quantize=True, q_group_size=64, q_bits=4)
+    # the same 4 bits with float32 scales and other weights: on the CPU, where MLX's quantized
+    # matmul is 9-40x slower with 16-bit activations, mlx-lm then computes in float32 as mlxformer does
+    convert(str(float_dir), str(directory / "q4-f32"), quantize=True, q_group_size=64, q_bits=4, dtype="float32")
 
 
 def add_chat_tokens(directory: Path) -> None:
