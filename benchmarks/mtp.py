@@ -20,11 +20,12 @@ a decode step reads 4-bit weights). ``--profile`` first times where a round's ti
 part evaluated on its own (medians): a plain decode step, the ``k + 1``-token verification
 forward, the MTP head feeding ``k + 1`` accepted positions, one chained MTP step, one
 vocabulary projection and a host sync; the round's predicted speed-up at full acceptance is
-``(k + 1) step / (verify + feed + (k - 1) chained + k projections + sync)``.
+``(k + 1) step / (verify + feed + (k - 1) chained + k projections + sync)``. ``--matmul-rows``
+only times one matmul against its number of rows (4-bit and float; float32 and bfloat16).
 
 Usage: python benchmarks/mtp.py [--hidden 1024] [--layers 8] [--vocab 32000] [--prompt 128]
        [--tokens 64] [--draft-tokens 1 2 3] [--rounds 3] [--dtype float32] [--dir .bench/models]
-       [--bits 4] [--profile]
+       [--bits 4] [--profile]; python benchmarks/mtp.py --matmul-rows
 Smoke: python benchmarks/mtp.py --hidden 256 --layers 4 --vocab 4096 --tokens 24 --rounds 1
 """
 
@@ -158,6 +159,27 @@ def profile(model, drafter, prompt: list[int], draft_tokens: list[int], repeats:
               f"plain: predicted {(k + 1) * step / round_ms:.2f}x")
 
 
+def matmul_rows(shapes=((4096, 2048), (2048, 4096)), rows=(1, 2, 3, 4, 8), repeats: int = 9) -> None:
+    """One matmul's time against its number of rows ``M`` (ms, medians): 4-bit (group 64) and
+    float, with float32 and bfloat16 activations, at Qwen3.5 sizes. Rows that cost about what one
+    row costs make a ``k + 1``-token verification cost about one decode step."""
+    import mlx.core as mx
+
+    for n, k in shapes:
+        w = 0.02 * mx.random.normal((n, k))
+        wq, scales, biases = mx.quantize(w, group_size=64, bits=4)
+        for dtype in (mx.float32, mx.bfloat16):
+            wd, sd, bd = w.astype(dtype), scales.astype(dtype), biases.astype(dtype)
+            cells = []
+            for m in rows:
+                x = mx.random.normal((m, k)).astype(dtype)
+                q = median_ms(lambda: mx.eval(mx.quantized_matmul(x, wq, sd, bd, transpose=True, group_size=64, bits=4)),
+                              repeats)
+                f = median_ms(lambda: mx.eval(x @ wd.T), repeats)
+                cells.append(f"M={m}: 4-bit {q:.1f} / float {f:.1f}")
+            print(f"matmul {n}x{k} {dtype} (ms) | " + " | ".join(cells), flush=True)
+
+
 def decode_run(model, tokenizer, prompt: list[int], tokens: int, speculative) -> tuple[list[int], float, int, int]:
     """(tokens, decode tokens/s after the first, proposed, accepted)."""
     from mlxformer import stream_generate
@@ -185,7 +207,11 @@ def main() -> None:
     parser.add_argument("--dir", default=".bench/models")
     parser.add_argument("--bits", type=int, choices=(4, 8), help="quantize the target and the head")
     parser.add_argument("--profile", action="store_true", help="time a round's parts first")
+    parser.add_argument("--matmul-rows", action="store_true", help="only time one matmul against its rows")
     args = parser.parse_args()
+    if args.matmul_rows:
+        matmul_rows()
+        return
 
     import os
 
