@@ -1,7 +1,8 @@
 """Hybrid Gated DeltaNet (Qwen3.5-MoE-shaped) model: mlxformer beside mlx-lm on the same files.
 
-``--write DIR`` makes DIR/float (bfloat16) and DIR/q4 (4-bit, mlx-lm's ``convert``, its 8-bit
-router gates) in the mlx-community layout, both built by mlx-lm's own ``qwen3_5_moe`` model with
+``--write DIR`` makes DIR/float (bfloat16), DIR/q4 (4-bit, mlx-lm's ``convert``, its 8-bit
+router gates; bfloat16 scales) and DIR/q4-f32 (the same with float32 scales and other weights,
+for the CPU conversation) in the mlx-community layout, both built by mlx-lm's own ``qwen3_5_moe`` model with
 random weights: Qwen3.5-35B-A3B's head sizes (hidden 2048; attention 16 query / 2 key-value heads
 of 256, a quarter rotated, output gate; Gated DeltaNet 16 key / 32 value heads of 128, conv 4;
 ``--experts`` routed experts of 512, top 8, a shared expert of 512), ``--layers`` layers at 3
@@ -13,15 +14,23 @@ the first token, decode = the rest per token), medians and the ratios.
 
 ``conversation``: a 4-turn agent conversation through each server (`mlxformer serve`, then
 `mlx_lm.server`, one at a time on 127.0.0.1): a ``--prefix-tokens`` system prompt and a first
-user message, then each turn appends the assistant's reply and a new user message (about
-``--turn-tokens`` tokens a turn; the byte tokenizer makes a character a token). TTFT (1 token,
-greedy) of each turn, and turns 2-4 as a fraction of turn 1 (the cold prefill); for mlxformer
-also the prompt-cache hit ratio ``/metrics`` reports.
+user message, then each turn generates a ``--reply-tokens`` reply and the next turn sends it back
+verbatim with a new user message (``--turn-tokens`` added a turn in all; the byte tokenizer makes
+a character a token). The random model's replies are held to tokens that round-trip (a
+``logit_bias`` of +100 on the printable non-space ASCII bytes, the same request to both servers),
+so the history carries exactly the ids each server generated, as a real agent's does; both
+servers see the chat API as an agent uses it (template, tokenizer, and mlx_lm.server's own
+segment and end-of-generation cache entries). The token-id form of /v1/completions would not be
+fair: mlx_lm.server's completions take text only. TTFT (first content token, greedy) of each
+turn, turns 2-4 as a fraction of turn 1 (the cold prefill), the cached prompt tokens each server
+reports (``usage.prompt_tokens_details``), and for mlxformer the hit ratio ``/metrics`` reports.
 
 Usage (the full run on a quiet machine; results to benchmarks/results/hybrid_cpu.md):
   python benchmarks/hybrid.py --write .bench/qwen35-moe-shaped --layers 4 --experts 64 --vocab 32000
   python benchmarks/hybrid.py speed --model-dir .bench/qwen35-moe-shaped --trials 2 --prompt-tokens 512
-  python benchmarks/hybrid.py conversation --model-dir .bench/qwen35-moe-shaped/float --prefix-tokens 4096 --turn-tokens 500
+  python benchmarks/hybrid.py conversation --model-dir .bench/qwen35-moe-shaped/q4-f32 --prefix-tokens 4096 --turn-tokens 500 --reply-tokens 100
+  (on a Mac the float or q4 dir; on the CPU q4-f32: mlx_lm.server cannot run the float dir's bfloat16
+  experts there, MLX's CPU gather_mm being float32-only, and runs the q4 dir in bfloat16, 9-40x slower)
 """
 
 from __future__ import annotations
@@ -85,9 +94,23 @@ def write_model(directory: Path, layers: int, experts: int, vocab: int) -> None:
     save_model(float_dir, model)
     save_config(config, float_dir / "config.json")
     write_byte_tokenizer(float_dir)
-    tokenizer_config = json.loads((float_dir / "tokenizer_config.json").read_text())
-    (float_dir / "tokenizer_config.json").write_text(json.dumps({**tokenizer_config, "chat_template": CHATML}))
+    add_chat_tokens(float_dir)
     convert(str(float_dir), str(directory / "q4"), quantize=True, q_group_size=64, q_bits=4)
+    # the same 4 bits with float32 scales and other weights: on the CPU, where MLX's quantized
+    # matmul is 9-40x slower with 16-bit activations, mlx-lm then computes in float32 as mlxformer does
+    convert(str(float_dir), str(directory / "q4-f32"), quantize=True, q_group_size=64, q_bits=4, dtype="float32")
+
+
+def add_chat_tokens(directory: Path) -> None:
+    """The ChatML template, its markers as special tokens (one token each, as in Qwen's
+    tokenizer, not 12 bytes: a turn's template then costs what it costs a real model)."""
+    from tokenizers import AddedToken, Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in ("<|im_start|>", "<|im_end|>")])
+    tokenizer.save(str(directory / "tokenizer.json"))
+    tokenizer_config = json.loads((directory / "tokenizer_config.json").read_text())
+    (directory / "tokenizer_config.json").write_text(json.dumps({**tokenizer_config, "chat_template": CHATML}))
 
 
 def worker(runtime: str, model_dir: str, prompt_tokens: int, generation_tokens: int) -> None:
@@ -168,24 +191,46 @@ def text(tokens: int, seed: int) -> str:
     return f"[{seed}] " + " ".join(words)[: max(0, tokens - 5)]
 
 
+def round_trip_bias(model_dir: Path) -> dict[str, float]:
+    """``logit_bias`` (+100) for the tokens that are one printable ASCII character other than a
+    space: a reply made of them re-tokenizes to itself, whatever the random weights pick."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    allowed = [i for i in range(tokenizer.get_vocab_size()) if len(piece := tokenizer.decode([i])) == 1
+               and "!" <= piece <= "~" and tokenizer.encode(piece).ids == [i]]
+    return {str(i): 100.0 for i in allowed}
+
+
 def conversation(server: Server, args: argparse.Namespace) -> dict:
-    """TTFT of each turn of one conversation, and (mlxformer) the hit ratio after it."""
+    """TTFT of each turn of one conversation, the prompt tokens each server reports cached, and
+    (mlxformer) the hit ratio after it. Each turn generates a ``--reply-tokens`` reply (greedy,
+    its tokens held to ones that round-trip: ``round_trip_bias``) and the next turn sends it back
+    verbatim, as an agent does, with a new user message: ``--turn-tokens`` added a turn."""
+    bias = round_trip_bias(args.model_dir)
     server.stream_chat([{"role": "user", "content": "hi"}], 1)  # warm-up
     messages = [{"role": "system", "content": text(args.prefix_tokens, 0)},
                 {"role": "user", "content": text(args.turn_tokens, 1)}]
-    ttfts = []
+    ttfts, cached, prompts = [], [], []
     for turn in range(args.turns):
-        ttfts.append(server.stream_chat(messages, 1)["ttft"])
-        reply = text(args.reply_tokens, 100 + turn)  # the agent's reply as the client keeps it
+        result = server.stream_chat(messages, args.reply_tokens, logit_bias=bias)
+        usage = result.get("usage") or {}
+        ttfts.append(result["ttft"])
+        prompts.append(usage.get("prompt_tokens"))
+        cached.append((usage.get("prompt_tokens_details") or {}).get("cached_tokens"))
+        reply = result["text"]  # the agent's history keeps the reply verbatim
+        if len(reply) != result["tokens"]:
+            raise SystemExit(f"{server.kind}: a {result['tokens']}-token reply came back as {len(reply)} characters")
         messages += [{"role": "assistant", "content": reply},
                      {"role": "user", "content": text(args.turn_tokens - args.reply_tokens, 2 + turn)}]
-    return {"ttft": ttfts, "later / cold": [t / ttfts[0] for t in ttfts[1:]],
-            "hit_ratio": server.metric("mlxformer_prefix_cache_hit_ratio"), "load": load_average()}
+    return {"ttft": ttfts, "later / cold": [t / ttfts[0] for t in ttfts[1:]], "prompt_tokens": prompts,
+            "cached_tokens": cached, "hit_ratio": server.metric("mlxformer_prefix_cache_hit_ratio"),
+            "load": load_average()}
 
 
 def conversations(args: argparse.Namespace) -> None:
     record: dict = {"model": args.model_dir.name, "prefix_tokens": args.prefix_tokens, "turn_tokens": args.turn_tokens}
-    for kind in RUNTIMES:
+    for kind in args.servers:
         with Server(kind, args.model_dir) as server:
             record[kind] = conversation(server, args)
         print(f"{kind}: {json.dumps(record[kind])}", flush=True)
@@ -208,6 +253,7 @@ def main() -> None:
     parser.add_argument("--turn-tokens", type=int, default=500)
     parser.add_argument("--reply-tokens", type=int, default=100)
     parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--servers", nargs="+", choices=RUNTIMES, default=list(RUNTIMES), help="conversation: which to run")
     parser.add_argument("--worker", choices=RUNTIMES, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.write:

@@ -93,7 +93,7 @@ class Server:
 
     def stream_chat(self, messages: list[dict[str, str]], max_tokens: int, **body: Any) -> dict[str, float]:
         """One streamed greedy chat completion: ``ttft`` (s), generated ``tokens``, ``start``/``end``
-        (``time.perf_counter``) and the reply's ``text``."""
+        (``time.perf_counter``), the reply's ``text`` and the last ``usage`` sent."""
         request = {"model": self.name, "messages": messages, "max_tokens": max_tokens, "temperature": 0.0,
                    "stream": True, "stream_options": {"include_usage": True}, **body}
         connection = HTTPConnection("127.0.0.1", self.port, timeout=3600)
@@ -102,7 +102,7 @@ class Server:
         response = connection.getresponse()
         if response.status != 200:
             raise SystemExit(f"{self.kind}: {response.status} {response.read()[:500]!r}")
-        first, tokens, chunks, pieces = None, 0, 0, []
+        first, tokens, chunks, pieces, usage = None, 0, 0, [], {}
         for raw in response:
             line = raw.decode().strip()
             if not line.startswith("data:") or line == "data: [DONE]":
@@ -114,11 +114,12 @@ class Server:
                     chunks += 1
                     first = first or time.perf_counter()
             if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
+                usage = chunk["usage"]
+                tokens = usage["completion_tokens"]
         end = time.perf_counter()
         connection.close()
         return {"ttft": (first or end) - start, "tokens": tokens or chunks, "start": start, "end": end,
-                "text": "".join(pieces)}
+                "text": "".join(pieces), "usage": usage}
 
     def metric(self, name: str) -> float | None:
         """One unlabelled counter or gauge from ``/metrics`` (mlxformer only; None if absent)."""

@@ -234,11 +234,11 @@ class MTPProposer:
         end = len(history) - 1  # the target's cache holds positions 0..end-1, whose rows are wanted
         if k < 1 or not self._sync(end, history):
             return [], None
-        head, step = self.drafter.head, default_prefill_step()
-        ids = mx.array(history, mx.int32)
-        for at in range(self.fed, end, step):  # (x_{p+1}, h_p) for p in fed..end-1, in chunks
+        head, step, fed = self.drafter.head, default_prefill_step(), self.fed
+        ids = mx.array(history[fed + 1: end + 1], mx.int32)  # the x_{p+1} to feed (not the whole history)
+        for at in range(fed, end, step):  # (x_{p+1}, h_p) for p in fed..end-1, in chunks
             stop = min(at + step, end)
-            g = head(self.drafter.embed(ids[None, at + 1: stop + 1]), self.rows.read(at, stop)[None], self.cache)
+            g = head(self.drafter.embed(ids[None, at - fed: stop - fed]), self.rows.read(at, stop)[None], self.cache)
             if stop < end:
                 mx.eval([c.state for c in self.cache])
         g = g[:, -1:, :]  # (1, 1, hidden): the MTP state at the target's last position

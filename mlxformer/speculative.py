@@ -220,6 +220,9 @@ def draft_token(logits: mx.array, distribution: Distribution | None, next_key: K
 
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
     """How many leading ids ``a`` and ``b`` share."""
+    shorter = min(len(a), len(b))
+    if list(a[:shorter]) == list(b[:shorter]):  # one extends the other (each round's case): compared in C
+        return shorter
     n = 0
     for x, y in zip(a, b):
         if x != y:

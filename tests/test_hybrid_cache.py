@@ -113,3 +113,36 @@ def test_the_disk_tier_keeps_snapshots_across_a_restart(hybrid, tmp_path, storag
             assert sample(engine, "mlxformer_prefix_cache_hit_ratio") == pytest.approx(cached / len(turn))
         assert (tokens, logprobs, 0) == cold(hybrid, settings, turn)
         reply = tokens
+
+
+@pytest.mark.parametrize("storage", list(STORAGE))
+@pytest.mark.parametrize("batched", [False, True])
+def test_a_turn_carrying_the_generated_reply_prefills_only_the_new_message(hybrid, storage, batched):
+    """What an agent sends: turn 1's prompt, the reply the engine generated (verbatim) and a new
+    message. The turn resumes where turn 1's sequence ended (its state snapshot kept when it
+    retired; ``batched``: retired from a batch row beside another request), so only the new
+    message and the reply's last token (never fed) are prefilled. The tokens equal a cold
+    engine's; the log-probabilities agree to float32 rounding, not bit for bit: the reply's
+    states were computed one decode step at a time (the recurrent form), a cold engine computes
+    them inside a prefill chunk (the chunked form), which sums in another order."""
+    model, tokenizer = hybrid
+    settings = STORAGE[storage]
+    first, other = ids(77, seed=7), ids(50, seed=8)
+    with cpu_default_device(), Engine(model, tokenizer, prefill_chunk=CHUNK, cache_settings=settings,
+                                      prefix_cache_bytes=10**8) as engine:
+        if batched:
+            with engine._wake:  # together: one batch decodes both
+                handles = [engine.submit(GenerationRequest(p, 9)) for p in (first, other)]
+            reply = [e.token for e in handles[0] if e.token is not None]
+            list(handles[1])
+        else:
+            reply, _, _ = run(engine, first, 9)
+        message = ids(23, seed=9)
+        second = first + reply + message
+        prefilled = sample(engine, "mlxformer_prefilled_tokens_total")
+        tokens, logprobs, cached = run(engine, second)
+        assert cached == len(first) + len(reply) - 1
+        assert sample(engine, "mlxformer_prefilled_tokens_total") - prefilled == len(message) + 1
+    cold_tokens, cold_logprobs, _ = cold(hybrid, settings, second)
+    assert tokens == cold_tokens
+    assert np.allclose(logprobs, cold_logprobs, rtol=0, atol=1e-4)
