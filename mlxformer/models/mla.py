@@ -25,7 +25,7 @@ from mlxformer.cache.latent import latent_attention
 from mlxformer.cache.protocol import Cache
 from mlxformer.formats.tensors import Derivation
 from mlxformer.models.config import ModelArgs
-from mlxformer.models.mask import Mask
+from mlxformer.models.mask import Mask, kept_rows
 from mlxformer.models.norms import RMSNorm
 from mlxformer.models.rope_variants import make_rope
 
@@ -67,7 +67,10 @@ class MLAttention(nn.Module):
         weight = weight.reshape(self.n_heads, self.nope + self.v_dim, self.rank)  # (H * (nope + v), rank) -> per head
         return weight[:, : self.nope], weight[:, self.nope :]
 
-    def __call__(self, x: mx.array, mask: Mask, cache: Cache | None, rope_length: int | None = None) -> mx.array:
+    def __call__(self, x: mx.array, mask: Mask, cache: Cache | None, rope_length: int | None = None,
+                 keep: mx.array | None = None) -> mx.array:
+        """``keep``: the positions ``(K,)`` whose outputs ``(B, K, hidden)`` are wanted (every
+        row's latent is still cached)."""
         B, L, _ = x.shape
         q = self.q_proj(x) if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q = q.reshape(B, L, self.n_heads, self.nope + self.rope_dims).transpose(0, 2, 1, 3)  # (B, H, L, nope + rope)
@@ -91,7 +94,7 @@ class MLAttention(nn.Module):
                 out = latent_attention(FLOAT_CODEC, q_latent, q_rope, keys, values, self.scale, mask)
             out = out @ w_v.swapaxes(-1, -2)  # (B, H, L, rank) @ (H, rank, v) -> (B, H, L, v)
         # (B, H, L, v) -> (B, L, H * v)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+        return self.o_proj(kept_rows(out.transpose(0, 2, 1, 3).reshape(B, L, -1), keep))
 
     def expanded(self, q_nope: mx.array, q_rope: mx.array, k_rope: mx.array, latent: mx.array, mask: Mask) -> mx.array:
         """Attention with the keys and values expanded from the latents ``(B, 1, S, rank)``
