@@ -199,7 +199,8 @@ class BatchRunner:
         ends = list(itertools.accumulate((len(c.tokens) for c in chunks), initial=decoding))[1:]
         picked = list(range(decoding)) + [end - 1 for c, end in zip(chunks, ends) if c.last]
         # only the picked rows past the last layer's attention, as ``Model.last_logits`` does alone
-        keep = mx.array(picked) if picked else None
+        every = len(picked) == decoding + sum(len(c.tokens) for c in chunks)  # decoding rows only: all wanted
+        keep = None if every or not picked else mx.array(picked)
         hidden = self.model.hidden_states(mx.concatenate(inputs)[None], layers, keep=keep)[0]  # (1, K, hidden) -> (K, hidden)
         for _, _, batch in groups:
             if batch is not None:
