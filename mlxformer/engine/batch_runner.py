@@ -255,21 +255,24 @@ class BatchRunner:
                     + [Segment(c.cache[i], 1, len(c.tokens)) for c in chunks] for i in range(len(self.windows))]
         where = positions(segments[0])
         layers = [PackedLayerCache(s, window, where) for s, window in zip(segments, self.windows)]
-        hidden = self.model.hidden_states(mx.concatenate(inputs)[None], layers)[0]  # (1, T, hidden) -> (T, hidden)
+        decoding = sum(len(rows) for _, rows, _ in groups)
+        ends = list(itertools.accumulate((len(c.tokens) for c in chunks), initial=decoding))[1:]
+        picked = list(range(decoding)) + [end - 1 for c, end in zip(chunks, ends) if c.last]
+        # only the picked rows past the last layer's attention, as ``Model.last_logits`` does alone
+        every = len(picked) == decoding + sum(len(c.tokens) for c in chunks)  # decoding rows only: all wanted
+        keep = None if every or not picked else mx.array(picked)
+        hidden = self.model.hidden_states(mx.concatenate(inputs)[None], layers, keep=keep)[0]  # (1, K, hidden) -> (K, hidden)
         for _, _, batch in groups:
             if batch is not None:
                 batch.commit()
         for chunk in chunks:
             settle(chunk.cache)
-        decoding = sum(len(rows) for _, rows, _ in groups)
-        ends = list(itertools.accumulate((len(c.tokens) for c in chunks), initial=decoding))[1:]
-        picked = list(range(decoding)) + [end - 1 for c, end in zip(chunks, ends) if c.last]
         unwanted = [a for c in chunks if not c.last for layer in c.cache for a in layer.state]
         if not picked:
             mx.eval(unwanted)
             return [], [None] * len(chunks)
         mx.async_eval(unwanted)
-        logits = self.model.logits(hidden[mx.array(picked)])  # (K, vocab)
+        logits = self.model.logits(hidden)  # (K, vocab)
         chunk_logits: list[mx.array | None] = []
         index = decoding
         for chunk in chunks:

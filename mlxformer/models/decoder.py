@@ -16,7 +16,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlxformer.errors import MlxformerError
-from mlxformer.models.mask import Mask, causal_mask_for
+from mlxformer.models.mask import Mask, causal_mask_for, kept_rows
 from mlxformer.cache.protocol import Cache
 from mlxformer.models.attention_ops import fused_attention, position_query_scale, softcap_scores, softcapped_attention
 from mlxformer.models.config import ModelArgs
@@ -97,12 +97,15 @@ class Attention(nn.Module):
         return self.q_proj(x), keys, keys if self.values_from_keys else self.v_proj(x)
 
     def __call__(
-        self, x: mx.array, mask: Mask, cache: Cache | None, rope_length: int | None = None, shared: SharedKV | None = None
+        self, x: mx.array, mask: Mask, cache: Cache | None, rope_length: int | None = None, shared: SharedKV | None = None,
+        keep: mx.array | None = None,
     ) -> mx.array:
         """``shared``: the keys/values of the layers that others read (``kv_source``), kept here
-        by those layers and read by the others (their ``cache`` is their source's)."""
+        by those layers and read by the others (their ``cache`` is their source's). ``keep``:
+        the positions ``(K,)`` whose outputs ``(B, K, hidden)`` are wanted (every row's keys
+        and values are still written and attended with)."""
         if self.kv_source is not None:
-            return self._attend_shared(x, mask, cache, rope_length, shared)
+            return self._attend_shared(x, mask, cache, rope_length, shared, keep)
         B, L, _ = x.shape
         queries, keys, values = self.project(x)
         gate = None
@@ -132,8 +135,8 @@ class Attention(nn.Module):
             shared[self.layer_index] = (keys, values, offset)
         out = self._attend(queries, keys, values, mask, cache, sinks)
         # (B, heads, L, head_dim) -> (B, L, heads * head_dim)
-        out = out.transpose(0, 2, 1, 3).reshape(B, L, -1)
-        return self.o_proj(out if gate is None else out * mx.sigmoid(gate))
+        out = kept_rows(out.transpose(0, 2, 1, 3).reshape(B, L, -1), keep)
+        return self.o_proj(out if gate is None else out * mx.sigmoid(kept_rows(gate, keep)))
 
     def _attend(self, queries: mx.array, keys: object, values: object, mask: Mask, cache: Cache | None,
                 sinks: mx.array | None = None) -> mx.array:
@@ -145,7 +148,7 @@ class Attention(nn.Module):
         return fused_attention(queries, keys, values, self.scale, mask, sinks)  # type: ignore[arg-type]
 
     def _attend_shared(self, x: mx.array, mask: Mask, cache: Cache | None, rope_length: int | None,
-                       shared: SharedKV | None) -> mx.array:
+                       shared: SharedKV | None, keep: mx.array | None = None) -> mx.array:
         """Attention over the keys/values layer ``kv_source`` computed in this forward."""
         if shared is None or self.kv_source not in shared:
             raise ValueError(f"layer {self.layer_index} reads layer {self.kv_source}'s keys/values, which did not run")
@@ -158,7 +161,7 @@ class Attention(nn.Module):
         if self.rope is not None:
             queries = self.rope(queries, offset, rope_length)
         out = self._attend(queries, keys, values, mask, cache)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+        return self.o_proj(kept_rows(out.transpose(0, 2, 1, 3).reshape(B, L, -1), keep))
 
 
 class DecoderLayer(nn.Module):
@@ -201,13 +204,20 @@ class DecoderLayer(nn.Module):
 
     def __call__(
         self, x: mx.array, mask: Mask, cache: Cache | None, rope_length: int | None = None,
-        shared: SharedKV | None = None, per_layer_input: mx.array | None = None,
+        shared: SharedKV | None = None, per_layer_input: mx.array | None = None, keep: mx.array | None = None,
     ) -> mx.array:
         """``shared``: keys/values passed between layers (``Attention``); ``per_layer_input``:
-        this layer's extra input ``(B, T, size)`` (Gemma 4)."""
+        this layer's extra input ``(B, T, size)`` (Gemma 4). ``keep``: the positions ``(K,)``
+        whose outputs ``(B, K, hidden)`` are wanted: the mixer still writes every row's keys
+        and values, and the rest of the block runs on those rows only."""
         mixer = self[self.mixer_name]
-        mixed = mixer(self._norm(0, x), mask, cache, rope_length) if shared is None else (
-            mixer(self._norm(0, x), mask, cache, rope_length, shared))
+        if self.recurrent:  # its state takes every row; its output rows are cut after
+            mixed = kept_rows(mixer(self._norm(0, x), mask, cache, rope_length), keep)
+        elif shared is None:
+            mixed = mixer(self._norm(0, x), mask, cache, rope_length, keep=keep)
+        else:
+            mixed = mixer(self._norm(0, x), mask, cache, rope_length, shared, keep=keep)
+        x, per_layer_input = kept_rows(x, keep), None if per_layer_input is None else kept_rows(per_layer_input, keep)
         h = self._residual(x, self._norm(1, mixed))
         ff = self[self.mlp_name](self._norm(2, h))
         if self.experts_beside:
@@ -267,44 +277,51 @@ class Model(nn.Module):
         return [layer for layer in self.model.layers if layer.kv_source is None]
 
     def hidden_states(
-        self, inputs: mx.array, cache: Sequence[Cache] | None = None, rope_length: int | None = None
+        self, inputs: mx.array, cache: Sequence[Cache] | None = None, rope_length: int | None = None,
+        keep: mx.array | None = None,
     ) -> mx.array:
         """Final-norm hidden states ``(B, T, hidden)`` for token ids ``(B, T)``. ``rope_length``:
-        the whole prompt's length when this is one chunk of it (see ``RoPE``)."""
+        the whole prompt's length when this is one chunk of it (see ``RoPE``). ``keep``: only
+        the positions ``(K,)`` wanted, ``(B, K, hidden)`` out: the last layer computes the rest
+        of its rows only as far as the caches need (their keys/values)."""
+        watched = self._hidden_watch is not None and cache is not None  # the watch reads every row
+        last = None if watched or self._remote_layers is not None else keep  # the last layer is ours
         h = self.model.embed_tokens(inputs)  # (B, T, hidden)
         if self.args.embedding_scale != 1.0:  # in the activation dtype, as transformers does
             h = h * mx.array(self.args.embedding_scale, dtype=h.dtype)
         extra = gemma4.per_layer_inputs(self.model, self.args, inputs, h) if self.args.hidden_size_per_layer_input else None
-        h = self.run_layers(h, cache, rope_length, extra)
+        h = self.run_layers(h, cache, rope_length, extra, last)
         if self._remote_layers is not None:
             h = self._remote_layers(h, rope_length)
         h = self.model.norm(h)
-        if self._hidden_watch is not None and cache is not None:
-            self._hidden_watch(h, cache)
-        return h
+        if watched:
+            self._hidden_watch(h, cache)  # type: ignore[misc]
+        return h if last is not None else kept_rows(h, keep)
 
     def run_layers(
         self, h: mx.array, cache: Sequence[Cache] | None = None, rope_length: int | None = None,
-        per_layer_inputs: mx.array | None = None,
+        per_layer_inputs: mx.array | None = None, keep: mx.array | None = None,
     ) -> mx.array:
         """This model's decoder layers on hidden states ``(B, T, hidden)``; ``cache`` holds one
         cache per layer of ``cache_layers``, and a layer reading another's keys/values gets that
-        layer's. ``per_layer_inputs``: each layer's extra input ``(B, T, layers, size)`` (Gemma 4)."""
+        layer's. ``per_layer_inputs``: each layer's extra input ``(B, T, layers, size)`` (Gemma 4).
+        ``keep``: the positions ``(K,)`` the last layer outputs (``DecoderLayer``)."""
         if not self.layers:
-            return h
+            return kept_rows(h, keep)
         query_len = h.shape[1]
         masks: dict[int | None, Mask] = {}  # one mask per window, from the first cache of that window
         shared: SharedKV | None = {} if self.args.num_kv_shared_layers else None  # keys/values read by later layers
         for i, layer in enumerate(self.layers):
             layer_cache = None if cache is None else cache[i if layer.kv_source is None else layer.kv_source]
+            rows = keep if i == len(self.layers) - 1 else None
             if layer.recurrent:  # no mask: the state holds the past
-                h = layer(h, None, layer_cache, rope_length)
+                h = layer(h, None, layer_cache, rope_length, keep=rows)
                 continue
             if layer.window not in masks:
                 masks[layer.window] = (causal_mask_for(query_len, query_len, layer.window) if layer_cache is None
                                        else layer_cache.make_mask(query_len, layer.window))
             extra = None if per_layer_inputs is None else per_layer_inputs[:, :, i, :]
-            h = layer(h, masks[layer.window], layer_cache, rope_length, shared, extra)
+            h = layer(h, masks[layer.window], layer_cache, rope_length, shared, extra, rows)
         return h
 
     def use_remote_layers(self, run: Callable[[mx.array, int | None], mx.array]) -> None:
@@ -334,9 +351,11 @@ class Model(nn.Module):
     def last_logits(
         self, inputs: mx.array, cache: Sequence[Cache] | None = None, rope_length: int | None = None
     ) -> mx.array:
-        """Logits ``(B, vocab)`` of the last position only: the vocabulary projection, the
-        largest matmul of a small model, is skipped for every other position."""
-        return self.logits(self.hidden_states(inputs, cache, rope_length)[:, -1, :])
+        """Logits ``(B, vocab)`` of the last position only: the last layer's MLP and the
+        vocabulary projection are skipped for every other position (``keep``)."""
+        T = inputs.shape[1]
+        keep = None if T == 1 else mx.array([T - 1])
+        return self.logits(self.hidden_states(inputs, cache, rope_length, keep)[:, -1, :])
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         """Drop checkpoint keys that carry no weights for this decoder."""

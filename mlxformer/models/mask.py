@@ -21,3 +21,9 @@ def causal_mask_for(query_len: int, key_len: int, window: int | None = None) -> 
     query_pos = mx.arange(key_len - query_len, key_len)[:, None]  # (L, 1)
     key_pos = mx.arange(key_len)[None]  # (1, S)
     return (key_pos <= query_pos) & (key_pos > query_pos - window)
+
+
+def kept_rows(x: mx.array, keep: mx.array | None) -> mx.array:
+    """The rows ``keep`` (positions, ``(K,)``) of ``x (B, T, ...)`` as ``(B, K, ...)``: the only
+    ones a forward's caller reads (None: all of them)."""
+    return x if keep is None else x[:, keep]

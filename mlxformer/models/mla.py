@@ -25,8 +25,9 @@ from mlxformer.cache.latent import latent_attention
 from mlxformer.cache.protocol import Cache
 from mlxformer.formats.tensors import Derivation
 from mlxformer.models.config import ModelArgs
-from mlxformer.models.mask import Mask
+from mlxformer.models.mask import Mask, kept_rows
 from mlxformer.models.norms import RMSNorm
+from mlxformer.models.rope import RoPE
 from mlxformer.models.rope_variants import make_rope
 
 EXPAND_MIN = 16  # queries from which a float-cached chunk attends over expanded keys/values
@@ -67,31 +68,52 @@ class MLAttention(nn.Module):
         weight = weight.reshape(self.n_heads, self.nope + self.v_dim, self.rank)  # (H * (nope + v), rank) -> per head
         return weight[:, : self.nope], weight[:, self.nope :]
 
-    def __call__(self, x: mx.array, mask: Mask, cache: Cache | None, rope_length: int | None = None) -> mx.array:
+    def __call__(self, x: mx.array, mask: Mask, cache: Cache | None, rope_length: int | None = None,
+                 keep: mx.array | None = None) -> mx.array:
+        """``keep``: the positions ``(K,)`` whose outputs ``(B, K, hidden)`` are wanted (every
+        row's latent is still cached)."""
         B, L, _ = x.shape
-        q = self.q_proj(x) if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        q = q.reshape(B, L, self.n_heads, self.nope + self.rope_dims).transpose(0, 2, 1, 3)  # (B, H, L, nope + rope)
-        q_nope, q_rope = q[..., : self.nope], q[..., self.nope :]
-        compressed = self.kv_a_proj_with_mqa(x)  # (B, L, rank + rope)
+        compressed = self.kv_a_proj_with_mqa(x)  # (B, L, rank + rope): every row's, for the cache
         latent = self.kv_a_layernorm(compressed[..., : self.rank])[:, None]  # (B, 1, L, rank)
         k_rope = compressed[..., self.rank :][:, None]  # (B, 1, L, rope)
         offset = cache.offset if cache is not None else 0
-        q_rope, k_rope = self.rope(q_rope, offset, rope_length), self.rope(k_rope, offset, rope_length)
+        k_rope = self.rope(k_rope, offset, rope_length)
         keys, values = (k_rope,), (latent,)  # packs: float storage is a 1-tuple (``cache.codec``)
         if cache is not None:
             keys, values = cache.update_and_fetch(k_rope, latent)
-        if L >= EXPAND_MIN and len(values) == 1:  # a prompt chunk over float storage
+        x, positions, mask, keep = self._query_rows(x, offset, mask, keep)
+        Q = x.shape[1]  # the rows whose queries run
+        q = self.q_proj(x) if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.reshape(B, Q, self.n_heads, self.nope + self.rope_dims).transpose(0, 2, 1, 3)  # (B, H, Q, nope + rope)
+        q_nope, q_rope = q[..., : self.nope], self.rope(q[..., self.nope :], positions, rope_length)
+        if Q >= EXPAND_MIN and len(values) == 1:  # many queries over float storage
             out = self.expanded(q_nope, q_rope, keys[0], values[0], mask)
         else:
             w_k, w_v = self.absorbed()
-            q_latent = q_nope @ w_k  # (B, H, L, nope) @ (H, nope, rank) -> (B, H, L, rank)
+            q_latent = q_nope @ w_k  # (B, H, Q, nope) @ (H, nope, rank) -> (B, H, Q, rank)
             if cache is not None:
                 out = cache.latent_attention(q_latent, q_rope, keys, values, self.scale, mask)
             else:
                 out = latent_attention(FLOAT_CODEC, q_latent, q_rope, keys, values, self.scale, mask)
-            out = out @ w_v.swapaxes(-1, -2)  # (B, H, L, rank) @ (H, rank, v) -> (B, H, L, v)
-        # (B, H, L, v) -> (B, L, H * v)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+            out = out @ w_v.swapaxes(-1, -2)  # (B, H, Q, rank) @ (H, rank, v) -> (B, H, Q, v)
+        # (B, H, Q, v) -> (B, Q, H * v)
+        return self.o_proj(kept_rows(out.transpose(0, 2, 1, 3).reshape(B, Q, -1), keep))
+
+    def _query_rows(self, x: mx.array, offset: int | mx.array, mask: Mask,
+                    keep: mx.array | None) -> tuple[mx.array, int | mx.array, Mask, mx.array | None]:
+        """The rows ``x (B, L, hidden)`` whose queries run, the offset rotating them, their mask
+        and the output rows left to cut: ``keep``'s alone (each at its own position, the mask cut
+        to them) for one sequence whose rotation takes a position per token; else every row."""
+        B, L, _ = x.shape
+        per_token = isinstance(self.rope, RoPE) and self.rope.config.type != "dynamic"
+        if keep is None or B != 1 or not isinstance(offset, int) or not per_token:
+            return x, offset, mask, keep
+        S = offset + L  # the keys: the cached ones and this chunk's
+        if isinstance(mask, str):  # "causal": the kept queries see the keys up to their own
+            mask = mx.arange(S)[None] <= (S - L + keep)[:, None]  # (K, S)
+        elif mask is not None:
+            mask = mx.take(mask, keep, axis=-2)  # (..., L, S) -> (..., K, S)
+        return x[:, keep], (offset + keep)[None], mask, None  # positions (1, K)
 
     def expanded(self, q_nope: mx.array, q_rope: mx.array, k_rope: mx.array, latent: mx.array, mask: Mask) -> mx.array:
         """Attention with the keys and values expanded from the latents ``(B, 1, S, rank)``
