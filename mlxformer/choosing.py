@@ -92,7 +92,7 @@ def process(logits: mx.array, rows: Sequence[Row], pending: mx.array | None = No
     counts = [r.pending if pending is not None else 0 for r in rows]
     repetition = [s.repetition_penalty if s.repetition_penalty is not None else 1.0 for s in settings]
     if any(p != 1.0 for p in repetition):
-        recent = [list(r.history[len(r.history) - max(REPETITION_CONTEXT - n, 0):]) if p != 1.0 else []
+        recent = [list(r.history[max(len(r.history) - REPETITION_CONTEXT + n, 0):]) if p != 1.0 else []
                   for r, p, n in zip(rows, repetition, counts)]
         counted = [n if p != 1.0 else 0 for p, n in zip(repetition, counts)]
         logits = repetition_penalized(logits, _ids(recent, vocab, pending, counted, REPETITION_CONTEXT), _vector(repetition))
