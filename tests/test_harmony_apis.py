@@ -97,10 +97,10 @@ def server(tmp_path_factory):
         base = type(model)
 
         class Scripted(base):  # type: ignore[misc, valid-type]
-            def hidden_states(self, inputs, cache=None, rope_length=None):
+            def hidden_states(self, inputs, cache=None, rope_length=None, keep=None):
                 if inputs.shape[1] > 1:  # a prompt (or a chunk of one): the reply starts again
                     script.step = 0
-                return super().hidden_states(inputs, cache, rope_length)
+                return super().hidden_states(inputs, cache, rope_length, keep)
 
             def logits(self, hidden):
                 out = super().logits(hidden)

@@ -121,7 +121,9 @@ def test_a_turn_carrying_the_generated_reply_prefills_only_the_new_message(hybri
     """What an agent sends: turn 1's prompt, the reply the engine generated (verbatim) and a new
     message. The turn resumes where turn 1's sequence ended (its state snapshot kept when it
     retired; ``batched``: retired from a batch row beside another request), so only the new
-    message and the reply's last token (never fed) are prefilled. The tokens equal a cold
+    message is prefilled: the engine's overlapped step (queued before the last token was read)
+    fed the reply's last token too, and a recurrent state cannot give it back, so it is kept
+    with every token it holds (engine/admission.py ``_keep``). The tokens equal a cold
     engine's; the log-probabilities agree to float32 rounding, not bit for bit: the reply's
     states were computed one decode step at a time (the recurrent form), a cold engine computes
     them inside a prefill chunk (the chunked form), which sums in another order."""
@@ -141,8 +143,8 @@ def test_a_turn_carrying_the_generated_reply_prefills_only_the_new_message(hybri
         second = first + reply + message
         prefilled = sample(engine, "mlxformer_prefilled_tokens_total")
         tokens, logprobs, cached = run(engine, second)
-        assert cached == len(first) + len(reply) - 1
-        assert sample(engine, "mlxformer_prefilled_tokens_total") - prefilled == len(message) + 1
+        assert cached == len(first) + len(reply)
+        assert sample(engine, "mlxformer_prefilled_tokens_total") - prefilled == len(message)
     cold_tokens, cold_logprobs, _ = cold(hybrid, settings, second)
     assert tokens == cold_tokens
     assert np.allclose(logprobs, cold_logprobs, rtol=0, atol=1e-4)
