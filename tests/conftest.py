@@ -141,6 +141,21 @@ def write_tiny_checkpoint(
     return directory, model
 
 
+def tiny_byte_llama_of(directory: Path, layers: int):
+    """A tiny random Llama of ``layers`` layers (head size 32) with the byte tokenizer and no
+    end-of-sequence token, loaded in float32: (model, tokenizer)."""
+    import mlx.core as mx
+
+    from mlxformer import load
+
+    directory, _ = write_tiny_checkpoint(directory, "llama", head_dim=32, num_hidden_layers=layers,
+                                         max_position_embeddings=1024)
+    write_byte_tokenizer(directory)
+    model, tokenizer = load(directory, dtype=mx.float32)
+    tokenizer.eos_token_ids = []
+    return model, tokenizer
+
+
 def write_byte_tokenizer(directory: Path) -> None:
     """A ``tokenizer.json`` mapping each Latin-1 character to its code (ids 0..255), made with
     ``tokenizers``: any text of those characters encodes, within a 256-token vocabulary."""

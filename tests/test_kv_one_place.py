@@ -14,8 +14,8 @@ import threading
 import mlx.core as mx
 import pytest
 
-from conftest import write_byte_tokenizer, write_tiny_checkpoint
-from mlxformer import generate, load
+from conftest import tiny_byte_llama_of
+from mlxformer import generate
 from mlxformer.cache import CacheSettings, make_cache
 from mlxformer.cache.batch import DecodeBatch, batch_key
 from mlxformer.engine import Engine, GenerationRequest
@@ -30,12 +30,7 @@ BLOCK = 256
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """A tiny random 8-layer Llama, byte tokenizer, no end-of-sequence token."""
-    directory, _ = write_tiny_checkpoint(tmp_path_factory.mktemp("kv_one_place"), "llama", head_dim=32,
-                                         num_hidden_layers=LAYERS, max_position_embeddings=1024)
-    write_byte_tokenizer(directory)
-    model, tokenizer = load(directory, dtype=mx.float32)
-    tokenizer.eos_token_ids = []
-    return model, tokenizer
+    return tiny_byte_llama_of(tmp_path_factory.mktemp("kv_one_place"), LAYERS)
 
 
 def prefilled(model, length: int, settings: CacheSettings) -> list:

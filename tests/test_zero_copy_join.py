@@ -11,7 +11,7 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from conftest import write_byte_tokenizer, write_tiny_checkpoint
+from conftest import tiny_byte_llama_of, write_byte_tokenizer, write_tiny_checkpoint
 from mlxformer import load, stream_generate
 from mlxformer.cache import CacheSettings, make_cache
 from mlxformer.cache.batch import DecodeBatch, batch_key
@@ -36,12 +36,7 @@ class Stub:
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
-    directory, _ = write_tiny_checkpoint(tmp_path_factory.mktemp("zero_copy"), "llama", head_dim=32,
-                                         num_hidden_layers=LAYERS, max_position_embeddings=1024)
-    write_byte_tokenizer(directory)
-    model, tokenizer = load(directory, dtype=mx.float32)
-    tokenizer.eos_token_ids = []
-    return model, tokenizer
+    return tiny_byte_llama_of(tmp_path_factory.mktemp("zero_copy"), LAYERS)
 
 
 def ids(length: int, seed: int) -> list[int]:

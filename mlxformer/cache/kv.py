@@ -12,7 +12,25 @@ from mlxformer.cache.latent import latent_attention
 from mlxformer.models.mask import Mask, causal_mask_for
 
 
-class KVCache:
+class CodecAttention:
+    """Attention over what a cache's ``codec`` stores (float, quantized, a latent): the part of the
+    cache protocol that a sequence's own cache and its row of a batch share."""
+
+    codec: KVCodec
+
+    def attention(
+        self, queries: mx.array, keys: Pack, values: Pack, scale: float, mask: Mask, softcap: float | None = None,
+        sinks: mx.array | None = None,
+    ) -> mx.array:
+        return self.codec.attention(queries, keys, values, scale, mask, softcap, sinks=sinks)
+
+    def latent_attention(
+        self, q_latent: mx.array, q_rope: mx.array, keys: Pack, values: Pack, scale: float, mask: Mask
+    ) -> mx.array:
+        return latent_attention(self.codec, q_latent, q_rope, keys, values, scale, mask)
+
+
+class KVCache(CodecAttention):
     """A growing KV cache, written in place in buffers grown ``step`` tokens at a time.
 
     ``bits=None`` stores float keys/values. With ``bits`` (4 or 8) it stores them quantized in
@@ -80,17 +98,6 @@ class KVCache:
         self.keys = pack_concat([pack_slice(self.keys, 0, self.offset), pack_zeros_like(self.keys, n_new)])
         self.values = pack_concat([pack_slice(self.values, 0, self.offset), pack_zeros_like(self.values, n_new)])
         return True
-
-    def attention(
-        self, queries: mx.array, keys: Pack, values: Pack, scale: float, mask: Mask, softcap: float | None = None,
-        sinks: mx.array | None = None,
-    ) -> mx.array:
-        return self.codec.attention(queries, keys, values, scale, mask, softcap, sinks=sinks)
-
-    def latent_attention(
-        self, q_latent: mx.array, q_rope: mx.array, keys: Pack, values: Pack, scale: float, mask: Mask
-    ) -> mx.array:
-        return latent_attention(self.codec, q_latent, q_rope, keys, values, scale, mask)
 
     def make_mask(self, query_len: int, window: int | None) -> Mask:
         return causal_mask_for(query_len, self.offset + query_len, window)

@@ -25,8 +25,7 @@ import mlx.core as mx
 
 from mlxformer.cache.batch import BatchKey, BatchLayerCache, DecodeBatch, Row, _pad, _row_cache
 from mlxformer.cache.codec import CENTER_BLOCK, FLOAT_CODEC, KVCodec, Pack, center_blocks, pack_nbytes, pack_slice
-from mlxformer.cache.kv import KVCache
-from mlxformer.cache.latent import latent_attention
+from mlxformer.cache.kv import CodecAttention, KVCache
 from mlxformer.cache.protocol import Cache
 from mlxformer.models.mask import Mask, causal_mask_for
 
@@ -134,7 +133,7 @@ class SpareBatch(DecodeBatch):
         return next(i for i, r in enumerate(self.layout.rows) if r is row)
 
 
-class RowCache:
+class RowCache(CodecAttention):
     """One layer of one ``SpareBatch`` row behind the cache protocol: a sequence's own cache
     while its keys/values live in the batch (its prompt chunks, a rollback's trim, the views the
     prefix cache cuts blocks from). A chunk's write is counted in ``pending`` until the runner
@@ -200,17 +199,6 @@ class RowCache:
         layer = self._layer
         return (tuple(x[index : index + 1, :, :stop] for x in layer.keys),
                 tuple(x[index : index + 1, :, :stop] for x in layer.values))
-
-    def attention(
-        self, queries: mx.array, keys: Pack, values: Pack, scale: float, mask: Mask, softcap: float | None = None,
-        sinks: mx.array | None = None,
-    ) -> mx.array:
-        return self.codec.attention(queries, keys, values, scale, mask, softcap, sinks=sinks)
-
-    def latent_attention(
-        self, q_latent: mx.array, q_rope: mx.array, keys: Pack, values: Pack, scale: float, mask: Mask
-    ) -> mx.array:
-        return latent_attention(self.codec, q_latent, q_rope, keys, values, scale, mask)
 
     @property
     def state(self) -> tuple[mx.array, ...]:
