@@ -10,6 +10,7 @@ feed, so this is a CPU-only policy.
 from __future__ import annotations
 
 import copy
+import itertools
 import threading
 from dataclasses import dataclass
 from functools import lru_cache
@@ -216,7 +217,7 @@ class SwitchRows(RowSharded):
             return self.gather(x, indices, False, self)  # type: ignore[attr-defined]
         experts = self["weight"].shape[0]
         counts = (indices[:, None] == mx.arange(experts)).sum(axis=0).tolist()  # (experts,): pairs per expert
-        bounds = [(e, start, start + n) for e, (start, n) in enumerate(zip(running_starts(counts), counts)) if n]
+        bounds = [(e, start, start + n) for e, (start, n) in enumerate(zip(itertools.accumulate(counts, initial=0), counts)) if n]
         rows = x.reshape(x.shape[0], x.shape[-1])  # (pairs, 1, in) -> (pairs, in)
         shards = self.row_shards()
         out = mx.concatenate([
@@ -227,15 +228,6 @@ class SwitchRows(RowSharded):
     def project_expert(self, x: mx.array, shard: dict[str, mx.array], expert: int, stream: mx.Stream) -> mx.array:
         """Rows ``x (n, in)`` through expert ``expert`` of ``shard`` -> ``(n, shard rows)``."""
         raise NotImplementedError
-
-
-def running_starts(counts: list[int]) -> list[int]:
-    """Where each group of a run of ``counts`` starts."""
-    starts, total = [], 0
-    for n in counts:
-        starts.append(total)
-        total += n
-    return starts
 
 
 class ShardedSwitchLinear(SwitchRows, SwitchLinear):
