@@ -3,8 +3,8 @@
 # (1 and 8 concurrent clients on SmolLM2 float32, bfloat16 and 4-bit, and 2 and 4 on bfloat16 for
 # the plot; head-of-line behind a 3,000-token prompt), the KV budget sized for two requests, and
 # the engine's step profile; then 1 and 8 clients again with `--threads 1` (one CPU stream, as
-# mlx-lm). Roughly 25 minutes on 2 idle x86 cores (an estimate: the parts
-# were smoke-run at small sizes on a loaded machine); results in benchmarks/results/ (JSON,
+# mlx-lm). 42 minutes on 2 idle x86 cores (2026-12-02; the head-of-line
+# part's two 3,000-token prefills are 14 of them); results in benchmarks/results/ (JSON,
 # serve_throughput.png), each part's time printed.
 #
 #   bash benchmarks/serving_set.sh            # everything
