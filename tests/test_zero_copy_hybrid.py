@@ -13,6 +13,7 @@ import pytest
 
 from conftest import write_byte_tokenizer, write_tiny_checkpoint
 from mlxformer import load, stream_generate
+from mlxformer.cache import CacheSettings
 from mlxformer.cache.rows import SpareBatch
 from mlxformer.engine import Engine, GenerationRequest
 from test_zero_copy_join import HYBRID, alone, assert_join_copies_nothing, ids, staggered
@@ -67,6 +68,19 @@ def test_staggered_hybrid_requests_equal_each_alone(hybrid, monkeypatch):
     got = staggered(model, tokenizer, None, prompts, [8] * 4, max_batch=2)
     assert got == [alone(model, tokenizer, None, p, 8) for p in prompts]
     assert written == [0] * 4  # before: [30, 21, 9, 40], each prefilled sequence copied in at its first decode step
+
+
+def test_hybrid_rows_cross_quantized_kv_start(tmp_path, monkeypatch):
+    """8-bit keys/values from 25 tokens: two rows cross while decoding, one at a prompt chunk;
+    each is re-encoded into a row of the quantized batch with its states beside (rows of 30, 25
+    and 36 tokens seated there), and every reply equals its own alone."""
+    model, tokenizer = tiny(tmp_path, "qwen3_5_text")
+    settings = CacheSettings(kv_bits=8, kv_group_size=32, quantized_kv_start=25)
+    written = record_seats(monkeypatch)
+    prompts = [ids(30, 1), ids(21, 2), ids(9, 3), ids(40, 4)]
+    got = staggered(model, tokenizer, settings, prompts, [8] * 4, max_batch=2)
+    assert got == [alone(model, tokenizer, settings, p, 8) for p in prompts]
+    assert sorted(written) == [0] * 4 + [25, 30, 36]
 
 
 def test_a_prefix_hit_on_a_seated_hybrid_row_equals_cold(monkeypatch, tmp_path):
