@@ -2,8 +2,9 @@
 states live in its row of the decode batch's stacked state buffers from admission on
 (``cache/state_rows.py``), beside its attention layers' keys/values (``cache/rows.py``), so
 joining the decode steps copies nothing. Checked with MLX's peak memory (the old join measured
-beside it), by staggered requests' greedy replies against ``stream_generate`` alone, and by a
-prefix-cache hit on snapshots cut from a row against a cold engine."""
+beside it), by staggered requests' greedy replies against ``stream_generate`` alone (also with
+rows crossing ``quantized_kv_start``), and by a prefix-cache hit on snapshots cut from a row
+against a cold engine."""
 
 from __future__ import annotations
 
