@@ -6,7 +6,9 @@ rows seated at admission (``cache/rows.py``: prefilled in their batch row, nothi
     python benchmarks/zero_copy_join.py --rows 4 --tokens 1500
 
 A random Llama with SmolLM2-135M's attention shape (9 heads, 3 KV heads of 64) and ``--layers``
-layers, float32 on the CPU; the figures are the fastest of ``--repeats`` runs."""
+layers, float32 on the CPU; the figures are the fastest of ``--repeats`` runs. ``--hybrid``: a
+random Qwen3.5 of the same widths whose layers alternate Gated DeltaNet (3 key heads, 6 value
+heads of 64) and attention (its recurrent states in the rows too: ``cache/state_rows.py``)."""
 
 from __future__ import annotations
 
@@ -18,18 +20,24 @@ import time
 import mlx.core as mx
 
 
-def random_llama(directory: str, layers: int):
-    """A random Llama of SmolLM2-135M's widths saved with transformers, loaded by mlxformer."""
+def random_model(directory: str, layers: int, hybrid: bool):
+    """A random Llama (or Qwen3.5) of SmolLM2-135M's widths saved with transformers, loaded by mlxformer."""
     import torch
     from tokenizers import Tokenizer, models
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
     from mlxformer import load
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=4096, hidden_size=576, intermediate_size=1536, num_hidden_layers=layers,
-                         num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192)
-    LlamaForCausalLM(config).save_pretrained(directory)
+    widths = dict(vocab_size=4096, hidden_size=576, intermediate_size=1536, num_hidden_layers=layers,
+                  num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192)
+    if hybrid:
+        config = Qwen3_5TextConfig(**widths, head_dim=64, layer_types=["linear_attention", "full_attention"] * (layers // 2),
+                                   linear_num_key_heads=3, linear_num_value_heads=6, linear_key_head_dim=64,
+                                   linear_value_head_dim=64, linear_conv_kernel_dim=4)
+        Qwen3_5ForCausalLM(config).save_pretrained(directory)
+    else:
+        LlamaForCausalLM(LlamaConfig(**widths)).save_pretrained(directory)
     Tokenizer(models.BPE(vocab={chr(i): i for i in range(256)}, merges=[])).save(os.path.join(directory, "tokenizer.json"))
     return load(directory, dtype=mx.float32)[0]
 
@@ -72,10 +80,12 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--chunk", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--hybrid", action="store_true", help="a Qwen3.5: Gated DeltaNet and attention layers alternating")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as directory:
-        model = random_llama(directory, args.layers)
-    print(f"load average {os.getloadavg()[0]:.1f}; {args.rows} rows x ~{args.tokens} tokens, {args.layers} layers")
+        model = random_model(directory, args.layers, args.hybrid)
+    print(f"load average {os.getloadavg()[0]:.1f}; {args.rows} rows x ~{args.tokens} tokens, {args.layers} layers"
+          + (" (hybrid)" if args.hybrid else ""))
     for seat in (False, True):
         best = [min(x) for x in zip(*(measure(model, seat, args.rows, args.tokens, args.chunk) for _ in range(args.repeats)))]
         name = "seated at admission" if seat else "old join (copied)"

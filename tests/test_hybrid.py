@@ -198,23 +198,24 @@ ENGINE_PROMPTS = ["the cat sat on the", "one two one two one", "xyz", "a longer 
 
 
 def test_engine_batches_hybrid_rows_as_alone(case, monkeypatch):
-    """Four concurrent requests: their recurrent states stacked per layer in one decode batch,
-    each row's reply equal to the one it gives alone; then a speculating engine."""
+    """Four concurrent requests: their recurrent states in rows of one decode batch (stacked per
+    layer, ``cache/state_rows.py``), each row's reply equal to the one it gives alone; then a
+    speculating engine."""
+    from mlxformer.cache.state_rows import StateRows
     from mlxformer.engine import batch_generate
 
     _, _, model, tokenizer, _ = case
-    stacked_rows: list[int] = []
-    real_stack = StateCache.stack
+    stepping_rows: list[int] = []
+    real_advance = StateRows.advance
 
-    def stack(rows):
-        stacked = real_stack(rows)
-        stacked_rows.append(stacked.conv.shape[0])
-        return stacked
+    def advance(self, inputs, states):
+        stepping_rows.append(inputs.shape[0])
+        real_advance(self, inputs, states)
 
-    monkeypatch.setattr(StateCache, "stack", staticmethod(stack))
+    monkeypatch.setattr(StateRows, "advance", advance)
     alone = [tokenizer.decode([r.token for r in stream_generate(model, tokenizer, p, 10)]) for p in ENGINE_PROMPTS]
     assert batch_generate(model, tokenizer, ENGINE_PROMPTS, 10, max_batch=4, prefill_chunk=5) == alone
-    assert max(stacked_rows) >= 3  # rows decode together (they join and leave at their own steps)
+    assert max(stepping_rows) >= 3  # rows decode together (they start and end at their own steps)
     lookup = SpeculativeSettings(prompt_lookup=True, num_draft_tokens=3, ngram_min=1)
     assert batch_generate(model, tokenizer, ENGINE_PROMPTS, 10, max_batch=4, speculative=lookup) == alone
 

@@ -4,7 +4,8 @@ nothing. Checked with MLX's own memory counters (the join of the old path, measu
 creates a buffer of the batch's size), and by greedy replies of staggered concurrent requests
 (each prompt prefilling in its row while the others decode, rows freed and reused, the batch
 growing its rows) against ``stream_generate`` alone, for float, 8-bit, rotating, MLA and hybrid
-tiny models (rotating and hybrid rows keep the old join path)."""
+tiny models (rotating rows keep the old join path; hybrid rows: ``test_zero_copy_hybrid.py``), and
+with rows crossing ``quantized_kv_start`` (re-encoded into a row of the quantized batch)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,10 @@ import pytest
 from conftest import tiny_byte_llama_of, write_byte_tokenizer, write_tiny_checkpoint
 from mlxformer import load, stream_generate
 from mlxformer.cache import CacheSettings, make_cache
-from mlxformer.cache.batch import DecodeBatch, batch_key
+from mlxformer.cache.batch import BatchLayerCache, batch_key
 from mlxformer.cache.rows import RowCache, SpareBatch
+from mlxformer.cache.state import StateCache
+from mlxformer.cache.state_rows import StateRowCache
 from mlxformer.engine import Engine, GenerationRequest
 from mlxformer.engine.batch_runner import BatchRunner
 
@@ -49,14 +52,19 @@ def test_a_join_copies_nothing(llama, settings):
     creates no array of KV size (MLX's peak memory rises as in a steady step, well under one
     layer of the batch) and leaves their caches the same objects; the old path's join, measured
     the same way, creates the batch's buffer beside the rows' own caches."""
-    model, _ = llama
+    assert_join_copies_nothing(llama[0], settings)
+
+
+def assert_join_copies_nothing(model, settings: CacheSettings) -> None:
+    """``test_a_join_copies_nothing`` for ``model`` (a hybrid one's recurrent rows too)."""
+    layers = len(model.layers)
     windows = [layer.window for layer in model.layers]
     # the old path first (it also pays the process's first decode step): own caches joining a
     # DecodeBatch at their first decode step
     caches = [make_cache(model, settings), make_cache(model, settings)]
     for cache, length in zip(caches, (300, 310)):
         BatchRunner(model).prefill(ids(length, 3), cache, want_logits=False)
-    kv = sum(c.nbytes for cache in caches for c in cache)
+    kv = sum(c.nbytes for cache in caches for c in cache if not isinstance(c, StateCache))  # keys/values
     old = [Stub(cache, 5) for cache in caches]
     del caches
     runner = BatchRunner(model)
@@ -71,17 +79,17 @@ def test_a_join_copies_nothing(llama, settings):
         runner.seat(sequence)
         for start in range(0, length, 128):
             runner.prefill(ids(length, 3)[start : start + 128], sequence.cache, want_logits=False)
-    assert all(isinstance(c, RowCache) for s in rows for c in s.cache)
+    assert all(isinstance(c, (RowCache, StateRowCache)) for s in rows for c in s.cache)
     (batch,) = runner.batches.values()
     assert isinstance(batch, SpareBatch) and batch.capacity == 2 and batch_key(make_cache(model, settings), windows) == batch.key
-    assert sum(layer.nbytes for layer in batch.layers) == kv  # the same buffers, held once
+    assert sum(layer.nbytes for layer in batch.layers if isinstance(layer, BatchLayerCache)) == kv  # held once
     stand_ins = [list(s.cache) for s in rows]
     rises, kept = decode_rises(runner, rows, 2)  # the join, then a step of rows already decoding
     # the join step costs what a steady step costs (activations, the quantized step's
     # dequantized scores): no row is copied; the old join's copy shows (the measure can fail)
-    assert rises[0] <= rises[1] + kv / (4 * LAYERS), (rises, kv)
+    assert rises[0] <= rises[1] + kv / (4 * layers), (rises, kv)
     assert old_rise > rises[1] + kv / 5, (old_rise, rises, kv)
-    assert kept[0] < kv / (4 * LAYERS)
+    assert kept[0] < kv / (4 * layers)
     assert all(a is b for s, old in zip(rows, stand_ins) for a, b in zip(s.cache, old))
     assert [r.offset for r in batch.layout.rows] == [302, 312]
 
@@ -160,3 +168,31 @@ def test_staggered_requests_equal_each_alone_mla_and_hybrid(family, tmp_path):
     prompts = [ids(30, 1), ids(21, 2), ids(9, 3), ids(40, 4)]
     got = staggered(model, tokenizer, None, prompts, [8] * 4, max_batch=2)
     assert got == [alone(model, tokenizer, None, p, 8) for p in prompts]
+
+
+def test_staggered_requests_cross_quantized_kv_start_in_their_rows(llama, monkeypatch):
+    """``quantized_kv_start`` = 36: the 30-token prompt's row crosses it while decoding, the 40-
+    and 270-token prompts' rows while prefilling (two of the 270's chunks may share a step: they
+    then run one after the other). Each crossing re-encodes the row into a row of the quantized
+    batch: no row is copied out of a batch (before: it left the float batch with its caches, took
+    a step alone and was copied into the quantized batch), and every reply equals its own alone."""
+    model, tokenizer = llama
+    settings = CacheSettings(kv_bits=8, kv_group_size=32, quantized_kv_start=36)
+    copied_out, seated = [], []
+    leave, seat = SpareBatch.leave, SpareBatch.seat
+
+    def leaving(self, index, keep=True, staged=False):
+        copied_out.append(keep)
+        return leave(self, index, keep, staged)
+
+    def seating(self, caches):
+        seated.append((self.key[0][0].bits, int(caches[0].offset)))
+        return seat(self, caches)
+
+    monkeypatch.setattr(SpareBatch, "leave", leaving)
+    monkeypatch.setattr(SpareBatch, "seat", seating)
+    got = staggered(model, tokenizer, settings, PROMPTS, TOKENS, max_batch=3)
+    assert got == [alone(model, tokenizer, settings, p, n) for p, n in zip(PROMPTS, TOKENS)]
+    assert not any(copied_out)
+    # five rows seated empty at admission, three re-encoded into the quantized batch where they crossed
+    assert len(seated) == 8 and seated.count((None, 0)) == 5 and seated.count((8, 36)) == 3, seated

@@ -66,12 +66,13 @@ def quantizes_next(cache: Cache) -> bool:
     return cache.bits is not None and cache.codec.bits is None and cache.offset >= cache.start
 
 
-def row_quantizes_next(row: "Row") -> bool:
-    """``quantizes_next`` for a sequence whose keys/values are in a batch."""
-    meta = row.metas[0]
-    if "bits" not in meta:  # a recurrent layer's row
+def row_quantizes_next(row: "Row", fed: int = 0) -> bool:
+    """``quantizes_next`` for a sequence whose keys/values are in a batch (once ``fed`` more
+    tokens are in: a prompt's later chunk in the same step)."""
+    meta = next((m for m in row.metas if "bits" in m), None)  # an attention layer's (not a recurrent one's)
+    if meta is None:
         return False
-    return bool(meta["bits"]) and meta["quantized"] != "1" and row.offset >= int(meta["start"])
+    return bool(meta["bits"]) and meta["quantized"] != "1" and row.offset + fed >= int(meta["start"])
 
 
 @dataclass

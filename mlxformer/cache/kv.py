@@ -57,7 +57,9 @@ class KVCache(CodecAttention):
         """Whether the stored keys/values are quantized yet."""
         return self.codec.bits is not None
 
-    def _quantize_storage(self) -> None:
+    def quantize_storage(self) -> None:
+        """Re-encode what the cache holds into quantized storage (at ``quantized_kv_start``; a
+        batch row crossing it, ``BatchRunner._cross``, re-encodes its row through this)."""
         assert self.bits is not None
         self.codec, float_codec = KVCodec(self.bits, self.group_size), self.codec
         if self.keys is not None and self.values is not None:
@@ -69,7 +71,7 @@ class KVCache(CodecAttention):
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Pack, Pack]:
         if self.bits is not None and not self.quantized and self.offset >= self.start:
-            self._quantize_storage()
+            self.quantize_storage()
         start, length = self.offset, keys.shape[2]
         positions = range(start, start + length)
         self.codec = self.codec.with_key_center(keys, positions)

@@ -12,8 +12,11 @@ frees the row (nothing copied out unless the caller keeps the caches). A full ba
 capacity (bounded by ``max_rows``, the engine's ``max_batch``), so most admissions write into a
 free row and rewrite nothing; the buffers are dropped when the last row leaves.
 
-Rotating caches, recurrent states, a cache turning quantized at ``quantized_kv_start`` and a
-batch under a KV budget keep ``DecodeBatch``'s join-on-first-decode path (``batch_runner``).
+A hybrid model's recurrent layers keep their rows here too (``cache/state_rows.py``: the
+attention layers' ``Row`` moves them). A row whose storage turns quantized at
+``quantized_kv_start`` moves to a row of the quantized batch, re-encoded there
+(``BatchRunner._cross``). Rotating caches and a batch under a KV budget keep ``DecodeBatch``'s
+join-on-first-decode path (``batch_runner``).
 """
 
 from __future__ import annotations
@@ -27,21 +30,24 @@ from mlxformer.cache.batch import BatchKey, BatchLayerCache, DecodeBatch, Row, _
 from mlxformer.cache.codec import CENTER_BLOCK, FLOAT_CODEC, KVCodec, Pack, center_blocks, pack_nbytes, pack_slice
 from mlxformer.cache.kv import CodecAttention, KVCache
 from mlxformer.cache.protocol import Cache
+from mlxformer.cache.state import StateCache
+from mlxformer.cache.state_rows import StateRowCache, StateRows
 from mlxformer.models.mask import Mask, causal_mask_for
 
-Blank = tuple[Pack, Pack]  # a layer's keys/values pack of one row and one slot (shapes and dtypes)
+Blank = tuple[Pack, Pack]  # a layer's keys/values pack of one row and one slot (a recurrent layer's: its window, its state)
 
 
 def seatable(caches: Sequence[Cache]) -> bool:
-    """Whether a sequence's own caches can live in a ``SpareBatch`` row: growing caches whose
-    storage never changes (float, or quantized from the first token)."""
-    return bool(caches) and all(type(c) is KVCache and (c.bits is None or c.quantized) for c in caches)
+    """Whether a sequence's own caches can live in a ``SpareBatch`` row: growing caches (float,
+    quantized, or turning quantized at ``quantized_kv_start``), maybe beside recurrent states."""
+    return any(type(c) is KVCache for c in caches) and all(type(c) in (KVCache, StateCache) for c in caches)
 
 
 def spare_kind(key: BatchKey) -> bool:
-    """Whether a batch of ``key`` is a ``SpareBatch``: every layer a growing cache, stored alike
-    (one slot layout for all)."""
-    return len(set(key)) == 1 and all(not storage.rotating and not storage.recurrent for storage, _ in key)
+    """Whether a batch of ``key`` is a ``SpareBatch``: every attention layer a growing cache,
+    stored alike (one slot layout for all), maybe beside recurrent layers."""
+    attention = {kind for kind in key if not kind[0].recurrent}
+    return len(attention) == 1 and not next(iter(attention))[0].rotating
 
 
 def _rows_of(pack: Pack, rows: int, width: int) -> Pack:
@@ -56,9 +62,17 @@ class SpareBatch(DecodeBatch):
         super().__init__(key)
         self.max_rows = max_rows
         self.free: list[int] = []
-        (layout,) = self.layouts.values()  # growing caches stored alike: one slot layout for every layer
+        # growing caches stored alike: one slot layout for every attention layer, whose rows a
+        # recurrent layer's rows follow (one ``Row`` per sequence for all layers)
+        self.layouts = {kind: layout for kind, layout in self.layouts.items() if not kind[0].recurrent}
+        (layout,) = self.layouts.values()
         self.layout = layout
         for (keys, values), (storage, _) in zip(blanks, key):
+            if storage.recurrent:
+                (conv,), (state,) = keys, values
+                self.layers.append(StateRows(layout, mx.zeros((0, *conv.shape[1:]), conv.dtype),
+                                             mx.zeros((0, *state.shape[1:]), state.dtype)))
+                continue
             codec = FLOAT_CODEC if storage.bits is None else KVCodec(storage.bits, storage.group_size)
             self.layers.append(BatchLayerCache(layout, codec, _rows_of(keys, 0, 0), _rows_of(values, 0, 0)))
 
@@ -77,7 +91,9 @@ class SpareBatch(DecodeBatch):
         new = max(old + 1, min(2 * old, self.max_rows or 2 * old))
         extra, width = new - old, self.layout.width
         for layer in self.layers:
-            assert isinstance(layer, BatchLayerCache)
+            if isinstance(layer, StateRows):
+                layer.add_rows(extra)
+                continue
             layer.keys, layer.values = _pad(layer.keys, width), _pad(layer.values, width)
             layer.keys = tuple(mx.concatenate([x, *_rows_of((x,), extra, width)]) for x in layer.keys)
             layer.values = tuple(mx.concatenate([x, *_rows_of((x,), extra, width)]) for x in layer.values)
@@ -90,10 +106,10 @@ class SpareBatch(DecodeBatch):
         self.layout.rows += [Row(0, 0, 0) for _ in range(extra)]
         self.free += range(old, new)
 
-    def seat(self, caches: Sequence[Cache]) -> tuple[int, list["RowCache"]]:
+    def seat(self, caches: Sequence[Cache]) -> tuple[int, list["RowCache | StateRowCache"]]:
         """A free row for a sequence with own ``caches`` (growing, maybe holding a prefix-cache
-        hit's tokens, written into the row: nothing else is copied); returns its index and its
-        caches from now on."""
+        hit's tokens and states, written into the row: nothing else is copied); returns its
+        index and its caches from now on."""
         if not self.free:
             self._grow()
         index = self.free.pop(0)
@@ -104,9 +120,13 @@ class SpareBatch(DecodeBatch):
             self.layout.fit(used)
             self.layout.positions = self.layout.padded()
             self.layout.positions[index, :used] = mx.arange(used, dtype=mx.int32)
-        views = [RowCache(self, row, layer) for layer in range(self.n_layers)]
+        views = [StateRowCache(self, row, layer) if isinstance(self.layers[layer], StateRows) else RowCache(self, row, layer)
+                 for layer in range(self.n_layers)]
         for own, view in zip(caches, views):
-            if used:
+            if isinstance(view, StateRowCache):
+                assert isinstance(own, StateCache)
+                view.reset(own)  # a freed row holds its last sequence's state
+            elif used:
                 assert isinstance(own, KVCache) and own.keys is not None and own.values is not None
                 view.write(index, 0, pack_slice(own.keys, 0, used), pack_slice(own.values, 0, used), own.codec, used)
         return index, views
@@ -128,6 +148,13 @@ class SpareBatch(DecodeBatch):
         self.free.append(index)
         self.free.sort()
         return caches
+
+    def row_caches(self, index: int) -> list[Cache]:
+        """Row ``index`` as per-sequence caches (keys/values: views of the buffers; states: copies)."""
+        row = self.layout.rows[index]
+        positions = self.layout.positions[index, : row.used]
+        return [_row_cache(layer, index, row, meta, positions, copy=False)  # type: ignore[arg-type]
+                for layer, meta in zip(self.layers, row.metas)]
 
     def index(self, row: Row) -> int:
         return next(i for i, r in enumerate(self.layout.rows) if r is row)
@@ -214,7 +241,10 @@ class RowCache(CodecAttention):
 
     def trim(self, n: int) -> int:
         """Forget the last ``n`` tokens: of the forward being built, then of the row (every
-        layer's: they share its slots, so a layer finding it trimmed already has nothing to do)."""
+        layer's: they share its slots, so a layer finding it trimmed already has nothing to do).
+        A hybrid model's row gives nothing back: its recurrent states cannot go back (``state_rows``)."""
+        if any(isinstance(layer, StateRows) for layer in self.batch.layers):
+            return 0
         n = min(n, self.offset)
         target = self.offset - n
         self.pending = max(0, target - self.row.offset)
@@ -233,8 +263,8 @@ class RowCache(CodecAttention):
 
 def settle(caches: Sequence[Cache]) -> None:
     """After a forward was built on a sequence's caches: record in its row what its
-    ``RowCache``s wrote (every layer wrote the same slots: the row moves once)."""
-    rows = [c for c in caches if isinstance(c, RowCache)]
+    ``RowCache``s (and ``StateRowCache``s) wrote (every layer wrote the same slots: the row moves once)."""
+    rows = [c for c in caches if isinstance(c, (RowCache, StateRowCache))]
     if not rows or not rows[0].pending:
         return
     first = rows[0]

@@ -17,12 +17,13 @@ from typing import Protocol, Sequence
 
 import mlx.core as mx
 
-from mlxformer.cache import Cache
+from mlxformer.cache import Cache, KVCache
 from mlxformer.cache.packed import PackedLayerCache, Segment, positions
 from mlxformer.engine.prompt_scores import PromptScores
 from mlxformer.cache.batch import BatchKey, DecodeBatch, batch_key, quantizes_next, row_quantizes_next
 from mlxformer.cache.codec import FLOAT_CODEC, KVCodec
-from mlxformer.cache.rows import Blank, SpareBatch, seatable, settle, spare_kind
+from mlxformer.cache.rows import Blank, RowCache, SpareBatch, seatable, settle, spare_kind
+from mlxformer.cache.state_rows import state_blank
 from mlxformer.models.decoder import Attention, Model
 from mlxformer.models.rope import RoPE
 
@@ -109,6 +110,9 @@ class BatchRunner:
             self._dtype = self.model.hidden_states(mx.array([[0]])).dtype  # the keys'
         blanks = []
         for index, (storage, _) in enumerate(kind):
+            if storage.recurrent:
+                blanks.append(state_blank(self.model.args, self._dtype))
+                continue
             heads, key_dims, value_dims = self.model.args.cache_dims(index)
             codec = FLOAT_CODEC if storage.bits is None else KVCodec(storage.bits, storage.group_size)
             blanks.append((codec.encode(mx.zeros((1, heads, 1, key_dims), self._dtype)),
@@ -129,6 +133,7 @@ class BatchRunner:
         ``(1, vocab)`` when ``want_logits`` (lazy), else None (the cache is evaluated).
         ``prompt_length``: the whole prompt's (RoPE's dynamic base depends on it). ``scores``:
         every position's logits also score the prompt's tokens (the chunk starts at ``start``)."""
+        self._cross_chunk(cache)
         inputs = mx.array(tokens)[None]  # (1, T)
         if scores is not None:
             hidden = self.model.hidden_states(inputs, cache, rope_length=prompt_length)
@@ -167,13 +172,17 @@ class BatchRunner:
         not is evaluated). A model whose RoPE depends on each sequence's length runs one
         forward per batch kind and per chunk instead.
 
-        Sequences not yet in a batch join one; one whose storage changes this step (a cache
-        turning quantized) or that speculates runs on its own caches. ``inputs``: the tokens
+        Sequences not yet in a batch join one; a seated one whose storage turns quantized this
+        step moves to a row of the quantized batch (``_cross``); one with own caches turning
+        quantized, or that speculates, runs on its own caches. ``inputs``: the tokens
         ``(B,)`` the sequences take, in their order (maybe still on the device: a pipelined
         step's); default: their last tokens."""
+        for chunk in chunks:
+            self._cross_chunk(chunk.cache)
         groups = self._groups(sequences)
         tokens = self._tokens(groups, sequences, inputs)
-        if self.packs and len(groups) + len(chunks) > 1:  # one batch alone needs no packing
+        # one batch alone needs no packing; a prompt whose row moves between its chunks cannot share one forward
+        if self.packs and len(groups) + len(chunks) > 1 and not self._crosses_within(chunks):
             parts, chunk_logits = self._packed(groups, tokens, chunks)
         else:
             parts = []
@@ -198,7 +207,10 @@ class BatchRunner:
         joining: dict[BatchKey, list[Decoding]] = {}
         for sequence in sequences:
             if id(sequence) in self._members and row_quantizes_next(sequence.cache[self.kv_layer].row):
-                self.release(sequence)  # its storage turns quantized: it moves to the quantized batch
+                if isinstance(self.batches[self._members[id(sequence)]], SpareBatch):
+                    self._cross(sequence)  # its row re-encoded into a row of the quantized batch
+                else:
+                    self.release(sequence)  # its storage turns quantized: it moves to the quantized batch
             if id(sequence) in self._members:
                 continue
             if sequence.speculator is not None or any(quantizes_next(c) for c in sequence.cache):
@@ -230,6 +242,46 @@ class BatchRunner:
                 groups.append((batch.step_caches(self.staged, indices), [members[i] for i in indices], batch))  # type: ignore[misc]
         groups += [(sequence.cache, [sequence], None) for sequence in alone]
         return groups
+
+    def _cross(self, sequence: Decoding) -> None:
+        """Move a seated sequence whose storage turns quantized at its next token
+        (``quantized_kv_start``) to a row of the quantized batch: its float row re-encoded there
+        (``KVCache.quantize_storage``; its states, if any, written beside), nothing else copied,
+        and the float row freed. Its cache list is updated in place (a step's chunks hold it)."""
+        kind = self._members[id(sequence)]
+        index = next(i for i, s in enumerate(self._rows[kind]) if s is sequence)
+        own = self.batches[kind].row_caches(index)  # views of its float row
+        for cache in own:
+            if isinstance(cache, KVCache):
+                cache.quantize_storage()
+        quantized = batch_key(own, self.windows)
+        batch = self._batch(quantized)
+        assert isinstance(batch, SpareBatch)
+        new_index, views = batch.seat(own)
+        caches = sequence.cache
+        self.release(sequence, keep=False)
+        self._place(quantized, new_index, sequence)
+        caches[:] = views
+        sequence.cache = caches
+
+    def _cross_chunk(self, cache: Sequence[Cache]) -> None:
+        """``_cross`` the seated sequence owning ``cache`` if its storage turns quantized at this chunk."""
+        view = cache[self.kv_layer] if cache else None
+        if isinstance(view, RowCache) and row_quantizes_next(view.row):
+            self._cross(next(s for s in self._rows[view.batch.key] if s is not None and s.cache is cache))
+
+    def _crosses_within(self, chunks: Sequence[PromptChunk]) -> bool:
+        """Whether a seated prompt's storage turns quantized at a later one of its chunks in this
+        step (its row moves between them: they run one after the other, ``prefill``)."""
+        fed: dict[int, int] = {}
+        for chunk in chunks:
+            view = chunk.cache[self.kv_layer]
+            if isinstance(view, RowCache):
+                ahead = fed.get(id(view.row), 0)
+                if ahead and row_quantizes_next(view.row, ahead):
+                    return True
+                fed[id(view.row)] = ahead + len(chunk.tokens)
+        return False
 
     @staticmethod
     def _tokens(groups: list[tuple[Sequence[Cache], list[Decoding], DecodeBatch | None]], sequences: Sequence[Decoding],

@@ -1,0 +1,152 @@
+"""Recurrent rows of a ``SpareBatch`` (issue 32, "KV in one place"): a hybrid model's Gated
+DeltaNet layers keep each sequence's conv window and recurrent state in its row of the batch's
+stacked buffers from admission on, as its attention layers keep their keys/values there
+(``cache/rows.py``), so joining the decode steps copies nothing.
+
+``StateRows`` is one recurrent layer of the batch: conv inputs ``(capacity, kernel - 1, C)`` and
+states ``(capacity, H, Dk, Dv)``. In a decode step it gives the mixer the stepping rows only (the
+attention layout's ``live`` rows, gathered; all rows when all step: no gather) and scatters their
+new conv windows and states back, so a row that does not step (it prefills in its row, or is
+free) keeps its state. ``StateRowCache`` is one recurrent layer of one row behind the cache
+protocol: a prompt chunk reads the row's window and state and writes them back in place (the
+other rows untouched), computing exactly what the sequence's own ``StateCache`` computes (the
+same ``keep``, so the same split into the chunked and the recurrent form). A row keeps no past
+states: ``trim`` gives nothing back, as a batch's stacked ``StateCache`` did. A row read out of
+the batch (``StateRows.row``: a prefix-cache snapshot, a row leaving) is a copy (a gather): a
+snapshot must own its bytes, not hold the batch's buffer.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import mlx.core as mx
+
+from mlxformer.cache.state import StateCache
+from mlxformer.models.mask import Mask, causal_mask_for
+
+if TYPE_CHECKING:
+    from mlxformer.cache.batch import BatchLayout, Row
+    from mlxformer.cache.rows import SpareBatch
+
+
+def state_blank(args: Any, dtype: mx.Dtype) -> tuple[tuple[mx.array], tuple[mx.array]]:
+    """A recurrent layer's conv window ``(1, kernel - 1, C)`` in ``dtype`` and float32 state
+    ``(1, H, Dk, Dv)`` for one row of a layer of ``args`` (a ``ModelArgs``; lazy zeros, shapes only)."""
+    conv_dim = 2 * args.linear_num_key_heads * args.linear_key_head_dim + args.linear_num_value_heads * args.linear_value_head_dim
+    conv = mx.zeros((1, args.linear_conv_kernel_dim - 1, conv_dim), dtype)
+    state = mx.zeros((1, args.linear_num_value_heads, args.linear_key_head_dim, args.linear_value_head_dim), mx.float32)
+    return (conv,), (state,)
+
+
+class StateRows(StateCache):
+    """One recurrent layer's rows of a ``SpareBatch``: the stacked ``StateCache`` of its decode
+    steps, whose rows are written in place (module doc)."""
+
+    def __init__(self, layout: "BatchLayout", conv: mx.array, state: mx.array) -> None:
+        super().__init__()
+        self.layout = layout  # the attention layers' (their ``live`` rows step)
+        self.conv, self.states, self._width = conv, [state], conv.shape[1]
+
+    def _stepping(self, x: mx.array) -> mx.array:
+        live = self.layout.live
+        return x if live is None else x[live]  # (B, ...) -> (D, ...)
+
+    def conv_window(self, width: int, like: mx.array) -> mx.array:
+        assert width == self._width
+        return self._stepping(self.conv)
+
+    def recurrent(self, batch: int, heads: int, key_dim: int, value_dim: int) -> mx.array:
+        return self._stepping(self.states[0])
+
+    def advance(self, inputs: mx.array, states: list[mx.array]) -> None:
+        """The stepping rows' token: their new windows and states written back (the others keep theirs)."""
+        window = mx.concatenate([self._stepping(self.conv), inputs], axis=1)[:, -self._width :]
+        live = self.layout.live
+        if live is None:
+            self.conv, self.states = window, [states[-1]]
+            return
+        self.conv[live] = window
+        self.states[0][live] = states[-1]
+
+    def add_rows(self, extra: int) -> None:
+        """``extra`` zero rows at the end (the batch doubles its rows)."""
+        self.conv = mx.concatenate([self.conv, mx.zeros((extra, *self.conv.shape[1:]), self.conv.dtype)])
+        state = self.states[0]
+        self.states = [mx.concatenate([state, mx.zeros((extra, *state.shape[1:]), state.dtype)])]
+
+    def write(self, index: int, conv: mx.array, state: mx.array) -> None:
+        """Set row ``index``'s window ``(1, kernel - 1, C)`` and state ``(1, H, Dk, Dv)`` in place."""
+        self.conv[index : index + 1] = conv
+        self.states[0][index : index + 1] = state
+
+    def row(self, index: int, offset: int, keep: int) -> StateCache:
+        """Row ``index`` as a cache of its own (``offset`` tokens, ``keep``): copies (module doc)."""
+        take = mx.array([index])
+        single = StateCache(keep)
+        single.meta_state = {"offset": str(offset), "keep": str(keep)}  # type: ignore[misc]
+        single.state = (self.conv[take], self.states[0][take])  # type: ignore[misc]
+        return single
+
+
+class StateRowCache:
+    """One recurrent layer of one ``SpareBatch`` row behind the cache protocol (module doc); a
+    chunk's tokens count in ``pending`` until the runner settles the forward (``rows.settle``)."""
+
+    def __init__(self, batch: "SpareBatch", row: "Row", layer: int) -> None:
+        self.batch, self.row, self.layer = batch, row, layer
+        self.pending = 0
+        self.keep = max(1, int(row.metas[layer]["keep"]))  # the sequence's own cache's
+
+    @property
+    def _rows(self) -> StateRows:
+        rows = self.batch.layers[self.layer]
+        assert isinstance(rows, StateRows)
+        return rows
+
+    @property
+    def offset(self) -> int:
+        return self.row.offset + self.pending
+
+    def conv_window(self, width: int, like: mx.array) -> mx.array:
+        index = self.batch.index(self.row)
+        return self._rows.conv[index : index + 1]
+
+    def recurrent(self, batch: int, heads: int, key_dim: int, value_dim: int) -> mx.array:
+        index = self.batch.index(self.row)
+        return self._rows.states[0][index : index + 1]
+
+    def advance(self, inputs: mx.array, states: list[mx.array]) -> None:
+        """Record a chunk ``(1, L, C)``: the row's new window and its state after the last token."""
+        rows = self._rows
+        window = mx.concatenate([self.conv_window(rows._width, inputs), inputs], axis=1)[:, -rows._width :]
+        rows.write(self.batch.index(self.row), window, states[-1])
+        self.pending += inputs.shape[1]
+
+    def reset(self, own: StateCache) -> None:
+        """Start the row from ``own``'s state (a prefix-cache hit's snapshot), or zeros."""
+        rows, index = self._rows, self.batch.index(self.row)
+        arrays = own.state
+        if not arrays:
+            arrays = (mx.zeros((1, *rows.conv.shape[1:]), rows.conv.dtype), mx.zeros((1, *rows.states[0].shape[1:]), mx.float32))
+        rows.write(index, *arrays)
+
+    def make_mask(self, query_len: int, window: int | None) -> Mask:
+        return causal_mask_for(query_len, self.offset + query_len, window)
+
+    @property
+    def state(self) -> tuple[mx.array, ...]:
+        """Views of the row's window and state."""
+        index = self.batch.index(self.row)
+        return self._rows.conv[index : index + 1], self._rows.states[0][index : index + 1]
+
+    @property
+    def meta_state(self) -> dict[str, str]:
+        return self.row.metas[self.layer]
+
+    def trim(self, n: int) -> int:
+        return 0  # no past states kept (module doc)
+
+    @property
+    def nbytes(self) -> int:
+        return self._rows.nbytes // max(1, len(self.batch))

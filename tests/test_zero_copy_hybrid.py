@@ -1,0 +1,117 @@
+"""KV in one place for hybrid models (issue 32): a Qwen3.5 / Qwen3-Next sequence's recurrent
+states live in its row of the decode batch's stacked state buffers from admission on
+(``cache/state_rows.py``), beside its attention layers' keys/values (``cache/rows.py``), so
+joining the decode steps copies nothing. Checked with MLX's peak memory (the old join measured
+beside it), by staggered requests' greedy replies against ``stream_generate`` alone (also with
+rows crossing ``quantized_kv_start``), and by a prefix-cache hit on snapshots cut from a row
+against a cold engine."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from conftest import write_byte_tokenizer, write_tiny_checkpoint
+from mlxformer import load, stream_generate
+from mlxformer.cache import CacheSettings
+from mlxformer.cache.rows import SpareBatch
+from mlxformer.engine import Engine, GenerationRequest
+from test_zero_copy_join import HYBRID, alone, assert_join_copies_nothing, ids, staggered
+
+EXPERTS = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, shared_expert_intermediate_size=40)
+FAMILIES = {"qwen3_5_text": {}, "qwen3_next": EXPERTS}
+
+
+def tiny(directory, family: str, **config):
+    directory, _ = write_tiny_checkpoint(directory, family, **{**HYBRID, **FAMILIES[family], **config})
+    write_byte_tokenizer(directory)
+    model, tokenizer = load(directory, dtype=mx.float32)
+    tokenizer.eos_token_ids = []
+    return model, tokenizer
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def hybrid(request, tmp_path_factory):
+    return tiny(tmp_path_factory.mktemp(request.param), request.param)
+
+
+def record_seats(monkeypatch) -> list[int]:
+    """The tokens each ``SpareBatch.seat`` writes into its row (0: an empty row at admission;
+    more: a prefix-cache hit, or, on the old path, a prefilled sequence joining)."""
+    written: list[int] = []
+    seat = SpareBatch.seat
+
+    def seating(self, caches):
+        written.append(int(caches[0].offset))
+        return seat(self, caches)
+
+    monkeypatch.setattr(SpareBatch, "seat", seating)
+    return written
+
+
+def test_a_hybrid_join_copies_nothing(tmp_path):
+    """Two Qwen3.5 sequences (4 DeltaNet, 4 attention layers) prefill in their rows: their first
+    decode step raises MLX's peak memory as a steady step does; the old join, measured the same
+    way, copies the rows in."""
+    layer_types = ["linear_attention", "full_attention"] * 4
+    model, _ = tiny(tmp_path, "qwen3_5_text", num_hidden_layers=8, layer_types=layer_types)
+    assert_join_copies_nothing(model, None)
+
+
+def test_staggered_hybrid_requests_equal_each_alone(hybrid, monkeypatch):
+    """Four prompts, two rows: each prefills in its row (seated empty at admission: no join
+    copies a prefilled row in) while the other decodes; greedy replies equal ``stream_generate``
+    alone, no step rerun row by row."""
+    model, tokenizer = hybrid
+    written = record_seats(monkeypatch)
+    prompts = [ids(30, 1), ids(21, 2), ids(9, 3), ids(40, 4)]
+    got = staggered(model, tokenizer, None, prompts, [8] * 4, max_batch=2)
+    assert got == [alone(model, tokenizer, None, p, 8) for p in prompts]
+    assert written == [0] * 4  # before: [30, 21, 9, 40], each prefilled sequence copied in at its first decode step
+
+
+def test_hybrid_rows_cross_quantized_kv_start(tmp_path, monkeypatch):
+    """8-bit keys/values from 25 tokens: two rows cross while decoding, one at a prompt chunk;
+    each is re-encoded into a row of the quantized batch with its states beside (rows of 30, 25
+    and 36 tokens seated there), and every reply equals its own alone."""
+    model, tokenizer = tiny(tmp_path, "qwen3_5_text")
+    settings = CacheSettings(kv_bits=8, kv_group_size=32, quantized_kv_start=25)
+    written = record_seats(monkeypatch)
+    prompts = [ids(30, 1), ids(21, 2), ids(9, 3), ids(40, 4)]
+    got = staggered(model, tokenizer, settings, prompts, [8] * 4, max_batch=2)
+    assert got == [alone(model, tokenizer, settings, p, 8) for p in prompts]
+    assert sorted(written) == [0] * 4 + [25, 30, 36]
+
+
+def test_a_prefix_hit_on_a_seated_hybrid_row_equals_cold(monkeypatch, tmp_path):
+    """A 100-token prompt prefills in its row (chunks of 32: a state snapshot cut from the row
+    after each) and decodes; while it does, a prompt sharing its first 80 tokens resumes from the
+    snapshot at 64, written into a row of the same batch. Its tokens and log-probabilities equal
+    a cold engine's bit for bit (its tokens ``stream_generate``'s alone), and the first's reply is
+    its own alone."""
+    model, tokenizer = tiny(tmp_path, "qwen3_5_text")
+    rng = np.random.default_rng(1)
+    first = [int(t) for t in rng.integers(3, 256, size=100)]
+    second = first[:80] + [int(t) for t in rng.integers(3, 256, size=30)]
+
+    def run(engine, prompt, n):
+        return engine.submit(GenerationRequest(prompt, n, logprobs=0))
+
+    def read(handle):
+        events = [e for e in handle if e.token is not None]
+        return [e.token for e in events], [e.logprob for e in events], events[-1].cached_tokens
+
+    with Engine(model, tokenizer, max_batch=2, prefill_chunk=32, prefix_cache_bytes=0) as cold:
+        expected = read(run(cold, second, 6))
+    written = record_seats(monkeypatch)
+    with Engine(model, tokenizer, max_batch=2, prefill_chunk=32, prefix_cache_bytes=10**8) as engine:
+        long = iter(run(engine, first, 30))
+        head = next(long)  # its prompt is in its row; it decodes while the second prefills
+        hit = read(run(engine, second, 6))
+        reply = [head.token] + [e.token for e in long if e.token is not None]
+    assert written == [0, 64]  # the first seated empty, the second with the snapshot's 64 tokens
+    assert hit[2] == 64
+    assert hit[:2] == expected[:2]  # bit for bit
+    assert hit[0] == [r.token for r in stream_generate(model, tokenizer, second, 6)]
+    assert reply == [r.token for r in stream_generate(model, tokenizer, first, 30)]
