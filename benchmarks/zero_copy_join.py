@@ -3,7 +3,10 @@ time and MLX's peak memory over what was held before, beside a steady decode ste
 path (rows prefilled in their own caches, copied into the batch at their first decode step) and
 rows seated at admission (``cache/rows.py``: prefilled in their batch row, nothing copied).
 
-    python benchmarks/zero_copy_join.py --rows 4 --tokens 1500
+    python benchmarks/zero_copy_join.py --rows 4 --tokens 1500 [--staged]
+
+``--staged``: as under a KV budget (``BatchRunner.staged``: every rewrite one layer at a time,
+the seated rows widened before each chunk as ``Admission._grow`` does).
 
 A random Llama with SmolLM2-135M's attention shape (9 heads, 3 KV heads of 64) and ``--layers``
 layers, float32 on the CPU; the figures are the fastest of ``--repeats`` runs. ``--hybrid``: a
@@ -47,19 +50,21 @@ class Row:
         self.cache, self.speculator, self.last_token = cache, None, last
 
 
-def measure(model, seat: bool, rows: int, tokens: int, chunk: int) -> tuple[float, int, float, int]:
+def measure(model, seat: bool, rows: int, tokens: int, chunk: int, staged: bool) -> tuple[float, int, float, int]:
     """(join step s, join peak rise, steady step s, steady peak rise)."""
     from mlxformer.cache import make_cache
     from mlxformer.engine.batch_runner import BatchRunner
 
     runner = BatchRunner(model)
-    runner.max_rows = rows
+    runner.max_rows, runner.staged = rows, staged
     sequences = [Row(make_cache(model), 7) for _ in range(rows)]
     for i, sequence in enumerate(sequences):
         if seat:
             runner.seat(sequence)
         prompt = [(13 * j + i) % 4000 + 1 for j in range(tokens + i)]
         for start in range(0, len(prompt), chunk):
+            if seat and staged:
+                sequence.cache[0].batch.reserve(sequence.cache[0].offset + len(prompt[start : start + chunk]))
             runner.prefill(prompt[start : start + chunk], sequence.cache, want_logits=False)
     figures = []
     for _ in range(2):
@@ -81,13 +86,15 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--hybrid", action="store_true", help="a Qwen3.5: Gated DeltaNet and attention layers alternating")
+    parser.add_argument("--staged", action="store_true", help="as under a KV budget")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as directory:
         model = random_model(directory, args.layers, args.hybrid)
     print(f"load average {os.getloadavg()[0]:.1f}; {args.rows} rows x ~{args.tokens} tokens, {args.layers} layers"
-          + (" (hybrid)" if args.hybrid else ""))
+          + (" (hybrid)" if args.hybrid else "") + (", staged" if args.staged else ""))
     for seat in (False, True):
-        best = [min(x) for x in zip(*(measure(model, seat, args.rows, args.tokens, args.chunk) for _ in range(args.repeats)))]
+        best = [min(x) for x in zip(*(measure(model, seat, args.rows, args.tokens, args.chunk, args.staged)
+                                      for _ in range(args.repeats)))]
         name = "seated at admission" if seat else "old join (copied)"
         print(f"{name:22s} join step {best[0] * 1e3:7.1f} ms, peak +{best[1] / 2**20:6.1f} MiB; "
               f"steady step {best[2] * 1e3:7.1f} ms, peak +{best[3] / 2**20:6.1f} MiB")

@@ -112,18 +112,24 @@ def decode_rises(runner: BatchRunner, rows: list[Stub], steps: int) -> tuple[lis
 
 
 def staggered(model, tokenizer, settings: CacheSettings | None, prompts: list[list[int]], tokens: list[int],
-              max_batch: int) -> list[list[int]]:
-    """Each prompt submitted once the one before has its first token (the earlier ones decode
+              max_batch: int, **options) -> list[list[int]]:
+    """Each prompt submitted once the one before has its first token (``in_turn``) to an engine
+    of ``max_batch`` rows (and ``options``); every reply's tokens."""
+    engine = Engine(model, tokenizer, max_batch=max_batch, cache_settings=settings, prefill_chunk=CHUNK,
+                    step_tokens=2 * CHUNK, prefix_cache_bytes=0, **options)
+    return in_turn(engine, [GenerationRequest(p, max_tokens=n) for p, n in zip(prompts, tokens)])
+
+
+def in_turn(engine: Engine, requests: list[GenerationRequest]) -> list[list[int]]:
+    """Each request submitted once the one before has its first token (the earlier ones decode
     while it prefills); every reply's tokens. No step may fail (a failed step is rerun row by
     row, which would hide a fault behind equal replies)."""
-    engine = Engine(model, tokenizer, max_batch=max_batch, cache_settings=settings, prefill_chunk=CHUNK,
-                    step_tokens=2 * CHUNK, prefix_cache_bytes=0)
     failed = []
     engine._decode_alone = lambda *args: failed.append(args) or []  # type: ignore[method-assign]
     streams = []
     with engine:
-        for prompt, max_tokens in zip(prompts, tokens):
-            stream = iter(engine.submit(GenerationRequest(prompt, max_tokens=max_tokens)))
+        for request in requests:
+            stream = iter(engine.submit(request))
             streams.append([next(stream)])
             streams[-1].append(stream)
         replies = [[first.token] + [e.token for e in rest if e.token is not None] for first, rest in streams]

@@ -415,11 +415,17 @@ class DecodeBatch:
         for kind, layout in self.layouts.items():
             if not kind[0].recurrent:  # a recurrent layer has no slots or mask
                 layout.prepare(stepping)
+        if staged:
+            self.widen()
+        return self.layers
+
+    def widen(self) -> None:
+        """Pad each layer's buffers to its layout's width one layer at a time, each evaluated
+        before the next (under a KV budget: only one layer is held twice)."""
         for cache in self.layers:
-            if staged and isinstance(cache, BatchLayerCache) and cache.keys[0].shape[2] < cache.layout.width:
+            if isinstance(cache, BatchLayerCache) and cache.keys[0].shape[2] < cache.layout.width:
                 cache.keys, cache.values = _pad(cache.keys, cache.layout.width), _pad(cache.values, cache.layout.width)
                 evaluate_rewrite(cache.keys, cache.values)
-        return self.layers
 
     def commit(self) -> None:
         """Record this step's token in every row (after the forward is built)."""

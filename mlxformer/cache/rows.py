@@ -7,16 +7,23 @@ admitted (``seat``: an empty row, or a prefix-cache hit's tokens written into it
 chunks write there through ``RowCache`` (one layer of one row behind the cache protocol: ``L``
 slots written in place, a causal mask, attention over the row's slots, exactly what its own
 ``KVCache`` computes); once its prompt is done it takes part in the batch's decode steps where it
-is (the others' rows write a scratch slot and are not recorded: ``BatchLayout.prepare``). Leaving
-frees the row (nothing copied out unless the caller keeps the caches). A full batch doubles its
+is (the others' rows write a scratch slot and are not recorded: ``BatchLayout.prepare``). A
+speculating sequence's rounds write their ``k + 1`` slots into its row the same way, and a
+rejection trims them (``RowCache.trim``). Leaving frees the row (nothing copied out unless the caller keeps the caches). A full batch doubles its
 capacity (bounded by ``max_rows``, the engine's ``max_batch``), so most admissions write into a
 free row and rewrite nothing; the buffers are dropped when the last row leaves.
 
 A hybrid model's recurrent layers keep their rows here too (``cache/state_rows.py``: the
 attention layers' ``Row`` moves them). A row whose storage turns quantized at
 ``quantized_kv_start`` moves to a row of the quantized batch, re-encoded there
-(``BatchRunner._cross``). Rotating caches and a batch under a KV budget keep ``DecodeBatch``'s
-join-on-first-decode path (``batch_runner``).
+(``BatchRunner._cross``).
+
+Under a KV budget (``staged``) the batch holds no spare row: a seat adds one row and a leave
+removes it, so the buffers are the rows in use times the widest row, what the planner counts
+(``engine/memory.py``); each such rewrite, and a widening (``reserve``), is done one layer at a
+time, each evaluated before the next, so only one layer is ever held twice.
+
+Rotating caches keep ``DecodeBatch``'s join-on-first-decode path (``batch_runner``).
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from mlxformer.cache.kv import CodecAttention, KVCache
 from mlxformer.cache.protocol import Cache
 from mlxformer.cache.state import StateCache
 from mlxformer.cache.state_rows import StateRowCache, StateRows
+from mlxformer.cache.rewrite import evaluate_rewrite
 from mlxformer.models.mask import Mask, causal_mask_for
 
 Blank = tuple[Pack, Pack]  # a layer's keys/values pack of one row and one slot (a recurrent layer's: its window, its state)
@@ -58,9 +66,11 @@ def _rows_of(pack: Pack, rows: int, width: int) -> Pack:
 class SpareBatch(DecodeBatch):
     """A ``DecodeBatch`` whose rows are taken at admission and freed at leave (module doc)."""
 
-    def __init__(self, key: BatchKey, blanks: Sequence[Blank], max_rows: int | None = None) -> None:
+    def __init__(self, key: BatchKey, blanks: Sequence[Blank], max_rows: int | None = None,
+                 staged: bool = False) -> None:
         super().__init__(key)
         self.max_rows = max_rows
+        self.staged = staged  # under a KV budget: no spare rows, every rewrite one layer at a time
         self.free: list[int] = []
         # growing caches stored alike: one slot layout for every attention layer, whose rows a
         # recurrent layer's rows follow (one ``Row`` per sequence for all layers)
@@ -84,11 +94,17 @@ class SpareBatch(DecodeBatch):
     def capacity(self) -> int:
         return len(self.layout.rows)
 
+    @property
+    def keeps_free_rows(self) -> bool:
+        """Whether a leaving row stays in the buffers, free for the next seat (not under a budget)."""
+        return not self.staged
+
     def _grow(self) -> None:
-        """Double the rows (at least one more, at most ``max_rows`` unless more are needed): the
-        buffers are rewritten once, and the new rows are free."""
+        """Double the rows (at least one more, at most ``max_rows`` unless more are needed; one
+        more under a budget, ``staged``: the planner counts each row): the buffers are rewritten
+        once, and the new rows are free."""
         old = self.capacity
-        new = max(old + 1, min(2 * old, self.max_rows or 2 * old))
+        new = old + 1 if self.staged else max(old + 1, min(2 * old, self.max_rows or 2 * old))
         extra, width = new - old, self.layout.width
         for layer in self.layers:
             if isinstance(layer, StateRows):
@@ -101,15 +117,18 @@ class SpareBatch(DecodeBatch):
             if center is not None:
                 center = mx.concatenate([center, mx.zeros((extra, *center.shape[1:]), center.dtype)])
                 layer.codec = KVCodec(layer.codec.bits, layer.codec.group_size, center)
+            if self.staged:
+                evaluate_rewrite(layer.state)
         empty = mx.full((extra, self.layout.positions.shape[1]), -1, dtype=mx.int32)
         self.layout.positions = mx.concatenate([self.layout.positions, empty])
         self.layout.rows += [Row(0, 0, 0) for _ in range(extra)]
         self.free += range(old, new)
 
-    def seat(self, caches: Sequence[Cache]) -> tuple[int, list["RowCache | StateRowCache"]]:
+    def seat(self, caches: list[Cache]) -> tuple[int, list["RowCache | StateRowCache"]]:
         """A free row for a sequence with own ``caches`` (growing, maybe holding a prefix-cache
         hit's tokens and states, written into the row: nothing else is copied); returns its
-        index and its caches from now on."""
+        index and its caches from now on. ``staged``: each layer written is evaluated and the own
+        layer dropped (its entry becomes None), as ``DecodeBatch.join`` does."""
         if not self.free:
             self._grow()
         index = self.free.pop(0)
@@ -120,23 +139,38 @@ class SpareBatch(DecodeBatch):
             self.layout.fit(used)
             self.layout.positions = self.layout.padded()
             self.layout.positions[index, :used] = mx.arange(used, dtype=mx.int32)
-        views = [StateRowCache(self, row, layer) if isinstance(self.layers[layer], StateRows) else RowCache(self, row, layer)
-                 for layer in range(self.n_layers)]
-        for own, view in zip(caches, views):
+        pendings = [0] * self.n_layers  # shared by the row's caches (``RowCache.pending``)
+        views = [StateRowCache(self, row, layer, pendings) if isinstance(self.layers[layer], StateRows)
+                 else RowCache(self, row, layer, pendings) for layer in range(self.n_layers)]
+        for layer, view in enumerate(views):
+            own = caches[layer]
             if isinstance(view, StateRowCache):
                 assert isinstance(own, StateCache)
                 view.reset(own)  # a freed row holds its last sequence's state
             elif used:
                 assert isinstance(own, KVCache) and own.keys is not None and own.values is not None
                 view.write(index, 0, pack_slice(own.keys, 0, used), pack_slice(own.values, 0, used), own.codec, used)
+                if self.staged:
+                    evaluate_rewrite(self.layers[layer].state)
+                    caches[layer] = None  # type: ignore[call-overload]  # its keys/values now live in the row
         return index, views
+
+    def reserve(self, slots: int) -> None:
+        """Widen the rows to hold ``slots`` slots before a step writes past them (a prompt chunk,
+        a speculation round): one layer at a time, each evaluated (``DecodeBatch.widen``), where
+        the write would widen every layer in the forward's one graph."""
+        self.layout.fit(slots)
+        self.widen()
 
     def join(self, caches: Sequence[list[Cache]], staged: bool = False) -> list[list[Cache]]:  # type: ignore[override]
         """Rows from sequences with own caches (each copied into a free row)."""
         return [self.seat(c)[1] for c in caches]  # type: ignore[misc]
 
     def leave(self, index: int, keep: bool = True, staged: bool = False) -> list[Cache]:
-        """Free row ``index``; returns its keys/values as own caches (copied) when ``keep``."""
+        """Free row ``index``; returns its keys/values as own caches (copied) when ``keep``.
+        ``staged`` batches remove it (the other rows move up, one layer at a time)."""
+        if self.staged:
+            return super().leave(index, keep, staged=True)
         row = self.layout.rows[index]
         caches: list[Cache] = []
         if keep:
@@ -164,12 +198,22 @@ class RowCache(CodecAttention):
     """One layer of one ``SpareBatch`` row behind the cache protocol: a sequence's own cache
     while its keys/values live in the batch (its prompt chunks, a rollback's trim, the views the
     prefix cache cuts blocks from). A chunk's write is counted in ``pending`` until the runner
-    ``settle``s the forward (the row, shared by every layer, then moves once)."""
+    ``settle``s the forward (the row, shared by every layer, then moves once); a trim back into
+    the row too, until every layer has trimmed to the same length (``pendings``: every layer's,
+    shared by the row's caches)."""
 
-    def __init__(self, batch: SpareBatch, row: Row, layer: int) -> None:
-        self.batch, self.row, self.layer = batch, row, layer
-        self.pending = 0  # tokens written by the forward being built, not yet in the row
+    def __init__(self, batch: SpareBatch, row: Row, layer: int, pendings: list[int]) -> None:
+        self.batch, self.row, self.layer, self.pendings = batch, row, layer, pendings
         self.codec: KVCodec = FLOAT_CODEC  # the row's own (its key centers), for its attention
+
+    @property
+    def pending(self) -> int:
+        """Tokens written by the forward being built (< 0: trimmed back), not yet in the row."""
+        return self.pendings[self.layer]
+
+    @pending.setter
+    def pending(self, tokens: int) -> None:
+        self.pendings[self.layer] = tokens
 
     @property
     def _layer(self) -> BatchLayerCache:
@@ -240,20 +284,22 @@ class RowCache(CodecAttention):
         return self.row.metas[self.layer]
 
     def trim(self, n: int) -> int:
-        """Forget the last ``n`` tokens: of the forward being built, then of the row (every
-        layer's: they share its slots, so a layer finding it trimmed already has nothing to do).
-        A hybrid model's row gives nothing back: its recurrent states cannot go back (``state_rows``)."""
+        """Forget the last ``n`` tokens: of the forward being built, then of the row. The layers
+        share the row's slots, so the row moves once every layer has been trimmed to the same
+        length (a speculation round's rewind trims each layer by the same ``n``). A hybrid
+        model's row gives nothing back: its recurrent states cannot go back (``state_rows``)."""
         if any(isinstance(layer, StateRows) for layer in self.batch.layers):
             return 0
         n = min(n, self.offset)
-        target = self.offset - n
-        self.pending = max(0, target - self.row.offset)
-        if target < self.row.offset:
+        self.pending -= n
+        if self.pending < 0 and len(set(self.pendings)) == 1:
+            target = self.offset
             index = self.batch.index(self.row)
             layout = self.batch.layout
             layout.positions = layout.padded()
             layout.positions[index, target:] = -1
             self.row.used = self.row.offset = self.row.idx = target
+            self.pendings[:] = [0] * len(self.pendings)
         return n
 
     @property
@@ -265,7 +311,7 @@ def settle(caches: Sequence[Cache]) -> None:
     """After a forward was built on a sequence's caches: record in its row what its
     ``RowCache``s (and ``StateRowCache``s) wrote (every layer wrote the same slots: the row moves once)."""
     rows = [c for c in caches if isinstance(c, (RowCache, StateRowCache))]
-    if not rows or not rows[0].pending:
+    if not rows or rows[0].pending <= 0:
         return
     first = rows[0]
     index, start, stop = first.batch.index(first.row), first.row.offset, first.offset

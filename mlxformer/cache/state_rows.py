@@ -93,10 +93,18 @@ class StateRowCache:
     """One recurrent layer of one ``SpareBatch`` row behind the cache protocol (module doc); a
     chunk's tokens count in ``pending`` until the runner settles the forward (``rows.settle``)."""
 
-    def __init__(self, batch: "SpareBatch", row: "Row", layer: int) -> None:
-        self.batch, self.row, self.layer = batch, row, layer
-        self.pending = 0
+    def __init__(self, batch: "SpareBatch", row: "Row", layer: int, pendings: list[int]) -> None:
+        self.batch, self.row, self.layer, self.pendings = batch, row, layer, pendings
         self.keep = max(1, int(row.metas[layer]["keep"]))  # the sequence's own cache's
+
+    @property
+    def pending(self) -> int:
+        """Tokens the forward being built advanced the row by (``RowCache.pending``'s list)."""
+        return self.pendings[self.layer]
+
+    @pending.setter
+    def pending(self, tokens: int) -> None:
+        self.pendings[self.layer] = tokens
 
     @property
     def _rows(self) -> StateRows:

@@ -11,6 +11,7 @@ import mlx.core as mx
 
 from mlxformer.cache import CacheSettings, KVCache, make_cache
 from mlxformer.cache.rewrite import evaluate_rewrite
+from mlxformer.cache.rows import RowCache
 from mlxformer.engine.batch_runner import BatchRunner
 from mlxformer.engine.memory import BLOCK, KVBudget, KVBudgetExceeded, MemoryPlanner, held, nbytes
 from mlxformer.engine.metrics import EngineMetrics
@@ -69,20 +70,24 @@ class Admission:
         """Under a KV budget, widen the buffers of the sequences' own caches that ``step`` will
         outgrow one layer at a time (each evaluated before the next), so that a growing cache
         holds one layer's buffers twice at most, not all of them (``memory.KVSizer.step_need``).
-        Batch buffers widen the same way (``BatchRunner.staged``)."""
+        A seated sequence's chunks and rounds widen its batch's rows the same way
+        (``SpareBatch.reserve``), as the decode steps widen a batch (``BatchRunner.staged``)."""
         if self.budget is None:
             return step
         fed: dict[int, int] = {}
         for chunk in step.prefill:
             fed[id(chunk.sequence)] = fed.get(id(chunk.sequence), 0) + len(chunk.tokens)
         for sequence in step.decode:
-            if sequence.speculator is not None:  # a round on its own caches
+            if sequence.speculator is not None:  # a round on its own caches, or on its row
                 fed[id(sequence)] = 1 + self.draft_tokens
         for sequence in [c.sequence for c in step.prefill] + step.decode:
-            for cache in sequence.cache if id(sequence) in fed else ():
-                if isinstance(cache, KVCache) and cache.reserve(fed[id(sequence)]):
+            tokens = fed.pop(id(sequence), 0)
+            if tokens and sequence.cache and isinstance(row := sequence.cache[0], RowCache):
+                row.batch.reserve(int(row.offset) + tokens)
+                continue
+            for cache in sequence.cache if tokens else ():
+                if isinstance(cache, KVCache) and cache.reserve(tokens):
                     evaluate_rewrite(cache.keys, cache.values)
-            fed.pop(id(sequence), None)
         return step
 
     def _preempt(self, sequence: Sequence, keep_cache: bool = True) -> None:

@@ -1,6 +1,7 @@
 """Runs the one decoder over a batch of sequences.
 
-Prompt chunks and speculation rounds run on one sequence's own caches; an engine step runs the
+Prompt chunks and speculation rounds run on one sequence's own caches (or on its row of the
+decode batch, given at admission: ``cache/rows.py``); an engine step runs the
 decoding rows and the prompt chunks in one forward (``step``, ``cache/packed.py``). Decoding sequences live
 in ``DecodeBatch``es (``cache/batch.py``): their keys/values of each layer in one buffer, so a
 decode step is one forward for all rows — one cache write and one attention per layer, each row
@@ -32,7 +33,7 @@ class Decoding(Protocol):
     """What the runner needs of a decoding sequence."""
 
     cache: list  # its per-layer caches (stand-ins while it is in a batch)
-    speculator: object | None  # a speculating sequence decodes on its own caches
+    speculator: object | None  # a speculating sequence decodes on its own caches, or alone on its row
 
     @property
     def last_token(self) -> int: ...
@@ -85,10 +86,9 @@ class BatchRunner:
 
     def seat(self, sequence: Decoding) -> None:
         """Give an admitted sequence its row in the decode batch of its kind now, when its caches
-        can live there (``cache/rows.py``): its prompt chunks write there and joining the decode
-        steps moves nothing. Not under a KV budget (``staged``: the planner counts own caches)."""
-        if self.staged or sequence.speculator is not None or self.model.args.num_kv_shared_layers \
-                or not seatable(sequence.cache):
+        can live there (``cache/rows.py``): its prompt chunks (and a speculating sequence's
+        rounds) write there and joining the decode steps moves nothing."""
+        if self.model.args.num_kv_shared_layers or not seatable(sequence.cache):
             return
         kind = batch_key(sequence.cache, self.windows)
         batch = self._batch(kind)
@@ -99,8 +99,9 @@ class BatchRunner:
     def _batch(self, kind: BatchKey) -> DecodeBatch:
         """The batch of ``kind``, made when first needed (with spare rows when it can have them)."""
         if kind not in self.batches:
-            zero_copy = not self.staged and spare_kind(kind) and not self.model.args.num_kv_shared_layers
-            self.batches[kind] = SpareBatch(kind, self._blank(kind), self.max_rows) if zero_copy else DecodeBatch(kind)
+            zero_copy = spare_kind(kind) and not self.model.args.num_kv_shared_layers
+            self.batches[kind] = (SpareBatch(kind, self._blank(kind), self.max_rows, self.staged) if zero_copy
+                                  else DecodeBatch(kind))
         return self.batches[kind]
 
     def _blank(self, kind: BatchKey) -> list[Blank]:
@@ -154,7 +155,9 @@ class BatchRunner:
         """A speculation round on one sequence's caches: the ``last`` token then the proposals
         ``(k,)`` (maybe still on the device) in, every position's logits ``(k + 1, vocab)`` out (lazy)."""
         tokens = mx.concatenate([mx.array([last], mx.int32), proposed.astype(mx.int32)])  # (k + 1,)
-        return self.model(tokens[None], cache)[0]  # (1, k + 1, vocab) -> (k + 1, vocab)
+        logits = self.model(tokens[None], cache)[0]  # (1, k + 1, vocab) -> (k + 1, vocab)
+        settle(cache)  # a seated sequence's row holds the round (a rejection trims it)
+        return logits
 
     def decode(self, sequences: Sequence[Decoding]) -> mx.array:
         """One token per sequence in, next-token logits ``(B, vocab)`` in the same order out (lazy)."""
@@ -174,9 +177,9 @@ class BatchRunner:
 
         Sequences not yet in a batch join one; a seated one whose storage turns quantized this
         step moves to a row of the quantized batch (``_cross``); one with own caches turning
-        quantized, or that speculates, runs on its own caches. ``inputs``: the tokens
-        ``(B,)`` the sequences take, in their order (maybe still on the device: a pipelined
-        step's); default: their last tokens."""
+        quantized, or that speculates, runs on its own caches (a seated speculator on its row).
+        ``inputs``: the tokens ``(B,)`` the sequences take, in their order (maybe still on the
+        device: a pipelined step's); default: their last tokens."""
         for chunk in chunks:
             self._cross_chunk(chunk.cache)
         groups = self._groups(sequences)
@@ -190,6 +193,8 @@ class BatchRunner:
                 parts.append(self.model.last_logits(fed[:, None], caches))  # (B,) -> (B, 1) in
                 if batch is not None:
                     batch.commit()
+                else:
+                    settle(caches)
             chunk_logits = [self.prefill(c.tokens, c.cache, c.last, c.prompt_length) for c in chunks]
         if not parts:
             return None, chunk_logits
@@ -202,7 +207,8 @@ class BatchRunner:
 
     def _groups(self, sequences: Sequence[Decoding]) -> list[tuple[Sequence[Cache], list[Decoding], DecodeBatch | None]]:
         """The decoding sequences by the caches they step on: each batch's rows (its layouts
-        prepared), then each sequence decoding on its own caches."""
+        prepared), then each sequence decoding on its own caches (a seated speculating one on
+        its row: native MTP reads the hidden states of the forwards over its caches)."""
         alone: list[Decoding] = []
         joining: dict[BatchKey, list[Decoding]] = {}
         for sequence in sequences:
@@ -212,6 +218,8 @@ class BatchRunner:
                 else:
                     self.release(sequence)  # its storage turns quantized: it moves to the quantized batch
             if id(sequence) in self._members:
+                if sequence.speculator is not None:  # seated: a forward of its own on its row
+                    alone.append(sequence)
                 continue
             if sequence.speculator is not None or any(quantizes_next(c) for c in sequence.cache):
                 alone.append(sequence)
@@ -228,7 +236,7 @@ class BatchRunner:
                 sequence.cache = views
                 self._members[id(sequence)] = kind
             self._rows.setdefault(kind, []).extend(newcomers)
-        stepping = {id(s) for s in sequences}
+        stepping = {id(s) for s in sequences} - {id(s) for s in alone}
         groups: list[tuple[Sequence[Cache], list[Decoding], DecodeBatch | None]] = []
         for kind, batch in self.batches.items():
             members = self._rows.get(kind, [])
@@ -317,6 +325,9 @@ class BatchRunner:
         for _, _, batch in groups:
             if batch is not None:
                 batch.commit()
+        for caches, _, batch in groups:
+            if batch is None:  # after the commits (which set the batch's positions)
+                settle(caches)
         for chunk in chunks:
             settle(chunk.cache)
         unwanted = [a for c in chunks if not c.last for layer in c.cache for a in layer.state]
@@ -349,7 +360,10 @@ class BatchRunner:
             rows.pop(index)
             sequence.cache = batch.leave(index, keep, self.staged)
             return
-        rows[index] = None  # the row is free for the next sequence (nothing moves)
+        if batch.keeps_free_rows:
+            rows[index] = None  # the row is free for the next sequence (nothing moves)
+        else:
+            rows.pop(index)  # under a budget the row goes (the batch is rewritten one layer at a time)
         sequence.cache = batch.leave(index, keep)
         if not len(batch):  # the last row left: its buffers go
             del self.batches[kind], self._rows[kind]

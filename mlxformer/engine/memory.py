@@ -253,8 +253,8 @@ class MemoryPlanner:
         if self.budget is None or not scheduler.active:
             return True
         active = scheduler.prefilling + scheduler.running
-        alone = [s for s in active if s.speculator is not None]  # decode on their own caches
-        rows = [s for s in active if s.speculator is None] + [sequence]
+        alone = [s for s in active if s.speculator is not None and not batched(s)]  # on their own caches
+        rows = [s for s in active if s.speculator is None or batched(s)] + [sequence]
         alone_need = sum(self.sizer.bytes_for(len(s.tokens) + 1 + self.draft_tokens) for s in alone)
         prefill = sum(self.sizer.bytes_for(len(s.tokens) + 1) for s in rows[:-1]) + self.sizer.peak(len(sequence.tokens))
         width = max(len(s.tokens) for s in rows) + 1
@@ -288,17 +288,26 @@ class MemoryPlanner:
     def step_need(self, scheduler: Scheduler, step: Step, batched: Callable[[Sequence], bool]) -> int:
         """KV bytes the active sequences need while ``step`` runs. The decoding sequences share a
         batch buffer as wide as its longest row ever was (``cache/batch.py``): rows times a row's
-        bytes, plus the old buffer while it is rewritten (``_rows_need``)."""
-        chunks: dict[int, int] = {}
+        bytes, plus the old buffer while it is rewritten (``_rows_need``). A sequence seated in
+        its row at admission (``cache/rows.py``: prefilling, or speculating) is one of those rows,
+        as wide as the batch, and its chunk or round widens every row; the others grow their
+        own caches."""
+        fed: dict[int, int] = {}
         for chunk in step.prefill:  # a sequence may run several chunks in one step
-            chunks[id(chunk.sequence)] = chunks.get(id(chunk.sequence), 0) + len(chunk.tokens)
-        need = sum(self.sizer.step_need(held(s), chunks.get(id(s), 0), nbytes(s)) for s in scheduler.prefilling)
-        rows = []
-        for sequence in scheduler.running:
-            if sequence.speculator is not None:  # decodes on its own caches
-                need += self.sizer.step_need(held(sequence), 1 + self.draft_tokens, nbytes(sequence))
-            else:
+            fed[id(chunk.sequence)] = fed.get(id(chunk.sequence), 0) + len(chunk.tokens)
+        need, rows = 0, []
+        for sequence in scheduler.prefilling:
+            if batched(sequence):  # seated: its chunks write into its row
                 rows.append(sequence)
-        if rows:
-            need += self._rows_need(rows, batched, max(held(s) for s in rows) + 1)
+            else:
+                need += self.sizer.step_need(held(sequence), fed.get(id(sequence), 0), nbytes(sequence))
+        for sequence in scheduler.running:
+            if sequence.speculator is not None:
+                fed[id(sequence)] = 1 + self.draft_tokens  # a round (or one token)
+                if not batched(sequence):  # on its own caches
+                    need += self.sizer.step_need(held(sequence), fed[id(sequence)], nbytes(sequence))
+                    continue
+            rows.append(sequence)
+        if rows:  # each row takes its tokens, or a scratch slot (``BatchLayout.prepare``)
+            need += self._rows_need(rows, batched, max(held(s) + max(fed.get(id(s), 0), 1) for s in rows))
         return need

@@ -1,0 +1,209 @@
+"""KV in one place under a KV budget and for speculating sequences (issue 32): with
+``--max-kv-memory`` a sequence is seated in its row of the decode batch at admission too (the
+batch then holds no spare row: one row added per seat and removed per leave, each rewrite and
+widening one layer at a time), and a speculating sequence lives in its row (its rounds write
+``k + 1`` slots there, a rejection trims them). Checked with MLX's own peak-memory counter (the
+old staged join, measured beside it, holds a layer of the batch twice), with the budget's
+figures (a budget sized for N requests runs N at once, no preemption, the bytes held never over
+it) and by greedy replies against ``stream_generate`` / ``generate`` alone."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+from conftest import tiny_byte_llama_of
+from mlxformer import generate
+from mlxformer.cache import CacheSettings, make_cache
+from mlxformer.cache.rows import RowCache, SpareBatch
+from mlxformer.engine import Engine, GenerationRequest
+from mlxformer.engine.batch_runner import BatchRunner
+from mlxformer.engine.memory import BLOCK, nbytes
+from mlxformer.speculative import SpeculativeSettings, rewind
+from test_zero_copy_join import LAYERS, PROMPTS, TOKENS, CHUNK, Stub, alone, decode_rises, ids, in_turn, staggered
+
+SETTINGS = [CacheSettings(), CacheSettings(kv_bits=8, kv_group_size=32)]
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return tiny_byte_llama_of(tmp_path_factory.mktemp("rows_budget"), LAYERS)
+
+
+@pytest.fixture(scope="module")
+def draft(tmp_path_factory):
+    """A one-layer draft with the same byte tokenizer."""
+    return tiny_byte_llama_of(tmp_path_factory.mktemp("rows_budget_draft"), 1)
+
+
+def seated_prefill(runner: BatchRunner, sequence: Stub, length: int) -> None:
+    """Seat ``sequence`` and prefill ``length`` tokens into its row, widening the rows before
+    each chunk as the engine does under a budget (``Admission._grow``)."""
+    runner.seat(sequence)
+    prompt = ids(length, 3)
+    for start in range(0, length, 128):
+        chunk = prompt[start : start + 128]
+        if runner.staged:
+            sequence.cache[0].batch.reserve(sequence.cache[0].offset + len(chunk))
+        runner.prefill(chunk, sequence.cache, want_logits=False)
+
+
+@pytest.mark.parametrize("settings", SETTINGS, ids=["float", "kv8"])
+def test_a_join_under_a_budget_copies_nothing(llama, settings):
+    """Staged (a KV budget): two sequences seated at admission prefill in their rows; the step at
+    which they join the decode steps raises MLX's peak as a steady step does, and the batch
+    holds one row per seat (no spare row, though ``max_rows`` allows eight). The old staged join,
+    measured the same way, holds one layer of the batch twice (the measure can fail)."""
+    model, _ = llama
+    caches = [make_cache(model, settings), make_cache(model, settings)]
+    for cache, length in zip(caches, (300, 310)):
+        BatchRunner(model).prefill(ids(length, 3), cache, want_logits=False)
+    kv = sum(c.nbytes for cache in caches for c in cache)
+    old = [Stub(cache, 5) for cache in caches]
+    del caches
+    runner = BatchRunner(model)
+    runner.staged = True
+    old_rise = decode_rises(runner, old, 1)[0][0]  # own caches copied into the batch at their first decode step
+    runner.reset()
+    del old
+
+    runner = BatchRunner(model)
+    runner.staged, runner.max_rows = True, 8
+    rows = [Stub(make_cache(model, settings), 5), Stub(make_cache(model, settings), 6)]
+    for sequence, length in zip(rows, (300, 310)):
+        seated_prefill(runner, sequence, length)
+    (batch,) = runner.batches.values()
+    assert isinstance(batch, SpareBatch) and batch.capacity == 2
+    assert sum(layer.nbytes for layer in batch.layers) == kv  # the same buffers, held once
+    stand_ins = [list(s.cache) for s in rows]
+    rises, kept = decode_rises(runner, rows, 2)  # the join, then a step of rows already decoding
+    assert rises[0] <= rises[1] + kv / (4 * LAYERS), (rises, kv)
+    assert old_rise > rises[1] + kv / (2 * LAYERS), (old_rise, rises, kv)  # one layer of the batch is kv / LAYERS
+    assert kept[0] < kv / (4 * LAYERS)
+    assert all(a is b for s, before in zip(rows, stand_ins) for a, b in zip(s.cache, before))
+
+
+def test_a_budget_for_n_requests_runs_n_at_once_in_their_rows(llama):
+    """A budget of three requests' KV (their caches' whole blocks at the end) plus one block
+    each: the three, sent together, are seated, decode in the same steps, none is preempted, the
+    bytes held never pass the budget, and the batch has exactly three rows (doubling to four
+    would not fit: 12 blocks in 11). Each reply equals ``generate`` alone."""
+    model, tokenizer = llama
+    prompts = [ids(470 + 10 * i, i) for i in range(3)]  # + 40 tokens: 510, 520, 530 (2, 3, 3 blocks)
+    max_tokens = 40
+    sizer = Engine(model, tokenizer).sizer
+    budget = sum(sizer.bytes_for(len(p) + max_tokens) + sizer.bytes_for(BLOCK) for p in prompts)
+    expected = [generate(model, tokenizer, p, max_tokens, prefill_step_size=128) for p in prompts]
+    engine = Engine(model, tokenizer, prefill_chunk=128, max_kv_memory=budget)
+    decoding, held, seated, capacity = [], [], [], []
+    real_run = engine._run
+
+    def run(step):
+        decoding.append(len(step.decode))
+        real_run(step)
+        active = engine.scheduler.prefilling + engine.scheduler.running
+        held.append(sum(nbytes(s) for s in active) + engine.prefix_cache.nbytes)
+        seated.append(all(isinstance(c, RowCache) for s in active for c in s.cache))  # from admission on
+        capacity.extend(b.capacity if isinstance(b, SpareBatch) else 0 for b in engine.runner.batches.values())
+
+    engine._run = run
+    with engine:
+        handles = [engine.submit(GenerationRequest(p, max_tokens)) for p in prompts]
+        replies = ["".join(e.text for e in h) for h in handles]
+    assert replies == expected
+    assert max(decoding) == 3
+    assert engine.metrics.registry.get_sample_value("mlxformer_preemptions_total") == 0
+    assert max(held) <= budget
+    assert all(seated) and min(capacity) > 0 and max(capacity) == 3
+
+
+@pytest.mark.parametrize("settings", SETTINGS, ids=["float", "kv8"])
+def test_staggered_requests_under_a_budget_equal_each_alone(llama, settings):
+    """``test_zero_copy_join``'s five staggered prompts in three rows, under a budget of seven
+    blocks: rows added at each seat and removed at each leave (one layer at a time), chunks
+    widening the rows first; greedy tokens equal ``stream_generate`` alone, no step rerun."""
+    model, tokenizer = llama
+    budget = 7 * Engine(model, tokenizer, cache_settings=settings).sizer.bytes_for(BLOCK)
+    got = staggered(model, tokenizer, settings, PROMPTS, TOKENS, max_batch=3, max_kv_memory=budget)
+    assert got == [alone(model, tokenizer, settings, p, n) for p, n in zip(PROMPTS, TOKENS)]
+
+
+def test_a_speculation_round_writes_and_trims_its_row_in_place(llama):
+    """A speculating sequence seated beside a plain one: its round (the last token and three
+    proposals) writes four slots into its row, two rejected are trimmed from it, and its next
+    token runs on its row in the decode step of the other: the logits are those of its own
+    caches doing the same, and its caches are the same objects throughout (nothing copied in or
+    out). MLX's peak over what was held rises by one layer of the batch at most, never by the
+    row's KV (four layers here): the round by 0.1-0.5 layers (measured; the row's slots read by
+    attention), the step beside the batch's rows by 1.08 layers, as a prompt chunk in a decode
+    step (the batch's attention still reads the buffer the row writes to: MLX copies it)."""
+    model, _ = llama
+    runner = BatchRunner(model)
+    runner.max_rows = 2
+    plain, speculating = Stub(make_cache(model), 5), Stub(make_cache(model), 6)
+    speculating.speculator = object()
+    for sequence, length in ((plain, 300), (speculating, 310)):
+        seated_prefill(runner, sequence, length)
+    own = make_cache(model)
+    BatchRunner(model).prefill(ids(310, 3), own, want_logits=False)
+    (batch,) = runner.batches.values()
+    kv = sum(layer.nbytes for layer in batch.layers)
+    stand_ins = list(speculating.cache)
+    mx.eval([layer.state for layer in batch.layers])
+    mx.synchronize()
+    before = mx.get_active_memory()
+    mx.reset_peak_memory()
+    logits = runner.verify(6, mx.array([7, 8, 9]), speculating.cache)
+    mx.eval(logits, [layer.state for layer in batch.layers])
+    round_rise = mx.get_peak_memory() - before
+    reference = model(mx.array([[6, 7, 8, 9]]), own)[0]
+    assert mx.allclose(logits, reference, atol=1e-4).item()
+    rewind(speculating.cache, 2)  # the last two proposals rejected
+    rewind(own, 2)
+    assert [c.offset for c in speculating.cache] == [312] * LAYERS and batch.layout.rows[1].used == 312
+    speculating.last = 11
+    logits = runner.decode([plain, speculating])
+    assert mx.allclose(logits[1:], model.last_logits(mx.array([[11]]), own), atol=1e-4).item()
+    assert [r.offset for r in batch.layout.rows] == [301, 313]
+    rises, _ = decode_rises(runner, [plain, speculating], 1)
+    assert round_rise < kv / LAYERS and rises[0] < 1.5 * kv / LAYERS, (round_rise, rises, kv)
+    assert all(a is b for a, b in zip(speculating.cache, stand_ins))
+
+
+@pytest.mark.parametrize("budget", [False, True], ids=["unbudgeted", "budget"])
+@pytest.mark.parametrize("kind", ["lookup", "draft"])
+def test_speculating_sequences_live_in_their_rows(llama, draft, kind, budget):
+    """Four staggered requests (one not speculating), three rows, prompt lookup or a draft
+    model: every speculating sequence's caches are its row's from admission to its end (the
+    same objects: never copied in or out), its rounds verify on them, and the greedy tokens
+    equal plain ``stream_generate`` alone."""
+    model, tokenizer = llama
+    speculative = (SpeculativeSettings(prompt_lookup=True, num_draft_tokens=4, ngram_min=1) if kind == "lookup"
+                   else SpeculativeSettings(draft_model=draft[0], draft_tokenizer=draft[1], num_draft_tokens=3))
+    prompts, tokens = [ids(40, 1), ids(270, 2), ids(9, 3), ids(70, 4)], [30, 12, 20, 16]
+    requests = [GenerationRequest(p, max_tokens=n) for p, n in zip(prompts, tokens)]
+    requests[2].speculate = False
+    sizer = Engine(model, tokenizer).sizer
+    limit = sum(sizer.bytes_for(len(p) + n + 4) + sizer.bytes_for(BLOCK) for p, n in zip(prompts, tokens))
+    engine = Engine(model, tokenizer, max_batch=3, prefill_chunk=CHUNK, step_tokens=2 * CHUNK,
+                    speculative=speculative, max_kv_memory=limit if budget else None)
+    caches: dict[int, set[tuple[int, ...]]] = {}  # id(sequence) -> its caches' ids at each step
+    seated, rounds = [], []
+    real_run, real_verify = engine._run, engine.runner.verify
+
+    def run(step):
+        real_run(step)
+        for sequence in engine.scheduler.prefilling + engine.scheduler.running:
+            if sequence.speculator is not None and sequence.cache:
+                seated.append(all(isinstance(c, RowCache) for c in sequence.cache))
+                caches.setdefault(id(sequence), set()).add(tuple(map(id, sequence.cache)))
+
+    def verify(last, proposed, cache):
+        rounds.append(all(isinstance(c, RowCache) for c in cache))
+        return real_verify(last, proposed, cache)
+
+    engine._run, engine.runner.verify = run, verify
+    got = in_turn(engine, requests)
+    assert got == [alone(model, tokenizer, None, p, n) for p, n in zip(prompts, tokens)]
+    assert all(seated) and len(caches) == 3 and all(len(seen) == 1 for seen in caches.values())
+    assert rounds and all(rounds)
