@@ -29,7 +29,7 @@ pytestmark = pytest.mark.usefixtures("cpu_module")
 BOUND = 3e-4  # fp32 on both sides, as tests/test_moe.py
 TOP_8_OF_16 = {"qwen3_moe": dict(num_experts=16, num_experts_per_tok=8),
                "gpt_oss": dict(num_local_experts=16, num_experts_per_tok=8)}
-PROMPT = 40  # tokens: 320 pairs, 20 per expert (counted), below gpt-oss' 256 positions
+PROMPT = 80  # tokens: 640 pairs, 40 per expert (counted, float and 4-bit), below gpt-oss' 256 positions
 
 
 @pytest.fixture(scope="module", params=list(TOP_8_OF_16))
@@ -65,7 +65,7 @@ def test_prompt_counts_once_per_block(family, monkeypatch):
     assert syncs == [] and mx.allclose(counted, gathered, atol=1e-5, rtol=1e-5)
     k = model.args.num_experts_per_tok
     rows = mx.array(ids[:16, None])  # (16, 1): a decode step's shape, 128 sorted pairs
-    assert 16 * k >= SORT_THRESHOLD and expert_counts.counting_pays(16 * k, 16, False, decoding=False)
+    assert 16 * k >= SORT_THRESHOLD and expert_counts.counting_pays(16 * k, 16, False, decoding=False)  # as a prompt: counted
     with counting_syncs(monkeypatch) as syncs:
         mx.eval(model(rows), model(mx.array(ids[None, :3])))  # and 3 tokens: 24 unsorted pairs
     assert syncs == ["eval"], syncs

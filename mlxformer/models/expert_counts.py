@@ -14,9 +14,11 @@ import itertools
 
 import mlx.core as mx
 
-# Mean (token, expert) pairs per expert from which the counted path beats the gather
-# (``benchmarks/moe_counted.py``, docs/design/moe.md): float and quantized experts.
-COUNTED_PAIRS_PER_EXPERT = {False: 2.0, True: 8.0}
+# Mean (token, expert) pairs per expert from which the counted path beats the gather, float
+# and quantized experts (``benchmarks/moe_counted.py``, docs/design/moe.md; 2 streams, loaded
+# CPU): float crossed between 4 and 8 (Qwen3-MoE's and gpt-oss' shapes: 0.71-0.72x at 4,
+# 0.96-1.25x at 8, 1.49x at 16); 4-bit did not gain up to 16 (0.78-1.05x), so from 32.
+COUNTED_PAIRS_PER_EXPERT = {False: 8.0, True: 32.0}
 
 ExpertBounds = tuple[tuple[int, int, int], ...]  # (expert, start, stop) of each expert with pairs
 
