@@ -112,23 +112,31 @@ class SwitchGLU(nn.Module):
         self.down_proj = SwitchLinear(intermediate, hidden, experts, bias)
         self.activation = activation
 
-    def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
-        """``x (N, hidden)`` and expert ``indices (N, k)`` -> ``(N, k, hidden)``."""
+    def __call__(self, x: mx.array, indices: mx.array, decoding: bool = False) -> mx.array:
+        """``x (N, hidden)`` and expert ``indices (N, k)`` -> ``(N, k, hidden)``. ``decoding``:
+        the rows are a decode step's, one token per sequence (see ``sorted_glu``)."""
         N, k = indices.shape
         if N * k < SORT_THRESHOLD:
             rows = x[:, None, None, :]  # (N, 1, 1, hidden): broadcast over the k choices
-            flat, order, is_sorted = indices, None, False
-        else:  # sort (token, expert) pairs by expert: each expert's rows are contiguous
-            pairs = indices.flatten()  # (N * k,)
-            order = mx.argsort(pairs)
-            flat = pairs[order]
-            rows = x[order // k][:, None, :]  # (N * k, 1, hidden)
-            is_sorted = True
-        h = GATES[self.activation](self.gate_proj(rows, flat, is_sorted), self.up_proj(rows, flat, is_sorted))
-        out = self.down_proj(h, flat, is_sorted)  # (N, k, 1, hidden) or (N * k, 1, hidden)
-        if order is None:
-            return out.squeeze(-2)
+            return self.glu(rows, indices, False).squeeze(-2)  # (N, k, 1, hidden) -> (N, k, hidden)
+        # sort (token, expert) pairs by expert: each expert's rows are contiguous
+        pairs = indices.flatten()  # (N * k,)
+        order = mx.argsort(pairs)
+        rows = x[order // k][:, None, :]  # (N * k, 1, hidden)
+        out = self.sorted_glu(rows, pairs[order], decoding)  # (N * k, 1, hidden)
         return out[mx.argsort(order)].reshape(N, k, -1)  # back to (token, choice) order
+
+    def glu(self, rows: mx.array, indices: mx.array, sorted_indices: bool) -> mx.array:
+        """The gathered experts' ``down(act(gate(rows)) * up(rows))``."""
+        gate, up = self.gate_proj(rows, indices, sorted_indices), self.up_proj(rows, indices, sorted_indices)
+        return self.down_proj(GATES[self.activation](gate, up), indices, sorted_indices)
+
+    def sorted_glu(self, rows: mx.array, indices: mx.array, decoding: bool) -> mx.array:
+        """Expert-sorted pairs ``rows (P, 1, hidden)``, ``indices (P,)`` -> ``(P, 1, hidden)``:
+        the gather with ``sorted_indices`` (never a host read). The CPU streams' class
+        (``row_sharding.ShardedSwitchGLU``) may count a prompt's pairs per expert instead,
+        never a decode step's."""
+        return self.glu(rows, indices, True)
 
 
 class SparseMoE(nn.Module):
@@ -168,7 +176,7 @@ class SparseMoE(nn.Module):
         B, T, H = x.shape
         rows = x.reshape(B * T, H)  # (B, T, h) -> (N, h)
         indices, weights = self.route(rows)
-        routed = self[self.experts_name](rows, indices)  # (N, k, h)
+        routed = self[self.experts_name](rows, indices, decoding=T == 1)  # (N, k, h)
         y = (routed * weights[..., None].astype(routed.dtype)).sum(axis=1)  # (N, h)
         if "shared_expert" in self:
             y = y + mx.sigmoid(self.shared_expert_gate(rows)) * self.shared_expert(rows)

@@ -10,7 +10,6 @@ feed, so this is a CPU-only policy.
 from __future__ import annotations
 
 import copy
-import itertools
 import threading
 from dataclasses import dataclass
 from functools import lru_cache
@@ -24,7 +23,8 @@ from mlxformer.errors import MlxformerError
 from mlxformer.models.decoder import Model
 from mlxformer.models.device_plan import DevicePlan
 from mlxformer.models.mlp import GATES, MLP
-from mlxformer.models.moe import QuantizedSwitchLinear, SwitchLinear
+from mlxformer.models.expert_counts import ExpertBounds, counting_pays, expert_bounds
+from mlxformer.models.moe import QuantizedSwitchLinear, SwitchGLU, SwitchLinear
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "gate_proj", "up_proj", "gate_up_proj", "down_proj",
                "in_proj_qkv", "in_proj_z", "in_proj_qkvz", "out_proj")  # the last four: Gated DeltaNet's
@@ -199,14 +199,15 @@ class ShardedQuantizedEmbedding(QuantizedRows, nn.QuantizedEmbedding):
 
 
 class SwitchRows(RowSharded):
-    """Row shards of stacked experts (``(experts, out, in)`` arrays: rows on axis 1), for
-    prompt-sized inputs (the expert-sorted pairs); a decode step's few pairs gather on one
-    stream (the layer's own ``gather``), where two cost more than they share.
+    """Row shards of stacked experts (``(experts, out, in)`` arrays: rows on axis 1). A decode
+    step's few unsorted pairs gather on one stream (the layer's own ``gather``), where two
+    cost more than they share; expert-sorted pairs gather in row shards, one per stream.
 
-    Sorted pairs are projected expert by expert: MLX's CPU ``gather_mm``/``gather_qmm`` do a
-    matrix-vector product per pair, while each expert's contiguous rows make one matrix
-    product (``project_expert``, in the ``WIDE_ROWS`` layout): 1.6-1.8x faster for 64-128
-    tokens over 8-64 experts. It needs each expert's row count on the host (one sync)."""
+    ``project_counted`` projects sorted pairs expert by expert instead: MLX's CPU
+    ``gather_mm``/``gather_qmm`` do a matrix-vector product per pair, while each expert's
+    contiguous rows make one matrix product (``project_expert``, in the ``WIDE_ROWS`` layout):
+    1.6-1.8x faster for 64-128 tokens over 8-64 experts. It needs each expert's row count on
+    the host, read once per block by ``ShardedSwitchGLU``."""
 
     row_axis = 1
 
@@ -215,15 +216,17 @@ class SwitchRows(RowSharded):
         the gather's broadcast shapes)."""
         if not sorted_indices:
             return self.gather(x, indices, False, self)  # type: ignore[attr-defined]
-        experts = self["weight"].shape[0]
-        counts = (indices[:, None] == mx.arange(experts)).sum(axis=0).tolist()  # (experts,): pairs per expert
-        bounds = [(e, start, start + n) for e, (start, n) in enumerate(zip(itertools.accumulate(counts, initial=0), counts)) if n]
-        rows = x.reshape(x.shape[0], x.shape[-1])  # (pairs, 1, in) -> (pairs, in)
         shards = self.row_shards()
-        out = mx.concatenate([
+        return mx.concatenate([self.gather(x, indices, True, shard, stream)  # type: ignore[attr-defined]
+                               for shard, stream in zip(shards, worker_streams(len(shards)))], axis=-1)
+
+    def project_counted(self, rows: mx.array, bounds: ExpertBounds) -> mx.array:
+        """Expert-sorted ``rows (pairs, in)`` -> ``(pairs, out)``, each expert's rows
+        ``bounds`` (``expert_counts.expert_bounds``) in one product per shard."""
+        shards = self.row_shards()
+        return mx.concatenate([
             mx.concatenate([self.project_expert(rows[start:stop], shard, e, stream) for e, start, stop in bounds], axis=0)
             for shard, stream in zip(shards, worker_streams(len(shards)))], axis=-1)
-        return out[:, None, :]  # (pairs, out) -> (pairs, 1, out)
 
     def project_expert(self, x: mx.array, shard: dict[str, mx.array], expert: int, stream: mx.Stream) -> mx.array:
         """Rows ``x (n, in)`` through expert ``expert`` of ``shard`` -> ``(n, shard rows)``."""
@@ -275,6 +278,26 @@ class ShardedMLP(MLP):
         return self.down_proj(mx.concatenate(hidden, axis=-1))
 
 
+class ShardedSwitchGLU(SwitchGLU):
+    """The experts' gated MLP whose expert-sorted pairs, where it pays
+    (``expert_counts.counting_pays``: a prompt's, never a decode step's), are counted per
+    expert once for the block (one host read) and projected expert by expert by each of gate,
+    up and down (``SwitchRows.project_counted``)."""
+
+    def sorted_glu(self, rows: mx.array, indices: mx.array, decoding: bool) -> mx.array:
+        projections = (self.gate_proj, self.up_proj, self.down_proj)
+        if not all(isinstance(p, SwitchRows) for p in projections):
+            return super().sorted_glu(rows, indices, decoding)  # a layer type that has no sharded class
+        experts = self.down_proj["weight"].shape[0]
+        quantized = isinstance(self.down_proj, QuantizedSwitchLinear)
+        if not counting_pays(indices.size, experts, quantized, decoding):
+            return super().sorted_glu(rows, indices, decoding)
+        bounds = expert_bounds(indices, experts)
+        flat = rows.reshape(rows.shape[0], rows.shape[-1])  # (pairs, 1, hidden) -> (pairs, hidden)
+        hidden = GATES[self.activation](self.gate_proj.project_counted(flat, bounds), self.up_proj.project_counted(flat, bounds))
+        return self.down_proj.project_counted(hidden, bounds)[:, None, :]  # (pairs, hidden) -> (pairs, 1, hidden)
+
+
 @lru_cache(maxsize=None)
 def row_bounds(rows: int, parts: int, align: int = 8) -> tuple[tuple[int, int], ...]:
     """``[start, stop)`` row ranges for ``parts`` shards, cut at multiples of ``align`` where
@@ -303,10 +326,17 @@ def shard_rows(layer: nn.Module, parts: int) -> nn.Module:
     return sharded
 
 
-def shard_mlp(mlp: MLP) -> ShardedMLP:
-    """``mlp`` as a ``ShardedMLP`` holding the same sub-layers."""
-    sharded = copy.copy(mlp)
-    sharded.__class__ = ShardedMLP
+SHARDED_BLOCK: dict[type, type] = {MLP: ShardedMLP, SwitchGLU: ShardedSwitchGLU}
+
+
+def shard_block(block: nn.Module) -> nn.Module:
+    """``block`` (the gated MLP, the experts' ``SwitchGLU``) as its sharded class, holding the
+    same sub-layers. Other block types (fused, mixtures) are returned unchanged."""
+    sharded_class = SHARDED_BLOCK.get(type(block))
+    if sharded_class is None:
+        return block
+    sharded = copy.copy(block)
+    sharded.__class__ = sharded_class
     return sharded
 
 
@@ -324,15 +354,14 @@ def apply_thread_policy(model: Model, threads: int | None) -> None:
         raise MlxformerError(f"threads > 1 splits work over CPU streams, but the default device is {mx.default_device()}")
     for layer in model.layers:
         block = layer[layer.mlp_name]
-        experts = [block[name] for name in ("switch_mlp", "experts", "shared_expert") if name in block]  # mixture of experts
-        for owner in (layer[layer.mixer_name], block, *experts):
+        experts = [name for name in ("switch_mlp", "experts", "shared_expert") if name in block]  # mixture of experts
+        for owner in (layer[layer.mixer_name], block, *(block[name] for name in experts)):
             for name in PROJECTIONS:
                 if name in owner:
                     owner[name] = shard_rows(owner[name], threads)
-        if type(block) is MLP:  # a fused or mixture-of-experts block keeps its own class
-            layer[layer.mlp_name] = shard_mlp(block)
-        if "shared_expert" in block and type(block.shared_expert) is MLP:
-            block.shared_expert = shard_mlp(block.shared_expert)
+        layer[layer.mlp_name] = shard_block(block)
+        for name in experts:
+            block[name] = shard_block(block[name])
     # the vocabulary projection: the tied embedding's ``as_linear`` or ``lm_head`` (absent
     # from a pipeline stage without the model's ends)
     owner, name = (model.model, "embed_tokens") if model.args.tie_word_embeddings else (model, "lm_head")
