@@ -1,8 +1,8 @@
 """KV in one place (issue 32): a sequence's keys/values live in its row of a decode batch from
 its first prompt chunk on, so joining the decode steps moves nothing.
 
-A ``SpareBatch`` is a ``DecodeBatch`` of growing caches (float or quantized from the first token)
-whose buffers ``(capacity, n_kv, C, ...)`` keep spare rows. A sequence takes a free row when it is
+A ``SpareBatch`` is a ``DecodeBatch`` of growing or rotating caches (float or quantized from the
+first token) whose buffers ``(capacity, n_kv, C, ...)`` keep spare rows. A sequence takes a free row when it is
 admitted (``seat``: an empty row, or a prefix-cache hit's tokens written into it); its prompt
 chunks write there through ``RowCache`` (one layer of one row behind the cache protocol: ``L``
 slots written in place, a causal mask, attention over the row's slots, exactly what its own
@@ -12,8 +12,11 @@ frees the row (nothing copied out unless the caller keeps the caches). A full ba
 capacity (bounded by ``max_rows``, the engine's ``max_batch``), so most admissions write into a
 free row and rewrite nothing; the buffers are dropped when the last row leaves.
 
-Rotating caches, recurrent states, a cache turning quantized at ``quantized_kv_start`` and a
-batch under a KV budget keep ``DecodeBatch``'s join-on-first-decode path (``batch_runner``).
+A rotating cache (a ``max_kv_size`` window, a sliding-window layer) lives in a row of a ring
+(``cache/rotating_rows.py``); a model mixing sliding-window and global layers keeps one slot
+layout per kind of layer, each with the sequence's row at the same index. Recurrent states, a
+cache turning quantized at ``quantized_kv_start`` and a batch under a KV budget keep
+``DecodeBatch``'s join-on-first-decode path (``batch_runner``).
 """
 
 from __future__ import annotations
@@ -24,24 +27,27 @@ from typing import Sequence
 import mlx.core as mx
 
 from mlxformer.cache.batch import BatchKey, BatchLayerCache, DecodeBatch, Row, _pad, _row_cache
-from mlxformer.cache.codec import CENTER_BLOCK, FLOAT_CODEC, KVCodec, Pack, center_blocks, pack_nbytes, pack_slice
+from mlxformer.cache.codec import CENTER_BLOCK, FLOAT_CODEC, KVCodec, Pack, center_blocks, pack_nbytes
 from mlxformer.cache.kv import CodecAttention, KVCache
 from mlxformer.cache.protocol import Cache
+from mlxformer.cache.rotating import RotatingKVCache
+from mlxformer.cache.rotating_rows import RingWrites, held, own_ring_cache
 from mlxformer.models.mask import Mask, causal_mask_for
 
 Blank = tuple[Pack, Pack]  # a layer's keys/values pack of one row and one slot (shapes and dtypes)
 
 
 def seatable(caches: Sequence[Cache]) -> bool:
-    """Whether a sequence's own caches can live in a ``SpareBatch`` row: growing caches whose
-    storage never changes (float, or quantized from the first token)."""
-    return bool(caches) and all(type(c) is KVCache and (c.bits is None or c.quantized) for c in caches)
+    """Whether a sequence's own caches can live in a ``SpareBatch`` row: growing or rotating
+    caches whose storage never changes (float, or quantized from the first token)."""
+    return bool(caches) and all(
+        type(c) in (KVCache, RotatingKVCache) and (c.bits is None or c.codec.bits is not None) for c in caches)
 
 
 def spare_kind(key: BatchKey) -> bool:
-    """Whether a batch of ``key`` is a ``SpareBatch``: every layer a growing cache, stored alike
-    (one slot layout for all)."""
-    return len(set(key)) == 1 and all(not storage.rotating and not storage.recurrent for storage, _ in key)
+    """Whether a batch of ``key`` is a ``SpareBatch``: every layer a growing or rotating cache
+    (no recurrent state)."""
+    return all(not storage.recurrent for storage, _ in key)
 
 
 def _rows_of(pack: Pack, rows: int, width: int) -> Pack:
@@ -56,28 +62,28 @@ class SpareBatch(DecodeBatch):
         super().__init__(key)
         self.max_rows = max_rows
         self.free: list[int] = []
-        (layout,) = self.layouts.values()  # growing caches stored alike: one slot layout for every layer
-        self.layout = layout
-        for (keys, values), (storage, _) in zip(blanks, key):
+        for (keys, values), kind in zip(blanks, key):
+            storage = kind[0]
             codec = FLOAT_CODEC if storage.bits is None else KVCodec(storage.bits, storage.group_size)
-            self.layers.append(BatchLayerCache(layout, codec, _rows_of(keys, 0, 0), _rows_of(values, 0, 0)))
+            self.layers.append(BatchLayerCache(self.layouts[kind], codec, _rows_of(keys, 0, 0), _rows_of(values, 0, 0)))
 
     def __len__(self) -> int:
         """Rows in use (a row's share of the buffers is theirs over this)."""
-        return len(self.layout.rows) - len(self.free)
+        return self.capacity - len(self.free)
 
     @property
     def capacity(self) -> int:
-        return len(self.layout.rows)
+        return len(next(iter(self.layouts.values())).rows)  # every kind's layout has a row per sequence
 
     def _grow(self) -> None:
         """Double the rows (at least one more, at most ``max_rows`` unless more are needed): the
         buffers are rewritten once, and the new rows are free."""
         old = self.capacity
         new = max(old + 1, min(2 * old, self.max_rows or 2 * old))
-        extra, width = new - old, self.layout.width
+        extra = new - old
         for layer in self.layers:
             assert isinstance(layer, BatchLayerCache)
+            width = layer.layout.width
             layer.keys, layer.values = _pad(layer.keys, width), _pad(layer.values, width)
             layer.keys = tuple(mx.concatenate([x, *_rows_of((x,), extra, width)]) for x in layer.keys)
             layer.values = tuple(mx.concatenate([x, *_rows_of((x,), extra, width)]) for x in layer.values)
@@ -85,30 +91,37 @@ class SpareBatch(DecodeBatch):
             if center is not None:
                 center = mx.concatenate([center, mx.zeros((extra, *center.shape[1:]), center.dtype)])
                 layer.codec = KVCodec(layer.codec.bits, layer.codec.group_size, center)
-        empty = mx.full((extra, self.layout.positions.shape[1]), -1, dtype=mx.int32)
-        self.layout.positions = mx.concatenate([self.layout.positions, empty])
-        self.layout.rows += [Row(0, 0, 0) for _ in range(extra)]
+        for layout in self.layouts.values():
+            empty = mx.full((extra, layout.positions.shape[1]), -1, dtype=mx.int32)
+            layout.positions = mx.concatenate([layout.positions, empty])
+            layout.rows += [Row(0, 0, 0) for _ in range(extra)]
         self.free += range(old, new)
 
     def seat(self, caches: Sequence[Cache]) -> tuple[int, list["RowCache"]]:
-        """A free row for a sequence with own ``caches`` (growing, maybe holding a prefix-cache
-        hit's tokens, written into the row: nothing else is copied); returns its index and its
-        caches from now on."""
+        """A free row for a sequence with own ``caches`` (maybe holding a prefix-cache hit's
+        tokens, written into the row in time order: nothing else is copied); returns its index
+        and its caches from now on."""
         if not self.free:
             self._grow()
         index = self.free.pop(0)
-        used = int(caches[0].offset)
-        row = Row(used, used, used, [c.meta_state for c in caches])
-        self.layout.rows[index] = row
-        if used:
-            self.layout.fit(used)
-            self.layout.positions = self.layout.padded()
-            self.layout.positions[index, :used] = mx.arange(used, dtype=mx.int32)
-        views = [RowCache(self, row, layer) for layer in range(self.n_layers)]
-        for own, view in zip(caches, views):
+        metas = [c.meta_state for c in caches]
+        kept = [held(c) for c in caches]
+        rows = {}
+        for kind, layers in self.groups.items():
+            layout = self.layouts[kind]
+            positions = kept[layers[0]][2] if kept[layers[0]] is not None else []  # type: ignore[index]
+            used = len(positions)
+            rows[kind] = layout.rows[index] = Row(used, int(caches[layers[0]].offset), used, metas)
             if used:
-                assert isinstance(own, KVCache) and own.keys is not None and own.values is not None
-                view.write(index, 0, pack_slice(own.keys, 0, used), pack_slice(own.values, 0, used), own.codec, used)
+                layout.fit(used)
+                layout.positions = layout.padded()
+                layout.positions[index, :used] = mx.array(positions, dtype=mx.int32)
+        views = [(RingRowCache if kind[0].rotating else RowCache)(self, rows[kind], layer)
+                 for layer, kind in enumerate(self.key)]
+        for own, view, have in zip(caches, views, kept):
+            if have is not None:
+                keys, values, positions = have
+                view.write(index, 0, keys, values, own.codec, len(positions))  # type: ignore[attr-defined]
         return index, views
 
     def join(self, caches: Sequence[list[Cache]], staged: bool = False) -> list[list[Cache]]:  # type: ignore[override]
@@ -117,20 +130,30 @@ class SpareBatch(DecodeBatch):
 
     def leave(self, index: int, keep: bool = True, staged: bool = False) -> list[Cache]:
         """Free row ``index``; returns its keys/values as own caches (copied) when ``keep``."""
-        row = self.layout.rows[index]
-        caches: list[Cache] = []
-        if keep:
-            positions = mx.arange(row.used, dtype=mx.int32)
-            caches = [_row_cache(layer, index, row, meta, positions, copy=True)
-                      for layer, meta in zip(self.layers, row.metas)]  # type: ignore[arg-type]
-        self.layout.rows[index] = Row(0, 0, 0)
-        self.layout.positions[index] = -1
+        caches = [self._own(layer, index, copy=True) for layer in range(self.n_layers)] if keep else []
+        for layout in self.layouts.values():
+            layout.rows[index] = Row(0, 0, 0)
+            layout.positions[index] = -1
         self.free.append(index)
         self.free.sort()
         return caches
 
+    def row_caches(self, index: int) -> list[Cache]:
+        """Row ``index`` as per-sequence caches (a growing layer's: views of the buffers; a
+        rotating layer's: its window copied in time order)."""
+        return [self._own(layer, index, copy=False) for layer in range(self.n_layers)]
+
+    def _own(self, layer: int, index: int, copy: bool) -> Cache:
+        """Layer ``layer`` of row ``index`` as the per-sequence cache it stands for."""
+        batched = self.layers[layer]
+        assert isinstance(batched, BatchLayerCache)
+        row = batched.layout.rows[index]
+        if batched.layout.kind.rotating:
+            return own_ring_cache(batched, index, row, row.metas[layer])
+        return _row_cache(batched, index, row, row.metas[layer], mx.arange(row.used, dtype=mx.int32), copy)
+
     def index(self, row: Row) -> int:
-        return next(i for i, r in enumerate(self.layout.rows) if r is row)
+        return next(i for layout in self.layouts.values() for i, r in enumerate(layout.rows) if r is row)
 
 
 class RowCache(CodecAttention):
@@ -167,8 +190,8 @@ class RowCache(CodecAttention):
         """Write packed ``keys``/``values`` (``stop - start`` slots, encoded with ``codec``) into
         the row's slots ``start:stop``, and the row's key centers into the batch's."""
         layer = self._layer
-        self.batch.layout.fit(stop)
-        width = self.batch.layout.width
+        layer.layout.fit(stop)
+        width = layer.layout.width
         layer.keys, layer.values = _pad(layer.keys, width), _pad(layer.values, width)
         for target, source in zip(layer.keys + layer.values, keys + values):
             target[index : index + 1, :, start:stop, :] = source  # in place (its own row only)
@@ -220,7 +243,7 @@ class RowCache(CodecAttention):
         self.pending = max(0, target - self.row.offset)
         if target < self.row.offset:
             index = self.batch.index(self.row)
-            layout = self.batch.layout
+            layout = self._layer.layout
             layout.positions = layout.padded()
             layout.positions[index, target:] = -1
             self.row.used = self.row.offset = self.row.idx = target
@@ -230,18 +253,38 @@ class RowCache(CodecAttention):
     def nbytes(self) -> int:
         return (pack_nbytes(self._layer.keys) + pack_nbytes(self._layer.values)) // max(1, len(self.batch))
 
+    def settled(self) -> None:
+        """The forward's writes are recorded (``settle``)."""
+        self.pending = 0
+
+    def record(self) -> None:
+        """Record the pending tokens in the row (``settle``): the slots after its last."""
+        index, start, stop = self.batch.index(self.row), self.row.offset, self.offset
+        layout = self._layer.layout
+        layout.positions = layout.padded()
+        layout.positions[index, start:stop] = mx.arange(start, stop, dtype=mx.int32)
+        self.row.used = self.row.offset = self.row.idx = stop
+
+
+class RingRowCache(RingWrites, RowCache):  # type: ignore[misc]
+    """One layer of a rotating row (``cache/rotating_rows.py``): a chunk written at the ring's
+    next slots and attended piece by piece."""
+
+    def trim(self, n: int) -> int:
+        """As a growing row's, while the row holds every token in order (else nothing: 0)."""
+        return RowCache.trim(self, n) if self.trim_possible() else 0
+
 
 def settle(caches: Sequence[Cache]) -> None:
-    """After a forward was built on a sequence's caches: record in its row what its
-    ``RowCache``s wrote (every layer wrote the same slots: the row moves once)."""
+    """After a forward was built on a sequence's caches: record in its rows what its
+    ``RowCache``s wrote (the layers of one kind wrote the same slots: each row moves once)."""
     rows = [c for c in caches if isinstance(c, RowCache)]
     if not rows or not rows[0].pending:
         return
-    first = rows[0]
-    index, start, stop = first.batch.index(first.row), first.row.offset, first.offset
-    layout = first.batch.layout
-    layout.positions = layout.padded()
-    layout.positions[index, start:stop] = mx.arange(start, stop, dtype=mx.int32)
-    first.row.used = first.row.offset = first.row.idx = stop
+    moved: set[int] = set()
     for cache in rows:
-        cache.pending = 0
+        if id(cache.row) not in moved:
+            moved.add(id(cache.row))
+            cache.record()
+    for cache in rows:
+        cache.settled()
