@@ -69,6 +69,31 @@ def ring_spans(used: int, idx: int, capacity: int, keep: int, count: int) -> tup
     return spans, used, idx
 
 
+def ring_slot(position: int, capacity: int, keep: int) -> int:
+    """The slot a rotating row filled from the first token holds ``position`` in."""
+    return position if position < keep else keep + (position - keep) % (capacity - keep)
+
+
+def placement(storage: StorageKind, positions: list[int], offset: int, metas: list[dict[str, str]]) -> tuple[Row, list[Span]]:
+    """The row of a sequence whose own cache holds ``positions`` (oldest first) of its
+    ``offset`` tokens, and where they go: a growing row's from slot 0; a rotating row's each in
+    the slot a row filled from the first token holds it in (``ring_slot``), so a prefix-cache
+    hit's row is laid out as the row that computed it was (a chunk or a decode step then adds
+    its terms in the same order: the same result bit for bit), its older slots empty."""
+    if not storage.rotating or positions == list(range(offset)):
+        return Row(len(positions), offset, len(positions), metas), [(0, 0, len(positions))] if positions else []
+    assert storage.capacity is not None
+    capacity, keep = storage.capacity, storage.keep
+    spans: list[Span] = []
+    for token, position in enumerate(positions):
+        slot = ring_slot(position, capacity, keep)
+        if spans and spans[-1][0] + spans[-1][2] == slot:
+            spans[-1] = (spans[-1][0], spans[-1][1], spans[-1][2] + 1)
+        else:
+            spans.append((slot, token, 1))
+    return Row(capacity, offset, ring_slot(offset, capacity, keep), metas), spans
+
+
 def time_slots(row: Row, capacity: int, keep: int) -> list[int]:
     """The row's used slots, oldest token first."""
     if row.used < capacity or row.idx == keep:
@@ -190,10 +215,11 @@ class RingWrites:
                 a = first + token
                 self.write(index, slot, pack_slice(keys, a, a + n), pack_slice(values, a, a + n), self.codec, slot + n)
             self.pending += count
-            positions = self._positions(index)  # (C,)
+            width = self._pending()[1]  # the row's slots (not the batch's width: its own terms alone)
+            positions = self._positions(index)[:width]  # (C,)
             query = mx.arange(start, start + count)[:, None]  # (count, 1)
             visible = in_window((positions >= 0) & (positions <= query), positions, query, kind, self._layer.layout.window)
-            layer, width = self._layer, positions.shape[0]
+            layer = self._layer
             row_keys = tuple(x[index : index + 1, :, :width] for x in layer.keys)
             row_values = tuple(x[index : index + 1, :, :width] for x in layer.values)
             pieces.append((first, count, (row_keys, row_values, visible, mx.maximum(positions, 0) // CENTER_BLOCK)))
@@ -220,5 +246,5 @@ class RingWrites:
         every token in order, the pending ones too)."""
         kind = self._kind
         assert kind.capacity is not None
-        return self.row.used == self.row.offset and self.row.used + self.pending <= kind.capacity
+        return self.row.used == self.row.offset < kind.capacity and self.row.used + self.pending <= kind.capacity
 

@@ -27,11 +27,11 @@ from typing import Sequence
 import mlx.core as mx
 
 from mlxformer.cache.batch import BatchKey, BatchLayerCache, DecodeBatch, Row, _pad, _row_cache
-from mlxformer.cache.codec import CENTER_BLOCK, FLOAT_CODEC, KVCodec, Pack, center_blocks, pack_nbytes
+from mlxformer.cache.codec import CENTER_BLOCK, FLOAT_CODEC, KVCodec, Pack, center_blocks, pack_nbytes, pack_slice
 from mlxformer.cache.kv import CodecAttention, KVCache
 from mlxformer.cache.protocol import Cache
 from mlxformer.cache.rotating import RotatingKVCache
-from mlxformer.cache.rotating_rows import RingWrites, held, own_ring_cache
+from mlxformer.cache.rotating_rows import RingWrites, held, own_ring_cache, placement
 from mlxformer.models.mask import Mask, causal_mask_for
 
 Blank = tuple[Pack, Pack]  # a layer's keys/values pack of one row and one slot (shapes and dtypes)
@@ -106,22 +106,23 @@ class SpareBatch(DecodeBatch):
         index = self.free.pop(0)
         metas = [c.meta_state for c in caches]
         kept = [held(c) for c in caches]
-        rows = {}
+        rows, spans = {}, {}
         for kind, layers in self.groups.items():
             layout = self.layouts[kind]
             positions = kept[layers[0]][2] if kept[layers[0]] is not None else []  # type: ignore[index]
-            used = len(positions)
-            rows[kind] = layout.rows[index] = Row(used, int(caches[layers[0]].offset), used, metas)
-            if used:
-                layout.fit(used)
+            rows[kind], spans[kind] = placement(kind[0], positions, int(caches[layers[0]].offset), metas)
+            layout.rows[index] = rows[kind]
+            if positions:
+                layout.fit(rows[kind].used)
                 layout.positions = layout.padded()
-                layout.positions[index, :used] = mx.array(positions, dtype=mx.int32)
+                for slot, token, n in spans[kind]:
+                    layout.positions[index, slot : slot + n] = mx.array(positions[token : token + n], dtype=mx.int32)
         views = [(RingRowCache if kind[0].rotating else RowCache)(self, rows[kind], layer)
                  for layer, kind in enumerate(self.key)]
-        for own, view, have in zip(caches, views, kept):
-            if have is not None:
-                keys, values, positions = have
-                view.write(index, 0, keys, values, own.codec, len(positions))  # type: ignore[attr-defined]
+        for own, view, have, kind in zip(caches, views, kept, self.key):
+            for slot, token, n in spans[kind] if have is not None else ():
+                keys, values = pack_slice(have[0], token, token + n), pack_slice(have[1], token, token + n)  # type: ignore[index]
+                view.write(index, slot, keys, values, own.codec, slot + n)  # type: ignore[attr-defined]
         return index, views
 
     def join(self, caches: Sequence[list[Cache]], staged: bool = False) -> list[list[Cache]]:  # type: ignore[override]
