@@ -74,7 +74,9 @@ def ring_slot(position: int, capacity: int, keep: int) -> int:
     return position if position < keep else keep + (position - keep) % (capacity - keep)
 
 
-def placement(storage: StorageKind, positions: list[int], offset: int, metas: list[dict[str, str]]) -> tuple[Row, list[Span]]:
+def placement(
+    storage: StorageKind, positions: list[int], offset: int, metas: list[dict[str, str]]
+) -> tuple[Row, list[Span]]:
     """The row of a sequence whose own cache holds ``positions`` (oldest first) of its
     ``offset`` tokens, and where they go: a growing row's from slot 0; a rotating row's each in
     the slot a row filled from the first token holds it in (``ring_slot``), so a prefix-cache
@@ -116,7 +118,8 @@ def own_ring_cache(layer: BatchLayerCache, index: int, row: Row, meta: dict[str,
     center = tuple(c[index : index + 1] for c in layer.codec.state)
     positions = mx.take(layer.layout.padded()[index], order)
     size = len(slots)
-    cache = _rebuild(meta, Row(size, row.offset, size if size < capacity else kind.keep), keys + values + center, positions)
+    own = Row(size, row.offset, size if size < capacity else kind.keep)
+    cache = _rebuild(meta, own, keys + values + center, positions)
     assert isinstance(cache, RotatingKVCache)
     return cache
 
@@ -127,7 +130,9 @@ def held(cache: object) -> tuple[Pack, Pack, list[int]] | None:
     if isinstance(cache, RotatingKVCache):
         return None if cache.keys is None else cache.time_order()
     keys, values, offset = cache.keys, cache.values, int(cache.offset)  # type: ignore[attr-defined]
-    return None if keys is None or not offset else (pack_slice(keys, 0, offset), pack_slice(values, 0, offset), list(range(offset)))
+    if keys is None or not offset:
+        return None
+    return pack_slice(keys, 0, offset), pack_slice(values, 0, offset), list(range(offset))
 
 
 Piece = tuple[Pack, Pack, mx.array, mx.array]  # a piece's row keys, values, mask (count, C) and key blocks (C,)
@@ -218,7 +223,8 @@ class RingWrites:
             width = self._pending()[1]  # the row's slots (not the batch's width: its own terms alone)
             positions = self._positions(index)[:width]  # (C,)
             query = mx.arange(start, start + count)[:, None]  # (count, 1)
-            visible = in_window((positions >= 0) & (positions <= query), positions, query, kind, self._layer.layout.window)
+            visible = (positions >= 0) & (positions <= query)
+            visible = in_window(visible, positions, query, kind, self._layer.layout.window)
             layer = self._layer
             row_keys = tuple(x[index : index + 1, :, :width] for x in layer.keys)
             row_values = tuple(x[index : index + 1, :, :width] for x in layer.values)

@@ -99,7 +99,7 @@ class SpareBatch(DecodeBatch):
 
     def seat(self, caches: Sequence[Cache]) -> tuple[int, list["RowCache"]]:
         """A free row for a sequence with own ``caches`` (maybe holding a prefix-cache hit's
-        tokens, written into the row in time order: nothing else is copied); returns its index
+        tokens, written into the row: ``placement``; nothing else is copied); returns its index
         and its caches from now on."""
         if not self.free:
             self._grow()
@@ -121,8 +121,9 @@ class SpareBatch(DecodeBatch):
                  for layer, kind in enumerate(self.key)]
         for own, view, have, kind in zip(caches, views, kept, self.key):
             for slot, token, n in spans[kind] if have is not None else ():
-                keys, values = pack_slice(have[0], token, token + n), pack_slice(have[1], token, token + n)  # type: ignore[index]
-                view.write(index, slot, keys, values, own.codec, slot + n)  # type: ignore[attr-defined]
+                keys, values, _ = have  # type: ignore[misc]
+                view.write(index, slot, pack_slice(keys, token, token + n), pack_slice(values, token, token + n),
+                           own.codec, slot + n)  # type: ignore[attr-defined]
         return index, views
 
     def join(self, caches: Sequence[list[Cache]], staged: bool = False) -> list[list[Cache]]:  # type: ignore[override]

@@ -115,7 +115,8 @@ class BatchRunner:
     def _batch(self, kind: BatchKey) -> DecodeBatch:
         """The batch of ``kind``, made when first needed (with spare rows when it can have them)."""
         if kind not in self.batches:
-            self.batches[kind] = SpareBatch(kind, self._blank(kind), self.max_rows) if self._spare(kind) else DecodeBatch(kind)
+            spare = self._spare(kind)
+            self.batches[kind] = SpareBatch(kind, self._blank(kind), self.max_rows) if spare else DecodeBatch(kind)
         return self.batches[kind]
 
     def _blank(self, kind: BatchKey) -> list[Blank]:
