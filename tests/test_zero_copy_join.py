@@ -3,8 +3,9 @@ batch from its first prompt chunk on (``cache/rows.py``), so joining the decode 
 nothing. Checked with MLX's own memory counters (the join of the old path, measured beside it,
 creates a buffer of the batch's size), and by greedy replies of staggered concurrent requests
 (each prompt prefilling in its row while the others decode, rows freed and reused, the batch
-growing its rows) against ``stream_generate`` alone, for float, 8-bit, rotating, MLA and hybrid
-tiny models (rotating rows keep the old join path; hybrid rows: ``test_zero_copy_hybrid.py``), and
+growing its rows) against ``stream_generate`` alone, for float, 8-bit, rotating (a
+``max_kv_size`` window, Mistral's sliding window, Gemma 3's sliding and global layers, Gemma 4's
+KV-shared layers), MLA and hybrid tiny models (hybrid rows: ``test_zero_copy_hybrid.py``), and
 with rows crossing ``quantized_kv_start`` (re-encoded into a row of the quantized batch)."""
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from conftest import tiny_byte_llama_of, write_byte_tokenizer, write_tiny_checkp
 from mlxformer import load, stream_generate
 from mlxformer.cache import CacheSettings, make_cache
 from mlxformer.cache.batch import BatchLayerCache, batch_key
+from mlxformer.cache.rotating_rows import ring_key
 from mlxformer.cache.rows import RowCache, SpareBatch
 from mlxformer.cache.state import StateCache
 from mlxformer.cache.state_rows import StateRowCache
@@ -52,46 +54,67 @@ def test_a_join_copies_nothing(llama, settings):
     creates no array of KV size (MLX's peak memory rises as in a steady step, well under one
     layer of the batch) and leaves their caches the same objects; the old path's join, measured
     the same way, creates the batch's buffer beside the rows' own caches."""
-    assert_join_copies_nothing(llama[0], settings)
+    model, _ = llama
+    kv, batch = assert_join_copies_nothing(model, settings)
+    assert sum(layer.nbytes for layer in batch.layers) == kv  # the same buffers, held once
+    assert [r.offset for r in next(iter(batch.layouts.values())).rows] == [302, 312]
 
 
-def assert_join_copies_nothing(model, settings: CacheSettings) -> None:
-    """``test_a_join_copies_nothing`` for ``model`` (a hybrid one's recurrent rows too)."""
-    layers = len(model.layers)
-    windows = [layer.window for layer in model.layers]
-    # the old path first (it also pays the process's first decode step): own caches joining a
-    # DecodeBatch at their first decode step
+def assert_join_copies_nothing(model, settings: CacheSettings, chunk: int = 128) -> tuple[int, SpareBatch]:
+    """``test_a_join_copies_nothing`` for ``model`` and ``settings`` (prompts of 300 and 310
+    tokens in chunks of ``chunk``); the own caches' KV bytes and the seated batch."""
+    windows = [layer.window for layer in model.cache_layers]
+    # the old path first (it also pays the process's first decode step): own caches copied into
+    # the batch at their first decode step
     caches = [make_cache(model, settings), make_cache(model, settings)]
     for cache, length in zip(caches, (300, 310)):
-        BatchRunner(model).prefill(ids(length, 3), cache, want_logits=False)
+        for start in range(0, length, chunk):
+            BatchRunner(model).prefill(ids(length, 3)[start : start + chunk], cache, want_logits=False)
     kv = sum(c.nbytes for cache in caches for c in cache if not isinstance(c, StateCache))  # keys/values
     old = [Stub(cache, 5) for cache in caches]
     del caches
     runner = BatchRunner(model)
+    runner.prefill_chunk = chunk
     old_rise = decode_rises(runner, old, 1)[0][0]
     runner.reset()
     del old
 
     runner = BatchRunner(model)
-    runner.max_rows = 2
+    runner.max_rows, runner.prefill_chunk = 2, chunk
     rows = [Stub(make_cache(model, settings), 5), Stub(make_cache(model, settings), 6)]
     for sequence, length in zip(rows, (300, 310)):
         runner.seat(sequence)
-        for start in range(0, length, 128):
-            runner.prefill(ids(length, 3)[start : start + 128], sequence.cache, want_logits=False)
+        for start in range(0, length, chunk):
+            runner.prefill(ids(length, 3)[start : start + chunk], sequence.cache, want_logits=False)
     assert all(isinstance(c, (RowCache, StateRowCache)) for s in rows for c in s.cache)
     (batch,) = runner.batches.values()
-    assert isinstance(batch, SpareBatch) and batch.capacity == 2 and batch_key(make_cache(model, settings), windows) == batch.key
-    assert sum(layer.nbytes for layer in batch.layers if isinstance(layer, BatchLayerCache)) == kv  # held once
+    assert isinstance(batch, SpareBatch) and batch.capacity == 2
+    assert ring_key(batch_key(make_cache(model, settings), windows), chunk) == batch.key
+    attention = [layer for layer in batch.layers if isinstance(layer, BatchLayerCache)]
+    held = sum(layer.nbytes for layer in attention)
+    layer = held / len(attention)  # one layer of the batch (Gemma 4's: 3 cache layers for 5)
     stand_ins = [list(s.cache) for s in rows]
     rises, kept = decode_rises(runner, rows, 2)  # the join, then a step of rows already decoding
     # the join step costs what a steady step costs (activations, the quantized step's
     # dequantized scores): no row is copied; the old join's copy shows (the measure can fail)
-    assert rises[0] <= rises[1] + kv / (4 * layers), (rises, kv)
-    assert old_rise > rises[1] + kv / 5, (old_rise, rises, kv)
-    assert kept[0] < kv / (4 * layers)
+    assert rises[0] <= rises[1] + layer / 4, (rises, held)
+    assert old_rise > rises[1] + held / 5, (old_rise, rises, held)
+    assert kept[0] < layer / 4
     assert all(a is b for s, old in zip(rows, stand_ins) for a, b in zip(s.cache, old))
-    assert [r.offset for r in batch.layout.rows] == [302, 312]
+    return kv, batch
+
+
+@pytest.mark.parametrize("family", ["rotating", "mistral", "gemma3", "gemma4"])
+def test_a_rotating_join_copies_nothing(family, llama, tmp_path):
+    """The same for rotating rows (chunks of 128 past windows of 16 to 96: written in pieces
+    of at most the window, the ring turning inside a chunk), models mixing sliding and global
+    layers (one slot layout per kind of layer, a row in each), and Gemma 4's KV-shared layers."""
+    model, settings = rotating_model(family, llama, tmp_path)
+    _, batch = assert_join_copies_nothing(model, settings)
+    for kind, layout in batch.layouts.items():
+        assert [r.offset for r in layout.rows] == [302, 312]
+        if kind[0].rotating:  # every row's slots full: its ring turns
+            assert all(r.used == kind[0].capacity for r in layout.rows), (kind, layout.rows)
 
 
 def decode_rises(runner: BatchRunner, rows: list[Stub], steps: int) -> tuple[list[int], list[int]]:
@@ -112,20 +135,29 @@ def decode_rises(runner: BatchRunner, rows: list[Stub], steps: int) -> tuple[lis
 
 
 def staggered(model, tokenizer, settings: CacheSettings | None, prompts: list[list[int]], tokens: list[int],
-              max_batch: int, **options) -> list[list[int]]:
+              max_batch: int, seats: bool = True, **options) -> list[list[int]]:
     """Each prompt submitted once the one before has its first token (``in_turn``) to an engine
-    of ``max_batch`` rows (and ``options``); every reply's tokens."""
+    of ``max_batch`` rows (and ``options``); every reply's tokens. ``seats``: whether every
+    sequence takes its batch row at admission (else each joins at its first decode step)."""
     engine = Engine(model, tokenizer, max_batch=max_batch, cache_settings=settings, prefill_chunk=CHUNK,
                     step_tokens=2 * CHUNK, prefix_cache_bytes=0, **options)
-    return in_turn(engine, [GenerationRequest(p, max_tokens=n) for p, n in zip(prompts, tokens)])
+    return in_turn(engine, [GenerationRequest(p, max_tokens=n) for p, n in zip(prompts, tokens)], seats)
 
 
-def in_turn(engine: Engine, requests: list[GenerationRequest]) -> list[list[int]]:
+def in_turn(engine: Engine, requests: list[GenerationRequest], seats: bool | None = None) -> list[list[int]]:
     """Each request submitted once the one before has its first token (the earlier ones decode
     while it prefills); every reply's tokens. No step may fail (a failed step is rerun row by
-    row, which would hide a fault behind equal replies)."""
-    failed = []
+    row, which would hide a fault behind equal replies). ``seats``: whether every sequence must
+    (or must not) have taken its batch row at admission."""
+    failed, seated = [], []
     engine._decode_alone = lambda *args: failed.append(args) or []  # type: ignore[method-assign]
+    seat = engine.runner.seat
+
+    def recorded_seat(sequence) -> None:
+        seat(sequence)
+        seated.append(all(isinstance(c, (RowCache, StateRowCache)) for c in sequence.cache))
+
+    engine.runner.seat = recorded_seat  # type: ignore[method-assign]
     streams = []
     with engine:
         for request in requests:
@@ -134,6 +166,8 @@ def in_turn(engine: Engine, requests: list[GenerationRequest]) -> list[list[int]
             streams[-1].append(stream)
         replies = [[first.token] + [e.token for e in rest if e.token is not None] for first, rest in streams]
     assert not failed
+    if seats is not None:
+        assert seated == [seats] * len(requests)
     return replies
 
 
@@ -148,10 +182,12 @@ TOKENS = [40, 10, 10, 10, 10]
 
 
 @pytest.mark.parametrize("settings", [None, CacheSettings(kv_bits=8, kv_group_size=32),
-                                      CacheSettings(max_kv_size=24, keep=2)], ids=["float", "kv8", "rotating"])
+                                      CacheSettings(max_kv_size=24, keep=2),
+                                      CacheSettings(max_kv_size=24, keep=2, kv_bits=8, kv_group_size=32)],
+                         ids=["float", "kv8", "rotating", "rotating_kv8"])
 def test_staggered_requests_equal_each_alone(llama, settings):
     """Five prompts, three rows: rows are taken at admission, freed and reused, the batch grows
-    its rows and its slots."""
+    its rows and its slots (a rotating row: its ring turns, two chunks of a prompt in a step)."""
     model, tokenizer = llama
     got = staggered(model, tokenizer, settings, PROMPTS, TOKENS, max_batch=3)
     assert got == [alone(model, tokenizer, settings, p, n) for p, n in zip(PROMPTS, TOKENS)]
@@ -167,13 +203,29 @@ HYBRID = dict(num_hidden_layers=4, head_dim=32, linear_num_key_heads=2, linear_n
 
 @pytest.mark.parametrize("family", ["deepseek_v2", "qwen3_5_text"], ids=["mla", "hybrid"])
 def test_staggered_requests_equal_each_alone_mla_and_hybrid(family, tmp_path):
-    directory, _ = write_tiny_checkpoint(tmp_path, family, **(MLA if family == "deepseek_v2" else HYBRID))
-    write_byte_tokenizer(directory)
-    model, tokenizer = load(directory, dtype=mx.float32)
-    tokenizer.eos_token_ids = []
+    model, tokenizer = tiny_model(tmp_path, family, **(MLA if family == "deepseek_v2" else HYBRID))
     prompts = [ids(30, 1), ids(21, 2), ids(9, 3), ids(40, 4)]
     got = staggered(model, tokenizer, None, prompts, [8] * 4, max_batch=2)
     assert got == [alone(model, tokenizer, None, p, 8) for p in prompts]
+
+
+@pytest.mark.parametrize("family, window", [("mistral", 20), ("gemma3", 8), ("gemma4", 7)])
+def test_staggered_requests_equal_each_alone_sliding(family, window, tmp_path):
+    """Sliding-window layers (Mistral's, every layer; Gemma 3's between global layers; Gemma 4's
+    too, its last layers reading earlier layers' keys/values) in rows: windows smaller than the
+    prompts, chunks of 12 crossing them (a window of 8 or 7 takes a chunk in two pieces)."""
+    model, tokenizer = sliding_model(tmp_path, family, window, layers=4)
+    got = staggered(model, tokenizer, None, PROMPTS, TOKENS, max_batch=3)
+    assert got == [alone(model, tokenizer, None, p, n) for p, n in zip(PROMPTS, TOKENS)]
+
+
+def tiny_model(directory, family: str, **config):
+    """A tiny random ``family`` model with the byte tokenizer, float32, no end of sequence."""
+    write_tiny_checkpoint(directory, family, **config)
+    write_byte_tokenizer(directory)
+    model, tokenizer = load(directory, dtype=mx.float32)
+    tokenizer.eos_token_ids = []
+    return model, tokenizer
 
 
 def test_staggered_requests_cross_quantized_kv_start_in_their_rows(llama, monkeypatch):
@@ -202,3 +254,38 @@ def test_staggered_requests_cross_quantized_kv_start_in_their_rows(llama, monkey
     assert not any(copied_out)
     # five rows seated empty at admission, three re-encoded into the quantized batch where they crossed
     assert len(seated) == 8 and seated.count((None, 0)) == 5 and seated.count((8, 36)) == 3, seated
+
+
+_S, _F = "sliding_attention", "full_attention"
+# Gemma 4 E2B-like (``tests/test_gemma4.py``): per-layer inputs, the last two layers reading the
+# keys/values of the last earlier layer of their kind, which has a head size of its own
+GEMMA4 = dict(hidden_size=40, num_attention_heads=3, num_key_value_heads=1, head_dim=16, global_head_dim=24,
+              intermediate_size=36, final_logit_softcapping=30.0, num_hidden_layers=5, layer_types=[_S, _F, _S, _S, _F],
+              hidden_size_per_layer_input=6, vocab_size_per_layer_input=256, num_kv_shared_layers=2,
+              use_double_wide_mlp=True)
+
+
+def sliding_model(directory, family: str, window: int, layers: int):
+    """Mistral (every layer slides), Gemma 3 (sliding and global layers in turn) with ``window``,
+    or the Gemma 4 above (``layers`` aside)."""
+    if family == "gemma4":
+        model, tokenizer = tiny_model(directory, "gemma4_text", sliding_window=window, **GEMMA4)
+        assert model.args.num_kv_shared_layers == 2
+        assert [layer.window for layer in model.layers] == [window, None, window, window, None]
+        return model, tokenizer
+    if family == "mistral":
+        model, tokenizer = tiny_model(directory, "mistral", head_dim=32, sliding_window=window, num_hidden_layers=layers)
+    else:
+        model, tokenizer = tiny_model(directory, "gemma3_text", head_dim=32, sliding_window=window,
+                                      query_pre_attn_scalar=16, num_hidden_layers=layers,
+                                      layer_types=[_S, _F] * (layers // 2))
+    expected = [window] * layers if family == "mistral" else [window, None] * (layers // 2)
+    assert [layer.window for layer in model.layers] == expected
+    return model, tokenizer
+
+
+def rotating_model(family: str, llama, directory) -> tuple:
+    """``test_a_rotating_join_copies_nothing``'s model and cache settings."""
+    if family == "rotating":
+        return llama[0], CacheSettings(max_kv_size=96, keep=2)
+    return sliding_model(directory, family, {"mistral": 48, "gemma3": 24, "gemma4": 16}[family], LAYERS)[0], CacheSettings()

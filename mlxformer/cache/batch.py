@@ -86,6 +86,16 @@ class Row:
     metas: list[dict[str, str]] = field(default_factory=list)  # each layer's cache settings, to rebuild it
 
 
+def in_window(visible: mx.array, positions: mx.array, query: mx.array, kind: StorageKind, window: int | None) -> mx.array:
+    """``visible`` (keys at ``positions``, queries at ``query``) narrowed to what the window
+    shows: a rotating cache's sinks and last ``max_size - keep`` tokens, a sliding ``window``."""
+    if kind.max_size is not None:
+        visible = visible & ((positions < kind.keep) | (positions > query - (kind.max_size - kind.keep)))
+    if window is not None:
+        visible = visible & (positions > query - window)
+    return visible
+
+
 class BatchLayout:
     """Which position each slot of each row holds; the slots, offsets and mask of the next step."""
 
@@ -157,10 +167,7 @@ class BatchLayout:
         else:
             self._next = positions
             visible = (positions >= 0) & (positions <= query)
-        if self.kind.max_size is not None:
-            visible &= (positions < self.kind.keep) | (positions > query - (self.kind.max_size - self.kind.keep))
-        if self.window is not None:
-            visible &= positions > query - self.window
+        visible = in_window(visible, positions, query, self.kind, self.window)
         self.mask = visible[:, None, None, :]  # (B, 1, 1, C)
         self.key_blocks = mx.maximum(positions, 0) // CENTER_BLOCK
         self.query_blocks = query // CENTER_BLOCK

@@ -1,8 +1,8 @@
 """KV in one place (issue 32): a sequence's keys/values live in its row of a decode batch from
 its first prompt chunk on, so joining the decode steps moves nothing.
 
-A ``SpareBatch`` is a ``DecodeBatch`` of growing caches (float or quantized from the first token)
-whose buffers ``(capacity, n_kv, C, ...)`` keep spare rows. A sequence takes a free row when it is
+A ``SpareBatch`` is a ``DecodeBatch`` of growing or rotating caches (float or quantized from the
+first token) whose buffers ``(capacity, n_kv, C, ...)`` keep spare rows. A sequence takes a free row when it is
 admitted (``seat``: an empty row, or a prefix-cache hit's tokens written into it); its prompt
 chunks write there through ``RowCache`` (one layer of one row behind the cache protocol: ``L``
 slots written in place, a causal mask, attention over the row's slots, exactly what its own
@@ -23,7 +23,10 @@ removes it, so the buffers are the rows in use times the widest row, what the pl
 (``engine/memory.py``); each such rewrite, and a widening (``reserve``), is done one layer at a
 time, each evaluated before the next, so only one layer is ever held twice.
 
-Rotating caches keep ``DecodeBatch``'s join-on-first-decode path (``batch_runner``).
+A rotating cache (a ``max_kv_size`` window, a sliding-window layer) lives in a row of a ring
+(``cache/rotating_rows.py``); a model mixing sliding-window and global layers keeps one slot
+layout per kind of layer, each with the sequence's row at the same index. Not under a KV budget
+(rotating rows keep ``DecodeBatch``'s join-on-first-decode path there) nor beside recurrent layers.
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ from mlxformer.cache.batch import BatchKey, BatchLayerCache, DecodeBatch, Row, _
 from mlxformer.cache.codec import CENTER_BLOCK, FLOAT_CODEC, KVCodec, Pack, center_blocks, pack_nbytes, pack_slice
 from mlxformer.cache.kv import CodecAttention, KVCache
 from mlxformer.cache.protocol import Cache
+from mlxformer.cache.rotating import RotatingKVCache
+from mlxformer.cache.rotating_rows import RingWrites, held, own_ring_cache, placement
 from mlxformer.cache.state import StateCache
 from mlxformer.cache.state_rows import StateRowCache, StateRows
 from mlxformer.cache.rewrite import evaluate_rewrite
@@ -47,14 +52,20 @@ Blank = tuple[Pack, Pack]  # a layer's keys/values pack of one row and one slot 
 
 def seatable(caches: Sequence[Cache]) -> bool:
     """Whether a sequence's own caches can live in a ``SpareBatch`` row: growing caches (float,
-    quantized, or turning quantized at ``quantized_kv_start``), maybe beside recurrent states."""
-    return any(type(c) is KVCache for c in caches) and all(type(c) in (KVCache, StateCache) for c in caches)
+    quantized, or turning quantized at ``quantized_kv_start``) or rotating ones quantized from the
+    first token if at all, maybe beside recurrent states."""
+    attention = [c for c in caches if type(c) is not StateCache]
+    return bool(attention) and all(
+        type(c) is KVCache or (type(c) is RotatingKVCache and (c.bits is None or c.codec.bits is not None))
+        for c in attention)
 
 
 def spare_kind(key: BatchKey) -> bool:
-    """Whether a batch of ``key`` is a ``SpareBatch``: every attention layer a growing cache,
-    stored alike (one slot layout for all), maybe beside recurrent layers."""
+    """Whether a batch of ``key`` is a ``SpareBatch``: attention layers growing or rotating;
+    recurrent layers only beside one kind of growing layer (their rows follow its layout)."""
     attention = {kind for kind in key if not kind[0].recurrent}
+    if len(attention) == len({kind for kind in key}):
+        return bool(attention)
     return len(attention) == 1 and not next(iter(attention))[0].rotating
 
 
@@ -72,27 +83,27 @@ class SpareBatch(DecodeBatch):
         self.max_rows = max_rows
         self.staged = staged  # under a KV budget: no spare rows, every rewrite one layer at a time
         self.free: list[int] = []
-        # growing caches stored alike: one slot layout for every attention layer, whose rows a
-        # recurrent layer's rows follow (one ``Row`` per sequence for all layers)
+        # one slot layout per kind of attention layer, each with a sequence's row at the same
+        # index; a recurrent layer's rows follow the one attention layout (``spare_kind``)
         self.layouts = {kind: layout for kind, layout in self.layouts.items() if not kind[0].recurrent}
-        (layout,) = self.layouts.values()
-        self.layout = layout
-        for (keys, values), (storage, _) in zip(blanks, key):
+        self.layout = next(iter(self.layouts.values()))  # the first kind's (the recurrent rows')
+        for (keys, values), kind in zip(blanks, key):
+            storage = kind[0]
             if storage.recurrent:
                 (conv,), (state,) = keys, values
-                self.layers.append(StateRows(layout, mx.zeros((0, *conv.shape[1:]), conv.dtype),
+                self.layers.append(StateRows(self.layout, mx.zeros((0, *conv.shape[1:]), conv.dtype),
                                              mx.zeros((0, *state.shape[1:]), state.dtype)))
                 continue
             codec = FLOAT_CODEC if storage.bits is None else KVCodec(storage.bits, storage.group_size)
-            self.layers.append(BatchLayerCache(layout, codec, _rows_of(keys, 0, 0), _rows_of(values, 0, 0)))
+            self.layers.append(BatchLayerCache(self.layouts[kind], codec, _rows_of(keys, 0, 0), _rows_of(values, 0, 0)))
 
     def __len__(self) -> int:
         """Rows in use (a row's share of the buffers is theirs over this)."""
-        return len(self.layout.rows) - len(self.free)
+        return self.capacity - len(self.free)
 
     @property
     def capacity(self) -> int:
-        return len(self.layout.rows)
+        return len(self.layout.rows)  # every kind's layout has a row per sequence
 
     @property
     def keeps_free_rows(self) -> bool:
@@ -105,11 +116,12 @@ class SpareBatch(DecodeBatch):
         once, and the new rows are free."""
         old = self.capacity
         new = old + 1 if self.staged else max(old + 1, min(2 * old, self.max_rows or 2 * old))
-        extra, width = new - old, self.layout.width
+        extra = new - old
         for layer in self.layers:
             if isinstance(layer, StateRows):
                 layer.add_rows(extra)
                 continue
+            width = layer.layout.width
             layer.keys, layer.values = _pad(layer.keys, width), _pad(layer.values, width)
             layer.keys = tuple(mx.concatenate([x, *_rows_of((x,), extra, width)]) for x in layer.keys)
             layer.values = tuple(mx.concatenate([x, *_rows_of((x,), extra, width)]) for x in layer.values)
@@ -119,40 +131,57 @@ class SpareBatch(DecodeBatch):
                 layer.codec = KVCodec(layer.codec.bits, layer.codec.group_size, center)
             if self.staged:
                 evaluate_rewrite(layer.state)
-        empty = mx.full((extra, self.layout.positions.shape[1]), -1, dtype=mx.int32)
-        self.layout.positions = mx.concatenate([self.layout.positions, empty])
-        self.layout.rows += [Row(0, 0, 0) for _ in range(extra)]
+        for layout in self.layouts.values():
+            empty = mx.full((extra, layout.positions.shape[1]), -1, dtype=mx.int32)
+            layout.positions = mx.concatenate([layout.positions, empty])
+            layout.rows += [Row(0, 0, 0) for _ in range(extra)]
         self.free += range(old, new)
 
     def seat(self, caches: list[Cache]) -> tuple[int, list["RowCache | StateRowCache"]]:
-        """A free row for a sequence with own ``caches`` (growing, maybe holding a prefix-cache
-        hit's tokens and states, written into the row: nothing else is copied); returns its
-        index and its caches from now on. ``staged``: each layer written is evaluated and the own
-        layer dropped (its entry becomes None), as ``DecodeBatch.join`` does."""
+        """A free row for a sequence with own ``caches`` (maybe holding a prefix-cache hit's
+        tokens and states, written into the row: ``placement``; nothing else is copied); returns
+        its index and its caches from now on. ``staged``: each layer written is evaluated and the
+        own layer dropped (its entry becomes None), as ``DecodeBatch.join`` does."""
         if not self.free:
             self._grow()
         index = self.free.pop(0)
-        used = int(caches[0].offset)
-        row = Row(used, used, used, [c.meta_state for c in caches])
-        self.layout.rows[index] = row
-        if used:
-            self.layout.fit(used)
-            self.layout.positions = self.layout.padded()
-            self.layout.positions[index, :used] = mx.arange(used, dtype=mx.int32)
-        pendings = [0] * self.n_layers  # shared by the row's caches (``RowCache.pending``)
-        views = [StateRowCache(self, row, layer, pendings) if isinstance(self.layers[layer], StateRows)
-                 else RowCache(self, row, layer, pendings) for layer in range(self.n_layers)]
-        for layer, view in enumerate(views):
-            own = caches[layer]
+        metas = [c.meta_state for c in caches]
+        kept = [None if isinstance(c, StateCache) else held(c) for c in caches]
+        rows, spans, pendings = {}, {}, {}
+        for kind, layers in self.groups.items():
+            if kind[0].recurrent:
+                continue
+            layout = self.layouts[kind]
+            have = kept[layers[0]]
+            positions = have[2] if have is not None else []
+            rows[kind], spans[kind] = placement(kind[0], positions, int(caches[layers[0]].offset), metas)
+            pendings[kind] = {layer: 0 for layer in layers}  # shared by the row's caches (``RowCache.pending``)
+            layout.rows[index] = rows[kind]
+            if positions:
+                layout.fit(rows[kind].used)
+                layout.positions = layout.padded()
+                for slot, token, n in spans[kind]:
+                    layout.positions[index, slot : slot + n] = mx.array(positions[token : token + n], dtype=mx.int32)
+        first = next(iter(self.layouts))  # the kind whose row a recurrent layer's follows
+        views: list[RowCache | StateRowCache] = []
+        for layer, kind in enumerate(self.key):
+            if kind[0].recurrent:
+                pendings[first][layer] = 0
+                views.append(StateRowCache(self, rows[first], layer, pendings[first]))
+            else:
+                views.append((RingRowCache if kind[0].rotating else RowCache)(self, rows[kind], layer, pendings[kind]))
+        for layer, (own, view, have, kind) in enumerate(zip(caches, views, kept, self.key)):
             if isinstance(view, StateRowCache):
                 assert isinstance(own, StateCache)
                 view.reset(own)  # a freed row holds its last sequence's state
-            elif used:
-                assert isinstance(own, KVCache) and own.keys is not None and own.values is not None
-                view.write(index, 0, pack_slice(own.keys, 0, used), pack_slice(own.values, 0, used), own.codec, used)
-                if self.staged:
-                    evaluate_rewrite(self.layers[layer].state)
-                    caches[layer] = None  # type: ignore[call-overload]  # its keys/values now live in the row
+                continue
+            for slot, token, n in spans[kind] if have is not None else ():
+                keys, values, _ = have
+                view.write(index, slot, pack_slice(keys, token, token + n), pack_slice(values, token, token + n),
+                           own.codec, slot + n)  # type: ignore[attr-defined]
+            if have is not None and self.staged:
+                evaluate_rewrite(self.layers[layer].state)
+                caches[layer] = None  # type: ignore[call-overload]  # its keys/values now live in the row
         return index, views
 
     def reserve(self, slots: int) -> None:
@@ -171,27 +200,32 @@ class SpareBatch(DecodeBatch):
         ``staged`` batches remove it (the other rows move up, one layer at a time)."""
         if self.staged:
             return super().leave(index, keep, staged=True)
-        row = self.layout.rows[index]
-        caches: list[Cache] = []
-        if keep:
-            positions = mx.arange(row.used, dtype=mx.int32)
-            caches = [_row_cache(layer, index, row, meta, positions, copy=True)
-                      for layer, meta in zip(self.layers, row.metas)]  # type: ignore[arg-type]
-        self.layout.rows[index] = Row(0, 0, 0)
-        self.layout.positions[index] = -1
+        caches = [self._own(layer, index, copy=True) for layer in range(self.n_layers)] if keep else []
+        for layout in self.layouts.values():
+            layout.rows[index] = Row(0, 0, 0)
+            layout.positions[index] = -1
         self.free.append(index)
         self.free.sort()
         return caches
 
     def row_caches(self, index: int) -> list[Cache]:
-        """Row ``index`` as per-sequence caches (keys/values: views of the buffers; states: copies)."""
-        row = self.layout.rows[index]
-        positions = self.layout.positions[index, : row.used]
-        return [_row_cache(layer, index, row, meta, positions, copy=False)  # type: ignore[arg-type]
-                for layer, meta in zip(self.layers, row.metas)]
+        """Row ``index`` as per-sequence caches (a growing layer's: views of the buffers; a
+        rotating layer's: its window copied in time order; states: copies)."""
+        return [self._own(layer, index, copy=False) for layer in range(self.n_layers)]
+
+    def _own(self, layer: int, index: int, copy: bool) -> Cache:
+        """Layer ``layer`` of row ``index`` as the per-sequence cache it stands for."""
+        batched = self.layers[layer]
+        if isinstance(batched, StateRows):
+            row = self.layout.rows[index]
+            return _row_cache(batched, index, row, row.metas[layer], mx.arange(0), copy)
+        row = batched.layout.rows[index]
+        if batched.layout.kind.rotating:
+            return own_ring_cache(batched, index, row, row.metas[layer])
+        return _row_cache(batched, index, row, row.metas[layer], mx.arange(row.used, dtype=mx.int32), copy)
 
     def index(self, row: Row) -> int:
-        return next(i for i, r in enumerate(self.layout.rows) if r is row)
+        return next(i for layout in self.layouts.values() for i, r in enumerate(layout.rows) if r is row)
 
 
 class RowCache(CodecAttention):
@@ -199,10 +233,10 @@ class RowCache(CodecAttention):
     while its keys/values live in the batch (its prompt chunks, a rollback's trim, the views the
     prefix cache cuts blocks from). A chunk's write is counted in ``pending`` until the runner
     ``settle``s the forward (the row, shared by every layer, then moves once); a trim back into
-    the row too, until every layer has trimmed to the same length (``pendings``: every layer's,
-    shared by the row's caches)."""
+    the row too, until every layer has trimmed to the same length (``pendings``: the row's
+    layers', shared by their caches)."""
 
-    def __init__(self, batch: SpareBatch, row: Row, layer: int, pendings: list[int]) -> None:
+    def __init__(self, batch: SpareBatch, row: Row, layer: int, pendings: dict[int, int]) -> None:
         self.batch, self.row, self.layer, self.pendings = batch, row, layer, pendings
         self.codec: KVCodec = FLOAT_CODEC  # the row's own (its key centers), for its attention
 
@@ -238,8 +272,8 @@ class RowCache(CodecAttention):
         """Write packed ``keys``/``values`` (``stop - start`` slots, encoded with ``codec``) into
         the row's slots ``start:stop``, and the row's key centers into the batch's."""
         layer = self._layer
-        self.batch.layout.fit(stop)
-        width = self.batch.layout.width
+        layer.layout.fit(stop)
+        width = layer.layout.width
         layer.keys, layer.values = _pad(layer.keys, width), _pad(layer.values, width)
         for target, source in zip(layer.keys + layer.values, keys + values):
             target[index : index + 1, :, start:stop, :] = source  # in place (its own row only)
@@ -292,14 +326,15 @@ class RowCache(CodecAttention):
             return 0
         n = min(n, self.offset)
         self.pending -= n
-        if self.pending < 0 and len(set(self.pendings)) == 1:
+        if self.pending < 0 and len(set(self.pendings.values())) == 1:
             target = self.offset
             index = self.batch.index(self.row)
-            layout = self.batch.layout
+            layout = self._layer.layout
             layout.positions = layout.padded()
             layout.positions[index, target:] = -1
             self.row.used = self.row.offset = self.row.idx = target
-            self.pendings[:] = [0] * len(self.pendings)
+            for layer in self.pendings:
+                self.pendings[layer] = 0
         return n
 
     @property
@@ -307,17 +342,39 @@ class RowCache(CodecAttention):
         return (pack_nbytes(self._layer.keys) + pack_nbytes(self._layer.values)) // max(1, len(self.batch))
 
 
+    def settled(self) -> None:
+        """The forward's writes are recorded (``settle``)."""
+        self.pending = 0
+
+    def record(self) -> None:
+        """Record the pending tokens in the row (``settle``): the slots after its last."""
+        index, start, stop = self.batch.index(self.row), self.row.offset, self.offset
+        layout = self._layer.layout
+        layout.positions = layout.padded()
+        layout.positions[index, start:stop] = mx.arange(start, stop, dtype=mx.int32)
+        self.row.used = self.row.offset = self.row.idx = stop
+
+
+class RingRowCache(RingWrites, RowCache):  # type: ignore[misc]
+    """One layer of a rotating row (``cache/rotating_rows.py``): a chunk written at the ring's
+    next slots and attended piece by piece."""
+
+    def trim(self, n: int) -> int:
+        """As a growing row's, while the row holds every token in order (else nothing: 0)."""
+        return RowCache.trim(self, n) if self.trim_possible() else 0
+
+
 def settle(caches: Sequence[Cache]) -> None:
-    """After a forward was built on a sequence's caches: record in its row what its
-    ``RowCache``s (and ``StateRowCache``s) wrote (every layer wrote the same slots: the row moves once)."""
+    """After a forward was built on a sequence's caches: record in its rows what its
+    ``RowCache``s (and ``StateRowCache``s) wrote (the layers of one kind wrote the same slots:
+    each row moves once)."""
     rows = [c for c in caches if isinstance(c, (RowCache, StateRowCache))]
     if not rows or rows[0].pending <= 0:
         return
-    first = rows[0]
-    index, start, stop = first.batch.index(first.row), first.row.offset, first.offset
-    layout = first.batch.layout
-    layout.positions = layout.padded()
-    layout.positions[index, start:stop] = mx.arange(start, stop, dtype=mx.int32)
-    first.row.used = first.row.offset = first.row.idx = stop
+    moved: set[int] = set()
     for cache in rows:
-        cache.pending = 0
+        if isinstance(cache, RowCache) and id(cache.row) not in moved:
+            moved.add(id(cache.row))
+            cache.record()
+    for cache in rows:
+        cache.settled()

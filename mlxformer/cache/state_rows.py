@@ -93,7 +93,7 @@ class StateRowCache:
     """One recurrent layer of one ``SpareBatch`` row behind the cache protocol (module doc); a
     chunk's tokens count in ``pending`` until the runner settles the forward (``rows.settle``)."""
 
-    def __init__(self, batch: "SpareBatch", row: "Row", layer: int, pendings: list[int]) -> None:
+    def __init__(self, batch: "SpareBatch", row: "Row", layer: int, pendings: dict[int, int]) -> None:
         self.batch, self.row, self.layer, self.pendings = batch, row, layer, pendings
         self.keep = max(1, int(row.metas[layer]["keep"]))  # the sequence's own cache's
 
@@ -154,6 +154,10 @@ class StateRowCache:
 
     def trim(self, n: int) -> int:
         return 0  # no past states kept (module doc)
+
+    def settled(self) -> None:
+        """The forward's advance is recorded (``rows.settle``: the attention layers' row moved)."""
+        self.pending = 0
 
     @property
     def nbytes(self) -> int:

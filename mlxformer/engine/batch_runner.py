@@ -23,6 +23,7 @@ from mlxformer.cache.packed import PackedLayerCache, Segment, positions
 from mlxformer.engine.prompt_scores import PromptScores
 from mlxformer.cache.batch import BatchKey, DecodeBatch, batch_key, quantizes_next, row_quantizes_next
 from mlxformer.cache.codec import FLOAT_CODEC, KVCodec
+from mlxformer.cache.rotating_rows import ring_key
 from mlxformer.cache.rows import Blank, RowCache, SpareBatch, seatable, settle, spare_kind
 from mlxformer.cache.state_rows import state_blank
 from mlxformer.models.decoder import Attention, Model
@@ -82,25 +83,46 @@ class BatchRunner:
         # evaluated before the next: only one layer is ever held twice (set under a KV budget)
         self.staged = False
         self.max_rows: int | None = None  # a batch's spare rows grow up to this (the engine's max_batch)
+        # the tokens of a prompt chunk (the engine's prefill_chunk): a rotating row keeps slots
+        # for one beyond its window (``cache/rotating_rows.py``; a longer chunk goes in pieces)
+        self.prefill_chunk: int | None = None
         self._dtype: mx.Dtype | None = None  # the keys' dtype (the model's)
 
     def seat(self, sequence: Decoding) -> None:
         """Give an admitted sequence its row in the decode batch of its kind now, when its caches
         can live there (``cache/rows.py``): its prompt chunks (and a speculating sequence's
         rounds) write there and joining the decode steps moves nothing."""
-        if self.model.args.num_kv_shared_layers or not seatable(sequence.cache):
-            return
         kind = batch_key(sequence.cache, self.windows)
+        if not seatable(sequence.cache) or not self._spare(kind):
+            return
+        if sequence.speculator is not None and any(storage.rotating for storage, _ in kind):
+            return  # a ring that has turned cannot rewind a rejected round (``RingRowCache.trim``)
+        kind = self._key(sequence.cache)
         batch = self._batch(kind)
         assert isinstance(batch, SpareBatch)
         index, sequence.cache = batch.seat(sequence.cache)  # type: ignore[assignment]
         self._place(kind, index, sequence)
 
+    def _key(self, caches: Sequence[Cache]) -> BatchKey:
+        """The batch a sequence with per-layer ``caches`` joins (a rotating layer's rows keep
+        slots beyond the window for a prompt chunk when the batch has spare rows)."""
+        kind = batch_key(caches, self.windows)
+        return ring_key(kind, self.prefill_chunk or 1) if self._spare(kind) else kind
+
+    def _spare(self, kind: BatchKey) -> bool:
+        """Whether the batch of ``kind`` has spare rows (``cache/rows.py``). Not with a rotating
+        layer in an MLA model (a rotating row attends through the cache, ``attention``, which MLA's
+        many-query path passes by) nor under a KV budget."""
+        rotating = any(storage.rotating for storage, _ in kind)
+        if rotating and (self.staged or self.model.args.attention_type == "mla"):
+            return False  # under a budget: the planner counts no ring's extra slots (not done)
+        return spare_kind(kind) and not (self.staged and self.model.args.num_kv_shared_layers)
+
     def _batch(self, kind: BatchKey) -> DecodeBatch:
         """The batch of ``kind``, made when first needed (with spare rows when it can have them)."""
         if kind not in self.batches:
-            zero_copy = spare_kind(kind) and not self.model.args.num_kv_shared_layers
-            self.batches[kind] = (SpareBatch(kind, self._blank(kind), self.max_rows, self.staged) if zero_copy
+            spare = self._spare(kind)
+            self.batches[kind] = (SpareBatch(kind, self._blank(kind), self.max_rows, self.staged) if spare
                                   else DecodeBatch(kind))
         return self.batches[kind]
 
@@ -224,7 +246,7 @@ class BatchRunner:
             if sequence.speculator is not None or any(quantizes_next(c) for c in sequence.cache):
                 alone.append(sequence)
             else:
-                joining.setdefault(batch_key(sequence.cache, self.windows), []).append(sequence)
+                joining.setdefault(self._key(sequence.cache), []).append(sequence)
         for kind, newcomers in joining.items():
             batch = self._batch(kind)
             if isinstance(batch, SpareBatch):  # each into a free row (its keys/values copied there)
@@ -262,7 +284,7 @@ class BatchRunner:
         for cache in own:
             if isinstance(cache, KVCache):
                 cache.quantize_storage()
-        quantized = batch_key(own, self.windows)
+        quantized = self._key(own)
         batch = self._batch(quantized)
         assert isinstance(batch, SpareBatch)
         new_index, views = batch.seat(own)

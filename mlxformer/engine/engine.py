@@ -93,6 +93,7 @@ class Engine(Admission):
         self.runner.staged = self.budget is not None  # a request's peak is then its own size (memory.py)
         self._reserve(max_batch, kv_dtype)
         self.runner.max_rows = max_batch  # a decode batch's spare rows (cache/rows.py)
+        self.runner.prefill_chunk = self.scheduler.prefill_chunk  # a rotating row's slots past its window
         self.sharing.caches = self.runner.caches  # a prefilling sequence's keys/values are in its row
         self.vocab_size = model.args.vocab_size
         self.metrics = EngineMetrics(metrics)

@@ -1,0 +1,256 @@
+"""Rotating rows: a rotating cache's window (a ``max_kv_size`` window, a sliding-window layer)
+living in its row of a ``SpareBatch`` (``cache/rows.py``) from the first prompt chunk on.
+
+A row of a rotating kind holds ``extra`` slots more than its cache's ``max_size + slack``
+(``ring_key``: the batch key's capacity is the cache's plus ``extra``). Its slots fill, then
+its ring over slots ``keep..capacity-1`` is written in turn, as a decode step writes it
+(``BatchLayout.commit``). A prompt chunk writes its tokens in place at the ring's next slots
+and attends over the row's slots, masked by the positions they hold (``RingWrites``): a piece
+of at most ``extra + 1`` tokens overwrites only the oldest ring tokens, at least
+``max_size - keep + slack`` behind its first query, which no query of the piece sees; a
+longer chunk is written and attended piece by piece. A row that does not take a decode step
+writes the step's scratch at its next slot (``BatchLayout.prepare``): a free slot, or the
+oldest ring slot, whose token is out of every later query's window and (``extra >= 1``) not
+among the ``max_size + slack`` tokens the row gives back as a per-sequence cache
+(``own_ring_cache``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import TYPE_CHECKING, Callable, Sequence
+
+import mlx.core as mx
+
+from mlxformer.cache.batch import BatchKey, BatchLayerCache, Row, StorageKind, _rebuild, in_window
+from mlxformer.cache.codec import CENTER_BLOCK, KVCodec, Pack, center_blocks, pack_slice
+from mlxformer.cache.latent import latent_attention
+from mlxformer.cache.rotating import RotatingKVCache
+from mlxformer.models.mask import Mask
+
+if TYPE_CHECKING:
+    from mlxformer.cache.rows import SpareBatch
+
+Span = tuple[int, int, int]  # (first slot, first token of the chunk, tokens)
+
+
+def ring_extra(max_size: int, chunk: int) -> int:
+    """Slots a rotating row of window ``max_size`` keeps beyond its cache's: one prompt chunk
+    of ``chunk`` tokens written at once (at most a window's, at least one: the scratch)."""
+    return max(1, min(chunk, max_size) - 1)
+
+
+def ring_key(key: BatchKey, chunk: int) -> BatchKey:
+    """``key`` with each rotating layer's capacity grown by its ``ring_extra``."""
+    return tuple((_grown(storage, chunk), window) if storage.rotating else (storage, window) for storage, window in key)
+
+
+def _grown(storage: StorageKind, chunk: int) -> StorageKind:
+    assert storage.capacity is not None and storage.max_size is not None
+    return replace(storage, capacity=storage.capacity + ring_extra(storage.max_size, chunk))
+
+
+def ring_spans(used: int, idx: int, capacity: int, keep: int, count: int) -> tuple[list[Span], int, int]:
+    """Where ``count`` tokens go in a row with ``used`` slots and ring index ``idx`` (the
+    slots fill, then the ring over ``keep..capacity-1`` turns); the spans in token order (a
+    later span may overwrite an earlier one's slots) and the row's ``used`` and ``idx`` after."""
+    spans: list[Span] = []
+    token = 0
+    if used < capacity and count:
+        token = min(count, capacity - used)
+        spans.append((used, 0, token))
+        used += token
+        idx = used if used < capacity else keep
+    while token < count:
+        n = min(count - token, capacity - idx)
+        spans.append((idx, token, n))
+        token += n
+        idx = idx + n if idx + n < capacity else keep
+    return spans, used, idx
+
+
+def ring_slot(position: int, capacity: int, keep: int) -> int:
+    """The slot a rotating row filled from the first token holds ``position`` in."""
+    return position if position < keep else keep + (position - keep) % (capacity - keep)
+
+
+def placement(
+    storage: StorageKind, positions: list[int], offset: int, metas: list[dict[str, str]]
+) -> tuple[Row, list[Span]]:
+    """The row of a sequence whose own cache holds ``positions`` (oldest first) of its
+    ``offset`` tokens, and where they go: a growing row's from slot 0; a rotating row's each in
+    the slot a row filled from the first token holds it in (``ring_slot``), so a prefix-cache
+    hit's row is laid out as the row that computed it was (a chunk or a decode step then adds
+    its terms in the same order: the same result bit for bit), its older slots empty."""
+    if not storage.rotating or positions == list(range(offset)):
+        return Row(len(positions), offset, len(positions), metas), [(0, 0, len(positions))] if positions else []
+    assert storage.capacity is not None
+    capacity, keep = storage.capacity, storage.keep
+    spans: list[Span] = []
+    for token, position in enumerate(positions):
+        slot = ring_slot(position, capacity, keep)
+        if spans and spans[-1][0] + spans[-1][2] == slot:
+            spans[-1] = (spans[-1][0], spans[-1][1], spans[-1][2] + 1)
+        else:
+            spans.append((slot, token, 1))
+    return Row(capacity, offset, ring_slot(offset, capacity, keep), metas), spans
+
+
+def time_slots(row: Row, capacity: int, keep: int) -> list[int]:
+    """The row's used slots, oldest token first."""
+    if row.used < capacity or row.idx == keep:
+        return list(range(row.used))
+    return [*range(keep), *range(row.idx, capacity), *range(keep, row.idx)]
+
+
+def own_ring_cache(layer: BatchLayerCache, index: int, row: Row, meta: dict[str, str]) -> RotatingKVCache:
+    """Row ``index`` of a rotating layer as the per-sequence cache it stands for (``meta``):
+    its sinks and newest tokens in time order, at most its ``max_size + slack`` (copies)."""
+    kind = layer.layout.kind
+    assert kind.capacity is not None
+    capacity = int(meta["max_size"]) + int(meta.get("slack", "0"))
+    slots = time_slots(row, kind.capacity, kind.keep)
+    if len(slots) > capacity:
+        slots = slots[: kind.keep] + slots[len(slots) - (capacity - kind.keep) :]
+    order = mx.array(slots, dtype=mx.int32)
+    keys = tuple(mx.take(x[index : index + 1], order, axis=2) for x in layer.keys)
+    values = tuple(mx.take(x[index : index + 1], order, axis=2) for x in layer.values)
+    center = tuple(c[index : index + 1] for c in layer.codec.state)
+    positions = mx.take(layer.layout.padded()[index], order)
+    size = len(slots)
+    own = Row(size, row.offset, size if size < capacity else kind.keep)
+    cache = _rebuild(meta, own, keys + values + center, positions)
+    assert isinstance(cache, RotatingKVCache)
+    return cache
+
+
+def held(cache: object) -> tuple[Pack, Pack, list[int]] | None:
+    """A per-sequence cache's keys, values and the positions they hold, oldest first (None:
+    nothing yet)."""
+    if isinstance(cache, RotatingKVCache):
+        return None if cache.keys is None else cache.time_order()
+    keys, values, offset = cache.keys, cache.values, int(cache.offset)  # type: ignore[attr-defined]
+    if keys is None or not offset:
+        return None
+    return pack_slice(keys, 0, offset), pack_slice(values, 0, offset), list(range(offset))
+
+
+Piece = tuple[Pack, Pack, mx.array, mx.array]  # a piece's row keys, values, mask (count, C) and key blocks (C,)
+Attend = Callable[[tuple[mx.array, ...], Pack, Pack, mx.array, mx.array], mx.array]
+
+
+class RingWrites:
+    """What a rotating row's ``RowCache`` (``rows.RingRowCache``) does differently: a chunk is
+    written at the ring's next slots and attended piece by piece (module doc)."""
+
+    batch: "SpareBatch"
+    row: Row
+    layer: int
+    pending: int
+    codec: KVCodec
+    _layer: BatchLayerCache
+    offset: int
+    _row_codec: Callable[[int, int], KVCodec]
+    write: Callable[[int, int, Pack, Pack, KVCodec, int], None]
+    _written: tuple[Pack, list[tuple[int, int, Piece]]] | None = None  # the chunk written, its pieces
+
+    @property
+    def _kind(self) -> StorageKind:
+        return self._layer.layout.kind
+
+    def _pending(self) -> tuple[list[Span], int, int]:
+        """``ring_spans`` of the row's pending tokens (written, not yet recorded)."""
+        kind = self._kind
+        assert kind.capacity is not None
+        return ring_spans(self.row.used, self.row.idx, kind.capacity, kind.keep, self.pending)
+
+    def _positions(self, index: int) -> mx.array:
+        """The positions ``(C,)`` the row's slots hold with its pending tokens written."""
+        positions = self._layer.layout.padded()[index]
+        for slot, token, n in self._pending()[0]:
+            start = self.row.offset + token
+            positions[slot : slot + n] = mx.arange(start, start + n, dtype=mx.int32)
+        return positions
+
+    def make_mask(self, query_len: int, window: int | None) -> Mask:
+        return None  # each piece's mask is built where it attends (``_pieces``)
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Pack, Pack]:
+        """The chunk encoded (its key centers set); written when it attends."""
+        index, start, length = self.batch.index(self.row), self.offset, keys.shape[2]
+        positions = range(start, start + length)
+        self.codec = self._row_codec(index, start).with_key_center(keys, positions)
+        return self.codec.encode_keys(keys, center_blocks(positions)), self.codec.encode(values)
+
+    def attention(
+        self, queries: mx.array, keys: Pack, values: Pack, scale: float, mask: Mask, softcap: float | None = None,
+        sinks: mx.array | None = None,
+    ) -> mx.array:
+        return self._pieces((queries,), keys, values,
+                            lambda q, k, v, m, b: self.codec.attention(q[0], k, v, scale, m, softcap, b, sinks))
+
+    def latent_attention(
+        self, q_latent: mx.array, q_rope: mx.array, keys: Pack, values: Pack, scale: float, mask: Mask
+    ) -> mx.array:
+        return self._pieces((q_latent, q_rope), keys, values,
+                            lambda q, k, v, m, b: latent_attention(self.codec, q[0], q[1], k, v, scale, m, b))
+
+    def _pieces(self, queries: tuple[mx.array, ...], keys: Pack, values: Pack, attend: Attend) -> mx.array:
+        """Attend the chunk's ``queries`` (each ``(1, heads, L, D)``) piece by piece over the row,
+        the chunk ``keys``/``values`` written first (once: a layer reading this one's keys and
+        values, Gemma 4's KV-shared layers, attends over the same pieces)."""
+        if self._written is None or self._written[0] is not keys:
+            self._written = (keys, self._write(keys, values))
+        outs = [attend(tuple(q[:, :, first : first + count] for q in queries), *piece)
+                for first, count, piece in self._written[1]]
+        return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
+
+    def _write(self, keys: Pack, values: Pack) -> list[tuple[int, int, Piece]]:
+        """Write the chunk into the row in pieces of at most ``extra + 1`` tokens; each piece's
+        first token, length and what its queries attend over."""
+        index, length, kind = self.batch.index(self.row), keys[0].shape[2], self._kind
+        assert kind.capacity is not None and kind.max_size is not None
+        size = kind.capacity - kind.max_size - int(self.row.metas[self.layer].get("slack", "0")) + 1
+        pieces = []
+        for first in range(0, length, size):
+            count = min(size, length - first)
+            start = self.offset
+            _, used, idx = self._pending()
+            for slot, token, n in ring_spans(used, idx, kind.capacity, kind.keep, count)[0]:
+                a = first + token
+                self.write(index, slot, pack_slice(keys, a, a + n), pack_slice(values, a, a + n), self.codec, slot + n)
+            self.pending += count
+            width = self._pending()[1]  # the row's slots (not the batch's width: its own terms alone)
+            positions = self._positions(index)[:width]  # (C,)
+            query = mx.arange(start, start + count)[:, None]  # (count, 1)
+            visible = (positions >= 0) & (positions <= query)
+            visible = in_window(visible, positions, query, kind, self._layer.layout.window)
+            layer = self._layer
+            row_keys = tuple(x[index : index + 1, :, :width] for x in layer.keys)
+            row_values = tuple(x[index : index + 1, :, :width] for x in layer.values)
+            pieces.append((first, count, (row_keys, row_values, visible, mx.maximum(positions, 0) // CENTER_BLOCK)))
+        return pieces
+
+    def settled(self) -> None:
+        """The forward's writes are recorded (``settle``): its pieces' views go (they would keep
+        the buffers they view from being written in place)."""
+        self.pending = 0
+        self._written = None
+
+    def record(self) -> None:
+        """Record the pending tokens in the row (``settle``)."""
+        index, layout = self.batch.index(self.row), self._layer.layout
+        spans, used, idx = self._pending()
+        layout.positions = layout.padded()
+        for slot, token, n in spans:
+            start = self.row.offset + token
+            layout.positions[index, slot : slot + n] = mx.arange(start, start + n, dtype=mx.int32)
+        self.row.used, self.row.idx, self.row.offset = used, idx, self.row.offset + self.pending
+
+    def trim_possible(self) -> bool:
+        """Whether tokens can be taken back: nothing evicted nor overwritten (the slots hold
+        every token in order, the pending ones too)."""
+        kind = self._kind
+        assert kind.capacity is not None
+        return self.row.used == self.row.offset < kind.capacity and self.row.used + self.pending <= kind.capacity
+
