@@ -95,8 +95,8 @@ class BatchRunner:
         kind = batch_key(sequence.cache, self.windows)
         if not seatable(sequence.cache) or not self._spare(kind):
             return
-        if sequence.speculator is not None and any(storage.rotating for storage, _ in kind):
-            return  # a ring that has turned cannot rewind a rejected round (``RingRowCache.trim``)
+        if sequence.speculator is not None and any(storage.rotating or storage.recurrent for storage, _ in kind):
+            return  # a turned ring or a recurrent row cannot rewind a rejected round (``trim``: 0)
         kind = self._key(sequence.cache)
         batch = self._batch(kind)
         assert isinstance(batch, SpareBatch)
