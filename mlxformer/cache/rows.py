@@ -40,6 +40,7 @@ from mlxformer.cache.batch import BatchKey, BatchLayerCache, DecodeBatch, Row, _
 from mlxformer.cache.codec import CENTER_BLOCK, FLOAT_CODEC, KVCodec, Pack, center_blocks, pack_nbytes, pack_slice
 from mlxformer.cache.kv import CodecAttention, KVCache
 from mlxformer.cache.protocol import Cache
+from mlxformer.cache.row_place import RowPlace
 from mlxformer.cache.rotating import RotatingKVCache
 from mlxformer.cache.rotating_rows import RingWrites, held, own_ring_cache, placement
 from mlxformer.cache.state import StateCache
@@ -228,7 +229,7 @@ class SpareBatch(DecodeBatch):
         return next(i for layout in self.layouts.values() for i, r in enumerate(layout.rows) if r is row)
 
 
-class RowCache(CodecAttention):
+class RowCache(RowPlace, CodecAttention):
     """One layer of one ``SpareBatch`` row behind the cache protocol: a sequence's own cache
     while its keys/values live in the batch (its prompt chunks, a rollback's trim, the views the
     prefix cache cuts blocks from). A chunk's write is counted in ``pending`` until the runner
@@ -237,27 +238,14 @@ class RowCache(CodecAttention):
     layers', shared by their caches)."""
 
     def __init__(self, batch: SpareBatch, row: Row, layer: int, pendings: dict[int, int]) -> None:
-        self.batch, self.row, self.layer, self.pendings = batch, row, layer, pendings
+        super().__init__(batch, row, layer, pendings)
         self.codec: KVCodec = FLOAT_CODEC  # the row's own (its key centers), for its attention
-
-    @property
-    def pending(self) -> int:
-        """Tokens written by the forward being built (< 0: trimmed back), not yet in the row."""
-        return self.pendings[self.layer]
-
-    @pending.setter
-    def pending(self, tokens: int) -> None:
-        self.pendings[self.layer] = tokens
 
     @property
     def _layer(self) -> BatchLayerCache:
         layer = self.batch.layers[self.layer]
         assert isinstance(layer, BatchLayerCache)
         return layer
-
-    @property
-    def offset(self) -> int:
-        return self.row.offset + self.pending
 
     def _row_codec(self, index: int, tokens: int) -> KVCodec:
         """The row's codec holding its own centers (those of the blocks its ``tokens`` reach)."""
@@ -341,10 +329,6 @@ class RowCache(CodecAttention):
     def nbytes(self) -> int:
         return (pack_nbytes(self._layer.keys) + pack_nbytes(self._layer.values)) // max(1, len(self.batch))
 
-
-    def settled(self) -> None:
-        """The forward's writes are recorded (``settle``)."""
-        self.pending = 0
 
     def record(self) -> None:
         """Record the pending tokens in the row (``settle``): the slots after its last."""

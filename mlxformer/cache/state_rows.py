@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
+from mlxformer.cache.row_place import RowPlace
 from mlxformer.cache.state import StateCache
 from mlxformer.models.mask import Mask, causal_mask_for
 
@@ -89,32 +90,19 @@ class StateRows(StateCache):
         return single
 
 
-class StateRowCache:
+class StateRowCache(RowPlace):
     """One recurrent layer of one ``SpareBatch`` row behind the cache protocol (module doc); a
     chunk's tokens count in ``pending`` until the runner settles the forward (``rows.settle``)."""
 
     def __init__(self, batch: "SpareBatch", row: "Row", layer: int, pendings: dict[int, int]) -> None:
-        self.batch, self.row, self.layer, self.pendings = batch, row, layer, pendings
+        super().__init__(batch, row, layer, pendings)
         self.keep = max(1, int(row.metas[layer]["keep"]))  # the sequence's own cache's
-
-    @property
-    def pending(self) -> int:
-        """Tokens the forward being built advanced the row by (``RowCache.pending``'s list)."""
-        return self.pendings[self.layer]
-
-    @pending.setter
-    def pending(self, tokens: int) -> None:
-        self.pendings[self.layer] = tokens
 
     @property
     def _rows(self) -> StateRows:
         rows = self.batch.layers[self.layer]
         assert isinstance(rows, StateRows)
         return rows
-
-    @property
-    def offset(self) -> int:
-        return self.row.offset + self.pending
 
     def conv_window(self, width: int, like: mx.array) -> mx.array:
         index = self.batch.index(self.row)
@@ -155,9 +143,6 @@ class StateRowCache:
     def trim(self, n: int) -> int:
         return 0  # no past states kept (module doc)
 
-    def settled(self) -> None:
-        """The forward's advance is recorded (``rows.settle``: the attention layers' row moved)."""
-        self.pending = 0
 
     @property
     def nbytes(self) -> int:
