@@ -71,6 +71,15 @@ def test_staggered_hybrid_requests_equal_each_alone(hybrid, monkeypatch):
     assert written == [0] * 4  # before: [30, 21, 9, 40], each prefilled sequence copied in at its first decode step
 
 
+def test_staggered_hybrid_requests_under_a_kv_budget_equal_each_alone(hybrid):
+    """Under ``--max-kv-memory`` a hybrid's rows keep the join at the first decode step (the
+    staged rewrites move attention rows only): two rows at once, greedy replies equal each alone."""
+    model, tokenizer = hybrid
+    prompts = [ids(30, 1), ids(21, 2), ids(9, 3), ids(40, 4)]
+    got = staggered(model, tokenizer, None, prompts, [8] * 4, max_batch=2, seats=False, max_kv_memory=64 << 20)
+    assert got == [alone(model, tokenizer, None, p, 8) for p in prompts]
+
+
 def test_hybrid_rows_cross_quantized_kv_start(tmp_path, monkeypatch):
     """8-bit keys/values from 25 tokens: two rows cross while decoding, one at a prompt chunk;
     each is re-encoded into a row of the quantized batch with its states beside (rows of 30, 25

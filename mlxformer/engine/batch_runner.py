@@ -112,10 +112,12 @@ class BatchRunner:
     def _spare(self, kind: BatchKey) -> bool:
         """Whether the batch of ``kind`` has spare rows (``cache/rows.py``). Not with a rotating
         layer in an MLA model (a rotating row attends through the cache, ``attention``, which MLA's
-        many-query path passes by) nor under a KV budget."""
+        many-query path passes by); not for rotating or recurrent rows under a KV budget."""
         rotating = any(storage.rotating for storage, _ in kind)
-        if rotating and (self.staged or self.model.args.attention_type == "mla"):
-            return False  # under a budget: the planner counts no ring's extra slots (not done)
+        if rotating and self.model.args.attention_type == "mla":
+            return False
+        if self.staged and (rotating or any(storage.recurrent for storage, _ in kind)):
+            return False  # under a budget: no ring's extra slots counted, no staged state rows (not done)
         return spare_kind(kind) and not (self.staged and self.model.args.num_kv_shared_layers)
 
     def _batch(self, kind: BatchKey) -> DecodeBatch:
