@@ -18,7 +18,7 @@ from typing import Protocol, Sequence
 
 import mlx.core as mx
 
-from mlxformer.cache import Cache, KVCache
+from mlxformer.cache import Cache, KVCache, RotatingKVCache
 from mlxformer.cache.packed import PackedLayerCache, Segment, positions
 from mlxformer.engine.prompt_scores import PromptScores
 from mlxformer.cache.batch import BatchKey, DecodeBatch, batch_key, quantizes_next, row_quantizes_next
@@ -282,7 +282,7 @@ class BatchRunner:
         index = next(i for i, s in enumerate(self._rows[kind]) if s is sequence)
         own = self.batches[kind].row_caches(index)  # views of its float row
         for cache in own:
-            if isinstance(cache, KVCache):
+            if isinstance(cache, (KVCache, RotatingKVCache)):
                 cache.quantize_storage()
         quantized = self.row_key(own)
         batch = self._batch(quantized)
