@@ -144,15 +144,15 @@ def test_staggered_sliding_requests_under_a_budget_equal_each_alone(family, wind
 
 @pytest.mark.parametrize("budget", [False, True], ids=["unbudgeted", "budget"])
 def test_staggered_ring_rows_crossing_quantized_kv_start_equal_each_alone(llama, budget):
-    """A ``max_kv_size`` of 24 turning 8-bit at 36 tokens: the rows (joined at their first decode
-    step: a ring crossing later is not seated at admission) cross in the batch, each window
-    re-encoded into a row of the quantized ring batch (``BatchRunner._cross``; before, the
-    window stayed float and was seated again each step: other tokens, and under a budget no
-    end). Greedy tokens equal ``stream_generate`` alone."""
+    """A ``max_kv_size`` of 24 turning 8-bit at 36 tokens: the rows, seated at admission (before:
+    joined at their first decode step, copied in), cross in the batch while decoding or at a
+    prompt chunk, each window re-encoded into a row of the quantized ring batch
+    (``BatchRunner._cross``; before, the window stayed float and was seated again at every step:
+    other tokens, and under a budget no end). Greedy tokens equal ``stream_generate`` alone."""
     model, tokenizer = llama
     settings = CacheSettings(max_kv_size=24, keep=2, kv_bits=8, kv_group_size=32, quantized_kv_start=36)
     limit = 3 * Engine(model, tokenizer, cache_settings=settings, prefill_chunk=CHUNK).sizer.peak(280) if budget else None
-    got = staggered(model, tokenizer, settings, PROMPTS, TOKENS, max_batch=3, seats=False, max_kv_memory=limit)
+    got = staggered(model, tokenizer, settings, PROMPTS, TOKENS, max_batch=3, max_kv_memory=limit)
     assert got == [alone(model, tokenizer, settings, p, n) for p, n in zip(PROMPTS, TOKENS)]
 
 

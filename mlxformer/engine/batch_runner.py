@@ -276,8 +276,9 @@ class BatchRunner:
     def _cross(self, sequence: Decoding) -> None:
         """Move a seated sequence whose storage turns quantized at its next token
         (``quantized_kv_start``) to a row of the quantized batch: its float row re-encoded there
-        (``KVCache.quantize_storage``; its states, if any, written beside), nothing else copied,
-        and the float row freed. Its cache list is updated in place (a step's chunks hold it)."""
+        (``KVCache.quantize_storage``; a ring row's window, ``RotatingKVCache.quantize_storage``;
+        its states, if any, written beside), nothing else copied, and the float row freed. Its
+        cache list is updated in place (a step's chunks hold it)."""
         kind = self._members[id(sequence)]
         index = next(i for i, s in enumerate(self._rows[kind]) if s is sequence)
         own = self.batches[kind].row_caches(index)  # views of its float row
