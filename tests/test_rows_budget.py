@@ -18,7 +18,7 @@ from mlxformer.cache import CacheSettings, make_cache
 from mlxformer.cache.rows import RowCache, SpareBatch
 from mlxformer.engine import Engine, GenerationRequest
 from mlxformer.engine.batch_runner import BatchRunner
-from mlxformer.engine.memory import BLOCK, KVSizer, nbytes
+from mlxformer.engine.memory import BLOCK, KVBudgetExceeded, KVSizer, nbytes
 from mlxformer.speculative import SpeculativeSettings, rewind
 from test_zero_copy_join import (LAYERS, PROMPTS, TOKENS, CHUNK, Stub, alone, assert_join_copies_nothing, decode_rises,
                                  ids, in_turn, rotating_model, sliding_model, staggered)
@@ -181,6 +181,33 @@ def test_the_budget_counts_a_seated_ring_row_as_its_buffers_hold(family, tmp_pat
         (batch,) = runner.batches.values()
         held = sum(x.nbytes for layer in batch.layers for x in layer.keys + layer.values)
         assert sizer.bytes_for(length, row=True) == held > sizer.bytes_for(length), (length, held)
+
+
+def test_a_lone_ring_row_is_admitted_by_what_it_holds(tmp_path):
+    """Mistral (window 20, chunks of 12: a ring row holds 31 slots per layer, its own cache 20):
+    a request is refused one byte under its row's peak (``KVSizer.peak``; before, counted at its
+    own cache's window: admitted, and its row held more than the budget), and at that peak it
+    runs, the bytes held never over the budget, its reply equal to ``generate`` alone."""
+    model, tokenizer = sliding_model(tmp_path, "mistral", 20, layers=4)
+    prompt, max_tokens = ids(60, 1), 10
+    sizer = Engine(model, tokenizer, prefill_chunk=CHUNK).sizer
+    budget = sizer.peak(len(prompt) + max_tokens)
+    assert budget > 1.5 * sizer.bytes_for(len(prompt) + max_tokens)  # the own cache's size
+    with Engine(model, tokenizer, prefill_chunk=CHUNK, max_kv_memory=budget - 1) as engine:
+        with pytest.raises(KVBudgetExceeded):
+            engine.submit(GenerationRequest(prompt, max_tokens))
+    engine = Engine(model, tokenizer, prefill_chunk=CHUNK, max_kv_memory=budget)
+    held, real_run = [], engine._run
+
+    def run(step):
+        real_run(step)
+        held.append(sum(nbytes(s) for s in engine.scheduler.prefilling + engine.scheduler.running))
+
+    engine._run = run
+    with engine:
+        reply = "".join(e.text for e in engine.submit(GenerationRequest(prompt, max_tokens)))
+    assert reply == generate(model, tokenizer, prompt, max_tokens, prefill_step_size=CHUNK)
+    assert 0 < max(held) <= budget
 
 
 def test_a_speculation_round_writes_and_trims_its_row_in_place(llama):
