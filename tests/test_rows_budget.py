@@ -18,9 +18,10 @@ from mlxformer.cache import CacheSettings, make_cache
 from mlxformer.cache.rows import RowCache, SpareBatch
 from mlxformer.engine import Engine, GenerationRequest
 from mlxformer.engine.batch_runner import BatchRunner
-from mlxformer.engine.memory import BLOCK, nbytes
+from mlxformer.engine.memory import BLOCK, KVBudgetExceeded, KVSizer, nbytes
 from mlxformer.speculative import SpeculativeSettings, rewind
-from test_zero_copy_join import LAYERS, PROMPTS, TOKENS, CHUNK, Stub, alone, decode_rises, ids, in_turn, staggered
+from test_zero_copy_join import (LAYERS, PROMPTS, TOKENS, CHUNK, Stub, alone, assert_join_copies_nothing, decode_rises,
+                                 ids, in_turn, rotating_model, sliding_model, staggered)
 
 SETTINGS = [CacheSettings(), CacheSettings(kv_bits=8, kv_group_size=32)]
 
@@ -37,12 +38,13 @@ def draft(tmp_path_factory):
 
 
 def seated_prefill(runner: BatchRunner, sequence: Stub, length: int) -> None:
-    """Seat ``sequence`` and prefill ``length`` tokens into its row, widening the rows before
-    each chunk as the engine does under a budget (``Admission._grow``)."""
+    """Seat ``sequence`` and prefill ``length`` tokens into its row (chunks of the runner's
+    ``prefill_chunk``, else 128), widening the rows before each chunk as the engine does under a
+    budget (``Admission._grow``)."""
     runner.seat(sequence)
-    prompt = ids(length, 3)
-    for start in range(0, length, 128):
-        chunk = prompt[start : start + 128]
+    prompt, size = ids(length, 3), runner.prefill_chunk or 128
+    for start in range(0, length, size):
+        chunk = prompt[start : start + size]
         if runner.staged:
             sequence.cache[0].batch.reserve(sequence.cache[0].offset + len(chunk))
         runner.prefill(chunk, sequence.cache, want_logits=False)
@@ -126,6 +128,86 @@ def test_staggered_requests_under_a_budget_equal_each_alone(llama, settings):
     budget = 7 * Engine(model, tokenizer, cache_settings=settings).sizer.bytes_for(BLOCK)
     got = staggered(model, tokenizer, settings, PROMPTS, TOKENS, max_batch=3, max_kv_memory=budget)
     assert got == [alone(model, tokenizer, settings, p, n) for p, n in zip(PROMPTS, TOKENS)]
+
+
+@pytest.mark.parametrize("family, window", [("mistral", 20), ("gemma4", 7)])
+def test_staggered_sliding_requests_under_a_budget_equal_each_alone(family, window, tmp_path):
+    """Sliding-window rows under a budget of three rows of the longest request (each its ring
+    row, ``KVSizer.peak``): every request is seated at admission (Mistral's ring rows; Gemma 4's
+    ring and growing rows and its KV-shared layers), rows added at each seat and removed at
+    each leave; greedy tokens equal ``stream_generate`` alone, no step rerun."""
+    model, tokenizer = sliding_model(tmp_path, family, window, layers=4)
+    budget = 3 * Engine(model, tokenizer, prefill_chunk=CHUNK).sizer.peak(max(len(p) + n for p, n in zip(PROMPTS, TOKENS)))
+    got = staggered(model, tokenizer, None, PROMPTS, TOKENS, max_batch=3, max_kv_memory=budget)
+    assert got == [alone(model, tokenizer, None, p, n) for p, n in zip(PROMPTS, TOKENS)]
+
+
+@pytest.mark.parametrize("budget", [False, True], ids=["unbudgeted", "budget"])
+def test_staggered_ring_rows_crossing_quantized_kv_start_equal_each_alone(llama, budget):
+    """A ``max_kv_size`` of 24 turning 8-bit at 36 tokens: the rows, seated at admission (before:
+    joined at their first decode step, copied in), cross in the batch while decoding or at a
+    prompt chunk, each window re-encoded into a row of the quantized ring batch
+    (``BatchRunner._cross``; before, the window stayed float and was seated again at every step:
+    other tokens, and under a budget no end). Greedy tokens equal ``stream_generate`` alone."""
+    model, tokenizer = llama
+    settings = CacheSettings(max_kv_size=24, keep=2, kv_bits=8, kv_group_size=32, quantized_kv_start=36)
+    limit = 3 * Engine(model, tokenizer, cache_settings=settings, prefill_chunk=CHUNK).sizer.peak(280) if budget else None
+    got = staggered(model, tokenizer, settings, PROMPTS, TOKENS, max_batch=3, max_kv_memory=limit)
+    assert got == [alone(model, tokenizer, settings, p, n) for p, n in zip(PROMPTS, TOKENS)]
+
+
+@pytest.mark.parametrize("family", ["rotating", "gemma3"])
+def test_a_rotating_join_under_a_budget_copies_nothing(family, llama, tmp_path):
+    """``test_zero_copy_join``'s rotating join, staged: ring rows seated at admission (a row
+    added per seat, the rows widened before each chunk) join the decode steps with MLX's peak
+    rising as a steady step's; the old join (own caches copied into rows) measured beside it."""
+    model, settings = rotating_model(family, llama, tmp_path)
+    _, batch = assert_join_copies_nothing(model, settings, staged=True)
+    assert batch.staged and batch.capacity == 2
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma3"])
+def test_the_budget_counts_a_seated_ring_row_as_its_buffers_hold(family, tmp_path):
+    """A sequence seated in its row under a budget, prefilled 100 and 300 tokens in chunks of
+    32: the planner's count of a row (``KVSizer``, ``row``) equals the bytes the batch's buffers
+    hold (a ring layer keeps its window of 24 and a chunk less one beyond it; Gemma 3's global
+    layers grow), more than the sequence's own caches would hold."""
+    model, _ = sliding_model(tmp_path, family, 24, LAYERS)
+    for length in (100, 300):
+        runner = BatchRunner(model)
+        runner.staged, runner.prefill_chunk = True, 32
+        sizer = KVSizer(model, CacheSettings(), row_key=runner.row_key)
+        seated_prefill(runner, Stub(make_cache(model), 5), length)
+        (batch,) = runner.batches.values()
+        held = sum(x.nbytes for layer in batch.layers for x in layer.keys + layer.values)
+        assert sizer.bytes_for(length, row=True) == held > sizer.bytes_for(length), (length, held)
+
+
+def test_a_lone_ring_row_is_admitted_by_what_it_holds(tmp_path):
+    """Mistral (window 20, chunks of 12: a ring row holds 31 slots per layer, its own cache 20):
+    a request is refused one byte under its row's peak (``KVSizer.peak``; before, counted at its
+    own cache's window: admitted, and its row held more than the budget), and at that peak it
+    runs, the bytes held never over the budget, its reply equal to ``generate`` alone."""
+    model, tokenizer = sliding_model(tmp_path, "mistral", 20, layers=4)
+    prompt, max_tokens = ids(60, 1), 10
+    sizer = Engine(model, tokenizer, prefill_chunk=CHUNK).sizer
+    budget = sizer.peak(len(prompt) + max_tokens)
+    assert budget > 1.5 * sizer.bytes_for(len(prompt) + max_tokens)  # the own cache's size
+    with Engine(model, tokenizer, prefill_chunk=CHUNK, max_kv_memory=budget - 1) as engine:
+        with pytest.raises(KVBudgetExceeded):
+            engine.submit(GenerationRequest(prompt, max_tokens))
+    engine = Engine(model, tokenizer, prefill_chunk=CHUNK, max_kv_memory=budget)
+    held, real_run = [], engine._run
+
+    def run(step):
+        real_run(step)
+        held.append(sum(nbytes(s) for s in engine.scheduler.prefilling + engine.scheduler.running))
+
+    engine._run = run
+    with engine:
+        reply = "".join(e.text for e in engine.submit(GenerationRequest(prompt, max_tokens)))
+    assert reply == generate(model, tokenizer, prompt, max_tokens, prefill_step_size=CHUNK)
+    assert 0 < max(held) <= budget
 
 
 def test_a_speculation_round_writes_and_trims_its_row_in_place(llama):

@@ -14,10 +14,14 @@ import pytest
 
 from conftest import write_byte_tokenizer, write_tiny_checkpoint
 from mlxformer import load, stream_generate
-from mlxformer.cache import CacheSettings
+from mlxformer.cache import CacheSettings, make_cache
 from mlxformer.cache.rows import SpareBatch
+from mlxformer.cache.state_rows import StateRows
 from mlxformer.engine import Engine, GenerationRequest
-from test_zero_copy_join import HYBRID, alone, assert_join_copies_nothing, ids, staggered
+from mlxformer.engine.batch_runner import BatchRunner
+from mlxformer.engine.memory import KVSizer
+from test_rows_budget import seated_prefill
+from test_zero_copy_join import CHUNK, HYBRID, Stub, alone, assert_join_copies_nothing, ids, staggered
 
 EXPERTS = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, shared_expert_intermediate_size=40)
 FAMILIES = {"qwen3_5_text": {}, "qwen3_next": EXPERTS}
@@ -50,13 +54,31 @@ def record_seats(monkeypatch) -> list[int]:
     return written
 
 
-def test_a_hybrid_join_copies_nothing(tmp_path):
+@pytest.mark.parametrize("staged", [False, True], ids=["unbudgeted", "budget"])
+def test_a_hybrid_join_copies_nothing(staged, tmp_path):
     """Two Qwen3.5 sequences (4 DeltaNet, 4 attention layers) prefill in their rows: their first
     decode step raises MLX's peak memory as a steady step does; the old join, measured the same
-    way, copies the rows in."""
+    way, copies the rows in. ``budget``: staged (a row added per seat, its states too)."""
     layer_types = ["linear_attention", "full_attention"] * 4
     model, _ = tiny(tmp_path, "qwen3_5_text", num_hidden_layers=8, layer_types=layer_types)
-    assert_join_copies_nothing(model, None)
+    _, batch = assert_join_copies_nothing(model, None, staged=staged)
+    assert batch.staged == staged
+
+
+def test_the_budget_counts_a_seated_hybrid_row_as_its_buffers_hold(tmp_path):
+    """A Qwen3.5 sequence seated under a budget, prefilled 100 tokens: the planner's count of a
+    row (``KVSizer``, ``row``) equals the bytes the batch's buffers hold (its keys/values and its
+    recurrent layers' window and state, no past states), less than its own caches (which keep
+    a state to take back)."""
+    model, _ = tiny(tmp_path, "qwen3_5_text")
+    runner = BatchRunner(model)
+    runner.staged, runner.prefill_chunk = True, 32
+    sizer = KVSizer(model, CacheSettings(), row_key=runner.row_key)
+    seated_prefill(runner, Stub(make_cache(model), 5), 100)
+    (batch,) = runner.batches.values()
+    assert any(isinstance(layer, StateRows) for layer in batch.layers)
+    held = sum(layer.nbytes for layer in batch.layers)
+    assert sizer.bytes_for(100, row=True) == held < sizer.bytes_for(100)
 
 
 def test_staggered_hybrid_requests_equal_each_alone(hybrid, monkeypatch):
@@ -71,13 +93,18 @@ def test_staggered_hybrid_requests_equal_each_alone(hybrid, monkeypatch):
     assert written == [0] * 4  # before: [30, 21, 9, 40], each prefilled sequence copied in at its first decode step
 
 
-def test_staggered_hybrid_requests_under_a_kv_budget_equal_each_alone(hybrid):
-    """Under ``--max-kv-memory`` a hybrid's rows keep the join at the first decode step (the
-    staged rewrites move attention rows only): two rows at once, greedy replies equal each alone."""
+def test_staggered_hybrid_requests_under_a_kv_budget_equal_each_alone(hybrid, monkeypatch):
+    """Under a budget of two rows of the longest request (``KVSizer.peak``) a hybrid's sequences
+    are seated at admission (before: joined at their first decode step, the staged leave
+    rewrote attention rows only), a row added at each seat and removed at each leave with its
+    states: greedy replies equal each alone."""
     model, tokenizer = hybrid
+    written = record_seats(monkeypatch)
     prompts = [ids(30, 1), ids(21, 2), ids(9, 3), ids(40, 4)]
-    got = staggered(model, tokenizer, None, prompts, [8] * 4, max_batch=2, seats=False, max_kv_memory=64 << 20)
+    budget = 2 * Engine(model, tokenizer, prefill_chunk=CHUNK).sizer.peak(48)
+    got = staggered(model, tokenizer, None, prompts, [8] * 4, max_batch=2, max_kv_memory=budget)
     assert got == [alone(model, tokenizer, None, p, 8) for p in prompts]
+    assert written == [0] * 4
 
 
 def test_hybrid_rows_cross_quantized_kv_start(tmp_path, monkeypatch):

@@ -60,9 +60,12 @@ def test_a_join_copies_nothing(llama, settings):
     assert [r.offset for r in next(iter(batch.layouts.values())).rows] == [302, 312]
 
 
-def assert_join_copies_nothing(model, settings: CacheSettings, chunk: int = 128) -> tuple[int, SpareBatch]:
+def assert_join_copies_nothing(model, settings: CacheSettings, chunk: int = 128,
+                               staged: bool = False) -> tuple[int, SpareBatch]:
     """``test_a_join_copies_nothing`` for ``model`` and ``settings`` (prompts of 300 and 310
-    tokens in chunks of ``chunk``); the own caches' KV bytes and the seated batch."""
+    tokens in chunks of ``chunk``); the own caches' KV bytes and the seated batch. ``staged``:
+    as under a KV budget (a row added per seat, the rows widened before each chunk as
+    ``Admission._grow`` does, every rewrite one layer at a time)."""
     windows = [layer.window for layer in model.cache_layers]
     # the old path first (it also pays the process's first decode step): own caches copied into
     # the batch at their first decode step
@@ -74,18 +77,21 @@ def assert_join_copies_nothing(model, settings: CacheSettings, chunk: int = 128)
     old = [Stub(cache, 5) for cache in caches]
     del caches
     runner = BatchRunner(model)
-    runner.prefill_chunk = chunk
+    runner.prefill_chunk, runner.staged = chunk, staged
     old_rise = decode_rises(runner, old, 1)[0][0]
     runner.reset()
     del old
 
     runner = BatchRunner(model)
-    runner.max_rows, runner.prefill_chunk = 2, chunk
+    runner.max_rows, runner.prefill_chunk, runner.staged = 2, chunk, staged
     rows = [Stub(make_cache(model, settings), 5), Stub(make_cache(model, settings), 6)]
     for sequence, length in zip(rows, (300, 310)):
         runner.seat(sequence)
         for start in range(0, length, chunk):
-            runner.prefill(ids(length, 3)[start : start + chunk], sequence.cache, want_logits=False)
+            tokens = ids(length, 3)[start : start + chunk]
+            if staged:
+                sequence.cache[0].batch.reserve(sequence.cache[0].offset + len(tokens))
+            runner.prefill(tokens, sequence.cache, want_logits=False)
     assert all(isinstance(c, (RowCache, StateRowCache)) for s in rows for c in s.cache)
     (batch,) = runner.batches.values()
     assert isinstance(batch, SpareBatch) and batch.capacity == 2

@@ -280,6 +280,14 @@ class BatchLayerCache:
         out = latent_attention(self.codec, q_latent, q_rope, keys, values, scale, mask, self.layout.key_blocks)
         return out if live is None else out[live]
 
+    def keep_rows(self, rest: mx.array) -> None:
+        """Keep rows ``rest`` only (a row leaves), their slots up to the layout's width."""
+        width = self.layout.width
+        self.keys = tuple(x[rest][:, :, :width] for x in self.keys)
+        self.values = tuple(x[rest][:, :, :width] for x in self.values)
+        if self.codec.key_center is not None:
+            self.codec = KVCodec(self.codec.bits, self.codec.group_size, self.codec.key_center[rest])
+
     @property
     def state(self) -> tuple[mx.array, ...]:
         return self.keys + self.values + self.codec.state
@@ -402,11 +410,7 @@ class DecodeBatch:
                 if isinstance(batched, StateCache):
                     batched.drop_row(index)
                 else:
-                    batched.keys = tuple(x[rest][:, :, : layout.width] for x in batched.keys)
-                    batched.values = tuple(x[rest][:, :, : layout.width] for x in batched.values)
-                    if batched.codec.key_center is not None:
-                        center = batched.codec.key_center[rest]
-                        batched.codec = KVCodec(batched.codec.bits, batched.codec.group_size, center)
+                    batched.keep_rows(rest)
                 if staged:
                     own = caches[layer]
                     evaluate_rewrite(batched.state, own.state if own is not None else ())

@@ -19,14 +19,16 @@ attention layers' ``Row`` moves them). A row whose storage turns quantized at
 (``BatchRunner._cross``).
 
 Under a KV budget (``staged``) the batch holds no spare row: a seat adds one row and a leave
-removes it, so the buffers are the rows in use times the widest row, what the planner counts
-(``engine/memory.py``); each such rewrite, and a widening (``reserve``), is done one layer at a
-time, each evaluated before the next, so only one layer is ever held twice.
+removes it (every layout's row, a recurrent layer's states too), so the buffers are the rows in
+use times the widest row, what the planner counts (``engine/memory.py``: a ring row's slots
+beyond its window, a recurrent row's state); each such rewrite, and a widening (``reserve``,
+every layout), is done one layer at a time, each evaluated before the next, so only one layer
+is ever held twice.
 
 A rotating cache (a ``max_kv_size`` window, a sliding-window layer) lives in a row of a ring
 (``cache/rotating_rows.py``); a model mixing sliding-window and global layers keeps one slot
-layout per kind of layer, each with the sequence's row at the same index. Not under a KV budget
-(rotating rows keep ``DecodeBatch``'s join-on-first-decode path there) nor beside recurrent layers.
+layout per kind of layer, each with the sequence's row at the same index. Not beside recurrent
+layers (a hybrid's rotating rows keep ``DecodeBatch``'s join-on-first-decode path).
 """
 
 from __future__ import annotations
@@ -52,13 +54,11 @@ Blank = tuple[Pack, Pack]  # a layer's keys/values pack of one row and one slot 
 
 
 def seatable(caches: Sequence[Cache]) -> bool:
-    """Whether a sequence's own caches can live in a ``SpareBatch`` row: growing caches (float,
-    quantized, or turning quantized at ``quantized_kv_start``) or rotating ones quantized from the
-    first token if at all, maybe beside recurrent states."""
+    """Whether a sequence's own caches can live in a ``SpareBatch`` row: growing or rotating
+    caches (float, quantized, or turning quantized at ``quantized_kv_start``: the row moves to
+    the quantized batch then, ``BatchRunner._cross``), maybe beside recurrent states."""
     attention = [c for c in caches if type(c) is not StateCache]
-    return bool(attention) and all(
-        type(c) is KVCache or (type(c) is RotatingKVCache and (c.bits is None or c.codec.bits is not None))
-        for c in attention)
+    return bool(attention) and all(type(c) in (KVCache, RotatingKVCache) for c in attention)
 
 
 def spare_kind(key: BatchKey) -> bool:
@@ -121,6 +121,8 @@ class SpareBatch(DecodeBatch):
         for layer in self.layers:
             if isinstance(layer, StateRows):
                 layer.add_rows(extra)
+                if self.staged:
+                    evaluate_rewrite(layer.state)
                 continue
             width = layer.layout.width
             layer.keys, layer.values = _pad(layer.keys, width), _pad(layer.values, width)
@@ -188,8 +190,10 @@ class SpareBatch(DecodeBatch):
     def reserve(self, slots: int) -> None:
         """Widen the rows to hold ``slots`` slots before a step writes past them (a prompt chunk,
         a speculation round): one layer at a time, each evaluated (``DecodeBatch.widen``), where
-        the write would widen every layer in the forward's one graph."""
-        self.layout.fit(slots)
+        the write would widen every layer in the forward's one graph. Every kind's layout (a
+        rotating one's never past its row's capacity)."""
+        for layout in self.layouts.values():
+            layout.fit(slots)
         self.widen()
 
     def join(self, caches: Sequence[list[Cache]], staged: bool = False) -> list[list[Cache]]:  # type: ignore[override]
@@ -198,16 +202,31 @@ class SpareBatch(DecodeBatch):
 
     def leave(self, index: int, keep: bool = True, staged: bool = False) -> list[Cache]:
         """Free row ``index``; returns its keys/values as own caches (copied) when ``keep``.
-        ``staged`` batches remove it (the other rows move up, one layer at a time)."""
-        if self.staged:
-            return super().leave(index, keep, staged=True)
+        ``staged`` batches remove it (``_remove``)."""
         caches = [self._own(layer, index, copy=True) for layer in range(self.n_layers)] if keep else []
+        if self.staged:
+            self._remove(index, caches)
+            return caches
         for layout in self.layouts.values():
             layout.rows[index] = Row(0, 0, 0)
             layout.positions[index] = -1
         self.free.append(index)
         self.free.sort()
         return caches
+
+    def _remove(self, index: int, caches: list[Cache]) -> None:
+        """Remove row ``index`` (under a budget): the rows below move up, each layout narrows to
+        what the others need, and each layer (keys/values, or a recurrent layer's states) is
+        rewritten and evaluated before the next, with its copy out (``caches``, when kept)."""
+        rest = mx.array([i for i in range(self.capacity) if i != index], dtype=mx.int32)
+        for layout in self.layouts.values():
+            layout.remove(index, rest)
+        for layer, batched in enumerate(self.layers):
+            if isinstance(batched, StateRows):
+                batched.drop_row(index)
+            else:
+                batched.keep_rows(rest)
+            evaluate_rewrite(batched.state, caches[layer].state if caches else ())
 
     def row_caches(self, index: int) -> list[Cache]:
         """Row ``index`` as per-sequence caches (a growing layer's: views of the buffers; a

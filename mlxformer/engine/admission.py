@@ -11,7 +11,7 @@ import mlx.core as mx
 
 from mlxformer.cache import CacheSettings, KVCache, make_cache
 from mlxformer.cache.rewrite import evaluate_rewrite
-from mlxformer.cache.rows import RowCache
+from mlxformer.cache.row_place import RowPlace
 from mlxformer.engine.batch_runner import BatchRunner
 from mlxformer.engine.memory import BLOCK, KVBudget, KVBudgetExceeded, MemoryPlanner, held, nbytes
 from mlxformer.engine.metrics import EngineMetrics
@@ -83,7 +83,7 @@ class Admission:
                 fed[id(sequence)] = 1 + self.draft_tokens
         for sequence in [c.sequence for c in step.prefill] + step.decode:
             tokens = fed.pop(id(sequence), 0)
-            if tokens and sequence.cache and isinstance(row := sequence.cache[0], RowCache):
+            if tokens and sequence.cache and isinstance(row := sequence.cache[0], RowPlace):  # any layer kind's
                 row.batch.reserve(int(row.offset) + tokens)
                 continue
             for cache in sequence.cache if tokens else ():
@@ -145,7 +145,7 @@ class Admission:
         cache, size = self.prefix_cache, self.prefix_cache.block_size
         per_token = self.planner.sizer.bytes_for(BLOCK) / BLOCK
         active = sum(nbytes(s) for s in self.scheduler.prefilling + self.scheduler.running)
-        room = self.budget.limit - active - math.ceil(active * self.planner.sizer.share(len(tokens)))
+        room = self.budget.limit - active - math.ceil(active * self.planner.sizer.share(len(tokens), row=True))
         missing = sum(key not in cache.blocks for key in cache.keys_for(tokens))
         new = math.ceil((missing * size + len(tokens) % size) * per_token)
         if cache.nbytes + new <= room:

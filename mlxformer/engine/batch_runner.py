@@ -18,7 +18,7 @@ from typing import Protocol, Sequence
 
 import mlx.core as mx
 
-from mlxformer.cache import Cache, KVCache
+from mlxformer.cache import Cache, KVCache, RotatingKVCache
 from mlxformer.cache.packed import PackedLayerCache, Segment, positions
 from mlxformer.engine.prompt_scores import PromptScores
 from mlxformer.cache.batch import BatchKey, DecodeBatch, batch_key, quantizes_next, row_quantizes_next
@@ -97,28 +97,26 @@ class BatchRunner:
             return
         if sequence.speculator is not None and any(storage.rotating or storage.recurrent for storage, _ in kind):
             return  # a turned ring or a recurrent row cannot rewind a rejected round (``trim``: 0)
-        kind = self._key(sequence.cache)
+        kind = self.row_key(sequence.cache)
         batch = self._batch(kind)
         assert isinstance(batch, SpareBatch)
         index, sequence.cache = batch.seat(sequence.cache)  # type: ignore[assignment]
         self._place(kind, index, sequence)
 
-    def _key(self, caches: Sequence[Cache]) -> BatchKey:
+    def row_key(self, caches: Sequence[Cache]) -> BatchKey:
         """The batch a sequence with per-layer ``caches`` joins (a rotating layer's rows keep
-        slots beyond the window for a prompt chunk when the batch has spare rows)."""
+        slots beyond the window for a prompt chunk when the batch has spare rows: what the KV
+        budget counts for a row, ``memory.KVSizer``)."""
         kind = batch_key(caches, self.windows)
         return ring_key(kind, self.prefill_chunk or 1) if self._spare(kind) else kind
 
     def _spare(self, kind: BatchKey) -> bool:
         """Whether the batch of ``kind`` has spare rows (``cache/rows.py``). Not with a rotating
         layer in an MLA model (a rotating row attends through the cache, ``attention``, which MLA's
-        many-query path passes by); not for rotating or recurrent rows under a KV budget."""
-        rotating = any(storage.rotating for storage, _ in kind)
-        if rotating and self.model.args.attention_type == "mla":
+        many-query path passes by)."""
+        if any(storage.rotating for storage, _ in kind) and self.model.args.attention_type == "mla":
             return False
-        if self.staged and (rotating or any(storage.recurrent for storage, _ in kind)):
-            return False  # under a budget: no ring's extra slots counted, no staged state rows (not done)
-        return spare_kind(kind) and not (self.staged and self.model.args.num_kv_shared_layers)
+        return spare_kind(kind)
 
     def _batch(self, kind: BatchKey) -> DecodeBatch:
         """The batch of ``kind``, made when first needed (with spare rows when it can have them)."""
@@ -248,7 +246,7 @@ class BatchRunner:
             if sequence.speculator is not None or any(quantizes_next(c) for c in sequence.cache):
                 alone.append(sequence)
             else:
-                joining.setdefault(self._key(sequence.cache), []).append(sequence)
+                joining.setdefault(self.row_key(sequence.cache), []).append(sequence)
         for kind, newcomers in joining.items():
             batch = self._batch(kind)
             if isinstance(batch, SpareBatch):  # each into a free row (its keys/values copied there)
@@ -278,15 +276,16 @@ class BatchRunner:
     def _cross(self, sequence: Decoding) -> None:
         """Move a seated sequence whose storage turns quantized at its next token
         (``quantized_kv_start``) to a row of the quantized batch: its float row re-encoded there
-        (``KVCache.quantize_storage``; its states, if any, written beside), nothing else copied,
-        and the float row freed. Its cache list is updated in place (a step's chunks hold it)."""
+        (``KVCache.quantize_storage``; a ring row's window, ``RotatingKVCache.quantize_storage``;
+        its states, if any, written beside), nothing else copied, and the float row freed. Its
+        cache list is updated in place (a step's chunks hold it)."""
         kind = self._members[id(sequence)]
         index = next(i for i, s in enumerate(self._rows[kind]) if s is sequence)
         own = self.batches[kind].row_caches(index)  # views of its float row
         for cache in own:
-            if isinstance(cache, KVCache):
+            if isinstance(cache, (KVCache, RotatingKVCache)):
                 cache.quantize_storage()
-        quantized = self._key(own)
+        quantized = self.row_key(own)
         batch = self._batch(quantized)
         assert isinstance(batch, SpareBatch)
         new_index, views = batch.seat(own)

@@ -81,19 +81,19 @@ class Engine(Admission):
         kv_dtype = warm_up(model, speculative.draft_model if speculative is not None else None, self.cache_settings)
         self.draft_tokens = speculative.num_draft_tokens if speculative is not None else 0
         self.budget = resolve_budget(model, max_kv_memory)
-        self.sizer = KVSizer(model, self.cache_settings, self.draft_tokens)
-        self.planner = MemoryPlanner(self.sizer, self.budget, self.draft_tokens)
         self.scheduler = Scheduler(max_batch, max_queue, prefill_chunk or default_prefill_step(), step_tokens,
                                    aligned=any(layer.recurrent or layer.window for layer in model.layers))
+        self.runner = BatchRunner(model)
+        self.runner.staged = self.budget is not None  # a request's peak is then its own size (memory.py)
+        self.runner.max_rows = max_batch  # a decode batch's spare rows (cache/rows.py)
+        self.runner.prefill_chunk = self.scheduler.prefill_chunk  # a rotating row's slots past its window
+        self.sizer = KVSizer(model, self.cache_settings, self.draft_tokens, self.runner.row_key)
+        self.planner = MemoryPlanner(self.sizer, self.budget, self.draft_tokens)
         # ``prompt_cache``: the tiers (memory budget, disk directory); else memory of ``prefix_cache_bytes``
         tiers = prompt_cache or PromptCacheSettings(memory_bytes=prefix_cache_bytes)
         self.prefix_cache = build_prefix_cache(model, tokenizer, self.cache_settings, tiers, kv_dtype)
         self.sharing = PrefixSharing(self.prefix_cache, tiers.share_prefills)
-        self.runner = BatchRunner(model)
-        self.runner.staged = self.budget is not None  # a request's peak is then its own size (memory.py)
         self._reserve(max_batch, kv_dtype)
-        self.runner.max_rows = max_batch  # a decode batch's spare rows (cache/rows.py)
-        self.runner.prefill_chunk = self.scheduler.prefill_chunk  # a rotating row's slots past its window
         self.sharing.caches = self.runner.caches  # a prefilling sequence's keys/values are in its row
         self.vocab_size = model.args.vocab_size
         self.metrics = EngineMetrics(metrics)

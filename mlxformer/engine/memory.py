@@ -15,12 +15,13 @@ import math
 import os
 import re
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from mlxformer.cache import CacheSettings, make_cache
+from mlxformer.cache import Cache, CacheSettings, make_cache
+from mlxformer.cache.batch import BatchKey
 from mlxformer.cache.state import StateCache, state_nbytes
 from mlxformer.engine.scheduler import Scheduler, Step
 from mlxformer.engine.sequence import GenerationRequest, Sequence
@@ -82,57 +83,80 @@ def auto_kv_budget(model: Model) -> int:
     return budget
 
 
+class Sizes(NamedTuple):
+    """Bytes of a sequence's caches at some length: its own caches' and its decode-batch row's
+    (a rotating row keeps slots for a prompt chunk beyond its window, a recurrent row no past
+    states), each in all and the largest single layer's."""
+
+    own: int
+    own_layer: int
+    row: int
+    row_layer: int
+
+
 class KVSizer:
-    """Bytes a sequence's per-layer caches hold at ``n`` tokens, for the engine's cache settings.
+    """Bytes a sequence's per-layer caches hold at ``n`` tokens, for the engine's cache settings,
+    as its own caches and as its row of a decode batch (``row``; ``row_key``: the batch a
+    sequence's caches join, ``BatchRunner.row_key``, whose rotating kinds give the row's slots).
 
     Probed per block count, when first asked, from the cache classes themselves (lazy zero
     keys/values: shapes only, nothing is allocated), so quantized, rotating and sliding-window
     caches are sized exactly as they store, up to the model's context; beyond it the last
     block's increment is extrapolated."""
 
-    def __init__(self, model: Model, settings: CacheSettings, extra_tokens: int = 0) -> None:
+    def __init__(self, model: Model, settings: CacheSettings, extra_tokens: int = 0,
+                 row_key: Callable[[list[Cache]], BatchKey] | None = None) -> None:
         args = model.args
-        self.model, self.settings = model, settings
+        self.model, self.settings, self.row_key = model, settings, row_key
         self.dtype = model.hidden_states(mx.array([[0]])).dtype  # the keys' dtype (lazy: never evaluated)
         self.max_blocks = math.ceil((args.max_position_embeddings + extra_tokens) / BLOCK) + 1
-        self._probed: dict[int, int] = {0: 0}
-        self._layer: dict[int, int] = {0: 0}  # the largest single layer's bytes, per block count
+        self._probed: dict[int, Sizes] = {0: Sizes(0, 0, 0, 0)}
         # a cache turning quantized rewrites its storage all layers at once (not staged)
         self.quantizes = settings.kv_bits is not None and settings.quantized_kv_start > 0
 
-    def _probe(self, blocks: int) -> int:
-        """Bytes of fresh caches fed ``blocks`` blocks of tokens (memoized)."""
+    def _probe(self, blocks: int) -> Sizes:
+        """Bytes of fresh caches fed ``blocks`` blocks of tokens, and of their row (memoized)."""
         if blocks not in self._probed:
-            n, total, largest = blocks * BLOCK, 0, 0
+            n, own, row = blocks * BLOCK, [], []
             start = self.settings.quantized_kv_start if self.settings.kv_bits is not None else 0
-            for index, cache in enumerate(make_cache(self.model, self.settings)):
-                if isinstance(cache, StateCache):  # a fixed size whatever the length
-                    total += state_nbytes(self.model.args, cache.keep, self.dtype) if blocks else 0
+            caches = make_cache(self.model, self.settings)
+            kinds = [storage for storage, _ in self.row_key(caches)] if self.row_key else [None] * len(caches)
+            for index, (cache, kind) in enumerate(zip(caches, kinds)):
+                if isinstance(cache, StateCache):  # a fixed size whatever the length; a row keeps no past states
+                    own.append(state_nbytes(self.model.args, cache.keep, self.dtype) if blocks else 0)
+                    row.append(state_nbytes(self.model.args, 0, self.dtype) if blocks else 0)
                     continue
                 heads, key_dims, value_dims = self.model.args.cache_dims(index)  # the cache's layer's
                 for length in ([start, n - start] if 0 < start < n else [n]):
                     keys = mx.zeros((1, heads, length, key_dims), self.dtype)
                     cache.update_and_fetch(keys, mx.zeros((1, heads, length, value_dims), self.dtype))
-                total += cache.nbytes
-                largest = max(largest, cache.nbytes)
-            self._probed[blocks], self._layer[blocks] = total, largest
+                own.append(cache.nbytes)
+                row.append(cache.nbytes)
+                if kind is not None and kind.capacity is not None and cache.keys is not None:
+                    slots = cache.keys[0].shape[2]  # a rotating row: its slots as the batch fits them
+                    row[-1] = cache.nbytes // slots * min(n, kind.capacity)
+            self._probed[blocks] = Sizes(sum(own), max(own, default=0), sum(row), max(row, default=0))
         return self._probed[blocks]
 
-    def share(self, tokens: int) -> float:
+    def share(self, tokens: int, row: bool = False) -> float:
         """The largest single layer's part of the caches' bytes at ``tokens`` tokens (what a
-        rewrite done one layer at a time holds twice)."""
+        rewrite done one layer at a time holds twice); ``row``: of a decode-batch row."""
         if self.quantizes:  # the rewrite into quantized storage is all layers at once
             return 1.0
-        blocks = min(math.ceil(max(tokens, 1) / BLOCK), self.max_blocks)
-        total = self._probe(blocks)
-        return self._layer[blocks] / total if total else 0.0
+        sizes = self._probe(min(math.ceil(max(tokens, 1) / BLOCK), self.max_blocks))
+        total, layer = (sizes.row, sizes.row_layer) if row else (sizes.own, sizes.own_layer)
+        return layer / total if total else 0.0
 
-    def bytes_for(self, tokens: int) -> int:
-        """Bytes of caches holding ``tokens`` tokens (their buffers, rounded up to whole blocks)."""
+    def bytes_for(self, tokens: int, row: bool = False) -> int:
+        """Bytes of caches holding ``tokens`` tokens (their buffers, rounded up to whole blocks);
+        ``row``: of a decode-batch row holding them."""
+        def total(blocks: int) -> int:
+            return self._probe(blocks).row if row else self._probe(blocks).own
+
         blocks = math.ceil(max(tokens, 0) / BLOCK)
         if blocks <= self.max_blocks:
-            return self._probe(blocks)
-        last, before = self._probe(self.max_blocks), self._probe(self.max_blocks - 1)
+            return total(blocks)
+        last, before = total(self.max_blocks), total(self.max_blocks - 1)
         return last + (blocks - self.max_blocks) * (last - before)
 
     def step_need(self, held: int, fed: int, current: int | None = None) -> int:
@@ -143,7 +167,7 @@ class KVSizer:
         after, before = self.bytes_for(held + fed), self.bytes_for(held)
         if current is None:
             return after + (math.ceil(before * self.share(held)) if after != before else 0)
-        per_token = self._probe(1) / BLOCK
+        per_token = self._probe(1).own / BLOCK
         if fed == 0 or held + fed <= current / per_token:  # fits in the buffers it has
             return max(after, current)
         grown_tokens = held + math.ceil(fed / BLOCK) * BLOCK
@@ -151,11 +175,12 @@ class KVSizer:
         return max(after, grown) + math.ceil(current * self.share(held))
 
     def peak(self, tokens: int) -> int:
-        """The most a lone sequence needs on its way to ``tokens`` tokens: its own size, plus one
-        layer held twice while it is rewritten (its old buffer at a growth, its own layer while
-        that layer joins the decode batch)."""
-        own = self.bytes_for(tokens)
-        return own + math.ceil(own * self.share(tokens))
+        """The most a lone sequence needs on its way to ``tokens`` tokens: its size, plus one
+        layer held twice while it is rewritten (at a growth, a seat or a leave); the more of its
+        own caches' and its decode-batch row's (where it lives from admission under a budget: a
+        rotating row holds more, a recurrent row less)."""
+        own, row = self.bytes_for(tokens), self.bytes_for(tokens, row=True)
+        return max(own + math.ceil(own * self.share(tokens)), row + math.ceil(row * self.share(tokens, row=True)))
 
 
 @dataclass
@@ -256,15 +281,16 @@ class MemoryPlanner:
         alone = [s for s in active if s.speculator is not None and not batched(s)]  # on their own caches
         rows = [s for s in active if s.speculator is None or batched(s)] + [sequence]
         alone_need = sum(self.sizer.bytes_for(len(s.tokens) + 1 + self.draft_tokens) for s in alone)
-        prefill = sum(self.sizer.bytes_for(len(s.tokens) + 1) for s in rows[:-1]) + self.sizer.peak(len(sequence.tokens))
+        prefill = (sum(self.sizer.bytes_for(len(s.tokens) + 1, row=True) for s in rows[:-1])
+                   + self.sizer.peak(len(sequence.tokens)))
         width = max(len(s.tokens) for s in rows) + 1
         batch = len(rows) * self._row_bytes(rows, batched, width)
-        join = batch + math.ceil(batch * self.sizer.share(width))  # one layer of the batch held twice
+        join = batch + math.ceil(batch * self.sizer.share(width, row=True))  # one layer of the batch held twice
         grown = math.ceil(width / BLOCK) * BLOCK + 1  # tokens at which every row's buffer gains a block
-        now, wider = self.sizer.bytes_for(width), self.sizer.bytes_for(grown)
+        now, wider = self.sizer.bytes_for(width, row=True), self.sizer.bytes_for(grown, row=True)
         growth = 0
         if wider > now and any(len(s.tokens) + s.room >= grown for s in rows):
-            growth = len(rows) * wider + math.ceil(len(rows) * now * self.sizer.share(width))
+            growth = len(rows) * wider + math.ceil(len(rows) * now * self.sizer.share(width, row=True))
         return alone_need + max(prefill, join, growth) <= self.budget.limit
 
     def _rows_need(self, rows: list[Sequence], batched: Callable[[Sequence], bool], width: int) -> int:
@@ -276,14 +302,15 @@ class MemoryPlanner:
         if after <= current:
             return after
         old = sum(c.nbytes for s in rows for c in s.cache)  # the batch and the joining rows' own caches
-        return after + math.ceil(old * self.sizer.share(width))
+        return after + math.ceil(old * self.sizer.share(width, row=True))
 
     def _row_bytes(self, rows: list[Sequence], batched: Callable[[Sequence], bool], width: int) -> int:
-        """Bytes of one decode-batch row at ``width`` tokens, never less than a row of the batch's
-        buffers as they are."""
+        """Bytes of one decode-batch row at ``width`` tokens (``KVSizer``'s ``row``: a rotating
+        row's slots beyond its window, a recurrent row's states), never less than a row of the
+        batch's buffers as they are."""
         members = [s for s in rows if batched(s)]
         current = sum(c.nbytes for s in members for c in s.cache) // max(1, len(members))
-        return max(self.sizer.bytes_for(width), current)
+        return max(self.sizer.bytes_for(width, row=True), current)
 
     def step_need(self, scheduler: Scheduler, step: Step, batched: Callable[[Sequence], bool]) -> int:
         """KV bytes the active sequences need while ``step`` runs. The decoding sequences share a
