@@ -92,16 +92,21 @@ class BatchRunner:
         """Give an admitted sequence its row in the decode batch of its kind now, when its caches
         can live there (``cache/rows.py``): its prompt chunks (and a speculating sequence's
         rounds) write there and joining the decode steps moves nothing."""
-        kind = batch_key(sequence.cache, self.windows)
-        if not seatable(sequence.cache) or not self._spare(kind):
+        if not seatable(sequence.cache) or not self._spare(batch_key(sequence.cache, self.windows)):
             return
-        if sequence.speculator is not None and any(storage.rotating or storage.recurrent for storage, _ in kind):
-            return  # a turned ring or a recurrent row cannot rewind a rejected round (``trim``: 0)
         kind = self._key(sequence.cache)
         batch = self._batch(kind)
         assert isinstance(batch, SpareBatch)
-        index, sequence.cache = batch.seat(sequence.cache)  # type: ignore[assignment]
+        index, sequence.cache = self._seat_in(batch, sequence.cache, sequence)  # type: ignore[assignment]
         self._place(kind, index, sequence)
+
+    @staticmethod
+    def _seat_in(batch: SpareBatch, caches: list[Cache], sequence: Decoding) -> tuple[int, list[Cache]]:
+        """``SpareBatch.seat``; a speculating sequence's row keeps its recurrent layers' last
+        states (``Row.rewinds``: a rejected round is taken back, ``cache/state_rows.py``)."""
+        index, views = batch.seat(caches)
+        batch.layout.rows[index].rewinds = sequence.speculator is not None
+        return index, views  # type: ignore[return-value]
 
     def _key(self, caches: Sequence[Cache]) -> BatchKey:
         """The batch a sequence with per-layer ``caches`` joins (a rotating layer's rows keep
@@ -289,7 +294,7 @@ class BatchRunner:
         quantized = self._key(own)
         batch = self._batch(quantized)
         assert isinstance(batch, SpareBatch)
-        new_index, views = batch.seat(own)
+        new_index, views = self._seat_in(batch, own, sequence)
         caches = sequence.cache
         self.release(sequence, keep=False)
         self._place(quantized, new_index, sequence)
