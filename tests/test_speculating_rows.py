@@ -26,13 +26,14 @@ def draft(tmp_path_factory):
     return tiny_byte_llama_of(tmp_path_factory.mktemp("speculating_rows_draft"), 1)
 
 
-@pytest.fixture(scope="module", params=["mistral", "qwen3_5_text"])
+@pytest.fixture(scope="module", params=["mistral", "gemma3", "qwen3_5_text"])
 def target(request, tmp_path_factory):
-    """The model, and the row cache whose trims the test watches (a ring's, a recurrent row's)."""
+    """The model (Gemma 3: sliding and global layers, a row in each of two slot layouts), and the
+    row cache whose trims the test watches (a ring's, a recurrent row's)."""
     directory = tmp_path_factory.mktemp(request.param)
-    if request.param == "mistral":
-        return sliding_model(directory, "mistral", WINDOW, layers=4), RingRowCache
-    return tiny(directory, "qwen3_5_text"), StateRowCache
+    if request.param == "qwen3_5_text":
+        return tiny(directory, "qwen3_5_text"), StateRowCache
+    return sliding_model(directory, request.param, WINDOW, layers=4), RingRowCache
 
 
 @pytest.mark.parametrize("kind", ["lookup", "draft"])
