@@ -228,17 +228,14 @@ def tiny_model(directory, family: str, **config):
     return model, tokenizer
 
 
-@pytest.mark.parametrize("window", [None, 24], ids=["growing", "rotating"])
-def test_staggered_requests_cross_quantized_kv_start_in_their_rows(llama, window, monkeypatch):
+def test_staggered_requests_cross_quantized_kv_start_in_their_rows(llama, monkeypatch):
     """``quantized_kv_start`` = 36: the 30-token prompt's row crosses it while decoding, the 40-
     and 270-token prompts' rows while prefilling (two of the 270's chunks may share a step: they
     then run one after the other). Each crossing re-encodes the row into a row of the quantized
     batch: no row is copied out of a batch (before: it left the float batch with its caches, took
-    a step alone and was copied into the quantized batch), and every reply equals its own alone.
-    Rotating rows too (a ``max_kv_size`` of 24, 2 sinks: the ring's window re-encoded; before,
-    such a cache was not seated at admission)."""
+    a step alone and was copied into the quantized batch), and every reply equals its own alone."""
     model, tokenizer = llama
-    settings = CacheSettings(kv_bits=8, kv_group_size=32, quantized_kv_start=36, max_kv_size=window, keep=2)
+    settings = CacheSettings(kv_bits=8, kv_group_size=32, quantized_kv_start=36)
     copied_out, seated = [], []
     leave, seat = SpareBatch.leave, SpareBatch.seat
 

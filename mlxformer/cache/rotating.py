@@ -86,9 +86,7 @@ class RotatingKVCache:
         """The stored keys, values and their positions, oldest first."""
         return self._time_order()
 
-    def quantize_storage(self) -> None:
-        """Re-encode what the window holds into quantized storage (at ``quantized_kv_start``; a
-        batch row crossing it, ``BatchRunner._cross``, re-encodes its row through this)."""
+    def _quantize_storage(self) -> None:
         assert self.bits is not None
         self.codec, float_codec = KVCodec(self.bits, self.group_size), self.codec
         if self.keys is not None and self.values is not None:
@@ -118,7 +116,7 @@ class RotatingKVCache:
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Pack, Pack]:
         if self.bits is not None and self.codec.bits is None and self.offset >= self.start:
-            self.quantize_storage()
+            self._quantize_storage()
         length = keys.shape[2]
         new_positions = range(self.offset, self.offset + length)
         self.codec = self.codec.with_key_center(keys, new_positions)

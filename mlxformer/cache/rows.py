@@ -52,11 +52,13 @@ Blank = tuple[Pack, Pack]  # a layer's keys/values pack of one row and one slot 
 
 
 def seatable(caches: Sequence[Cache]) -> bool:
-    """Whether a sequence's own caches can live in a ``SpareBatch`` row: growing or rotating
-    caches (float, quantized, or turning quantized at ``quantized_kv_start``), maybe beside
-    recurrent states."""
+    """Whether a sequence's own caches can live in a ``SpareBatch`` row: growing caches (float,
+    quantized, or turning quantized at ``quantized_kv_start``) or rotating ones quantized from the
+    first token if at all, maybe beside recurrent states."""
     attention = [c for c in caches if type(c) is not StateCache]
-    return bool(attention) and all(type(c) in (KVCache, RotatingKVCache) for c in attention)
+    return bool(attention) and all(
+        type(c) is KVCache or (type(c) is RotatingKVCache and (c.bits is None or c.codec.bits is not None))
+        for c in attention)
 
 
 def spare_kind(key: BatchKey) -> bool:

@@ -18,7 +18,7 @@ from typing import Protocol, Sequence
 
 import mlx.core as mx
 
-from mlxformer.cache import Cache, KVCache, RotatingKVCache
+from mlxformer.cache import Cache, KVCache
 from mlxformer.cache.packed import PackedLayerCache, Segment, positions
 from mlxformer.engine.prompt_scores import PromptScores
 from mlxformer.cache.batch import BatchKey, DecodeBatch, batch_key, quantizes_next, row_quantizes_next
@@ -283,13 +283,13 @@ class BatchRunner:
     def _cross(self, sequence: Decoding) -> None:
         """Move a seated sequence whose storage turns quantized at its next token
         (``quantized_kv_start``) to a row of the quantized batch: its float row re-encoded there
-        (``quantize_storage``; its states, if any, written beside), nothing else copied,
+        (``KVCache.quantize_storage``; its states, if any, written beside), nothing else copied,
         and the float row freed. Its cache list is updated in place (a step's chunks hold it)."""
         kind = self._members[id(sequence)]
         index = next(i for i, s in enumerate(self._rows[kind]) if s is sequence)
         own = self.batches[kind].row_caches(index)  # views of its float row
         for cache in own:
-            if isinstance(cache, (KVCache, RotatingKVCache)):
+            if isinstance(cache, KVCache):
                 cache.quantize_storage()
         quantized = self._key(own)
         batch = self._batch(quantized)
