@@ -92,21 +92,14 @@ class BatchRunner:
         """Give an admitted sequence its row in the decode batch of its kind now, when its caches
         can live there (``cache/rows.py``): its prompt chunks (and a speculating sequence's
         rounds) write there and joining the decode steps moves nothing."""
-        if not seatable(sequence.cache) or not self._spare(batch_key(sequence.cache, self.windows)):
+        kind = batch_key(sequence.cache, self.windows)
+        if not seatable(sequence.cache) or not self._spare(kind):
             return
         kind = self._key(sequence.cache)
         batch = self._batch(kind)
         assert isinstance(batch, SpareBatch)
         index, sequence.cache = self._seat_in(batch, sequence.cache, sequence)  # type: ignore[assignment]
         self._place(kind, index, sequence)
-
-    @staticmethod
-    def _seat_in(batch: SpareBatch, caches: list[Cache], sequence: Decoding) -> tuple[int, list[Cache]]:
-        """``SpareBatch.seat``; a speculating sequence's row keeps its recurrent layers' last
-        states (``Row.rewinds``: a rejected round is taken back, ``cache/state_rows.py``)."""
-        index, views = batch.seat(caches)
-        batch.layout.rows[index].rewinds = sequence.speculator is not None
-        return index, views  # type: ignore[return-value]
 
     def _key(self, caches: Sequence[Cache]) -> BatchKey:
         """The batch a sequence with per-layer ``caches`` joins (a rotating layer's rows keep
@@ -154,6 +147,14 @@ class BatchRunner:
         rows += [None] * (index + 1 - len(rows))
         rows[index] = sequence
         self._members[id(sequence)] = kind
+
+    @staticmethod
+    def _seat_in(batch: SpareBatch, caches: list[Cache], sequence: Decoding) -> tuple[int, list[Cache]]:
+        """``SpareBatch.seat``; a speculating sequence's row keeps its recurrent layers' last
+        states (``Row.rewinds``: a rejected round is taken back, ``cache/state_rows.py``)."""
+        index, views = batch.seat(caches)
+        batch.layout.rows[index].rewinds = sequence.speculator is not None
+        return index, views  # type: ignore[return-value]
 
     def prefill(
         self, tokens: Sequence[int], cache: Sequence[Cache], want_logits: bool, prompt_length: int | None = None,
