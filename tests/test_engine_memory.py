@@ -120,6 +120,28 @@ def test_a_tight_budget_runs_what_fits_without_thrashing(tiny):
     assert max(rows) == 4  # all that fit: the headroom is one growth, not more
 
 
+def test_the_step_after_a_freeing_step_empties_the_buffer_cache_too(tiny):
+    """Under a budget, MLX's buffer cache is emptied after a step that changed the KV held (a
+    sequence's last prompt chunk, a growth, a retire) and after the step that follows it: with
+    the step overlap, that step's activations (its prompt chunks') are freed only once the next
+    step reads its tokens. Before, they sat in the cache through every decode step after the
+    prompts (SmolLM2 bfloat16 in process: 19.6 MiB beside a 59.7 MiB budget, ~1 MiB now)."""
+    model, tokenizer = tiny
+    engine = Engine(model, tokenizer, max_kv_memory=parse_kv_memory("64MiB"))
+    same = engine._kv_layout()
+
+    def cached_after(before: tuple) -> int:  # freed buffers in MLX's cache, then a step's end
+        mx.eval(mx.ones((2**18,)))
+        assert mx.get_cache_memory() >= 2**20
+        engine._drop_freed(before)
+        return mx.get_cache_memory()
+
+    assert cached_after(same) > 0  # a step that freed nothing keeps them for the next
+    assert cached_after(same[:-1] + (same[-1] + 1,)) == 0  # the KV held changed
+    assert cached_after(same) == 0  # the step after it
+    assert cached_after(same) > 0
+
+
 def test_a_request_that_can_never_fit_is_refused(tiny):
     model, tokenizer = tiny
     # one 256-token block (262 kB) and one of the two layers held twice while rewritten, not two blocks

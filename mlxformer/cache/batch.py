@@ -251,7 +251,16 @@ class BatchLayerCache:
         new_keys, new_values = self.codec.encode_keys(keys, self.layout.query_blocks), self.codec.encode(values)
         self.keys = tuple(_write(b, slots, n) for b, n in zip(self.keys, new_keys))
         self.values = tuple(_write(b, slots, n) for b, n in zip(self.values, new_values))
-        return self.keys, self.values
+        return self.fetch()
+
+    def fetch(self) -> tuple[Pack, Pack]:
+        """The keys/values this step's rows attend over: the buffers as written so far (a row's
+        prompt chunk written after the rows' tokens, ``cache/packed.py``), as wide as the step's
+        mask (the chunk may have widened them)."""
+        width = self.layout.step_width
+        if self.keys[0].shape[2] <= width:
+            return self.keys, self.values
+        return tuple(x[:, :, :width] for x in self.keys), tuple(x[:, :, :width] for x in self.values)
 
     def attention(
         self, queries: mx.array, keys: Pack, values: Pack, scale: float, mask: Mask, softcap: float | None = None,

@@ -83,17 +83,38 @@ class PackedLayerCache:
         return keys, values  # written segment by segment in ``attention``
 
     def attention(
-        self, queries: mx.array, keys: Any, values: Any, scale: float, mask: Mask, softcap: float | None = None,
-        sinks: mx.array | None = None,
+        self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Mask,
+        softcap: float | None = None, sinks: mx.array | None = None,
     ) -> mx.array:
-        """Each segment in turn: its mask, its write, its attention (a cache taking two segments,
-        a prompt's consecutive chunks, sees the first written before the second)."""
+        """Every segment's mask and write, then every segment's attention over what its cache
+        ``fetch``es once all are written: a decode batch's layer and a prompt chunk's row in it
+        share one buffer, and an attention reading it before the row's write would keep the old
+        buffer alive, so that MLX copies the whole layer for the write instead of writing in
+        place (each step a chunk rode beside decoding rows). A cache taking two segments (a
+        prompt's consecutive chunks) writes and attends in turn: the first's attention must
+        not see the second's keys, nor its codec."""
+        parts = list(zip(self.segments, self._cut(queries), self._cut(keys), self._cut(values)))
+        if len({id(segment.cache) for segment in self.segments}) < len(self.segments):
+            return mx.concatenate([self._attend(segment, q, *self._write(segment, k, v), scale, softcap, sinks)
+                                   for segment, q, k, v in parts], axis=2)
+        written = [self._write(segment, k, v) for segment, _, k, v in parts]
         outs = []
-        for segment, q, k, v in zip(self.segments, self._cut(queries), self._cut(keys), self._cut(values)):
-            own = segment.cache.make_mask(segment.length, self.window)  # before its update
-            k, v = segment.cache.update_and_fetch(k, v)
-            outs.append(_pack(segment.cache.attention(q, k, v, scale, own, softcap, sinks), segment))
+        for (segment, q, _, _), (k, v, own) in zip(parts, written):
+            fetch = getattr(segment.cache, "fetch", None)
+            if fetch is not None:
+                k, v = fetch()
+            outs.append(self._attend(segment, q, k, v, own, scale, softcap, sinks))
         return mx.concatenate(outs, axis=2)  # (1, heads, T, D)
+
+    def _write(self, segment: Segment, keys: mx.array, values: mx.array) -> tuple[Any, Any, Mask]:
+        """A segment's keys/values written to its cache; what it returns, and its mask (taken before)."""
+        own = segment.cache.make_mask(segment.length, self.window)
+        return (*segment.cache.update_and_fetch(keys, values), own)
+
+    @staticmethod
+    def _attend(segment: Segment, queries: mx.array, keys: Any, values: Any, mask: Mask, scale: float,
+                softcap: float | None, sinks: mx.array | None) -> mx.array:
+        return _pack(segment.cache.attention(queries, keys, values, scale, mask, softcap, sinks), segment)
 
     @property
     def state(self) -> tuple[mx.array, ...]:

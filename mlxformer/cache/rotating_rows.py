@@ -157,6 +157,7 @@ class RingWrites:
     offset: int
     _row_codec: Callable[[int, int], KVCodec]
     write: Callable[[int, int, Pack, Pack, KVCodec, int], None]
+    fetch = None  # a chunk is written where it attends, piece by piece: nothing to fetch before
     _written: tuple[Pack, list[tuple[int, int, Piece]]] | None = None  # the chunk written, its pieces
 
     @property

@@ -289,7 +289,11 @@ class RowCache(RowPlace, CodecAttention):
         new_keys, new_values = codec.encode_keys(keys, center_blocks(positions)), codec.encode(values)
         self.write(index, start, new_keys, new_values, codec, stop)
         self.pending += length
-        layer = self._layer
+        return self.fetch()
+
+    def fetch(self) -> tuple[Pack, Pack]:
+        """Views of the row's slots up to its written tokens, in the buffers as written so far."""
+        index, stop, layer = self.batch.index(self.row), self.offset, self._layer
         return (tuple(x[index : index + 1, :, :stop] for x in layer.keys),
                 tuple(x[index : index + 1, :, :stop] for x in layer.values))
 

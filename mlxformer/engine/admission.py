@@ -40,6 +40,7 @@ class Admission:
     prefix_cache: PrefixCache
     metrics: EngineMetrics
     replays: Replays
+    _freed_last_step = False  # whether the last step freed KV buffers (``_drop_freed``)
 
     def _fail(self, sequence: Sequence, error: BaseException) -> None:
         raise NotImplementedError
@@ -164,10 +165,16 @@ class Admission:
 
     def _drop_freed(self, before: tuple) -> None:
         """Under a KV budget, empty MLX's buffer cache after a step that freed KV buffers (a
-        growth, a join or leave, a retire, an eviction): buffers of those sizes seldom serve
-        again, and kept they fill the cache that the next step's activations would reuse."""
-        if before and self._kv_layout() != before:
+        growth, a join or leave, a retire, an eviction, a sequence's last prompt chunk) and
+        after the step that follows it: buffers of those sizes seldom serve again, and kept they
+        fill the cache that the next step's activations would reuse. The second clear drops the
+        activations of that step (its prompt chunks'), which are freed only once the next step
+        has read its tokens (the overlap): kept, they sat in the cache through every decode step
+        after the prompts (measured: 19.6 MiB beside a 59.7 MiB budget, SmolLM2 bfloat16)."""
+        freed = bool(before) and self._kv_layout() != before
+        if freed or self._freed_last_step:
             mx.clear_cache()
+        self._freed_last_step = freed
 
     def kv_bytes(self) -> int:
         raise NotImplementedError
