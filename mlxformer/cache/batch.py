@@ -84,6 +84,8 @@ class Row:
     offset: int  # tokens seen (the next token's position)
     idx: int  # the next ring slot once every slot is used
     metas: list[dict[str, str]] = field(default_factory=list)  # each layer's cache settings, to rebuild it
+    freed: int = 0  # a turned ring's slots from ``idx`` on holding no token (a trim freed them), written first
+    rewinds: bool = False  # its recurrent layers keep their last tokens' states (a speculating row: ``state_rows``)
 
 
 def in_window(visible: mx.array, positions: mx.array, query: mx.array, kind: StorageKind, window: int | None) -> mx.array:
@@ -188,6 +190,7 @@ class BatchLayout:
                 row.idx = row.used if capacity is None or row.used < capacity else keep
             else:
                 row.idx = slot + 1 if capacity is None or slot + 1 < capacity else keep
+                row.freed = max(0, row.freed - 1)
             row.offset += 1
 
     def add(self, rows: list[Row], positions: list[mx.array]) -> None:

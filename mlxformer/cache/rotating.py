@@ -18,6 +18,13 @@ from mlxformer.errors import MlxformerError
 from mlxformer.cache.latent import latent_attention
 
 
+def takes_back(oldest: int, held: int, offset: int, n: int, max_size: int, keep: int) -> bool:
+    """Whether a window of ``max_size`` tokens with ``keep`` sinks, holding ``held`` tokens
+    (the oldest after its sinks at position ``oldest``) of ``offset``, can forget its last
+    ``n``: it keeps a token beyond its sinks and every token the next query sees."""
+    return held - n > keep and oldest <= max(keep, offset - n - (max_size - keep) + 1)
+
+
 class RotatingKVCache:
     """At most ``max_size`` tokens of keys/values, float or (with ``bits``) quantized.
 
@@ -249,8 +256,7 @@ class RotatingKVCache:
             self.positions = self.positions[: self.size - n]
         else:
             keys, values, positions = self._time_order()
-            oldest_needed = max(self.keep, self.offset - n - (self.max_size - self.keep) + 1)
-            if len(positions) - n <= self.keep or positions[self.keep] > oldest_needed:
+            if not takes_back(positions[self.keep], len(positions), self.offset, n, self.max_size, self.keep):
                 return 0
             size = len(positions) - n
             self.keys, self.values = pack_slice(keys, 0, size), pack_slice(values, 0, size)

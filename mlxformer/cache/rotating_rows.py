@@ -12,7 +12,9 @@ longer chunk is written and attended piece by piece. A row that does not take a 
 writes the step's scratch at its next slot (``BatchLayout.prepare``): a free slot, or the
 oldest ring slot, whose token is out of every later query's window and (``extra >= 1``) not
 among the ``max_size + slack`` tokens the row gives back as a per-sequence cache
-(``own_ring_cache``).
+(``own_ring_cache``). A rejected speculation round is taken back in the row, also once its ring
+turned (``RingWrites.takes_back``: the per-sequence cache's rule; ``_move_back``: the ring index
+steps back, the slots it passes are the row's ``freed`` ones, written first and read as empty).
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ import mlx.core as mx
 from mlxformer.cache.batch import BatchKey, BatchLayerCache, Row, StorageKind, _rebuild, in_window
 from mlxformer.cache.codec import CENTER_BLOCK, KVCodec, Pack, center_blocks, pack_slice
 from mlxformer.cache.latent import latent_attention
-from mlxformer.cache.rotating import RotatingKVCache
+from mlxformer.cache.rotating import RotatingKVCache, takes_back
+from mlxformer.cache.row_place import move_back
 from mlxformer.models.mask import Mask
 
 if TYPE_CHECKING:
@@ -93,14 +96,16 @@ def placement(
             spans[-1] = (spans[-1][0], spans[-1][1], spans[-1][2] + 1)
         else:
             spans.append((slot, token, 1))
-    return Row(capacity, offset, ring_slot(offset, capacity, keep), metas), spans
+    empty = capacity - keep - sum(p >= keep for p in positions)  # the ring slots from the next one on
+    return Row(capacity, offset, ring_slot(offset, capacity, keep), metas, freed=empty), spans
 
 
 def time_slots(row: Row, capacity: int, keep: int) -> list[int]:
-    """The row's used slots, oldest token first."""
-    if row.used < capacity or row.idx == keep:
+    """The row's slots holding a token, oldest first (a turned ring's ``freed`` slots skipped)."""
+    if row.used < capacity or (row.idx == keep and not row.freed):
         return list(range(row.used))
-    return [*range(keep), *range(row.idx, capacity), *range(keep, row.idx)]
+    ring = [*range(row.idx, capacity), *range(keep, row.idx)]
+    return [*range(keep), *ring[row.freed :]]
 
 
 def own_ring_cache(layer: BatchLayerCache, index: int, row: Row, meta: dict[str, str]) -> RotatingKVCache:
@@ -247,11 +252,35 @@ class RingWrites:
             start = self.row.offset + token
             layout.positions[index, slot : slot + n] = mx.arange(start, start + n, dtype=mx.int32)
         self.row.used, self.row.idx, self.row.offset = used, idx, self.row.offset + self.pending
+        self.row.freed = max(0, self.row.freed - self.pending)  # written first (``ring_spans`` starts at ``idx``)
 
-    def trim_possible(self) -> bool:
-        """Whether tokens can be taken back: nothing evicted nor overwritten (the slots hold
-        every token in order, the pending ones too)."""
-        kind = self._kind
+    def takes_back(self, n: int) -> bool:
+        """Whether the last ``n`` tokens can be taken back: while the slots hold every token in
+        order (the pending ones too); once the ring turned, when what the forward wrote is
+        recorded (else it overwrote ring tokens the row still counts), by the per-sequence
+        cache's rule (``rotating.takes_back``: its ``slack`` covers a round's rejected tokens)."""
+        kind, row = self._kind, self.row
+        assert kind.capacity is not None and kind.max_size is not None
+        if row.used < kind.capacity:
+            return row.used == row.offset and row.used + self.pending <= kind.capacity
+        if self.pending > 0:
+            return False
+        ring = kind.capacity - kind.keep - row.freed  # the ring's tokens: the newest, in order
+        return takes_back(row.offset - ring, kind.keep + ring, row.offset, n - self.pending, kind.max_size, kind.keep)
+
+    def _move_back(self, target: int) -> None:
+        """Move the row back to ``target`` tokens: a turned ring's index steps back over the
+        slots it frees (``freed``: written first, and skipped when it is read in time order)."""
+        kind, row, index = self._kind, self.row, self.batch.index(self.row)
         assert kind.capacity is not None
-        return self.row.used == self.row.offset < kind.capacity and self.row.used + self.pending <= kind.capacity
+        if row.used < kind.capacity:
+            move_back(self._layer.layout, index, row, target)
+            return
+        back, ring = row.offset - target, kind.capacity - kind.keep
+        row.idx = kind.keep + (row.idx - kind.keep - back) % ring
+        slots = mx.array([kind.keep + (row.idx - kind.keep + j) % ring for j in range(back)], dtype=mx.int32)
+        layout = self._layer.layout
+        layout.positions = layout.padded()
+        layout.positions[index, slots] = -1
+        row.offset, row.freed = target, row.freed + back
 

@@ -6,8 +6,15 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from mlxformer.cache.batch import Row
+    from mlxformer.cache.batch import BatchLayout, Row
     from mlxformer.cache.rows import SpareBatch
+
+
+def move_back(layout: "BatchLayout", index: int, row: "Row", target: int) -> None:
+    """Row ``index`` (its slots holding its tokens in order) back to its first ``target`` tokens."""
+    layout.positions = layout.padded()
+    layout.positions[index, target:] = -1
+    row.used = row.offset = row.idx = target
 
 
 class RowPlace:
@@ -33,3 +40,17 @@ class RowPlace:
     def settled(self) -> None:
         """The forward's writes are recorded (``settle``)."""
         self.pending = 0
+
+    def _take_back(self, n: int) -> None:
+        """Count ``n`` tokens trimmed: of the forward being built, then of the row, which moves
+        back (``_move_back``) once every layer of it has been trimmed to the same length (a
+        speculation round's rewind trims each layer by the same ``n``)."""
+        self.pending -= n
+        if self.pending < 0 and len(set(self.pendings.values())) == 1:
+            self._move_back(self.offset)
+            for layer in self.pendings:
+                self.pendings[layer] = 0
+
+    def _move_back(self, target: int) -> None:
+        """Move the row back to its first ``target`` tokens (its later slots freed)."""
+        raise NotImplementedError

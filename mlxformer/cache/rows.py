@@ -42,7 +42,7 @@ from mlxformer.cache.batch import BatchKey, BatchLayerCache, DecodeBatch, Row, _
 from mlxformer.cache.codec import CENTER_BLOCK, FLOAT_CODEC, KVCodec, Pack, center_blocks, pack_nbytes, pack_slice
 from mlxformer.cache.kv import CodecAttention, KVCache
 from mlxformer.cache.protocol import Cache
-from mlxformer.cache.row_place import RowPlace
+from mlxformer.cache.row_place import RowPlace, move_back
 from mlxformer.cache.rotating import RotatingKVCache
 from mlxformer.cache.rotating_rows import RingWrites, held, own_ring_cache, placement
 from mlxformer.cache.state import StateCache
@@ -331,22 +331,16 @@ class RowCache(RowPlace, CodecAttention):
     def trim(self, n: int) -> int:
         """Forget the last ``n`` tokens: of the forward being built, then of the row. The layers
         share the row's slots, so the row moves once every layer has been trimmed to the same
-        length (a speculation round's rewind trims each layer by the same ``n``). A hybrid
-        model's row gives nothing back: its recurrent states cannot go back (``state_rows``)."""
-        if any(isinstance(layer, StateRows) for layer in self.batch.layers):
+        length (``RowPlace._take_back``). A hybrid model's row gives nothing back unless its
+        recurrent layers keep their last states (a speculating row: ``Row.rewinds``)."""
+        if not self.row.rewinds and any(isinstance(layer, StateRows) for layer in self.batch.layers):
             return 0
         n = min(n, self.offset)
-        self.pending -= n
-        if self.pending < 0 and len(set(self.pendings.values())) == 1:
-            target = self.offset
-            index = self.batch.index(self.row)
-            layout = self._layer.layout
-            layout.positions = layout.padded()
-            layout.positions[index, target:] = -1
-            self.row.used = self.row.offset = self.row.idx = target
-            for layer in self.pendings:
-                self.pendings[layer] = 0
+        self._take_back(n)
         return n
+
+    def _move_back(self, target: int) -> None:
+        move_back(self._layer.layout, self.batch.index(self.row), self.row, target)
 
     @property
     def nbytes(self) -> int:
@@ -367,8 +361,9 @@ class RingRowCache(RingWrites, RowCache):  # type: ignore[misc]
     next slots and attended piece by piece."""
 
     def trim(self, n: int) -> int:
-        """As a growing row's, while the row holds every token in order (else nothing: 0)."""
-        return RowCache.trim(self, n) if self.trim_possible() else 0
+        """As a growing row's, where the ring can take the tokens back (``takes_back``; else 0)."""
+        n = min(n, self.offset)
+        return RowCache.trim(self, n) if self.takes_back(n) else 0
 
 
 def settle(caches: Sequence[Cache]) -> None:

@@ -11,9 +11,13 @@ free) keeps its state. ``StateRowCache`` is one recurrent layer of one row behin
 protocol: a prompt chunk reads the row's window and state and writes them back in place (the
 other rows untouched), computing exactly what the sequence's own ``StateCache`` computes (the
 same ``keep``, so the same split into the chunked and the recurrent form). A row keeps no past
-states: ``trim`` gives nothing back, as a batch's stacked ``StateCache`` did. A row read out of
-the batch (``StateRows.row``: a prefix-cache snapshot, a row leaving) is a copy (a gather): a
-snapshot must own its bytes, not hold the batch's buffer.
+states (``trim`` gives nothing back, as a batch's stacked ``StateCache`` did), except a
+speculating sequence's (``Row.rewinds``): its forwards, which run on its row alone, also
+advance a ``StateCache`` of its own (a copy of the row's window and state, then the states of
+its last ``keep`` tokens, as its own cache keeps them), so a rejected round is taken back by
+that cache's ``trim`` and the state before it written back into the row. A row read out of
+the batch (``StateRows.row``: a prefix-cache snapshot, a row leaving, that cache) is a copy (a
+gather): a snapshot must own its bytes, not hold the batch's buffer.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
-from mlxformer.cache.row_place import RowPlace
+from mlxformer.cache.row_place import RowPlace, move_back
 from mlxformer.cache.state import StateCache
 from mlxformer.models.mask import Mask, causal_mask_for
 
@@ -97,6 +101,7 @@ class StateRowCache(RowPlace):
     def __init__(self, batch: "SpareBatch", row: "Row", layer: int, pendings: dict[int, int]) -> None:
         super().__init__(batch, row, layer, pendings)
         self.keep = max(1, int(row.metas[layer]["keep"]))  # the sequence's own cache's
+        self._past: StateCache | None = None  # a speculating row's last states (module doc)
 
     @property
     def _rows(self) -> StateRows:
@@ -113,11 +118,26 @@ class StateRowCache(RowPlace):
         return self._rows.states[0][index : index + 1]
 
     def advance(self, inputs: mx.array, states: list[mx.array]) -> None:
-        """Record a chunk ``(1, L, C)``: the row's new window and its state after the last token."""
+        """Record a chunk ``(1, L, C)``: the row's new window and its state after the last token
+        (a speculating row's last states kept too, ``_keep_past``)."""
         rows = self._rows
         window = mx.concatenate([self.conv_window(rows._width, inputs), inputs], axis=1)[:, -rows._width :]
+        if self.row.rewinds:
+            self._keep_past(inputs, states)
         rows.write(self.batch.index(self.row), window, states[-1])
         self.pending += inputs.shape[1]
+
+    def _keep_past(self, inputs: mx.array, states: list[mx.array]) -> None:
+        """Advance a speculating row's own ``StateCache`` as its own cache would be (module doc):
+        copied from the row when it does not hold the row's tokens (the first forward, or the row
+        stepped in the batch); the state before a short update is its own, not the row's view
+        (kept, a view would stop the batch's buffer from being written in place)."""
+        past = self._past
+        if past is None or past.offset != self.offset:
+            past = self._past = self._rows.row(self.batch.index(self.row), self.offset, self.keep)
+        if inputs.shape[1] <= self.keep:  # ``delta_rule``: the first of ``states`` is the state before
+            states = [past.states[-1], *states[1:]]
+        past.advance(inputs, states)
 
     def reset(self, own: StateCache) -> None:
         """Start the row from ``own``'s state (a prefix-cache hit's snapshot), or zeros."""
@@ -141,7 +161,19 @@ class StateRowCache(RowPlace):
         return self.row.metas[self.layer]
 
     def trim(self, n: int) -> int:
-        return 0  # no past states kept (module doc)
+        """Take back the last ``n`` tokens, a speculating row's (``StateCache.trim`` of its last
+        states, the state then written back into the row); else nothing (module doc)."""
+        past = self._past
+        if not self.row.rewinds or past is None or past.offset != self.offset:
+            return 0
+        n = past.trim(n)
+        if n:
+            self._rows.write(self.batch.index(self.row), *past.state)
+            self._take_back(n)
+        return n
+
+    def _move_back(self, target: int) -> None:
+        move_back(self._rows.layout, self.batch.index(self.row), self.row, target)
 
 
     @property

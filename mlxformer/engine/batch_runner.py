@@ -95,12 +95,10 @@ class BatchRunner:
         kind = batch_key(sequence.cache, self.windows)
         if not seatable(sequence.cache) or not self._spare(kind):
             return
-        if sequence.speculator is not None and any(storage.rotating or storage.recurrent for storage, _ in kind):
-            return  # a turned ring or a recurrent row cannot rewind a rejected round (``trim``: 0)
         kind = self.row_key(sequence.cache)
         batch = self._batch(kind)
         assert isinstance(batch, SpareBatch)
-        index, sequence.cache = batch.seat(sequence.cache)  # type: ignore[assignment]
+        index, sequence.cache = self._seat_in(batch, sequence.cache, sequence)  # type: ignore[assignment]
         self._place(kind, index, sequence)
 
     def row_key(self, caches: Sequence[Cache]) -> BatchKey:
@@ -147,6 +145,14 @@ class BatchRunner:
         rows += [None] * (index + 1 - len(rows))
         rows[index] = sequence
         self._members[id(sequence)] = kind
+
+    @staticmethod
+    def _seat_in(batch: SpareBatch, caches: list[Cache], sequence: Decoding) -> tuple[int, list[Cache]]:
+        """``SpareBatch.seat``; a speculating sequence's row keeps its recurrent layers' last
+        states (``Row.rewinds``: a rejected round is taken back, ``cache/state_rows.py``)."""
+        index, views = batch.seat(caches)
+        batch.layout.rows[index].rewinds = sequence.speculator is not None
+        return index, views  # type: ignore[return-value]
 
     def prefill(
         self, tokens: Sequence[int], cache: Sequence[Cache], want_logits: bool, prompt_length: int | None = None,
@@ -288,7 +294,7 @@ class BatchRunner:
         quantized = self.row_key(own)
         batch = self._batch(quantized)
         assert isinstance(batch, SpareBatch)
-        new_index, views = batch.seat(own)
+        new_index, views = self._seat_in(batch, own, sequence)
         caches = sequence.cache
         self.release(sequence, keep=False)
         self._place(quantized, new_index, sequence)

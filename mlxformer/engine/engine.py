@@ -48,8 +48,8 @@ class Engine(Admission):
     """Continuous-batching generation over one model: see the module docstring of ``mlxformer.engine``.
 
     ``speculative``: decode every request (unless it sets ``speculate=False`` or has a constraint)
-    speculatively; each one's proposals are verified in its own pass over its own caches (its
-    ``DecodingState`` decides the round and ``settle``s its caches).
+    speculatively; each one's proposals are verified in its own pass over its caches (its row of
+    the decode batch when seated; its ``DecodingState`` decides the round and ``settle``s them).
     ``max_kv_memory``: the bytes of KV cache (sequences and prefix cache together) the engine may
     hold, or ``"auto"`` (the device's memory less the weights and a margin); while it runs, MLX's
     memory and cache limits are set from the same figure. ``metrics``: the Prometheus registry
