@@ -36,21 +36,26 @@ def target(request, tmp_path_factory):
     return sliding_model(directory, request.param, WINDOW, layers=4), RingRowCache
 
 
-@pytest.mark.parametrize("kind", ["lookup", "draft"])
+@pytest.mark.parametrize("kind", ["lookup", "draft", "lookup_budget"])
 def test_speculating_rows_take_back_rejected_rounds(target, draft, kind, monkeypatch):
     """Four staggered requests (one not speculating) in three rows: every sequence is seated at
     admission, every round verifies on its row, rounds are rejected and taken back in the rows
     (a ring that had turned: prompts longer than its slots), each speculating sequence keeps the
     same cache objects to its end, and the greedy replies equal ``stream_generate`` alone (also
-    a hybrid prompt resuming from the prefix cache's snapshot of a speculating row)."""
+    a hybrid prompt resuming from the prefix cache's snapshot of a speculating row).
+    ``lookup_budget``: under a KV budget of three rows of the longest request (a row added per
+    seat, removed per leave; a speculating recurrent row's kept states counted)."""
     (model, tokenizer), watched = target
-    speculative = (SpeculativeSettings(prompt_lookup=True, num_draft_tokens=4, ngram_min=1) if kind == "lookup"
+    speculative = (SpeculativeSettings(prompt_lookup=True, num_draft_tokens=4, ngram_min=1) if "lookup" in kind
                    else SpeculativeSettings(draft_model=draft[0], draft_tokenizer=draft[1], num_draft_tokens=4))
     prompts, tokens = [ids(40, 1), ids(70, 2), ids(9, 3), ids(50, 4)], [24, 16, 12, 16]
     requests = [GenerationRequest(p, max_tokens=n) for p, n in zip(prompts, tokens)]
     requests[2].speculate = False
-    engine = Engine(model, tokenizer, max_batch=3, prefill_chunk=CHUNK, step_tokens=2 * CHUNK,
-                    speculative=speculative)
+    options = dict(max_batch=3, prefill_chunk=CHUNK, step_tokens=2 * CHUNK, speculative=speculative)
+    if kind == "lookup_budget":
+        options["max_kv_memory"] = 3 * Engine(model, tokenizer, **options).sizer.peak(86 + 4)
+    engine = Engine(model, tokenizer, **options)
+    assert engine.runner.staged == (kind == "lookup_budget")
     taken: list[tuple[bool, int]] = []  # each watched trim: (the ring had turned / a recurrent row, tokens back)
     trim = watched.trim
 

@@ -16,7 +16,7 @@ from conftest import write_byte_tokenizer, write_tiny_checkpoint
 from mlxformer import load, stream_generate
 from mlxformer.cache import CacheSettings, make_cache
 from mlxformer.cache.rows import SpareBatch
-from mlxformer.cache.state_rows import StateRows
+from mlxformer.cache.state_rows import StateRowCache, StateRows
 from mlxformer.engine import Engine, GenerationRequest
 from mlxformer.engine.batch_runner import BatchRunner
 from mlxformer.engine.memory import KVSizer
@@ -65,20 +65,31 @@ def test_a_hybrid_join_copies_nothing(staged, tmp_path):
     assert batch.staged == staged
 
 
-def test_the_budget_counts_a_seated_hybrid_row_as_its_buffers_hold(tmp_path):
+@pytest.mark.parametrize("speculates", [False, True], ids=["plain", "speculating"])
+def test_the_budget_counts_a_seated_hybrid_row_as_its_buffers_hold(speculates, tmp_path):
     """A Qwen3.5 sequence seated under a budget, prefilled 100 tokens: the planner's count of a
     row (``KVSizer``, ``row``) equals the bytes the batch's buffers hold (its keys/values and its
     recurrent layers' window and state, no past states), less than its own caches (which keep
-    a state to take back)."""
+    a state to take back). A speculating row (3 draft tokens) after a round also holds its
+    recurrent layers' last states beside the row (``StateRowCache._past``): counted too."""
     model, _ = tiny(tmp_path, "qwen3_5_text")
+    settings = CacheSettings(rewind=3 if speculates else 0)
     runner = BatchRunner(model)
     runner.staged, runner.prefill_chunk = True, 32
-    sizer = KVSizer(model, CacheSettings(), row_key=runner.row_key)
-    seated_prefill(runner, Stub(make_cache(model), 5), 100)
+    sizer = KVSizer(model, settings, row_key=runner.row_key)
+    sequence = Stub(make_cache(model, settings), 5)
+    sequence.speculator = object() if speculates else None
+    seated_prefill(runner, sequence, 100)
+    if speculates:  # a round of the last token and 3 proposals: the row keeps their states
+        sequence.cache[0].batch.reserve(104)
+        mx.eval(runner.verify(5, mx.array([6, 7, 8]), sequence.cache))
     (batch,) = runner.batches.values()
     assert any(isinstance(layer, StateRows) for layer in batch.layers)
-    held = sum(layer.nbytes for layer in batch.layers)
-    assert sizer.bytes_for(100, row=True) == held < sizer.bytes_for(100)
+    past = [c._past for c in sequence.cache if isinstance(c, StateRowCache)]
+    held = sum(layer.nbytes for layer in batch.layers) + sum(p.nbytes for p in past if p is not None)
+    assert all(p is not None for p in past) == speculates
+    assert sizer.bytes_for(104 if speculates else 100, row=True) == held
+    assert held < sizer.bytes_for(100) or speculates
 
 
 def test_staggered_hybrid_requests_equal_each_alone(hybrid, monkeypatch):

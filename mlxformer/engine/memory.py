@@ -122,9 +122,13 @@ class KVSizer:
             caches = make_cache(self.model, self.settings)
             kinds = [storage for storage, _ in self.row_key(caches)] if self.row_key else [None] * len(caches)
             for index, (cache, kind) in enumerate(zip(caches, kinds)):
-                if isinstance(cache, StateCache):  # a fixed size whatever the length; a row keeps no past states
-                    own.append(state_nbytes(self.model.args, cache.keep, self.dtype) if blocks else 0)
-                    row.append(state_nbytes(self.model.args, 0, self.dtype) if blocks else 0)
+                if isinstance(cache, StateCache):  # a fixed size whatever the length
+                    past = state_nbytes(self.model.args, cache.keep, self.dtype)
+                    own.append(past if blocks else 0)
+                    # a row keeps no past states, unless it speculates: its last rounds' beside it
+                    # (``StateRowCache._past``, a cache of the same ``keep``)
+                    rewinds = past if self.settings.rewind else 0
+                    row.append(state_nbytes(self.model.args, 0, self.dtype) + rewinds if blocks else 0)
                     continue
                 heads, key_dims, value_dims = self.model.args.cache_dims(index)  # the cache's layer's
                 for length in ([start, n - start] if 0 < start < n else [n]):
