@@ -11,7 +11,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlxformer.cache.batch import BatchLayout, Row, StorageKind
+from mlxformer.cache.batch import BatchLayout
+from mlxformer.cache.batch_kind import Row, StorageKind
 
 FLOAT = StorageKind(rotating=False, capacity=None, max_size=None, keep=0, bits=None, group_size=64)
 

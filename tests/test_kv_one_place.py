@@ -17,7 +17,8 @@ import pytest
 from conftest import tiny_byte_llama_of
 from mlxformer import generate
 from mlxformer.cache import CacheSettings, make_cache
-from mlxformer.cache.batch import DecodeBatch, batch_key
+from mlxformer.cache.batch import DecodeBatch
+from mlxformer.cache.batch_kind import batch_key
 from mlxformer.engine import Engine, GenerationRequest
 from mlxformer.engine.batch_runner import BatchRunner
 from server_support import http, running_server

@@ -16,7 +16,8 @@ import pytest
 from conftest import tiny_byte_llama_of, write_byte_tokenizer, write_tiny_checkpoint
 from mlxformer import load, stream_generate
 from mlxformer.cache import CacheSettings, make_cache
-from mlxformer.cache.batch import BatchLayerCache, batch_key
+from mlxformer.cache.batch import BatchLayerCache
+from mlxformer.cache.batch_kind import batch_key
 from mlxformer.cache.rotating_rows import ring_key
 from mlxformer.cache.rows import RowCache, SpareBatch
 from mlxformer.cache.state import StateCache

@@ -17,11 +17,11 @@ prefill, speculation and the prefix cache keep working on those. A recurrent lay
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Sequence
 
 import mlx.core as mx
 
+from mlxformer.cache.batch_kind import BatchKey, LayerKind, Row, StorageKind
 from mlxformer.cache.codec import CENTER_BLOCK, FLOAT_CODEC, KVCodec, Pack, pack_nbytes
 from mlxformer.cache.kv import KVCache
 from mlxformer.cache.latent import latent_attention
@@ -32,60 +32,6 @@ from mlxformer.cache.state import StateCache
 from mlxformer.models.mask import Mask
 
 STEP = 256  # slots are added in steps, like the growing cache's buffers
-
-
-@dataclass(frozen=True)
-class StorageKind:
-    """What rows must share to live in one batch: the cache class, its bounds and storage."""
-
-    rotating: bool
-    capacity: int | None  # slots per row at most (None: unbounded)
-    max_size: int | None  # tokens a query may see at most (the rotating window)
-    keep: int  # sink tokens a rotating cache never evicts
-    bits: int | None  # quantized storage bits now (None: float)
-    group_size: int
-    recurrent: bool = False  # a Gated DeltaNet layer's ``StateCache``: rows' states stacked, no slots
-
-
-def storage_kind(cache: Cache) -> StorageKind:
-    """The batch a per-sequence cache can join."""
-    if isinstance(cache, StateCache):
-        return StorageKind(False, None, None, 0, None, 0, recurrent=True)
-    if isinstance(cache, RotatingKVCache):
-        return StorageKind(True, cache.capacity, cache.max_size, cache.keep, cache.codec.bits, cache.group_size)
-    assert isinstance(cache, KVCache), f"cannot batch a {type(cache).__name__}"
-    return StorageKind(False, None, None, 0, cache.codec.bits, cache.group_size)
-
-
-def quantizes_next(cache: Cache) -> bool:
-    """Whether the cache's next update turns its float storage into quantized storage (its
-    storage kind changes, so it must take that step in its own cache)."""
-    if isinstance(cache, StateCache):
-        return False
-    assert isinstance(cache, (KVCache, RotatingKVCache))
-    return cache.bits is not None and cache.codec.bits is None and cache.offset >= cache.start
-
-
-def row_quantizes_next(row: "Row", fed: int = 0) -> bool:
-    """``quantizes_next`` for a sequence whose keys/values are in a batch (once ``fed`` more
-    tokens are in: a prompt's later chunk in the same step)."""
-    meta = next((m for m in row.metas if "bits" in m), None)  # an attention layer's (not a recurrent one's)
-    if meta is None:
-        return False
-    return bool(meta["bits"]) and meta["quantized"] != "1" and row.offset + fed >= int(meta["start"])
-
-
-@dataclass
-class Row:
-    """One sequence's place in the batch (host-side; the same for every layer); the positions
-    its slots hold are its row of the layout's device array."""
-
-    used: int  # slots in use
-    offset: int  # tokens seen (the next token's position)
-    idx: int  # the next ring slot once every slot is used
-    metas: list[dict[str, str]] = field(default_factory=list)  # each layer's cache settings, to rebuild it
-    freed: int = 0  # a turned ring's slots from ``idx`` on holding no token (a trim freed them), written first
-    rewinds: bool = False  # its recurrent layers keep their last tokens' states (a speculating row: ``state_rows``)
 
 
 def in_window(visible: mx.array, positions: mx.array, query: mx.array, kind: StorageKind, window: int | None) -> mx.array:
@@ -321,15 +267,6 @@ class RowView:
     @property
     def nbytes(self) -> int:
         return self.batch.layers[self.layer].nbytes // max(1, len(self.batch))
-
-
-LayerKind = tuple[StorageKind, "int | None"]  # a layer's storage and attention window
-BatchKey = tuple[LayerKind, ...]  # every layer's: the batch a sequence can join
-
-
-def batch_key(caches: Sequence[Cache], windows: Sequence[int | None]) -> BatchKey:
-    """The batch a sequence with per-layer ``caches`` (its layers attending with ``windows``) can join."""
-    return tuple((storage_kind(c), w) for c, w in zip(caches, windows))
 
 
 class DecodeBatch:

@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 import mlx.core as mx
 
-from mlxformer.cache.batch import BatchKey, BatchLayerCache, Row, StorageKind, _rebuild, in_window
+from mlxformer.cache.batch import BatchLayerCache, _rebuild, in_window
+from mlxformer.cache.batch_kind import BatchKey, Row, StorageKind
 from mlxformer.cache.codec import CENTER_BLOCK, KVCodec, Pack, center_blocks, pack_slice
 from mlxformer.cache.latent import latent_attention
 from mlxformer.cache.rotating import RotatingKVCache, takes_back

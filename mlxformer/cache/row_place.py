@@ -6,7 +6,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from mlxformer.cache.batch import BatchLayout, Row
+    from mlxformer.cache.batch import BatchLayout
+    from mlxformer.cache.batch_kind import Row
     from mlxformer.cache.rows import SpareBatch
 
 

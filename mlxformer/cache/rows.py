@@ -38,7 +38,8 @@ from typing import Sequence
 
 import mlx.core as mx
 
-from mlxformer.cache.batch import BatchKey, BatchLayerCache, DecodeBatch, Row, _pad, _row_cache
+from mlxformer.cache.batch import BatchLayerCache, DecodeBatch, _pad, _row_cache
+from mlxformer.cache.batch_kind import BatchKey, Row
 from mlxformer.cache.codec import CENTER_BLOCK, FLOAT_CODEC, KVCodec, Pack, center_blocks, pack_nbytes, pack_slice
 from mlxformer.cache.kv import CodecAttention, KVCache
 from mlxformer.cache.protocol import Cache

@@ -31,7 +31,8 @@ from mlxformer.cache.state import StateCache
 from mlxformer.models.mask import Mask, causal_mask_for
 
 if TYPE_CHECKING:
-    from mlxformer.cache.batch import BatchLayout, Row
+    from mlxformer.cache.batch import BatchLayout
+    from mlxformer.cache.batch_kind import Row
     from mlxformer.cache.rows import SpareBatch
 
 

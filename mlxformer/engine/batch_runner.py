@@ -21,7 +21,8 @@ import mlx.core as mx
 from mlxformer.cache import Cache, KVCache, RotatingKVCache
 from mlxformer.cache.packed import PackedLayerCache, Segment, positions
 from mlxformer.engine.prompt_scores import PromptScores
-from mlxformer.cache.batch import BatchKey, DecodeBatch, batch_key, quantizes_next, row_quantizes_next
+from mlxformer.cache.batch import DecodeBatch
+from mlxformer.cache.batch_kind import BatchKey, batch_key, quantizes_next, row_quantizes_next
 from mlxformer.cache.codec import FLOAT_CODEC, KVCodec
 from mlxformer.cache.rotating_rows import ring_key
 from mlxformer.cache.rows import Blank, RowCache, SpareBatch, seatable, settle, spare_kind

@@ -21,7 +21,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from mlxformer.cache import Cache, CacheSettings, make_cache
-from mlxformer.cache.batch import BatchKey
+from mlxformer.cache.batch_kind import BatchKey
 from mlxformer.cache.state import StateCache, state_nbytes
 from mlxformer.engine.scheduler import Scheduler, Step
 from mlxformer.engine.sequence import GenerationRequest, Sequence
