@@ -124,23 +124,29 @@ def test_a_rotating_join_copies_nothing(family, llama, tmp_path):
             assert all(r.used == kind[0].capacity for r in layout.rows), (kind, layout.rows)
 
 
-def test_a_chunk_riding_beside_decoding_rows_writes_in_place(llama):
+@pytest.mark.parametrize("settings", [CacheSettings(), CacheSettings(max_kv_size=512, keep=2)], ids=["float", "ring"])
+def test_a_chunk_riding_beside_decoding_rows_writes_in_place(llama, settings):
     """A prompt chunk in its seated row, riding in the step of a row decoding in the same batch:
     every segment writes before any attends (``cache/packed.py``), so MLX writes each layer's
     buffer in place. MLX's peak over what was held stays within the chunk's own activations
     (measured: 0.33 of a layer of the batch); before, the decoding row's attention kept the
     buffer the chunk's write replaced, and each layer was copied (1.29 layers at the peak, the
-    whole batch's KV moved every step a chunk rode)."""
+    whole batch's KV moved every step a chunk rode). ``ring``: the decoding row's ring has
+    turned; the chunk's ring row writes where it attends, before the decoding rows fetch
+    (measured: 0.46 layers; before, 1.42)."""
     model, _ = llama
     runner = BatchRunner(model)
     runner.max_rows, runner.prefill_chunk = 2, 16
-    decoding, prefilling = Stub(make_cache(model, CacheSettings()), 5), Stub(make_cache(model, CacheSettings()), 6)
+    decoding, prefilling = Stub(make_cache(model, settings), 5), Stub(make_cache(model, settings), 6)
     runner.seat(decoding)
     runner.seat(prefilling)
     for start in range(0, 600, 128):
         runner.prefill(ids(600, 3)[start : start + 128], decoding.cache, want_logits=False)
     runner.prefill(ids(16, 4), prefilling.cache, want_logits=False)
     (batch,) = runner.batches.values()
+    if settings.max_kv_size:  # the decoding row's ring has turned
+        (layout,) = batch.layouts.values()
+        assert layout.rows[0].used == layout.kind.capacity < 600
     layer = sum(x.nbytes for x in batch.layers) / len(batch.layers)
 
     def rise(riding: bool) -> float:  # MLX's peak over what was held, in layers of the batch

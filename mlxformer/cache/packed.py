@@ -98,12 +98,15 @@ class PackedLayerCache:
             return mx.concatenate([self._attend(segment, q, *self._write(segment, k, v), scale, softcap, sinks)
                                    for segment, q, k, v in parts], axis=2)
         written = [self._write(segment, k, v) for segment, _, k, v in parts]
-        outs = []
-        for (segment, q, _, _), (k, v, own) in zip(parts, written):
+        outs: list[mx.array | None] = [None] * len(parts)
+        # caches writing where they attend (a ring row, piece by piece) first, then the fetching ones
+        order = sorted(range(len(parts)), key=lambda i: getattr(self.segments[i].cache, "fetch", None) is not None)
+        for i in order:
+            (segment, q, _, _), (k, v, own) = parts[i], written[i]
             fetch = getattr(segment.cache, "fetch", None)
             if fetch is not None:
                 k, v = fetch()
-            outs.append(self._attend(segment, q, k, v, own, scale, softcap, sinks))
+            outs[i] = self._attend(segment, q, k, v, own, scale, softcap, sinks)
         return mx.concatenate(outs, axis=2)  # (1, heads, T, D)
 
     def _write(self, segment: Segment, keys: mx.array, values: mx.array) -> tuple[Any, Any, Mask]:
