@@ -90,7 +90,8 @@ class PackedLayerCache:
         ``fetch``es once all are written: a decode batch's layer and a prompt chunk's row in it
         share one buffer, and an attention reading it before the row's write would keep the old
         buffer alive, so that MLX copies the whole layer for the write instead of writing in
-        place (each step a chunk rode beside decoding rows). A cache taking two segments (a
+        place (each step a chunk rode beside decoding rows). A ring row's chunk writes where
+        it attends (piece by piece): it attends before the fetching ones. A cache taking two segments (a
         prompt's consecutive chunks) writes and attends in turn: the first's attention must
         not see the second's keys, nor its codec."""
         parts = list(zip(self.segments, self._cut(queries), self._cut(keys), self._cut(values)))
