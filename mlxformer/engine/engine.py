@@ -244,8 +244,9 @@ class Engine(Admission):
                 self._attach_cache(sequence)
             except Exception as exc:  # e.g. a draft model's cache
                 self._fail(sequence, exc)
-        self._run(self._grow(self._fit(self.scheduler.plan(skip=self.sharing.held))))
-        self._drop_freed(layout)
+        step = self._grow(self._fit(self.scheduler.plan(skip=self.sharing.held)))
+        self._run(step)
+        self._drop_freed(layout, prompted=bool(step.prefill))
 
     # --- running a step -------------------------------------------------------------------
 
