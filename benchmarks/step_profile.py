@@ -13,8 +13,11 @@ host syncs, and the share of the step that is matmul.
    the engine's thread, per ``Engine.step``, with 8 concurrent requests on ``--model``.
 4. **Matmul share** on ``--model``: a batched decode step at batch 1 and 8 against its
    projections alone (every Linear and the vocabulary projection at M = batch,
-   ``decode_profile.time_matmuls``): where that share is high, the CPU's BLAS bounds any
-   ratio a runtime can reach (MLX's Linux wheel links the reference BLAS for float32).
+   ``decode_profile.time_matmuls``), in wall time and in the process's CPU time (the step
+   overlaps its projections on two CPU streams: the CPU share is the one to read): where that
+   share is high, the CPU's matmuls bound any ratio a runtime can reach (MLX's Linux wheel
+   links the reference BLAS for float32; bfloat16 uses MLX's own CPU kernel, single-threaded).
+   Each ``--model`` run adds its figures beside the earlier runs' in ``step_profile.json``.
 
 Usage: python benchmarks/step_profile.py [--model .bench/models/smollm2-f32] [--context 32768] [--parts host ops syncs matmul]
 """
@@ -154,7 +157,10 @@ def engine_syncs(model_path: str, clients: int, tokens: int) -> dict[str, float]
 
 
 def matmul_share(model_path: str, batch: int, context: int, steps: int) -> dict[str, float]:
-    """A batched decode step (``batch`` rows of ``context`` tokens) against its projections alone."""
+    """A batched decode step (``batch`` rows of ``context`` tokens) against its projections
+    alone: wall time, and CPU time of the whole process (the step runs its projections on two
+    CPU streams at once, the projections alone on one: their CPU times compare, their wall
+    times do not)."""
     from mlxformer import load
 
     model, _ = load(model_path)
@@ -165,15 +171,19 @@ def matmul_share(model_path: str, batch: int, context: int, steps: int) -> dict[
         runner.prefill([(7 * i + j) % 1000 + 100 for j in range(context)], cache, want_logits=False)
         rows.append(SimpleNamespace(cache=cache, speculator=None, last_token=5 + i))
     mx.eval(runner.decode(rows))  # joins the batch
-    begun = time.perf_counter()
+    begun, cpu = time.perf_counter(), time.process_time()
     for _ in range(steps):
         tokens = mx.argmax(runner.decode(rows), axis=-1)
         mx.eval(tokens)
         for row, token in zip(rows, tokens.tolist()):
             row.last_token = token
-    step = (time.perf_counter() - begun) / steps
+    step, step_cpu = (time.perf_counter() - begun) / steps, (time.process_time() - cpu) / steps
+    cpu = time.process_time()
     matmuls = time_matmuls(model, steps, rows=batch)
-    return {"step_ms": 1e3 * step, "projections_ms": 1e3 * matmuls, "matmul_share": matmuls / step}
+    matmuls_cpu = (time.process_time() - cpu) / (steps + 1)  # time_matmuls runs one warm-up step
+    return {"step_ms": 1e3 * step, "projections_ms": 1e3 * matmuls, "matmul_share": matmuls / step,
+            "step_cpu_ms": 1e3 * step_cpu, "projections_cpu_ms": 1e3 * matmuls_cpu,
+            "matmul_cpu_share": matmuls_cpu / step_cpu}
 
 
 def main() -> None:
@@ -204,11 +214,20 @@ def main() -> None:
         result["syncs"] = engine_syncs(args.model, clients=8, tokens=8)
         print(f"host syncs on the engine thread: {json.dumps(result['syncs'])}", flush=True)
     if "matmul" in args.parts:
-        result["matmul"] = {b: matmul_share(args.model, b, 128, args.steps) for b in (1, 8)}
+        result["matmul"] = {Path(args.model).name: {b: matmul_share(args.model, b, 128, args.steps) for b in (1, 8)}}
         print(f"matmul share (batch 1, 8): {json.dumps(result['matmul'])}", flush=True)
     result |= {"model": args.model, "layers": args.layers, "load_end": load_average()}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "step_profile.json").write_text(json.dumps(result, indent=2))
+    save(result, args.out / "step_profile.json")
+
+
+def save(result: dict, path: Path) -> None:
+    """Write ``result`` into ``path``, keeping the parts (and other models' matmul shares) of an
+    earlier run that this one did not measure."""
+    earlier = json.loads(path.read_text()) if path.exists() else {}
+    matmul = {**earlier.get("matmul", {}), **result.get("matmul", {})}
+    merged = {**earlier, **result} | ({"matmul": matmul} if matmul else {})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(merged, indent=2))
 
 
 if __name__ == "__main__":
