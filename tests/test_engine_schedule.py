@@ -151,11 +151,23 @@ class Counting:
         return self.model.logits(hidden)
 
 
-def test_decode_rows_and_prompt_chunks_run_in_one_forward(tiny_byte_llama):
+@pytest.fixture(scope="module")
+def tiny_gemma4(tmp_path_factory):
+    """Gemma 4 E2B-like (``test_zero_copy_join.GEMMA4``): sliding (16) and global layers, the
+    last two reading the keys/values of earlier layers (``num_kv_shared_layers``)."""
+    from test_zero_copy_join import sliding_model
+
+    return sliding_model(tmp_path_factory.mktemp("gemma4"), "gemma4", 16, layers=5)
+
+
+@pytest.mark.parametrize("family", ["tiny_byte_llama", "tiny_gemma4"])
+def test_decode_rows_and_prompt_chunks_run_in_one_forward(family, request):
     """Two decoding rows of different lengths and three prompt chunks (two of one prompt) run
     in one forward; every logit row is the one the sequence gets from a forward of its own
-    over all its tokens."""
-    model, _ = tiny_byte_llama
+    over all its tokens. Gemma 4's KV-shared layers too: a layer reading another's keys/values
+    attends over what that layer's segments wrote, nothing written twice (before: a forward per
+    batch and per chunk)."""
+    model, _ = request.getfixturevalue(family)
     counting = Counting(model)
     runner = BatchRunner(counting)  # type: ignore[arg-type]
     rows = []
@@ -175,7 +187,7 @@ def test_decode_rows_and_prompt_chunks_run_in_one_forward(tiny_byte_llama):
     for prompt, got in ((prompt_b, chunk_logits[1]), (prompt_a, chunk_logits[2])):
         want = model.last_logits(mx.array(prompt)[None], make_cache(model, CacheSettings()))
         assert got is not None and mx.allclose(got, want, atol=1e-5).item()
-    assert cache_a[0].offset == 100 and cache_b[0].offset == 7
+    assert [c.offset for c in cache_a + cache_b] == [100] * len(cache_a) + [7] * len(cache_b)  # each written once
     for i, length in enumerate((30, 45)):  # the rows: the prefix, the joined token, then this step's token
         want = model.last_logits(mx.array(list(range(1, length)) + [7 + i, 7 + i])[None], make_cache(model, CacheSettings()))
         assert mx.allclose(logits[i : i + 1], want, atol=1e-4).item()

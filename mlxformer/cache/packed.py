@@ -67,6 +67,7 @@ class PackedLayerCache:
     def __init__(self, segments: Sequence[Segment], window: int | None, offset: mx.array) -> None:
         self.segments, self.window = list(segments), window
         self.offset = offset  # (1, T): RoPE rotates each token at its own position
+        self._attended: list[tuple[Any, Any, Mask]] | None = None  # each segment's keys, values, mask once written
 
     def _cut(self, x: mx.array) -> list[mx.array]:
         """Packed ``(1, heads, T, D)`` cut into each segment's ``(rows, heads, length, D)``."""
@@ -93,22 +94,36 @@ class PackedLayerCache:
         place (each step a chunk rode beside decoding rows). A ring row's chunk writes where
         it attends (piece by piece): it attends before the fetching ones. A cache taking two segments (a
         prompt's consecutive chunks) writes and attends in turn: the first's attention must
-        not see the second's keys, nor its codec."""
+        not see the second's keys, nor its codec. A layer reading this one's keys/values
+        (Gemma 4's KV sharing, ``kv_source``) calls this again: each of its segments attends
+        over what this layer's segment attended over, nothing written twice."""
+        if self._attended is not None:
+            return self._attend_all(self._cut(queries), self._attended, scale, softcap, sinks)
         parts = list(zip(self.segments, self._cut(queries), self._cut(keys), self._cut(values)))
         if len({id(segment.cache) for segment in self.segments}) < len(self.segments):
-            return mx.concatenate([self._attend(segment, q, *self._write(segment, k, v), scale, softcap, sinks)
-                                   for segment, q, k, v in parts], axis=2)
+            self._attended, outs = [], []
+            for segment, q, k, v in parts:  # each attends before the next writes
+                self._attended.append(self._write(segment, k, v))
+                outs.append(self._attend(segment, q, *self._attended[-1], scale, softcap, sinks))
+            return mx.concatenate(outs, axis=2)
         written = [self._write(segment, k, v) for segment, _, k, v in parts]
         outs: list[mx.array | None] = [None] * len(parts)
         # caches writing where they attend (a ring row, piece by piece) first, then the fetching ones
         order = sorted(range(len(parts)), key=lambda i: getattr(self.segments[i].cache, "fetch", None) is not None)
         for i in order:
-            (segment, q, _, _), (k, v, own) = parts[i], written[i]
+            segment, q = parts[i][:2]
             fetch = getattr(segment.cache, "fetch", None)
             if fetch is not None:
-                k, v = fetch()
-            outs[i] = self._attend(segment, q, k, v, own, scale, softcap, sinks)
+                written[i] = (*fetch(), written[i][2])
+            outs[i] = self._attend(segment, q, *written[i], scale, softcap, sinks)
+        self._attended = written
         return mx.concatenate(outs, axis=2)  # (1, heads, T, D)
+
+    def _attend_all(self, queries: list[mx.array], attended: list[tuple[Any, Any, Mask]], scale: float,
+                    softcap: float | None, sinks: mx.array | None) -> mx.array:
+        """Each segment's queries over its ``(keys, values, mask)``, in segment order."""
+        return mx.concatenate([self._attend(segment, q, *kvm, scale, softcap, sinks)
+                               for segment, q, kvm in zip(self.segments, queries, attended)], axis=2)
 
     def _write(self, segment: Segment, keys: mx.array, values: mx.array) -> tuple[Any, Any, Mask]:
         """A segment's keys/values written to its cache; what it returns, and its mask (taken before)."""

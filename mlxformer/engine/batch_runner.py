@@ -54,10 +54,7 @@ class PromptChunk:
 def packs(model: Model) -> bool:
     """Whether a step's tokens can share one forward (``cache/packed.py``): every layer is
     attention whose RoPE takes a position per token (not dynamic NTK nor LongRoPE, whose
-    rotation depends on each sequence's length), each with keys/values of its own (a packed
-    cache writes them when attending, so a layer reading another's would write them twice)."""
-    if model.args.num_kv_shared_layers:
-        return False
+    rotation depends on each sequence's length)."""
     for layer in model.layers:
         attention = layer[layer.mixer_name]
         if not isinstance(attention, Attention):
