@@ -69,7 +69,9 @@ def assert_join_copies_nothing(model, settings: CacheSettings, chunk: int = 128,
     ``Admission._grow`` does, every rewrite one layer at a time)."""
     windows = [layer.window for layer in model.cache_layers]
     # the old path first (it also pays the process's first decode step): own caches copied into
-    # the batch at their first decode step
+    # the batch at their first decode step, in one graph (staged, the seat copies one layer at a
+    # time and drops each own layer as it goes, ``SpareBatch.seat``: its copy, a layer or so,
+    # can hide under a step's activations)
     caches = [make_cache(model, settings), make_cache(model, settings)]
     for cache, length in zip(caches, (300, 310)):
         for start in range(0, length, chunk):
@@ -78,7 +80,7 @@ def assert_join_copies_nothing(model, settings: CacheSettings, chunk: int = 128,
     old = [Stub(cache, 5) for cache in caches]
     del caches
     runner = BatchRunner(model)
-    runner.prefill_chunk, runner.staged = chunk, staged
+    runner.prefill_chunk = chunk
     old_rise = decode_rises(runner, old, 1)[0][0]
     runner.reset()
     del old

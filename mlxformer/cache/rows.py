@@ -23,7 +23,9 @@ removes it (every layout's row, a recurrent layer's states too), so the buffers 
 use times the widest row, what the planner counts (``engine/memory.py``: a ring row's slots
 beyond its window, a recurrent row's state); each such rewrite, and a widening (``reserve``,
 every layout), is done one layer at a time, each evaluated before the next, so only one layer
-is ever held twice.
+is ever held twice. A seat that copies tokens in (a prefix-cache hit, own caches seated again
+after a failed step) grows, writes and evaluates each layer in turn and drops the own layer
+before the next, so the tokens are held twice one layer at a time.
 
 A rotating cache (a ``max_kv_size`` window, a sliding-window layer) lives in a row of a ring
 (``cache/rotating_rows.py``); a model mixing sliding-window and global layers keeps one slot
@@ -112,42 +114,48 @@ class SpareBatch(DecodeBatch):
         """Whether a leaving row stays in the buffers, free for the next seat (not under a budget)."""
         return not self.staged
 
-    def _grow(self) -> None:
+    def _add_rows(self) -> int:
         """Double the rows (at least one more, at most ``max_rows`` unless more are needed; one
-        more under a budget, ``staged``: the planner counts each row): the buffers are rewritten
-        once, and the new rows are free."""
+        more under a budget, ``staged``: the planner counts each row) in every layout, the new
+        rows free; returns how many were added. The layers' buffers take them at ``_grow_layer``."""
         old = self.capacity
         new = old + 1 if self.staged else max(old + 1, min(2 * old, self.max_rows or 2 * old))
         extra = new - old
-        for layer in self.layers:
-            if isinstance(layer, StateRows):
-                layer.add_rows(extra)
-                if self.staged:
-                    evaluate_rewrite(layer.state)
-                continue
-            width = layer.layout.width
-            layer.keys, layer.values = _pad(layer.keys, width), _pad(layer.values, width)
-            layer.keys = tuple(mx.concatenate([x, *_rows_of((x,), extra, width)]) for x in layer.keys)
-            layer.values = tuple(mx.concatenate([x, *_rows_of((x,), extra, width)]) for x in layer.values)
-            center = layer.codec.key_center
-            if center is not None:
-                center = mx.concatenate([center, mx.zeros((extra, *center.shape[1:]), center.dtype)])
-                layer.codec = KVCodec(layer.codec.bits, layer.codec.group_size, center)
-            if self.staged:
-                evaluate_rewrite(layer.state)
         for layout in self.layouts.values():
             empty = mx.full((extra, layout.positions.shape[1]), -1, dtype=mx.int32)
             layout.positions = mx.concatenate([layout.positions, empty])
             layout.rows += [Row(0, 0, 0) for _ in range(extra)]
         self.free += range(old, new)
+        return extra
+
+    def _grow_layer(self, index: int, extra: int) -> None:
+        """Layer ``index``'s buffers with ``extra`` zero rows at the end, as wide as its layout
+        (lazy). One ``mx.pad`` per array: its output is new and written in place by the seat's
+        row (a concatenation with zeros materializes the zeros, and one with an empty batch is a
+        view the write copies: a layer held twice more, measured)."""
+        layer = self.layers[index]
+        if isinstance(layer, StateRows):
+            layer.add_rows(extra)
+            return
+        width = layer.layout.width
+
+        def grown(x: mx.array) -> mx.array:
+            return mx.pad(x, [(0, extra), (0, 0), (0, max(0, width - x.shape[2])), (0, 0)])
+
+        layer.keys, layer.values = tuple(map(grown, layer.keys)), tuple(map(grown, layer.values))
+        center = layer.codec.key_center
+        if center is not None:
+            center = mx.pad(center, [(0, extra)] + [(0, 0)] * (center.ndim - 1))
+            layer.codec = KVCodec(layer.codec.bits, layer.codec.group_size, center)
 
     def seat(self, caches: list[Cache]) -> tuple[int, list["RowCache | StateRowCache"]]:
         """A free row for a sequence with own ``caches`` (maybe holding a prefix-cache hit's
         tokens and states, written into the row: ``placement``; nothing else is copied); returns
-        its index and its caches from now on. ``staged``: each layer written is evaluated and the
-        own layer dropped (its entry becomes None), as ``DecodeBatch.join`` does."""
-        if not self.free:
-            self._grow()
+        its index and its caches from now on. A full batch adds rows (``_add_rows``) to each
+        layer just before that layer's row is written. ``staged``: one layer at a time, each
+        evaluated before the next and the own layer dropped then (its entry becomes None), so the
+        tokens copied in are held twice one layer at a time, not whole (``_write_layer``)."""
+        extra = 0 if self.free else self._add_rows()
         index = self.free.pop(0)
         metas = [c.meta_state for c in caches]
         kept = [None if isinstance(c, StateCache) else held(c) for c in caches]
@@ -156,8 +164,7 @@ class SpareBatch(DecodeBatch):
             if kind[0].recurrent:
                 continue
             layout = self.layouts[kind]
-            have = kept[layers[0]]
-            positions = have[2] if have is not None else []
+            positions = kept[layers[0]][2] if kept[layers[0]] is not None else []  # type: ignore[index]
             rows[kind], spans[kind] = placement(kind[0], positions, int(caches[layers[0]].offset), metas)
             pendings[kind] = {layer: 0 for layer in layers}  # shared by the row's caches (``RowCache.pending``)
             layout.rows[index] = rows[kind]
@@ -174,19 +181,31 @@ class SpareBatch(DecodeBatch):
                 views.append(StateRowCache(self, rows[first], layer, pendings[first]))
             else:
                 views.append((RingRowCache if kind[0].rotating else RowCache)(self, rows[kind], layer, pendings[kind]))
-        for layer, (own, view, have, kind) in enumerate(zip(caches, views, kept, self.key)):
-            if isinstance(view, StateRowCache):
-                assert isinstance(own, StateCache)
-                view.reset(own)  # a freed row holds its last sequence's state
-                continue
-            for slot, token, n in spans[kind] if have is not None else ():
-                keys, values, _ = have
-                view.write(index, slot, pack_slice(keys, token, token + n), pack_slice(values, token, token + n),
-                           own.codec, slot + n)  # type: ignore[attr-defined]
-            if have is not None and self.staged:
+        for layer, kind in enumerate(self.key):
+            if extra:
+                self._grow_layer(layer, extra)
+            self._write_layer(index, views[layer], caches[layer], kept[layer], spans.get(kind, []))
+            if self.staged:
+                caches[layer] = kept[layer] = None  # type: ignore[call-overload]  # now in the row
                 evaluate_rewrite(self.layers[layer].state)
-                caches[layer] = None  # type: ignore[call-overload]  # its keys/values now live in the row
         return index, views
+
+    @staticmethod
+    def _write_layer(index: int, view: "RowCache | StateRowCache", own: Cache,
+                     have: tuple[Pack, Pack, list[int]] | None, spans: list[tuple[int, int, int]]) -> None:
+        """Write one layer of row ``index`` from ``own``: its tokens ``have`` (keys, values,
+        positions) at ``spans`` (slot, token, count), or its recurrent state (a hit's snapshot, or
+        zeros: a freed row holds its last sequence's). Nothing of ``own`` is referenced after."""
+        if isinstance(view, StateRowCache):
+            assert isinstance(own, StateCache)
+            view.reset(own)
+            return
+        if have is None:
+            return
+        keys, values, _ = have
+        for slot, token, n in spans:
+            view.write(index, slot, pack_slice(keys, token, token + n), pack_slice(values, token, token + n),
+                       own.codec, slot + n)  # type: ignore[attr-defined]
 
     def reserve(self, slots: int) -> None:
         """Widen the rows to hold ``slots`` slots before a step writes past them (a prompt chunk,

@@ -184,7 +184,9 @@ class Admission:
 
     def _attach_cache(self, sequence: Sequence) -> None:
         """Give an admitted sequence its caches: a prefix-cache copy when one serves, else new.
-        A preempted one looks up everything it had; what is missing it recomputes."""
+        A preempted one looks up everything it had; what is missing it recomputes. Under a KV
+        budget the prefix cache first leaves room for its seat (``MemoryPlanner.seat_need``: the
+        hit's blocks stay while they are copied into its row, one layer at a time)."""
         resumed = bool(sequence.generated)
         scoring = sequence.prompt_scores is not None and not resumed  # scores need every position
         hit = None if scoring else self.prefix_cache.lookup(
@@ -202,6 +204,9 @@ class Admission:
             request = sequence.request
             if self.speculative is not None and request.speculate and request.constraint is None:
                 sequence.speculate(self.speculative, self.cache_settings)
+        if self.budget is not None and self.runner.seats(sequence):  # room for the seat first
+            need = self.planner.seat_need(self.scheduler, sequence, self.runner.batched)
+            self.prefix_cache.evict_to(self.budget.limit - need)
         self.runner.seat(sequence)  # its row of the decode batch from now on, when it can have one
 
 

@@ -90,14 +90,17 @@ class BatchRunner:
         """Give an admitted sequence its row in the decode batch of its kind now, when its caches
         can live there (``cache/rows.py``): its prompt chunks (and a speculating sequence's
         rounds) write there and joining the decode steps moves nothing."""
-        kind = batch_key(sequence.cache, self.windows)
-        if not seatable(sequence.cache) or not self._spare(kind):
+        if not self.seats(sequence):
             return
         kind = self.row_key(sequence.cache)
         batch = self._batch(kind)
         assert isinstance(batch, SpareBatch)
         index, sequence.cache = self._seat_in(batch, sequence.cache, sequence)  # type: ignore[assignment]
         self._place(kind, index, sequence)
+
+    def seats(self, sequence: Decoding) -> bool:
+        """Whether ``seat`` gives ``sequence`` a row (its caches can live in a batch with spare rows)."""
+        return seatable(sequence.cache) and self._spare(batch_key(sequence.cache, self.windows))
 
     def row_key(self, caches: Sequence[Cache]) -> BatchKey:
         """The batch a sequence with per-layer ``caches`` joins (a rotating layer's rows keep

@@ -29,9 +29,7 @@ from mlxformer.engine.prefix_sharing import PrefixSharing
 from mlxformer.engine.prompt_cache import PromptCacheSettings, build_prefix_cache
 from mlxformer.engine.replay import Replays, rewind_caches
 from mlxformer.engine.scheduler import Chunk, EngineNotRunning, Scheduler, Step
-from mlxformer.engine.sequence import (
-    GenerationRequest, Sequence, Status, TokenEvent, check_request,
-)
+from mlxformer.engine.sequence import GenerationRequest, Sequence, Status, TokenEvent, check_request
 from mlxformer.choosing import choose
 from mlxformer.engine.choices import Choice, Picked, Pipeline, arrays, each_row, read, with_logprobs
 from mlxformer.decoding import with_rewind

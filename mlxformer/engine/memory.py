@@ -297,6 +297,23 @@ class MemoryPlanner:
             growth = len(rows) * wider + math.ceil(len(rows) * now * self.sizer.share(width, row=True))
         return alone_need + max(prefill, join, growth) <= self.budget.limit
 
+    def seat_need(self, scheduler: Scheduler, sequence: Sequence, batched: Callable[[Sequence], bool]) -> int:
+        """KV bytes the active sequences hold while ``sequence`` (admitted: its caches new, or a
+        prefix-cache hit whose tokens stay in the hit's blocks) takes its row: the others' as
+        they are, and the batch with its row, one layer of it held twice (``SpareBatch.seat``
+        rewrites it one layer at a time: the batch's old layer beside the new, with the hit's
+        layer read out of its blocks, at most a row's). The prefix cache must leave this room
+        before the seat (``Admission._attach_cache``): the blocks being copied stay, evicted or
+        not, until their layer is in the row. Before, the row was written whole beside the hit's
+        tokens (held twice, not counted): MLX's peak rose by the row plus 9.3 layers of the hit
+        (``docs/design/scheduler.md``)."""
+        active = [s for s in scheduler.prefilling + scheduler.running if s is not sequence]
+        rows = [s for s in active if batched(s)] + [sequence]
+        width = max(held(s) for s in rows)
+        batch = len(rows) * self._row_bytes(rows, batched, width)
+        alone = sum(nbytes(s) for s in active if not batched(s))
+        return alone + batch + math.ceil(batch * self.sizer.share(width, row=True))
+
     def _rows_need(self, rows: list[Sequence], batched: Callable[[Sequence], bool], width: int) -> int:
         """Bytes of a decode batch of ``rows`` at ``width`` tokens: the batch's buffers are as wide
         as its longest row (``cache/batch.py``), so rows times a row's bytes, plus one layer of
