@@ -21,7 +21,7 @@ from mlxformer.engine.batch_runner import BatchRunner
 from mlxformer.engine.memory import BLOCK, KVBudgetExceeded, KVSizer, nbytes
 from mlxformer.speculative import SpeculativeSettings, rewind
 from test_zero_copy_join import (LAYERS, PROMPTS, TOKENS, CHUNK, Stub, alone, assert_join_copies_nothing, decode_rises,
-                                 ids, in_turn, rotating_model, sliding_model, staggered)
+                                 ids, in_turn, rotating_model, sliding_model, staggered, watch_rounds)
 
 SETTINGS = [CacheSettings(), CacheSettings(kv_bits=8, kv_group_size=32)]
 
@@ -217,8 +217,10 @@ def test_a_speculation_round_writes_and_trims_its_row_in_place(llama):
     caches doing the same, and its caches are the same objects throughout (nothing copied in or
     out). MLX's peak over what was held rises by one layer of the batch at most, never by the
     row's KV (four layers here): the round by 0.1-0.5 layers (measured; the row's slots read by
-    attention), the step beside the batch's rows by 1.08 layers, as a prompt chunk in a decode
-    step (the batch's attention still reads the buffer the row writes to: MLX copies it)."""
+    attention), the step beside the batch's rows by 0.08 (its token a segment of the packed
+    step, written before the rows attend: the buffers are written in place; 1.08 when the
+    segments attended as they wrote, and MLX copied each layer). A round beside the batch's
+    rows: ``test_speculating_rows.py``."""
     model, _ = llama
     runner = BatchRunner(model)
     runner.max_rows = 2
@@ -248,7 +250,7 @@ def test_a_speculation_round_writes_and_trims_its_row_in_place(llama):
     assert mx.allclose(logits[1:], model.last_logits(mx.array([[11]]), own), atol=1e-4).item()
     assert [r.offset for r in batch.layout.rows] == [301, 313]
     rises, _ = decode_rises(runner, [plain, speculating], 1)
-    assert round_rise < kv / LAYERS and rises[0] < 1.5 * kv / LAYERS, (round_rise, rises, kv)
+    assert round_rise < kv / LAYERS and rises[0] < 0.5 * kv / LAYERS, (round_rise, rises, kv)
     assert all(a is b for a, b in zip(speculating.cache, stand_ins))
 
 
@@ -270,8 +272,8 @@ def test_speculating_sequences_live_in_their_rows(llama, draft, kind, budget):
     engine = Engine(model, tokenizer, max_batch=3, prefill_chunk=CHUNK, step_tokens=2 * CHUNK,
                     speculative=speculative, max_kv_memory=limit if budget else None)
     caches: dict[int, set[tuple[int, ...]]] = {}  # id(sequence) -> its caches' ids at each step
-    seated, rounds = [], []
-    real_run, real_verify = engine._run, engine.runner.verify
+    seated: list[bool] = []
+    real_run, rounds = engine._run, watch_rounds(engine.runner, (RowCache,))
 
     def run(step):
         real_run(step)
@@ -280,11 +282,7 @@ def test_speculating_sequences_live_in_their_rows(llama, draft, kind, budget):
                 seated.append(all(isinstance(c, RowCache) for c in sequence.cache))
                 caches.setdefault(id(sequence), set()).add(tuple(map(id, sequence.cache)))
 
-    def verify(last, proposed, cache):
-        rounds.append(all(isinstance(c, RowCache) for c in cache))
-        return real_verify(last, proposed, cache)
-
-    engine._run, engine.runner.verify = run, verify
+    engine._run = run  # type: ignore[method-assign]
     got = in_turn(engine, requests)
     assert got == [alone(model, tokenizer, None, p, n) for p, n in zip(prompts, tokens)]
     assert all(seated) and len(caches) == 3 and all(len(seen) == 1 for seen in caches.values())

@@ -2,7 +2,9 @@
 
 Prompt chunks and speculation rounds run on one sequence's own caches (or on its row of the
 decode batch, given at admission: ``cache/rows.py``); an engine step runs the
-decoding rows and the prompt chunks in one forward (``step``, ``cache/packed.py``). Decoding sequences live
+decoding rows, the prompt chunks and the speculation rounds in one forward (``step``,
+``cache/packed.py``: every segment writes before any attends, so a row written beside the
+batch's decode step is written in place). Decoding sequences live
 in ``DecodeBatch``es (``cache/batch.py``): their keys/values of each layer in one buffer, so a
 decode step is one forward for all rows — one cache write and one attention per layer, each row
 rotated at its own position and masked to its own slots (a model mixing sliding-window and
@@ -24,6 +26,7 @@ from mlxformer.engine.prompt_scores import PromptScores
 from mlxformer.cache.batch import DecodeBatch
 from mlxformer.cache.batch_kind import BatchKey, batch_key, quantizes_next, row_quantizes_next
 from mlxformer.cache.codec import FLOAT_CODEC, KVCodec
+from mlxformer.cache.row_place import RowPlace
 from mlxformer.cache.rotating_rows import ring_key
 from mlxformer.cache.rows import Blank, RowCache, SpareBatch, seatable, settle, spare_kind
 from mlxformer.cache.state_rows import state_blank
@@ -43,12 +46,21 @@ class Decoding(Protocol):
 
 @dataclass(frozen=True)
 class PromptChunk:
-    """A piece of one sequence's prompt for ``BatchRunner.step``."""
+    """A piece of one sequence's prompt for ``BatchRunner.step`` (or a speculation round:
+    ``speculation_round``)."""
 
-    tokens: Sequence[int]
+    tokens: Sequence[int] | mx.array
     cache: Sequence[Cache]  # the sequence's own caches
     last: bool  # the chunk ends the prompt: its last logits are wanted
-    prompt_length: int  # the whole prompt's (dynamic NTK's base depends on it)
+    prompt_length: int | None  # the whole prompt's (dynamic NTK's base depends on it)
+    every: bool = False  # every position's logits are wanted ``(T, vocab)`` (a speculation round's)
+
+
+def speculation_round(last: int, proposed: mx.array, cache: Sequence[Cache]) -> PromptChunk:
+    """A speculation round for ``BatchRunner.step``: the ``last`` token then the proposals
+    ``(k,)`` (maybe still on the device) on one sequence's caches, every position's logits wanted."""
+    tokens = mx.concatenate([mx.array([last], mx.int32), proposed.astype(mx.int32)])  # (k + 1,)
+    return PromptChunk(tokens, cache, True, None, every=True)
 
 
 def packs(model: Model) -> bool:
@@ -181,11 +193,19 @@ class BatchRunner:
         return None
 
     def verify(self, last: int, proposed: mx.array, cache: Sequence[Cache]) -> mx.array:
-        """A speculation round on one sequence's caches: the ``last`` token then the proposals
-        ``(k,)`` (maybe still on the device) in, every position's logits ``(k + 1, vocab)`` out (lazy)."""
-        tokens = mx.concatenate([mx.array([last], mx.int32), proposed.astype(mx.int32)])  # (k + 1,)
-        logits = self.model(tokens[None], cache)[0]  # (1, k + 1, vocab) -> (k + 1, vocab)
-        settle(cache)  # a seated sequence's row holds the round (a rejection trims it)
+        """A speculation round on one sequence's caches, in a forward of its own: the ``last``
+        token then the proposals ``(k,)`` (maybe still on the device) in, every position's
+        logits ``(k + 1, vocab)`` out (lazy). Beside a decode step, pass it to ``step`` instead."""
+        logits = self._alone(speculation_round(last, proposed, cache))
+        assert logits is not None
+        return logits
+
+    def _alone(self, chunk: PromptChunk) -> mx.array | None:
+        """A chunk (or a round) in a forward of its own: ``prefill``'s logits, or every position's."""
+        if not chunk.every:
+            return self.prefill(chunk.tokens, chunk.cache, chunk.last, chunk.prompt_length)
+        logits = self.model(mx.array(chunk.tokens)[None], chunk.cache)[0]  # (1, k + 1, vocab) -> (k + 1, vocab)
+        settle(chunk.cache)  # a seated sequence's row holds the round (a rejection trims it)
         return logits
 
     def decode(self, sequences: Sequence[Decoding]) -> mx.array:
@@ -198,10 +218,11 @@ class BatchRunner:
         self, sequences: Sequence[Decoding], chunks: Sequence[PromptChunk] = (), inputs: mx.array | None = None
     ) -> tuple[mx.array | None, list[mx.array | None]]:
         """One engine step in one forward (``cache/packed.py``): one token per decoding sequence
-        and each prompt chunk's tokens on its own caches (a prompt's chunks in order). Returns
-        the next-token logits ``(B, vocab)`` in the order of ``sequences`` (None without any)
-        and each chunk's last logits ``(1, vocab)`` when it wants them (lazy; a chunk that does
-        not is evaluated). A model whose RoPE depends on each sequence's length runs one
+        and each prompt chunk's (or speculation round's) tokens on its own caches (a prompt's
+        chunks in order). Returns the next-token logits ``(B, vocab)`` in the order of
+        ``sequences`` (None without any) and each chunk's last logits ``(1, vocab)`` when it
+        wants them, a round's every position's ``(k + 1, vocab)`` (lazy; a chunk that wants
+        none is evaluated). A model whose RoPE depends on each sequence's length runs one
         forward per batch kind and per chunk instead.
 
         Sequences not yet in a batch join one; a seated one whose storage turns quantized this
@@ -210,21 +231,15 @@ class BatchRunner:
         ``inputs``: the tokens ``(B,)`` the sequences take, in their order (maybe still on the
         device: a pipelined step's); default: their last tokens."""
         for chunk in chunks:
-            self._cross_chunk(chunk.cache)
+            if not chunk.every:  # a round does not move its row (the decode steps do, ``_groups``)
+                self._cross_chunk(chunk.cache)
         groups = self._groups(sequences)
         tokens = self._tokens(groups, sequences, inputs)
         # one batch alone needs no packing; a prompt whose row moves between its chunks cannot share one forward
         if self.packs and len(groups) + len(chunks) > 1 and not self._crosses_within(chunks):
             parts, chunk_logits = self._packed(groups, tokens, chunks)
         else:
-            parts = []
-            for (caches, rows, batch), fed in zip(groups, tokens):
-                parts.append(self.model.last_logits(fed[:, None], caches))  # (B,) -> (B, 1) in
-                if batch is not None:
-                    batch.commit()
-                else:
-                    settle(caches)
-            chunk_logits = [self.prefill(c.tokens, c.cache, c.last, c.prompt_length) for c in chunks]
+            parts, chunk_logits = self._one_by_one(groups, tokens, chunks)
         if not parts:
             return None, chunk_logits
         logits = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)
@@ -233,6 +248,42 @@ class BatchRunner:
         if wanted == list(range(len(wanted))):
             return logits, chunk_logits
         return logits[mx.array(wanted)], chunk_logits
+
+    def _one_by_one(
+        self, groups: list[tuple[Sequence[Cache], list[Decoding], DecodeBatch | None]], tokens: list[mx.array],
+        chunks: Sequence[PromptChunk],
+    ) -> tuple[list[mx.array], list[mx.array | None]]:
+        """``step`` as one forward per batch, per sequence on its own caches and per chunk (a
+        model that does not pack). A forward writing a row of a batch that an earlier forward
+        read is built once that one is evaluated: the earlier attention would otherwise still
+        read the buffer the write replaces, and MLX would copy the buffer instead of writing it
+        in place (``cache/packed.py`` orders the writes instead)."""
+        reading: dict[int, list[mx.array]] = {}  # id(batch) -> the outputs not yet evaluated of forwards reading it
+
+        def before(caches: Sequence[Cache], batch: DecodeBatch | None = None) -> set[int]:
+            read = {id(batch)} if batch is not None else {id(c.batch) for c in caches if isinstance(c, RowPlace)}
+            waiting = [x for i in read for x in reading.pop(i, [])]
+            if waiting:
+                mx.eval(waiting)
+            return read
+
+        parts: list[mx.array] = []
+        for (caches, rows, batch), fed in zip(groups, tokens):
+            read = before(caches, batch)
+            parts.append(self.model.last_logits(fed[:, None], caches))  # (B,) -> (B, 1) in
+            for i in read:
+                reading.setdefault(i, []).append(parts[-1])
+            if batch is not None:
+                batch.commit()
+            else:
+                settle(caches)
+        chunk_logits: list[mx.array | None] = []
+        for chunk in chunks:
+            read = before(chunk.cache)
+            chunk_logits.append(self._alone(chunk))  # a chunk wanting no logits is evaluated
+            for i in read if chunk_logits[-1] is not None else ():
+                reading.setdefault(i, []).append(chunk_logits[-1])  # type: ignore[arg-type]
+        return parts, chunk_logits
 
     def _groups(self, sequences: Sequence[Decoding]) -> list[tuple[Sequence[Cache], list[Decoding], DecodeBatch | None]]:
         """The decoding sequences by the caches they step on: each batch's rows (its layouts
@@ -340,18 +391,20 @@ class BatchRunner:
         chunks: Sequence[PromptChunk],
     ) -> tuple[list[mx.array], list[mx.array | None]]:
         """``step``'s one forward: the decoding rows' tokens, then the chunks', packed on one row."""
-        inputs = tokens + [mx.array(c.tokens) for c in chunks]
+        inputs = tokens + [mx.array(c.tokens).astype(mx.int32) for c in chunks]
         segments = [[Segment(caches[i], len(rows), 1) for caches, rows, _ in groups]
                     + [Segment(c.cache[i], 1, len(c.tokens)) for c in chunks] for i in range(len(self.windows))]
         where = positions(segments[0])
         layers = [PackedLayerCache(s, window, where) for s, window in zip(segments, self.windows)]
         decoding = sum(len(rows) for _, rows, _ in groups)
         ends = list(itertools.accumulate((len(c.tokens) for c in chunks), initial=decoding))[1:]
-        picked = list(range(decoding)) + [end - 1 for c, end in zip(chunks, ends) if c.last]
+        picked = list(range(decoding)) + [i for c, end in zip(chunks, ends)
+                                          for i in (range(end - len(c.tokens), end) if c.every else [end - 1] if c.last else [])]
         # only the picked rows past the last layer's attention, as ``Model.last_logits`` does alone
         every = len(picked) == decoding + sum(len(c.tokens) for c in chunks)  # decoding rows only: all wanted
         keep = None if every or not picked else mx.array(picked)
         hidden = self.model.hidden_states(mx.concatenate(inputs)[None], layers, keep=keep)[0]  # (1, K, hidden) -> (K, hidden)
+        self._observe(groups, chunks, hidden)
         for _, _, batch in groups:
             if batch is not None:
                 batch.commit()
@@ -369,9 +422,25 @@ class BatchRunner:
         chunk_logits: list[mx.array | None] = []
         index = decoding
         for chunk in chunks:
-            chunk_logits.append(logits[index : index + 1] if chunk.last else None)
-            index += chunk.last
+            n = len(chunk.tokens) if chunk.every else int(chunk.last)
+            chunk_logits.append(logits[index : index + n] if n else None)
+            index += n
         return ([logits[:decoding]] if decoding else []), chunk_logits
+
+    def _observe(self, groups: list[tuple[Sequence[Cache], list[Decoding], DecodeBatch | None]],
+                 chunks: Sequence[PromptChunk], hidden: mx.array) -> None:
+        """Hand the packed step's hidden rows ``(K, hidden)`` of each sequence stepping on its own
+        caches (a seated speculating one's token, a round) to the model's watch, as a forward
+        of its own over those caches would (native MTP drafts from them; before ``settle``)."""
+        index = 0
+        for caches, rows, batch in groups:
+            if batch is None:
+                self.model.observe(hidden[None, index : index + 1], caches)
+            index += len(rows)
+        for chunk in chunks:
+            if chunk.every:
+                self.model.observe(hidden[None, index : index + len(chunk.tokens)], chunk.cache)
+            index += len(chunk.tokens) if chunk.every else int(chunk.last)
 
     def batched(self, sequence: Decoding) -> bool:
         """Whether ``sequence`` is in a batch (the KV budget counts its share of the buffers)."""

@@ -21,14 +21,15 @@ from prometheus_client import CollectorRegistry
 
 from mlxformer.cache import CacheSettings
 from mlxformer.engine.admission import Admission, warm_up
-from mlxformer.engine.batch_runner import BatchRunner, PromptChunk
+from mlxformer.engine.batch_runner import BatchRunner
+from mlxformer.engine.decode_step import DecodeStep
 from mlxformer.engine.handle import RequestHandle
-from mlxformer.engine.memory import KVBudgetExceeded, KVSizer, MemoryPlanner, held, nbytes, resolve_budget
+from mlxformer.engine.memory import KVBudgetExceeded, KVSizer, MemoryPlanner, nbytes, resolve_budget
 from mlxformer.engine.metrics import EngineMetrics
 from mlxformer.engine.prefix_sharing import PrefixSharing
 from mlxformer.engine.prompt_cache import PromptCacheSettings, build_prefix_cache
-from mlxformer.engine.replay import Replays, rewind_caches
-from mlxformer.engine.scheduler import Chunk, EngineNotRunning, Scheduler, Step
+from mlxformer.engine.replay import Replays
+from mlxformer.engine.scheduler import EngineNotRunning, Scheduler, Step
 from mlxformer.engine.sequence import GenerationRequest, Sequence, Status, TokenEvent, check_request
 from mlxformer.choosing import choose
 from mlxformer.engine.choices import Choice, Picked, Pipeline, arrays, each_row, read, with_logprobs
@@ -42,7 +43,7 @@ from mlxformer.tokenizer import Tokenizer
 log = logging.getLogger("mlxformer.engine")
 
 
-class Engine(Admission):
+class Engine(Admission, DecodeStep):
     """Continuous-batching generation over one model: see the module docstring of ``mlxformer.engine``.
 
     ``speculative``: decode every request (unless it sets ``speculate=False`` or has a constraint)
@@ -259,12 +260,19 @@ class Engine(Admission):
         # chunks in the decode step's forward (a scored prompt needs every position's logits: its own)
         riding = [c for c in step.prefill if c.sequence.prompt_scores is None and c.sequence.packs]
         ridden: dict[int, mx.array | None] = {}  # id(chunk) -> its logits, once its forward ran
-        if decode or riding:
-            decoded, alone = self._decode(decode, riding, ridden)
+        # speculation rounds too: their rows written before the batch's rows read the buffers
+        rounds = [(s, proposed) for s, proposed in verifying if s.packs]
+        verified: dict[int, mx.array] = {}  # id(sequence) -> its round's logits, once its forward ran
+        if decode or riding or rounds:
+            decoded, alone = self._decode(decode, riding, ridden, rounds, verified)
             (choices if alone else batched).extend(decoded)
         for sequence, proposed in verifying:
+            if sequence.status is not Status.RUNNING:  # preempted after its round failed in the step
+                continue
             try:
-                logits = self.runner.verify(sequence.last_token, proposed, sequence.cache)
+                logits = verified.get(id(sequence))
+                if logits is None:
+                    logits = self.runner.verify(sequence.last_token, proposed, sequence.cache)
                 tokens, logprobs = sequence.verify(logits)
                 choices.append(([sequence] * len(tokens), mx.array(tokens), logprobs))
             except Exception as exc:
@@ -310,91 +318,6 @@ class Engine(Admission):
         """Hand out the tokens in flight (before a preemption, or rows rerun alone): every cache
         then holds its sequence's tokens but the last. Whether there were any."""
         return self.pipeline is not None and (self._hand_out([], []) or True)
-
-    def _decode(self, decode: list[Sequence], riding: list[Chunk], ridden: dict[int, mx.array | None]) -> tuple[list[Choice], bool]:
-        """One batched decode step, with the ``riding`` prompt chunks in its forward (their
-        logits go to ``ridden``); the choices of the sequences that are not replaying, and
-        whether they were rerun alone. A sequence whose last step's token is still in flight
-        is fed it from the device, and its penalties count it (``pending``).
-
-        If the step fails, each sequence leaves the batch with its caches rolled back and runs
-        alone, so that the one at fault fails alone (one that cannot be rolled back is
-        recomputed); the chunks are rolled back and run alone after it."""
-        replaying = {id(s) for s in decode if s in self.replays}
-        offsets, keys = [held(s) for s in decode], [s.key for s in decode]
-        prompts = {id(c.sequence): (c.sequence, held(c.sequence)) for c in riding}  # before the step
-        try:
-            inputs = self.pipeline.inputs(decode) if self.pipeline is not None else None  # (B,) or None
-            logits, chunk_logits = self.runner.step(decode, [
-                PromptChunk(c.tokens, c.sequence.cache, c.last, len(c.sequence.prompt)) for c in riding], inputs)
-            ridden.update({id(c): x for c, x in zip(riding, chunk_logits)})
-            if logits is None:
-                return [], False
-            mx.async_eval(logits)  # constraints compute their masks while the step runs
-            rows = [i for i, s in enumerate(decode) if id(s) not in replaying]
-            choosing = [decode[i] for i in rows]
-            chosen = logits[mx.array(rows)] if len(rows) < len(decode) else logits
-            pending = None if inputs is None else inputs[mx.array(rows)] if len(rows) < len(decode) else inputs
-            choices = self._choose_each(choosing, [chosen], pending) if choosing else []
-        except Exception:
-            for sequence, key in zip(decode, keys):
-                sequence.key = key
-            ridden.clear()
-            for sequence, before in prompts.values():  # their chunks run alone from now on (after the rows)
-                sequence.packs = False
-                if not rewind_caches(sequence.cache, before):
-                    self._preempt(sequence, keep_cache=False)
-            return self._decode_alone(decode, offsets, replaying), True
-        self.replays.advance(decode)
-        return choices, False
-
-    def _decode_alone(self, decode: list[Sequence], offsets: list[int], replaying: set[int]) -> list[Choice]:
-        self._drain()  # the rows then take their last tokens from the host, and end alone if those end them
-        alone = []
-        for sequence, before in zip(decode, offsets):
-            if sequence.status is Status.FINISHED:  # e.g. its constraint failed while the step was built
-                continue
-            try:
-                self.runner.release(sequence)
-                rolled_back = rewind_caches(sequence.cache, before)
-            except Exception:
-                rolled_back = False
-            if rolled_back:
-                alone.append(sequence)
-            else:  # recompute it
-                self._preempt(sequence, keep_cache=False)
-        choices: list[Choice] = []
-        for sequence in alone:
-            try:
-                logits = self.runner.decode([sequence])
-                mx.eval(logits)
-                self.runner.release(sequence)  # out of the batch again: the next one runs alone too
-            except Exception as exc:
-                self._fail(sequence, exc)
-                continue
-            self.replays.advance([sequence])
-            if id(sequence) not in replaying:
-                choices += self._choose_each([sequence], [logits])
-        return choices
-
-    def _propose(self, running: list[Sequence]) -> tuple[list[Sequence], list[tuple[Sequence, mx.array]]]:
-        """Split the running sequences into those decoding one token in the batch and those
-        with proposals to verify (each with its proposals)."""
-        decode, verifying = [], []
-        for sequence in running:
-            if sequence.speculator is None or sequence in self.replays:
-                decode.append(sequence)
-                continue
-            try:
-                proposed = sequence.propose()
-            except Exception as exc:  # e.g. a draft model failing
-                self._fail(sequence, exc)
-                continue
-            if proposed is not None:
-                verifying.append((sequence, proposed))
-            else:
-                decode.append(sequence)
-        return decode, verifying
 
     def _choose_each(self, sequences: list[Sequence], logits: list[mx.array], pending: mx.array | None = None) -> list[Choice]:
         """The sequences' choices in one graph (``choosing.choose``) over the rows of ``logits``

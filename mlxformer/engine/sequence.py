@@ -101,7 +101,7 @@ class Sequence(DecodingState):
         self.cached_tokens = 0  # prompt tokens reused from the prefix cache
         self.processed = 0  # prompt tokens already in the cache
         self.cancelled = False
-        self.packs = True  # its prompt chunks share the step's forward (not after such a step failed)
+        self.packs = True  # its prompt chunks (and rounds) share the step's forward (not after such a step failed)
         k = request.prompt_logprobs
         self.prompt_scores = PromptScores(self.prompt, k) if k is not None else None  # filled during prefill
 

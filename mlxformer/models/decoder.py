@@ -335,6 +335,12 @@ class Model(nn.Module):
         final-norm hidden states (lazy): native MTP drafts from them (``mlxformer.mtp``)."""
         self._hidden_watch = watch
 
+    def observe(self, hidden: mx.array, cache: Sequence[Cache]) -> None:
+        """Hand the watch (``watch_hidden``) hidden states ``(1, T, hidden)`` computed for
+        ``cache`` in a forward over several sequences' caches (a packed step's)."""
+        if self._hidden_watch is not None:
+            self._hidden_watch(hidden, cache)
+
     def logits(self, hidden: mx.array) -> mx.array:
         """Project hidden states ``(B, T, hidden)`` to vocabulary logits ``(B, T, vocab)``."""
         a = self.args
