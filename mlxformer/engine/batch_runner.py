@@ -94,7 +94,7 @@ class BatchRunner:
         can live there (``cache/rows.py``): its prompt chunks (and a speculating sequence's
         rounds) write there and joining the decode steps moves nothing."""
         kind = batch_key(sequence.cache, self.windows)
-        if not seatable(sequence.cache) or not self._spare(kind):
+        if not seatable(sequence.cache) or not spare_kind(kind):
             return
         kind = self.row_key(sequence.cache)
         batch = self._batch(kind)
@@ -107,20 +107,12 @@ class BatchRunner:
         slots beyond the window for a prompt chunk when the batch has spare rows: what the KV
         budget counts for a row, ``memory.KVSizer``)."""
         kind = batch_key(caches, self.windows)
-        return ring_key(kind, self.prefill_chunk or 1) if self._spare(kind) else kind
-
-    def _spare(self, kind: BatchKey) -> bool:
-        """Whether the batch of ``kind`` has spare rows (``cache/rows.py``). Not with a rotating
-        layer in an MLA model (a rotating row attends through the cache, ``attention``, which MLA's
-        many-query path passes by)."""
-        if any(storage.rotating for storage, _ in kind) and self.model.args.attention_type == "mla":
-            return False
-        return spare_kind(kind)
+        return ring_key(kind, self.prefill_chunk or 1) if spare_kind(kind) else kind
 
     def _batch(self, kind: BatchKey) -> DecodeBatch:
         """The batch of ``kind``, made when first needed (with spare rows when it can have them)."""
         if kind not in self.batches:
-            spare = self._spare(kind)
+            spare = spare_kind(kind)
             self.batches[kind] = (SpareBatch(kind, self._blank(kind), self.max_rows, self.staged) if spare
                                   else DecodeBatch(kind))
         return self.batches[kind]
