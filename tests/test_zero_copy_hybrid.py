@@ -154,13 +154,16 @@ def test_hybrid_rows_cross_quantized_kv_start(tmp_path, monkeypatch):
     assert sorted(written) == [0] * 4 + [25, 30, 36]
 
 
-def test_a_prefix_hit_on_a_seated_hybrid_row_equals_cold(monkeypatch, tmp_path):
+@pytest.mark.parametrize("window", [None, 48], ids=["growing", "ring"])
+def test_a_prefix_hit_on_a_seated_hybrid_row_equals_cold(window, monkeypatch, tmp_path):
     """A 100-token prompt prefills in its row (chunks of 32: a state snapshot cut from the row
     after each) and decodes; while it does, a prompt sharing its first 80 tokens resumes from the
     snapshot at 64, written into a row of the same batch. Its tokens and log-probabilities equal
     a cold engine's bit for bit (its tokens ``stream_generate``'s alone), and the first's reply is
-    its own alone."""
+    its own alone. ``ring``: a ``max_kv_size`` of 48 without sinks (a sliding window: the hit's
+    window placed in the ring's slots, ``placement``)."""
     model, tokenizer = tiny(tmp_path, "qwen3_5_text")
+    settings = None if window is None else CacheSettings(max_kv_size=window, keep=0)
     rng = np.random.default_rng(1)
     first = [int(t) for t in rng.integers(3, 256, size=100)]
     second = first[:80] + [int(t) for t in rng.integers(3, 256, size=30)]
@@ -172,10 +175,11 @@ def test_a_prefix_hit_on_a_seated_hybrid_row_equals_cold(monkeypatch, tmp_path):
         events = [e for e in handle if e.token is not None]
         return [e.token for e in events], [e.logprob for e in events], events[-1].cached_tokens
 
-    with Engine(model, tokenizer, max_batch=2, prefill_chunk=32, prefix_cache_bytes=0) as cold:
+    with Engine(model, tokenizer, max_batch=2, prefill_chunk=32, prefix_cache_bytes=0, cache_settings=settings) as cold:
         expected = read(run(cold, second, 6))
     written = record_seats(monkeypatch)
-    with Engine(model, tokenizer, max_batch=2, prefill_chunk=32, prefix_cache_bytes=10**8) as engine:
+    with Engine(model, tokenizer, max_batch=2, prefill_chunk=32, prefix_cache_bytes=10**8,
+                cache_settings=settings) as engine:
         long = iter(run(engine, first, 30))
         head = next(long)  # its prompt is in its row; it decodes while the second prefills
         hit = read(run(engine, second, 6))
@@ -183,5 +187,5 @@ def test_a_prefix_hit_on_a_seated_hybrid_row_equals_cold(monkeypatch, tmp_path):
     assert written == [0, 64]  # the first seated empty, the second with the snapshot's 64 tokens
     assert hit[2] == 64
     assert hit[:2] == expected[:2]  # bit for bit
-    assert hit[0] == [r.token for r in stream_generate(model, tokenizer, second, 6)]
-    assert reply == [r.token for r in stream_generate(model, tokenizer, first, 30)]
+    assert hit[0] == [r.token for r in stream_generate(model, tokenizer, second, 6, cache_settings=settings)]
+    assert reply == [r.token for r in stream_generate(model, tokenizer, first, 30, cache_settings=settings)]
