@@ -5,6 +5,8 @@ rows seated at admission (``cache/rows.py``: prefilled in their batch row, nothi
 
     python benchmarks/zero_copy_join.py --rows 4 --tokens 1500 [--staged]
     python benchmarks/zero_copy_join.py --rows 4 --tokens 1500 --max-kv-size 512  # rotating rows
+    python benchmarks/zero_copy_join.py --mla --max-kv-size 512     # an MLA model's ring rows
+    python benchmarks/zero_copy_join.py --hybrid --max-kv-size 512  # a hybrid's ring and recurrent rows
 
 ``--staged``: as under a KV budget (``BatchRunner.staged``: every rewrite one layer at a time,
 the seated rows widened before each chunk as ``Admission._grow`` does).
@@ -12,7 +14,9 @@ the seated rows widened before each chunk as ``Admission._grow`` does).
 A random Llama with SmolLM2-135M's attention shape (9 heads, 3 KV heads of 64) and ``--layers``
 layers, float32 on the CPU; the figures are the fastest of ``--repeats`` runs. ``--hybrid``: a
 random Qwen3.5 of the same widths whose layers alternate Gated DeltaNet (3 key heads, 6 value
-heads of 64) and attention (its recurrent states in the rows too: ``cache/state_rows.py``)."""
+heads of 64) and attention (its recurrent states in the rows too: ``cache/state_rows.py``).
+``--mla``: a random DeepSeek-V3 of the same hidden size (multi-head latent attention: 9 heads,
+a latent of 256 and a rope key of 32 per token; dense MLPs), its latents in the rows."""
 
 from __future__ import annotations
 
@@ -24,11 +28,13 @@ import time
 import mlx.core as mx
 
 
-def random_model(directory: str, layers: int, hybrid: bool):
-    """A random Llama (or Qwen3.5) of SmolLM2-135M's widths saved with transformers, loaded by mlxformer."""
+def random_model(directory: str, layers: int, hybrid: bool, mla: bool = False):
+    """A random Llama (or Qwen3.5, or DeepSeek-V3) of SmolLM2-135M's widths saved with
+    transformers, loaded by mlxformer."""
     import torch
     from tokenizers import Tokenizer, models
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3_5ForCausalLM, Qwen3_5TextConfig
+    from transformers import (DeepseekV3Config, DeepseekV3ForCausalLM, LlamaConfig, LlamaForCausalLM,
+                              Qwen3_5ForCausalLM, Qwen3_5TextConfig)
 
     from mlxformer import load
 
@@ -40,6 +46,10 @@ def random_model(directory: str, layers: int, hybrid: bool):
                                    linear_num_key_heads=3, linear_num_value_heads=6, linear_key_head_dim=64,
                                    linear_value_head_dim=64, linear_conv_kernel_dim=4)
         Qwen3_5ForCausalLM(config).save_pretrained(directory)
+    elif mla:
+        config = DeepseekV3Config(**{**widths, "num_key_value_heads": 9}, kv_lora_rank=256, q_lora_rank=None,
+                                  qk_rope_head_dim=32, qk_nope_head_dim=64, v_head_dim=64, first_k_dense_replace=layers)
+        DeepseekV3ForCausalLM(config).save_pretrained(directory)
     else:
         LlamaForCausalLM(LlamaConfig(**widths)).save_pretrained(directory)
     Tokenizer(models.BPE(vocab={chr(i): i for i in range(256)}, merges=[])).save(os.path.join(directory, "tokenizer.json"))
@@ -88,6 +98,7 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--hybrid", action="store_true", help="a Qwen3.5: Gated DeltaNet and attention layers alternating")
+    parser.add_argument("--mla", action="store_true", help="a DeepSeek-V3: multi-head latent attention")
     parser.add_argument("--staged", action="store_true", help="as under a KV budget")
     parser.add_argument("--max-kv-size", type=int, default=None, help="rotating caches of this window")
     args = parser.parse_args()
@@ -95,9 +106,9 @@ def main() -> None:
 
     settings = CacheSettings(max_kv_size=args.max_kv_size)
     with tempfile.TemporaryDirectory() as directory:
-        model = random_model(directory, args.layers, args.hybrid)
+        model = random_model(directory, args.layers, args.hybrid, args.mla)
     print(f"load average {os.getloadavg()[0]:.1f}; {args.rows} rows x ~{args.tokens} tokens, {args.layers} layers"
-          + (" (hybrid)" if args.hybrid else "") + (", staged" if args.staged else "")
+          + (" (hybrid)" if args.hybrid else "") + (" (MLA)" if args.mla else "") + (", staged" if args.staged else "")
           + (f", max_kv_size {args.max_kv_size}" if args.max_kv_size else ""))
     for seat in (False, True):
         runs = [measure(model, seat, args.rows, args.tokens, args.chunk, settings, args.staged) for _ in range(args.repeats)]

@@ -20,8 +20,9 @@ from mlxformer.engine import Engine, GenerationRequest
 from mlxformer.engine.batch_runner import BatchRunner
 from mlxformer.engine.memory import BLOCK, KVBudgetExceeded, KVSizer, nbytes
 from mlxformer.speculative import SpeculativeSettings, rewind
-from test_zero_copy_join import (LAYERS, PROMPTS, TOKENS, CHUNK, Stub, alone, assert_join_copies_nothing, decode_rises,
-                                 ids, in_turn, rotating_model, sliding_model, staggered, watch_rounds)
+from test_zero_copy_join import (LAYERS, MLA, PROMPTS, TOKENS, CHUNK, Stub, alone, assert_join_copies_nothing,
+                                 decode_rises, ids, in_turn, rotating_model, sliding_model, staggered, tiny_model,
+                                 watch_rounds)
 
 SETTINGS = [CacheSettings(), CacheSettings(kv_bits=8, kv_group_size=32)]
 
@@ -156,28 +157,33 @@ def test_staggered_ring_rows_crossing_quantized_kv_start_equal_each_alone(llama,
     assert got == [alone(model, tokenizer, settings, p, n) for p, n in zip(PROMPTS, TOKENS)]
 
 
-@pytest.mark.parametrize("family", ["rotating", "gemma3"])
+@pytest.mark.parametrize("family", ["rotating", "gemma3", "mla"])
 def test_a_rotating_join_under_a_budget_copies_nothing(family, llama, tmp_path):
     """``test_zero_copy_join``'s rotating join, staged: ring rows seated at admission (a row
     added per seat, the rows widened before each chunk) join the decode steps with MLX's peak
-    rising as a steady step's; the old join (own caches copied into rows) measured beside it."""
+    rising as a steady step's; the old join (own caches copied into rows) measured beside it.
+    ``mla``: an MLA model's ``max_kv_size`` window (before: not seated, copied at the join)."""
     model, settings = rotating_model(family, llama, tmp_path)
     _, batch = assert_join_copies_nothing(model, settings, staged=True)
     assert batch.staged and batch.capacity == 2
 
 
-@pytest.mark.parametrize("family", ["mistral", "gemma3"])
+@pytest.mark.parametrize("family", ["mistral", "gemma3", "mla"])
 def test_the_budget_counts_a_seated_ring_row_as_its_buffers_hold(family, tmp_path):
     """A sequence seated in its row under a budget, prefilled 100 and 300 tokens in chunks of
     32: the planner's count of a row (``KVSizer``, ``row``) equals the bytes the batch's buffers
     hold (a ring layer keeps its window of 24 and a chunk less one beyond it; Gemma 3's global
-    layers grow), more than the sequence's own caches would hold."""
-    model, _ = sliding_model(tmp_path, family, 24, LAYERS)
+    layers grow; an MLA model's ``max_kv_size`` of 24, its latents' rings: before, not seated,
+    counted at its own caches' window), more than the sequence's own caches would hold."""
+    if family == "mla":
+        model, settings = tiny_model(tmp_path, "deepseek_v2", **MLA)[0], CacheSettings(max_kv_size=24)
+    else:
+        model, settings = sliding_model(tmp_path, family, 24, LAYERS)[0], CacheSettings()
     for length in (100, 300):
         runner = BatchRunner(model)
         runner.staged, runner.prefill_chunk = True, 32
-        sizer = KVSizer(model, CacheSettings(), row_key=runner.row_key)
-        seated_prefill(runner, Stub(make_cache(model), 5), length)
+        sizer = KVSizer(model, settings, row_key=runner.row_key)
+        seated_prefill(runner, Stub(make_cache(model, settings), 5), length)
         (batch,) = runner.batches.values()
         held = sum(x.nbytes for layer in batch.layers for x in layer.keys + layer.values)
         assert sizer.bytes_for(length, row=True) == held > sizer.bytes_for(length), (length, held)

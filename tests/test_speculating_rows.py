@@ -2,8 +2,9 @@
 "KV in one place"): seated at admission, their rounds verify on their rows, and a rejected round
 is taken back there (a turned ring's index steps back over the rejected slots,
 ``RingWrites._move_back``; a recurrent row keeps its last tokens' states, as its own cache does,
-and writes back the state before the rejected tokens, ``StateRowCache.trim``). Checked by the
-greedy replies against plain ``stream_generate`` alone (speculation must not change a token)."""
+and writes back the state before the rejected tokens, ``StateRowCache.trim``; a hybrid's ring
+rows beside recurrent rows, both moved back by ``move_ring_back``). Checked by the greedy
+replies against plain ``stream_generate`` alone (speculation must not change a token)."""
 
 from __future__ import annotations
 
@@ -29,14 +30,20 @@ def draft(tmp_path_factory):
     return tiny_byte_llama_of(tmp_path_factory.mktemp("speculating_rows_draft"), 1)
 
 
-@pytest.fixture(scope="module", params=["mistral", "gemma3", "qwen3_5_text"])
+@pytest.fixture(scope="module", params=["mistral", "gemma3", "qwen3_5_text", "qwen3_5_ring"])
 def target(request, tmp_path_factory):
-    """The model (Gemma 3: sliding and global layers, a row in each of two slot layouts), and the
-    row cache whose trims the test watches (a ring's, a recurrent row's)."""
+    """The model (Gemma 3: sliding and global layers, a row in each of two slot layouts), the
+    row cache whose trims the test watches (a ring's, a recurrent row's) and the cache settings
+    (``qwen3_5_ring``: a ``max_kv_size`` of ``WINDOW``, ring rows beside recurrent rows)."""
     directory = tmp_path_factory.mktemp(request.param)
     if request.param == "qwen3_5_text":
-        return tiny(directory, "qwen3_5_text"), StateRowCache
-    return sliding_model(directory, request.param, WINDOW, layers=4), RingRowCache
+        return tiny(directory, "qwen3_5_text"), StateRowCache, None
+    if request.param == "qwen3_5_ring":
+        # a recurrent layer last: the row moves back when it is trimmed (``StateRowCache._move_back``)
+        layer_types = ["full_attention", "linear_attention"] * 2
+        return (tiny(directory, "qwen3_5_text", layer_types=layer_types), RingRowCache,
+                CacheSettings(max_kv_size=WINDOW, keep=2))
+    return sliding_model(directory, request.param, WINDOW, layers=4), RingRowCache, None
 
 
 @pytest.mark.parametrize("kind", ["lookup", "draft", "lookup_budget"])
@@ -48,13 +55,14 @@ def test_speculating_rows_take_back_rejected_rounds(target, draft, kind, monkeyp
     a hybrid prompt resuming from the prefix cache's snapshot of a speculating row).
     ``lookup_budget``: under a KV budget of three rows of the longest request (a row added per
     seat, removed per leave; a speculating recurrent row's kept states counted)."""
-    (model, tokenizer), watched = target
+    (model, tokenizer), watched, settings = target
     speculative = (SpeculativeSettings(prompt_lookup=True, num_draft_tokens=4, ngram_min=1) if "lookup" in kind
                    else SpeculativeSettings(draft_model=draft[0], draft_tokenizer=draft[1], num_draft_tokens=4))
     prompts, tokens = [ids(40, 1), ids(70, 2), ids(9, 3), ids(50, 4)], [24, 16, 12, 16]
     requests = [GenerationRequest(p, max_tokens=n) for p, n in zip(prompts, tokens)]
     requests[2].speculate = False
-    options = dict(max_batch=3, prefill_chunk=CHUNK, step_tokens=2 * CHUNK, speculative=speculative)
+    options = dict(max_batch=3, prefill_chunk=CHUNK, step_tokens=2 * CHUNK, speculative=speculative,
+                   cache_settings=settings)
     if kind == "lookup_budget":
         options["max_kv_memory"] = 3 * Engine(model, tokenizer, **options).sizer.peak(86 + 4)
     engine = Engine(model, tokenizer, **options)
@@ -80,7 +88,7 @@ def test_speculating_rows_take_back_rejected_rounds(target, draft, kind, monkeyp
 
     engine._run = run  # type: ignore[method-assign]
     got = in_turn(engine, requests, seats=True)
-    assert got == [alone(model, tokenizer, None, p, n) for p, n in zip(prompts, tokens)]
+    assert got == [alone(model, tokenizer, settings, p, n) for p, n in zip(prompts, tokens)]
     assert rounds and all(rounds)
     assert len(speculating) == 3 and all(len(seen) == 1 for seen in caches.values())
     stats = [s.speculator.stats for s in speculating.values()]

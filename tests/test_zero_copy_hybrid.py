@@ -1,10 +1,11 @@
 """KV in one place for hybrid models (issue 32): a Qwen3.5 / Qwen3-Next sequence's recurrent
 states live in its row of the decode batch's stacked state buffers from admission on
 (``cache/state_rows.py``), beside its attention layers' keys/values (``cache/rows.py``), so
-joining the decode steps copies nothing. Checked with MLX's peak memory (the old join measured
-beside it), by staggered requests' greedy replies against ``stream_generate`` alone (also with
-rows crossing ``quantized_kv_start``), and by a prefix-cache hit on snapshots cut from a row
-against a cold engine."""
+joining the decode steps copies nothing; with a ``max_kv_size`` window too (its attention rows
+are rings, the recurrent rows follow their layout). Checked with MLX's peak memory (the old
+join measured beside it), by staggered requests' greedy replies against ``stream_generate``
+alone (also with rows crossing ``quantized_kv_start``), and by a prefix-cache hit on snapshots
+cut from a row against a cold engine."""
 
 from __future__ import annotations
 
@@ -25,6 +26,9 @@ from test_zero_copy_join import CHUNK, HYBRID, Stub, alone, assert_join_copies_n
 
 EXPERTS = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, shared_expert_intermediate_size=40)
 FAMILIES = {"qwen3_5_text": {}, "qwen3_next": EXPERTS}
+# the attention layers' rows growing, or rings of a window smaller than the prompts (before:
+# a hybrid's ring rows were prefilled apart and copied into the batch at the join)
+SETTINGS = {"growing": None, "ring": CacheSettings(max_kv_size=24, keep=2)}
 
 
 def tiny(directory, family: str, **config):
@@ -54,26 +58,37 @@ def record_seats(monkeypatch) -> list[int]:
     return written
 
 
+@pytest.mark.parametrize("window", [None, 96], ids=["growing", "ring"])
 @pytest.mark.parametrize("staged", [False, True], ids=["unbudgeted", "budget"])
-def test_a_hybrid_join_copies_nothing(staged, tmp_path):
+def test_a_hybrid_join_copies_nothing(staged, window, tmp_path):
     """Two Qwen3.5 sequences (4 DeltaNet, 4 attention layers) prefill in their rows: their first
     decode step raises MLX's peak memory as a steady step does; the old join, measured the same
-    way, copies the rows in. ``budget``: staged (a row added per seat, its states too)."""
+    way, copies the rows in. ``budget``: staged (a row added per seat, its states too). ``ring``:
+    a ``max_kv_size`` of 96 (prompts of 300 and 310 in chunks of 128: the rings turn)."""
     layer_types = ["linear_attention", "full_attention"] * 4
     model, _ = tiny(tmp_path, "qwen3_5_text", num_hidden_layers=8, layer_types=layer_types)
-    _, batch = assert_join_copies_nothing(model, None, staged=staged)
+    settings = None if window is None else CacheSettings(max_kv_size=window, keep=2)
+    _, batch = assert_join_copies_nothing(model, settings, staged=staged)
     assert batch.staged == staged
+    (layout,) = batch.layouts.values()
+    assert [r.offset for r in layout.rows] == [302, 312]
+    assert layout.kind.rotating == (window is not None)
+    if window is not None:  # every row's ring has turned
+        assert all(r.used == layout.kind.capacity < 300 for r in layout.rows)
 
 
+@pytest.mark.parametrize("ring", [False, True], ids=["growing", "ring"])
 @pytest.mark.parametrize("speculates", [False, True], ids=["plain", "speculating"])
-def test_the_budget_counts_a_seated_hybrid_row_as_its_buffers_hold(speculates, tmp_path):
+def test_the_budget_counts_a_seated_hybrid_row_as_its_buffers_hold(speculates, ring, tmp_path):
     """A Qwen3.5 sequence seated under a budget, prefilled 100 tokens: the planner's count of a
     row (``KVSizer``, ``row``) equals the bytes the batch's buffers hold (its keys/values and its
     recurrent layers' window and state, no past states), less than its own caches (which keep
     a state to take back). A speculating row (3 draft tokens) after a round also holds its
-    recurrent layers' last states beside the row (``StateRowCache._past``): counted too."""
+    recurrent layers' last states beside the row (``StateRowCache._past``): counted too.
+    ``ring``: a ``max_kv_size`` of 24, its ring rows 23 slots beyond the own caches' (chunks of
+    32 past a window of 24: a window's less one; before, counted as the own caches' slots)."""
     model, _ = tiny(tmp_path, "qwen3_5_text")
-    settings = CacheSettings(rewind=3 if speculates else 0)
+    settings = CacheSettings(rewind=3 if speculates else 0, max_kv_size=24 if ring else None, keep=2 if ring else 4)
     runner = BatchRunner(model)
     runner.staged, runner.prefill_chunk = True, 32
     sizer = KVSizer(model, settings, row_key=runner.row_key)
@@ -89,32 +104,40 @@ def test_the_budget_counts_a_seated_hybrid_row_as_its_buffers_hold(speculates, t
     held = sum(layer.nbytes for layer in batch.layers) + sum(p.nbytes for p in past if p is not None)
     assert all(p is not None for p in past) == speculates
     assert sizer.bytes_for(104 if speculates else 100, row=True) == held
-    assert held < sizer.bytes_for(100) or speculates
+    assert held < sizer.bytes_for(100) or speculates or ring
+    if ring:  # the ring layers' slots: the window (and a speculating row's slack) and 23
+        assert {layer.keys[0].shape[2] for layer in batch.layers if not isinstance(layer, StateRows)} == {
+            24 + settings.rewind + 23}
 
 
-def test_staggered_hybrid_requests_equal_each_alone(hybrid, monkeypatch):
+@pytest.mark.parametrize("settings", list(SETTINGS))
+def test_staggered_hybrid_requests_equal_each_alone(hybrid, settings, monkeypatch):
     """Four prompts, two rows: each prefills in its row (seated empty at admission: no join
     copies a prefilled row in) while the other decodes; greedy replies equal ``stream_generate``
-    alone, no step rerun row by row."""
+    alone, no step rerun row by row. ``ring``: the attention rows' rings turn."""
     model, tokenizer = hybrid
+    settings = SETTINGS[settings]
     written = record_seats(monkeypatch)
     prompts = [ids(30, 1), ids(21, 2), ids(9, 3), ids(40, 4)]
-    got = staggered(model, tokenizer, None, prompts, [8] * 4, max_batch=2)
-    assert got == [alone(model, tokenizer, None, p, 8) for p in prompts]
+    got = staggered(model, tokenizer, settings, prompts, [8] * 4, max_batch=2)
+    assert got == [alone(model, tokenizer, settings, p, 8) for p in prompts]
     assert written == [0] * 4  # before: [30, 21, 9, 40], each prefilled sequence copied in at its first decode step
 
 
-def test_staggered_hybrid_requests_under_a_kv_budget_equal_each_alone(hybrid, monkeypatch):
+@pytest.mark.parametrize("settings", list(SETTINGS))
+def test_staggered_hybrid_requests_under_a_kv_budget_equal_each_alone(hybrid, settings, monkeypatch):
     """Under a budget of two rows of the longest request (``KVSizer.peak``) a hybrid's sequences
     are seated at admission (before: joined at their first decode step, the staged leave
     rewrote attention rows only), a row added at each seat and removed at each leave with its
-    states: greedy replies equal each alone."""
+    states: greedy replies equal each alone. ``ring``: ring rows (their slots beyond the window
+    counted)."""
     model, tokenizer = hybrid
+    settings = SETTINGS[settings]
     written = record_seats(monkeypatch)
     prompts = [ids(30, 1), ids(21, 2), ids(9, 3), ids(40, 4)]
-    budget = 2 * Engine(model, tokenizer, prefill_chunk=CHUNK).sizer.peak(48)
-    got = staggered(model, tokenizer, None, prompts, [8] * 4, max_batch=2, max_kv_memory=budget)
-    assert got == [alone(model, tokenizer, None, p, 8) for p in prompts]
+    budget = 2 * Engine(model, tokenizer, cache_settings=settings, prefill_chunk=CHUNK).sizer.peak(48)
+    got = staggered(model, tokenizer, settings, prompts, [8] * 4, max_batch=2, max_kv_memory=budget)
+    assert got == [alone(model, tokenizer, settings, p, 8) for p in prompts]
     assert written == [0] * 4
 
 
@@ -131,13 +154,16 @@ def test_hybrid_rows_cross_quantized_kv_start(tmp_path, monkeypatch):
     assert sorted(written) == [0] * 4 + [25, 30, 36]
 
 
-def test_a_prefix_hit_on_a_seated_hybrid_row_equals_cold(monkeypatch, tmp_path):
+@pytest.mark.parametrize("window", [None, 48], ids=["growing", "ring"])
+def test_a_prefix_hit_on_a_seated_hybrid_row_equals_cold(window, monkeypatch, tmp_path):
     """A 100-token prompt prefills in its row (chunks of 32: a state snapshot cut from the row
     after each) and decodes; while it does, a prompt sharing its first 80 tokens resumes from the
     snapshot at 64, written into a row of the same batch. Its tokens and log-probabilities equal
     a cold engine's bit for bit (its tokens ``stream_generate``'s alone), and the first's reply is
-    its own alone."""
+    its own alone. ``ring``: a ``max_kv_size`` of 48 without sinks (a sliding window: the hit's
+    window placed in the ring's slots, ``placement``)."""
     model, tokenizer = tiny(tmp_path, "qwen3_5_text")
+    settings = None if window is None else CacheSettings(max_kv_size=window, keep=0)
     rng = np.random.default_rng(1)
     first = [int(t) for t in rng.integers(3, 256, size=100)]
     second = first[:80] + [int(t) for t in rng.integers(3, 256, size=30)]
@@ -149,10 +175,11 @@ def test_a_prefix_hit_on_a_seated_hybrid_row_equals_cold(monkeypatch, tmp_path):
         events = [e for e in handle if e.token is not None]
         return [e.token for e in events], [e.logprob for e in events], events[-1].cached_tokens
 
-    with Engine(model, tokenizer, max_batch=2, prefill_chunk=32, prefix_cache_bytes=0) as cold:
+    with Engine(model, tokenizer, max_batch=2, prefill_chunk=32, prefix_cache_bytes=0, cache_settings=settings) as cold:
         expected = read(run(cold, second, 6))
     written = record_seats(monkeypatch)
-    with Engine(model, tokenizer, max_batch=2, prefill_chunk=32, prefix_cache_bytes=10**8) as engine:
+    with Engine(model, tokenizer, max_batch=2, prefill_chunk=32, prefix_cache_bytes=10**8,
+                cache_settings=settings) as engine:
         long = iter(run(engine, first, 30))
         head = next(long)  # its prompt is in its row; it decodes while the second prefills
         hit = read(run(engine, second, 6))
@@ -160,8 +187,8 @@ def test_a_prefix_hit_on_a_seated_hybrid_row_equals_cold(monkeypatch, tmp_path):
     assert written == [0, 64]  # the first seated empty, the second with the snapshot's 64 tokens
     assert hit[2] == 64
     assert hit[:2] == expected[:2]  # bit for bit
-    assert hit[0] == [r.token for r in stream_generate(model, tokenizer, second, 6)]
-    assert reply == [r.token for r in stream_generate(model, tokenizer, first, 30)]
+    assert hit[0] == [r.token for r in stream_generate(model, tokenizer, second, 6, cache_settings=settings)]
+    assert reply == [r.token for r in stream_generate(model, tokenizer, first, 30, cache_settings=settings)]
 
 
 def test_a_chunk_riding_beside_decoding_rows_writes_in_place(hybrid):

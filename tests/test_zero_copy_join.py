@@ -5,7 +5,8 @@ creates a buffer of the batch's size), and by greedy replies of staggered concur
 (each prompt prefilling in its row while the others decode, rows freed and reused, the batch
 growing its rows) against ``stream_generate`` alone, for float, 8-bit, rotating (a
 ``max_kv_size`` window, Mistral's sliding window, Gemma 3's sliding and global layers, Gemma 4's
-KV-shared layers), MLA and hybrid tiny models (hybrid rows: ``test_zero_copy_hybrid.py``), and
+KV-shared layers), MLA (also with a ``max_kv_size`` window: its many-query path attends over
+the ring row's pieces) and hybrid tiny models (hybrid rows: ``test_zero_copy_hybrid.py``), and
 with rows crossing ``quantized_kv_start`` (re-encoded into a row of the quantized batch)."""
 
 from __future__ import annotations
@@ -113,11 +114,13 @@ def assert_join_copies_nothing(model, settings: CacheSettings, chunk: int = 128,
     return kv, batch
 
 
-@pytest.mark.parametrize("family", ["rotating", "mistral", "gemma3", "gemma4"])
+@pytest.mark.parametrize("family", ["rotating", "mistral", "gemma3", "gemma4", "mla"])
 def test_a_rotating_join_copies_nothing(family, llama, tmp_path):
     """The same for rotating rows (chunks of 128 past windows of 16 to 96: written in pieces
     of at most the window, the ring turning inside a chunk), models mixing sliding and global
-    layers (one slot layout per kind of layer, a row in each), and Gemma 4's KV-shared layers."""
+    layers (one slot layout per kind of layer, a row in each), Gemma 4's KV-shared layers, and
+    an MLA model's ``max_kv_size`` window (its chunks attend in the expanded form, piece by
+    piece over the row; before, its rows were prefilled apart and copied in at the join)."""
     model, settings = rotating_model(family, llama, tmp_path)
     _, batch = assert_join_copies_nothing(model, settings)
     for kind, layout in batch.layouts.items():
@@ -191,12 +194,13 @@ def decode_rises(runner: BatchRunner, rows: list[Stub], steps: int) -> tuple[lis
 
 
 def staggered(model, tokenizer, settings: CacheSettings | None, prompts: list[list[int]], tokens: list[int],
-              max_batch: int, seats: bool = True, **options) -> list[list[int]]:
+              max_batch: int, seats: bool = True, chunk: int = CHUNK, **options) -> list[list[int]]:
     """Each prompt submitted once the one before has its first token (``in_turn``) to an engine
-    of ``max_batch`` rows (and ``options``); every reply's tokens. ``seats``: whether every
-    sequence takes its batch row at admission (else each joins at its first decode step)."""
-    engine = Engine(model, tokenizer, max_batch=max_batch, cache_settings=settings, prefill_chunk=CHUNK,
-                    step_tokens=2 * CHUNK, prefix_cache_bytes=0, **options)
+    of ``max_batch`` rows (and ``options``; prompt chunks of ``chunk``); every reply's tokens.
+    ``seats``: whether every sequence takes its batch row at admission (else each joins at its
+    first decode step)."""
+    engine = Engine(model, tokenizer, max_batch=max_batch, cache_settings=settings, prefill_chunk=chunk,
+                    step_tokens=2 * chunk, prefix_cache_bytes=0, **options)
     return in_turn(engine, [GenerationRequest(p, max_tokens=n) for p, n in zip(prompts, tokens)], seats)
 
 
@@ -245,9 +249,10 @@ def watch_rounds(runner: BatchRunner, kinds: tuple[type, ...]) -> list[bool]:
     return rounds
 
 
-def alone(model, tokenizer, settings: CacheSettings | None, prompt: list[int], tokens: int) -> list[int]:
+def alone(model, tokenizer, settings: CacheSettings | None, prompt: list[int], tokens: int,
+          chunk: int = CHUNK) -> list[int]:
     return [r.token for r in stream_generate(model, tokenizer, prompt, tokens, cache_settings=settings,
-                                             prefill_step_size=CHUNK)]
+                                             prefill_step_size=chunk)]
 
 
 # the second prompt's rows cross a 256-slot block (the batch widens) while the first decodes
@@ -275,12 +280,31 @@ HYBRID = dict(num_hidden_layers=4, head_dim=32, linear_num_key_heads=2, linear_n
               linear_key_head_dim=12, linear_value_head_dim=10, linear_conv_kernel_dim=4)
 
 
-def test_staggered_requests_equal_each_alone_mla(tmp_path):
-    """MLA latents in rows (hybrid rows: ``test_zero_copy_hybrid.py``)."""
-    model, tokenizer = tiny_model(tmp_path, "deepseek_v2", **MLA)
+@pytest.fixture(scope="module")
+def mla(tmp_path_factory):
+    return tiny_model(tmp_path_factory.mktemp("mla"), "deepseek_v2", **MLA)
+
+
+# (cache settings, prompt chunk, budgeted): a window of 24 past prompts of up to 40 tokens,
+# chunks of 12 (the absorbed form); a window of 16, chunks of 20 (the expanded form, a chunk in
+# pieces of 16 and 4); the window of 24 under a KV budget of two rows
+MLA_RINGS = {"growing": (None, CHUNK, False), "ring": (CacheSettings(max_kv_size=24, keep=2), CHUNK, False),
+             "ring_expanded": (CacheSettings(max_kv_size=16, keep=2), 20, False),
+             "ring_budget": (CacheSettings(max_kv_size=24, keep=2), CHUNK, True)}
+
+
+@pytest.mark.parametrize("case", list(MLA_RINGS))
+def test_staggered_requests_equal_each_alone_mla(mla, case):
+    """MLA latents in rows (hybrid rows: ``test_zero_copy_hybrid.py``), also a ``max_kv_size``
+    window's ring rows, seated at admission (before: prefilled apart and copied in at the join),
+    with and without a KV budget: every sequence seated, greedy replies equal each alone."""
+    model, tokenizer = mla
+    settings, chunk, budgeted = MLA_RINGS[case]
     prompts = [ids(30, 1), ids(21, 2), ids(9, 3), ids(40, 4)]
-    got = staggered(model, tokenizer, None, prompts, [8] * 4, max_batch=2)
-    assert got == [alone(model, tokenizer, None, p, 8) for p in prompts]
+    budget = Engine(model, tokenizer, cache_settings=settings, prefill_chunk=chunk).sizer.peak(48)
+    got = staggered(model, tokenizer, settings, prompts, [8] * 4, max_batch=2, chunk=chunk,
+                    max_kv_memory=2 * budget if budgeted else None)
+    assert got == [alone(model, tokenizer, settings, p, 8, chunk) for p in prompts]
 
 
 @pytest.mark.parametrize("family, window", [("mistral", 20), ("gemma3", 8), ("gemma4", 7)])
@@ -362,4 +386,6 @@ def rotating_model(family: str, llama, directory) -> tuple:
     """``test_a_rotating_join_copies_nothing``'s model and cache settings."""
     if family == "rotating":
         return llama[0], CacheSettings(max_kv_size=96, keep=2)
+    if family == "mla":
+        return tiny_model(directory, "deepseek_v2", **MLA)[0], CacheSettings(max_kv_size=96, keep=2)
     return sliding_model(directory, family, {"mistral": 48, "gemma3": 24, "gemma4": 16}[family], LAYERS)[0], CacheSettings()

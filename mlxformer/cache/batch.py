@@ -24,7 +24,7 @@ import mlx.core as mx
 from mlxformer.cache.batch_kind import BatchKey, LayerKind, Row, StorageKind
 from mlxformer.cache.codec import CENTER_BLOCK, FLOAT_CODEC, KVCodec, Pack, pack_nbytes
 from mlxformer.cache.kv import KVCache
-from mlxformer.cache.latent import latent_attention
+from mlxformer.cache.latent import Expand, latent_attention
 from mlxformer.cache.protocol import Cache
 from mlxformer.cache.rewrite import evaluate_rewrite
 from mlxformer.cache.rotating import RotatingKVCache
@@ -227,6 +227,15 @@ class BatchLayerCache:
         if spread is not None:
             q_latent, q_rope = q_latent[spread], q_rope[spread]
         out = latent_attention(self.codec, q_latent, q_rope, keys, values, scale, mask, self.layout.key_blocks)
+        return out if live is None else out[live]
+
+    def expanded_attention(
+        self, q_nope: mx.array, q_rope: mx.array, keys: Pack, values: Pack, mask: Mask, expand: Expand
+    ) -> mx.array:
+        spread, live = self.layout.spread, self.layout.live
+        if spread is not None:
+            q_nope, q_rope = q_nope[spread], q_rope[spread]
+        out = expand(q_nope, q_rope, keys[0], values[0], mask)
         return out if live is None else out[live]
 
     def keep_rows(self, rest: mx.array) -> None:

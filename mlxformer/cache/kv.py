@@ -8,7 +8,7 @@ from mlxformer.cache.codec import (
     FLOAT_CODEC, KVCodec, Pack, center_blocks, check_kv_quantization, pack_concat, pack_nbytes, pack_slice,
     pack_write, pack_zeros_like,
 )
-from mlxformer.cache.latent import latent_attention
+from mlxformer.cache.latent import Expand, latent_attention
 from mlxformer.models.mask import Mask, causal_mask_for
 
 
@@ -28,6 +28,11 @@ class CodecAttention:
         self, q_latent: mx.array, q_rope: mx.array, keys: Pack, values: Pack, scale: float, mask: Mask
     ) -> mx.array:
         return latent_attention(self.codec, q_latent, q_rope, keys, values, scale, mask)
+
+    def expanded_attention(
+        self, q_nope: mx.array, q_rope: mx.array, keys: Pack, values: Pack, mask: Mask, expand: Expand
+    ) -> mx.array:
+        return expand(q_nope, q_rope, keys[0], values[0], mask)
 
 
 class KVCache(CodecAttention):

@@ -15,11 +15,17 @@ the rope keys' centers added back as in ``codec.KVCodec.attention``).
 
 from __future__ import annotations
 
+from typing import Callable
+
 import mlx.core as mx
 
 from mlxformer.cache.codec import CENTER_BLOCK, KVCodec, Pack, _center_scores, rotate, unrotate
 from mlxformer.models.attention_ops import mask_scores
 from mlxformer.models.mask import Mask
+
+# MLA's expanded form (``MLAttention.expanded``): ``(q_nope, q_rope, k_rope, latent, mask)`` ->
+# ``(B, H, L, v)``, the keys and values expanded from float latents ``(B, 1, S, rank)``
+Expand = Callable[[mx.array, mx.array, mx.array, mx.array, Mask], mx.array]
 
 
 def latent_attention(

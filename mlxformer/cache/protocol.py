@@ -6,11 +6,14 @@ knows how to attend over what it stores, so the decoder never inspects cache typ
 
 from __future__ import annotations
 
-from typing import Any, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 import mlx.core as mx
 
 from mlxformer.models.mask import Mask
+
+if TYPE_CHECKING:
+    from mlxformer.cache.latent import Expand
 
 
 class HasWindow(Protocol):
@@ -65,6 +68,14 @@ class Cache(Protocol):
         """Multi-head latent attention over what ``update_and_fetch`` returned for rope keys
         ``(B, 1, L, rope)`` and latents ``(B, 1, L, rank)`` (see ``cache.latent``): queries
         ``(B, H, L, rank)`` / ``(B, H, L, rope)`` in, ``(B, H, L, rank)`` out."""
+        ...
+
+    def expanded_attention(
+        self, q_nope: mx.array, q_rope: mx.array, keys: Any, values: Any, mask: Mask, expand: "Expand"
+    ) -> mx.array:
+        """Multi-head latent attention in its expanded form (many queries over float storage):
+        ``expand(q_nope, q_rope, k_rope, latent, mask)`` over what ``update_and_fetch`` returned
+        (a ring row's chunk: piece by piece, each over the row's slots)."""
         ...
 
     def make_mask(self, query_len: int, window: int | None) -> Mask:

@@ -15,7 +15,7 @@ from mlxformer.cache.codec import (
     pack_slice, pack_write, pack_zeros_like,
 )
 from mlxformer.errors import MlxformerError
-from mlxformer.cache.latent import latent_attention
+from mlxformer.cache.latent import Expand, latent_attention
 
 
 def takes_back(oldest: int, held: int, offset: int, n: int, max_size: int, keep: int) -> bool:
@@ -165,6 +165,11 @@ class RotatingKVCache:
     ) -> mx.array:
         blocks = None if self.codec.key_center is None else mx.array(self._fetched, dtype=mx.int32) // CENTER_BLOCK
         return latent_attention(self.codec, q_latent, q_rope, keys, values, scale, mask, blocks)
+
+    def expanded_attention(
+        self, q_nope: mx.array, q_rope: mx.array, keys: Pack, values: Pack, mask: Mask, expand: Expand
+    ) -> mx.array:
+        return expand(q_nope, q_rope, keys[0], values[0], mask)  # float: the fetched keys in time order
 
     def make_mask(self, query_len: int, window: int | None) -> Mask:
         if self.offset + query_len <= self.max_size:  # nothing evicted: same as the plain cache

@@ -13,8 +13,9 @@ writes the step's scratch at its next slot (``BatchLayout.prepare``): a free slo
 oldest ring slot, whose token is out of every later query's window and (``extra >= 1``) not
 among the ``max_size + slack`` tokens the row gives back as a per-sequence cache
 (``own_ring_cache``). A rejected speculation round is taken back in the row, also once its ring
-turned (``RingWrites.takes_back``: the per-sequence cache's rule; ``_move_back``: the ring index
-steps back, the slots it passes are the row's ``freed`` ones, written first and read as empty).
+turned (``RingWrites.takes_back``: the per-sequence cache's rule; ``move_ring_back``: the ring
+index steps back, the slots it passes are the row's ``freed`` ones, written first and read as
+empty).
 """
 
 from __future__ import annotations
@@ -27,12 +28,13 @@ import mlx.core as mx
 from mlxformer.cache.batch import BatchLayerCache, _rebuild, in_window
 from mlxformer.cache.batch_kind import BatchKey, Row, StorageKind
 from mlxformer.cache.codec import CENTER_BLOCK, KVCodec, Pack, center_blocks, pack_slice
-from mlxformer.cache.latent import latent_attention
+from mlxformer.cache.latent import Expand, latent_attention
 from mlxformer.cache.rotating import RotatingKVCache, takes_back
 from mlxformer.cache.row_place import move_back
 from mlxformer.models.mask import Mask
 
 if TYPE_CHECKING:
+    from mlxformer.cache.batch import BatchLayout
     from mlxformer.cache.rows import SpareBatch
 
 Span = tuple[int, int, int]  # (first slot, first token of the chunk, tokens)
@@ -202,6 +204,13 @@ class RingWrites:
         return self._pieces((q_latent, q_rope), keys, values,
                             lambda q, k, v, m, b: latent_attention(self.codec, q[0], q[1], k, v, scale, m, b))
 
+    def expanded_attention(
+        self, q_nope: mx.array, q_rope: mx.array, keys: Pack, values: Pack, mask: Mask, expand: Expand
+    ) -> mx.array:
+        """MLA's expanded form, piece by piece: each piece's keys and values expanded from the
+        row's latents (float), masked by the positions its slots hold."""
+        return self._pieces((q_nope, q_rope), keys, values, lambda q, k, v, m, b: expand(q[0], q[1], k[0], v[0], m))
+
     def _pieces(self, queries: tuple[mx.array, ...], keys: Pack, values: Pack, attend: Attend) -> mx.array:
         """Attend the chunk's ``queries`` (each ``(1, heads, L, D)``) piece by piece over the row,
         the chunk ``keys``/``values`` written first (once: a layer reading this one's keys and
@@ -270,18 +279,23 @@ class RingWrites:
         return takes_back(row.offset - ring, kind.keep + ring, row.offset, n - self.pending, kind.max_size, kind.keep)
 
     def _move_back(self, target: int) -> None:
-        """Move the row back to ``target`` tokens: a turned ring's index steps back over the
-        slots it frees (``freed``: written first, and skipped when it is read in time order)."""
-        kind, row, index = self._kind, self.row, self.batch.index(self.row)
-        assert kind.capacity is not None
-        if row.used < kind.capacity:
-            move_back(self._layer.layout, index, row, target)
-            return
-        back, ring = row.offset - target, kind.capacity - kind.keep
-        row.idx = kind.keep + (row.idx - kind.keep - back) % ring
-        slots = mx.array([kind.keep + (row.idx - kind.keep + j) % ring for j in range(back)], dtype=mx.int32)
-        layout = self._layer.layout
-        layout.positions = layout.padded()
-        layout.positions[index, slots] = -1
-        row.offset, row.freed = target, row.freed + back
+        move_ring_back(self._layer.layout, self.batch.index(self.row), self.row, target)
+
+
+def move_ring_back(layout: "BatchLayout", index: int, row: Row, target: int) -> None:
+    """Move rotating row ``index`` back to ``target`` tokens: a turned ring's index steps back
+    over the slots it frees (``freed``: written first, and skipped when it is read in time
+    order); a ring not yet turned as a growing row (``move_back``). A hybrid's recurrent rows
+    following the ring's layout move it the same way (``StateRowCache._move_back``)."""
+    kind = layout.kind
+    assert kind.capacity is not None
+    if row.used < kind.capacity:
+        move_back(layout, index, row, target)
+        return
+    back, ring = row.offset - target, kind.capacity - kind.keep
+    row.idx = kind.keep + (row.idx - kind.keep - back) % ring
+    slots = mx.array([kind.keep + (row.idx - kind.keep + j) % ring for j in range(back)], dtype=mx.int32)
+    layout.positions = layout.padded()
+    layout.positions[index, slots] = -1
+    row.offset, row.freed = target, row.freed + back
 

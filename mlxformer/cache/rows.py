@@ -29,8 +29,9 @@ before the next, so the tokens are held twice one layer at a time.
 
 A rotating cache (a ``max_kv_size`` window, a sliding-window layer) lives in a row of a ring
 (``cache/rotating_rows.py``); a model mixing sliding-window and global layers keeps one slot
-layout per kind of layer, each with the sequence's row at the same index. Not beside recurrent
-layers (a hybrid's rotating rows keep ``DecodeBatch``'s join-on-first-decode path).
+layout per kind of layer, each with the sequence's row at the same index. Beside recurrent
+layers (a hybrid model with a ``max_kv_size`` window) the recurrent rows follow the ring's
+layout (a rejected speculation round moves them back with it: ``rotating_rows.move_ring_back``).
 """
 
 from __future__ import annotations
@@ -66,11 +67,12 @@ def seatable(caches: Sequence[Cache]) -> bool:
 
 def spare_kind(key: BatchKey) -> bool:
     """Whether a batch of ``key`` is a ``SpareBatch``: attention layers growing or rotating;
-    recurrent layers only beside one kind of growing layer (their rows follow its layout)."""
+    recurrent layers only beside one kind of attention layer, growing or rotating (their rows
+    follow its layout)."""
     attention = {kind for kind in key if not kind[0].recurrent}
     if len(attention) == len({kind for kind in key}):
         return bool(attention)
-    return len(attention) == 1 and not next(iter(attention))[0].rotating
+    return len(attention) == 1
 
 
 def _rows_of(pack: Pack, rows: int, width: int) -> Pack:

@@ -112,27 +112,19 @@ class BatchRunner:
 
     def seats(self, sequence: Decoding) -> bool:
         """Whether ``seat`` gives ``sequence`` a row (its caches can live in a batch with spare rows)."""
-        return seatable(sequence.cache) and self._spare(batch_key(sequence.cache, self.windows))
+        return seatable(sequence.cache) and spare_kind(batch_key(sequence.cache, self.windows))
 
     def row_key(self, caches: Sequence[Cache]) -> BatchKey:
         """The batch a sequence with per-layer ``caches`` joins (a rotating layer's rows keep
         slots beyond the window for a prompt chunk when the batch has spare rows: what the KV
         budget counts for a row, ``memory.KVSizer``)."""
         kind = batch_key(caches, self.windows)
-        return ring_key(kind, self.prefill_chunk or 1) if self._spare(kind) else kind
-
-    def _spare(self, kind: BatchKey) -> bool:
-        """Whether the batch of ``kind`` has spare rows (``cache/rows.py``). Not with a rotating
-        layer in an MLA model (a rotating row attends through the cache, ``attention``, which MLA's
-        many-query path passes by)."""
-        if any(storage.rotating for storage, _ in kind) and self.model.args.attention_type == "mla":
-            return False
-        return spare_kind(kind)
+        return ring_key(kind, self.prefill_chunk or 1) if spare_kind(kind) else kind
 
     def _batch(self, kind: BatchKey) -> DecodeBatch:
         """The batch of ``kind``, made when first needed (with spare rows when it can have them)."""
         if kind not in self.batches:
-            spare = self._spare(kind)
+            spare = spare_kind(kind)
             self.batches[kind] = (SpareBatch(kind, self._blank(kind), self.max_rows, self.staged) if spare
                                   else DecodeBatch(kind))
         return self.batches[kind]

@@ -407,9 +407,8 @@ class Engine(Admission, DecodeStep):
         self._unbatch(sequence, keep=False)
         self.scheduler.release(sequence)
         self._handles.pop(id(sequence), None)
-        if kept:
-            if self.budget is not None:  # within what the active sequences leave
-                self.prefix_cache.evict_to(self.budget.limit - self.kv_bytes() + self.prefix_cache.nbytes)
+        if kept and self.budget is not None:  # within what the active sequences leave
+            self.prefix_cache.evict_to(self.budget.limit - self.kv_bytes() + self.prefix_cache.nbytes)
 
     def _end(self, sequence: Sequence, reason: str) -> None:
         """End ``sequence`` early (cancelled) and tell its handle."""

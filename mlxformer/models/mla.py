@@ -87,7 +87,8 @@ class MLAttention(nn.Module):
         q = q.reshape(B, Q, self.n_heads, self.nope + self.rope_dims).transpose(0, 2, 1, 3)  # (B, H, Q, nope + rope)
         q_nope, q_rope = q[..., : self.nope], self.rope(q[..., self.nope :], positions, rope_length)
         if Q >= EXPAND_MIN and len(values) == 1:  # many queries over float storage
-            out = self.expanded(q_nope, q_rope, keys[0], values[0], mask)
+            out = (self.expanded(q_nope, q_rope, keys[0], values[0], mask) if cache is None
+                   else cache.expanded_attention(q_nope, q_rope, keys, values, mask, self.expanded))
         else:
             w_k, w_v = self.absorbed()
             q_latent = q_nope @ w_k  # (B, H, Q, nope) @ (H, nope, rank) -> (B, H, Q, rank)
@@ -103,10 +104,13 @@ class MLAttention(nn.Module):
                     keep: mx.array | None) -> tuple[mx.array, int | mx.array, Mask, mx.array | None]:
         """The rows ``x (B, L, hidden)`` whose queries run, the offset rotating them, their mask
         and the output rows left to cut: ``keep``'s alone (each at its own position, the mask cut
-        to them) for one sequence whose rotation takes a position per token; else every row."""
+        to them) for one sequence whose rotation takes a position per token; else every row (also
+        over a cache that masks where it attends: a ring row's chunk, ``None`` for many queries,
+        whose pieces take the chunk's queries in order)."""
         B, L, _ = x.shape
         per_token = isinstance(self.rope, RoPE) and self.rope.config.type != "dynamic"
-        if keep is None or B != 1 or not isinstance(offset, int) or not per_token:
+        masked_later = mask is None and L > 1
+        if keep is None or B != 1 or not isinstance(offset, int) or not per_token or masked_later:
             return x, offset, mask, keep
         S = offset + L  # the keys: the cached ones and this chunk's
         if isinstance(mask, str):  # "causal": the kept queries see the keys up to their own
