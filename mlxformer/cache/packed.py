@@ -64,10 +64,14 @@ def _pack(x: mx.array, segment: Segment) -> mx.array:
 class PackedLayerCache:
     """One layer's cache for a packed step: each segment's tokens go to its own cache."""
 
-    def __init__(self, segments: Sequence[Segment], window: int | None, offset: mx.array) -> None:
+    def __init__(self, segments: Sequence[Segment], window: int | None, offset: mx.array, read: bool = False) -> None:
         self.segments, self.window = list(segments), window
         self.offset = offset  # (1, T): RoPE rotates each token at its own position
-        self._attended: list[tuple[Any, Any, Mask]] | None = None  # each segment's keys, values, mask once written
+        # ``read``: a later layer attends over this one's keys/values (``kv_source``); each
+        # segment's keys, values and mask are then kept once written (held only then: a
+        # reference to a written buffer would stop MLX writing it in place in the next step)
+        self.read = read
+        self._attended: list[tuple[Any, Any, Mask]] | None = None
 
     def _cut(self, x: mx.array) -> list[mx.array]:
         """Packed ``(1, heads, T, D)`` cut into each segment's ``(rows, heads, length, D)``."""
@@ -101,10 +105,11 @@ class PackedLayerCache:
             return self._attend_all(self._cut(queries), self._attended, scale, softcap, sinks)
         parts = list(zip(self.segments, self._cut(queries), self._cut(keys), self._cut(values)))
         if len({id(segment.cache) for segment in self.segments}) < len(self.segments):
-            self._attended, outs = [], []
+            attended, outs = [], []
             for segment, q, k, v in parts:  # each attends before the next writes
-                self._attended.append(self._write(segment, k, v))
-                outs.append(self._attend(segment, q, *self._attended[-1], scale, softcap, sinks))
+                attended.append(self._write(segment, k, v))
+                outs.append(self._attend(segment, q, *attended[-1], scale, softcap, sinks))
+            self._attended = attended if self.read else None
             return mx.concatenate(outs, axis=2)
         written = [self._write(segment, k, v) for segment, _, k, v in parts]
         outs: list[mx.array | None] = [None] * len(parts)
@@ -116,7 +121,7 @@ class PackedLayerCache:
             if fetch is not None:
                 written[i] = (*fetch(), written[i][2])
             outs[i] = self._attend(segment, q, *written[i], scale, softcap, sinks)
-        self._attended = written
+        self._attended = written if self.read else None
         return mx.concatenate(outs, axis=2)  # (1, heads, T, D)
 
     def _attend_all(self, queries: list[mx.array], attended: list[tuple[Any, Any, Mask]], scale: float,

@@ -83,6 +83,8 @@ class BatchRunner:
     def __init__(self, model: Model) -> None:
         self.model = model
         self.windows = [layer.window for layer in model.cache_layers]  # one per cache
+        # whether a later layer reads each cache's keys/values (Gemma 4's KV sharing)
+        self.read = [bool(getattr(layer[layer.mixer_name], "kv_read", False)) for layer in model.cache_layers]
         # a layer whose row says when the keys turn quantized (an attention layer, not a recurrent one)
         self.kv_layer = next((i for i, layer in enumerate(model.cache_layers) if not layer.recurrent), 0)
         self.packs = packs(model)
@@ -387,7 +389,7 @@ class BatchRunner:
         segments = [[Segment(caches[i], len(rows), 1) for caches, rows, _ in groups]
                     + [Segment(c.cache[i], 1, len(c.tokens)) for c in chunks] for i in range(len(self.windows))]
         where = positions(segments[0])
-        layers = [PackedLayerCache(s, window, where) for s, window in zip(segments, self.windows)]
+        layers = [PackedLayerCache(s, window, where, read) for s, window, read in zip(segments, self.windows, self.read)]
         decoding = sum(len(rows) for _, rows, _ in groups)
         ends = list(itertools.accumulate((len(c.tokens) for c in chunks), initial=decoding))[1:]
         picked = list(range(decoding)) + [i for c, end in zip(chunks, ends)
