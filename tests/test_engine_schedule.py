@@ -160,13 +160,32 @@ def tiny_gemma4(tmp_path_factory):
     return sliding_model(tmp_path_factory.mktemp("gemma4"), "gemma4", 16, layers=5)
 
 
-@pytest.mark.parametrize("family", ["tiny_byte_llama", "tiny_gemma4"])
+def tiny_hybrid(tmp_path_factory, family: str):
+    """Qwen3.5 / Qwen3-Next: Gated DeltaNet layers (a recurrent state per sequence) between
+    attention layers (``test_zero_copy_hybrid``'s shapes)."""
+    from test_zero_copy_hybrid import tiny
+
+    return tiny(tmp_path_factory.mktemp(family), family)
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3_5(tmp_path_factory):
+    return tiny_hybrid(tmp_path_factory, "qwen3_5_text")
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3_next(tmp_path_factory):
+    return tiny_hybrid(tmp_path_factory, "qwen3_next")
+
+
+@pytest.mark.parametrize("family", ["tiny_byte_llama", "tiny_gemma4", "tiny_qwen3_5", "tiny_qwen3_next"])
 def test_decode_rows_and_prompt_chunks_run_in_one_forward(family, request):
     """Two decoding rows of different lengths and three prompt chunks (two of one prompt) run
     in one forward; every logit row is the one the sequence gets from a forward of its own
     over all its tokens. Gemma 4's KV-shared layers too: a layer reading another's keys/values
-    attends over what that layer's segments wrote, nothing written twice (before: a forward per
-    batch and per chunk)."""
+    attends over what that layer's segments wrote, nothing written twice; and hybrids' recurrent
+    layers, each segment scanning from its own state (before, both ran a forward per batch and
+    per chunk)."""
     model, _ = request.getfixturevalue(family)
     counting = Counting(model)
     runner = BatchRunner(counting)  # type: ignore[arg-type]

@@ -117,8 +117,8 @@ def test_a_round_beside_decoding_rows_writes_in_place(llama, hybrid, draft, kind
     """A seated speculating sequence's round (its last token and four proposals, by prompt
     lookup or a draft model) in a step where a row of its batch decodes (600 tokens): the round
     is a segment of the packed step (``speculation_round``), written before the batch's rows
-    attend, so MLX writes each layer's buffer in place; a hybrid model does not pack, and its
-    round's forward is built once the batch's forward is evaluated (``BatchRunner._one_by_one``).
+    attend, so MLX writes each layer's buffer in place (a hybrid's recurrent segments too,
+    each scanning from its own state).
     MLX's peak over what was held once the proposals were made, in attention layers of the
     batch, stays well under one (measured: 0.08-0.15 for ``float`` and ``ring``, a window of
     512; ``hybrid`` 0.06-0.10, up to 0.46 at its first round, which also frees what

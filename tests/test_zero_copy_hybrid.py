@@ -192,11 +192,10 @@ def test_a_prefix_hit_on_a_seated_hybrid_row_equals_cold(window, monkeypatch, tm
 
 
 def test_a_chunk_riding_beside_decoding_rows_writes_in_place(hybrid):
-    """A prompt chunk in its seated row beside a row decoding in the same hybrid batch: the
-    model does not pack (a recurrent layer), so the chunk is a forward of its own, built once
-    the batch's forward that reads the buffers is evaluated (``BatchRunner._one_by_one``): MLX
-    writes the row in place. MLX's peak over what was held, in attention layers of the batch:
-    0.17-0.18 (a decode step alone: 0.06); before, the chunk's write copied each attention
-    layer (1.11)."""
+    """A prompt chunk in its seated row beside a row decoding in the same hybrid batch: one
+    packed forward, every segment's attention keys written before any attends and each
+    recurrent segment scanning from its own row's state, so MLX writes the row in place. MLX's
+    peak over what was held, in attention layers of the batch: 0.16-0.21 (a decode step alone:
+    0.06); before, the chunk's write copied each attention layer (1.11)."""
     alone, riding = riding_rises(hybrid[0], CacheSettings())
     assert riding < alone + 0.5, (alone, riding)

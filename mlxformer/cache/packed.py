@@ -8,7 +8,9 @@ cache for that row; it cuts the packed keys, values and queries back into segmen
 written to and attended over by its own cache (a decode batch's layer for its rows, a
 sequence's own cache for its chunk), with that cache's own mask. RoPE rotates each token at
 its own position (``offset`` is ``(1, T)``). Each segment therefore computes exactly what it
-computes in a forward of its own: a matmul's rows do not depend on the other rows.
+computes in a forward of its own: a matmul's rows do not depend on the other rows. A
+recurrent layer (Gated DeltaNet) cuts its projected rows the same way (``cut_tokens``) and
+scans each segment from that segment's own state.
 """
 
 from __future__ import annotations
@@ -59,6 +61,21 @@ def _unpack(x: mx.array, segment: Segment) -> mx.array:
 def _pack(x: mx.array, segment: Segment) -> mx.array:
     """Inverse of ``_unpack``."""
     return x if segment.rows == 1 else x.transpose(2, 1, 0, 3)  # (rows, H, 1, D) -> (1, H, rows, D)
+
+
+def cut_tokens(x: mx.array, segments: Sequence[Segment]) -> list[mx.array]:
+    """Packed ``(1, T, ...)`` token rows cut into each segment's ``(rows, length, ...)``."""
+    parts, start = [], 0
+    for segment in segments:
+        part = x[:, start : start + segment.tokens]
+        parts.append(part if segment.rows == 1 else part.swapaxes(0, 1))  # (1, rows, ...) -> (rows, 1, ...)
+        start += segment.tokens
+    return parts
+
+
+def join_tokens(parts: Sequence[mx.array], segments: Sequence[Segment]) -> mx.array:
+    """Inverse of ``cut_tokens``."""
+    return mx.concatenate([p if s.rows == 1 else p.swapaxes(0, 1) for p, s in zip(parts, segments)], axis=1)
 
 
 class PackedLayerCache:

@@ -31,6 +31,7 @@ from mlxformer.cache.rotating_rows import ring_key
 from mlxformer.cache.rows import Blank, RowCache, SpareBatch, seatable, settle, spare_kind
 from mlxformer.cache.state_rows import state_blank
 from mlxformer.models.decoder import Attention, Model
+from mlxformer.models.gated_delta import GatedDeltaNet
 from mlxformer.models.rope import RoPE
 
 
@@ -66,9 +67,12 @@ def speculation_round(last: int, proposed: mx.array, cache: Sequence[Cache]) -> 
 def packs(model: Model) -> bool:
     """Whether a step's tokens can share one forward (``cache/packed.py``): every layer is
     attention whose RoPE takes a position per token (not dynamic NTK nor LongRoPE, whose
-    rotation depends on each sequence's length)."""
+    rotation depends on each sequence's length), or a recurrent layer (each segment scans from
+    its own state)."""
     for layer in model.layers:
         attention = layer[layer.mixer_name]
+        if isinstance(attention, GatedDeltaNet):
+            continue
         if not isinstance(attention, Attention):
             return False
         rope = attention.rope
@@ -388,7 +392,7 @@ class BatchRunner:
         inputs = tokens + [mx.array(c.tokens).astype(mx.int32) for c in chunks]
         segments = [[Segment(caches[i], len(rows), 1) for caches, rows, _ in groups]
                     + [Segment(c.cache[i], 1, len(c.tokens)) for c in chunks] for i in range(len(self.windows))]
-        where = positions(segments[0])
+        where = positions(segments[self.kv_layer])  # (an attention layer's: a recurrent one has no positions)
         layers = [PackedLayerCache(s, window, where, read) for s, window, read in zip(segments, self.windows, self.read)]
         decoding = sum(len(rows) for _, rows, _ in groups)
         ends = list(itertools.accumulate((len(c.tokens) for c in chunks), initial=decoding))[1:]

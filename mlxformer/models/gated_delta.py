@@ -22,6 +22,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlxformer.cache.packed import PackedLayerCache, cut_tokens, join_tokens
 from mlxformer.cache.state import StateCache
 from mlxformer.models.config import ModelArgs
 from mlxformer.models.gated_delta_kernel import metal_recurrent_delta_rule, uses_kernel
@@ -218,9 +219,21 @@ class GatedDeltaNet(nn.Module):
         qkv = mx.concatenate([t.reshape(B, L, -1) for t in (q, k, v)], axis=-1)
         return qkv, z.reshape(B, L, self.n_v, self.d_v), b, a
 
-    def __call__(self, x: mx.array, mask: Mask, cache: StateCache | None, rope_length: int | None = None) -> mx.array:
-        B, L, _ = x.shape
-        qkv, z, b, a = self.project(x)
+    def __call__(self, x: mx.array, mask: Mask, cache: StateCache | PackedLayerCache | None,
+                 rope_length: int | None = None) -> mx.array:
+        """``cache``: a packed step's (``cache/packed.py``): the projections run once for every
+        token, then each segment (a decode batch's rows, a prompt chunk) scans from its own state."""
+        projected = self.project(x)
+        if not isinstance(cache, PackedLayerCache):
+            return self.out_proj(self._mix(*projected, cache))
+        cuts = [cut_tokens(t, cache.segments) for t in projected]
+        parts = [self._mix(*inputs, segment.cache) for segment, *inputs in zip(cache.segments, *cuts)]
+        return self.out_proj(join_tokens(parts, cache.segments))
+
+    def _mix(self, qkv: mx.array, z: mx.array, b: mx.array, a: mx.array, cache: StateCache | None) -> mx.array:
+        """The projected rows ``(B, L, ...)`` through the conv and the delta rule from ``cache``'s
+        state (advanced), normed and gated: ``(B, L, value_dim)``."""
+        B, L, _ = qkv.shape
         if cache is None:
             before = mx.zeros((B, self.kernel - 1, self.conv_dim), dtype=qkv.dtype)
             state = mx.zeros((B, self.n_v, self.d_k, self.d_v), dtype=mx.float32)
@@ -242,5 +255,5 @@ class GatedDeltaNet(nn.Module):
         if cache is not None:
             cache.advance(qkv, states)
         # (B, n_v, L, d_v) -> (B, L, n_v, d_v) -> (B, L, value_dim)
-        out = self.norm(out.transpose(0, 2, 1, 3).astype(x.dtype), z)
-        return self.out_proj(out.reshape(B, L, -1))
+        out = self.norm(out.transpose(0, 2, 1, 3).astype(z.dtype), z)
+        return out.reshape(B, L, -1)
