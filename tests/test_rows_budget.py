@@ -20,9 +20,9 @@ from mlxformer.engine import Engine, GenerationRequest
 from mlxformer.engine.batch_runner import BatchRunner
 from mlxformer.engine.memory import BLOCK, KVBudgetExceeded, KVSizer, nbytes
 from mlxformer.speculative import SpeculativeSettings, rewind
-from test_zero_copy_join import (LAYERS, MLA, PROMPTS, TOKENS, CHUNK, Stub, alone, assert_join_copies_nothing,
-                                 decode_rises, ids, in_turn, rotating_model, sliding_model, staggered, tiny_model,
-                                 watch_rounds)
+from test_zero_copy_join import (CHUNK, LAYERS, MLA, PROMPTS, TOKENS, alone, assert_join_copies_nothing,
+                                 decode_rises, ids, in_turn, plain_and_speculating, rotating_model,
+                                 sliding_model, staggered, Stub, tiny_model, watch_rounds)
 
 SETTINGS = [CacheSettings(), CacheSettings(kv_bits=8, kv_group_size=32)]
 
@@ -228,10 +228,7 @@ def test_a_speculation_round_writes_and_trims_its_row_in_place(llama):
     segments attended as they wrote, and MLX copied each layer). A round beside the batch's
     rows: ``test_speculating_rows.py``."""
     model, _ = llama
-    runner = BatchRunner(model)
-    runner.max_rows = 2
-    plain, speculating = Stub(make_cache(model), 5), Stub(make_cache(model), 6)
-    speculating.speculator = object()
+    runner, plain, speculating = plain_and_speculating(model)
     for sequence, length in ((plain, 300), (speculating, 310)):
         seated_prefill(runner, sequence, length)
     own = make_cache(model)

@@ -19,7 +19,8 @@ from mlxformer.engine import Engine, GenerationRequest
 from mlxformer.engine.batch_runner import BatchRunner, speculation_round
 from mlxformer.speculative import SpeculativeSettings
 from test_zero_copy_hybrid import tiny
-from test_zero_copy_join import CHUNK, LAYERS, Stub, alone, ids, in_turn, sliding_model, watch_rounds
+from test_zero_copy_join import (CHUNK, LAYERS, alone, ids, in_turn, plain_and_speculating, sliding_model, Stub,
+                                 watch_rounds)
 
 WINDOW = 20  # Mistral's: a row holds 20 + 4 (the rounds' slack) + 11 (a chunk of 12 less one) slots
 
@@ -173,10 +174,7 @@ def test_a_round_in_a_decode_step_computes_what_it_computes_alone(llama):
     hidden rows the model's watch gets for its caches (native MTP drafts from them) are those
     of the same round on own caches in a forward of its own."""
     model, _ = llama
-    runner = BatchRunner(model)
-    runner.max_rows = 2
-    decoding, speculating = Stub(make_cache(model), 5), Stub(make_cache(model), 6)
-    speculating.speculator = object()
+    runner, decoding, speculating = plain_and_speculating(model)
     for sequence, seed in ((decoding, 3), (speculating, 4)):
         runner.seat(sequence)
         runner.prefill(ids(30 + seed, seed), sequence.cache, want_logits=False)

@@ -41,6 +41,16 @@ class Stub:
         return self.last
 
 
+def plain_and_speculating(model) -> tuple[BatchRunner, Stub, Stub]:
+    """A runner of two rows, and two stub sequences of ``model`` on own caches, the second
+    speculating."""
+    runner = BatchRunner(model)
+    runner.max_rows = 2
+    plain, speculating = Stub(make_cache(model), 5), Stub(make_cache(model), 6)
+    speculating.speculator = object()
+    return runner, plain, speculating
+
+
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
     return tiny_byte_llama_of(tmp_path_factory.mktemp("zero_copy"), LAYERS)

@@ -17,7 +17,7 @@ prefill, speculation and the prefix cache keep working on those. A recurrent lay
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import mlx.core as mx
 
@@ -214,28 +214,25 @@ class BatchLayerCache:
     ) -> mx.array:
         if (self.codec.bits is not None or softcap is not None) and isinstance(mask, mx.array):
             mask = mask[:, None]  # (B, 1, 1, 1, C) against the (B, n_kv, n_rep, 1, C) scores
-        spread, live = self.layout.spread, self.layout.live
-        if spread is not None:  # (D, heads, 1, dim) -> (B, heads, 1, dim)
-            queries = queries[spread]
-        out = self.codec.attention(queries, keys, values, scale, mask, softcap, self.layout.key_blocks, sinks)
-        return out if live is None else out[live]  # (B, heads, 1, dim) -> (D, heads, 1, dim)
+        return self._on_rows((queries,), lambda q: self.codec.attention(
+            q, keys, values, scale, mask, softcap, self.layout.key_blocks, sinks))
 
     def latent_attention(
         self, q_latent: mx.array, q_rope: mx.array, keys: Pack, values: Pack, scale: float, mask: Mask
     ) -> mx.array:
-        spread, live = self.layout.spread, self.layout.live
-        if spread is not None:
-            q_latent, q_rope = q_latent[spread], q_rope[spread]
-        out = latent_attention(self.codec, q_latent, q_rope, keys, values, scale, mask, self.layout.key_blocks)
-        return out if live is None else out[live]
+        return self._on_rows((q_latent, q_rope), lambda ql, qr: latent_attention(
+            self.codec, ql, qr, keys, values, scale, mask, self.layout.key_blocks))
 
     def expanded_attention(
         self, q_nope: mx.array, q_rope: mx.array, keys: Pack, values: Pack, mask: Mask, expand: Expand
     ) -> mx.array:
+        return self._on_rows((q_nope, q_rope), lambda qn, qr: expand(qn, qr, keys[0], values[0], mask))
+
+    def _on_rows(self, queries: tuple[mx.array, ...], attend: Callable[..., mx.array]) -> mx.array:
+        """``attend`` on the step's queries spread over every row of the buffer (``(D, heads, L,
+        dim)`` -> ``(B, ...)``, when only some rows decode), its output cut back to theirs."""
         spread, live = self.layout.spread, self.layout.live
-        if spread is not None:
-            q_nope, q_rope = q_nope[spread], q_rope[spread]
-        out = expand(q_nope, q_rope, keys[0], values[0], mask)
+        out = attend(*(q if spread is None else q[spread] for q in queries))
         return out if live is None else out[live]
 
     def keep_rows(self, rest: mx.array) -> None:
