@@ -31,6 +31,7 @@ from mlxformer.cache.rotating_rows import ring_key
 from mlxformer.cache.rows import Blank, RowCache, SpareBatch, seatable, settle, spare_kind
 from mlxformer.cache.state_rows import state_blank
 from mlxformer.models.decoder import Attention, Model
+from mlxformer.models.mla import MLAttention
 from mlxformer.models.rope import RoPE
 
 
@@ -65,11 +66,11 @@ def speculation_round(last: int, proposed: mx.array, cache: Sequence[Cache]) -> 
 
 def packs(model: Model) -> bool:
     """Whether a step's tokens can share one forward (``cache/packed.py``): every layer is
-    attention whose RoPE takes a position per token (not dynamic NTK nor LongRoPE, whose
-    rotation depends on each sequence's length)."""
+    attention, grouped-query or latent (MLA), whose RoPE takes a position per token (not
+    dynamic NTK nor LongRoPE, whose rotation depends on each sequence's length)."""
     for layer in model.layers:
         attention = layer[layer.mixer_name]
-        if not isinstance(attention, Attention):
+        if not isinstance(attention, (Attention, MLAttention)):
             return False
         rope = attention.rope
         if rope is not None and not (isinstance(rope, RoPE) and rope.config.type != "dynamic"):
