@@ -108,13 +108,16 @@ SETTINGS = {
 
 
 @pytest.mark.parametrize("model_name,cache", [("llama", "float"), ("llama", "kv8"), ("llama", "rotating"),
-                                              ("gemma3", "float"), ("gemma3", "kv8")])
+                                              ("gemma3", "float"), ("gemma3", "kv8"),
+                                              ("mla", "float"), ("mla", "kv8"), ("mla", "rotating")])
 def test_prompts_prefilled_together_equal_each_alone(request, model_name, cache):
     """Prompts of different lengths prefilling in the same steps (a budget that holds several
     chunks, packed into the decode rows' forward), one of them with a prefix cached by an
-    earlier request, on a Llama and on a Gemma 3 (sliding-window and global layers), with
-    float, 8-bit and rotating caches: each output equals alone."""
-    model, tokenizer = request.getfixturevalue("tiny_byte_llama" if model_name == "llama" else "tiny_gemma3")
+    earlier request, on a Llama, on a Gemma 3 (sliding-window and global layers) and on an MLA
+    model (DeepSeek-V2's latent attention), with float, 8-bit and rotating caches: each output
+    equals alone."""
+    model, tokenizer = request.getfixturevalue({"llama": "tiny_byte_llama", "gemma3": "tiny_gemma3",
+                                                "mla": "tiny_mla"}[model_name])
     settings = SETTINGS[cache]
     rng = random.Random(1)
     base = [rng.randrange(256) for _ in range(200)]
@@ -178,14 +181,22 @@ def tiny_qwen3_next(tmp_path_factory):
     return tiny_hybrid(tmp_path_factory, "qwen3_next")
 
 
-@pytest.mark.parametrize("family", ["tiny_byte_llama", "tiny_gemma4", "tiny_qwen3_5", "tiny_qwen3_next"])
+@pytest.fixture(scope="module")
+def tiny_mla(tmp_path_factory):
+    """DeepSeek-V2-like multi-head latent attention (``test_zero_copy_join.MLA``)."""
+    from test_zero_copy_join import MLA, tiny_model
+
+    return tiny_model(tmp_path_factory.mktemp("mla"), "deepseek_v2", **MLA)
+
+
+@pytest.mark.parametrize("family", ["tiny_byte_llama", "tiny_gemma4", "tiny_qwen3_5", "tiny_qwen3_next", "tiny_mla"])
 def test_decode_rows_and_prompt_chunks_run_in_one_forward(family, request):
     """Two decoding rows of different lengths and three prompt chunks (two of one prompt) run
     in one forward; every logit row is the one the sequence gets from a forward of its own
     over all its tokens. Gemma 4's KV-shared layers too: a layer reading another's keys/values
-    attends over what that layer's segments wrote, nothing written twice; and hybrids' recurrent
-    layers, each segment scanning from its own state (before, both ran a forward per batch and
-    per chunk)."""
+    attends over what that layer's segments wrote, nothing written twice; hybrids' recurrent
+    layers, each segment scanning from its own state; and MLA's latent attention, its chunk of
+    64 in the expanded form (before, each ran a forward per batch and per chunk)."""
     model, _ = request.getfixturevalue(family)
     counting = Counting(model)
     runner = BatchRunner(counting)  # type: ignore[arg-type]

@@ -80,10 +80,12 @@ def test_last_logits_runs_one_row_past_attention(case, monkeypatch):
     assert cache[-1].offset == 23  # the last layer's cache still took every row
 
 
-def test_packed_step_keeps_the_wanted_rows_bit_for_bit(tiny_byte_llama, monkeypatch):
+def test_packed_step_keeps_the_wanted_rows_bit_for_bit(case, monkeypatch):
     """A decoding row and two prompts' chunks (one ending its prompt) in one packed forward: the
-    last layer's MLP sees the two wanted rows, and each logit row is what its part gives alone."""
-    model, _ = tiny_byte_llama
+    last layer's MLP sees the two wanted rows, and each logit row is what its part gives alone.
+    MLA (DeepSeek-V3, GLM-4.7-Flash) too: the 20-token chunk's last layer runs its last query
+    alone, in the absorbed form, as its own forward does (all 20 would take the expanded form)."""
+    model, _ = case
     runner = BatchRunner(model)
     assert runner.packs
     decoded, first, second = (make_cache(model, CacheSettings()) for _ in range(3))
@@ -91,7 +93,7 @@ def test_packed_step_keeps_the_wanted_rows_bit_for_bit(tiny_byte_llama, monkeypa
     sequence = SimpleNamespace(cache=decoded, speculator=None, last_token=7)
     runner.step([sequence])  # it joins its batch
     mx.eval(runner.step([sequence])[0])
-    chunks = [PromptChunk(list(range(30, 45)), first, True, 15), PromptChunk(list(range(50, 60)), second, False, 20)]
+    chunks = [PromptChunk(list(range(30, 50)), first, True, 20), PromptChunk(list(range(50, 60)), second, False, 20)]
     rows = record_last_mlp(model, monkeypatch)
     logits, chunk_logits = runner.step([sequence], chunks)
     mx.eval(logits, chunk_logits[0])
@@ -102,6 +104,6 @@ def test_packed_step_keeps_the_wanted_rows_bit_for_bit(tiny_byte_llama, monkeypa
     BatchRunner(model).prefill(list(range(1, 21)), alone_cache[0], want_logits=False)
     for token in (7, 7, 7):  # the two steps before, and the packed one
         decode_alone = model.last_logits(mx.array([[token]]), alone_cache[0])
-    chunk_alone = model.last_logits(mx.array([list(range(30, 45))]), alone_cache[1], rope_length=15)
+    chunk_alone = model.last_logits(mx.array([list(range(30, 50))]), alone_cache[1], rope_length=20)
     assert mx.array_equal(logits, decode_alone).item()
     assert mx.array_equal(chunk_logits[0], chunk_alone).item()

@@ -8,20 +8,26 @@ cache for that row; it cuts the packed keys, values and queries back into segmen
 written to and attended over by its own cache (a decode batch's layer for its rows, a
 sequence's own cache for its chunk), with that cache's own mask. RoPE rotates each token at
 its own position (``offset`` is ``(1, T)``). Each segment therefore computes exactly what it
-computes in a forward of its own: a matmul's rows do not depend on the other rows. A
-recurrent layer (Gated DeltaNet) cuts its projected rows the same way (``cut_tokens``) and
-scans each segment from that segment's own state.
+computes in a forward of its own: a matmul's rows do not depend on the other rows. MLA's latent
+attention (``models/mla.py``) writes and attends its segments through ``each`` too, in the
+order grouped-query attention does. A recurrent layer (Gated DeltaNet) cuts its projected rows
+the same way (``cut_tokens``) and scans each segment from that segment's own state.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import mlx.core as mx
 
 from mlxformer.cache.protocol import Cache
 from mlxformer.models.mask import Mask
+
+
+# A segment's attention: its index, its keys/values as its cache returned them (or fetched) and
+# its mask -> its outputs packed, ``(1, heads, n, D)`` (None: none of its rows are wanted)
+Attend = Callable[[int, Any, Any, Mask], Optional[mx.array]]
 
 
 @dataclass(frozen=True)
@@ -58,7 +64,7 @@ def _unpack(x: mx.array, segment: Segment) -> mx.array:
     return x if segment.rows == 1 else x.transpose(2, 1, 0, 3)  # (1, H, rows, D) -> (rows, H, 1, D)
 
 
-def _pack(x: mx.array, segment: Segment) -> mx.array:
+def pack_segment(x: mx.array, segment: Segment) -> mx.array:
     """Inverse of ``_unpack``."""
     return x if segment.rows == 1 else x.transpose(2, 1, 0, 3)  # (rows, H, 1, D) -> (1, H, rows, D)
 
@@ -90,11 +96,25 @@ class PackedLayerCache:
         self.read = read
         self._attended: list[tuple[Any, Any, Mask]] | None = None
 
-    def _cut(self, x: mx.array) -> list[mx.array]:
+    def cut(self, x: mx.array) -> list[mx.array]:
         """Packed ``(1, heads, T, D)`` cut into each segment's ``(rows, heads, length, D)``."""
         parts, start = [], 0
         for segment in self.segments:
             parts.append(_unpack(x[:, :, start : start + segment.tokens], segment))
+            start += segment.tokens
+        return parts
+
+    def kept(self, keep: mx.array | None) -> list[list[int] | None]:
+        """Each segment's tokens among the packed positions ``keep`` (ascending, as a packed step
+        passes them: made on the host, read back without waiting), counted from the segment's
+        first; None where every one is kept."""
+        if keep is None:
+            return [None] * len(self.segments)
+        wanted, start, parts = keep.tolist(), 0, []
+        assert wanted == sorted(wanted), "a packed step keeps its rows in packed order"
+        for segment in self.segments:
+            rows = [k - start for k in wanted if start <= k < start + segment.tokens]
+            parts.append(None if len(rows) == segment.tokens else rows)
             start += segment.tokens
         return parts
 
@@ -108,44 +128,48 @@ class PackedLayerCache:
         self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Mask,
         softcap: float | None = None, sinks: mx.array | None = None,
     ) -> mx.array:
-        """Every segment's mask and write, then every segment's attention over what its cache
-        ``fetch``es once all are written: a decode batch's layer and a prompt chunk's row in it
-        share one buffer, and an attention reading it before the row's write would keep the old
-        buffer alive, so that MLX copies the whole layer for the write instead of writing in
-        place (each step a chunk rode beside decoding rows). A ring row's chunk writes where
-        it attends (piece by piece): it attends before the fetching ones. A cache taking two segments (a
-        prompt's consecutive chunks) writes and attends in turn: the first's attention must
-        not see the second's keys, nor its codec. A layer reading this one's keys/values
-        (Gemma 4's KV sharing, ``kv_source``) calls this again: each of its segments attends
-        over what this layer's segment attended over, nothing written twice."""
+        """Each segment's queries over its keys/values (written to its cache, ``each``), packed
+        ``(1, heads, T, D)`` out. A layer reading this one's keys/values (Gemma 4's KV sharing,
+        ``kv_source``) calls this again: each of its segments attends over what this layer's
+        segment attended over, nothing written twice."""
+        parts = self.cut(queries)
         if self._attended is not None:
-            return self._attend_all(self._cut(queries), self._attended, scale, softcap, sinks)
-        parts = list(zip(self.segments, self._cut(queries), self._cut(keys), self._cut(values)))
+            return mx.concatenate([self._attend(segment, q, *kvm, scale, softcap, sinks)
+                                   for segment, q, kvm in zip(self.segments, parts, self._attended)], axis=2)
+
+        def attend(i: int, keys: Any, values: Any, mask: Mask) -> mx.array:
+            return self._attend(self.segments[i], parts[i], keys, values, mask, scale, softcap, sinks)
+
+        return mx.concatenate(self.each(self.cut(keys), self.cut(values), attend), axis=2)  # type: ignore[arg-type]
+
+    def each(self, keys: Sequence[Any], values: Sequence[Any], attend: Attend) -> list[mx.array | None]:
+        """Every segment's mask and write (its ``keys``/``values``, ``(rows, heads, length, D)``
+        each), then every segment's ``attend`` over what its cache ``fetch``es once all are
+        written; the outputs in segment order. A decode batch's layer and a prompt chunk's row in
+        it share one buffer, and an attention reading it before the row's write would keep the
+        old buffer alive, so that MLX copies the whole layer for the write instead of writing in
+        place (each step a chunk rode beside decoding rows). A ring row's chunk writes where it
+        attends (piece by piece): it attends before the fetching ones. A cache taking two
+        segments (a prompt's consecutive chunks) writes and attends in turn: the first's
+        attention must not see the second's keys, nor its codec."""
         if len({id(segment.cache) for segment in self.segments}) < len(self.segments):
             attended, outs = [], []
-            for segment, q, k, v in parts:  # each attends before the next writes
+            for i, (segment, k, v) in enumerate(zip(self.segments, keys, values)):  # each attends before the next writes
                 attended.append(self._write(segment, k, v))
-                outs.append(self._attend(segment, q, *attended[-1], scale, softcap, sinks))
+                outs.append(attend(i, *attended[-1]))
             self._attended = attended if self.read else None
-            return mx.concatenate(outs, axis=2)
-        written = [self._write(segment, k, v) for segment, _, k, v in parts]
-        outs: list[mx.array | None] = [None] * len(parts)
+            return outs
+        written = [self._write(segment, k, v) for segment, k, v in zip(self.segments, keys, values)]
+        outs: list[mx.array | None] = [None] * len(written)
         # caches writing where they attend (a ring row, piece by piece) first, then the fetching ones
-        order = sorted(range(len(parts)), key=lambda i: getattr(self.segments[i].cache, "fetch", None) is not None)
+        order = sorted(range(len(written)), key=lambda i: getattr(self.segments[i].cache, "fetch", None) is not None)
         for i in order:
-            segment, q = parts[i][:2]
-            fetch = getattr(segment.cache, "fetch", None)
+            fetch = getattr(self.segments[i].cache, "fetch", None)
             if fetch is not None:
                 written[i] = (*fetch(), written[i][2])
-            outs[i] = self._attend(segment, q, *written[i], scale, softcap, sinks)
+            outs[i] = attend(i, *written[i])
         self._attended = written if self.read else None
-        return mx.concatenate(outs, axis=2)  # (1, heads, T, D)
-
-    def _attend_all(self, queries: list[mx.array], attended: list[tuple[Any, Any, Mask]], scale: float,
-                    softcap: float | None, sinks: mx.array | None) -> mx.array:
-        """Each segment's queries over its ``(keys, values, mask)``, in segment order."""
-        return mx.concatenate([self._attend(segment, q, *kvm, scale, softcap, sinks)
-                               for segment, q, kvm in zip(self.segments, queries, attended)], axis=2)
+        return outs
 
     def _write(self, segment: Segment, keys: mx.array, values: mx.array) -> tuple[Any, Any, Mask]:
         """A segment's keys/values written to its cache; what it returns, and its mask (taken before)."""
@@ -155,7 +179,7 @@ class PackedLayerCache:
     @staticmethod
     def _attend(segment: Segment, queries: mx.array, keys: Any, values: Any, mask: Mask, scale: float,
                 softcap: float | None, sinks: mx.array | None) -> mx.array:
-        return _pack(segment.cache.attention(queries, keys, values, scale, mask, softcap, sinks), segment)
+        return pack_segment(segment.cache.attention(queries, keys, values, scale, mask, softcap, sinks), segment)
 
     @property
     def state(self) -> tuple[mx.array, ...]:

@@ -32,6 +32,7 @@ from mlxformer.cache.rows import Blank, RowCache, SpareBatch, seatable, settle, 
 from mlxformer.cache.state_rows import state_blank
 from mlxformer.models.decoder import Attention, Model
 from mlxformer.models.gated_delta import GatedDeltaNet
+from mlxformer.models.mla import MLAttention
 from mlxformer.models.rope import RoPE
 
 
@@ -66,14 +67,14 @@ def speculation_round(last: int, proposed: mx.array, cache: Sequence[Cache]) -> 
 
 def packs(model: Model) -> bool:
     """Whether a step's tokens can share one forward (``cache/packed.py``): every layer is
-    attention whose RoPE takes a position per token (not dynamic NTK nor LongRoPE, whose
-    rotation depends on each sequence's length), or a recurrent layer (each segment scans from
-    its own state)."""
+    attention, grouped-query or latent (MLA), whose RoPE takes a position per token (not
+    dynamic NTK nor LongRoPE, whose rotation depends on each sequence's length), or a recurrent
+    layer (each segment scans from its own state)."""
     for layer in model.layers:
         attention = layer[layer.mixer_name]
         if isinstance(attention, GatedDeltaNet):
             continue
-        if not isinstance(attention, Attention):
+        if not isinstance(attention, (Attention, MLAttention)):
             return False
         rope = attention.rope
         if rope is not None and not (isinstance(rope, RoPE) and rope.config.type != "dynamic"):

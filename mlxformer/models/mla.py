@@ -14,14 +14,16 @@ names are the checkpoint's.
 
 from __future__ import annotations
 
+import functools
 import re
-from typing import Mapping, Protocol
+from typing import Callable, Mapping, Protocol
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxformer.cache.codec import FLOAT_CODEC
+from mlxformer.cache.codec import FLOAT_CODEC, Pack
 from mlxformer.cache.latent import latent_attention
+from mlxformer.cache.packed import PackedLayerCache, pack_segment
 from mlxformer.cache.protocol import Cache
 from mlxformer.formats.tensors import Derivation
 from mlxformer.models.config import ModelArgs
@@ -72,52 +74,97 @@ class MLAttention(nn.Module):
                  keep: mx.array | None = None) -> mx.array:
         """``keep``: the positions ``(K,)`` whose outputs ``(B, K, hidden)`` are wanted (every
         row's latent is still cached)."""
-        B, L, _ = x.shape
-        compressed = self.kv_a_proj_with_mqa(x)  # (B, L, rank + rope): every row's, for the cache
-        latent = self.kv_a_layernorm(compressed[..., : self.rank])[:, None]  # (B, 1, L, rank)
-        k_rope = compressed[..., self.rank :][:, None]  # (B, 1, L, rope)
+        if isinstance(cache, PackedLayerCache):
+            return self._packed(x, cache, rope_length, keep)
         offset = cache.offset if cache is not None else 0
-        k_rope = self.rope(k_rope, offset, rope_length)
+        latent, k_rope = self._latent(x, offset, rope_length)
         keys, values = (k_rope,), (latent,)  # packs: float storage is a 1-tuple (``cache.codec``)
         if cache is not None:
             keys, values = cache.update_and_fetch(k_rope, latent)
         x, positions, mask, keep = self._query_rows(x, offset, mask, keep)
-        Q = x.shape[1]  # the rows whose queries run
+        q_nope, q_rope = self._queries(x, positions, rope_length)
+        return self._output(self._attend(q_nope, q_rope, keys, values, mask, cache, self.absorbed), keep)
+
+    def _packed(self, x: mx.array, cache: PackedLayerCache, rope_length: int | None, keep: mx.array | None) -> mx.array:
+        """A packed step's tokens ``x (1, T, hidden)`` (``cache/packed.py``): the projections run
+        once for all of them; each segment's latents are written to its cache (``each``: every
+        write before any fetching attention) and its queries attend there as a forward of its
+        own would: over ``keep``'s rows alone where it would cut them (``_cuts``), in the
+        absorbed or the expanded form. Only the kept rows ``(1, K, hidden)`` come out (a
+        segment with none attends only if its cache writes where it attends)."""
+        latent, k_rope = self._latent(x, cache.offset, rope_length)
+        q_nope, q_rope = (cache.cut(q) for q in self._queries(x, cache.offset, rope_length))
+        wanted, absorbed = cache.kept(keep), functools.cache(self.absorbed)  # split once, if any segment absorbs
+
+        def attend(i: int, keys: Pack, values: Pack, mask: Mask) -> mx.array | None:
+            segment, rows = cache.segments[i], wanted[i]  # rows: its kept tokens (None: all)
+            q_n, q_r = q_nope[i], q_rope[i]  # (rows, H, length, D)
+            cut = rows is not None and self._cuts(segment.rows, segment.length, segment.cache.offset, mask)
+            if cut:
+                if not rows:
+                    return None  # its latents are written; its attention is not wanted
+                index = mx.array(rows, dtype=mx.int32)
+                q_n, q_r = q_n[:, :, index], q_r[:, :, index]
+                mask = _kept_mask(mask, index, keys[0].shape[2], segment.length)  # the keys: as many as "causal" sees
+            out = pack_segment(self._attend(q_n, q_r, keys, values, mask, segment.cache, absorbed), segment)
+            if rows is None or cut:
+                return out
+            return out[:, :, mx.array(rows, dtype=mx.int32)] if rows else None  # every row attended (a ring row's chunk)
+
+        outs = [o for o in cache.each(cache.cut(k_rope), cache.cut(latent), attend) if o is not None]
+        return self._output(mx.concatenate(outs, axis=2), None)  # (1, H, K, v) -> (1, K, hidden)
+
+    def _latent(self, x: mx.array, offset: int | mx.array, rope_length: int | None) -> tuple[mx.array, mx.array]:
+        """Every row's latent ``(B, 1, L, rank)`` and rotated rope key ``(B, 1, L, rope)``, for the cache."""
+        compressed = self.kv_a_proj_with_mqa(x)  # (B, L, rank + rope)
+        latent = self.kv_a_layernorm(compressed[..., : self.rank])[:, None]
+        return latent, self.rope(compressed[..., self.rank :][:, None], offset, rope_length)
+
+    def _queries(self, x: mx.array, positions: int | mx.array, rope_length: int | None) -> tuple[mx.array, mx.array]:
+        """The queries of rows ``x (B, Q, hidden)``: ``q_nope (B, H, Q, nope)`` and the rotated ``q_rope``."""
+        B, Q, _ = x.shape
         q = self.q_proj(x) if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q = q.reshape(B, Q, self.n_heads, self.nope + self.rope_dims).transpose(0, 2, 1, 3)  # (B, H, Q, nope + rope)
-        q_nope, q_rope = q[..., : self.nope], self.rope(q[..., self.nope :], positions, rope_length)
-        if Q >= EXPAND_MIN and len(values) == 1:  # many queries over float storage
-            out = (self.expanded(q_nope, q_rope, keys[0], values[0], mask) if cache is None
-                   else cache.expanded_attention(q_nope, q_rope, keys, values, mask, self.expanded))
+        return q[..., : self.nope], self.rope(q[..., self.nope :], positions, rope_length)
+
+    def _attend(self, q_nope: mx.array, q_rope: mx.array, keys: Pack, values: Pack, mask: Mask, cache: Cache | None,
+                absorbed: Callable[[], tuple[mx.array, mx.array]]) -> mx.array:
+        """The queries over the keys/values (as ``cache`` returned them), ``(B, H, Q, v)`` out:
+        expanded for many queries over float storage, else absorbed (the weights ``absorbed`` gives)."""
+        if q_nope.shape[2] >= EXPAND_MIN and len(values) == 1:  # many queries over float storage
+            return (self.expanded(q_nope, q_rope, keys[0], values[0], mask) if cache is None
+                    else cache.expanded_attention(q_nope, q_rope, keys, values, mask, self.expanded))
+        w_k, w_v = absorbed()
+        q_latent = q_nope @ w_k  # (B, H, Q, nope) @ (H, nope, rank) -> (B, H, Q, rank)
+        if cache is not None:
+            out = cache.latent_attention(q_latent, q_rope, keys, values, self.scale, mask)
         else:
-            w_k, w_v = self.absorbed()
-            q_latent = q_nope @ w_k  # (B, H, Q, nope) @ (H, nope, rank) -> (B, H, Q, rank)
-            if cache is not None:
-                out = cache.latent_attention(q_latent, q_rope, keys, values, self.scale, mask)
-            else:
-                out = latent_attention(FLOAT_CODEC, q_latent, q_rope, keys, values, self.scale, mask)
-            out = out @ w_v.swapaxes(-1, -2)  # (B, H, Q, rank) @ (H, rank, v) -> (B, H, Q, v)
-        # (B, H, Q, v) -> (B, Q, H * v)
-        return self.o_proj(kept_rows(out.transpose(0, 2, 1, 3).reshape(B, Q, -1), keep))
+            out = latent_attention(FLOAT_CODEC, q_latent, q_rope, keys, values, self.scale, mask)
+        return out @ w_v.swapaxes(-1, -2)  # (B, H, Q, rank) @ (H, rank, v) -> (B, H, Q, v)
+
+    def _output(self, out: mx.array, keep: mx.array | None) -> mx.array:
+        """``o_proj`` of the attention's ``(B, H, Q, v)``, ``keep``'s rows only."""
+        B, _, Q, _ = out.shape
+        return self.o_proj(kept_rows(out.transpose(0, 2, 1, 3).reshape(B, Q, -1), keep))  # (B, Q, H * v)
+
+    def _cuts(self, rows: int, length: int, offset: int | mx.array, mask: Mask) -> bool:
+        """Whether a forward's queries run for its kept rows alone: one sequence (``rows`` 1) whose
+        rotation takes a position per token, over a cache that does not mask where it attends
+        (a ring row's chunk: ``None`` for many queries, whose pieces take the chunk's queries in
+        order). Else every row's run (also with ``keep``) and the kept ones are cut after."""
+        per_token = isinstance(self.rope, RoPE) and self.rope.config.type != "dynamic"
+        return rows == 1 and isinstance(offset, int) and per_token and not (mask is None and length > 1)
 
     def _query_rows(self, x: mx.array, offset: int | mx.array, mask: Mask,
                     keep: mx.array | None) -> tuple[mx.array, int | mx.array, Mask, mx.array | None]:
         """The rows ``x (B, L, hidden)`` whose queries run, the offset rotating them, their mask
         and the output rows left to cut: ``keep``'s alone (each at its own position, the mask cut
-        to them) for one sequence whose rotation takes a position per token; else every row (also
-        over a cache that masks where it attends: a ring row's chunk, ``None`` for many queries,
-        whose pieces take the chunk's queries in order)."""
+        to them) where ``_cuts``, else every row."""
         B, L, _ = x.shape
-        per_token = isinstance(self.rope, RoPE) and self.rope.config.type != "dynamic"
-        masked_later = mask is None and L > 1
-        if keep is None or B != 1 or not isinstance(offset, int) or not per_token or masked_later:
+        if keep is None or not self._cuts(B, L, offset, mask):
             return x, offset, mask, keep
-        S = offset + L  # the keys: the cached ones and this chunk's
-        if isinstance(mask, str):  # "causal": the kept queries see the keys up to their own
-            mask = mx.arange(S)[None] <= (S - L + keep)[:, None]  # (K, S)
-        elif mask is not None:
-            mask = mx.take(mask, keep, axis=-2)  # (..., L, S) -> (..., K, S)
-        return x[:, keep], (offset + keep)[None], mask, None  # positions (1, K)
+        assert isinstance(offset, int)
+        return x[:, keep], (offset + keep)[None], _kept_mask(mask, keep, offset + L, L), None  # positions (1, K)
 
     def expanded(self, q_nope: mx.array, q_rope: mx.array, k_rope: mx.array, latent: mx.array, mask: Mask) -> mx.array:
         """Attention with the keys and values expanded from the latents ``(B, 1, S, rank)``
@@ -131,6 +178,14 @@ class MLAttention(nn.Module):
         keys = mx.concatenate([kv[..., : self.nope], k_rope], axis=-1)  # (B, H, S, nope + rope)
         queries = mx.concatenate([q_nope, q_rope], axis=-1)  # (B, H, L, nope + rope)
         return mx.fast.scaled_dot_product_attention(queries, keys, kv[..., self.nope :], scale=self.scale, mask=mask)
+
+
+def _kept_mask(mask: Mask, keep: mx.array, keys: int, length: int) -> Mask:
+    """The mask of ``length`` queries over ``keys`` keys cut to the queries ``keep (K,)``: "causal"
+    made explicit (each kept query sees the keys up to its own)."""
+    if isinstance(mask, str):
+        return mx.arange(keys)[None] <= (keys - length + keep)[:, None]  # (K, keys)
+    return None if mask is None else mx.take(mask, keep, axis=-2)  # (..., L, S) -> (..., K, S)
 
 
 class Shaped(Protocol):
