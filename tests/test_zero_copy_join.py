@@ -370,6 +370,33 @@ def test_staggered_requests_equal_each_alone_sliding(family, window, tmp_path):
     assert got == [alone(model, tokenizer, None, p, n) for p, n in zip(PROMPTS, TOKENS)]
 
 
+# a rotation that depends on each sequence's length: past the trained 32 positions, Dynamic NTK's
+# base grows with the length, LongRoPE's long factors take over (Phi-4-mini's kind)
+UNPACKED = {
+    "dynamic": ("llama", dict(max_position_embeddings=32,
+                              rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0})),
+    "longrope": ("phi3", dict(max_position_embeddings=512, original_max_position_embeddings=32, pad_token_id=0,
+                              bos_token_id=1, eos_token_id=2, rope_parameters=dict(
+        rope_type="longrope", rope_theta=1e4, short_factor=[1.0 + 0.1 * i for i in range(8)],
+        long_factor=[1.0 + 0.7 * i for i in range(8)]))),
+}
+
+
+@pytest.mark.parametrize("name", list(UNPACKED))
+def test_staggered_requests_equal_each_alone_unpacked(name, tmp_path, monkeypatch):
+    """A model whose RoPE depends on each sequence's length does not pack: a step of several
+    parts (a batch's rows, prompt chunks riding beside them) runs forward by forward, a row's
+    built once the forward reading its batch's buffers is evaluated (``BatchRunner._one_by_one``).
+    Prompts of 3 to 270 tokens in seated rows, staggered: every reply equals its own alone."""
+    family, config = UNPACKED[name]
+    model, tokenizer = tiny_model(tmp_path, family, **config)
+    assert not BatchRunner(model).packs
+    forwards = record_forwards(monkeypatch)
+    got = staggered(model, tokenizer, None, PROMPTS, TOKENS, max_batch=3)
+    assert got == [alone(model, tokenizer, None, p, n) for p, n in zip(PROMPTS, TOKENS)]
+    assert "one by one" in forwards and "packed" not in forwards, forwards
+
+
 def tiny_model(directory, family: str, **config):
     """A tiny random ``family`` model with the byte tokenizer, float32, no end of sequence."""
     write_tiny_checkpoint(directory, family, **config)

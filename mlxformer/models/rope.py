@@ -77,6 +77,9 @@ class RoPE(nn.Module):
             else:
                 inv_freq = inv_freq / mx.array(rope.freq_factors, dtype=mx.float32)
             self._periods = 1.0 / inv_freq
+            # evaluated here: a lazy array from this thread's stream cannot be evaluated on
+            # another (the engine's), where a graph may first read it
+            mx.eval(self._periods)
 
     def _base(self, seq_len: int) -> float:
         """The rotary base; dynamic NTK scaling grows it once the sequence passes the trained length."""

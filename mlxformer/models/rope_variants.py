@@ -25,6 +25,7 @@ class LongRoPE(nn.Module):
         periods = rope.theta ** (mx.arange(0, dims, 2, dtype=mx.float32) / dims)  # (dims/2,)
         self._short = mx.array(rope.short_factor, dtype=mx.float32) * periods
         self._long = mx.array(rope.long_factor, dtype=mx.float32) * periods
+        mx.eval(self._short, self._long)  # not lazy: the engine's thread may read them first (``RoPE``)
 
     def __call__(self, x: mx.array, offset: int | mx.array, length: int | None = None) -> mx.array:
         """Rotate ``x`` (B, heads, T, head_dim) for positions ``offset..offset+T-1`` (``offset``
