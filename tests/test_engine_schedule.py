@@ -153,6 +153,9 @@ class Counting:
     def logits(self, hidden):
         return self.model.logits(hidden)
 
+    def __getattr__(self, name: str):
+        return getattr(self.model, name)
+
 
 @pytest.fixture(scope="module")
 def tiny_gemma4(tmp_path_factory):

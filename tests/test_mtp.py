@@ -293,3 +293,35 @@ def test_sampled_mtp_is_reproducible_with_its_seed(dense):
     first = run(3)
     assert first == run(3) and first[-1][1] > 0
     assert [t for t, _ in run(4)] != [t for t, _ in first]
+
+
+def test_prompt_chunks_packed_beside_a_decoding_row_feed_the_watch(dense, monkeypatch):
+    """A speculating request's 60-token prompt prefilled in chunks of 16 while another request
+    decodes: its chunks ride in the decode steps' packed forwards, and the MTP watch gets every
+    row of each (the head drafts from the whole prompt's hidden states, as after a prefill of
+    its own); before, a packed step handed it none and its first rows were at position 60."""
+    from mlxformer.mtp import HiddenRows
+
+    directory, model, tokenizer, _, _ = dense
+    writes: dict[int, list[tuple[int, int]]] = {}
+    write = HiddenRows.write
+
+    def logged(self, start, rows):
+        writes.setdefault(id(self), []).append((start, rows.shape[0]))
+        return write(self, start, rows)
+
+    monkeypatch.setattr(HiddenRows, "write", logged)
+    long = [int(t) for t in np.random.default_rng(5).integers(3, 256, size=60)]
+    expected = [r.token for r in stream_generate(model, tokenizer, long, max_tokens=6)]
+    with Engine(model, tokenizer, prefill_chunk=16,
+                speculative=SpeculativeSettings(mtp=load_mtp(directory, model))) as engine:
+        first = iter(engine.submit(GenerationRequest(PROMPT, 40)))
+        next(e for e in first if e.token is not None)  # decoding while the long prompt prefills
+        got = [e.token for e in engine.submit(GenerationRequest(long, 6)) if e.token is not None]
+        list(first)
+    assert got == expected
+    (rows,) = [w for w in writes.values() if max(start + n for start, n in w) > len(long)]  # the long one's
+    assert rows[0][0] == 0, rows
+    ends = [start + n for start, n in rows]
+    assert all(start <= end for (start, _), end in zip(rows[1:], ends)), rows  # no gap
+    assert rows[:4] == [(0, 16), (16, 16), (32, 16), (48, 12)], rows  # the four chunks' rows, each whole

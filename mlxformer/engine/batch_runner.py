@@ -57,6 +57,11 @@ class PromptChunk:
     prompt_length: int | None  # the whole prompt's (dynamic NTK's base depends on it)
     every: bool = False  # every position's logits are wanted ``(T, vocab)`` (a speculation round's)
 
+    @property
+    def wanted(self) -> int:
+        """How many of its positions' logits are wanted (its last ones)."""
+        return len(self.tokens) if self.every else int(self.last)
+
 
 def speculation_round(last: int, proposed: mx.array, cache: Sequence[Cache]) -> PromptChunk:
     """A speculation round for ``BatchRunner.step``: the ``last`` token then the proposals
@@ -253,7 +258,7 @@ class BatchRunner:
         chunks: Sequence[PromptChunk],
     ) -> tuple[list[mx.array], list[mx.array | None]]:
         """``step`` as one forward per batch, per sequence on its own caches and per chunk (a
-        model that does not pack). A forward writing a row of a batch that an earlier forward
+        model that does not pack, a step of one part, a prompt's chunks crossing within it). A forward writing a row of a batch that an earlier forward
         read is built once that one is evaluated: the earlier attention would otherwise still
         read the buffer the write replaces, and MLX would copy the buffer instead of writing it
         in place (``cache/packed.py`` orders the writes instead)."""
@@ -297,7 +302,7 @@ class BatchRunner:
                 else:
                     self.release(sequence)  # its storage turns quantized: it moves to the quantized batch
             if id(sequence) in self._members:
-                if sequence.speculator is not None:  # seated: a forward of its own on its row
+                if sequence.speculator is not None:  # seated: a segment of its own on its row (packed), not a batch row
                     alone.append(sequence)
                 continue
             if sequence.speculator is not None or any(quantizes_next(c) for c in sequence.cache):
@@ -397,13 +402,18 @@ class BatchRunner:
         layers = [PackedLayerCache(s, window, where, read) for s, window, read in zip(segments, self.windows, self.read)]
         decoding = sum(len(rows) for _, rows, _ in groups)
         ends = list(itertools.accumulate((len(c.tokens) for c in chunks), initial=decoding))[1:]
-        picked = list(range(decoding)) + [i for c, end in zip(chunks, ends)
-                                          for i in (range(end - len(c.tokens), end) if c.every else [end - 1] if c.last else [])]
+        # the rows whose logits are wanted: the decoding rows', each chunk's last ``wanted``
+        picked = list(range(decoding)) + [i for c, end in zip(chunks, ends) for i in range(end - c.wanted, end)]
+        watching = self.model.watching  # (native MTP) every row's hidden state, to hand to the watch
         # only the picked rows past the last layer's attention, as ``Model.last_logits`` does alone
-        every = len(picked) == decoding + sum(len(c.tokens) for c in chunks)  # decoding rows only: all wanted
+        every = watching or not chunks or len(picked) == ends[-1]  # decoding rows only: all wanted
         keep = None if every or not picked else mx.array(picked)
         hidden = self.model.hidden_states(mx.concatenate(inputs)[None], layers, keep=keep)[0]  # (1, K, hidden) -> (K, hidden)
-        self._observe(groups, chunks, hidden)
+        watched = [hidden] if watching else []  # evaluated with the step
+        if watching:
+            self._observe(groups, chunks, hidden)
+            if picked and len(picked) < hidden.shape[0]:
+                hidden = hidden[mx.array(picked)]
         for _, _, batch in groups:
             if batch is not None:
                 batch.commit()
@@ -412,7 +422,7 @@ class BatchRunner:
                 settle(caches)
         for chunk in chunks:
             settle(chunk.cache)
-        unwanted = [a for c in chunks if not c.last for layer in c.cache for a in layer.state]
+        unwanted = [a for c in chunks if not c.last for layer in c.cache for a in layer.state] + watched
         if not picked:
             mx.eval(unwanted)
             return [], [None] * len(chunks)
@@ -421,25 +431,24 @@ class BatchRunner:
         chunk_logits: list[mx.array | None] = []
         index = decoding
         for chunk in chunks:
-            n = len(chunk.tokens) if chunk.every else int(chunk.last)
-            chunk_logits.append(logits[index : index + n] if n else None)
-            index += n
+            chunk_logits.append(logits[index : index + chunk.wanted] if chunk.wanted else None)
+            index += chunk.wanted
         return ([logits[:decoding]] if decoding else []), chunk_logits
 
     def _observe(self, groups: list[tuple[Sequence[Cache], list[Decoding], DecodeBatch | None]],
                  chunks: Sequence[PromptChunk], hidden: mx.array) -> None:
-        """Hand the packed step's hidden rows ``(K, hidden)`` of each sequence stepping on its own
-        caches (a seated speculating one's token, a round) to the model's watch, as a forward
-        of its own over those caches would (native MTP drafts from them; before ``settle``)."""
+        """Hand the packed step's hidden rows ``(T, hidden)`` (every row's) of each sequence
+        stepping on its own caches (a seated speculating one's token, a prompt chunk, a round) to
+        the model's watch, as a forward of its own over those caches would (native MTP drafts
+        from them; before ``settle``)."""
         index = 0
         for caches, rows, batch in groups:
             if batch is None:
                 self.model.observe(hidden[None, index : index + 1], caches)
             index += len(rows)
         for chunk in chunks:
-            if chunk.every:
-                self.model.observe(hidden[None, index : index + len(chunk.tokens)], chunk.cache)
-            index += len(chunk.tokens) if chunk.every else int(chunk.last)
+            self.model.observe(hidden[None, index : index + len(chunk.tokens)], chunk.cache)
+            index += len(chunk.tokens)
 
     def batched(self, sequence: Decoding) -> bool:
         """Whether ``sequence`` is in a batch (the KV budget counts its share of the buffers)."""

@@ -17,6 +17,7 @@ import mlx.nn as nn
 
 from mlxformer.errors import MlxformerError
 from mlxformer.models.mask import Mask, causal_mask_for, kept_rows
+from mlxformer.cache.packed import PackedLayerCache
 from mlxformer.cache.protocol import Cache
 from mlxformer.models.attention_ops import fused_attention, position_query_scale, softcap_scores, softcapped_attention
 from mlxformer.models.config import ModelArgs
@@ -284,7 +285,8 @@ class Model(nn.Module):
         the whole prompt's length when this is one chunk of it (see ``RoPE``). ``keep``: only
         the positions ``(K,)`` wanted, ``(B, K, hidden)`` out: the last layer computes the rest
         of its rows only as far as the caches need (their keys/values)."""
-        watched = self._hidden_watch is not None and cache is not None  # the watch reads every row
+        # the watch reads every row; a packed step's rows go to it by sequence (``observe``)
+        watched = self.watching and cache is not None and not (cache and isinstance(cache[0], PackedLayerCache))
         last = None if watched or self._remote_layers is not None else keep  # the last layer is ours
         h = self.model.embed_tokens(inputs)  # (B, T, hidden)
         if self.args.embedding_scale != 1.0:  # in the activation dtype, as transformers does
@@ -334,6 +336,11 @@ class Model(nn.Module):
         """Call ``watch(hidden (B, T, hidden), caches)`` after every forward over caches with its
         final-norm hidden states (lazy): native MTP drafts from them (``mlxformer.mtp``)."""
         self._hidden_watch = watch
+
+    @property
+    def watching(self) -> bool:
+        """Whether a watch (``watch_hidden``) reads the forwards' hidden states."""
+        return self._hidden_watch is not None
 
     def observe(self, hidden: mx.array, cache: Sequence[Cache]) -> None:
         """Hand the watch (``watch_hidden``) hidden states ``(1, T, hidden)`` computed for
