@@ -59,14 +59,10 @@ def positions(segments: Sequence[Segment]) -> mx.array:
     return mx.concatenate(parts)[None]
 
 
-def _unpack(x: mx.array, segment: Segment) -> mx.array:
-    """A segment's part of packed ``(1, heads, T', D)`` as ``(rows, heads, length, D)``."""
-    return x if segment.rows == 1 else x.transpose(2, 1, 0, 3)  # (1, H, rows, D) -> (rows, H, 1, D)
-
-
 def pack_segment(x: mx.array, segment: Segment) -> mx.array:
-    """Inverse of ``_unpack``."""
-    return x if segment.rows == 1 else x.transpose(2, 1, 0, 3)  # (rows, H, 1, D) -> (1, H, rows, D)
+    """A decode batch's ``(rows, H, 1, D)`` as packed ``(1, H, rows, D)``, and back (the swap of
+    axes 0 and 2 is its own inverse); a chunk's segment is already one row."""
+    return x if segment.rows == 1 else x.transpose(2, 1, 0, 3)
 
 
 def cut_tokens(x: mx.array, segments: Sequence[Segment]) -> list[mx.array]:
@@ -100,7 +96,7 @@ class PackedLayerCache:
         """Packed ``(1, heads, T, D)`` cut into each segment's ``(rows, heads, length, D)``."""
         parts, start = [], 0
         for segment in self.segments:
-            parts.append(_unpack(x[:, :, start : start + segment.tokens], segment))
+            parts.append(pack_segment(x[:, :, start : start + segment.tokens], segment))
             start += segment.tokens
         return parts
 

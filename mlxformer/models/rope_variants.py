@@ -33,12 +33,13 @@ class LongRoPE(nn.Module):
         sequence length that picks the factors (default ``offset + T``; a chunked prompt passes
         its whole length, as transformers' one forward over it decides)."""
         x = scale_rotated(x, self.dims, self.attention_factor)
+        if (length or 0) > self.original:
+            return self._rotate(x, offset, self._long)
         if isinstance(offset, mx.array):  # both rotations, each row picking its own on the device
-            long = (offset + x.shape[-2] > self.original) | ((length or 0) > self.original)
+            long = offset + x.shape[-2] > self.original
             short_rows, long_rows = (self._rotate(x, offset, periods) for periods in (self._short, self._long))
             return mx.where(long[:, None, None, None], long_rows, short_rows)
-        periods = self._long if max(offset + x.shape[-2], length or 0) > self.original else self._short
-        return self._rotate(x, offset, periods)
+        return self._rotate(x, offset, self._long if offset + x.shape[-2] > self.original else self._short)
 
     def _rotate(self, x: mx.array, offset: int | mx.array, periods: mx.array) -> mx.array:
         return mx.fast.rope(x, self.dims, traditional=False, base=None, scale=1.0, offset=offset, freqs=periods)
