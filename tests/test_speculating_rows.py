@@ -3,7 +3,7 @@
 is taken back there (a turned ring's index steps back over the rejected slots,
 ``RingWrites._move_back``; a recurrent row keeps its last tokens' states, as its own cache does,
 and writes back the state before the rejected tokens, ``StateRowCache.trim``; a hybrid's ring
-rows beside recurrent rows, both moved back by ``move_ring_back``). Checked by the greedy
+rows beside recurrent rows, both moved back by ``row_place.move_back``). Checked by the greedy
 replies against plain ``stream_generate`` alone (speculation must not change a token)."""
 
 from __future__ import annotations

@@ -13,8 +13,8 @@ writes the step's scratch at its next slot (``BatchLayout.prepare``): a free slo
 oldest ring slot, whose token is out of every later query's window and (``extra >= 1``) not
 among the ``max_size + slack`` tokens the row gives back as a per-sequence cache
 (``own_ring_cache``). A rejected speculation round is taken back in the row, also once its ring
-turned (``RingWrites.takes_back``: the per-sequence cache's rule; ``move_ring_back``: the ring
-index steps back, the slots it passes are the row's ``freed`` ones, written first and read as
+turned (``RingWrites.takes_back``: the per-sequence cache's rule; ``row_place.move_back``: the
+ring index steps back, the slots it passes are the row's ``freed`` ones, written first and read as
 empty).
 """
 
@@ -279,23 +279,4 @@ class RingWrites:
         return takes_back(row.offset - ring, kind.keep + ring, row.offset, n - self.pending, kind.max_size, kind.keep)
 
     def _move_back(self, target: int) -> None:
-        move_ring_back(self._layer.layout, self.batch.index(self.row), self.row, target)
-
-
-def move_ring_back(layout: "BatchLayout", index: int, row: Row, target: int) -> None:
-    """Move rotating row ``index`` back to ``target`` tokens: a turned ring's index steps back
-    over the slots it frees (``freed``: written first, and skipped when it is read in time
-    order); a ring not yet turned as a growing row (``move_back``). A hybrid's recurrent rows
-    following the ring's layout move it the same way (``StateRowCache._move_back``)."""
-    kind = layout.kind
-    assert kind.capacity is not None
-    if row.used < kind.capacity:
-        move_back(layout, index, row, target)
-        return
-    back, ring = row.offset - target, kind.capacity - kind.keep
-    row.idx = kind.keep + (row.idx - kind.keep - back) % ring
-    slots = mx.array([kind.keep + (row.idx - kind.keep + j) % ring for j in range(back)], dtype=mx.int32)
-    layout.positions = layout.padded()
-    layout.positions[index, slots] = -1
-    row.offset, row.freed = target, row.freed + back
-
+        move_back(self._layer.layout, self.batch.index(self.row), self.row, target)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import mlx.core as mx
+
 if TYPE_CHECKING:
     from mlxformer.cache.batch import BatchLayout
     from mlxformer.cache.batch_kind import Row
@@ -12,10 +14,21 @@ if TYPE_CHECKING:
 
 
 def move_back(layout: "BatchLayout", index: int, row: "Row", target: int) -> None:
-    """Row ``index`` (its slots holding its tokens in order) back to its first ``target`` tokens."""
+    """Row ``index`` back to its first ``target`` tokens: a row whose slots hold its tokens in
+    order (a growing row, a ring not yet turned) frees its later slots; a turned ring's index
+    steps back over the slots it frees (``freed``: written first, and skipped when it is read
+    in time order). A hybrid's recurrent rows following the layout move it the same way."""
+    kind = layout.kind
     layout.positions = layout.padded()
-    layout.positions[index, target:] = -1
-    row.used = row.offset = row.idx = target
+    if kind.capacity is None or row.used < kind.capacity:
+        layout.positions[index, target:] = -1
+        row.used = row.offset = row.idx = target
+        return
+    back, ring = row.offset - target, kind.capacity - kind.keep
+    row.idx = kind.keep + (row.idx - kind.keep - back) % ring
+    slots = mx.array([kind.keep + (row.idx - kind.keep + j) % ring for j in range(back)], dtype=mx.int32)
+    layout.positions[index, slots] = -1
+    row.offset, row.freed = target, row.freed + back
 
 
 class RowPlace:

@@ -31,7 +31,7 @@ A rotating cache (a ``max_kv_size`` window, a sliding-window layer) lives in a r
 (``cache/rotating_rows.py``); a model mixing sliding-window and global layers keeps one slot
 layout per kind of layer, each with the sequence's row at the same index. Beside recurrent
 layers (a hybrid model with a ``max_kv_size`` window) the recurrent rows follow the ring's
-layout (a rejected speculation round moves them back with it: ``rotating_rows.move_ring_back``).
+layout (a rejected speculation round moves them back with it: ``row_place.move_back``).
 """
 
 from __future__ import annotations

@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING, Any
 import mlx.core as mx
 
 from mlxformer.cache.row_place import RowPlace, move_back
-from mlxformer.cache.rotating_rows import move_ring_back
 from mlxformer.cache.state import StateCache
 from mlxformer.models.mask import Mask, causal_mask_for
 
@@ -176,8 +175,7 @@ class StateRowCache(RowPlace):
 
     def _move_back(self, target: int) -> None:
         """The row back to ``target`` tokens, as its attention layout moves it (a ring's, maybe turned)."""
-        layout = self._rows.layout
-        (move_ring_back if layout.kind.rotating else move_back)(layout, self.batch.index(self.row), self.row, target)
+        move_back(self._rows.layout, self.batch.index(self.row), self.row, target)
 
 
     @property

@@ -288,8 +288,7 @@ class MemoryPlanner:
         prefill = (sum(self.sizer.bytes_for(len(s.tokens) + 1, row=True) for s in rows[:-1])
                    + self.sizer.peak(len(sequence.tokens)))
         width = max(len(s.tokens) for s in rows) + 1
-        batch = len(rows) * self._row_bytes(rows, batched, width)
-        join = batch + math.ceil(batch * self.sizer.share(width, row=True))  # one layer of the batch held twice
+        join = self._rewritten(rows, batched, width)
         grown = math.ceil(width / BLOCK) * BLOCK + 1  # tokens at which every row's buffer gains a block
         now, wider = self.sizer.bytes_for(width, row=True), self.sizer.bytes_for(grown, row=True)
         growth = 0
@@ -310,9 +309,13 @@ class MemoryPlanner:
         active = [s for s in scheduler.prefilling + scheduler.running if s is not sequence]
         rows = [s for s in active if batched(s)] + [sequence]
         width = max(held(s) for s in rows)
+        return sum(nbytes(s) for s in active if not batched(s)) + self._rewritten(rows, batched, width)
+
+    def _rewritten(self, rows: list[Sequence], batched: Callable[[Sequence], bool], width: int) -> int:
+        """Bytes of a decode batch of ``rows`` at ``width`` tokens rewritten one layer at a time:
+        the batch, and one layer of it held twice."""
         batch = len(rows) * self._row_bytes(rows, batched, width)
-        alone = sum(nbytes(s) for s in active if not batched(s))
-        return alone + batch + math.ceil(batch * self.sizer.share(width, row=True))
+        return batch + math.ceil(batch * self.sizer.share(width, row=True))
 
     def _rows_need(self, rows: list[Sequence], batched: Callable[[Sequence], bool], width: int) -> int:
         """Bytes of a decode batch of ``rows`` at ``width`` tokens: the batch's buffers are as wide
