@@ -60,17 +60,19 @@ def positions(segments: Sequence[Segment]) -> mx.array:
 
 
 def pack_segment(x: mx.array, segment: Segment) -> mx.array:
-    """A decode batch's ``(rows, H, 1, D)`` as packed ``(1, H, rows, D)``, and back (the swap of
-    axes 0 and 2 is its own inverse); a chunk's segment is already one row."""
-    return x if segment.rows == 1 else x.transpose(2, 1, 0, 3)
+    """A decode batch's ``(rows, H, 1, D)`` as packed ``(1, H, rows, D)`` (``cut_tokens``'s
+    inverse for one segment); a chunk's segment is already one row."""
+    return x if segment.rows == 1 else x.swapaxes(0, 2)
 
 
-def cut_tokens(x: mx.array, segments: Sequence[Segment]) -> list[mx.array]:
-    """Packed ``(1, T, ...)`` token rows cut into each segment's ``(rows, length, ...)``."""
+def cut_tokens(x: mx.array, segments: Sequence[Segment], axis: int = 1) -> list[mx.array]:
+    """Packed ``x`` whose tokens run along ``axis`` (``(1, T, ...)``; attention's ``(1, heads, T,
+    D)`` with ``axis`` 2) cut into each segment's part, a decode batch's rows moved to axis 0
+    (``(rows, 1, ...)``; ``(rows, heads, 1, D)``)."""
     parts, start = [], 0
     for segment in segments:
-        part = x[:, start : start + segment.tokens]
-        parts.append(part if segment.rows == 1 else part.swapaxes(0, 1))  # (1, rows, ...) -> (rows, 1, ...)
+        part = x[(slice(None),) * axis + (slice(start, start + segment.tokens),)]
+        parts.append(part if segment.rows == 1 else part.swapaxes(0, axis))
         start += segment.tokens
     return parts
 
@@ -94,11 +96,7 @@ class PackedLayerCache:
 
     def cut(self, x: mx.array) -> list[mx.array]:
         """Packed ``(1, heads, T, D)`` cut into each segment's ``(rows, heads, length, D)``."""
-        parts, start = [], 0
-        for segment in self.segments:
-            parts.append(pack_segment(x[:, :, start : start + segment.tokens], segment))
-            start += segment.tokens
-        return parts
+        return cut_tokens(x, self.segments, axis=2)
 
     def kept(self, keep: mx.array | None) -> list[list[int] | None]:
         """Each segment's tokens among the packed positions ``keep`` (ascending, as a packed step

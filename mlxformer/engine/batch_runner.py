@@ -258,10 +258,11 @@ class BatchRunner:
         chunks: Sequence[PromptChunk],
     ) -> tuple[list[mx.array], list[mx.array | None]]:
         """``step`` as one forward per batch, per sequence on its own caches and per chunk (a
-        model that does not pack, a step of one part, a prompt's chunks crossing within it). A forward writing a row of a batch that an earlier forward
-        read is built once that one is evaluated: the earlier attention would otherwise still
-        read the buffer the write replaces, and MLX would copy the buffer instead of writing it
-        in place (``cache/packed.py`` orders the writes instead)."""
+        model that does not pack, a step of one part, a prompt's chunks crossing within it). A
+        forward writing a row of a batch that an earlier forward read is built once that one is
+        evaluated: the earlier attention would otherwise still read the buffer the write
+        replaces, and MLX would copy the buffer instead of writing it in place
+        (``cache/packed.py`` orders the writes instead)."""
         reading: dict[int, list[mx.array]] = {}  # id(batch) -> the outputs not yet evaluated of forwards reading it
 
         def before(caches: Sequence[Cache], batch: DecodeBatch | None = None) -> set[int]:
