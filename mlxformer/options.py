@@ -11,7 +11,7 @@ API's name for the field (``temp`` is OpenAI's ``temperature``).
 Fields and their rules (every float must be finite: NaN and infinities are refused):
 
 - ``temp >= 0`` (0: greedy); ``0 < top_p <= 1`` (1: off; the most likely token always stays);
-  ``top_k >= 0`` (0: off); ``0 <= min_p < 1`` (0: off).
+  ``0 <= top_k < 2**31`` (0: off; a k past the vocabulary keeps it whole); ``0 <= min_p < 1`` (0: off).
 - ``repetition_penalty``: ``None`` (off) or ``> 0``, CTRL-style over the last 64 tokens.
 - ``presence_penalty``, ``frequency_penalty`` in ``[-2, 2]`` (OpenAI's, over generated tokens).
 - ``logit_bias``: ``{token id >= 0: bias in [-100, 100]}`` (ids are checked against the
@@ -35,6 +35,7 @@ MAX_SEED = 2**64 - 1  # mx.random.key takes an unsigned 64-bit seed
 RANDOM_SEED = -1
 MAX_PENALTY = 2.0  # OpenAI's range for presence/frequency penalties
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values
+MAX_INT32 = 2**31 - 1  # counts the sampling graph holds as int32 (top_k; a larger one is off anyway)
 
 
 def check_number(
@@ -87,7 +88,7 @@ class SamplingSettings:
     def __post_init__(self) -> None:
         check_number("temp", self.temp, low=0.0)
         check_number("top_p", self.top_p, low=0.0, high=1.0, low_open=True)
-        check_integer("top_k", self.top_k, low=0)
+        check_integer("top_k", self.top_k, low=0, high=MAX_INT32)
         check_number("min_p", self.min_p, low=0.0, high=1.0, high_open=True)
         if self.repetition_penalty is not None:
             check_number("repetition_penalty", self.repetition_penalty, low=0.0, low_open=True)

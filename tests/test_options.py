@@ -29,7 +29,7 @@ def test_every_float_rejects_nan_and_infinities(field, value):
 
 
 @pytest.mark.parametrize("field,value", [
-    ("temp", -0.1), ("top_p", 0.0), ("top_p", 1.01), ("top_k", -1), ("min_p", 1.0), ("repetition_penalty", 0.0),
+    ("temp", -0.1), ("top_p", 0.0), ("top_p", 1.01), ("top_k", -1), ("top_k", 2**31), ("min_p", 1.0), ("repetition_penalty", 0.0),
     ("presence_penalty", 2.5), ("frequency_penalty", -2.5), ("seed", -2), ("seed", MAX_SEED + 1), ("seed", 1.5),
     ("logit_bias", {-1: 1.0}), ("logit_bias", {1: 101.0}),
 ])

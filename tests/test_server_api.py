@@ -228,6 +228,7 @@ BAD_REQUESTS = [  # (body, expected status, expected param or None)
     ({"messages": [{"role": "robot", "content": "hi"}]}, 400, None),  # unknown role
     ({"messages": [{"role": "user", "content": "hi"}], "temperature": -1}, 400, "temperature"),
     ({"messages": [{"role": "user", "content": "hi"}], "top_p": 0}, 400, "top_p"),
+    ({"messages": [{"role": "user", "content": "hi"}], "top_k": 2**31}, 400, "top_k"),  # past the graph's int32
     ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, 400, "max_tokens"),
     ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": "many"}, 400, "max_tokens"),
     ({"messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "n"),

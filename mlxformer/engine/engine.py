@@ -96,10 +96,11 @@ class Engine(Admission, DecodeStep):
         self.sharing.caches = self.runner.caches  # a prefilling sequence's keys/values are in its row
         self.vocab_size = model.args.vocab_size
         self.metrics = EngineMetrics(metrics)
-        self.metrics.watch(lambda: len(self.scheduler.waiting), lambda: self.scheduler.active, self.kv_bytes,
+        self.metrics.watch(lambda: len(self.scheduler.waiting), lambda: self.scheduler.active, lambda: self.held_kv,
                            self.budget.limit if self.budget is not None else 0)
         self.metrics.step_reserve.set(self.budget.reserve if self.budget is not None else 0)
         self._handles: dict[int, RequestHandle] = {}
+        self.held_kv = 0  # KV bytes held after the last step (``kv_bytes``), for the metrics thread
         self.replays = Replays()  # preempted sequences catching up
         self.pipeline: Pipeline | None = None  # the last step's tokens, queued and not yet read
         self.overlap = True  # queue step n+1 before reading step n's tokens (off: to measure it)
@@ -216,16 +217,19 @@ class Engine(Admission, DecodeStep):
             except Exception as exc:  # a fault outside any one sequence: fail those in flight, keep serving
                 self._fail_all(exc)
 
-    def _fail_all(self, error: BaseException) -> None:  # every request in flight, with ``error``
-        self.pipeline = None
-        self.runner.reset()
-        self.sharing.held.clear()
-        self.scheduler.clear()
-        self.replays.clear()
-        for handle in list(self._handles.values()):
-            handle.sequence.finish("error")
-            self._handles.pop(id(handle.sequence), None)
-            handle._put(error=error)
+    def _fail_all(self, error: BaseException) -> None:
+        """Fail every request in flight with ``error`` (under the lock ``submit`` takes: a request
+        submitted meanwhile is either failed here or served by the next step)."""
+        with self._wake:
+            self.pipeline = None
+            self.runner.reset()
+            self.sharing.held.clear()
+            self.scheduler.clear()
+            self.replays.clear()
+            for handle in list(self._handles.values()):
+                handle.sequence.finish("error")
+                self._handles.pop(id(handle.sequence), None)
+                handle._put(error=error)
 
     def step(self) -> None:
         """One engine step: drop cancelled, admit, fit the step into the KV budget, run a prompt
@@ -246,6 +250,7 @@ class Engine(Admission, DecodeStep):
         step = self._grow(self._fit(self.scheduler.plan(skip=self.sharing.held)))
         self._run(step)
         self._drop_freed(layout, prompted=bool(step.prefill))
+        self.held_kv = self.kv_bytes()  # what the metrics read (never the caches the engine swaps)
 
     # --- running a step -------------------------------------------------------------------
 
@@ -336,7 +341,18 @@ class Engine(Admission, DecodeStep):
         if len(kept) < len(sequences):
             batch = batch[mx.array(kept)]
             pending = pending[mx.array(kept)] if pending is not None else None
-        return [([sequences[i] for i in kept], *choose(batch, rows, pending))]
+        kept_sequences = [sequences[i] for i in kept]
+        try:
+            return [(kept_sequences, *choose(batch, rows, pending))]
+        except Exception:  # one row's settings: choose row by row, and fail only the rows that fail
+            choices = []
+            for i, (sequence, row) in enumerate(zip(kept_sequences, rows)):
+                try:
+                    one = pending[i : i + 1] if pending is not None else None
+                    choices.append(([sequence], *choose(batch[i : i + 1], [row], one)))
+                except Exception as exc:
+                    self._fail(sequence, exc)
+            return choices
 
     # --- output -------------------------------------------------------------------------
 

@@ -181,8 +181,8 @@ class PrefixCache:
             run.pop()  # end where a state snapshot is
         while run and not all(window_served(run, layer, w) for layer, w in enumerate(self.windows) if w):
             run.pop()  # end where every sliding window's last tokens are held
-        if not run:
-            return None
+        if not run or (run[0].centers is not None and sum(len(b.tokens) for b in run) < self.settings.quantized_kv_start):
+            return None  # quantized below quantized_kv_start: a cold prefill holds those tokens as floats
         self._touch([b for b in run if b.key in self.blocks])
         self.evict_to(self.budget)
         n = sum(len(b.tokens) for b in run)

@@ -105,7 +105,7 @@ class SamplingFields(Lenient):
     max_tokens: Optional[int] = Field(default=None, ge=1)
     temperature: Optional[float] = bounds(minimum=0.0)
     top_p: Optional[float] = bounds(above=0.0, maximum=1.0)
-    top_k: Optional[int] = bounds(minimum=-1)  # -1 or 0: off (vLLM / OpenAI-style)
+    top_k: Optional[int] = bounds(minimum=-1, maximum=2**31 - 1)  # -1 or 0: off (vLLM / OpenAI-style)
     min_p: Optional[float] = bounds(minimum=0.0, below=1.0)
     seed: Optional[int] = bounds(minimum=RANDOM_SEED, maximum=MAX_SEED)  # -1: a random seed (llama.cpp)
     stop: Union[str, list[str], None] = None

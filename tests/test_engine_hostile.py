@@ -1,0 +1,86 @@
+"""The engine under hostile input (issue 43): one request's bad settings never end another's
+stream, a prefix-cache hit serves what a cold prefill would hold, a long prompt is not starved
+by a stream of short ones."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+import mlxformer.engine.engine as engine_module
+from conftest import tiny_byte_llama_of
+from mlxformer.cache import CacheSettings
+from mlxformer.engine import Engine, GenerationRequest
+from mlxformer.errors import OptionError
+from mlxformer.options import SamplingSettings
+
+PROMPT = [(5 * j) % 200 + 20 for j in range(24)]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return tiny_byte_llama_of(tmp_path_factory.mktemp("hostile"), layers=2)
+
+
+def tokens_of(handle) -> tuple[list[int], list[float]]:
+    events = list(handle)
+    return [e.token for e in events if e.token is not None], [e.logprob for e in events if e.token is not None]
+
+
+def alone(tiny, request: GenerationRequest, **engine) -> tuple[list[int], list[float]]:
+    model, tokenizer = tiny
+    with Engine(model, tokenizer, prefix_cache_bytes=0, **engine) as e:
+        return tokens_of(e.submit(request))
+
+
+def test_top_k_past_int32_is_refused_and_past_the_vocabulary_keeps_it_whole(tiny):
+    with pytest.raises(OptionError, match="top_k"):
+        SamplingSettings(temp=1.0, top_k=2**31)
+    model, tokenizer = tiny
+    greedy = GenerationRequest(PROMPT, 8, logprobs=0)
+    wide = GenerationRequest(PROMPT[:10], 8, SamplingSettings(temp=0.8, top_k=2**31 - 1, seed=7), logprobs=0)
+    with Engine(model, tokenizer, prefix_cache_bytes=0) as engine:
+        handles = [engine.submit(greedy), engine.submit(wide)]
+        got = [tokens_of(h) for h in handles]
+    assert got[0] == alone(tiny, greedy)
+    assert got[1] == alone(tiny, wide)
+    assert len(got[1][0]) == 8
+
+
+def test_a_row_whose_choice_fails_ends_alone(tiny, monkeypatch):
+    """A failure while building the step's one sampling graph is found row by row: only the row
+    whose settings fail ends (before: every request in flight ended with it)."""
+    real = engine_module.choose
+
+    def choose(logits, rows, pending=None):
+        if any(r.sampling.seed == 666 for r in rows):
+            raise RuntimeError("injected choice fault")
+        return real(logits, rows, pending)
+
+    model, tokenizer = tiny
+    good = GenerationRequest(PROMPT, 8, logprobs=0)
+    bad = GenerationRequest(PROMPT[:12], 8, SamplingSettings(temp=0.5, seed=666))
+    reference = alone(tiny, good)
+    monkeypatch.setattr(engine_module, "choose", choose)
+    with Engine(model, tokenizer, prefix_cache_bytes=0) as engine:
+        handles = [engine.submit(good), engine.submit(bad)]
+        assert tokens_of(handles[0]) == reference
+        with pytest.raises(RuntimeError, match="injected choice fault"):
+            list(handles[1])
+        assert engine.running
+
+
+def test_a_prefix_hit_below_quantized_kv_start_equals_a_cold_prefill(tiny):
+    """A finished 100-token sequence's blocks are quantized (it crossed ``quantized_kv_start``);
+    a prompt sharing 40 of its tokens must not be served those quantized keys: a cold prefill of
+    40 tokens holds them as floats (before: greedy tokens differed from the cold run)."""
+    model, tokenizer = tiny
+    settings = CacheSettings(kv_bits=8, kv_group_size=32, quantized_kv_start=64)
+    first = [(7 * j) % 230 + 10 for j in range(100)]
+    second = first[:40] + [(3 * j) % 200 + 30 for j in range(8)]
+    cold = alone(tiny, GenerationRequest(second, 12, logprobs=0), cache_settings=settings)
+    with Engine(model, tokenizer, cache_settings=settings, prefix_cache_bytes=2**26) as engine:
+        tokens_of(engine.submit(GenerationRequest(first, 4)))
+        handle = engine.submit(GenerationRequest(second, 12, logprobs=0))
+        warm = tokens_of(handle)
+    assert warm == cold
