@@ -84,3 +84,42 @@ def test_a_prefix_hit_below_quantized_kv_start_equals_a_cold_prefill(tiny):
         handle = engine.submit(GenerationRequest(second, 12, logprobs=0))
         warm = tokens_of(handle)
     assert warm == cold
+
+
+def drive(scheduler, long_prompt: int, arrivals: int) -> int:
+    """Run the scheduler's plans as the engine would (each short request decodes one token and
+    ends), a short request arriving every step for ``arrivals`` steps; the step at which the
+    long prompt's last chunk runs."""
+    from mlxformer.engine.sequence import Sequence
+
+    def request(n: int, first: int) -> Sequence:
+        return Sequence(GenerationRequest([first + j % 50 for j in range(n)], 1), None, [])
+
+    long = request(long_prompt, 1)
+    scheduler.add(long)
+    for step in range(1, 10_000):
+        if step <= arrivals:
+            scheduler.add(request(20, 100))
+        scheduler.admit()
+        plan = scheduler.plan()
+        for sequence in plan.decode:
+            scheduler.release(sequence)
+        for chunk in plan.prefill:
+            chunk.sequence.processed += len(chunk.tokens)
+            if chunk.last:
+                if chunk.sequence is long:
+                    return step
+                scheduler.start_decoding(chunk.sequence)
+    raise AssertionError("the long prompt never finished")
+
+
+def test_a_long_prompt_is_not_starved_by_a_stream_of_short_ones():
+    """The CPU defaults (128 tokens a step): a 1,000-token prompt alone takes 8 steps; with a
+    short request arriving at every one of 600 steps it used to finish at step 608 (newcomers
+    first, then shortest remaining). Aging gives it a chunk at least every MAX_PREFILL_WAIT + 1
+    steps."""
+    from mlxformer.engine.scheduler import MAX_PREFILL_WAIT, Scheduler
+
+    make = lambda: Scheduler(max_batch=64, max_queue=64, prefill_chunk=128, step_tokens=128)  # noqa: E731
+    assert drive(make(), 1000, 0) == 8
+    assert drive(make(), 1000, 600) <= 8 * (MAX_PREFILL_WAIT + 1)

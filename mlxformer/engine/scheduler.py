@@ -1,8 +1,8 @@
 """Which sequences run at each engine step: admission bounded by ``max_batch`` (and by what the
 engine says fits), a bounded waiting queue, and each step's plan as a token budget (vLLM's and
 Sarathi-Serve's chunked prefill): one decode token for every running sequence, then prompt
-chunks of every prefilling sequence, newcomers then shortest remaining prompt first, within
-``step_tokens``;
+chunks of every prefilling sequence, newcomers then shortest remaining prompt first (a prompt
+starved for ``MAX_PREFILL_WAIT`` steps before them all), within ``step_tokens``;
 preempted sequences go back to the front of the queue."""
 
 from __future__ import annotations
@@ -24,6 +24,10 @@ from mlxformer.errors import MlxformerError
 # while a 3,000-token prompt prefills gets its first token after ~2 chunks: 0.1 of the long TTFT).
 GPU_STEP_TOKENS = 2048
 CPU_STEP_TOKENS = 128
+# Aging: a prefilling prompt that got no chunk for this many steps goes first (oldest first), so
+# no stream of newcomers or shorter prompts can starve it: the oldest prefilling prompt gets a
+# chunk at least once every MAX_PREFILL_WAIT + 1 steps (docs/design/scheduler.md).
+MAX_PREFILL_WAIT = 4
 
 
 def default_step_tokens() -> int:
@@ -73,6 +77,8 @@ class Scheduler:
         self.lock = threading.Lock()
         self._arrival: dict[int, int] = {}  # id(sequence) -> submission order
         self._counter = itertools.count()
+        self.steps = 0  # steps planned so far
+        self._chunked: dict[int, int] = {}  # id(prefilling sequence) -> the step it last got a chunk (or was admitted)
 
     def add(self, sequence: Sequence) -> None:
         """Queue a new sequence; raises ``EngineOverloaded`` when the queue is full (the requests
@@ -104,6 +110,7 @@ class Scheduler:
                 sequence = self.waiting.popleft()
                 sequence.status = Status.PREFILLING
                 self.prefilling.append(sequence)
+                self._chunked[id(sequence)] = self.steps
                 admitted.append(sequence)
         return admitted
 
@@ -121,7 +128,7 @@ class Scheduler:
         then the prefilling sequences get prompt chunks in rounds (one chunk each per round;
         those with nothing prefilled yet first, then the shortest remaining prompt) while the
         budget lasts; at least one chunk always runs. A newcomer's first chunk thus runs at its
-        first step, whatever else is prefilling.
+        first step, unless a prompt starved for ``MAX_PREFILL_WAIT`` steps takes the budget first.
 
         A prompt is cut as ``prefill`` cuts it alone (chunks of ``prefill_chunk``, then the
         rest), so that its computation, and hence its output, is the same as when it runs alone.
@@ -132,8 +139,8 @@ class Scheduler:
         one chunk per step (its snapshot is taken after the step)."""
         step = Step(decode=list(self.running))
         budget = self.step_tokens - len(step.decode)
-        queue = sorted((s for s in self.prefilling if s not in skip),
-                       key=lambda s: (s.processed > s.cached_tokens, len(s.prompt) - s.processed))
+        self.steps += 1
+        queue = sorted((s for s in self.prefilling if s not in skip), key=self._priority)
         planned = {id(s): s.processed for s in queue}  # each one's prompt position after its planned chunks
         while queue:
             for sequence in list(queue):
@@ -144,12 +151,20 @@ class Scheduler:
                     queue = []  # the budget is spent: this round ends the plan
                     break
                 step.prefill.append(Chunk(sequence, sequence.prompt[start : start + size], start + size == len(sequence.prompt)))
+                self._chunked[id(sequence)] = self.steps
                 planned[id(sequence)], budget = start + size, budget - size
                 if start + size == len(sequence.prompt):
                     queue.remove(sequence)
             if self.aligned:
                 break
         return step
+
+    def _priority(self, sequence: Sequence) -> tuple:
+        """Chunk order: prompts starved for ``MAX_PREFILL_WAIT`` steps (oldest first), then
+        newcomers, then the shortest remaining prompt."""
+        starved = self.steps - self._chunked.get(id(sequence), self.steps) > MAX_PREFILL_WAIT
+        return (not starved, self._arrival.get(id(sequence), 0) if starved else 0,
+                sequence.processed > sequence.cached_tokens, len(sequence.prompt) - sequence.processed)
 
     def start_decoding(self, sequence: Sequence) -> None:
         """A newcomer's prompt is done: it decodes from the next step on."""
@@ -167,6 +182,7 @@ class Scheduler:
             if sequence in self.waiting:
                 self.waiting.remove(sequence)
             self._arrival.pop(id(sequence), None)
+            self._chunked.pop(id(sequence), None)
 
     def latest_active(self) -> Sequence | None:
         """The active sequence submitted last (the first to preempt)."""
@@ -194,4 +210,5 @@ class Scheduler:
             self.prefilling.clear()
             self.running.clear()
             self._arrival.clear()
+            self._chunked.clear()
         return everything
