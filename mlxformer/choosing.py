@@ -23,7 +23,7 @@ import numpy as np
 
 from mlxformer.options import SamplingSettings
 from mlxformer.sampling import (
-    REPETITION_CONTEXT, draw, filtered, normalize, occurrence_penalized, repetition_penalized,
+    REPETITION_CONTEXT, draw, filtered, normalize, occurrence_penalized, repetition_penalized, token_counts,
 )
 
 _MASK64 = 2**64 - 1
@@ -39,10 +39,46 @@ def draw_key(seed: int, n: int) -> tuple[int, int]:
     return z >> 32, z & 0xFFFFFFFF
 
 
+class History(Sequence[int]):
+    """Token lists read as one (a prompt, its generated tokens, a round's proposals), without
+    copying them: a row's history costs the host nothing per step, whatever the context (a
+    slice copies only itself)."""
+
+    def __init__(self, *parts: Sequence[int]) -> None:
+        self.parts = parts
+
+    def __len__(self) -> int:
+        return sum(len(part) for part in self.parts)
+
+    def __iter__(self):
+        for part in self.parts:
+            yield from part
+
+    def __getitem__(self, index):  # type: ignore[override]
+        if isinstance(index, slice):
+            start, stop, step = index.indices(len(self))
+            if step != 1:
+                return list(self)[index]
+            out: list[int] = []
+            for part in self.parts:
+                if start < len(part) and stop > 0:
+                    out += part[max(start, 0) : stop]
+                start, stop = start - len(part), stop - len(part)
+            return out
+        index = index + len(self) if index < 0 else index
+        for part in self.parts:
+            if 0 <= index < len(part):
+                return part[index]
+            index -= len(part)
+        raise IndexError("history index out of range")
+
+
 @dataclass(frozen=True)
 class Row:
     """One row to choose for: its settings, every token so far (``history``, the generated ones
-    from ``prompt_length`` on), its draw key (``None``: greedy) and its constraint's mask."""
+    from ``prompt_length`` on), its draw key (``None``: greedy) and its constraint's mask.
+    ``counts``: how often each token occurs in the generated part, float32 ``(vocab,)``, kept
+    running by the sequence (the presence/frequency penalties then read no history)."""
 
     sampling: SamplingSettings
     history: Sequence[int]
@@ -50,6 +86,7 @@ class Row:
     key: tuple[int, int] | None = None
     mask: mx.array | None = None  # bool (n,): the tokens allowed next
     pending: int = 0  # tokens chosen but not yet in ``history`` that follow it (its row of ``pending``)
+    counts: mx.array | None = None
 
 
 def _padded(rows: list[list[int]], fill: int) -> np.ndarray:
@@ -97,8 +134,7 @@ def process(logits: mx.array, rows: Sequence[Row], pending: mx.array | None = No
         counted = [n if p != 1.0 else 0 for p, n in zip(repetition, counts)]
         logits = repetition_penalized(logits, _ids(recent, vocab, pending, counted, REPETITION_CONTEXT), _vector(repetition))
     if any(s.presence_penalty or s.frequency_penalty for s in settings):
-        generated = [list(r.history[r.prompt_length:]) for r in rows]
-        logits = occurrence_penalized(logits, _ids(generated, vocab, pending, counts),
+        logits = occurrence_penalized(logits, _generated_counts(rows, vocab, pending, counts),
                                       _vector([s.presence_penalty for s in settings]),
                                       _vector([s.frequency_penalty for s in settings]))
     if any(s.logit_bias for s in settings):
@@ -110,6 +146,18 @@ def process(logits: mx.array, rows: Sequence[Row], pending: mx.array | None = No
     if any(r.mask is not None for r in rows):
         logits = mx.where(mask_matrix([r.mask for r in rows], vocab), logits, -mx.inf)
     return logits
+
+
+def _generated_counts(rows: Sequence[Row], vocab: int, pending: mx.array | None, counts: list[int]) -> mx.array:
+    """Float32 ``(B, vocab)``: how often each token occurs in each row's generated tokens and
+    its first ``counts`` pending ones (a row's running ``counts`` when it has them)."""
+    if all(r.counts is not None for r in rows):
+        total = mx.stack([r.counts for r in rows])  # type: ignore[misc]
+        if pending is None or not any(counts):
+            return total
+        return total + token_counts(_ids([[] for _ in rows], vocab, pending, counts), vocab)
+    generated = [list(r.history[r.prompt_length:]) for r in rows]
+    return token_counts(_ids(generated, vocab, pending, counts), vocab)
 
 
 def mask_matrix(masks: Sequence[mx.array | None], vocab: int) -> mx.array:

@@ -26,7 +26,7 @@ from mlxformer.cache.rotating import RotatingKVCache
 from mlxformer.errors import MlxformerError
 from mlxformer.models.decoder import Model
 from mlxformer.options import SamplingSettings, check_integer
-from mlxformer.choosing import Row, choose, draw_key
+from mlxformer.choosing import History, Row, choose, draw_key
 from mlxformer.sampling import TokenConstraint, make_distribution
 from mlxformer.speculative import Proposer, SpeculativeSettings, Speculator, new_proposer, rewind
 from mlxformer.stop import StopMatcher
@@ -87,6 +87,7 @@ class DecodingState:
         self.speculator: Speculator | None = None
         self.cache = cache if cache is not None else []
         self.finish_reason: str | None = None
+        self._counted: tuple[int, mx.array | None] = (0, None)  # ``_generated_counts``: tokens counted, counts
 
     @property
     def cache(self) -> list[Cache]:
@@ -151,23 +152,37 @@ class DecodingState:
         self.key += 1
         return key
 
-    def row(self, pending: int = 0) -> Row:
+    def row(self, pending: int = 0, vocab: int | None = None) -> Row:
         """This sequence as a row of a batch choice (a draw taken from its stream unless it is
         greedy; its constraint's mask computed); ``pending``: tokens chosen after its history but
-        not yet recorded (``choosing.process``)."""
+        not yet recorded (``choosing.process``). Host work independent of the context: the
+        history is a view, and with ``vocab`` the generated tokens' counts are kept running."""
         key = None
         if not self.greedy:
             key = draw_key(self.seed, self.key)  # type: ignore[arg-type]
             self.key += 1
         mask = self.constraint.next_mask() if self.constraint is not None else None
-        return Row(self.sampling, self.tokens, len(self.prompt), key, mask, pending)
+        penalized = self.sampling.presence_penalty or self.sampling.frequency_penalty
+        counts = self._generated_counts(vocab) if penalized and vocab is not None else None
+        return Row(self.sampling, History(self.prompt, self.generated), len(self.prompt), key, mask, pending, counts)
+
+    def _generated_counts(self, vocab: int) -> mx.array:
+        """Float32 ``(vocab,)`` counts of the generated tokens, on the device, updated with the
+        tokens recorded since the last call (rebuilt when ``generated`` shrank: a replay)."""
+        counted, counts = self._counted
+        if counts is None or counted > len(self.generated) or counts.shape[0] != vocab:
+            counted, counts = 0, mx.zeros((vocab,), mx.float32)
+        if counted < len(self.generated):
+            counts = counts.at[mx.array(self.generated[counted:])].add(1.0)
+        self._counted = (len(self.generated), counts)
+        return counts
 
     def choose(self, logits: mx.array, pending: mx.array | None = None) -> tuple[mx.array, mx.array]:
         """Next token ``(1,)`` and the processed log-probabilities ``(1, vocab)`` from logits
         ``(1, vocab)``, lazily (``choosing.choose`` with a batch of one). ``pending``: a token
         ``(1,)`` already chosen but not yet recorded (a pipelined loop), which the penalties
         count as history."""
-        return choose(logits, [self.row(1 if pending is not None else 0)], pending)
+        return choose(logits, [self.row(1 if pending is not None else 0, logits.shape[-1])], pending)
 
     # --- recording ----------------------------------------------------------------------
 
@@ -226,13 +241,13 @@ class DecodingState:
         or without a guess)."""
         if self.speculator is None:
             return None
-        return self.speculator.propose(self.tokens, self.room)
+        return self.speculator.propose(History(self.prompt, self.generated), self.room)
 
     def verify(self, logits: mx.array) -> tuple[list[int], mx.array]:
         """The round's outcome from the target's ``logits`` ``(k + 1, vocab)`` over the last
         token and the proposals: ``(token (1,), log-probabilities (1, vocab))`` to record in order."""
         assert self.speculator is not None
-        return self.speculator.verify(logits, self.tokens)
+        return self.speculator.verify(logits, History(self.prompt, self.generated))
 
     def settle(self) -> None:
         """After a step's tokens were recorded: take back what the cache holds beyond

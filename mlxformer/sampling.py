@@ -192,9 +192,9 @@ def repetition_penalized(logits: mx.array, recent: mx.array, penalty: Setting) -
     return mx.where(seen, mx.where(logits > 0, logits / penalty, logits * penalty), logits)
 
 
-def occurrence_penalized(logits: mx.array, generated: mx.array, presence: Setting, frequency: Setting) -> mx.array:
-    """OpenAI's presence and frequency penalties over the tokens of ``generated`` ``(B, n)``."""
-    counts = token_counts(generated, logits.shape[-1])
+def occurrence_penalized(logits: mx.array, counts: mx.array, presence: Setting, frequency: Setting) -> mx.array:
+    """OpenAI's presence and frequency penalties from each row's generated-token ``counts``
+    ``(B, vocab)`` (``token_counts``)."""
     return logits - (_column(frequency, mx.float32) * counts + _column(presence, mx.float32) * (counts > 0))
 
 
@@ -217,7 +217,7 @@ def penalty_processor(
     def process(history: mx.array, logits: mx.array) -> mx.array:
         logits = logits.astype(mx.float32)
         generated = mx.broadcast_to(history[prompt_length:][None], (logits.shape[0], max(history.size - prompt_length, 0)))
-        logits = occurrence_penalized(logits, generated, presence, frequency)
+        logits = occurrence_penalized(logits, token_counts(generated, logits.shape[-1]), presence, frequency)
         if bias:
             logits = logits.at[:, mx.array(list(bias))].add(mx.array(list(bias.values()), mx.float32))
         return logits

@@ -30,7 +30,7 @@ from mlxformer.errors import MlxformerError
 from mlxformer.models.decoder import Model
 from mlxformer.options import SamplingSettings, check_integer
 from mlxformer.cache import CacheSettings, make_cache
-from mlxformer.choosing import Row, process
+from mlxformer.choosing import History, Row, process
 from mlxformer.sampling import Distribution, draw, filtered, normalize
 from mlxformer.steps import prefill
 from mlxformer.tokenizer import Tokenizer
@@ -118,15 +118,16 @@ class PromptLookupProposer:
 
     ngram_max: int = 3
     ngram_min: int = 2
-    seen: list[int] = field(default_factory=list)  # the history indexed
+    indexed: int = 0  # tokens of the history indexed
+    tail: list[int] = field(default_factory=list)  # its last ``ngram_max`` tokens (a continuation keeps them)
     starts: dict[tuple[int, ...], int] = field(default_factory=dict)  # n-gram -> latest start indexed
 
     def _index(self, history: Sequence[int]) -> None:
         """Index every n-gram that ends before the last token of ``history``."""
-        if len(history) < len(self.seen) or list(history[: len(self.seen)]) != self.seen:
-            self.seen, self.starts = [], {}
-        done = len(self.seen)
-        self.seen.extend(history[done:])
+        done = self.indexed
+        if len(history) < done or history[done - len(self.tail) : done] != self.tail:
+            done, self.starts = 0, {}
+        self.indexed, self.tail = len(history), history[max(len(history) - self.ngram_max, 0) :]
         for n in range(self.ngram_min, self.ngram_max + 1):
             # starts s with s + n <= len - 1, not indexed before (those had s + n <= done - 1)
             for start in range(max(done - n, 0), len(history) - n):
@@ -273,7 +274,7 @@ class AdaptiveLength:
 
 def verify(
     logits: mx.array,
-    history: list[int],
+    history: Sequence[int],
     proposed: mx.array,
     draft_probs: mx.array | None,
     sampling: SamplingSettings,
@@ -298,7 +299,7 @@ def verify(
     k = proposed.shape[0]
     ids = proposed.astype(mx.int32)  # (k,)
     if known is not None:
-        rows = [Row(sampling, history + known[:i], prompt_length) for i in range(k + 1)]
+        rows = [Row(sampling, History(history, known[:i]), prompt_length) for i in range(k + 1)]
         logprobs = normalize(process(logits, rows))  # (k + 1, vocab)
     else:  # row i follows the history with proposals[:i]
         rows = [Row(sampling, history, prompt_length, pending=i) for i in range(k + 1)]
@@ -351,7 +352,7 @@ class Speculator:
         self.stats = SpeculativeStats()
         self.round: Round | None = None
 
-    def propose(self, history: list[int], room: int) -> mx.array | None:
+    def propose(self, history: Sequence[int], room: int) -> mx.array | None:
         """Proposals ``(k,)`` to follow ``history`` (at most ``room - 1``, so that the round's
         tokens fit in ``room``; maybe still on the device); starts a round when there are any."""
         k = min(self.length.current, room - 1)
@@ -364,7 +365,7 @@ class Speculator:
         self.round = Round(mx.array(proposed, mx.int32), draft_probs, known)
         return self.round.proposed
 
-    def verify(self, logits: mx.array, history: list[int]) -> tuple[list[int], mx.array]:
+    def verify(self, logits: mx.array, history: Sequence[int]) -> tuple[list[int], mx.array]:
         """Decide the round from the target's ``logits`` ``(k + 1, vocab)`` (``verify``): the
         accepted proposals then the next token, and their log-probabilities ``(n, vocab)``."""
         assert self.round is not None

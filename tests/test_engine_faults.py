@@ -122,10 +122,10 @@ def poison(stage: str, engine: Engine, monkeypatch) -> None:
     elif stage == "retire":  # keeping a finished request's cache for prefix reuse
         real_insert = engine.prefix_cache.insert
 
-        def insert(tokens, caches):
+        def insert(tokens, caches, *keys):
             if POISON in tokens:
                 raise RuntimeError("injected retire fault")
-            return real_insert(tokens, caches)
+            return real_insert(tokens, caches, *keys)
 
         monkeypatch.setattr(engine.prefix_cache, "insert", insert)
     elif stage == "detokenizer":

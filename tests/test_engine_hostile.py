@@ -123,3 +123,86 @@ def test_a_long_prompt_is_not_starved_by_a_stream_of_short_ones():
     make = lambda: Scheduler(max_batch=64, max_queue=64, prefill_chunk=128, step_tokens=128)  # noqa: E731
     assert drive(make(), 1000, 0) == 8
     assert drive(make(), 1000, 600) <= 8 * (MAX_PREFILL_WAIT + 1)
+
+
+def host_bytes_per_step(context: int) -> int:
+    """Peak bytes the host allocates to build one step's sampling graph (``Sequence.row`` and
+    ``choose``, not evaluated) for 8 sequences of ``context`` prompt tokens that have generated
+    a few tokens, every penalty on, after a warm step (a counted measure, not a timed one)."""
+    import tracemalloc
+
+    from mlxformer.choosing import choose
+    from mlxformer.engine.sequence import Sequence
+
+    vocab = 256
+    settings = SamplingSettings(temp=0.7, repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.3, seed=3)
+    sequences = [Sequence(GenerationRequest([(i + j) % 250 for j in range(context)], 64, settings), None, [])
+                 for i in range(8)]
+    logits = mx.random.normal((8, vocab), key=mx.random.key(0))
+    for step in range(3):
+        for s in sequences:
+            s.generated.append(step + 1)
+        if step < 2:  # warm: the running counts start from the generated tokens
+            mx.eval(choose(logits, [s.row(0, vocab) for s in sequences]))
+            continue
+        tracemalloc.start()
+        choose(logits, [s.row(0, vocab) for s in sequences])
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    return peak
+
+
+def test_host_work_per_step_does_not_grow_with_the_context():
+    """Before: every row copied its whole token history each step (batch 8 at 32k tokens: 2 MiB
+    a step) and the presence/frequency penalties re-uploaded every generated token. (128 tokens:
+    the repetition penalty's 64-token window is full, the one part that grows below that.)"""
+    short, long = host_bytes_per_step(128), host_bytes_per_step(32768)
+    assert long <= 1.5 * short, (short, long)
+
+
+def test_prompt_lookup_rounds_cost_the_new_tokens_only():
+    import tracemalloc
+
+    from mlxformer.choosing import History
+    from mlxformer.speculative import PromptLookupProposer
+
+    def round_bytes(context: int) -> int:
+        prompt = [(7 * j) % 97 for j in range(context)]
+        generated: list[int] = []
+        proposer = PromptLookupProposer()
+        proposer.propose(History(prompt, generated), 4)  # indexes the prompt once
+        generated += [5, 6]
+        tracemalloc.start()
+        proposer.propose(History(prompt, generated), 4)
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        return peak
+
+    assert round_bytes(32768) <= 1.5 * round_bytes(64)
+
+
+def test_a_prompt_published_chunk_by_chunk_is_hashed_once(tiny, monkeypatch):
+    """While a newcomer waits for a shared prefix, the prefilling prompt publishes its blocks
+    after every chunk; each publish used to hash the whole prefix again (quadratic in the
+    prompt: ~1.5 s of the engine's thread over a 128k prompt). Counted: blocks hashed."""
+    import mlxformer.engine.prefix_cache as prefix_cache_module
+
+    hashed = []
+    real = prefix_cache_module.block_keys
+
+    def counting(seed, tokens, block_size, count=None):
+        keys = real(seed, tokens, block_size, count)
+        hashed.append(len(keys))
+        return keys
+
+    monkeypatch.setattr(prefix_cache_module, "block_keys", counting)
+    model, tokenizer = tiny
+    first = [(11 * j) % 240 + 5 for j in range(1024)]
+    second = first[:960] + [7, 8, 9]
+    with Engine(model, tokenizer, prefill_chunk=32, step_tokens=64, prefix_cache_bytes=2**26) as engine:
+        handles = [engine.submit(GenerationRequest(first, 2)), engine.submit(GenerationRequest(second, 2))]
+        for handle in handles:
+            list(handle)
+        assert handles[1].sequence.cached_tokens >= 928  # it waited for the shared blocks
+    blocks = (len(first) + len(second)) // 32
+    assert sum(hashed) <= 3 * blocks, (sum(hashed), blocks)

@@ -329,9 +329,10 @@ class Engine(Admission, DecodeStep):
         (blocks ``(n, vocab)``, one row per sequence in order); one whose constraint fails ends
         alone. ``pending``: their input tokens ``(n,)``, not recorded yet where in ``self.pipeline``."""
         rows, kept = [], []
+        batch_vocab = logits[0].shape[-1]
         for i, sequence in enumerate(sequences):
             try:
-                rows.append(sequence.row(int(pending is not None and sequence in (self.pipeline or ()))))
+                rows.append(sequence.row(int(pending is not None and sequence in (self.pipeline or ())), batch_vocab))
                 kept.append(i)
             except Exception as exc:
                 self._fail(sequence, exc)

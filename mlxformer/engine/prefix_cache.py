@@ -76,12 +76,14 @@ class PrefixCache:
         """The chain keys of the full blocks of ``tokens``."""
         return block_keys(self.seed, tokens, self.block_size, count)
 
-    def insert(self, tokens: Sequence[int], caches: Sequence[Cache]) -> list[Block]:
+    def insert(self, tokens: Sequence[int], caches: Sequence[Cache], keys: Sequence[str] | None = None) -> list[Block]:
         """Keep the blocks of ``caches`` (holding exactly ``tokens``) not kept yet: the full
-        ones, and the partial one at the end in memory; returns the blocks cut (lazy)."""
+        ones, and the partial one at the end in memory; returns the blocks cut (lazy). ``keys``:
+        the chain keys of ``tokens``' full blocks when known (a prompt published chunk by chunk
+        is hashed once, not again after every chunk)."""
         if self.budget <= 0 and self.disk is None:
             return []
-        keys = self.keys_for(tokens)
+        keys = list(keys) if keys is not None else self.keys_for(tokens)
         if not caches or not tokens:
             return []
         size, parents = self.block_size, ["", *keys]

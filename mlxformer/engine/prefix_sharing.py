@@ -81,4 +81,5 @@ class PrefixSharing:
         snapshots = self.prefix_cache.hybrid or any(self.prefix_cache.windows)  # states, windows: cut per chunk
         wanted = self.held or (snapshots and self.prefix_cache.caching)
         if wanted and sequence.processed >= self.prefix_cache.block_size:
-            self.prefix_cache.insert(sequence.prompt[: sequence.processed], self.caches(sequence))
+            full = sequence.processed // self.prefix_cache.block_size
+            self.prefix_cache.insert(sequence.prompt[: sequence.processed], self.caches(sequence), self.keys(sequence)[:full])
