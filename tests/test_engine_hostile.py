@@ -206,3 +206,31 @@ def test_a_prompt_published_chunk_by_chunk_is_hashed_once(tiny, monkeypatch):
         assert handles[1].sequence.cached_tokens >= 928  # it waited for the shared blocks
     blocks = (len(first) + len(second)) // 32
     assert sum(hashed) <= 3 * blocks, (sum(hashed), blocks)
+
+
+def test_a_default_max_tokens_is_what_the_budget_holds_not_a_refusal(tiny):
+    """OpenAI clients send no max_tokens: the default is the rest of the context, which a KV
+    budget smaller than one full context refused (a 400 under ``--max-kv-memory auto`` on a
+    128k model). The default is now cut to what the budget can hold for the prompt."""
+    from mlxformer.engine import KVBudgetExceeded
+    from mlxformer.engine.memory import KVSizer
+
+    model, tokenizer = tiny
+    rest = model.args.max_position_embeddings - len(PROMPT)
+    budget = KVSizer(model, CacheSettings()).peak(len(PROMPT) + 300)
+    with Engine(model, tokenizer, max_kv_memory=budget, prefix_cache_bytes=0) as engine:
+        with pytest.raises(KVBudgetExceeded):
+            engine.submit(GenerationRequest(PROMPT, rest))  # the client's own max_tokens: refused
+        events = list(engine.submit(GenerationRequest(PROMPT, rest, fit_budget=True)))
+    assert events[-1].finish_reason == "length" and 300 <= events[-1].completion_tokens < rest
+
+
+def test_the_server_leaves_a_missing_max_tokens_to_the_budget(tiny):
+    from mlxformer.server.protocol import ChatCompletionRequest
+    from mlxformer.server.translate import ServedModel, engine_request
+
+    model, tokenizer = tiny
+    served = ServedModel.of("tiny", model, tokenizer)
+    body = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}]})
+    assert engine_request(body, PROMPT, served, max_tokens=None, logprobs=None).fit_budget
+    assert not engine_request(body, PROMPT, served, max_tokens=5, logprobs=None).fit_budget

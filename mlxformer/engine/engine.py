@@ -163,6 +163,7 @@ class Engine(Admission, DecodeStep):
         when its KV cache can never fit the budget, ``EngineOverloaded`` when the queue is full and
         ``EngineNotRunning`` unless the engine is running."""
         check_request(request, self.vocab_size)
+        request = self.planner.fitted(request)
         self.planner.check(request)
         sequence = Sequence(request, self.tokenizer.detokenizer(), self.tokenizer.eos_token_ids)
         handle = RequestHandle(sequence, self._notify)

@@ -11,6 +11,7 @@ entries, then preempting. A request's peak is thus its own size plus one layer's
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import re
@@ -257,6 +258,18 @@ class MemoryPlanner:
 
     def __init__(self, sizer: KVSizer, budget: KVBudget | None, draft_tokens: int) -> None:
         self.sizer, self.budget, self.draft_tokens = sizer, budget, draft_tokens
+
+    def fitted(self, request: GenerationRequest) -> GenerationRequest:
+        """``request`` with a default ``max_tokens`` (``fit_budget``) cut to the most the budget
+        can hold for its prompt, alone (unchanged without a budget, or when not even one token fits)."""
+        if self.budget is None or not request.fit_budget:
+            return request
+        fits = lambda n: self.sizer.peak(len(request.prompt_ids) + n + self.draft_tokens) <= self.budget.limit  # noqa: E731
+        low, high = 0, request.max_tokens  # fits(low) or low == 0; the answer is in [low, high]
+        while low < high:
+            middle = (low + high + 1) // 2
+            low, high = (middle, high) if fits(middle) else (low, middle - 1)
+        return dataclasses.replace(request, max_tokens=low) if 0 < low < request.max_tokens else request
 
     def check(self, request: GenerationRequest) -> None:
         """Raise ``KVBudgetExceeded`` for a request that can never fit the budget, even alone."""

@@ -34,6 +34,9 @@ class GenerationRequest:
     prompt_logprobs: int | None = None  # k >= 0: also score the prompt's tokens (k alternatives each)
     constraint: TokenConstraint | None = None
     speculate: bool = True  # decode speculatively when the engine has speculative settings (not with a constraint)
+    # ``max_tokens`` is a default, not the client's (the rest of the context): under a KV budget
+    # the engine cuts it to what the budget can hold for this prompt instead of refusing it
+    fit_budget: bool = False
 
 
 @dataclass

@@ -169,4 +169,5 @@ def engine_request(
         stop=tuple(stops),
         logprobs=logprobs,
         constraint=constraint,
+        fit_budget=max_tokens is None,  # the rest of the context, or what the KV budget holds
     )
