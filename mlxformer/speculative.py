@@ -21,7 +21,7 @@ pass of ``k + 1`` positions costs little more, so every accepted proposal is nea
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Callable, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import mlx.core as mx
 
@@ -35,8 +35,6 @@ from mlxformer.sampling import Distribution, draw, filtered, normalize
 from mlxformer.steps import prefill
 from mlxformer.tokenizer import Tokenizer
 
-if TYPE_CHECKING:
-    from mlxformer.mtp import MTPDrafter
 
 
 @dataclass(frozen=True)
@@ -47,7 +45,7 @@ class SpeculativeSettings:
     prompt_lookup: bool = False
     draft_model: Model | None = None
     draft_tokenizer: Tokenizer | None = None  # must map ids exactly as the target's tokenizer
-    mtp: MTPDrafter | None = None  # native MTP: the target's own multi-token-prediction head (``mlxformer.mtp``)
+    mtp: "NativeDrafter | None" = None  # native MTP: the target's own multi-token-prediction head (``mlxformer.mtp``)
     draft_cache: CacheSettings | None = None  # the draft's KV cache (default: ``draft_cache_settings``)
     ngram_max: int = 3  # prompt lookup: longest suffix n-gram searched for
     # Shortest n-gram that may propose. A single recurring token is a weak cue: on SmolLM2
@@ -81,6 +79,19 @@ KeySource = Callable[[], mx.array]  # returns a fresh PRNG key for each random d
 
 def _key(next_key: KeySource | None) -> mx.array | None:
     return next_key() if next_key is not None else None
+
+
+class NativeDrafter(Protocol):
+    """A target's own draft head as speculation sees it (``mlxformer.mtp.MTPDrafter``)."""
+
+    @property
+    def head(self) -> Any:
+        """The draft head (its ``args`` size the draft's cache)."""
+        ...
+
+    def new_proposer(self, settings: CacheSettings | None) -> "Proposer":
+        """A proposer over the head, its cache built with ``settings``."""
+        ...
 
 
 class Proposer(Protocol):

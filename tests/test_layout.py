@@ -23,20 +23,15 @@ def all_modules() -> dict[str, Path]:
     return {module_name(p): p for p in sorted(PACKAGE_DIR.rglob("*.py"))}
 
 
-def _is_type_checking_block(node: ast.AST) -> bool:
-    return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
-
-
 def imports_of(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
-    """Project modules ``name`` imports anywhere in its body (function-level imports too),
-    except under ``if TYPE_CHECKING:``. ``from pkg import sub`` counts as importing ``pkg.sub``."""
+    """Project modules ``name`` imports anywhere in its body (function-level imports and those
+    under ``if TYPE_CHECKING:`` too: a type-only import is a dependency all the same).
+    ``from pkg import sub`` counts as importing ``pkg.sub``."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
     is_package = path.name == "__init__.py"
     found: set[str] = set()
 
     def visit(node: ast.AST) -> None:
-        if _is_type_checking_block(node):
-            return
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names if a.name.split(".")[0] == "mlxformer")
         elif isinstance(node, ast.ImportFrom):

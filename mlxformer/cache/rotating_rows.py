@@ -30,12 +30,11 @@ from mlxformer.cache.batch_kind import BatchKey, Row, StorageKind
 from mlxformer.cache.codec import CENTER_BLOCK, KVCodec, Pack, center_blocks, pack_slice
 from mlxformer.cache.latent import Expand, latent_attention
 from mlxformer.cache.rotating import RotatingKVCache, takes_back
-from mlxformer.cache.row_place import move_back
+from mlxformer.cache.row_place import RowHost, move_back
 from mlxformer.models.mask import Mask
 
 if TYPE_CHECKING:
     from mlxformer.cache.batch import BatchLayout
-    from mlxformer.cache.rows import SpareBatch
 
 Span = tuple[int, int, int]  # (first slot, first token of the chunk, tokens)
 
@@ -151,7 +150,7 @@ class RingWrites:
     """What a rotating row's ``RowCache`` (``rows.RingRowCache``) does differently: a chunk is
     written at the ring's next slots and attended piece by piece (module doc)."""
 
-    batch: "SpareBatch"
+    batch: RowHost
     row: Row
     layer: int
     pending: int

@@ -3,14 +3,31 @@ caches of every kind (``RowCache``, ``StateRowCache``) share."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 import mlx.core as mx
 
 if TYPE_CHECKING:
     from mlxformer.cache.batch import BatchLayout
     from mlxformer.cache.batch_kind import Row
-    from mlxformer.cache.rows import SpareBatch
+
+
+class RowHost(Protocol):
+    """What a row's layer views ask of the batch the row lives in (``rows.SpareBatch``)."""
+
+    @property
+    def layers(self) -> Sequence[Any]:
+        """Each layer's stacked rows."""
+        ...
+
+    @property
+    def capacity(self) -> int:
+        """Rows its buffers hold."""
+        ...
+
+    def index(self, row: "Row") -> int:
+        """Where ``row`` is in the buffers now."""
+        ...
 
 
 def move_back(layout: "BatchLayout", index: int, row: "Row", target: int) -> None:
@@ -35,7 +52,7 @@ class RowPlace:
     """Layer ``layer`` of ``row`` in ``batch``; what a forward being built wrote there counts in
     ``pending`` (``pendings``: the row's layers', shared by their caches) until ``settle``."""
 
-    def __init__(self, batch: "SpareBatch", row: "Row", layer: int, pendings: dict[int, int]) -> None:
+    def __init__(self, batch: RowHost, row: "Row", layer: int, pendings: dict[int, int]) -> None:
         self.batch, self.row, self.layer, self.pendings = batch, row, layer, pendings
 
     @property

@@ -26,14 +26,13 @@ from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
-from mlxformer.cache.row_place import RowPlace, move_back
+from mlxformer.cache.row_place import RowHost, RowPlace, move_back
 from mlxformer.cache.state import StateCache
 from mlxformer.models.mask import Mask, causal_mask_for
 
 if TYPE_CHECKING:
     from mlxformer.cache.batch import BatchLayout
     from mlxformer.cache.batch_kind import Row
-    from mlxformer.cache.rows import SpareBatch
 
 
 def state_blank(args: Any, dtype: mx.Dtype) -> tuple[tuple[mx.array], tuple[mx.array]]:
@@ -99,7 +98,9 @@ class StateRowCache(RowPlace):
     """One recurrent layer of one ``SpareBatch`` row behind the cache protocol (module doc); a
     chunk's tokens count in ``pending`` until the runner settles the forward (``rows.settle``)."""
 
-    def __init__(self, batch: "SpareBatch", row: "Row", layer: int, pendings: dict[int, int]) -> None:
+    segments = None  # the rows of one forward (``Cache.segments``)
+
+    def __init__(self, batch: RowHost, row: "Row", layer: int, pendings: dict[int, int]) -> None:
         super().__init__(batch, row, layer, pendings)
         self.keep = max(1, int(row.metas[layer]["keep"]))  # the sequence's own cache's
         self._past: StateCache | None = None  # a speculating row's last states (module doc)

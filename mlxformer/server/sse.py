@@ -22,13 +22,25 @@ import json
 import logging
 import time
 from contextlib import aclosing
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Sequence
+from typing import Any, AsyncIterator, Callable, Protocol, Sequence
 
 from mlxformer.engine import RequestHandle, TokenEvent
 from mlxformer.engine.sequence import Status
 
-if TYPE_CHECKING:
-    from mlxformer.server.streaming import Lease
+
+
+class Lease(Protocol):
+    """A submitted request held by one response, as a stream reads it (``streaming.Lease``)."""
+
+    finished: bool
+
+    def events(self) -> AsyncIterator[TokenEvent]:
+        """The request's events."""
+        ...
+
+    def release(self) -> None:
+        """Cancel the request unless it finished (idempotent)."""
+        ...
 
 log = logging.getLogger("mlxformer.server")
 
