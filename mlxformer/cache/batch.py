@@ -173,6 +173,8 @@ def _write(buffer: mx.array, slots: mx.array, new: mx.array) -> mx.array:
 class BatchLayerCache:
     """One layer's keys/values for the rows of a ``BatchLayout``, behind the cache protocol."""
 
+    segments = None  # the rows of one forward (``Cache.segments``)
+
     def __init__(self, layout: BatchLayout, codec: KVCodec, keys: Pack, values: Pack) -> None:
         self.layout, self.codec, self.keys, self.values = layout, codec, keys, values
 
@@ -262,6 +264,8 @@ class BatchLayerCache:
 class RowView:
     """Stands in for a sequence's caches while its keys/values live in a batch: its offset and
     its share of the batch's bytes (what accounting and ``cache_tokens`` read)."""
+
+    segments = None  # the rows of one forward (``Cache.segments``)
 
     def __init__(self, batch: "DecodeBatch", row: Row, layer: int) -> None:
         self.batch, self.row, self.layer = batch, row, layer

@@ -16,6 +16,8 @@ class CodecAttention:
     """Attention over what a cache's ``codec`` stores (float, quantized, a latent): the part of the
     cache protocol that a sequence's own cache and its row of a batch share."""
 
+    segments = None  # the rows of one forward (``Cache.segments``)
+
     codec: KVCodec
 
     def attention(

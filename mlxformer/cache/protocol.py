@@ -49,6 +49,10 @@ class Cache(Protocol):
     # sequences at different positions gives an int array ``(B,)``.
     offset: int | mx.array
 
+    # A packed step's parts (``cache/packed.py``: each sequence's tokens with its own cache), which
+    # a mixer runs one by one where it cannot mix them in one pass; None: the rows of one forward.
+    segments: Sequence[Any] | None
+
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Any, Any]:
         """Store new ``(B, n_kv, L, D)`` keys/values; return everything to attend over."""
         ...

@@ -37,6 +37,8 @@ class RotatingKVCache:
     token seen, so RoPE positions keep growing past the window.
     """
 
+    segments = None  # the rows of one forward (``Cache.segments``)
+
     step = 256
 
     def __init__(

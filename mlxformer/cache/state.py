@@ -28,6 +28,8 @@ def state_nbytes(args: Any, keep: int, dtype: mx.Dtype) -> int:
 class StateCache:
     """A recurrent layer's conv inputs ``(B, kernel - 1 + kept, C)`` and states ``(B, H, Dk, Dv)``."""
 
+    segments = None  # the rows of one forward (``Cache.segments``)
+
     def __init__(self, rewind: int = 0) -> None:
         self.keep = max(1, rewind)  # tokens that can be taken back
         self.conv: mx.array | None = None  # the last conv inputs, oldest first

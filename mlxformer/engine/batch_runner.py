@@ -409,7 +409,7 @@ class BatchRunner:
         # only the picked rows past the last layer's attention, as ``Model.last_logits`` does alone
         every = watching or not chunks or len(picked) == ends[-1]  # decoding rows only: all wanted
         keep = None if every or not picked else mx.array(picked)
-        hidden = self.model.hidden_states(mx.concatenate(inputs)[None], layers, keep=keep)[0]  # (1, K, hidden) -> (K, hidden)
+        hidden = self.model.hidden_states(mx.concatenate(inputs)[None], layers, keep=keep, watch=False)[0]  # (1, K, hidden) -> (K, hidden)
         watched = [hidden] if watching else []  # evaluated with the step
         if watching:
             self._observe(groups, chunks, hidden)

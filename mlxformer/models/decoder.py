@@ -17,7 +17,6 @@ import mlx.nn as nn
 
 from mlxformer.errors import MlxformerError
 from mlxformer.models.mask import Mask, causal_mask_for, kept_rows
-from mlxformer.cache.packed import PackedLayerCache
 from mlxformer.cache.protocol import Cache
 from mlxformer.models.attention_ops import fused_attention, position_query_scale, softcap_scores, softcapped_attention
 from mlxformer.models.config import ModelArgs
@@ -279,14 +278,14 @@ class Model(nn.Module):
 
     def hidden_states(
         self, inputs: mx.array, cache: Sequence[Cache] | None = None, rope_length: int | None = None,
-        keep: mx.array | None = None,
+        keep: mx.array | None = None, watch: bool = True,
     ) -> mx.array:
         """Final-norm hidden states ``(B, T, hidden)`` for token ids ``(B, T)``. ``rope_length``:
         the whole prompt's length when this is one chunk of it (see ``RoPE``). ``keep``: only
         the positions ``(K,)`` wanted, ``(B, K, hidden)`` out: the last layer computes the rest
-        of its rows only as far as the caches need (their keys/values)."""
-        # the watch reads every row; a packed step's rows go to it by sequence (``observe``)
-        watched = self.watching and cache is not None and not (cache and isinstance(cache[0], PackedLayerCache))
+        of its rows only as far as the caches need (their keys/values). ``watch``: hand the
+        hidden rows to the watch (a packed step's rows go to it by sequence: ``observe``)."""
+        watched = self.watching and cache is not None and watch
         last = None if watched or self._remote_layers is not None else keep  # the last layer is ours
         h = self.model.embed_tokens(inputs)  # (B, T, hidden)
         if self.args.embedding_scale != 1.0:  # in the activation dtype, as transformers does

@@ -22,7 +22,8 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxformer.cache.packed import PackedLayerCache, cut_tokens, join_tokens
+from mlxformer.cache.packed import cut_tokens, join_tokens
+from mlxformer.cache.protocol import Cache
 from mlxformer.cache.state import StateCache
 from mlxformer.models.config import ModelArgs
 from mlxformer.models.gated_delta_kernel import metal_recurrent_delta_rule, uses_kernel
@@ -219,12 +220,11 @@ class GatedDeltaNet(nn.Module):
         qkv = mx.concatenate([t.reshape(B, L, -1) for t in (q, k, v)], axis=-1)
         return qkv, z.reshape(B, L, self.n_v, self.d_v), b, a
 
-    def __call__(self, x: mx.array, mask: Mask, cache: StateCache | PackedLayerCache | None,
-                 rope_length: int | None = None) -> mx.array:
+    def __call__(self, x: mx.array, mask: Mask, cache: Cache | None, rope_length: int | None = None) -> mx.array:
         """``cache``: a packed step's (``cache/packed.py``): the projections run once for every
         token, then each segment (a decode batch's rows, a prompt chunk) scans from its own state."""
         projected = self.project(x)
-        if not isinstance(cache, PackedLayerCache):
+        if cache is None or cache.segments is None:
             return self.out_proj(self._mix(*projected, cache))
         cuts = [cut_tokens(t, cache.segments) for t in projected]
         parts = [self._mix(*inputs, segment.cache) for segment, *inputs in zip(cache.segments, *cuts)]

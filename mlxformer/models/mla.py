@@ -74,7 +74,7 @@ class MLAttention(nn.Module):
                  keep: mx.array | None = None) -> mx.array:
         """``keep``: the positions ``(K,)`` whose outputs ``(B, K, hidden)`` are wanted (every
         row's latent is still cached)."""
-        if isinstance(cache, PackedLayerCache):
+        if cache is not None and cache.segments is not None:  # a packed step
             return self._packed(x, cache, rope_length, keep)
         offset = cache.offset if cache is not None else 0
         latent, k_rope = self._latent(x, offset, rope_length)
@@ -85,7 +85,7 @@ class MLAttention(nn.Module):
         q_nope, q_rope = self._queries(x, positions, rope_length)
         return self._output(self._attend(q_nope, q_rope, keys, values, mask, cache, self.absorbed), keep)
 
-    def _packed(self, x: mx.array, cache: PackedLayerCache, rope_length: int | None, keep: mx.array | None) -> mx.array:
+    def _packed(self, x: mx.array, cache: "PackedLayerCache", rope_length: int | None, keep: mx.array | None) -> mx.array:
         """A packed step's tokens ``x (1, T, hidden)`` (``cache/packed.py``): the projections run
         once for all of them; each segment's latents are written to its cache (``each``: every
         write before any fetching attention) and its queries attend there as a forward of its
