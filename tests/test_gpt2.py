@@ -21,6 +21,7 @@ from family_checks import assert_batch_and_speculation_match_alone, chunked_then
 from mlxformer import convert, load, stream_generate
 from mlxformer.engine import Engine, GenerationRequest
 from mlxformer.errors import MlxformerError
+from mlxformer.planning import footprint
 
 SEQ_LEN = 40
 BOUND = 3e-4  # float32 on both sides (measured <= 1e-6)
@@ -186,5 +187,6 @@ def test_llama_cpp_gguf_matches_transformers(tmp_path_factory, hf_smollm_tokeniz
     model, tokenizer = load(path, dtype=mx.float32)
     assert model.args.model_type == "gpt2" and model.args.tie_word_embeddings
     assert max_diff(np.array(model(mx.array(ids[None]))[0]), hf_logits(hf_model, ids)) <= BOUND
+    assert footprint(path).parameters == sum(p.numel() for p in hf_model.parameters())  # ``info``'s count
     text = "Hello world, it's GPT-2 — in 2019!"
     assert tokenizer.encode(text) == hf_smollm_tokenizer.encode(text)
