@@ -140,34 +140,70 @@ def test_positions_past_the_learned_ones_are_refused(gpt2):
         model(mx.zeros((1, POSITIONS + 1), dtype=mx.int32))
 
 
-def test_hub_names_and_mask_buffers_load(gpt2, tmp_path):
-    """The hub's ``gpt2`` names its weights without ``transformer.`` and keeps each layer's
-    causal-mask buffer ``h.N.attn.bias``: the same logits."""
+@pytest.fixture(scope="module")
+def hub_style(gpt2, tmp_path_factory):
+    """The checkpoint as the hub's ``gpt2`` stores it: names without ``transformer.`` and each
+    layer's causal-mask buffer ``h.N.attn.bias`` (what mlx-lm's ``gpt2`` reads)."""
     from safetensors.numpy import load_file, save_file
 
-    directory, _, _, _, ref = gpt2
+    directory = gpt2[0]
+    out = tmp_path_factory.mktemp("gpt2_hub_style")
     weights = {k.removeprefix("transformer."): v for k, v in load_file(directory / "model.safetensors").items()}
     weights.update({f"h.{i}.attn.bias": np.tril(np.ones((1, 1, 8, 8), dtype=np.float32)) for i in range(2)})
-    save_file(weights, tmp_path / "model.safetensors")
-    (tmp_path / "config.json").write_text((directory / "config.json").read_text())
-    write_byte_tokenizer(tmp_path)
-    model, _ = load(tmp_path, dtype=mx.float32)
-    assert max_diff(np.array(model(mx.array(tokens(SEQ_LEN)[None]))[0]), ref) <= BOUND
+    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
+    (out / "config.json").write_text((directory / "config.json").read_text())
+    write_byte_tokenizer(out)
+    return out
 
 
-def test_converted_dir_reads_back(gpt2, tmp_path):
-    """``convert`` writes the decoder's weights (transposed once) and a config that reads back
-    to the same model; 8-bit too, the position table quantized like the token table (on this
-    chaotic random model 8-bit rounding alone moves log-probs by 0.6: the greedy picks are checked)."""
+def test_hub_names_and_mask_buffers_load(gpt2, hub_style):
+    model, _ = load(hub_style, dtype=mx.float32)
+    assert max_diff(np.array(model(mx.array(tokens(SEQ_LEN)[None]))[0]), gpt2[-1]) <= BOUND
+
+
+def _mlx_lm_logits(directory) -> np.ndarray:
+    """mlx-lm's float32 logits of ``tokens(SEQ_LEN)`` on the model in ``directory``."""
+    from mlx_lm.utils import load_model
+
+    theirs, _ = load_model(directory)
+    theirs.set_dtype(mx.float32)  # float16 scales and activations otherwise; ours are float32
+    return np.array(theirs(mx.array(tokens(SEQ_LEN)[None]))[0].astype(mx.float32))
+
+
+def test_converted_dir_loads_in_mlx_lm_and_back(gpt2, tmp_path):
+    """``convert`` writes mlx-lm's GPT-2 layout (``model.h.N.attn.c_attn``, transposed once, its
+    config keys): mlx-lm's ``gpt2`` and mlxformer both read it with transformers' logits; 8-bit
+    too, the position table quantized like the token table, mlx-lm's logits equal ours (on this
+    chaotic random model 8-bit rounding alone moves log-probs by 0.6 from transformers')."""
     directory, _, _, _, ref = gpt2
+    ids = mx.array(tokens(SEQ_LEN)[None])
     out = convert(directory, tmp_path / "float", progress=False)
+    assert "model.h.1.attn.c_attn.weight" in (out / "model.safetensors").read_bytes()[:4096].decode("latin-1")
     model, _ = load(out, dtype=mx.float32)
-    assert max_diff(np.array(model(mx.array(tokens(SEQ_LEN)[None]))[0]), ref) <= BOUND
-    out = convert(directory, tmp_path / "q8", quantize=True, q_bits=8, progress=False)
+    assert max_diff(np.array(model(ids)[0]), ref) <= BOUND
+    assert max_diff(_mlx_lm_logits(out), ref) <= BOUND
+    out = convert(directory, tmp_path / "q8", quantize=True, q_bits=8, quant_recipe="mixed", progress=False)
     model, _ = load(out, dtype=mx.float32)
     assert isinstance(model.model.embed_positions, nn.QuantizedEmbedding)
-    got = np.array(model(mx.array(tokens(SEQ_LEN)[None]))[0])
+    got = np.array(model(ids)[0])
+    assert max_diff(got, _mlx_lm_logits(out)) <= BOUND
     assert (got.argmax(-1) == ref.argmax(-1)).mean() >= 0.9
+
+
+def test_mlx_lm_conversion_loads(gpt2, hub_style, tmp_path):
+    """A GPT-2 converted by mlx-lm itself (mlx-community's layout: ``model.h.N``, Linear weights),
+    float and 4-bit, loads with mlx-lm's logits."""
+    import mlx_lm
+
+    ref = gpt2[-1]
+    for quantize in (False, True):
+        out = tmp_path / f"mlx_lm{int(quantize)}"
+        mlx_lm.convert(str(hub_style), str(out), quantize=quantize, dtype="float32")
+        model, _ = load(out, dtype=mx.float32)
+        got = np.array(model(mx.array(tokens(SEQ_LEN)[None]))[0])
+        assert max_diff(got, _mlx_lm_logits(out)) <= BOUND
+        if not quantize:
+            assert max_diff(got, ref) <= BOUND
 
 
 def test_llama_cpp_gguf_matches_transformers(tmp_path_factory, hf_smollm_tokenizer):
