@@ -138,6 +138,13 @@ class ModelArgs:
             return self.sliding_window
         return None
 
+    def check_positions(self, tokens: int) -> None:
+        """Raise when a sequence of ``tokens`` (its prompt plus ``max_tokens``) passes the
+        learned positions (GPT-2's ``n_positions``); rotary positions have no end."""
+        if self.position_type == "learned" and tokens > self.max_position_embeddings:
+            raise MlxformerError(f"the prompt and max_tokens need {tokens} positions; this model has "
+                                 f"{self.max_position_embeddings} (learned positions)")
+
     def layer_is_linear(self, index: int) -> bool:
         """Whether layer ``index`` mixes with Gated DeltaNet (a recurrent state) instead of attention."""
         return bool(self.layer_types) and self.layer_types[index] == "linear"
