@@ -2,7 +2,9 @@
 output) on a tiny random checkpoint written by transformers' own ``GPT2LMHeadModel``, against
 transformers' eager logits and greedy tokens; the same through the caches, the engine (rows at
 different positions in one step, prompt chunks packed beside decoding rows, the prefix cache,
-speculation) and the GGUF that llama.cpp's own ``convert_hf_to_gguf.py`` writes from it.
+speculation), up to the last learned position; the hub's names, ``convert`` output read by
+mlx-lm and mlx-lm's own conversions read by us (against mlx-lm's logits), and the GGUF that
+llama.cpp's own ``convert_hf_to_gguf.py`` writes from the checkpoint.
 """
 
 from __future__ import annotations
