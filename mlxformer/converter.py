@@ -21,7 +21,7 @@ import mlx.nn as nn
 from mlxformer.errors import MlxformerError
 from mlxformer.formats.checkpoint import Checkpoint, open_checkpoint
 from mlxformer.formats.hub import resolve_source
-from mlxformer.formats.mlx_lm_layout import mlx_lm_config, stored_for_mlx_lm
+from mlxformer.formats.mlx_lm_layout import mlx_lm_config, mlx_lm_names, stored_for_mlx_lm
 from mlxformer.formats.mlx_writer import MAX_SHARD_BYTES, check_destination, plan_shards, staged_output, write_shards
 from mlxformer.formats.tensors import Tensors
 from mlxformer.loader import checked_model, load_tokenizer, quantization_of
@@ -243,7 +243,8 @@ class _Job:
                 out[unit] = self._cast(self.weights[unit])
             else:
                 out.update(self._matrix_outputs(unit))
-        return out
+        names = mlx_lm_names(self.args, out)  # GPT-2: mlx-lm's names
+        return {names.get(name, name): array for name, array in out.items()}
 
     def _cast(self, array: mx.array) -> mx.array:
         return array.astype(self.float_dtype) if self.float_dtype is not None else array
@@ -301,6 +302,8 @@ class _Job:
                 config["dtype"] = name
         quantization = self.quantization()
         if quantization:
+            names = mlx_lm_names(self.args, quantization)  # per-layer entries under the written names
+            quantization = {names.get(key, key): value for key, value in quantization.items()}
             config["quantization"] = quantization
             config["quantization_config"] = dict(quantization)
         (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")

@@ -21,6 +21,7 @@ from mlxformer.models.decoder import Model
 from mlxformer.formats.gpt_oss import MXFP4, derive_dict, fused_expert_derivations
 from mlxformer.models.families import text_weight_names
 from mlxformer.models.gemma4 import expert_derivations as gemma4_expert_derivations
+from mlxformer.models.gpt2_family import conv1d_derivations
 from mlxformer.models.mla import absorbed_kv_b
 from mlxformer.models.moe import expert_groups, stack_expert_arrays
 from mlxformer.models.dtype_policy import apply_dtype_policy, cast_except_quantized_linears, is_quantized
@@ -102,7 +103,8 @@ def _more(names: list[str]) -> str:
 def used_tensors(args: ModelArgs, tensors: Tensors) -> Tensors:
     """The tensors the decoder uses (``Model.sanitize``: no rotary tables, no tied output
     projection), still lazy. Sanitizing must only drop keys here: it sees header entries."""
-    tensors = tensors.renamed(text_weight_names(tensors.entries))  # an image-text checkpoint's language model
+    tensors = tensors.derived(conv1d_derivations(tensors.entries))  # GPT-2's Conv1D weights, transposed and renamed
+    tensors = tensors.renamed(text_weight_names(tensors.entries))  # an image-text checkpoint's language model, GPT-2's
     if args.num_experts:  # HF's per-expert matrices -> stacked (experts, out, in), still lazy
         tensors = tensors.stacked(expert_groups(tensors.entries, args.num_experts))
         tensors = tensors.derived(fused_expert_derivations(tensors.entries))  # gpt-oss
@@ -128,6 +130,7 @@ def checked_model(
         weights = used_tensors(model.args, weights)
         described: Mapping[str, Shaped] = weights.entries
     else:
+        weights = derive_dict(dict(weights), conv1d_derivations(weights))
         renames = text_weight_names(weights)
         weights = {renames.get(name, name): array for name, array in weights.items()}
         if model.args.num_experts:

@@ -166,6 +166,7 @@ class Engine(Admission, DecodeStep):
         request = self.planner.fitted(request)
         self.planner.check(request)
         sequence = Sequence(request, self.tokenizer.detokenizer(), self.tokenizer.eos_token_ids)
+        self.model.args.check_positions(len(request.prompt_ids) + request.max_tokens)  # (max_tokens checked)
         handle = RequestHandle(sequence, self._notify)
         with self._wake:
             if not self.running:

@@ -95,7 +95,8 @@ def config_from_metadata(metadata: dict[str, Any], tensor_names: set[str]) -> di
         "num_key_value_heads": int(field("attention.head_count_kv", heads)),
         "head_dim": int(field("attention.key_length", hidden // heads)),
         "vocab_size": int(vocab),
-        "rms_norm_eps": float(field("attention.layer_norm_rms_epsilon")),
+        # RMSNorm's eps, or LayerNorm's (GPT-2)
+        "rms_norm_eps": float(field("attention.layer_norm_rms_epsilon", None) or field("attention.layer_norm_epsilon")),
         "rope_theta": float(field("rope.freq_base", 10000.0)),
         "max_position_embeddings": int(field("context_length", 4096)),
         "tie_word_embeddings": "output.weight" not in tensor_names,

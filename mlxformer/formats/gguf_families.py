@@ -21,6 +21,7 @@ GGUF_ARCHITECTURES = {
     "gpt-oss": "gpt_oss", "gemma4": "gemma4_text",
     "qwen35": "qwen3_5_text", "qwen35moe": "qwen3_5_moe_text", "qwen3next": "qwen3_next",  # Gated DeltaNet hybrids
     "glm4moe": "glm4_moe", "deepseek2": "deepseek_v3",  # deepseek2: DeepSeek-V2/V3, GLM-4.7-Flash (MLA)
+    "gpt2": "gpt2",  # learned positions, LayerNorms (``attention.layer_norm_epsilon``)
 }
 # Architectures whose converter stored every RMSNorm weight as ``1 + weight`` (Gemma's offset).
 NORM_SHIFTED_ARCHS = ("gemma", "gemma2", "gemma3")

@@ -66,6 +66,10 @@ ARCH_TENSOR_NAMES: dict[str, dict[str, str]] = {
         "blk.{i}.post_attention_norm": "model.layers.{i}.post_attention_layernorm",
         "blk.{i}.post_ffw_norm": "model.layers.{i}.post_feedforward_layernorm",
     },
+    "gpt2": {  # learned positions, the fused qkv (the converter transposed GPT-2's Conv1D weights)
+        "position_embd": "model.embed_positions",
+        "blk.{i}.attn_qkv": "model.layers.{i}.self_attn.qkv_proj",
+    },
     "phi3": {  # fused projections, as Phi-3 checkpoints store them
         "blk.{i}.attn_qkv": "model.layers.{i}.self_attn.qkv_proj",
         "blk.{i}.ffn_up": "model.layers.{i}.mlp.gate_up_proj",

@@ -1,6 +1,7 @@
-"""Gated DeltaNet models (Qwen3.5, Qwen3.5-MoE, Qwen3-Next) as ``convert`` writes them: in the
-layout and under the names mlx-lm's own ``qwen3_5``, ``qwen3_5_moe`` and ``qwen3_next`` models
-load, as its conversions (mlx-community's dirs) store them.
+"""Models as ``convert`` writes them for mlx-lm: Gated DeltaNet models (Qwen3.5, Qwen3.5-MoE,
+Qwen3-Next) in the layout and under the names mlx-lm's own ``qwen3_5``, ``qwen3_5_moe`` and
+``qwen3_next`` models load, as its conversions (mlx-community's dirs) store them; GPT-2 under
+mlx-lm's ``gpt2`` names (``model.h.N.attn.c_attn``, Linear layout) with its config keys.
 
 - Tensors: the conv1d weight ``(C, K, 1)`` (HF: ``(C, 1, K)``) and the ``(1 + w)`` RMSNorms
   with the 1 folded in. mlx-lm's ``qwen3_next`` reads nothing else (its ``sanitize`` only fixes
@@ -21,6 +22,7 @@ from typing import Any
 from mlxformer.formats.gguf_hybrid import SHIFTED_NORMS
 from mlxformer.formats.tensors import Derivation, Tensors
 from mlxformer.models.config import ModelArgs
+from mlxformer.models.gpt2_family import mlx_lm_gpt2_config, mlx_lm_gpt2_names
 
 MLX_LM_TYPES = {"qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe", "qwen3_next": "qwen3_next"}
 
@@ -41,10 +43,18 @@ def stored_for_mlx_lm(args: ModelArgs, weights: Tensors) -> tuple[ModelArgs, Ten
     return stored, weights.derived(derivations)
 
 
+def mlx_lm_names(args: ModelArgs, names: Any) -> dict[str, str]:
+    """The renames (decoder -> mlx-lm) of the output's weight names, or of the module paths of
+    its ``quantization`` entry (GPT-2's; none for every other model)."""
+    return mlx_lm_gpt2_names(names) if args.model_type == "gpt2" else {}
+
+
 def mlx_lm_config(config: dict[str, Any]) -> dict[str, Any]:
-    """``config`` (flat, as ``convert`` merges it) with mlx-lm's keys for a hybrid model (any
-    other model's as it is)."""
+    """``config`` (flat, as ``convert`` merges it) with mlx-lm's keys for a hybrid model or
+    GPT-2 (any other model's as it is)."""
     model_type = config.get("model_type")
+    if model_type == "gpt2":
+        return mlx_lm_gpt2_config(config)
     if model_type not in MLX_LM_TYPES:
         return config
     out = {**config, "model_type": MLX_LM_TYPES[model_type]}

@@ -1,7 +1,7 @@
 """The frozen model configuration that drives the one decoder.
 
 Every supported family (Llama 1-3.2, Mistral, Qwen2/2.5, Qwen3, SmolLM, TinyLlama, Gemma 1-3,
-Phi-3/3.5/4, Granite, OLMo 2, SmolLM3) is a set of field values here, read from an HF
+Phi-3/3.5/4, Granite, OLMo 2, SmolLM3, GPT-2...) is a set of field values here, read from an HF
 ``config.json`` dict (``models.families`` maps each family's keys) or from GGUF metadata.
 """
 
@@ -62,6 +62,9 @@ class ModelArgs:
     mlp_type: str = "dense"  # a key of ``models.mlp.MLP_TYPES``
     fused_qkv: bool = False  # one ``qkv_proj`` (Phi-3) instead of q/k/v projections
     fused_gate_up: bool = False  # one ``gate_up_proj`` (Phi-3) instead of gate/up projections
+    norm_type: str = "rms"  # "rms" (RMSNorm) or "layer" (LayerNorm with a bias, GPT-2): ``models.norms.make_norm``
+    position_type: str = "rope"  # "rope", or "learned": absolute positions added to the embeddings (GPT-2's wpe)
+    gated_mlp: bool = True  # down(act(gate(x)) * up(x)); False: down(act(up(x))) (GPT-2)
     norm_offset: float = 0.0  # RMSNorm scales by ``norm_offset + weight`` (Gemma: 1)
     norm_layout: str = "pre"  # a key of ``models.norms.NORM_LAYOUTS``: pre, sandwich (Gemma 2/3), post (OLMo 2)
     qk_norm_scope: str = "head"  # q/k RMSNorm per head (Qwen3, Gemma 3) or over the whole projection (OLMo 2)
@@ -135,13 +138,20 @@ class ModelArgs:
             return self.sliding_window
         return None
 
+    def check_positions(self, tokens: int) -> None:
+        """Raise when a sequence of ``tokens`` (its prompt plus ``max_tokens``) passes the
+        learned positions (GPT-2's ``n_positions``); rotary positions have no end."""
+        if self.position_type == "learned" and tokens > self.max_position_embeddings:
+            raise MlxformerError(f"the prompt and max_tokens need {tokens} positions; this model has "
+                                 f"{self.max_position_embeddings} (learned positions)")
+
     def layer_is_linear(self, index: int) -> bool:
         """Whether layer ``index`` mixes with Gated DeltaNet (a recurrent state) instead of attention."""
         return bool(self.layer_types) and self.layer_types[index] == "linear"
 
     def layer_rope(self, index: int) -> RopeConfig | None:
         """The RoPE settings of layer ``index`` (None: the layer has no rotary embedding)."""
-        if self.rope_layers and not self.rope_layers[index]:
+        if self.position_type == "learned" or (self.rope_layers and not self.rope_layers[index]):
             return None
         if self.rope_local is not None and self.layer_types and self.layer_types[index] == "sliding":
             return self.rope_local
@@ -235,6 +245,8 @@ class ModelArgs:
         if self.model_type != "qwen2":  # Llama's covers all four projections; GLM-4.5's only q/k/v
             config["attention_bias"] = self.qkv_bias or self.o_proj_bias
         config["mlp_bias"] = self.mlp_bias
+        if self.model_type == "gpt2":  # its other switches follow from the model type
+            config["scale_attn_weights"] = self.attention_scale is None
         if self.sliding_window is not None:
             config["sliding_window"] = self.sliding_window
         config.update(self._layer_and_rope_keys())
@@ -296,4 +308,5 @@ ARCHITECTURES = {
     "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
     "qwen3_next": "Qwen3NextForCausalLM",
     "gemma4_text": "Gemma4ForCausalLM",
+    "gpt2": "GPT2LMHeadModel",
 }

@@ -26,7 +26,8 @@ from mlxformer.models.mlp import MLP, make_mlp, swiglu
 from mlxformer.models import gemma4
 import mlxformer.models.moe  # noqa: F401  registers the "moe" MLP type
 import mlxformer.models.moe_gpt_oss  # noqa: F401  registers gpt-oss's experts and gate
-from mlxformer.models.norms import NORM_LAYOUTS, RMSNorm
+from mlxformer.models.gpt2_family import is_gpt2_buffer
+from mlxformer.models.norms import NORM_LAYOUTS, RMSNorm, make_norm
 from mlxformer.models.rope_variants import make_rope
 
 # An image-text checkpoint's vision tower and a multi-token-prediction head: not the decoder's.
@@ -192,7 +193,7 @@ class DecoderLayer(nn.Module):
         self.norm_layout = args.norm_layout  # a string: kept out of the parameter tree
         for name in NORM_LAYOUTS[args.norm_layout]:
             if name is not None:
-                self[name] = RMSNorm(args.hidden_size, eps=args.rms_norm_eps, offset=args.norm_offset)
+                self[name] = make_norm(args, args.hidden_size)
         self.residual_scale = args.residual_scale
 
     def _norm(self, index: int, x: mx.array) -> mx.array:
@@ -228,6 +229,19 @@ class DecoderLayer(nn.Module):
         return out * self["layer_scalar"] if "layer_scalar" in self else out
 
 
+def token_positions(cache: Sequence[Cache] | None, length: int, limit: int) -> mx.array:
+    """The positions ``(1 or B, length)`` of the tokens a forward over ``cache`` adds, from the
+    first layer's offset as RoPE reads it: an int, ``(B,)`` (a batch: each row from its own),
+    or ``(1, T)`` (a packed step: each token its own). An int offset past ``limit`` (learned
+    positions end there) raises."""
+    offset = 0 if not cache else cache[0].offset
+    if isinstance(offset, mx.array):
+        return offset if offset.ndim == 2 else offset[:, None] + mx.arange(length)  # (B,) -> (B, length)
+    if offset + length > limit:
+        raise MlxformerError(f"position {offset + length - 1} is past this model's {limit} learned positions")
+    return mx.arange(offset, offset + length)[None]
+
+
 class DecoderStack(nn.Module):
     """Embedding, the layer stack and the final norm (HF's ``model.`` prefix).
 
@@ -238,10 +252,12 @@ class DecoderStack(nn.Module):
         super().__init__()
         if with_ends:
             self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+            if args.position_type == "learned":  # GPT-2's wpe
+                self.embed_positions = nn.Embedding(args.max_position_embeddings, args.hidden_size)
         count = args.num_hidden_layers if num_layers is None else num_layers
         self.layers = [DecoderLayer(args, first_layer + i) for i in range(count)]
         if with_ends:
-            self.norm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps, offset=args.norm_offset)
+            self.norm = make_norm(args, args.hidden_size)
             if args.hidden_size_per_layer_input:  # Gemma 4
                 for name, module in gemma4.stack_modules(args).items():
                     self[name] = module
@@ -290,6 +306,8 @@ class Model(nn.Module):
         h = self.model.embed_tokens(inputs)  # (B, T, hidden)
         if self.args.embedding_scale != 1.0:  # in the activation dtype, as transformers does
             h = h * mx.array(self.args.embedding_scale, dtype=h.dtype)
+        if self.args.position_type == "learned":
+            h = h + self.model.embed_positions(token_positions(cache, inputs.shape[1], self.args.max_position_embeddings))
         extra = gemma4.per_layer_inputs(self.model, self.args, inputs, h) if self.args.hidden_size_per_layer_input else None
         h = self.run_layers(h, cache, rope_length, extra, last)
         if self._remote_layers is not None:
@@ -371,7 +389,8 @@ class Model(nn.Module):
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         """Drop checkpoint keys that carry no weights for this decoder."""
-        weights = {k: v for k, v in weights.items() if "rotary_emb.inv_freq" not in k and not k.startswith(_NOT_TEXT)}
+        weights = {k: v for k, v in weights.items()
+                   if "rotary_emb.inv_freq" not in k and not k.startswith(_NOT_TEXT) and not is_gpt2_buffer(k)}
         first = self.args.num_hidden_layers  # GLM/DeepSeek's multi-token-prediction layers follow the decoder's
         mtp = tuple(f"model.layers.{i}." for i in range(first, first + self.args.mtp_layers))
         if mtp:

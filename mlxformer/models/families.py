@@ -11,6 +11,7 @@ import math
 from typing import Any, Callable, Iterable
 
 from mlxformer.errors import MlxformerError
+from mlxformer.models.gpt2_family import gpt2_config, gpt2_fields, gpt2_weight_names
 from mlxformer.models.rope_config import RopeConfig, rope_config_from_dict, yarn_mscale
 
 Fields = dict[str, Any]
@@ -301,11 +302,12 @@ _HYBRID_LAYERS = {"linear_attention": "linear", "full_attention": "full"}
 
 
 def text_config_of(config: dict[str, Any]) -> dict[str, Any]:
-    """The language model's config: an image-text Qwen3.5's ``text_config`` over its top level
-    (as the text model type), any other config as it is."""
+    """The language model's config under the shared key names: an image-text Qwen3.5's
+    ``text_config`` over its top level (as the text model type), GPT-2's with its own size keys
+    also under the shared names, any other config as it is."""
     inner = _TEXT_CONFIG_TYPES.get(config.get("model_type"))  # type: ignore[arg-type]
     if inner is None:
-        return config
+        return gpt2_config(config)
     outer = {k: v for k, v in config.items() if k not in ("text_config", "vision_config", "audio_config")}
     return {**outer, **(config.get("text_config") or {}), "model_type": inner}
 
@@ -316,9 +318,11 @@ _TEXT_WEIGHT_PREFIXES = (("model.language_model.", "model."), ("language_model."
 
 
 def text_weight_names(names: Iterable[str]) -> dict[str, str]:
-    """The renames (old -> new) that take an image-text checkpoint's language model weights to
-    the decoder's names (none for a text model's checkpoint)."""
-    renames = {}
+    """The renames (old -> new) that take an image-text checkpoint's language model weights, or
+    GPT-2's (``gpt2_family``: its ``Conv1D`` weights are also transposed there), to the
+    decoder's names (none for a checkpoint already named as the decoder is)."""
+    names = list(names)
+    renames = gpt2_weight_names(names)
     for name in names:
         for prefix, replacement in _TEXT_WEIGHT_PREFIXES:
             if name.startswith(prefix):
@@ -422,6 +426,7 @@ FAMILIES: dict[str, Callable[[dict[str, Any], Fields], Fields]] = {
     "qwen3_5_text": _gated_delta,
     "qwen3_5_moe_text": _qwen3_5_moe,
     "qwen3_next": _qwen3_next,
+    "gpt2": gpt2_fields,
 }
 
 

@@ -29,6 +29,8 @@ def geglu(gate: mx.array, up: mx.array) -> mx.array:
 
 
 GATES: dict[str, Callable[[mx.array, mx.array], mx.array]] = {"silu": swiglu, "gelu_tanh": geglu}
+# The same activations in an ungated MLP (GPT-2's ``gelu_new`` is the tanh GELU)
+ACTIVATIONS: dict[str, Callable[[mx.array], mx.array]] = {"silu": nn.silu, "gelu_tanh": nn.gelu_approx}
 
 
 class MLP(nn.Module):
@@ -59,8 +61,23 @@ class FusedMLP(nn.Module):
         return self.down_proj(GATES[self.activation](gate, up))
 
 
+class PlainMLP(nn.Module):
+    """The ungated feed-forward ``down(act(up(x)))`` (GPT-2's ``c_fc``/``c_proj``)."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=args.mlp_bias)
+        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
+        self.activation = args.hidden_act  # an ACTIVATIONS key
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(ACTIVATIONS[self.activation](self.up_proj(x)))
+
+
 def dense_mlp(args: ModelArgs, layer_index: int) -> nn.Module:
-    """The dense gated MLP, fused or not as the checkpoint stores it."""
+    """The dense MLP: gated (fused or not, as the checkpoint stores it) or plain."""
+    if not args.gated_mlp:
+        return PlainMLP(args)
     return FusedMLP(args) if args.fused_gate_up else MLP(args)
 
 

@@ -134,6 +134,10 @@ def activation_importance(
     embedding = model.model.embed_tokens
     embedding.load_weights(list(params_of("model.embed_tokens").items()), strict=True)
     h = embedding(tokens)  # (1, T, hidden)
+    if args.position_type == "learned":  # GPT-2: the positions' table too
+        positions = model.model.embed_positions
+        positions.load_weights(list(params_of("model.embed_positions").items()), strict=True)
+        h = h + positions(mx.arange(tokens.shape[1])[None])
     mx.eval(h)
     del embedding, model.model.embed_tokens  # the stage is done: free its float32 matrix
     extra = _per_layer_inputs(model, params_of, tokens, h)  # Gemma 4 (None for every other family)
