@@ -160,16 +160,19 @@ def test_an_end_of_sequence_token_has_its_entry(client, tiny_smol, hf_smollm_tok
 @pytest.mark.parametrize("api", ["completions", "chat"])
 def test_a_stop_strings_tokens_have_entries(client, tiny_smol, hf_smollm_tokenizer, api, stream):
     """A stop string cut from the text still has its tokens reported: one entry per generated
-    token (the one completing the stop the last), each equal to transformers' greedy run."""
+    token (the last one wholly cut with the stop), each equal to transformers' greedy run."""
     hf_model = tiny_smol[1]
     ids = hf_smollm_tokenizer(PROMPT)["input_ids"] if api == "completions" else chat_ids(hf_smollm_tokenizer)
     reference = greedy_reference(hf_model, ids, 8)
     texts = [hf_smollm_tokenizer.decode([t for t, _ in reference[:k]]) for k in range(9)]
-    k = next(k for k in range(3, 8) if texts[k][-2:] not in texts[k - 1] and texts[k - 1] != texts[k])
-    stop = texts[k][-2:]  # first completed by the k-th token
+    # the stop: the k-th token's whole text, first found where that token starts (so the token
+    # is wholly cut from the reply)
+    k = next(k for k in range(3, 8) if texts[k].startswith(texts[k - 1]) and texts[k] != texts[k - 1]
+             and texts[k].index(texts[k][len(texts[k - 1]):]) == len(texts[k - 1]))
+    stop = texts[k][len(texts[k - 1]):]
     body = {"stop": [stop], "max_tokens": 8} | ({"prompt": PROMPT, "logprobs": 0} if api == "completions" else {})
     text, entries, finish, usage, _ = generate(client, api, stream, **body)
-    assert finish == "stop" and text == texts[k][: texts[k].index(stop)]
+    assert finish == "stop" and text == texts[k - 1]
     assert len(entries) == k == usage.completion_tokens
     for (token, logprob), (expected_token, expected) in zip(entries, reference[:k]):
         assert token == (token_string(hf_smollm_tokenizer, expected_token) or token)
