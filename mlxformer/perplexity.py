@@ -15,15 +15,21 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlxformer.errors import MlxformerError
+from mlxformer.sampling import logsumexp
+
+
+def negative_log_likelihoods(logits: mx.array, targets: mx.array) -> mx.array:
+    """``-log p(target)`` for each row of ``logits`` ``(T, vocab)`` and its ``targets`` ``(T,)``,
+    in float32 (``sampling.logsumexp``: accurate to ~1e-6 on every device)."""
+    logits = logits.astype(mx.float32)
+    return logsumexp(logits)[:, 0] - mx.take_along_axis(logits, targets[:, None], axis=-1)[:, 0]
 
 
 def window_negative_log_likelihood(model: nn.Module, window: list[int], n_scored: int) -> float:
     """Sum of ``-log p(token | prefix)`` over the last ``n_scored`` tokens of ``window``."""
     tokens = mx.array(window)[None]  # (1, T)
-    logits = model(tokens[:, :-1]).astype(mx.float32)  # (1, T-1, vocab): predicts tokens[1:]
-    targets = tokens[:, 1:]
-    losses = nn.losses.cross_entropy(logits[:, -n_scored:], targets[:, -n_scored:], reduction="sum")
-    return float(losses.item())
+    logits = model(tokens[:, :-1])[0]  # (T-1, vocab): predicts tokens[1:]
+    return float(negative_log_likelihoods(logits[-n_scored:], tokens[0, -n_scored:]).sum().item())
 
 
 def windows(n_tokens: int, context: int, stride: int) -> list[tuple[int, int, int]]:
@@ -68,8 +74,7 @@ def cached_perplexity(
     for start in range(0, len(token_ids) - 1, chunk):
         piece = token_ids[start : start + chunk]
         targets = mx.array(token_ids[start + 1 : start + 1 + len(piece)])
-        logits = forward(mx.array(piece)[None], cache)[0, : targets.size].astype(mx.float32)
-        nll = mx.logsumexp(logits, axis=-1) - mx.take_along_axis(logits, targets[:, None], axis=-1)[:, 0]
-        total += float(nll.sum())
+        logits = forward(mx.array(piece)[None], cache)[0, : targets.size]  # (T, vocab)
+        total += float(negative_log_likelihoods(logits, targets).sum())
         count += targets.size
     return math.exp(total / count)

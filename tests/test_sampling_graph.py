@@ -112,6 +112,25 @@ def test_kept_sets_equal_the_float64_reference_on_real_logits(smollm_logits, dty
         assert uncast[0].sum() != sizes[0]
 
 
+def test_normalize_equals_a_float64_log_softmax(smollm_logits):
+    """Log-probs within 2e-6 (plus the float32 spacing at their size) of numpy's float64
+    log-softmax: SmolLM2's real logits (float32 and bfloat16), and random rows over vocabularies
+    from 1 to Gemma's 262k (one not a block multiple). MLX's CPU ``mx.logsumexp`` over SmolLM2's
+    49k is 1e-4 low (every log-prob that much high)."""
+    from conftest import log_softmax
+
+    rng = np.random.default_rng(0)
+    cases = [smollm_logits, smollm_logits.astype(mx.bfloat16)] + [
+        mx.array(rng.normal(0, 3, (3, vocab)).astype(np.float32)) for vocab in (1, 7, 256, 49153, 151936, 262144)]
+    for logits in cases:
+        exact = log_softmax(np.array(logits.astype(mx.float32)))
+        error = np.abs(np.array(normalize(logits)) - exact) - np.spacing(np.abs(exact).astype(np.float32))
+        assert error.max() < 2e-6, logits.shape
+    if mx.default_device() == mx.cpu:  # the case is not trivial there
+        plain = smollm_logits - mx.logsumexp(smollm_logits, axis=-1, keepdims=True)
+        assert np.abs(np.array(plain) - log_softmax(np.array(smollm_logits))).max() > 2e-5
+
+
 def test_batched_draws_follow_each_rows_filtered_distribution():
     """Rows with different settings in one batch: greedy rows give the argmax, the others draw
     (each with its own key) from softmax(filtered / temp)."""

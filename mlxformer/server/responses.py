@@ -2,8 +2,11 @@
 
 Logprobs are always finite JSON numbers: tokens a constraint masked (log-probability −inf) are
 left out of the alternatives, and a chosen token's −inf or NaN is reported as OpenAI's floor,
-−9999. A token is reported only once the text it starts in has been sent, so tokens wholly past
-a stop-string cut never are. Token strings and bytes are the token's own bytes.
+−9999. Every generated token has one entry, whatever text it adds (end-of-sequence adds none,
+a stop string's tokens are cut from the text): ``usage.completion_tokens`` entries, as OpenAI's
+contract has it and lm-evaluation-harness reads it (``token_logprobs[ctxlen:-1]`` of an echo with
+one generated token). While streaming, a token is reported once the text it starts in has been
+sent; the last event releases the rest. Token strings and bytes are the token's own bytes.
 """
 
 from __future__ import annotations
@@ -59,7 +62,6 @@ class TokenStrings:
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int) -> None:
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
-        self.eos = frozenset(tokenizer.eos_token_ids)
         self._vocab: Any = None
 
     @property
@@ -87,9 +89,10 @@ class TokenStrings:
         except UnicodeDecodeError:
             return "bytes:" + "".join(f"\\x{b:02x}" for b in data)
 
-    def scored(self, event: TokenEvent) -> bool:
-        """Whether ``event`` carries a generated token to report logprobs for (EOS is not reported)."""
-        return event.token is not None and event.logprob is not None and event.token not in self.eos
+    @staticmethod
+    def scored(event: TokenEvent) -> bool:
+        """Whether ``event`` carries a generated token to report logprobs for (EOS included)."""
+        return event.token is not None and event.logprob is not None
 
 
 @dataclass
@@ -101,8 +104,8 @@ class Scored:
 
 
 class LogprobAligner:
-    """Releases each scored token once the output text sent so far reaches into it; at the end,
-    tokens that start at or past the end of the text (after a stop-string cut) are dropped."""
+    """Releases each scored token once the output text sent so far reaches into it, and every
+    token still held at the end (one adding no text, like EOS; one past a stop-string cut)."""
 
     def __init__(self, text: TokenStrings) -> None:
         self.text = text
@@ -117,8 +120,11 @@ class LogprobAligner:
             self.pending.append(Scored(event, self.chars))
             self.chars += len(self.decoder.decode(self.text.text_bytes(event.token)))  # type: ignore[arg-type]
         self.sent += len(event.text)
+        if event.finish_reason is not None:
+            due, self.pending = self.pending, []
+            return due
         due = [s for s in self.pending if s.offset < self.sent]
-        self.pending = [] if event.finish_reason is not None else self.pending[len(due):]
+        self.pending = self.pending[len(due):]
         return due
 
 
@@ -172,7 +178,7 @@ class Collected:
     events: list[TokenEvent] = field(default_factory=list)
 
     def scored(self, text: TokenStrings) -> list[Scored]:
-        """The tokens to report logprobs for (none past a stop-string cut)."""
+        """The tokens to report logprobs for: every generated one."""
         aligner = LogprobAligner(text)
         return [s for event in self.events for s in aligner.add(event)]
 
