@@ -97,3 +97,31 @@ def test_each_turn_reuses_the_prefix_it_shares_and_replies_as_cold(served):
     assert shared[2] == len(prompts[0]) and decode(prompts[2][shared[2]:]).startswith(" to=functions.get_weather")
     assert shared[3] == len(prompts[2])
     assert all(c >= s for c, s in zip(cached, shared)), (cached, shared)
+
+
+def test_a_hit_inside_a_chunk_ends_where_the_window_was_kept(served):
+    """A prompt that leaves a cached one inside a prefill chunk (an edited message): where the
+    chunk (128) is wider than the window (48), the window's tokens were kept at the chunk ends
+    only, so the hit ends at the last chunk end before the prompts part (256 of 300 shared
+    tokens), and the cache rebuilt there goes on as a cold prefill does."""
+    import mlx.core as mx
+    import numpy as np
+    from family_checks import tokens
+
+    from mlxformer.cache import make_cache
+    from mlxformer.engine.prefix_cache import PrefixCache
+    from mlxformer.steps import prefill
+
+    model, chunk = served.model, 128
+    prefix_cache = PrefixCache(2**30, model)
+    first = [int(t) for t in tokens(400)]
+    caches = make_cache(model)
+    for start in range(0, len(first), chunk):  # as the engine publishes a window model's prompt
+        prefill(model, mx.array(first[start : start + chunk]), caches, chunk)
+        prefix_cache.insert(first[: start + chunk], caches)
+    second = first[:300] + [int(t) for t in tokens(60, seed=2)]
+    hit, n = prefix_cache.lookup(second)
+    assert n == 256
+    cold = prefill(model, mx.array(second), make_cache(model), chunk)
+    warm = prefill(model, mx.array(second[n:]), hit, chunk)
+    assert np.abs(np.array(warm) - np.array(cold)).max() < 1e-4
