@@ -4,9 +4,10 @@ byte budget (least recently used first out), optionally backed by a disk tier.
 Blocks are keyed by a hash chain (``prefix_blocks``): ``lookup(prompt)`` walks the prompt's
 blocks while they are cached, in memory or on disk, and rebuilds caches holding them (at least
 one prompt token is left to compute). Where the chain ends, the hit goes on into the cached
-block after it that shares most tokens with the prompt (a full block of a conversation that went
-another way, or the partial tail block a finished sequence leaves), so a hit covers the exact
-common prefix, as mlx-lm's prompt cache does. Each block is stored once, whatever number of
+block after it that shares tokens with the prompt (a full block of a conversation that went
+another way, or the partial tail block a finished sequence leaves) and serves the longest hit,
+so a hit covers the exact common prefix, as mlx-lm's prompt cache does (a model with sliding
+windows: up to where each window's last tokens are held, ``prefix_blocks``). Each block is stored once, whatever number of
 sequences share it. With a ``DiskBlockStore``, every block inserted is also written to disk in the
 background, and a block evicted from memory is still found there (after a restart too); tail
 blocks live in memory only.
