@@ -7,8 +7,8 @@ one prompt token is left to compute). Where the chain ends, the hit goes on into
 block after it that shares tokens with the prompt (a full block of a conversation that went
 another way, or the partial tail block a finished sequence leaves) and serves the longest hit,
 so a hit covers the exact common prefix, as mlx-lm's prompt cache does (a model with sliding
-windows: up to where each window's last tokens are held, ``prefix_blocks``). Each block is stored once, whatever number of
-sequences share it. With a ``DiskBlockStore``, every block inserted is also written to disk in the
+windows: up to where each window's last tokens are held, ``prefix_blocks``). Each block is
+stored once, whatever number of sequences share it. With a ``DiskBlockStore``, every block inserted is also written to disk in the
 background, and a block evicted from memory is still found there (after a restart too); tail
 blocks live in memory only.
 
@@ -180,7 +180,7 @@ class PrefixCache:
             return None
         self._touch([b for b in run if b.key in self.blocks])
         self.evict_to(self.budget)
-        n = sum(len(b.tokens) for b in run)
+        n = _length(run)
         disk_tokens = sum(len(b.tokens) for b in run if b.key in from_disk)
         self.stats.memory_tokens += n - disk_tokens
         self.stats.disk_tokens += disk_tokens
@@ -206,19 +206,18 @@ class PrefixCache:
         ending where a hybrid model's state snapshot is and where every sliding window holds its
         last tokens (cut inside a block when it must)."""
         best: list[Block] = []
-        length = sum(len(b.tokens) for b in run)
         for candidate in [*nexts, None]:  # most tokens first: stop once none can serve more
-            if length + (len(candidate.tokens) if candidate is not None else 0) <= sum(len(b.tokens) for b in best):
-                break
             served = run + [candidate] if candidate is not None else list(run)
+            if _length(served) <= _length(best):
+                break
             while self.hybrid and served and served[-1].states is None and not self._snapshot_from_disk(served[-1]):
                 served.pop()  # end where a state snapshot is
             if self.hybrid:  # a snapshot's end or nothing: whole blocks go
-                while served and window_end(served, self.windows) < sum(len(b.tokens) for b in served):
+                while served and window_end(served, self.windows) < _length(served):
                     served.pop()
             else:
                 served = cut_run(served, window_end(served, self.windows))
-            if sum(len(b.tokens) for b in served) > sum(len(b.tokens) for b in best):
+            if _length(served) > _length(best):
                 best = served
         return best
 
@@ -246,3 +245,8 @@ class PrefixCache:
         """Wait for the disk tier's pending writes."""
         if self.disk is not None:
             self.disk.flush()
+
+
+def _length(run: Sequence[Block]) -> int:
+    """Tokens of a run of blocks."""
+    return sum(len(b.tokens) for b in run)
