@@ -57,6 +57,20 @@ def test_sane_configs_still_load():
     assert olmo3.layer_types == ("sliding",) * 3 + ("full",)
 
 
+def test_a_dense_mlp_needs_its_width():
+    """``intermediate_size`` may be absent only where no layer has a dense MLP (issue 44)."""
+    from mlxformer.models.decoder import Model
+
+    dense = {k: v for k, v in BASE.items() if k != "intermediate_size"}
+    with pytest.raises(MlxformerError, match="intermediate_size must be a positive integer"):
+        Model(ModelArgs.from_dict(dense))
+    experts = dict(dense, model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    assert ModelArgs.from_dict(experts).intermediate_size == 0
+    with pytest.raises(MlxformerError, match="intermediate_size"):  # its dense layers (mlp_only_layers) need it
+        Model(ModelArgs.from_dict(dict(experts, mlp_only_layers=[0])))
+    assert Model(ModelArgs.from_dict(experts)).args.num_experts == 4
+
+
 def test_hostile_checkpoint_fails_before_loading(tmp_path):
     """The issue's case end to end: a real Mixtral checkpoint whose config claims 30M experts."""
     write_tiny_checkpoint(tmp_path, "mixtral", num_local_experts=3, num_experts_per_tok=2)

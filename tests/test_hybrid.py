@@ -315,6 +315,28 @@ def test_image_text_checkpoint_loads_its_language_model(tmp_path_factory):
     assert mx.array_equal(model(ids), text_model(ids)).item()
 
 
+def test_transformers_written_qwen3_5_moe_config_loads(tmp_path):
+    """Issue 44: ``Qwen3_5MoeTextConfig`` writes no ``intermediate_size`` (every layer is experts);
+    the checkpoint loads (before: "config intermediate_size is not a positive integer below
+    2**31: None") with transformers' logits."""
+    from transformers import AutoModelForCausalLM, Qwen3_5MoeTextConfig
+
+    from conftest import TINY_SHAPE, perturb_
+
+    shape = {k: v for k, v in TINY_SHAPE.items() if k != "intermediate_size"}
+    config = Qwen3_5MoeTextConfig(**{**shape, **HYBRID, **EXPERTS})
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    hf_model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    perturb_(hf_model)
+    hf_model.eval().save_pretrained(tmp_path)
+    assert "intermediate_size" not in json.loads((tmp_path / "config.json").read_text())
+    write_byte_tokenizer(tmp_path)
+    model, _ = load(tmp_path, dtype=mx.float32, threads=1)
+    ids = tokens(40)
+    assert max_diff(np.array(model(mx.array(ids[None]))[0]), reference(hf_model, ids)) <= BOUND
+
+
 @pytest.mark.parametrize("model_type,mlx_lm_type", [("qwen3_5_text", "qwen3_5"), ("qwen3_next", "qwen3_next")])
 def test_mlx_lm_conversions_load(model_type, mlx_lm_type, tmp_path_factory):
     """mlx-lm's own ``convert`` (float, and 4-bit with its 8-bit router gates, as mlx-community

@@ -31,9 +31,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--idle-unload", type=float, default=None, metavar="SECONDS",
                         help="with several models: unload a model idle this long (default: never; a request's "
                              "keep_alive overrides it, Ollama's semantics)")
-    parser.add_argument("--strict-model-names", action="store_true",
-                        help="with several models (or one): answer only the hosted names (default with one model: "
-                             "any name is served by it)")
+    parser.add_argument("--strict-model-names", "--strict-model-name", action="store_true",
+                        help="every API answers only the hosted model names, others get 404 (default with one "
+                             "model: any name, e.g. gpt-4o or Claude Code's claude-*, is served by it)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     parser.add_argument("--port", type=int, default=8080, help="port (default 8080)")
     parser.add_argument("--max-batch", type=int, default=8, help="most sequences decoded together (default 8)")
@@ -63,9 +63,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--tool-parser", metavar="NAME",
                         help="the tool-call format (hermes, qwen3_coder, llama3_json, mistral, mistral_v11, json; "
                              "default: the one the chat template teaches)")
-    parser.add_argument("--strict-model-name", action="store_true",
-                        help="the Anthropic and Responses routes answer only the served model name (default: any "
-                             "name, e.g. Claude Code's claude-*, is served by the loaded model)")
     parser.add_argument("--strict-max-tokens", action="store_true",
                         help="the Messages API refuses a max_tokens beyond what the context has left, in Anthropic's "
                              "wording (default: clamped to it, reported in usage and x-mlxformer-max-tokens)")
@@ -130,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
         model, tokenizer, name, host=args.host, port=args.port, max_batch=args.max_batch, max_queue=args.max_queue,
         api_key=args.api_key, cors_origins=args.cors_origin, cache_settings=settings, speculative=speculative,
         allowed_hosts=args.allowed_host, openapi=not args.no_openapi, prompt_cache=prompt_cache,
-        tool_parser=args.tool_parser, any_model_name=not (args.strict_model_name or args.strict_model_names),
+        tool_parser=args.tool_parser, any_model_name=not args.strict_model_names,
         sse_ping_seconds=args.sse_ping_seconds or None, max_kv_memory=max_kv_memory,
         source=args.model or str(default_model_path()),
         strict_max_tokens=args.strict_max_tokens, force_tools=args.force_tool,
@@ -221,7 +218,7 @@ def run_several(args: argparse.Namespace, sources: dict[str, str], settings: Any
         app = create_app(engine, ServedModel.of(name, model, tokenizer), api_key=args.api_key,
                          cors_origins=args.cors_origin, allowed_hosts=hosts,
                          openapi=not args.no_openapi, tool_parser=args.tool_parser,
-                         any_model_name=not args.strict_model_name, sse_ping_seconds=args.sse_ping_seconds or None,
+                         any_model_name=not args.strict_model_names, sse_ping_seconds=args.sse_ping_seconds or None,
                          host=lambda ctx: host, **extra)
         engine.start()
         return app, engine.stop

@@ -14,14 +14,18 @@ recurrent layer's state there (``states``). A hit on a hybrid model ends at a bl
 snapshot, taken whole (the state after any other prefix is not known); the engine inserts a
 hybrid prompt after each prefill chunk, so its chunk ends have snapshots too.
 
-A sliding-window layer (a rotating cache without sinks: Gemma's, Mistral's local layers) only
-ever sees its last ``capacity`` tokens, and that is all a cold prefill leaves in its cache: a
-block holds that layer's keys/values only while the sequence's cache still held them when the
-block was cut (``()`` otherwise), and a run of ``n`` tokens serves when the blocks covering its
-last ``capacity`` tokens hold them (``window_served``); the cache is rebuilt with those tokens
-in time order, as a cold prefill leaves it after a chunk. The engine inserts such prompts after
-every prefill chunk, so each block is cut while it is still inside the window (when the chunk
-is at most the window less a block).
+A sliding-window layer (a rotating cache without sinks: Gemma's, Mistral's, gpt-oss's local
+layers) only ever sees its last ``capacity`` tokens, and that is all a cold prefill leaves in
+its cache: a block holds that layer's keys/values for the last tokens of the block the window
+still held when the block was cut (all of them, some, or none: ``Block.held``). A run of ``n``
+tokens serves when each window layer holds the run's last ``capacity`` tokens (``window_end``
+finds the longest such head of a run, cutting inside a block when it must); the cache is
+rebuilt with those tokens in time order, as a cold prefill leaves it after a chunk. The engine
+inserts such prompts after every prefill chunk, so a block is cut while the window still holds
+its tokens, and the window's last ``capacity`` tokens at every chunk's end are kept (llama.cpp's
+SWA checkpoints, at the block boundaries the hash chain has anyway): a hit can always end at a
+chunk's end (the end of an earlier prompt: a multi-turn conversation's next turn), and anywhere
+when the chunk is at most the window less a block.
 """
 
 from __future__ import annotations
@@ -63,6 +67,12 @@ class Block:
     # each layer's ``StateCache.state`` after the block's last token (``()`` for an attention
     # layer); None: no snapshot (a hybrid model's run cannot end here)
     states: list[tuple[mx.array, ...]] | None = None
+
+    def held(self, layer: int) -> int:
+        """How many of the block's last tokens layer ``layer`` holds keys/values for (a window
+        layer cut after its window moved past the block's first tokens holds fewer)."""
+        pack = self.keys[layer]
+        return int(pack[0].shape[2]) if pack else 0
 
     @property
     def nbytes(self) -> int:
@@ -111,9 +121,10 @@ def cut_blocks(cache: Sequence[Cache], tokens: Sequence[int], spans: Sequence[tu
         return []
     blocks = []
     end = int(cache[0].offset)  # type: ignore[arg-type]
+    held = [_held(c) for c in cache]
     for key, a, b in spans:
-        layer_keys = [_slice(c, "keys", a, b) for c in cache]
-        layer_values = [_slice(c, "values", a, b) for c in cache]
+        layer_keys = [_slice(h, 0, a, b) for h in held]
+        layer_values = [_slice(h, 1, a, b) for h in held]
         centers = [_center(c) for c in cache] if tag != "float" else None
         states = [c.state if isinstance(c, StateCache) else () for c in cache] if b == end else None
         blocks.append(Block(key, tuple(tokens[a:b]), tag, layer_keys, layer_values, centers, states))
@@ -121,31 +132,70 @@ def cut_blocks(cache: Sequence[Cache], tokens: Sequence[int], spans: Sequence[tu
     return blocks
 
 
-def _slice(cache: Cache, name: str, a: int, b: int) -> Pack:
-    """Copies of tokens ``a:b`` of a layer's keys or values (nothing for a recurrent layer, nor
-    for a sliding window that no longer holds them all)."""
+def _held(cache: Cache) -> tuple[Pack, Pack, int] | None:
+    """A layer's keys, values and the position of the first they hold, in time order (None: a
+    recurrent layer, which holds no per-token arrays)."""
     if isinstance(cache, StateCache):
-        return ()
+        return None
     if isinstance(cache, RotatingKVCache) and cache.size != cache.offset:  # evicted: held in time order
         keys, values, positions = cache.time_order()
-        if a < positions[0]:
-            return ()
-        a, b = a - positions[0], b - positions[0]
-        return tuple(mx.contiguous(x[..., a:b, :]) for x in (keys if name == "keys" else values))
-    return tuple(mx.contiguous(x[..., a:b, :]) for x in getattr(cache, name))
+        return keys, values, positions[0]
+    return cache.keys, cache.values, 0  # type: ignore[attr-defined, return-value]
 
 
-def window_served(blocks: Sequence[Block], layer: int, capacity: int) -> bool:
-    """Whether ``blocks`` hold layer ``layer``'s keys/values for the last ``capacity`` tokens
-    of the run (all that a sliding window of that capacity keeps)."""
-    needed = capacity
-    for block in reversed(blocks):
-        if needed <= 0:
-            return True
-        if not block.keys[layer]:
-            return False
-        needed -= len(block.tokens)
-    return True
+def _slice(held: tuple[Pack, Pack, int] | None, which: int, a: int, b: int) -> Pack:
+    """Copies of a layer's keys (``which`` 0) or values (1) of the tokens ``a:b`` it still holds
+    (the last of them, for a window that moved past ``a``; nothing for a recurrent layer)."""
+    if held is None:
+        return ()
+    first = held[2]
+    a, b = max(a, first) - first, b - first
+    if a >= b:
+        return ()
+    return tuple(mx.contiguous(x[..., a:b, :]) for x in held[which])
+
+
+def window_end(blocks: Sequence[Block], windows: Sequence[int | None]) -> int:
+    """The most tokens ``n`` of the run ``blocks`` such that every window layer (``windows[l]``
+    its capacity, None: not a window) holds its keys/values for the last ``capacity`` tokens
+    before ``n`` (all that a sliding window of that capacity keeps); 0 when none does."""
+    starts = np.cumsum([0, *(len(b.tokens) for b in blocks)])
+    n = int(starts[-1])
+    layers = [(layer, w) for layer, w in enumerate(windows) if w]
+    if not layers:
+        return n
+    # each layer's held spans [first, end): a block holds the last ``held`` of its tokens
+    spans = {layer: _merged([(int(starts[i + 1]) - b.held(layer), int(starts[i + 1])) for i, b in enumerate(blocks)])
+             for layer, _ in layers}
+    ends = sorted({min(end, n) for layer_spans in spans.values() for _, end in layer_spans}, reverse=True)
+    for end in ends:
+        if all(any(first <= max(0, end - w) and end <= last for first, last in spans[layer]) for layer, w in layers):
+            return end
+    return 0
+
+
+def _merged(spans: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Adjacent or overlapping ``[first, end)`` spans (in order) merged; empty ones dropped."""
+    merged: list[tuple[int, int]] = []
+    for first, end in spans:
+        if first >= end:
+            continue
+        if merged and first <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((first, end))
+    return merged
+
+
+def cut_run(blocks: Sequence[Block], n: int) -> list[Block]:
+    """The first ``n`` tokens of the run ``blocks`` (its last block cut with ``head_of``)."""
+    run: list[Block] = []
+    for block in blocks:
+        if n <= 0:
+            break
+        run.append(head_of(block, min(n, len(block.tokens))))
+        n -= len(block.tokens)
+    return run
 
 
 def _center(cache: Cache) -> mx.array:
@@ -155,11 +205,21 @@ def _center(cache: Cache) -> mx.array:
 
 def head_of(block: Block, n: int) -> Block:
     """The first ``n`` tokens of ``block`` (views of its arrays: a hit takes them, the cache keeps
-    the whole block)."""
+    the whole block). A window layer holding the block's last ``h`` tokens keeps those of them
+    among the first ``n``."""
     if n == len(block.tokens):
         return block
-    cut = lambda packs: [tuple(x[..., :n, :] for x in pack) for pack in packs]  # noqa: E731
-    return Block(block.key, block.tokens[:n], block.storage, cut(block.keys), cut(block.values), block.centers)  # no snapshot
+    cut = len(block.tokens) - n  # tokens dropped from the end
+
+    def head(packs: list[Pack]) -> list[Pack]:
+        return [tuple(x[..., : max(0, x.shape[2] - cut), :] for x in pack) for pack in packs]
+
+    return Block(block.key, block.tokens[:n], block.storage, head(block.keys), head(block.values), block.centers)  # no snapshot
+
+
+def _last(x: mx.array, n: int) -> mx.array:
+    """The last ``n`` tokens of ``x`` (..., T, D)."""
+    return x[..., x.shape[2] - n :, :]
 
 
 def assemble(model: HasLayers, settings: CacheSettings, blocks: Sequence[Block]) -> list[Cache]:
@@ -181,8 +241,9 @@ def assemble(model: HasLayers, settings: CacheSettings, blocks: Sequence[Block])
                 break
             run.insert(0, block)
             count += len(block.tokens)
-        keys = tuple(mx.concatenate(parts, axis=2)[..., count - held :, :] for parts in zip(*(b.keys[layer] for b in run)))
-        values = tuple(mx.concatenate(parts, axis=2)[..., count - held :, :] for parts in zip(*(b.values[layer] for b in run)))
+        # the run's first block may hold only its last tokens (a window's): take the last ``held``
+        keys = tuple(_last(mx.concatenate(parts, axis=2), held) for parts in zip(*(b.keys[layer] for b in run)))
+        values = tuple(_last(mx.concatenate(parts, axis=2), held) for parts in zip(*(b.values[layer] for b in run)))
         center = (blocks[0].centers[layer],) if quantized and blocks[0].centers else ()
         meta = {**cache.meta_state, "quantized": str(int(quantized))}
         if isinstance(cache, RotatingKVCache):  # in time order, as a chunk's update leaves it

@@ -4,10 +4,11 @@ byte budget (least recently used first out), optionally backed by a disk tier.
 Blocks are keyed by a hash chain (``prefix_blocks``): ``lookup(prompt)`` walks the prompt's
 blocks while they are cached, in memory or on disk, and rebuilds caches holding them (at least
 one prompt token is left to compute). Where the chain ends, the hit goes on into the cached
-block after it that shares most tokens with the prompt (a full block of a conversation that went
-another way, or the partial tail block a finished sequence leaves), so a hit covers the exact
-common prefix, as mlx-lm's prompt cache does. Each block is stored once, whatever number of
-sequences share it. With a ``DiskBlockStore``, every block inserted is also written to disk in the
+block after it that shares tokens with the prompt (a full block of a conversation that went
+another way, or the partial tail block a finished sequence leaves) and serves the longest hit,
+so a hit covers the exact common prefix, as mlx-lm's prompt cache does (a model with sliding
+windows: up to where each window's last tokens are held, ``prefix_blocks``). Each block is
+stored once, whatever number of sequences share it. With a ``DiskBlockStore``, every block inserted is also written to disk in the
 background, and a block evicted from memory is still found there (after a restart too); tail
 blocks live in memory only.
 
@@ -29,7 +30,7 @@ from typing import TYPE_CHECKING, Sequence
 
 from mlxformer.cache import Cache, CacheSettings, RotatingKVCache, make_cache
 from mlxformer.cache.protocol import HasLayers
-from mlxformer.engine.prefix_blocks import Block, assemble, block_keys, cut_blocks, head_of, tail_key, window_served
+from mlxformer.engine.prefix_blocks import Block, assemble, block_keys, cut_blocks, cut_run, head_of, tail_key, window_end
 
 if TYPE_CHECKING:
     from mlxformer.engine.disk_cache import DiskBlockStore
@@ -98,7 +99,7 @@ class PrefixCache:
         fresh = {block.key: block for block in cut_blocks(caches, tokens, spans)} if spans else {}
         if self.disk is not None:  # whole blocks (a window's evicted tokens stay out of the disk tier)
             for key in keys:
-                if key in fresh and all(pack or w is None for pack, w in zip(fresh[key].keys, self.windows)):
+                if key in fresh and all(w is None or fresh[key].held(layer) == size for layer, w in enumerate(self.windows)):
                     self.disk.put(fresh[key])
         if tail_id in fresh:
             self._add(fresh[tail_id], parents[-1])  # least recent: a tail goes before its chain
@@ -175,19 +176,13 @@ class PrefixCache:
                 from_disk.add(block.key)
                 self._add(block, keys[len(run) - 1] if run else "")
             run.append(block)
-        partial = self._best_next(keys[len(run) - 1] if run else "", prompt, len(run) * self.block_size,
-                                  run[0].storage if run else None)
-        if partial is not None:
-            run.append(partial)
-        while self.hybrid and run and run[-1].states is None and not self._snapshot_from_disk(run[-1]):
-            run.pop()  # end where a state snapshot is
-        while run and not all(window_served(run, layer, w) for layer, w in enumerate(self.windows) if w):
-            run.pop()  # end where every sliding window's last tokens are held
-        if not run or (run[0].centers is not None and sum(len(b.tokens) for b in run) < self.settings.quantized_kv_start):
+        run = self._served(run, self._next_blocks(keys[len(run) - 1] if run else "", prompt, len(run) * self.block_size,
+                                                  run[0].storage if run else None))
+        if not run or (run[0].centers is not None and _length(run) < self.settings.quantized_kv_start):
             return None  # quantized below quantized_kv_start: a cold prefill holds those tokens as floats
         self._touch([b for b in run if b.key in self.blocks])
         self.evict_to(self.budget)
-        n = sum(len(b.tokens) for b in run)
+        n = _length(run)
         disk_tokens = sum(len(b.tokens) for b in run if b.key in from_disk)
         self.stats.memory_tokens += n - disk_tokens
         self.stats.disk_tokens += disk_tokens
@@ -208,11 +203,32 @@ class PrefixCache:
             self.nbytes += block.nbytes
         return True
 
-    def _best_next(self, parent: str, prompt: Sequence[int], start: int, storage: str | None) -> Block | None:
-        """The head of the memory block after ``parent`` sharing most tokens with
-        ``prompt[start:]`` (at least one prompt token left over), or None."""
+    def _served(self, run: list[Block], nexts: Sequence[Block]) -> list[Block]:
+        """The longest run that serves a hit: ``run`` followed by one of ``nexts`` (or none),
+        ending where a hybrid model's state snapshot is and where every sliding window holds its
+        last tokens (cut inside a block when it must)."""
+        best: list[Block] = []
+        for candidate in [*nexts, None]:  # most tokens first: stop once none can serve more
+            served = run + [candidate] if candidate is not None else list(run)
+            if _length(served) <= _length(best):
+                break
+            while self.hybrid and served and served[-1].states is None and not self._snapshot_from_disk(served[-1]):
+                served.pop()  # end where a state snapshot is
+            if self.hybrid:  # a snapshot's end or nothing: whole blocks go
+                while served and window_end(served, self.windows) < _length(served):
+                    served.pop()
+            else:
+                served = cut_run(served, window_end(served, self.windows))
+            if _length(served) > _length(best):
+                best = served
+        return best
+
+    def _next_blocks(self, parent: str, prompt: Sequence[int], start: int, storage: str | None) -> list[Block]:
+        """The heads of the memory blocks after ``parent`` sharing tokens with ``prompt[start:]``
+        (at least one prompt token left over), most shared first (a whole one first on a tie: it
+        keeps its snapshot)."""
         room = len(prompt) - 1 - start
-        best, best_n = None, 0
+        found: list[tuple[int, bool, Block]] = []
         for key in self._children.get(parent, ()):
             block = self.blocks[key]
             if storage is not None and block.storage != storage:
@@ -222,11 +238,17 @@ class PrefixCache:
                 if mine != theirs:
                     break
                 n += 1
-            if n > best_n or (n == best_n and n == len(block.tokens)):  # a whole one keeps its snapshot
-                best, best_n = block, n
-        return None if best is None else head_of(best, best_n)
+            if n:
+                found.append((n, n == len(block.tokens), block))
+        found.sort(key=lambda f: (f[0], f[1]), reverse=True)
+        return [head_of(block, n) for n, _, block in found]
 
     def flush(self) -> None:
         """Wait for the disk tier's pending writes."""
         if self.disk is not None:
             self.disk.flush()
+
+
+def _length(run: Sequence[Block]) -> int:
+    """Tokens of a run of blocks."""
+    return sum(len(b.tokens) for b in run)

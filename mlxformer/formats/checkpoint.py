@@ -29,6 +29,9 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 # Config sizes a decoder is built from: each must be a positive int below 2**31.
 SIZE_KEYS = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
              "vocab_size", "max_position_embeddings")
+# Sizes a config may leave out: derived (heads, head size), defaulted (context), or not used by
+# every model (a dense MLP's width: Qwen3.5-MoE's layers are all experts; ``MLP`` refuses 0).
+OPTIONAL_SIZE_KEYS = ("num_key_value_heads", "head_dim", "max_position_embeddings", "intermediate_size")
 
 
 @dataclass(frozen=True)
@@ -119,7 +122,7 @@ def check_config(config: dict[str, Any], entries: Mapping[str, TensorEntry], sou
     config = text_config_of(config)  # an image-text model's language model
     for key in SIZE_KEYS:
         value = config.get(key)
-        if value is None and key in ("num_key_value_heads", "head_dim", "max_position_embeddings"):
+        if value is None and key in OPTIONAL_SIZE_KEYS:
             continue
         if not isinstance(value, int) or isinstance(value, bool) or not 0 < value < 1 << 31:
             raise MlxformerError(f"{where} {key} is not a positive integer below 2**31: {str(value)[:40]}")

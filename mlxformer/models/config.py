@@ -43,7 +43,7 @@ class ModelArgs:
     model_type: str
     hidden_size: int
     num_hidden_layers: int
-    intermediate_size: int
+    intermediate_size: int  # the dense MLP's width (0: the config gives none, no layer has a dense MLP)
     num_attention_heads: int
     num_key_value_heads: int
     head_dim: int
@@ -204,7 +204,7 @@ class ModelArgs:
                 model_type=model_type,
                 hidden_size=hidden,
                 num_hidden_layers=int(config["num_hidden_layers"]),
-                intermediate_size=int(config["intermediate_size"]),
+                intermediate_size=int(config.get("intermediate_size") or 0),  # 0: no dense MLP (models.mlp)
                 num_attention_heads=heads,
                 num_key_value_heads=int(config.get("num_key_value_heads") or heads),
                 head_dim=int(head_dim),
@@ -230,7 +230,7 @@ class ModelArgs:
             "architectures": [ARCHITECTURES[self.model_type]],
             "hidden_size": self.hidden_size,
             "num_hidden_layers": self.num_hidden_layers,
-            "intermediate_size": self.intermediate_size,
+            **({"intermediate_size": self.intermediate_size} if self.intermediate_size else {}),  # 0: no dense MLP
             "num_attention_heads": self.num_attention_heads,
             "num_key_value_heads": self.num_key_value_heads,
             "head_dim": self.head_dim,

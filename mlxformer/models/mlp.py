@@ -13,6 +13,7 @@ from typing import Callable
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlxformer.errors import MlxformerError
 from mlxformer.models.config import ModelArgs
 
 
@@ -38,6 +39,7 @@ class MLP(nn.Module):
 
     def __init__(self, args: ModelArgs):
         super().__init__()
+        check_width(args)
         self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=args.mlp_bias)
         self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=args.mlp_bias)
         self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
@@ -52,6 +54,7 @@ class FusedMLP(nn.Module):
 
     def __init__(self, args: ModelArgs):
         super().__init__()
+        check_width(args)
         self.gate_up_proj = nn.Linear(args.hidden_size, 2 * args.intermediate_size, bias=args.mlp_bias)
         self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
         self.activation = args.hidden_act  # a GATES key (a name, so the module deep-copies)
@@ -79,6 +82,13 @@ def dense_mlp(args: ModelArgs, layer_index: int) -> nn.Module:
     if not args.gated_mlp:
         return PlainMLP(args)
     return FusedMLP(args) if args.fused_gate_up else MLP(args)
+
+
+def check_width(args: ModelArgs) -> None:
+    """Refuse a dense MLP without a width: ``intermediate_size`` may be absent from a config only
+    when no layer has one (Qwen3.5-MoE's are all experts)."""
+    if args.intermediate_size <= 0:
+        raise MlxformerError("config.json intermediate_size must be a positive integer: the model has a dense MLP")
 
 
 MLP_TYPES: dict[str, Callable[[ModelArgs, int], nn.Module]] = {"dense": dense_mlp}

@@ -92,8 +92,8 @@ def create_app(
     are the ``Host`` names served (default: the loopback names; ``None``: any); bodies over
     ``max_body_bytes`` get 413; ``openapi=False`` serves no /openapi.json; ``routers`` make the
     API routers (each mounted under /v1); ``tool_parser`` names the tool-call format (default: the
-    one the chat template teaches); ``any_model_name``: the Anthropic and Responses routes serve
-    any model name they are sent; streams send a keep-alive comment after ``sse_ping_seconds``
+    one the chat template teaches); ``any_model_name``: every route serves any model name it is
+    sent (False: only ``served.name``, ``registry.check_model``); streams send a keep-alive comment after ``sse_ping_seconds``
     without data (None: never); ``host`` makes the ``ModelHost`` of Ollama's ``/api`` routes from the
     context (default: this one model, any name); ``strict_max_tokens``: the Messages API refuses a
     ``max_tokens`` beyond the context's room instead of clamping it; ``force_tools``: a reply to a

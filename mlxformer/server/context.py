@@ -34,7 +34,7 @@ class ServerContext:
         default_factory=lambda: ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="mlxformer-prepare")
     )
     traits: Optional[Traits] = None  # the model's call format and reasoning (default: read from its template)
-    any_model_name: bool = True  # the Anthropic and Responses routes serve any model name they are sent
+    any_model_name: bool = True  # every route serves any model name it is sent (registry.check_model)
     sse_ping_seconds: float | None = SSE_PING_SECONDS  # keep-alive comments after this long without data
     strict_max_tokens: bool = False  # Messages: refuse a max_tokens beyond the context instead of clamping it
 

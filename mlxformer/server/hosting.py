@@ -1,5 +1,5 @@
-"""What the agent APIs' routes (Anthropic Messages, Responses) share beyond the ``ServerContext``:
-the model-name policy (their streams: ``sse.frames`` and ``sse.named_event``)."""
+"""The model-name rule every route applies (OpenAI's, Responses, Anthropic Messages, Ollama's),
+and the 404 of a name no hosted model answers to."""
 
 from __future__ import annotations
 
@@ -7,8 +7,15 @@ from mlxformer.server.context import ServerContext
 from mlxformer.server.errors import APIError
 
 
+def not_found(name: str, names: list[str]) -> APIError:
+    """The 404 of a model name this server does not host."""
+    return APIError(f"the model {name!r} does not exist; this server serves {', '.join(map(repr, names))}", 404,
+                    "invalid_request_error", "model", "model_not_found")
+
+
 def check_model(ctx: ServerContext, requested: str | None) -> None:
-    """404 for another model's name, when the server is told to be strict about names."""
+    """A model serves any name it is sent (apps and agents hard-code theirs), unless its server
+    is strict about names (``--strict-model-names``): then only its own name, or none; another
+    gets a 404."""
     if not ctx.any_model_name and requested and requested != ctx.served.name:
-        raise APIError(f"the model {requested!r} does not exist; this server serves {ctx.served.name!r}",
-                       404, "invalid_request_error", "model", "model_not_found")
+        raise not_found(requested, [ctx.served.name])

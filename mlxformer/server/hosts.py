@@ -24,8 +24,9 @@ from fastapi import FastAPI
 
 from mlxformer.server.context import ServerContext
 from mlxformer.server.errors import APIError
+from mlxformer.server.hosting import not_found
 from mlxformer.server.model_facts import ModelFacts, kv_budget_of, mib, model_facts
-from mlxformer.server.registry import ModelRecord, loaded_record, not_found
+from mlxformer.server.registry import ModelRecord, loaded_record
 
 log = logging.getLogger("mlxformer.server")
 REAP_SECONDS = 0.5  # how often idle models are looked for

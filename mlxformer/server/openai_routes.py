@@ -24,6 +24,7 @@ from mlxformer.server.protocol import (
 from mlxformer.server.responses import (
     chat_chunk_maker, chat_response, completion_chunk_maker, completion_response, echo_logprobs, sse, usage_of,
 )
+from mlxformer.server.hosting import check_model
 from mlxformer.server.reply import whole_reply
 from mlxformer.server.streaming import collect_unless_gone, stream
 
@@ -42,6 +43,7 @@ def openai_router(ctx: ServerContext) -> APIRouter:
     @router.post("/chat/completions", response_model=ChatCompletionResponse,
                  responses={**streamed_ok(ChatCompletionResponse, ChatCompletionChunk), **error_responses(GENERATION)})
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        check_model(ctx, body.model)
         prepared = await ctx.prepare(lambda: prepare_chat(body, served, ctx.traits))
         lease = ctx.submit(prepared.request)
         request_id = new_id("chatcmpl")
@@ -69,6 +71,7 @@ def openai_router(ctx: ServerContext) -> APIRouter:
     @router.post("/completions", response_model=CompletionResponse,
                  responses={**streamed_ok(CompletionResponse, CompletionResponse), **error_responses(GENERATION)})
     async def completions(body: CompletionRequest, request: Request) -> Response:
+        check_model(ctx, body.model)
         prepared = await ctx.prepare(lambda: prepare_completion(body, served))
         lease = ctx.submit(prepared.request, "completions")
         lease.score_only = prepared.score_only

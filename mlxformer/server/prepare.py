@@ -11,7 +11,7 @@ from mlxformer.server.chat_turn import chat_turn
 from mlxformer.server.errors import bad_request
 from mlxformer.server.hooks import constraint_for
 from mlxformer.server.protocol import ChatCompletionRequest, CompletionRequest
-from mlxformer.server.translate import ServedModel, check_model_name, completion_prompt_ids, engine_request
+from mlxformer.server.translate import ServedModel, completion_prompt_ids, engine_request
 from mlxformer.server.turn import Prepared, Traits, prepare
 
 @dataclass
@@ -26,13 +26,11 @@ class PreparedCompletion:
 
 def prepare_chat(body: ChatCompletionRequest, served: ServedModel, traits: Traits) -> Prepared:
     """Check ``body``, render and tokenize the conversation, compile its constraint."""
-    check_model_name(body.model, served)
     return prepare(chat_turn(body), served, traits)
 
 
 def prepare_completion(body: CompletionRequest, served: ServedModel) -> PreparedCompletion:
     """Check ``body``, tokenize its prompt, compile its ``response_format`` (vLLM's extension)."""
-    check_model_name(body.model, served)
     if body.suffix:
         raise bad_request("suffix is not supported", param="suffix")
     ids = completion_prompt_ids(body, served)

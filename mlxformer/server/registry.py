@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from mlxformer.server.context import ServerContext
-from mlxformer.server.errors import APIError
+from mlxformer.server.hosting import check_model
 
 
 @dataclass(frozen=True)
@@ -57,12 +57,6 @@ class ModelHost(Protocol):
         ...
 
 
-def not_found(name: str, names: list[str]) -> APIError:
-    """The 404 of a model name this server does not host."""
-    return APIError(f"the model {name!r} does not exist; this server serves {', '.join(map(repr, names))}", 404,
-                    "invalid_request_error", "model", "model_not_found")
-
-
 def files_size(path: Path) -> int:
     """Bytes of a model's files: a GGUF file (all parts of a split one), or a dir's files."""
     from mlxformer.formats.gguf_split import split_part_names
@@ -92,15 +86,14 @@ def loaded_record(name: str, path: str | None, ctx: ServerContext, expires_at: f
 
 
 class SingleHost:
-    """One loaded model: any name is served by it unless ``strict`` names are asked for."""
+    """One loaded model, serving the names ``check_model`` lets through."""
 
-    def __init__(self, ctx: ServerContext, path: str | None = None, strict: bool = False) -> None:
-        self.ctx, self.path, self.strict = ctx, path, strict
+    def __init__(self, ctx: ServerContext, path: str | None = None) -> None:
+        self.ctx, self.path = ctx, path
         self.started = time.time()
 
     async def context(self, name: str | None) -> ServerContext:
-        if self.strict and name and name != self.ctx.served.name:
-            raise not_found(name, [self.ctx.served.name])
+        check_model(self.ctx, name)
         return self.ctx
 
     def finished(self, name: str | None, keep_alive: float | None) -> None:

@@ -92,7 +92,7 @@ def serve(
                      allowed_hosts=served_hosts(host, allowed_hosts), max_body_bytes=max_body_bytes, openapi=openapi,
                      tool_parser=tool_parser, any_model_name=any_model_name,
                      sse_ping_seconds=sse_ping_seconds, strict_max_tokens=strict_max_tokens,
-                     force_tools=force_tools, host=lambda ctx: SingleHost(ctx, source, strict=not any_model_name))
+                     force_tools=force_tools, host=lambda ctx: SingleHost(ctx, source))
     engine.start()
     try:
         uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)

@@ -43,15 +43,6 @@ class ServedModel:
         return cls(name, tokenizer, model.args.max_position_embeddings, model.args.vocab_size)
 
 
-def check_model_name(requested: str | None, served: ServedModel) -> None:
-    """404 unless the request names the served model (or names none)."""
-    if requested and requested != served.name:
-        raise APIError(
-            f"the model {requested!r} does not exist; this server serves {served.name!r}",
-            404, "invalid_request_error", "model", "model_not_found",
-        )
-
-
 def context_exceeded(served: ServedModel, wanted: str, param: str) -> APIError:
     """The 400 of a request that cannot fit the context."""
     return bad_request(
