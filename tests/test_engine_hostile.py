@@ -234,3 +234,24 @@ def test_the_server_leaves_a_missing_max_tokens_to_the_budget(tiny):
     body = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}]})
     assert engine_request(body, PROMPT, served, max_tokens=None, logprobs=None).fit_budget
     assert not engine_request(body, PROMPT, served, max_tokens=5, logprobs=None).fit_budget
+
+
+def test_a_newcomer_waiting_on_a_prefix_past_a_narrow_window_is_served_from_it(tmp_path):
+    """A sliding window narrower than a chunk plus a block (Mistral, window 24; chunks of 64):
+    a newcomer sharing 180 tokens of a prompt being prefilled waited for blocks that could never
+    serve it, then prefilled cold (issue 43: first token at step 25 instead of 14, 0 tokens from
+    the cache). The shared prefix now serves up to the last chunk end inside it, and the reply
+    equals the newcomer's alone."""
+    from test_zero_copy_join import sliding_model
+
+    model, tokenizer = sliding_model(tmp_path, "mistral", 24, 2)
+    first = [(13 * j) % 240 + 5 for j in range(260)]
+    second = first[:180] + [9, 8, 7, 6]
+    request = GenerationRequest(second, 6, logprobs=0)
+    with Engine(model, tokenizer, prefill_chunk=64, step_tokens=128, prefix_cache_bytes=0) as alone_engine:
+        reference = tokens_of(alone_engine.submit(request))
+    with Engine(model, tokenizer, prefill_chunk=64, step_tokens=128, prefix_cache_bytes=2**26) as engine:
+        handles = [engine.submit(GenerationRequest(first, 2)), engine.submit(request)]
+        got = [tokens_of(h) for h in handles]
+        assert handles[1].sequence.cached_tokens >= 128
+    assert got[1] == reference
