@@ -39,7 +39,7 @@ import mlx.core as mx
 
 from decode_profile import time_matmuls
 from mlxformer.cache import make_cache
-from mlxformer.choosing import Row, choose, draw_key
+from mlxformer.choosing import ChoiceRow, choose, draw_key
 from mlxformer.engine.batch_runner import BatchRunner
 from mlxformer.models.config import ModelArgs
 from mlxformer.models.decoder import Model
@@ -79,7 +79,7 @@ def build_step(runner: BatchRunner, rows: list[SimpleNamespace], sampling: Sampl
     """One decode step's tokens and log-probabilities, unevaluated (the host's part of a step)."""
     logits = runner.decode(rows)  # (B, vocab)
     key = None if sampling.greedy else draw_key(sampling.seed or 0, step)
-    return choose(logits, [Row(sampling, (), r.length, key) for r in rows])
+    return choose(logits, [ChoiceRow(sampling, (), r.length, key) for r in rows])
 
 
 def host_time(model: Model, lengths: list[int], sampling: SamplingSettings, steps: int) -> dict[str, float]:

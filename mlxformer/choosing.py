@@ -1,6 +1,6 @@
 """Choosing the next token of every row of a batch in one graph.
 
-Each row brings its settings, its history and its draw (``Row``); ``choose`` turns the batch's
+Each row brings its settings, its history and its draw (``ChoiceRow``); ``choose`` turns the batch's
 logits ``(B, vocab)`` into tokens ``(B,)`` and the log-probabilities they were chosen from
 ``(B, vocab)``. The rows' settings become ``(B,)`` vectors (penalty windows and logit biases
 ``(B, n)`` id matrices, constraint masks one ``(B, vocab)`` mask), greedy rows take the argmax
@@ -74,7 +74,7 @@ class History(Sequence[int]):
 
 
 @dataclass(frozen=True)
-class Row:
+class ChoiceRow:
     """One row to choose for: its settings, every token so far (``history``, the generated ones
     from ``prompt_length`` on), its draw key (``None``: greedy) and its constraint's mask.
     ``counts``: how often each token occurs in the generated part, float32 ``(vocab,)``, kept
@@ -116,7 +116,7 @@ def _vector(values: list[float]) -> mx.array:
     return mx.array(values, mx.float32)
 
 
-def process(logits: mx.array, rows: Sequence[Row], pending: mx.array | None = None) -> mx.array:
+def process(logits: mx.array, rows: Sequence[ChoiceRow], pending: mx.array | None = None) -> mx.array:
     """Float32 logits ``(B, vocab)`` after each row's penalties, logit bias and constraint mask.
     ``pending``: tokens ``(B,)`` or ``(B, m)`` chosen but not yet in the histories (a pipelined
     loop; a speculation round's proposals), on the device: row ``b``'s history continues with
@@ -148,7 +148,7 @@ def process(logits: mx.array, rows: Sequence[Row], pending: mx.array | None = No
     return logits
 
 
-def _generated_counts(rows: Sequence[Row], vocab: int, pending: mx.array | None, counts: list[int]) -> mx.array:
+def _generated_counts(rows: Sequence[ChoiceRow], vocab: int, pending: mx.array | None, counts: list[int]) -> mx.array:
     """Float32 ``(B, vocab)``: how often each token occurs in each row's generated tokens and
     its first ``counts`` pending ones (a row's running ``counts`` when it has them)."""
     if all(r.counts is not None for r in rows):
@@ -174,7 +174,7 @@ def mask_matrix(masks: Sequence[mx.array | None], vocab: int) -> mx.array:
     return mx.stack(rows)
 
 
-def choose(logits: mx.array, rows: Sequence[Row], pending: mx.array | None = None) -> tuple[mx.array, mx.array]:
+def choose(logits: mx.array, rows: Sequence[ChoiceRow], pending: mx.array | None = None) -> tuple[mx.array, mx.array]:
     """Next tokens ``(B,)`` and the processed log-probabilities ``(B, vocab)`` (float32) they
     were chosen from, lazily, for logits ``(B, vocab)`` of any dtype."""
     logprobs = normalize(process(logits, rows, pending))

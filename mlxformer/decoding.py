@@ -26,7 +26,7 @@ from mlxformer.cache.rotating import RotatingKVCache
 from mlxformer.errors import MlxformerError
 from mlxformer.models.decoder import Model
 from mlxformer.options import SamplingSettings, check_integer
-from mlxformer.choosing import History, Row, choose, draw_key
+from mlxformer.choosing import History, ChoiceRow, choose, draw_key
 from mlxformer.sampling import TokenConstraint, make_distribution
 from mlxformer.speculative import Proposer, SpeculativeSettings, Speculator, new_proposer, rewind
 from mlxformer.stop import StopMatcher
@@ -152,7 +152,7 @@ class DecodingState:
         self.key += 1
         return key
 
-    def row(self, pending: int = 0, vocab: int | None = None) -> Row:
+    def row(self, pending: int = 0, vocab: int | None = None) -> ChoiceRow:
         """This sequence as a row of a batch choice (a draw taken from its stream unless it is
         greedy; its constraint's mask computed); ``pending``: tokens chosen after its history but
         not yet recorded (``choosing.process``). Host work independent of the context: the
@@ -164,7 +164,7 @@ class DecodingState:
         mask = self.constraint.next_mask() if self.constraint is not None else None
         penalized = self.sampling.presence_penalty or self.sampling.frequency_penalty
         counts = self._generated_counts(vocab) if penalized and vocab is not None else None
-        return Row(self.sampling, History(self.prompt, self.generated), len(self.prompt), key, mask, pending, counts)
+        return ChoiceRow(self.sampling, History(self.prompt, self.generated), len(self.prompt), key, mask, pending, counts)
 
     def _generated_counts(self, vocab: int) -> mx.array:
         """Float32 ``(vocab,)`` counts of the generated tokens, on the device, updated with the

@@ -30,7 +30,7 @@ from mlxformer.errors import MlxformerError
 from mlxformer.models.decoder import Model
 from mlxformer.options import SamplingSettings, check_integer
 from mlxformer.cache import CacheSettings, make_cache
-from mlxformer.choosing import History, Row, process
+from mlxformer.choosing import History, ChoiceRow, process
 from mlxformer.sampling import Distribution, draw, filtered, normalize
 from mlxformer.steps import prefill
 from mlxformer.tokenizer import Tokenizer
@@ -310,10 +310,10 @@ def verify(
     k = proposed.shape[0]
     ids = proposed.astype(mx.int32)  # (k,)
     if known is not None:
-        rows = [Row(sampling, History(history, known[:i]), prompt_length) for i in range(k + 1)]
+        rows = [ChoiceRow(sampling, History(history, known[:i]), prompt_length) for i in range(k + 1)]
         logprobs = normalize(process(logits, rows))  # (k + 1, vocab)
     else:  # row i follows the history with proposals[:i]
-        rows = [Row(sampling, history, prompt_length, pending=i) for i in range(k + 1)]
+        rows = [ChoiceRow(sampling, history, prompt_length, pending=i) for i in range(k + 1)]
         logprobs = normalize(process(logits, rows, mx.broadcast_to(ids[None], (k + 1, k))))  # (k + 1, vocab)
     if sampling.greedy:
         targets = mx.argmax(logprobs, axis=-1)  # (k + 1,)

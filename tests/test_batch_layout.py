@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from mlxformer.cache.batch import BatchLayout
-from mlxformer.cache.batch_kind import Row, StorageKind
+from mlxformer.cache.batch_kind import BatchRow, StorageKind
 
 FLOAT = StorageKind(rotating=False, capacity=None, max_size=None, keep=0, bits=None, group_size=64)
 
@@ -21,7 +21,7 @@ def layout_of(kind: StorageKind, window: int | None, lengths: list[int]) -> Batc
     """A layout whose rows hold ``lengths`` tokens in slot order (a growing cache's rows)."""
     layout = BatchLayout(kind, window)
     layout.fit(max(lengths) + 1)
-    layout.add([Row(n, n, n) for n in lengths], [mx.arange(n, dtype=mx.int32) for n in lengths])
+    layout.add([BatchRow(n, n, n) for n in lengths], [mx.arange(n, dtype=mx.int32) for n in lengths])
     mx.eval(layout.positions)
     return layout
 

@@ -16,7 +16,7 @@ import pytest
 from mlxformer import stream_generate
 from mlxformer.cache import CacheSettings, make_cache
 from mlxformer.engine import Engine, GenerationRequest
-from mlxformer.engine.batch_runner import BatchRunner, PromptChunk
+from mlxformer.engine.batch_runner import BatchRunner, TokenRun
 from mlxformer.engine.scheduler import Scheduler
 from mlxformer.engine.sequence import Sequence, Status
 from test_batch_step import tiny_gemma3  # noqa: F401  (a fixture: sliding-window and global layers)
@@ -211,8 +211,8 @@ def test_decode_rows_and_prompt_chunks_run_in_one_forward(family, request):
     mx.eval(runner.decode(rows))  # they join the batch
     prompt_a, prompt_b = list(range(10, 110)), list(range(50, 57))
     cache_a, cache_b = make_cache(model, CacheSettings()), make_cache(model, CacheSettings())
-    chunks = [PromptChunk(prompt_a[:64], cache_a, False, 100), PromptChunk(prompt_b, cache_b, True, 7),
-              PromptChunk(prompt_a[64:], cache_a, True, 100)]
+    chunks = [TokenRun(prompt_a[:64], cache_a, False, 100), TokenRun(prompt_b, cache_b, True, 7),
+              TokenRun(prompt_a[64:], cache_a, True, 100)]
     counting.forwards = 0
     logits, chunk_logits = runner.step(rows, chunks)
     assert counting.forwards == 1

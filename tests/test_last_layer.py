@@ -15,7 +15,7 @@ from conftest import max_diff, write_byte_tokenizer, write_tiny_checkpoint
 from family_checks import hf_logits, tokens
 from mlxformer import load
 from mlxformer.cache import CacheSettings, make_cache
-from mlxformer.engine.batch_runner import BatchRunner, PromptChunk
+from mlxformer.engine.batch_runner import BatchRunner, TokenRun
 from test_mla import write_family
 
 BOUND = 3e-4  # fp32 on both sides
@@ -93,7 +93,7 @@ def test_packed_step_keeps_the_wanted_rows_bit_for_bit(case, monkeypatch):
     sequence = SimpleNamespace(cache=decoded, speculator=None, last_token=7)
     runner.step([sequence])  # it joins its batch
     mx.eval(runner.step([sequence])[0])
-    chunks = [PromptChunk(list(range(30, 50)), first, True, 20), PromptChunk(list(range(50, 60)), second, False, 20)]
+    chunks = [TokenRun(list(range(30, 50)), first, True, 20), TokenRun(list(range(50, 60)), second, False, 20)]
     rows = record_last_mlp(model, monkeypatch)
     logits, chunk_logits = runner.step([sequence], chunks)
     mx.eval(logits, chunk_logits[0])

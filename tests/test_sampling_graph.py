@@ -9,7 +9,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlxformer.choosing import Row, choose, draw_key, process
+from mlxformer.choosing import ChoiceRow, choose, draw_key, process
 from mlxformer.options import SamplingSettings
 from mlxformer.sampling import keep_mask, normalize, top_logprobs
 from test_batch_step import graph_ops
@@ -24,12 +24,12 @@ KINDS = {
 }
 
 
-def rows_of(settings: SamplingSettings, batch: int, mixed: bool = False) -> list[Row]:
+def rows_of(settings: SamplingSettings, batch: int, mixed: bool = False) -> list[ChoiceRow]:
     """``batch`` rows with ragged histories (the odd ones greedy when ``mixed``)."""
     rows = []
     for i in range(batch):
         s = SamplingSettings() if mixed and i % 2 else settings
-        rows.append(Row(s, list(range(i, 2 * i + 20)), 10, draw_key(7, i) if not s.greedy else None))
+        rows.append(ChoiceRow(s, list(range(i, 2 * i + 20)), 10, draw_key(7, i) if not s.greedy else None))
     return rows
 
 
@@ -137,7 +137,7 @@ def test_batched_draws_follow_each_rows_filtered_distribution():
     probs = np.array([0.4, 0.25, 0.2, 0.1, 0.05])
     settings = [SamplingSettings(temp=0.7, top_k=3), SamplingSettings(), SamplingSettings(temp=1.0, top_p=0.6)]
     n = 3000
-    rows = [Row(settings[i % 3], [0], 1, draw_key(11, i) if i % 3 != 1 else None) for i in range(3 * n)]
+    rows = [ChoiceRow(settings[i % 3], [0], 1, draw_key(11, i) if i % 3 != 1 else None) for i in range(3 * n)]
     logits = mx.broadcast_to(mx.log(mx.array(probs, mx.float32)), (3 * n, 5))
     tokens = np.array(choose(logits, rows)[0])
     topk = probs[:3] ** (1 / 0.7)
@@ -151,13 +151,13 @@ def test_a_seeded_row_draws_the_same_alone_and_in_any_batch():
     rng = np.random.default_rng(0)
     logits = mx.array(rng.normal(scale=3.0, size=(8, VOCAB)).astype(np.float32))
     settings = [SamplingSettings(temp=1.0, top_p=0.95, seed=s) for s in range(8)]
-    rows = [Row(s, [1, 2], 2, draw_key(s.seed, 3)) for s in settings]
+    rows = [ChoiceRow(s, [1, 2], 2, draw_key(s.seed, 3)) for s in settings]
     together = np.array(choose(logits, rows)[0]).tolist()
     alone = [np.array(choose(logits[i : i + 1], [rows[i]])[0]).item() for i in range(8)]
     reversed_ = np.array(choose(logits[::-1], rows[::-1])[0]).tolist()[::-1]
     assert together == alone == reversed_
     # another draw or another seed gives other tokens (the keys differ)
-    other = [np.array(choose(logits[i : i + 1], [Row(settings[i], [1], 1, draw_key(i, 4))])[0]).item() for i in range(8)]
+    other = [np.array(choose(logits[i : i + 1], [ChoiceRow(settings[i], [1], 1, draw_key(i, 4))])[0]).item() for i in range(8)]
     assert other != alone and len({draw_key(s, n) for s in range(8) for n in range(8)}) == 64
 
 
@@ -174,7 +174,7 @@ def test_penalties_per_row_equal_transformers_processors():
                 SamplingSettings(presence_penalty=0.5, frequency_penalty=0.7, logit_bias={7: 3.0, 9: -100.0}),
                 SamplingSettings(repetition_penalty=0.8, frequency_penalty=-1.0)]
     prompt_lengths = [50, 10, 2, 40]
-    got = np.array(process(mx.array(logits), [Row(s, h, p) for s, h, p in zip(settings, histories, prompt_lengths)]))
+    got = np.array(process(mx.array(logits), [ChoiceRow(s, h, p) for s, h, p in zip(settings, histories, prompt_lengths)]))
     for row, (s, history, start) in enumerate(zip(settings, histories, prompt_lengths)):
         want = logits[row].astype(np.float64)
         if s.repetition_penalty:

@@ -26,7 +26,7 @@ from mlxformer.cache.rows import RowCache, SpareBatch
 from mlxformer.cache.state import StateCache
 from mlxformer.cache.state_rows import StateRowCache, StateRows
 from mlxformer.engine import Engine, GenerationRequest
-from mlxformer.engine.batch_runner import BatchRunner, PromptChunk
+from mlxformer.engine.batch_runner import BatchRunner, TokenRun
 
 LAYERS = 8
 CHUNK = 12  # 256 is not a multiple: a chunk crosses a slot block (the batch widens mid-step)
@@ -190,7 +190,7 @@ def riding_rises(model, settings: CacheSettings) -> tuple[float, float]:
         mx.synchronize()
         before = mx.get_active_memory()
         mx.reset_peak_memory()
-        chunks = [PromptChunk(ids(16, 9), prefilling.cache, False, 600)] if riding else []
+        chunks = [TokenRun(ids(16, 9), prefilling.cache, False, 600)] if riding else []
         logits, _ = runner.step([decoding], chunks)
         mx.eval(logits, [x.state for x in batch.layers])
         return (mx.get_peak_memory() - before) / layer

@@ -21,7 +21,7 @@ from typing import Callable, Sequence
 
 import mlx.core as mx
 
-from mlxformer.cache.batch_kind import BatchKey, LayerKind, Row, StorageKind
+from mlxformer.cache.batch_kind import BatchKey, LayerKind, BatchRow, StorageKind
 from mlxformer.cache.codec import CENTER_BLOCK, FLOAT_CODEC, KVCodec, Pack, pack_nbytes
 from mlxformer.cache.kv import KVCache
 from mlxformer.cache.latent import Expand, latent_attention
@@ -49,7 +49,7 @@ class BatchLayout:
 
     def __init__(self, kind: StorageKind, window: int | None) -> None:
         self.kind, self.window = kind, window
-        self.rows: list[Row] = []
+        self.rows: list[BatchRow] = []
         self.width = 0  # C: slots per row in the buffers
         self.step_width = 0  # C at ``prepare``: this step's mask (a prompt chunk in a row may widen ``width``)
         self.positions = mx.zeros((0, 0), dtype=mx.int32)  # (B, C') position held by each slot, -1: empty
@@ -65,7 +65,7 @@ class BatchLayout:
         self.rope: mx.array | None = None  # (D,) the stepping rows' positions
         self._stepping: list[int] | None = None
 
-    def slot_of(self, row: Row) -> int:
+    def slot_of(self, row: BatchRow) -> int:
         """Where ``row`` writes its next token."""
         capacity = self.kind.capacity
         return row.used if capacity is None or row.used < capacity else row.idx
@@ -139,13 +139,13 @@ class BatchLayout:
                 row.freed = max(0, row.freed - 1)
             row.offset += 1
 
-    def add(self, rows: list[Row], positions: list[mx.array]) -> None:
+    def add(self, rows: list[BatchRow], positions: list[mx.array]) -> None:
         """Append rows, the positions their used slots hold (each ``(used,)``)."""
         padded = [mx.concatenate([p, mx.full((self.width - p.shape[0],), -1, dtype=mx.int32)]) for p in positions]
         self.positions = mx.concatenate([self.padded(), mx.stack(padded)], axis=0)  # (B + new, C)
         self.rows += rows
 
-    def remove(self, index: int, keep: mx.array) -> tuple[Row, mx.array]:
+    def remove(self, index: int, keep: mx.array) -> tuple[BatchRow, mx.array]:
         """Remove row ``index`` (``keep``: the other rows' indices); returns it and its used
         slots' positions ``(used,)``; the width narrows to what the rows left need."""
         row = self.rows.pop(index)
@@ -267,7 +267,7 @@ class RowView:
 
     segments = None  # the rows of one forward (``Cache.segments``)
 
-    def __init__(self, batch: "DecodeBatch", row: Row, layer: int) -> None:
+    def __init__(self, batch: "DecodeBatch", row: BatchRow, layer: int) -> None:
         self.batch, self.row, self.layer = batch, row, layer
 
     @property
@@ -417,17 +417,17 @@ def _storage(cache: Cache) -> tuple[Pack, Pack, mx.array | None]:
     return keys, values, cache.codec.key_center
 
 
-def _row_of(caches: Sequence[Cache]) -> tuple[Row, mx.array]:
+def _row_of(caches: Sequence[Cache]) -> tuple[BatchRow, mx.array]:
     """A joining sequence's row and the positions its used slots hold ``(used,)``."""
     first = caches[0]
     metas = [c.meta_state for c in caches]
     if isinstance(first, RotatingKVCache):
-        return Row(len(first.positions), first.offset, first.idx, metas), mx.array(first.positions, dtype=mx.int32)
-    return Row(first.offset, first.offset, first.offset, metas), mx.arange(first.offset, dtype=mx.int32)
+        return BatchRow(len(first.positions), first.offset, first.idx, metas), mx.array(first.positions, dtype=mx.int32)
+    return BatchRow(first.offset, first.offset, first.offset, metas), mx.arange(first.offset, dtype=mx.int32)
 
 
 def _row_cache(
-    batched: "BatchLayerCache | StateCache", index: int, row: Row, meta: dict[str, str], positions: mx.array, copy: bool
+    batched: "BatchLayerCache | StateCache", index: int, row: BatchRow, meta: dict[str, str], positions: mx.array, copy: bool
 ) -> Cache:
     """Row ``index`` of one batched layer as a per-sequence cache (``copy``: its own arrays, else views)."""
     if isinstance(batched, StateCache):
@@ -439,7 +439,7 @@ def _row_cache(
     return _rebuild(meta, row, keys + values + center, positions)
 
 
-def _rebuild(meta: dict[str, str], row: Row, arrays: tuple[mx.array, ...], positions: mx.array) -> Cache:
+def _rebuild(meta: dict[str, str], row: BatchRow, arrays: tuple[mx.array, ...], positions: mx.array) -> Cache:
     """A per-sequence cache from a row's slots (through the protocol's ``meta_state``/``state``)."""
     cache: Cache
     if "max_size" in meta:

@@ -1,5 +1,5 @@
 """What sequences must share to be rows of one decode batch (``BatchKey``: each layer's storage
-kind and attention window), and a row's place in it (``Row``), for ``cache/batch.py``."""
+kind and attention window), and a row's place in it (``BatchRow``), for ``cache/batch.py``."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def quantizes_next(cache: Cache) -> bool:
     return cache.bits is not None and cache.codec.bits is None and cache.offset >= cache.start
 
 
-def row_quantizes_next(row: "Row", fed: int = 0) -> bool:
+def row_quantizes_next(row: "BatchRow", fed: int = 0) -> bool:
     """``quantizes_next`` for a sequence whose keys/values are in a batch (once ``fed`` more
     tokens are in: a prompt's later chunk in the same step)."""
     meta = next((m for m in row.metas if "bits" in m), None)  # an attention layer's (not a recurrent one's)
@@ -54,7 +54,7 @@ def row_quantizes_next(row: "Row", fed: int = 0) -> bool:
 
 
 @dataclass
-class Row:
+class BatchRow:
     """One sequence's place in the batch (host-side; the same for every layer); the positions
     its slots hold are its row of the layout's device array."""
 

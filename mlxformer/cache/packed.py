@@ -31,7 +31,7 @@ Attend = Callable[[int, Any, Any, Mask], Optional[mx.array]]
 
 
 @dataclass(frozen=True)
-class Segment:
+class StepSegment:
     """A run of packed tokens: ``rows`` sequences of ``length`` tokens each, stored in ``cache``
     (a batch layer's cache when ``rows > 1``, whose rows each take one token)."""
 
@@ -44,7 +44,7 @@ class Segment:
         return self.rows * self.length
 
 
-def positions(segments: Sequence[Segment]) -> mx.array:
+def positions(segments: Sequence[StepSegment]) -> mx.array:
     """Each packed token's position ``(1, T)``, from the segments' caches before the step (a
     cache taking several segments, a prompt's consecutive chunks, continues where the last ended)."""
     parts, ahead = [], {}  # id(cache) -> tokens its earlier segments add
@@ -59,13 +59,13 @@ def positions(segments: Sequence[Segment]) -> mx.array:
     return mx.concatenate(parts)[None]
 
 
-def pack_segment(x: mx.array, segment: Segment) -> mx.array:
+def pack_segment(x: mx.array, segment: StepSegment) -> mx.array:
     """A decode batch's ``(rows, H, 1, D)`` as packed ``(1, H, rows, D)`` (``cut_tokens``'s
     inverse for one segment); a chunk's segment is already one row."""
     return x if segment.rows == 1 else x.swapaxes(0, 2)
 
 
-def cut_tokens(x: mx.array, segments: Sequence[Segment], axis: int = 1) -> list[mx.array]:
+def cut_tokens(x: mx.array, segments: Sequence[StepSegment], axis: int = 1) -> list[mx.array]:
     """Packed ``x`` whose tokens run along ``axis`` (``(1, T, ...)``; attention's ``(1, heads, T,
     D)`` with ``axis`` 2) cut into each segment's part, a decode batch's rows moved to axis 0
     (``(rows, 1, ...)``; ``(rows, heads, 1, D)``)."""
@@ -77,7 +77,7 @@ def cut_tokens(x: mx.array, segments: Sequence[Segment], axis: int = 1) -> list[
     return parts
 
 
-def join_tokens(parts: Sequence[mx.array], segments: Sequence[Segment]) -> mx.array:
+def join_tokens(parts: Sequence[mx.array], segments: Sequence[StepSegment]) -> mx.array:
     """Inverse of ``cut_tokens``."""
     return mx.concatenate([p if s.rows == 1 else p.swapaxes(0, 1) for p, s in zip(parts, segments)], axis=1)
 
@@ -85,7 +85,7 @@ def join_tokens(parts: Sequence[mx.array], segments: Sequence[Segment]) -> mx.ar
 class PackedLayerCache:
     """One layer's cache for a packed step: each segment's tokens go to its own cache."""
 
-    def __init__(self, segments: Sequence[Segment], window: int | None, offset: mx.array, read: bool = False) -> None:
+    def __init__(self, segments: Sequence[StepSegment], window: int | None, offset: mx.array, read: bool = False) -> None:
         self.segments, self.window = list(segments), window
         self.offset = offset  # (1, T): RoPE rotates each token at its own position
         # ``read``: a later layer attends over this one's keys/values (``kv_source``); each
@@ -165,13 +165,13 @@ class PackedLayerCache:
         self._attended = written if self.read else None
         return outs
 
-    def _write(self, segment: Segment, keys: mx.array, values: mx.array) -> tuple[Any, Any, Mask]:
+    def _write(self, segment: StepSegment, keys: mx.array, values: mx.array) -> tuple[Any, Any, Mask]:
         """A segment's keys/values written to its cache; what it returns, and its mask (taken before)."""
         own = segment.cache.make_mask(segment.length, self.window)
         return (*segment.cache.update_and_fetch(keys, values), own)
 
     @staticmethod
-    def _attend(segment: Segment, queries: mx.array, keys: Any, values: Any, mask: Mask, scale: float,
+    def _attend(segment: StepSegment, queries: mx.array, keys: Any, values: Any, mask: Mask, scale: float,
                 softcap: float | None, sinks: mx.array | None) -> mx.array:
         return pack_segment(segment.cache.attention(queries, keys, values, scale, mask, softcap, sinks), segment)
 

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 import mlx.core as mx
 
 from mlxformer.cache.batch import BatchLayerCache, _rebuild, in_window
-from mlxformer.cache.batch_kind import BatchKey, Row, StorageKind
+from mlxformer.cache.batch_kind import BatchKey, BatchRow, StorageKind
 from mlxformer.cache.codec import CENTER_BLOCK, KVCodec, Pack, center_blocks, pack_slice
 from mlxformer.cache.latent import Expand, latent_attention
 from mlxformer.cache.rotating import RotatingKVCache, takes_back
@@ -81,14 +81,14 @@ def ring_slot(position: int, capacity: int, keep: int) -> int:
 
 def placement(
     storage: StorageKind, positions: list[int], offset: int, metas: list[dict[str, str]]
-) -> tuple[Row, list[Span]]:
+) -> tuple[BatchRow, list[Span]]:
     """The row of a sequence whose own cache holds ``positions`` (oldest first) of its
     ``offset`` tokens, and where they go: a growing row's from slot 0; a rotating row's each in
     the slot a row filled from the first token holds it in (``ring_slot``), so a prefix-cache
     hit's row is laid out as the row that computed it was (a chunk or a decode step then adds
     its terms in the same order: the same result bit for bit), its older slots empty."""
     if not storage.rotating or positions == list(range(offset)):
-        return Row(len(positions), offset, len(positions), metas), [(0, 0, len(positions))] if positions else []
+        return BatchRow(len(positions), offset, len(positions), metas), [(0, 0, len(positions))] if positions else []
     assert storage.capacity is not None
     capacity, keep = storage.capacity, storage.keep
     spans: list[Span] = []
@@ -99,10 +99,10 @@ def placement(
         else:
             spans.append((slot, token, 1))
     empty = capacity - keep - sum(p >= keep for p in positions)  # the ring slots from the next one on
-    return Row(capacity, offset, ring_slot(offset, capacity, keep), metas, freed=empty), spans
+    return BatchRow(capacity, offset, ring_slot(offset, capacity, keep), metas, freed=empty), spans
 
 
-def time_slots(row: Row, capacity: int, keep: int) -> list[int]:
+def time_slots(row: BatchRow, capacity: int, keep: int) -> list[int]:
     """The row's slots holding a token, oldest first (a turned ring's ``freed`` slots skipped)."""
     if row.used < capacity or (row.idx == keep and not row.freed):
         return list(range(row.used))
@@ -110,7 +110,7 @@ def time_slots(row: Row, capacity: int, keep: int) -> list[int]:
     return [*range(keep), *ring[row.freed :]]
 
 
-def own_ring_cache(layer: BatchLayerCache, index: int, row: Row, meta: dict[str, str]) -> RotatingKVCache:
+def own_ring_cache(layer: BatchLayerCache, index: int, row: BatchRow, meta: dict[str, str]) -> RotatingKVCache:
     """Row ``index`` of a rotating layer as the per-sequence cache it stands for (``meta``):
     its sinks and newest tokens in time order, at most its ``max_size + slack`` (copies)."""
     kind = layer.layout.kind
@@ -125,7 +125,7 @@ def own_ring_cache(layer: BatchLayerCache, index: int, row: Row, meta: dict[str,
     center = tuple(c[index : index + 1] for c in layer.codec.state)
     positions = mx.take(layer.layout.padded()[index], order)
     size = len(slots)
-    own = Row(size, row.offset, size if size < capacity else kind.keep)
+    own = BatchRow(size, row.offset, size if size < capacity else kind.keep)
     cache = _rebuild(meta, own, keys + values + center, positions)
     assert isinstance(cache, RotatingKVCache)
     return cache
@@ -151,7 +151,7 @@ class RingWrites:
     written at the ring's next slots and attended piece by piece (module doc)."""
 
     batch: RowHost
-    row: Row
+    row: BatchRow
     layer: int
     pending: int
     codec: KVCodec

@@ -9,7 +9,7 @@ import mlx.core as mx
 
 if TYPE_CHECKING:
     from mlxformer.cache.batch import BatchLayout
-    from mlxformer.cache.batch_kind import Row
+    from mlxformer.cache.batch_kind import BatchRow
 
 
 class RowHost(Protocol):
@@ -25,12 +25,12 @@ class RowHost(Protocol):
         """Rows its buffers hold."""
         ...
 
-    def index(self, row: "Row") -> int:
+    def index(self, row: "BatchRow") -> int:
         """Where ``row`` is in the buffers now."""
         ...
 
 
-def move_back(layout: "BatchLayout", index: int, row: "Row", target: int) -> None:
+def move_back(layout: "BatchLayout", index: int, row: "BatchRow", target: int) -> None:
     """Row ``index`` back to its first ``target`` tokens: a row whose slots hold its tokens in
     order (a growing row, a ring not yet turned) frees its later slots; a turned ring's index
     steps back over the slots it frees (``freed``: written first, and skipped when it is read
@@ -52,7 +52,7 @@ class RowPlace:
     """Layer ``layer`` of ``row`` in ``batch``; what a forward being built wrote there counts in
     ``pending`` (``pendings``: the row's layers', shared by their caches) until ``settle``."""
 
-    def __init__(self, batch: RowHost, row: "Row", layer: int, pendings: dict[int, int]) -> None:
+    def __init__(self, batch: RowHost, row: "BatchRow", layer: int, pendings: dict[int, int]) -> None:
         self.batch, self.row, self.layer, self.pendings = batch, row, layer, pendings
 
     @property

@@ -14,7 +14,7 @@ capacity (bounded by ``max_rows``, the engine's ``max_batch``), so most admissio
 free row and rewrite nothing; the buffers are dropped when the last row leaves.
 
 A hybrid model's recurrent layers keep their rows here too (``cache/state_rows.py``: the
-attention layers' ``Row`` moves them). A row whose storage turns quantized at
+attention layers' ``BatchRow`` moves them). A row whose storage turns quantized at
 ``quantized_kv_start`` moves to a row of the quantized batch, re-encoded there
 (``BatchRunner._cross``).
 
@@ -42,7 +42,7 @@ from typing import Sequence
 import mlx.core as mx
 
 from mlxformer.cache.batch import BatchLayerCache, DecodeBatch, _pad, _row_cache
-from mlxformer.cache.batch_kind import BatchKey, Row
+from mlxformer.cache.batch_kind import BatchKey, BatchRow
 from mlxformer.cache.codec import CENTER_BLOCK, FLOAT_CODEC, KVCodec, Pack, center_blocks, pack_nbytes, pack_slice
 from mlxformer.cache.kv import CodecAttention, KVCache
 from mlxformer.cache.protocol import Cache
@@ -126,7 +126,7 @@ class SpareBatch(DecodeBatch):
         for layout in self.layouts.values():
             empty = mx.full((extra, layout.positions.shape[1]), -1, dtype=mx.int32)
             layout.positions = mx.concatenate([layout.positions, empty])
-            layout.rows += [Row(0, 0, 0) for _ in range(extra)]
+            layout.rows += [BatchRow(0, 0, 0) for _ in range(extra)]
         self.free += range(old, new)
         return extra
 
@@ -230,7 +230,7 @@ class SpareBatch(DecodeBatch):
             self._remove(index, caches)
             return caches
         for layout in self.layouts.values():
-            layout.rows[index] = Row(0, 0, 0)
+            layout.rows[index] = BatchRow(0, 0, 0)
             layout.positions[index] = -1
         self.free.append(index)
         self.free.sort()
@@ -266,7 +266,7 @@ class SpareBatch(DecodeBatch):
             return own_ring_cache(batched, index, row, row.metas[layer])
         return _row_cache(batched, index, row, row.metas[layer], mx.arange(row.used, dtype=mx.int32), copy)
 
-    def index(self, row: Row) -> int:
+    def index(self, row: BatchRow) -> int:
         return next(i for layout in self.layouts.values() for i, r in enumerate(layout.rows) if r is row)
 
 
@@ -278,7 +278,7 @@ class RowCache(RowPlace, CodecAttention):
     the row too, until every layer has trimmed to the same length (``pendings``: the row's
     layers', shared by their caches)."""
 
-    def __init__(self, batch: SpareBatch, row: Row, layer: int, pendings: dict[int, int]) -> None:
+    def __init__(self, batch: SpareBatch, row: BatchRow, layer: int, pendings: dict[int, int]) -> None:
         super().__init__(batch, row, layer, pendings)
         self.codec: KVCodec = FLOAT_CODEC  # the row's own (its key centers), for its attention
 
@@ -354,7 +354,7 @@ class RowCache(RowPlace, CodecAttention):
         """Forget the last ``n`` tokens: of the forward being built, then of the row. The layers
         share the row's slots, so the row moves once every layer has been trimmed to the same
         length (``RowPlace._take_back``). A hybrid model's row gives nothing back unless its
-        recurrent layers keep their last states (a speculating row: ``Row.rewinds``)."""
+        recurrent layers keep their last states (a speculating row: ``BatchRow.rewinds``)."""
         if not self.row.rewinds and any(isinstance(layer, StateRows) for layer in self.batch.layers):
             return 0
         n = min(n, self.offset)

@@ -12,7 +12,7 @@ protocol: a prompt chunk reads the row's window and state and writes them back i
 other rows untouched), computing exactly what the sequence's own ``StateCache`` computes (the
 same ``keep``, so the same split into the chunked and the recurrent form). A row keeps no past
 states (``trim`` gives nothing back, as a batch's stacked ``StateCache`` did), except a
-speculating sequence's (``Row.rewinds``): its forwards, which run on its row alone, also
+speculating sequence's (``BatchRow.rewinds``): its forwards, which run on its row alone, also
 advance a ``StateCache`` of its own (a copy of the row's window and state, then the states of
 its last ``keep`` tokens, as its own cache keeps them), so a rejected round is taken back by
 that cache's ``trim`` and the state before it written back into the row. A row read out of
@@ -32,7 +32,7 @@ from mlxformer.models.mask import Mask, causal_mask_for
 
 if TYPE_CHECKING:
     from mlxformer.cache.batch import BatchLayout
-    from mlxformer.cache.batch_kind import Row
+    from mlxformer.cache.batch_kind import BatchRow
 
 
 def state_blank(args: Any, dtype: mx.Dtype) -> tuple[tuple[mx.array], tuple[mx.array]]:
@@ -100,7 +100,7 @@ class StateRowCache(RowPlace):
 
     segments = None  # the rows of one forward (``Cache.segments``)
 
-    def __init__(self, batch: RowHost, row: "Row", layer: int, pendings: dict[int, int]) -> None:
+    def __init__(self, batch: RowHost, row: "BatchRow", layer: int, pendings: dict[int, int]) -> None:
         super().__init__(batch, row, layer, pendings)
         self.keep = max(1, int(row.metas[layer]["keep"]))  # the sequence's own cache's
         self._past: StateCache | None = None  # a speculating row's last states (module doc)

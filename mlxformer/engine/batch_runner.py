@@ -21,7 +21,7 @@ from typing import Protocol, Sequence
 import mlx.core as mx
 
 from mlxformer.cache import Cache, KVCache, RotatingKVCache
-from mlxformer.cache.packed import PackedLayerCache, Segment, positions
+from mlxformer.cache.packed import PackedLayerCache, StepSegment, positions
 from mlxformer.engine.prompt_scores import PromptScores
 from mlxformer.cache.batch import DecodeBatch
 from mlxformer.cache.batch_kind import BatchKey, batch_key, quantizes_next, row_quantizes_next
@@ -47,7 +47,7 @@ class Decoding(Protocol):
 
 
 @dataclass(frozen=True)
-class PromptChunk:
+class TokenRun:
     """A piece of one sequence's prompt for ``BatchRunner.step`` (or a speculation round:
     ``speculation_round``)."""
 
@@ -63,11 +63,11 @@ class PromptChunk:
         return len(self.tokens) if self.every else int(self.last)
 
 
-def speculation_round(last: int, proposed: mx.array, cache: Sequence[Cache]) -> PromptChunk:
+def speculation_round(last: int, proposed: mx.array, cache: Sequence[Cache]) -> TokenRun:
     """A speculation round for ``BatchRunner.step``: the ``last`` token then the proposals
     ``(k,)`` (maybe still on the device) on one sequence's caches, every position's logits wanted."""
     tokens = mx.concatenate([mx.array([last], mx.int32), proposed.astype(mx.int32)])  # (k + 1,)
-    return PromptChunk(tokens, cache, True, None, every=True)
+    return TokenRun(tokens, cache, True, None, every=True)
 
 
 def packs(model: Model) -> bool:
@@ -204,7 +204,7 @@ class BatchRunner:
         assert logits is not None
         return logits
 
-    def _alone(self, chunk: PromptChunk) -> mx.array | None:
+    def _alone(self, chunk: TokenRun) -> mx.array | None:
         """A chunk (or a round) in a forward of its own: ``prefill``'s logits, or every position's."""
         if not chunk.every:
             return self.prefill(chunk.tokens, chunk.cache, chunk.last, chunk.prompt_length)
@@ -219,7 +219,7 @@ class BatchRunner:
         return logits
 
     def step(
-        self, sequences: Sequence[Decoding], chunks: Sequence[PromptChunk] = (), inputs: mx.array | None = None
+        self, sequences: Sequence[Decoding], chunks: Sequence[TokenRun] = (), inputs: mx.array | None = None
     ) -> tuple[mx.array | None, list[mx.array | None]]:
         """One engine step in one forward (``cache/packed.py``): one token per decoding sequence
         and each prompt chunk's (or speculation round's) tokens on its own caches (a prompt's
@@ -255,7 +255,7 @@ class BatchRunner:
 
     def _one_by_one(
         self, groups: list[tuple[Sequence[Cache], list[Decoding], DecodeBatch | None]], tokens: list[mx.array],
-        chunks: Sequence[PromptChunk],
+        chunks: Sequence[TokenRun],
     ) -> tuple[list[mx.array], list[mx.array | None]]:
         """``step`` as one forward per batch, per sequence on its own caches and per chunk (a
         model that does not pack, a step of one part, a prompt's chunks crossing within it). A
@@ -364,7 +364,7 @@ class BatchRunner:
         if isinstance(view, RowCache) and row_quantizes_next(view.row):
             self._cross(next(s for s in self._rows[view.batch.key] if s is not None and s.cache is cache))
 
-    def _crosses_within(self, chunks: Sequence[PromptChunk]) -> bool:
+    def _crosses_within(self, chunks: Sequence[TokenRun]) -> bool:
         """Whether a seated prompt's storage turns quantized at a later one of its chunks in this
         step (its row moves between them: they run one after the other, ``prefill``)."""
         fed: dict[int, int] = {}
@@ -393,12 +393,12 @@ class BatchRunner:
 
     def _packed(
         self, groups: list[tuple[Sequence[Cache], list[Decoding], DecodeBatch | None]], tokens: list[mx.array],
-        chunks: Sequence[PromptChunk],
+        chunks: Sequence[TokenRun],
     ) -> tuple[list[mx.array], list[mx.array | None]]:
         """``step``'s one forward: the decoding rows' tokens, then the chunks', packed on one row."""
         inputs = tokens + [mx.array(c.tokens).astype(mx.int32) for c in chunks]
-        segments = [[Segment(caches[i], len(rows), 1) for caches, rows, _ in groups]
-                    + [Segment(c.cache[i], 1, len(c.tokens)) for c in chunks] for i in range(len(self.windows))]
+        segments = [[StepSegment(caches[i], len(rows), 1) for caches, rows, _ in groups]
+                    + [StepSegment(c.cache[i], 1, len(c.tokens)) for c in chunks] for i in range(len(self.windows))]
         where = positions(segments[self.kv_layer])  # (an attention layer's: a recurrent one has no positions)
         layers = [PackedLayerCache(s, window, where, read) for s, window, read in zip(segments, self.windows, self.read)]
         decoding = sum(len(rows) for _, rows, _ in groups)
@@ -437,7 +437,7 @@ class BatchRunner:
         return ([logits[:decoding]] if decoding else []), chunk_logits
 
     def _observe(self, groups: list[tuple[Sequence[Cache], list[Decoding], DecodeBatch | None]],
-                 chunks: Sequence[PromptChunk], hidden: mx.array) -> None:
+                 chunks: Sequence[TokenRun], hidden: mx.array) -> None:
         """Hand the packed step's hidden rows ``(T, hidden)`` (every row's) of each sequence
         stepping on its own caches (a seated speculating one's token, a prompt chunk, a round) to
         the model's watch, as a forward of its own over those caches would (native MTP drafts

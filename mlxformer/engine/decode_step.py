@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from mlxformer.engine.batch_runner import BatchRunner, PromptChunk, speculation_round
+from mlxformer.engine.batch_runner import BatchRunner, TokenRun, speculation_round
 from mlxformer.engine.choices import Choice, Pipeline
 from mlxformer.engine.memory import held
 from mlxformer.engine.replay import Replays, rewind_caches
@@ -53,7 +53,7 @@ class DecodeStep:
         try:
             inputs = self.pipeline.inputs(decode) if self.pipeline is not None else None  # (B,) or None
             logits, chunk_logits = self.runner.step(decode, [
-                PromptChunk(c.tokens, c.sequence.cache, c.last, len(c.sequence.prompt)) for c in riding] + [
+                TokenRun(c.tokens, c.sequence.cache, c.last, len(c.sequence.prompt)) for c in riding] + [
                 speculation_round(s.last_token, proposed, s.cache) for s, proposed in rounds], inputs)
             ridden.update({id(c): x for c, x in zip(riding, chunk_logits)})
             verified.update({id(s): x for (s, _), x in zip(rounds, chunk_logits[len(riding):])})  # type: ignore[misc]

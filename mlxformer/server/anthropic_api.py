@@ -13,7 +13,7 @@ from pydantic import ValidationError
 
 from mlxformer.engine import TokenEvent
 from mlxformer.server.anthropic_protocol import (
-    AnthropicErrorResponse, Block, Message, MessageResponse, MessagesRequest, MessageStreamEvent, TokenCount,
+    AnthropicErrorResponse, ContentBlock, Message, MessageResponse, MessagesRequest, MessageStreamEvent, TokenCount,
     TokenCountRequest, anthropic_error,
 )
 from mlxformer.server.errors import bad_request, validation_message
@@ -23,7 +23,7 @@ from mlxformer.server.sse import frames, named_event
 from mlxformer.server.openapi import BODY, GENERATION, GUARDED, KEYED, error_responses, streamed_ok
 from mlxformer.server.streaming import collect_unless_gone
 from mlxformer.server.protocol import ResponseFormat, SamplingFields, new_id
-from mlxformer.server.segments import Segment, SegmentEvent, Segmenter
+from mlxformer.server.segments import ReplySegment, SegmentEvent, Segmenter
 from mlxformer.server.turn import Turn, effort_budget, prepare, render_prompt
 from mlxformer.server.tools import tool_plan
 
@@ -45,14 +45,14 @@ def is_anthropic_path(path: str) -> bool:
 BILLING_HEADER = "x-anthropic-billing-header:"
 
 
-def system_text(system: str | list[Block]) -> str:
+def system_text(system: str | list[ContentBlock]) -> str:
     """A system prompt's text, without Claude Code's billing-header block."""
     if isinstance(system, str):
         return system
     return "".join(b.plain() for b in system if not (b.type == "text" and (b.text or "").startswith(BILLING_HEADER)))
 
 
-def conversation(system: str | list[Block] | None, messages: list[Message]) -> tuple[list[dict[str, Any]], str]:
+def conversation(system: str | list[ContentBlock] | None, messages: list[Message]) -> tuple[list[dict[str, Any]], str]:
     """Anthropic messages as OpenAI-style chat messages (tool results become ``tool`` turns,
     ``tool_use`` blocks the assistant's ``tool_calls``, ``thinking`` its ``reasoning_content``;
     system messages stay where they stand), and the assistant prefill: the text of a last
@@ -164,7 +164,7 @@ def stop_reason(event: TokenEvent, called: bool, text: str, stops: list[str], eo
     return "end_turn", None
 
 
-def block_start(segment: Segment) -> dict[str, Any]:
+def block_start(segment: ReplySegment) -> dict[str, Any]:
     if segment.kind == "call":
         return {"type": "tool_use", "id": segment.call_id, "name": segment.name, "input": {}}
     if segment.kind == "reasoning":
@@ -172,7 +172,7 @@ def block_start(segment: Segment) -> dict[str, Any]:
     return {"type": "text", "text": ""}
 
 
-def block_delta(segment: Segment, piece: str) -> dict[str, Any]:
+def block_delta(segment: ReplySegment, piece: str) -> dict[str, Any]:
     if segment.kind == "call":
         return {"type": "input_json_delta", "partial_json": piece}
     if segment.kind == "reasoning":
@@ -180,7 +180,7 @@ def block_delta(segment: Segment, piece: str) -> dict[str, Any]:
     return {"type": "text_delta", "text": piece}
 
 
-def whole_block(segment: Segment) -> dict[str, Any]:
+def whole_block(segment: ReplySegment) -> dict[str, Any]:
     if segment.kind == "call":
         try:
             arguments = json.loads(segment.text) if segment.text.strip() else {}

@@ -14,7 +14,7 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
                429: "rate_limit_error", 499: "invalid_request_error", 503: "overloaded_error"}
 
 
-class Block(Lenient):
+class ContentBlock(Lenient):
     """One content block of a message: ``text``, ``tool_use``, ``tool_result``, ``thinking``
     (``image`` and ``document`` are refused: this server serves text models)."""
 
@@ -24,7 +24,7 @@ class Block(Lenient):
     name: Optional[str] = None
     input: Optional[dict[str, Any]] = None
     tool_use_id: Optional[str] = None
-    content: Union[str, list["Block"], None] = None
+    content: Union[str, list["ContentBlock"], None] = None
     is_error: Optional[bool] = None
     thinking: Optional[str] = None
 
@@ -39,10 +39,10 @@ class Block(Lenient):
 
 class Message(Lenient):
     role: Literal["user", "assistant", "system"]  # Claude Code sends system messages mid-conversation
-    content: Union[str, list[Block]]
+    content: Union[str, list[ContentBlock]]
 
-    def blocks(self) -> list[Block]:
-        return [Block(type="text", text=self.content)] if isinstance(self.content, str) else self.content
+    def blocks(self) -> list[ContentBlock]:
+        return [ContentBlock(type="text", text=self.content)] if isinstance(self.content, str) else self.content
 
 
 class Tool(Lenient):
@@ -76,7 +76,7 @@ class OutputConfig(Lenient):
 class TokenCountRequest(Lenient):
     model: str
     messages: list[Message] = Field(min_length=1)
-    system: Union[str, list[Block], None] = None
+    system: Union[str, list[ContentBlock], None] = None
     tools: Optional[list[Tool]] = None
     tool_choice: Optional[ToolChoice] = None
     thinking: Optional[Thinking] = None

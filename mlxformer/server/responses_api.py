@@ -23,7 +23,7 @@ from mlxformer.server.streaming import collect_unless_gone
 from mlxformer.server.protocol import ResponseFormat, SamplingFields, new_id
 from mlxformer.server.responses_protocol import InputItem, ResponseObject, ResponsesRequest, ResponseStreamEvent
 from mlxformer.server.responses_state import ResponseStore, Stored, ToolSet, seal, tool_set, unseal
-from mlxformer.server.segments import Segment, SegmentEvent, Segmenter
+from mlxformer.server.segments import ReplySegment, SegmentEvent, Segmenter
 from mlxformer.server.turn import Turn, effort_budget, prepare
 
 def input_messages(items: str | list[InputItem]) -> list[dict[str, Any]]:
@@ -93,7 +93,7 @@ def responses_turn(body: ResponsesRequest, history: list[dict[str, Any]], tools:
                 reasoning_budget=effort_budget(effort), effort=effort, prompt_param="input")
 
 
-def item_id(segment: Segment, response_id: str) -> str:
+def item_id(segment: ReplySegment, response_id: str) -> str:
     prefix = {"text": "msg", "call": "fc", "reasoning": "rs"}[segment.kind]
     return f"{prefix}_{response_id[5:]}_{segment.index}"
 
@@ -110,13 +110,13 @@ class Items:
     sealed: bool = False
     cut: bool = False
 
-    def status(self, segment: Segment, done: bool) -> str:
+    def status(self, segment: ReplySegment, done: bool) -> str:
         if not done:
             return "in_progress"
         last = self.segmenter.segments[-1] is segment
         return "incomplete" if self.cut and last else "completed"
 
-    def item(self, segment: Segment, done: bool = True) -> dict[str, Any]:
+    def item(self, segment: ReplySegment, done: bool = True) -> dict[str, Any]:
         """The output item of a segment (``done``: whole, else as it is announced)."""
         status, iid = self.status(segment, done), item_id(segment, self.response_id)
         if segment.kind == "call":
@@ -163,7 +163,7 @@ def stream_events(events: list[SegmentEvent], items: Items) -> list[dict[str, An
     return out
 
 
-def continued(history: list[dict[str, Any]], segments: list[Segment]) -> list[dict[str, Any]]:
+def continued(history: list[dict[str, Any]], segments: list[ReplySegment]) -> list[dict[str, Any]]:
     """``history`` followed by the reply as an assistant turn (what a next response continues)."""
     message: dict[str, Any] = {"role": "assistant", "content": "".join(s.text for s in segments if s.kind == "text")}
     if reasoning := "".join(s.text for s in segments if s.kind == "reasoning"):

@@ -10,7 +10,7 @@ from mlxformer.server.reply import ReplyDelta
 
 
 @dataclass
-class Segment:
+class ReplySegment:
     kind: str  # "reasoning", "text" or "call"
     index: int
     text: str = ""  # the reasoning, the text, or the call's arguments so far
@@ -22,7 +22,7 @@ class Segment:
 @dataclass
 class SegmentEvent:
     action: str  # "open", "delta" or "close"
-    segment: Segment
+    segment: ReplySegment
     piece: str = ""
 
 
@@ -31,12 +31,12 @@ class Segmenter:
     dropped (it would otherwise open empty-looking text blocks between tool calls)."""
 
     def __init__(self) -> None:
-        self.segments: list[Segment] = []
-        self.calls: dict[int, Segment] = {}  # call index -> its segment
+        self.segments: list[ReplySegment] = []
+        self.calls: dict[int, ReplySegment] = {}  # call index -> its segment
         self.pending = ""  # whitespace that opens no text segment by itself
 
     @property
-    def current(self) -> Segment | None:
+    def current(self) -> ReplySegment | None:
         return self.segments[-1] if self.segments and not self.segments[-1].closed else None
 
     def feed(self, delta: ReplyDelta) -> list[SegmentEvent]:
@@ -75,8 +75,8 @@ class Segmenter:
         segment.text += piece
         events.append(SegmentEvent("delta", segment, piece))
 
-    def _open(self, events: list[SegmentEvent], kind: str, **fields: str | None) -> Segment:
-        segment = Segment(kind, len(self.segments), **fields)  # type: ignore[arg-type]
+    def _open(self, events: list[SegmentEvent], kind: str, **fields: str | None) -> ReplySegment:
+        segment = ReplySegment(kind, len(self.segments), **fields)  # type: ignore[arg-type]
         self.segments.append(segment)
         events.append(SegmentEvent("open", segment))
         return segment
