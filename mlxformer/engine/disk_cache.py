@@ -32,7 +32,7 @@ from typing import Any, Sequence
 import mlx.core as mx
 
 from mlxformer.cache.file_checks import check_layer
-from mlxformer.engine.prefix_blocks import Block
+from mlxformer.cache.blocks import Block
 from mlxformer.errors import MlxformerError
 
 FORMAT = "mlxformer-prefix-block"
@@ -253,7 +253,7 @@ class DiskBlockStore:
         mx.eval(list(arrays.values()))  # a truncated file fails here, not in a decode step
         if tuple(stored.tolist()) != tuple(tokens):
             raise ValueError("its tokens are not the block's")
-        no_center = mx.zeros((0,))  # a recurrent layer's (``prefix_blocks``)
+        no_center = mx.zeros((0,))  # a recurrent layer's (``cache.blocks``)
         return Block(
             key, tuple(tokens), storage,
             [tuple(s[:per_pack]) for s in layers], [tuple(s[per_pack : 2 * per_pack]) for s in layers],

@@ -1,18 +1,18 @@
 """The prompt (prefix) cache: token blocks of finished sequences' caches, in memory within a
 byte budget (least recently used first out), optionally backed by a disk tier.
 
-Blocks are keyed by a hash chain (``prefix_blocks``): ``lookup(prompt)`` walks the prompt's
+Blocks are keyed by a hash chain (``cache.blocks``): ``lookup(prompt)`` walks the prompt's
 blocks while they are cached, in memory or on disk, and rebuilds caches holding them (at least
 one prompt token is left to compute). Where the chain ends, the hit goes on into the cached
 block after it that shares tokens with the prompt (a full block of a conversation that went
 another way, or the partial tail block a finished sequence leaves) and serves the longest hit,
 so a hit covers the exact common prefix, as mlx-lm's prompt cache does (a model with sliding
-windows: up to where each window's last tokens are held, ``prefix_blocks``). Each block is
+windows: up to where each window's last tokens are held, ``cache.blocks``). Each block is
 stored once, whatever number of sequences share it. With a ``DiskBlockStore``, every block inserted is also written to disk in the
 background, and a block evicted from memory is still found there (after a restart too); tail
 blocks live in memory only.
 
-A hybrid model's hit must end where a block carries a state snapshot (``prefix_blocks``): the
+A hybrid model's hit must end where a block carries a state snapshot (``cache.blocks``): the
 blocks where a sequence's cache ended when it was inserted (the engine inserts a hybrid
 prompt's blocks after every prefill chunk, and the whole sequence when it ends). A block that
 gets its snapshot after it was cached without one is cut again; the disk tier writes a
@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Sequence
 
 from mlxformer.cache import Cache, CacheSettings, RotatingKVCache, make_cache
 from mlxformer.cache.protocol import HasLayers
-from mlxformer.engine.prefix_blocks import Block, assemble, block_keys, cut_blocks, cut_run, head_of, tail_key, window_end
+from mlxformer.cache.blocks import Block, assemble, block_keys, cut_blocks, cut_run, head_of, tail_key, window_end
 
 if TYPE_CHECKING:
     from mlxformer.engine.disk_cache import DiskBlockStore

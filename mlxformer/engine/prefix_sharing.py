@@ -13,7 +13,7 @@ engine cuts such prompts at multiples of the chunk size, so those are block boun
 chunk size is a multiple of the block size). A later prompt that leaves the cached one inside it
 then resumes from the last snapshot before that point instead of prefilling again. A model
 with sliding-window layers publishes after every chunk too: a block's keys/values in a window
-layer can be cut only while the window still holds them (``prefix_blocks``).
+layer can be cut only while the window still holds them (``cache.blocks``).
 """
 
 from __future__ import annotations
