@@ -93,7 +93,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Handler of ``mlxformer serve``."""
-    from mlxformer.default_model import default_model_path
+    from mlxformer.default_model import model_source
     from mlxformer.engine.memory import parse_kv_memory
     from mlxformer.engine.prompt_cache import PromptCacheSettings
     from mlxformer.errors import MlxformerError
@@ -132,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
         allowed_hosts=args.allowed_host, openapi=not args.no_openapi, prompt_cache=prompt_cache,
         tool_parser=args.tool_parser, any_model_name=not (args.strict_model_name or args.strict_model_names),
         sse_ping_seconds=args.sse_ping_seconds or None, max_kv_memory=max_kv_memory,
-        source=args.model or str(default_model_path()),
+        source=str(model_source(args.model)),
         strict_max_tokens=args.strict_max_tokens, force_tools=args.force_tool,
         **({"max_body_bytes": args.max_body_bytes} if args.max_body_bytes is not None else {}),
     )

@@ -132,7 +132,8 @@ def create_app(
         app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
                            allow_headers=list(CORS_HEADERS))
     hosts = None if allowed_hosts is None else frozenset(host_name(h) for h in allowed_hosts)
-    app.add_middleware(RequestGuard, allowed_hosts=hosts, max_body_bytes=max_body_bytes, shape=api_shape)
+    app.add_middleware(RequestGuard, allowed_hosts=hosts, max_body_bytes=max_body_bytes, shape=api_shape,
+                       json_bodies=is_ollama_path)
     return app
 
 

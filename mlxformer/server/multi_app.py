@@ -67,7 +67,8 @@ def several_models_app(
                                                         for r in host.records()}})
 
     hosts = None if allowed_hosts is None else frozenset(host_name(h) for h in allowed_hosts)
-    front.add_middleware(RequestGuard, allowed_hosts=hosts, max_body_bytes=max_body_bytes, shape=api_shape)
+    front.add_middleware(RequestGuard, allowed_hosts=hosts, max_body_bytes=max_body_bytes, shape=api_shape,
+                         json_bodies=is_ollama_path)
     return MultiModelApp(front, host, is_front_path)
 
 
