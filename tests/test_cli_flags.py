@@ -339,10 +339,13 @@ def test_bench_json_and_text(tiny, capsys):
     assert len(report["trials"]) == 2
     assert all(t["prompt_tokens"] == 12 and t["generation_tokens"] == 3 for t in report["trials"])
     assert report["median"]["decode_tps"] > 0
-    out, _ = run(capsys, "bench", "-m", str(tiny[0]), "--prompt-tokens", "8", "--generation-tokens", "2",
-                 "--trials", "3")
+    out, err = run(capsys, "bench", "-m", str(tiny[0]), "--prompt-tokens", "8", "--generation-tokens", "2",
+                   "--trials", "3")
     lines = out.strip().splitlines()
     assert [line.split(":")[0].strip() for line in lines] == ["trial 1", "trial 2", "trial 3", "median"]
+    # progress on stderr, what starts before it runs (a real model's bench takes minutes)
+    assert err.splitlines() == [f"mlxformer: loading {tiny[0]}", "mlxformer: warming up"] + [
+        f"mlxformer: trial {i}/3: 8 prompt tokens, then 2 generated" for i in (1, 2, 3)]
 
 
 def test_bench_dtype_halves_the_weights(tiny, capsys):
