@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterable, Sequence
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import HTMLResponse, JSONResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.exceptions import HTTPException
 
@@ -63,9 +63,9 @@ RouterMaker = Callable[[ServerContext], APIRouter]
 API_ROUTERS: tuple[RouterMaker, ...] = (openai_router, models_router, messages_router, responses_router)
 
 
-def chat_page() -> str:
-    """The chat page's HTML, shipped in the package."""
-    return resources.files("mlxformer.server").joinpath("static", "chat.html").read_text(encoding="utf-8")
+def chat_page(name: str = "chat.html") -> str:
+    """The chat page's HTML (or another of its files), shipped in the package."""
+    return resources.files("mlxformer.server").joinpath("static", name).read_text(encoding="utf-8")
 
 
 def create_app(
@@ -114,6 +114,10 @@ def create_app(
     @app.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)  # HEAD: clients' reachability check
     async def index() -> HTMLResponse:
         return HTMLResponse(chat_page(), headers={"Content-Security-Policy": PAGE_SECURITY_POLICY})
+
+    @app.get("/favicon.ico", include_in_schema=False)  # the page's icon (browsers ask for this path)
+    async def favicon() -> Response:
+        return Response(chat_page("favicon.svg"), media_type="image/svg+xml")
 
     @app.get("/health", responses=error_responses((*GUARDED, 503)))
     async def health() -> JSONResponse:
