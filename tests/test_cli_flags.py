@@ -26,7 +26,7 @@ Flag inventory (where each flag's effect is asserted; the other test modules are
 | --kv-bits/--kv-group-size/--quantized-kv-start/--max-kv-size | here (== library) ; test_cache (file conflicts) | here (/stats bytes == packed layout) | here (used) | n/a |
 | --prompt-cache-file | test_cache (cached == fresh output) | n/a | n/a | n/a |
 | --prompt-tokens/--generation-tokens/--trials/--json | n/a | n/a | here (JSON and text) | n/a |
-| --hf-path/--mlx-path | n/a | n/a | n/a | here; test_convert |
+| --hf-path/--mlx-path | n/a | n/a | n/a | here; test_convert; test_hub_models (no --hf-path: the default model) |
 | -q/--q-bits/--q-group-size/--quant-recipe | n/a | n/a | n/a | here (== mx.quantize) ; test_convert |
 | --dequantize | n/a | n/a | n/a | here (== mx.dequantize) |
 | --force | n/a | n/a | n/a | test_convert_destination |

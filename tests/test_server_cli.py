@@ -34,12 +34,13 @@ def test_serve_subprocess_with_key_and_cors(smollm_gguf):
         )
         assert "Paris" in reply.choices[0].message.content
         # --strict-model-names: the agent APIs and Ollama's refuse another name (by default they serve it)
+        hi = [{"role": "user", "content": "hi"}]
         claude = anthropic.Anthropic(base_url=url, api_key="k3y", max_retries=0, timeout=300)
         with pytest.raises(anthropic.NotFoundError):
-            claude.messages.create(model="claude-sonnet-4-5", max_tokens=4, messages=[{"role": "user", "content": "hi"}])
+            claude.messages.create(model="claude-sonnet-4-5", max_tokens=4, messages=hi)
         with pytest.raises(openai.NotFoundError):
             client.responses.create(model="gpt-5", input="hi", max_output_tokens=4)
-        status, _, _ = http(url, "POST", "/api/chat", {"model": "llama3", "messages": [{"role": "user", "content": "hi"}]},
+        status, _, _ = http(url, "POST", "/api/chat", {"model": "llama3", "messages": hi},
                             headers={"Authorization": "Bearer k3y"})
         assert status == 404
 

@@ -36,7 +36,8 @@ def run(args: argparse.Namespace) -> int:
 
     out = convert(
         model_source(args.hf_path), args.mlx_path, quantize=args.quantize, q_bits=args.q_bits,
-        q_group_size=args.q_group_size, dtype=args.dtype, quant_recipe=args.quant_recipe, dequantize=args.dequantize, force=args.force,
+        q_group_size=args.q_group_size, dtype=args.dtype, quant_recipe=args.quant_recipe, dequantize=args.dequantize,
+        force=args.force,
     )
     print(f"wrote {out}")
     return 0
