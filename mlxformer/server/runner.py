@@ -65,12 +65,24 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+class BoundServer(uvicorn.Server):
+    """uvicorn's server on a socket ``bind`` made, announcing its URL as uvicorn does for a socket
+    it binds itself (the line clients and scripts wait for)."""
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets=sockets)
+        if self.started and sockets:
+            host, port = self.config.host, sockets[0].getsockname()[1]
+            url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+            logging.getLogger("uvicorn.error").info("Uvicorn running on %s (Press CTRL+C to quit)", url)
+
+
 def run_app(app: Any, host: str, port: int, sock: socket.socket | None = None) -> None:
     """Serve ``app`` with uvicorn in the foreground until interrupted, on ``sock`` (else
     ``host:port``, bound here)."""
     sock = sock if sock is not None else bind(host, port)
     config = uvicorn.Config(app, host=host, port=sock.getsockname()[1], log_level="info", timeout_graceful_shutdown=5)
-    server = uvicorn.Server(config)
+    server = BoundServer(config)
     try:
         server.run(sockets=[sock])
     except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it shut down on (as uvicorn.run, a clean stop)
