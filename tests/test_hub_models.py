@@ -342,7 +342,7 @@ def test_pull_without_the_hub_says_what_failed(tmp_path):
     offline = cli(tmp_path, "pull", ref)
     for done in (down, offline):
         assert done.returncode == 1 and done.stderr.count("\n") == 1, done.stderr
-        assert done.stderr.startswith(f"mlxformer: error: {ref}: not in the Hugging Face cache, and ")
+        assert done.stderr.startswith(f"mlxformer: error: {ref}: not a local path, not in the Hugging Face cache, and ")
         assert "local_files_only" not in done.stderr
     assert "the Hugging Face hub cannot be reached (" in down.stderr and "refused" in down.stderr.lower()
     assert offline.stderr.rstrip().endswith("downloads are off (HF_HUB_OFFLINE is set)")

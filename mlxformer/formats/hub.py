@@ -85,7 +85,7 @@ def repo_files(ref: str) -> dict[str, int]:
     if snapshot is None:
         why = ("downloads are off (HF_HUB_OFFLINE is set)" if unreachable is None
                else f"the Hugging Face hub cannot be reached ({unreachable})")
-        raise MlxformerError(f"{ref}: not in the Hugging Face cache, and {why}")
+        raise MlxformerError(f"{ref}: not a local path, not in the Hugging Face cache, and {why}")
     return {str(p.relative_to(snapshot)): p.stat().st_size for p in snapshot.rglob("*") if p.is_file()}
 
 
