@@ -109,18 +109,22 @@ def run_benchmark(
     on_trial: Callable[[Trial], None] | None = None,
     speculative: SpeculativeSettings | None = None,
     tokenizer: Tokenizer | None = None,
+    on_progress: Callable[[str], None] | None = None,
 ) -> tuple[list[Trial], Trial]:
     """Warm up, then ``trials`` greedy generations of ``generation_tokens`` after a random
     ``prompt_tokens`` prompt; returns every trial and their median (whose proposed/accepted
-    counts are the trials' sums)."""
+    counts are the trials' sums). ``on_progress`` is told what starts (the warm-up, each trial)."""
+    tell = on_progress or (lambda message: None)
     if prompt_tokens < 1 or generation_tokens < 2 or trials < 1:
         raise MlxformerError("need --prompt-tokens >= 1, --generation-tokens >= 2 and --trials >= 1")
     stats = SpeculativeStats()
     loop = mlxformer_loop(model, settings, speculative, tokenizer, stats)
     prompt = random_prompt(model.args.vocab_size, prompt_tokens)
-    measure(loop, prompt[:16], 4)  # warm-up
+    tell("warming up")
+    measure(loop, prompt[:16], 4)
     results = []
-    for _ in range(trials):
+    for trial in range(1, trials + 1):
+        tell(f"trial {trial}/{trials}: {prompt_tokens} prompt tokens, then {generation_tokens} generated")
         results.append(measure(loop, prompt, generation_tokens, stats))
         if on_trial is not None:
             on_trial(results[-1])

@@ -50,10 +50,14 @@ class ChatSession:
     def reset(self) -> None:
         """Forget the conversation and empty the cache."""
         self.messages: list[dict[str, str]] = [{"role": "system", "content": self.system}] if self.system else []
+        self._forget_cache()
+        self.last_prefill_tokens = 0  # tokens the last turn prefilled (none since the reset)
+
+    def _forget_cache(self) -> None:
+        """Start from an empty cache (and a new proposer): the next turn prefills the whole conversation."""
         self.cache: list[Cache] = self._new_cache()
         self.cached_ids: list[int] = []  # the tokens the cache holds, in order
         self.proposer = new_proposer(self.speculative, self.settings) if self.speculative is not None else None
-        self.last_prefill_tokens = 0  # tokens the last turn prefilled (none since the reset)
 
     def _new_cache(self) -> list[Cache]:
         return make_cache(self.model, with_rewind(self.settings, self.speculative))
@@ -87,14 +91,20 @@ class ChatSession:
         )
         pieces: list[str] = []
         tokens = decode(self.model, state)
+        interrupted = False
         try:
             for response in responses(state, tokens):
                 pieces.append(response.text)
                 yield response
+        except KeyboardInterrupt:  # Ctrl-C mid-step: the cache may hold more than the state handed out
+            interrupted = True
+            raise
         finally:
             tokens.close()  # settles the state, also when the caller stopped early
             self.cached_ids = state.cache_tokens
             self.messages = messages + [{"role": "assistant", "content": "".join(pieces)}]
+            if interrupted:
+                self._forget_cache()
 
     def save(self, path: str) -> None:
         """Save the cache, its token ids and the conversation."""

@@ -109,6 +109,31 @@ def test_rotating_cache_that_evicted_restarts_the_prefill(model, tokenizer) -> N
     assert session.last_prefill_tokens == len(render_ids(tokenizer, session.messages[:-1]))
 
 
+
+def test_ctrl_c_mid_step_leaves_a_session_that_answers_as_a_fresh_one(model, tokenizer, monkeypatch) -> None:
+    """Ctrl-C inside a forward (the cache already holds a token the reply never handed out): the
+    reply ends, and the next turn answers exactly as generating the conversation from scratch."""
+    session = ChatSession(model, tokenizer, max_tokens=MAX_TOKENS)
+    forward, calls = Model.last_logits, []
+
+    def interrupted_forward(self, *args, **kwargs):
+        out = forward(self, *args, **kwargs)
+        calls.append(1)
+        if len(calls) == 4:
+            mx.eval(out)
+            raise KeyboardInterrupt
+        return out
+
+    monkeypatch.setattr(Model, "last_logits", interrupted_forward)
+    with pytest.raises(KeyboardInterrupt):
+        list(session.send("Hello there"))
+    monkeypatch.setattr(Model, "last_logits", forward)
+    reply = [r.token for r in session.send("Tell me more.")]
+    ids = render_ids(tokenizer, session.messages[:-1])
+    assert session.messages[1]["role"] == "assistant" and session.last_prefill_tokens == len(ids)
+    assert reply == fresh_reply(model, tokenizer, ids)
+
+
 @pytest.mark.parametrize("name", ["chat.safetensors", "conv"])  # any file name
 def test_repl_save_reset_load_round_trip(model, tokenizer, tmp_path: Path, monkeypatch, name: str) -> None:
     monkeypatch.chdir(tmp_path)
@@ -163,3 +188,34 @@ def test_cli_chat_with_piped_stdin(monkeypatch: pytest.MonkeyPatch, capsys: pyte
     assert main(["chat", "--max-tokens", "3", "--kv-bits", "8"]) == 0
     out = capsys.readouterr().out
     assert "context:" in out and "cache:" in out
+
+
+def test_repl_in_a_terminal_ctrl_c_stops_the_reply_and_ctrl_d_leaves(smollm_gguf):
+    """``mlxformer chat`` on a pseudo-terminal, as a user types: Ctrl-C during a long reply ends
+    that reply and the prompt comes back (the REPL lives on, and the next answer is greedy
+    SmolLM2's "Paris"); Ctrl-C at the prompt says how to leave; Ctrl-D leaves on a new line, exit 0."""
+    import pexpect
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "HF_HUB_OFFLINE": "1"}
+    child = pexpect.spawn(sys.executable, ["-m", "mlxformer", "chat", "--model", str(smollm_gguf), "--temp", "0",
+                                           "--max-tokens", "3000"], env=env, encoding="utf-8", timeout=180)
+    try:
+        child.expect_exact(">> ")
+        child.sendline("Write a long story about a dragon.")
+        child.expect_exact("\r\nOnce upon a time")  # the reply is streaming
+        child.sendintr()
+        child.expect_exact(">> ", timeout=30)  # the whole story would take minutes
+        child.sendline("/reset")
+        child.expect_exact(">> ")
+        child.sendline("What is the capital of France?")
+        child.expect_exact("Paris")
+        child.expect_exact(">> ")
+        child.sendintr()
+        child.expect_exact("(Ctrl-D or /exit leaves the chat)")
+        child.expect_exact(">> ")
+        child.sendeof()
+        child.expect(pexpect.EOF)
+        assert child.before == "\r\n"
+    finally:
+        child.close(force=True)
+    assert child.exitstatus == 0

@@ -23,6 +23,10 @@ from mlxformer.cli.chat import run_repl
     (["serve", "--port", "http"],
      "mlxformer serve: error: argument --port: invalid int value: 'http' (see 'mlxformer serve --help')"),
     (["frobnicate"], "mlxformer: error: argument COMMAND: invalid choice: 'frobnicate'"),
+    (["generate", "-p", "hi", "--tempreature", "0"],
+     "mlxformer generate: error: unrecognized arguments: --tempreature 0 (see 'mlxformer generate --help')"),
+    (["serve", "--prot", "80"],
+     "mlxformer serve: error: unrecognized arguments: --prot 80 (see 'mlxformer serve --help')"),
 ])
 def test_argparse_errors_are_one_line_with_a_hint(capsys, argv, expected):
     with pytest.raises(SystemExit) as exit_:

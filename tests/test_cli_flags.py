@@ -26,7 +26,7 @@ Flag inventory (where each flag's effect is asserted; the other test modules are
 | --kv-bits/--kv-group-size/--quantized-kv-start/--max-kv-size | here (== library) ; test_cache (file conflicts) | here (/stats bytes == packed layout) | here (used) | n/a |
 | --prompt-cache-file | test_cache (cached == fresh output) | n/a | n/a | n/a |
 | --prompt-tokens/--generation-tokens/--trials/--json | n/a | n/a | here (JSON and text) | n/a |
-| --hf-path/--mlx-path | n/a | n/a | n/a | here; test_convert |
+| --hf-path/--mlx-path | n/a | n/a | n/a | here; test_convert; test_hub_models (no --hf-path: the default model) |
 | -q/--q-bits/--q-group-size/--quant-recipe | n/a | n/a | n/a | here (== mx.quantize) ; test_convert |
 | --dequantize | n/a | n/a | n/a | here (== mx.dequantize) |
 | --force | n/a | n/a | n/a | test_convert_destination |
@@ -339,10 +339,13 @@ def test_bench_json_and_text(tiny, capsys):
     assert len(report["trials"]) == 2
     assert all(t["prompt_tokens"] == 12 and t["generation_tokens"] == 3 for t in report["trials"])
     assert report["median"]["decode_tps"] > 0
-    out, _ = run(capsys, "bench", "-m", str(tiny[0]), "--prompt-tokens", "8", "--generation-tokens", "2",
-                 "--trials", "3")
+    out, err = run(capsys, "bench", "-m", str(tiny[0]), "--prompt-tokens", "8", "--generation-tokens", "2",
+                   "--trials", "3")
     lines = out.strip().splitlines()
     assert [line.split(":")[0].strip() for line in lines] == ["trial 1", "trial 2", "trial 3", "median"]
+    # progress on stderr, what starts before it runs (a real model's bench takes minutes)
+    assert err.splitlines() == [f"mlxformer: loading {tiny[0]}", "mlxformer: warming up"] + [
+        f"mlxformer: trial {i}/3: 8 prompt tokens, then 2 generated" for i in (1, 2, 3)]
 
 
 def test_bench_dtype_halves_the_weights(tiny, capsys):

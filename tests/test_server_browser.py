@@ -1,6 +1,8 @@
 """The chat page in a real headless browser (Debian's chromium driven by Playwright): it loads
 from the server, streams the reply to "What is the capital of France?" (greedy SmolLM2 says
-Paris), and its stop button ends a long reply and frees the server's slot."""
+Paris), and its stop button ends a long reply and frees the server's slot; left alone, its
+sampling fields send nothing, so the model's own defaults apply (SmolLM2 has none: greedy, as an
+explicit temperature 0 request); its icon is served."""
 
 from __future__ import annotations
 
@@ -58,3 +60,24 @@ def test_stop_button_ends_the_reply_and_frees_the_slot(server, page):
         time.sleep(0.1)
     assert json.loads(http(server, "GET", "/health")[2])["running"] == 0
     assert page.locator("#send").is_enabled()
+
+
+def test_chat_page_leaves_sampling_to_the_model_and_has_an_icon(server, page):
+    answers = []
+    page.on("response", lambda response: answers.append((response.url, response.status)))
+    page.goto(server)
+    page.locator("#model", has_text="smollm2-test").wait_for()
+    page.fill("#max_tokens", "12")
+    page.fill("#prompt", "What is the capital of France?")
+    with page.expect_request("**/v1/chat/completions") as request:
+        page.click("#send")
+    sent = request.value.post_data_json
+    assert "temperature" not in sent and "top_p" not in sent and sent["max_tokens"] == 12
+    reply = page.locator(".msg.assistant").last
+    reply.and_(page.locator("[data-state='done']")).wait_for(timeout=REPLY_TIMEOUT_MS)
+    greedy = http(server, "POST", "/v1/chat/completions", {"messages": sent["messages"], "max_tokens": 12,
+                                                            "temperature": 0})
+    assert reply.locator(".answer").text_content() == json.loads(greedy[2])["choices"][0]["message"]["content"]
+    status, headers, icon = http(server, "GET", "/favicon.ico")
+    assert status == 200 and headers["content-type"] == "image/svg+xml" and icon.startswith(b"<svg")
+    assert answers and all(status < 400 for _, status in answers), answers

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from dataclasses import asdict
 from typing import TYPE_CHECKING
 
@@ -42,11 +43,17 @@ def _line(name: str, trial: Trial) -> str:
 def run(args: argparse.Namespace) -> int:
     """Handler of ``mlxformer bench``."""
     from mlxformer.bench import run_benchmark
+    from mlxformer.default_model import model_source
     from mlxformer.errors import MlxformerError
 
     if args.prompt_tokens < 1 or args.generation_tokens < 2 or args.trials < 1:
         raise MlxformerError("need --prompt-tokens >= 1, --generation-tokens >= 2 and --trials >= 1")
     settings = cache_settings(args)
+
+    def progress(message: str) -> None:  # on stderr: stdout holds the results (or the JSON)
+        print(f"mlxformer: {message}", file=sys.stderr, flush=True)
+
+    progress(f"loading {model_source(args.model)}")
     model, tokenizer = load_for_cli(args)
     speculative = speculative_settings(args, tokenizer, model)
     count = iter(range(1, args.trials + 1))
@@ -56,7 +63,8 @@ def run(args: argparse.Namespace) -> int:
             print(_line(f"trial {next(count)}", trial), flush=True)
 
     trials, median = run_benchmark(
-        model, settings, args.prompt_tokens, args.generation_tokens, args.trials, show, speculative, tokenizer
+        model, settings, args.prompt_tokens, args.generation_tokens, args.trials, show, speculative, tokenizer,
+        on_progress=progress,
     )
     if args.json:
         print(json.dumps({"trials": [asdict(t) for t in trials], "median": asdict(median)}, indent=2))

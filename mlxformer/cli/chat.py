@@ -44,17 +44,37 @@ def _command(session: ChatSession, line: str, out: TextIO) -> bool:
     return True
 
 
+def read_line(stdin: TextIO) -> str:
+    """One line of ``stdin``. On a terminal it is awaited in short ``select`` waits: the SIGINT of
+    Ctrl-C may go to one of MLX's threads, and a read blocked in the main thread would not see it
+    until the next key."""
+    if stdin.isatty():
+        import select
+
+        while not select.select([stdin], [], [], 0.2)[0]:
+            pass
+    return stdin.readline()
+
+
 def run_repl(session: ChatSession, stdin: TextIO, stdout: TextIO) -> None:
-    """Read lines from ``stdin`` until EOF or ``/exit``; stream each reply to ``stdout``."""
+    """Read lines from ``stdin`` until EOF (Ctrl-D) or ``/exit``; stream each reply to ``stdout``.
+    Ctrl-C stops the reply being written (the conversation keeps what was said), or at the
+    prompt says how to leave, as Ollama's REPL does."""
     from mlxformer.errors import MlxformerError
 
     interactive = stdin.isatty()
     while True:
-        if interactive:
-            stdout.write(">> ")
-            stdout.flush()
-        line = stdin.readline()
+        try:
+            if interactive:
+                stdout.write(">> ")
+                stdout.flush()
+            line = read_line(stdin)
+        except KeyboardInterrupt:
+            stdout.write("\n(Ctrl-D or /exit leaves the chat)\n")
+            continue
         if not line:
+            if interactive:
+                stdout.write("\n")  # Ctrl-D: the shell's prompt starts on a line of its own
             break
         line = line.strip()
         if not line:
@@ -64,9 +84,15 @@ def run_repl(session: ChatSession, stdin: TextIO, stdout: TextIO) -> None:
                 if not _command(session, line, stdout):
                     break
                 continue
-            for response in session.send(line):
-                stdout.write(response.text)
-                stdout.flush()
+            reply = session.send(line)
+            try:
+                for response in reply:
+                    stdout.write(response.text)
+                    stdout.flush()
+            finally:
+                reply.close()
+            stdout.write("\n")
+        except KeyboardInterrupt:  # Ctrl-C: this reply stops here, the chat goes on
             stdout.write("\n")
         except Exception as exc:  # reported; the conversation goes on
             prefix = "" if isinstance(exc, MlxformerError) else f"{type(exc).__name__}: "

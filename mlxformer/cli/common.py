@@ -159,7 +159,7 @@ def cache_settings(args: argparse.Namespace) -> CacheSettings:
 
 def load_for_cli(args: argparse.Namespace) -> tuple[Model, Tokenizer]:
     """``load`` on ``--model`` (or the default model) with ``--dtype``, ``--threads`` and ``--device-plan``."""
-    from mlxformer.default_model import default_model_path
+    from mlxformer.default_model import model_source
     from mlxformer.errors import MlxformerError
     from mlxformer.loader import load
     from mlxformer.models.config import FLOAT_DTYPES
@@ -167,9 +167,8 @@ def load_for_cli(args: argparse.Namespace) -> tuple[Model, Tokenizer]:
 
     if args.threads is not None and args.threads < 1:
         raise MlxformerError("--threads must be at least 1")
-    source = args.model if args.model else default_model_path()
-    return load(source, dtype=FLOAT_DTYPES[args.dtype] if args.dtype else None, threads=args.threads,
-                plan=DevicePlan.named(args.device_plan))
+    return load(model_source(args.model), dtype=FLOAT_DTYPES[args.dtype] if args.dtype else None,
+                threads=args.threads, plan=DevicePlan.named(args.device_plan))
 
 
 def check_output_path(path: str | Path) -> None:
@@ -228,7 +227,7 @@ def speculative_settings(args: argparse.Namespace, tokenizer: Tokenizer, model: 
     """The speculative settings from flags (loading ``--draft-model``, or ``--mtp``'s head of
     ``model`` from ``--model``, from ``--mtp FILE``, or from a ``--draft-model`` GGUF with an MTP
     block, as llama.cpp's ``-md`` takes one), or None."""
-    from mlxformer.default_model import default_model_path
+    from mlxformer.default_model import model_source
     from mlxformer.errors import MlxformerError, OptionError
     from mlxformer.loader import load
     from mlxformer.models.config import FLOAT_DTYPES
@@ -253,7 +252,7 @@ def speculative_settings(args: argparse.Namespace, tokenizer: Tokenizer, model: 
         raise flag_error(exc) from None
     if args.mtp or mtp_file:
         assert model is not None, "--mtp needs the loaded model"
-        source = mtp_file or args.model or default_model_path()
+        source = mtp_file or model_source(args.model)
         return SpeculativeSettings(num_draft_tokens=count, mtp=load_mtp(source, model))
     draft, draft_tokenizer = load(args.draft_model, dtype=FLOAT_DTYPES[args.dtype] if args.dtype else None,
                                   threads=args.threads, plan=DevicePlan.named(args.device_plan))

@@ -15,7 +15,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "convert", help="convert an HF/MLX/GGUF checkpoint to an MLX dir (optionally quantized)",
         description="Convert a Hugging Face repo or dir, an MLX dir or a GGUF file to an mlx-lm compatible MLX dir.",
     )
-    parser.add_argument("--hf-path", required=True, help="HF repo id, local HF/MLX dir or .gguf file")
+    parser.add_argument("--hf-path", help="HF repo id (REPO:QUANT picks a GGUF), local HF/MLX dir or .gguf file "
+                                           "(default: the offline SmolLM2-135M-Instruct, see 'mlxformer list')")
     parser.add_argument("--mlx-path", default="mlx_model", help="output dir (default: mlx_model)")
     parser.add_argument("-q", "--quantize", action="store_true", help=f"quantize (default recipe: {DEFAULT_RECIPE})")
     parser.add_argument("--q-bits", type=int, default=None, help="bits per weight: 2, 3, 4, 5, 6 or 8 (default 4)")
@@ -31,10 +32,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     """Handler of ``mlxformer convert``."""
     from mlxformer.converter import convert
+    from mlxformer.default_model import model_source
 
     out = convert(
-        args.hf_path, args.mlx_path, quantize=args.quantize, q_bits=args.q_bits, q_group_size=args.q_group_size,
-        dtype=args.dtype, quant_recipe=args.quant_recipe, dequantize=args.dequantize, force=args.force,
+        model_source(args.hf_path), args.mlx_path, quantize=args.quantize, q_bits=args.q_bits,
+        q_group_size=args.q_group_size, dtype=args.dtype, quant_recipe=args.quant_recipe, dequantize=args.dequantize,
+        force=args.force,
     )
     print(f"wrote {out}")
     return 0

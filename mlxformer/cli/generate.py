@@ -100,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
 
 def run_parallel(args: argparse.Namespace) -> int:
     """``generate --parallel``: every rank runs this; rank 0 alone prints."""
-    from mlxformer.default_model import default_model_path
+    from mlxformer.default_model import model_source
     from mlxformer.distributed.runner import load_distributed, stream_distributed
     from mlxformer.errors import MlxformerError, OptionError
     from mlxformer.model_defaults import NO_DEFAULTS
@@ -121,7 +121,7 @@ def run_parallel(args: argparse.Namespace) -> int:
     settings = cache_settings(args)
     dtype = FLOAT_DTYPES[args.dtype] if args.dtype else None
     try:
-        dist = load_distributed(args.model or default_model_path(), args.parallel, dtype, args.timeout)
+        dist = load_distributed(model_source(args.model), args.parallel, dtype, args.timeout)
     except OptionError as exc:
         raise flag_error(exc) from None
     ids = prompt_ids_for_cli(dist.tokenizer, prompt, args) if dist.tokenizer is not None else []

@@ -86,7 +86,7 @@ def format_report(fp: Footprint, context: int, memory: int) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Handler of ``mlxformer info``."""
-    from mlxformer.default_model import default_model_path
+    from mlxformer.default_model import model_source
     from mlxformer.errors import MlxformerError
     from mlxformer.formats.checkpoint import open_checkpoint
     from mlxformer.model_defaults import SamplingDefaults
@@ -96,7 +96,8 @@ def run(args: argparse.Namespace) -> int:
         raise MlxformerError("--context must be positive")
     from mlxformer.models.device_plan import KINDS, DevicePlan
 
-    checkpoint = open_checkpoint(args.model if args.model else default_model_path())
+    checkpoint = open_checkpoint(model_source(args.model))
+    print(f"path: {checkpoint.path}" + ("" if args.model else "  (the default model: no --model given)"))
     plans = {kind: footprint(checkpoint, DevicePlan(kind).device) for kind in KINDS}
     kind = DevicePlan.named(args.device_plan).kind
     print(format_report(plans[kind], args.context, machine_memory()))

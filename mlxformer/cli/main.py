@@ -27,13 +27,17 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for command in COMMANDS:
         command.register(subparsers)
+    for command_parser in subparsers.choices.values():
+        command_parser.set_defaults(command_parser=command_parser)  # its errors point at its own --help
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``mlxformer`` console script; returns the exit code."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        args.command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     verbose = bool(getattr(args, "verbose", False) or getattr(args, "verbose_sub", False))
     try:
         return int(args.handler(args) or 0)

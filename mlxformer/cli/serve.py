@@ -31,9 +31,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--idle-unload", type=float, default=None, metavar="SECONDS",
                         help="with several models: unload a model idle this long (default: never; a request's "
                              "keep_alive overrides it, Ollama's semantics)")
-    parser.add_argument("--strict-model-names", "--strict-model-name", action="store_true",
-                        help="every API answers only the hosted model names, others get 404 (default with one "
-                             "model: any name, e.g. gpt-4o or Claude Code's claude-*, is served by it)")
+    parser.add_argument("--strict-model-names", action="store_true",
+                        help="answer only the served model names, on every API: other names get 404 (default with "
+                             "one model: any name is served by it, e.g. Claude Code's claude-*)")
+    parser.add_argument("--strict-model-name", action="store_true", dest="strict_model_names",
+                        help=argparse.SUPPRESS)  # the old spelling
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     parser.add_argument("--port", type=int, default=8080, help="port (default 8080)")
     parser.add_argument("--max-batch", type=int, default=8, help="most sequences decoded together (default 8)")
@@ -90,12 +92,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Handler of ``mlxformer serve``."""
-    from mlxformer.default_model import default_model_path
+    from mlxformer.default_model import model_source
     from mlxformer.engine.memory import parse_kv_memory
     from mlxformer.engine.prompt_cache import PromptCacheSettings
     from mlxformer.errors import MlxformerError
     from mlxformer.server.heap import bound_heap_growth
-    from mlxformer.server.runner import serve
+    from mlxformer.server.runner import bind, serve
 
     if not 0 <= args.port <= 65535:
         raise MlxformerError("--port must be between 0 and 65535")
@@ -117,8 +119,9 @@ def run(args: argparse.Namespace) -> int:
                                        share_prefills=not args.no_prefix_sharing)
     bound_heap_growth()  # a long-running process: RSS must not creep (Linux glibc; server/heap.py)
     sources = model_sources(args)
+    sock = bind(args.host, args.port)  # a port in use fails now, not after the model loads
     if len(sources) > 1 or args.models_dir or args.models_from_cache:
-        return run_several(args, sources, settings, max_kv_memory, prompt_cache)
+        return run_several(args, sources, settings, max_kv_memory, prompt_cache, sock)
     args.model = next(iter(sources.values()), None)
     model, tokenizer = load_for_cli(args)
     speculative = speculative_settings(args, tokenizer, model)
@@ -129,8 +132,8 @@ def run(args: argparse.Namespace) -> int:
         allowed_hosts=args.allowed_host, openapi=not args.no_openapi, prompt_cache=prompt_cache,
         tool_parser=args.tool_parser, any_model_name=not args.strict_model_names,
         sse_ping_seconds=args.sse_ping_seconds or None, max_kv_memory=max_kv_memory,
-        source=args.model or str(default_model_path()),
-        strict_max_tokens=args.strict_max_tokens, force_tools=args.force_tool,
+        source=str(model_source(args.model)),
+        strict_max_tokens=args.strict_max_tokens, force_tools=args.force_tool, sock=sock,
         **({"max_body_bytes": args.max_body_bytes} if args.max_body_bytes is not None else {}),
     )
     return 0
@@ -190,7 +193,7 @@ def model_sources(args: argparse.Namespace) -> dict[str, str]:
 
 
 def run_several(args: argparse.Namespace, sources: dict[str, str], settings: Any, max_kv_memory: Any,
-                prompt_cache: Any) -> int:
+                prompt_cache: Any, sock: Any) -> int:
     """``serve`` with several models: each loaded on first use (``server/hosts.py``)."""
     from mlxformer.engine import Engine
     from mlxformer.errors import MlxformerError
@@ -227,5 +230,5 @@ def run_several(args: argparse.Namespace, sources: dict[str, str], settings: Any
     serve_models(sources, make_app, host=args.host, port=args.port, max_loaded=args.max_loaded_models,
                  max_memory=max_memory, max_kv_memory=max_kv_memory, tool_parser=args.tool_parser,
                  idle_unload=args.idle_unload, strict=args.strict_model_names, api_key=args.api_key,
-                 allowed_hosts=hosts, **extra)
+                 allowed_hosts=hosts, sock=sock, **extra)
     return 0

@@ -65,50 +65,54 @@ def _transport_errors() -> tuple[type[BaseException], ...]:
     return ()
 
 
-def repo_files(repo: str) -> dict[str, int]:
-    """``{path: bytes}`` of a repo's files: the hub's list, or offline (or unreachable) the
-    cached snapshot's."""
+def repo_files(ref: str) -> dict[str, int]:
+    """``{path: bytes}`` of the files of ``REPO[:QUANT]``'s repo: the hub's list, or offline (or
+    with the hub unreachable) the cached snapshot's; errors name ``ref`` whole and say what failed."""
     from huggingface_hub import HfApi, constants
+    from huggingface_hub.errors import RepositoryNotFoundError
 
+    repo, _ = split_ref(ref)
+    unreachable = None
     if not constants.HF_HUB_OFFLINE:
         try:
             info = HfApi().model_info(repo, files_metadata=True)
             return {s.rfilename: int(s.size or 0) for s in info.siblings or []}
         except _hub_errors() as exc:
-            from huggingface_hub.errors import RepositoryNotFoundError
-
             if isinstance(exc, RepositoryNotFoundError):
-                raise MlxformerError(f"{repo}: not a local path, and no such hub repo ({_reason(exc)})") from None
+                raise MlxformerError(f"{ref}: not a local path, and no such hub repo ({_reason(exc)})") from None
+            unreachable = _reason(exc)
     snapshot = cached_snapshot(repo)
+    if snapshot is None:
+        why = ("downloads are off (HF_HUB_OFFLINE is set)" if unreachable is None
+               else f"the Hugging Face hub cannot be reached ({unreachable})")
+        raise MlxformerError(f"{ref}: not a local path, not in the Hugging Face cache, and {why}")
     return {str(p.relative_to(snapshot)): p.stat().st_size for p in snapshot.rglob("*") if p.is_file()}
 
 
-def cached_snapshot(repo: str) -> Path:
-    """The cached snapshot folder of ``repo``'s main revision (no network)."""
+def cached_snapshot(repo: str) -> Path | None:
+    """The cached snapshot folder of ``repo``'s main revision, or None (no network)."""
     from huggingface_hub import snapshot_download
 
     try:
         return Path(snapshot_download(repo, local_files_only=True))
-    except _hub_errors() as exc:
-        raise MlxformerError(f"{repo}: not a local path, and the hub repo could not be fetched ({_reason(exc)})") \
-            from None
+    except _hub_errors():
+        return None
 
 
-def _download(repo: str, patterns: list[str]) -> Path:
+def _download(ref: str, patterns: list[str]) -> Path:
     from huggingface_hub import snapshot_download
 
     try:
-        return Path(snapshot_download(repo, allow_patterns=patterns))
+        return Path(snapshot_download(split_ref(ref)[0], allow_patterns=patterns))
     except _hub_errors() as exc:
-        raise MlxformerError(f"{repo}: not a local path, and the hub repo could not be fetched ({_reason(exc)})") \
-            from None
+        raise MlxformerError(f"{ref}: the download from the Hugging Face hub failed ({_reason(exc)})") from None
 
 
 def fetch_plan(ref: str) -> tuple[str, dict[str, int], str | None]:
     """What ``REPO[:QUANT]`` fetches: ``(repo, {file: bytes}, the GGUF file to open or None
     for the snapshot dir)`` (see the module docstring)."""
     repo, tag = split_ref(ref)
-    files = repo_files(repo)
+    files = repo_files(ref)
     models = gguf_models(files)
     has_weights = any(fnmatch.fnmatch(p.rsplit("/", 1)[-1], WEIGHT_GLOB) for p in files)
     if tag is None and (has_weights or not models):
@@ -125,16 +129,16 @@ def fetch(ref: str, on_file: Callable[[str, int, bool], None] | None = None) -> 
     told before and after each file (then the files are fetched one by one)."""
     repo, files, main = fetch_plan(ref)
     if on_file is None:
-        folder = _download(repo, HUB_ALLOW_PATTERNS if main is None else list(files))
+        folder = _download(ref, HUB_ALLOW_PATTERNS if main is None else list(files))
     else:
         for name, size in files.items():
             on_file(name, size, False)
-            folder = _download(repo, [name])
+            folder = _download(ref, [name])
             on_file(name, size, True)
-        folder = _download(repo, [*files] or HUB_ALLOW_PATTERNS)
+        folder = _download(ref, [*files] or HUB_ALLOW_PATTERNS)
     missing = [f for f in files if not (folder / f).is_file()]
     if missing:
-        raise MlxformerError(f"{repo}: {missing[0]} is not in the cache (offline: HF_HUB_OFFLINE is set)")
+        raise MlxformerError(f"{ref}: {missing[0]} is not in the cache (offline: HF_HUB_OFFLINE is set)")
     return folder if main is None else folder / main
 
 
@@ -142,10 +146,10 @@ def fetch_mtp_sidecar(ref: str) -> Path | None:
     """The ``mtp-*.gguf`` beside the GGUF that ``REPO[:QUANT]`` names (``hub_gguf.pick_sidecar``,
     llama.cpp's ``-hf REPO:QUANT --mtp``), fetched; None for a repo without one, or not a GGUF."""
     repo, _, main = fetch_plan(ref)
-    sidecar = None if main is None else pick_sidecar(repo_files(repo), main, split_ref(ref)[1])
+    sidecar = None if main is None else pick_sidecar(repo_files(ref), main, split_ref(ref)[1])
     if sidecar is None:
         return None
-    path = _download(repo, [sidecar]) / sidecar
+    path = _download(ref, [sidecar]) / sidecar
     if not path.is_file():
         raise MlxformerError(f"{repo}: {sidecar} is not in the cache (offline: HF_HUB_OFFLINE is set)")
     return path

@@ -52,7 +52,8 @@ def _main_revision(repo: Any) -> Any:
     return revisions[-1] if revisions else None
 
 
-def _problem(path: Path) -> str | None:
+def load_problem(path: Path) -> str | None:
+    """Why mlxformer cannot load ``path`` (None: it can), without the path."""
     from mlxformer.formats.checkpoint import open_checkpoint
 
     try:
@@ -84,11 +85,11 @@ def cached_models(check: bool = True) -> list[CachedModel]:
             path = snapshot / model.name
             out.append(CachedModel(_gguf_name(repo.repo_id, model), repo.repo_id, "gguf", model.quant or "?",
                                    model.size, path, tuple(snapshot / f for f in model.files),
-                                   _problem(path) if check else None))
+                                   load_problem(path) if check else None))
         if any(fnmatch.fnmatch(name.rsplit("/", 1)[-1], WEIGHT_GLOB) for name in files):
             size = sum(s for name, s in files.items() if not name.lower().endswith(".gguf"))
             out.append(CachedModel(repo.repo_id, repo.repo_id, "safetensors", safetensors_quant(snapshot), size,
-                                   snapshot, (), _problem(snapshot) if check else None))
+                                   snapshot, (), load_problem(snapshot) if check else None))
     return sorted(out, key=lambda m: m.name)
 
 

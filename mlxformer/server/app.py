@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterable, Sequence
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import HTMLResponse, JSONResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.exceptions import HTTPException
 
@@ -63,9 +63,9 @@ RouterMaker = Callable[[ServerContext], APIRouter]
 API_ROUTERS: tuple[RouterMaker, ...] = (openai_router, models_router, messages_router, responses_router)
 
 
-def chat_page() -> str:
-    """The chat page's HTML, shipped in the package."""
-    return resources.files("mlxformer.server").joinpath("static", "chat.html").read_text(encoding="utf-8")
+def chat_page(name: str = "chat.html") -> str:
+    """The chat page's HTML (or another of its files), shipped in the package."""
+    return resources.files("mlxformer.server").joinpath("static", name).read_text(encoding="utf-8")
 
 
 def create_app(
@@ -115,6 +115,10 @@ def create_app(
     async def index() -> HTMLResponse:
         return HTMLResponse(chat_page(), headers={"Content-Security-Policy": PAGE_SECURITY_POLICY})
 
+    @app.get("/favicon.ico", include_in_schema=False)  # the page's icon (browsers ask for this path)
+    async def favicon() -> Response:
+        return Response(chat_page("favicon.svg"), media_type="image/svg+xml")
+
     @app.get("/health", responses=error_responses((*GUARDED, 503)))
     async def health() -> JSONResponse:
         if not engine.running:
@@ -132,7 +136,8 @@ def create_app(
         app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
                            allow_headers=list(CORS_HEADERS))
     hosts = None if allowed_hosts is None else frozenset(host_name(h) for h in allowed_hosts)
-    app.add_middleware(RequestGuard, allowed_hosts=hosts, max_body_bytes=max_body_bytes, shape=api_shape)
+    app.add_middleware(RequestGuard, allowed_hosts=hosts, max_body_bytes=max_body_bytes, shape=api_shape,
+                       json_bodies=is_ollama_path)
     return app
 
 

@@ -1,7 +1,10 @@
 """Checks every request passes before any route runs (pure ASGI, so they cover every router,
 including those mounted later): a ``Host`` allow-list against DNS rebinding (403) and a body
 size limit (413, decided from ``Content-Length`` before the body is parsed; the body is read and
-discarded, up to a bound, before the answer, so that the client sees it)."""
+discarded, up to a bound, before the answer, so that the client sees it); and, on the paths of an
+API that reads every body as JSON (Ollama's: its curl examples send ``-d`` without a JSON
+``Content-Type``), a body declared otherwise is read as JSON, unless a browser page sent it
+(an ``Origin`` header), which must still declare JSON."""
 
 from __future__ import annotations
 
@@ -73,8 +76,9 @@ class RequestGuard:
     ``shape`` gives each error body the shape of the API its path belongs to."""
 
     def __init__(self, app: ASGIApp, allowed_hosts: frozenset[str] | None, max_body_bytes: int,
-                 shape: Shape = openai_shape) -> None:
+                 shape: Shape = openai_shape, json_bodies: Callable[[str], bool] = lambda path: False) -> None:
         self.app, self.allowed_hosts, self.max_body_bytes, self.shape = app, allowed_hosts, max_body_bytes, shape
+        self.json_bodies = json_bodies
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -90,6 +94,9 @@ class RequestGuard:
             await drain(receive, DRAIN_BYTES)
             await send_error(send, 413, self.too_large(), "request_too_large", scope.get("path", ""), self.shape)
             return
+        if "origin" not in headers and self.json_bodies(scope.get("path", "")):
+            scope = {**scope, "headers": [*(h for h in scope.get("headers", []) if h[0].lower() != b"content-type"),
+                                          (b"content-type", b"application/json")]}
         await self.app(scope, self.counting(receive), send)
 
     def too_large(self) -> str:

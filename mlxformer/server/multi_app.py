@@ -6,9 +6,9 @@ and ``serve_models`` runs it with uvicorn."""
 from __future__ import annotations
 
 import asyncio
+import socket
 from typing import Any, Callable, Iterable, Sequence
 
-import uvicorn
 from fastapi import Depends, FastAPI
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
@@ -17,6 +17,7 @@ from mlxformer.server.errors import APIError
 from mlxformer.server.guards import DEFAULT_MAX_BODY_BYTES, LOOPBACK_NAMES, RequestGuard, host_name
 from mlxformer.server.hosts import MultiHost, MultiModelApp
 from mlxformer.server.ollama_api import is_ollama_path, ollama_router
+from mlxformer.server.runner import run_app
 
 FRONT_PATHS = ("/v1/models", "/metrics", "/health")
 
@@ -67,7 +68,8 @@ def several_models_app(
                                                         for r in host.records()}})
 
     hosts = None if allowed_hosts is None else frozenset(host_name(h) for h in allowed_hosts)
-    front.add_middleware(RequestGuard, allowed_hosts=hosts, max_body_bytes=max_body_bytes, shape=api_shape)
+    front.add_middleware(RequestGuard, allowed_hosts=hosts, max_body_bytes=max_body_bytes, shape=api_shape,
+                         json_bodies=is_ollama_path)
     return MultiModelApp(front, host, is_front_path)
 
 
@@ -91,10 +93,10 @@ def serve_models(
     host: str = "127.0.0.1", port: int = 8080, max_loaded: int = 1, max_memory: int | None = None,
     max_kv_memory: int | str | None = None, tool_parser: str | None = None, idle_unload: float | None = None,
     strict: bool = False, api_key: str | None = None, allowed_hosts: Sequence[str] | None = None,
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, sock: socket.socket | None = None,
 ) -> None:
     """Serve ``{name: source}`` until interrupted; ``make_app(name, source, host)`` loads one
-    model and returns its API app and the function that stops its engine."""
+    model and returns its API app and the function that stops its engine; ``sock``: as ``runner.serve``'s."""
     models: MultiHost | None = None
 
     def maker(name: str, source: str) -> tuple[FastAPI, Callable[[], None]]:
@@ -105,6 +107,6 @@ def serve_models(
                        max_memory=max_memory, max_kv_memory=max_kv_memory, tool_parser=tool_parser)
     app = several_models_app(models, api_key=api_key, allowed_hosts=allowed_hosts, max_body_bytes=max_body_bytes)
     try:
-        uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
+        run_app(app, host, port, sock)
     finally:
         models.close()

@@ -3,13 +3,14 @@
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import logging
 import socket
 import sys
 import threading
 import time
-from typing import Sequence
+from typing import Any, Sequence
 
 import uvicorn
 from fastapi import FastAPI
@@ -48,6 +49,50 @@ def served_hosts(host: str, extra: Sequence[str]) -> frozenset[str] | None:
     return frozenset(extra) if extra else None
 
 
+def bind(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` for uvicorn to listen on; a one-line error naming the
+    address when it cannot be had (another server holds the port, a name that does not resolve)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        reason = exc.strerror or str(exc) or type(exc).__name__
+        hint = "; another server is using the port: pick another --port" if exc.errno == errno.EADDRINUSE else ""
+        raise MlxformerError(f"cannot listen on {host}:{port}: {reason}{hint}") from None
+    return sock
+
+
+class BoundServer(uvicorn.Server):
+    """uvicorn's server on a socket ``bind`` made, announcing its URL as uvicorn does for a socket
+    it binds itself (the line clients and scripts wait for)."""
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets=sockets)
+        if self.started and sockets:
+            host, port = self.config.host, sockets[0].getsockname()[1]
+            url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+            logging.getLogger("uvicorn.error").info("Uvicorn running on %s (Press CTRL+C to quit)", url)
+
+
+def run_app(app: Any, host: str, port: int, sock: socket.socket | None = None) -> None:
+    """Serve ``app`` with uvicorn in the foreground until interrupted, on ``sock`` (else
+    ``host:port``, bound here)."""
+    sock = sock if sock is not None else bind(host, port)
+    config = uvicorn.Config(app, host=host, port=sock.getsockname()[1], log_level="info", timeout_graceful_shutdown=5)
+    server = BoundServer(config)
+    try:
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it shut down on (as uvicorn.run, a clean stop)
+        pass
+    finally:
+        sock.close()
+    if not server.started:
+        raise MlxformerError("the server did not start (see the log above)")
+
+
 def serve(
     model: Model,
     tokenizer: Tokenizer,
@@ -72,6 +117,7 @@ def serve(
     force_tools: Sequence[str] = (),
     max_kv_memory: int | str | None = None,
     source: str | None = None,
+    sock: socket.socket | None = None,
 ) -> None:
     """Serve ``model`` as ``name`` until interrupted (Ctrl-C stops the server and the engine);
     ``speculative`` decodes every request speculatively (prompt lookup or a draft model);
@@ -80,7 +126,8 @@ def serve(
     elsewhere: any, unless names are given). Streams send a keep-alive comment after
     ``sse_ping_seconds`` without data. ``max_kv_memory``: the engine's KV memory budget (bytes or
     ``"auto"``). ``tool_parser``, ``any_model_name``, ``strict_max_tokens``, ``force_tools``: see
-    ``create_app``. ``source``: where the model was loaded from (shown by Ollama's ``/api/tags``)."""
+    ``create_app``. ``source``: where the model was loaded from (shown by Ollama's ``/api/tags``).
+    ``sock``: a socket ``bind`` made for ``host:port`` (else bound here)."""
     if not is_loopback(host) and api_key is None:
         log.warning("serving on %s without --api-key: anyone who can reach this host can use the model", host)
     engine = Engine(model, tokenizer, max_batch=max_batch, max_queue=max_queue, cache_settings=cache_settings,
@@ -95,7 +142,7 @@ def serve(
                      force_tools=force_tools, host=lambda ctx: SingleHost(ctx, source))
     engine.start()
     try:
-        uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
+        run_app(app, host, port, sock)
     finally:
         engine.stop()
 
