@@ -4,7 +4,7 @@ forward each (prefill only: no cache is made, nothing is decoded), then the mode
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -14,7 +14,7 @@ from mlxformer.errors import MlxformerError
 from mlxformer.models.decoder import Model
 from mlxformer.tokenizer import Tokenizer
 
-__all__ = ["BATCH_TOKENS", "batches", "embed", "embed_tokens", "encode_inputs", "pool", "shorten"]
+__all__ = ["BATCH_TOKENS", "batches", "embed", "embed_tokens", "encode_inputs", "pool", "pooled_batches", "shorten"]
 
 BATCH_TOKENS = 8192  # padded tokens per forward (a longer input runs alone)
 
@@ -58,11 +58,10 @@ def _head(pooled: mx.array, head: EmbeddingHead) -> mx.array:
     return pooled
 
 
-def embed_tokens(model: Model, inputs: Sequence[Sequence[int]], head: EmbeddingHead | None = None,
-                 budget: int = BATCH_TOKENS) -> np.ndarray:
-    """Embeddings ``(N, dims)`` float32 of token-id inputs, in their order, by ``head``
-    (default: the model's, ``Model.embedding_head``)."""
-    head = head or model.embedding_head
+def pooled_batches(model: Model, inputs: Sequence[Sequence[int]], pooling: str,
+                   finish: Callable[[mx.array], mx.array], budget: int = BATCH_TOKENS) -> np.ndarray:
+    """``finish`` of the ``pooling`` of each input's final hidden states, float32 ``(N, ...)`` in
+    the inputs' order: the inputs run in padded batches (``batches``), each one forward over no cache."""
     if any(len(ids) == 0 for ids in inputs):
         raise MlxformerError("cannot embed an empty input")
     out: list[np.ndarray | None] = [None] * len(inputs)
@@ -71,10 +70,18 @@ def embed_tokens(model: Model, inputs: Sequence[Sequence[int]], head: EmbeddingH
         rows = [list(inputs[i]) + [0] * (width - len(inputs[i])) for i in group]  # padded at the end
         valid = mx.array([[j < len(inputs[i]) for j in range(width)] for i in group])  # (B, T)
         hidden = model.hidden_states(mx.array(rows), valid=valid)  # (B, T, hidden)
-        vectors = np.array(_head(pool(hidden, valid, head.pooling), head))
+        vectors = np.array(finish(pool(hidden, valid, pooling)).astype(mx.float32))
         for row, index in enumerate(group):
             out[index] = vectors[row]
     return np.stack(out)  # type: ignore[arg-type]
+
+
+def embed_tokens(model: Model, inputs: Sequence[Sequence[int]], head: EmbeddingHead | None = None,
+                 budget: int = BATCH_TOKENS) -> np.ndarray:
+    """Embeddings ``(N, dims)`` float32 of token-id inputs, in their order, by ``head``
+    (default: the model's, ``Model.embedding_head``)."""
+    head = head or model.embedding_head
+    return pooled_batches(model, inputs, head.pooling, lambda pooled: _head(pooled, head), budget)
 
 
 def shorten(vectors: np.ndarray, dimensions: int | None, normalize: bool = True) -> np.ndarray:

@@ -20,6 +20,7 @@ from starlette.responses import StreamingResponse
 from mlxformer.engine import TokenEvent
 from mlxformer.errors import MlxformerError
 from mlxformer.server.context import ServerContext
+from mlxformer.server.embeddings_api import add_ollama_embed_routes
 from mlxformer.server.errors import APIError, bad_request
 from mlxformer.server.hooks import constraint_for
 from mlxformer.server.ollama_protocol import (
@@ -300,11 +301,6 @@ def ollama_router(host: ModelHost) -> APIRouter:
         remove(models)
         return Response(status_code=200)
 
-    async def no_embeddings() -> Response:
-        raise APIError("embeddings are not supported: this server serves text generation models", 501,
-                       "not_implemented", "model")
-
-    router.add_api_route("/embed", no_embeddings, methods=["POST"])
-    router.add_api_route("/embeddings", no_embeddings, methods=["POST"])
+    add_ollama_embed_routes(router, host)
     return router
 
