@@ -116,3 +116,25 @@ def write_cross_encoder(directory: Path, seed: int = 3) -> Any:
     model.save_pretrained(directory)
     write_tokenizer(directory)
     return model
+
+
+def model_card_scores(directory: Path, hf_model: Any, query: str, documents: list[str]) -> Any:
+    """Qwen3-Reranker's model card computation in transformers (its format_instruction,
+    process_inputs and compute_logits, left padding): P("yes") against "no" per document."""
+    import torch
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(directory, padding_side="left")
+    no, yes = tokenizer.convert_tokens_to_ids("no"), tokenizer.convert_tokens_to_ids("yes")
+    prefix = ("<|im_start|>system\nJudge whether the Document meets the requirements based on the Query and the "
+              "Instruct provided. Note that the answer can only be \"yes\" or \"no\".<|im_end|>\n<|im_start|>user\n")
+    suffix = "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    task = "Given a web search query, retrieve relevant passages that answer the query"
+    pairs = [f"<Instruct>: {task}\n<Query>: {query}\n<Document>: {doc}" for doc in documents]
+    inputs = tokenizer(pairs, padding=False, truncation="longest_first", return_attention_mask=False, max_length=8192)
+    head, tail = tokenizer.encode(prefix, add_special_tokens=False), tokenizer.encode(suffix, add_special_tokens=False)
+    inputs["input_ids"] = [head + ids + tail for ids in inputs["input_ids"]]
+    inputs = tokenizer.pad(inputs, padding=True, return_tensors="pt")
+    with torch.no_grad():
+        logits = hf_model(**inputs).logits[:, -1, :]
+        return torch.log_softmax(torch.stack([logits[:, no], logits[:, yes]], dim=1), dim=1)[:, 1].exp().numpy()

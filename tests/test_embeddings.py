@@ -122,26 +122,10 @@ def test_batching_does_not_change_the_vectors(qwen3_embedding):
 
 
 def test_rerank_matches_the_qwen3_reranker_model_card(tmp_path):
-    from transformers import AutoTokenizer
-
     hf = em.write_qwen3_reranker(tmp_path)
-    tokenizer = AutoTokenizer.from_pretrained(tmp_path, padding_side="left")
-    no, yes = tokenizer.convert_tokens_to_ids("no"), tokenizer.convert_tokens_to_ids("yes")
-    # the model card's format_instruction / process_inputs / compute_logits
-    prefix = ("<|im_start|>system\nJudge whether the Document meets the requirements based on the Query and the "
-              "Instruct provided. Note that the answer can only be \"yes\" or \"no\".<|im_end|>\n<|im_start|>user\n")
-    suffix = "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
-    task = "Given a web search query, retrieve relevant passages that answer the query"
-    pairs = [f"<Instruct>: {task}\n<Query>: {QUERY}\n<Document>: {doc}" for doc in DOCUMENTS]
-    inputs = tokenizer(pairs, padding=False, truncation="longest_first", return_attention_mask=False, max_length=8192)
-    head, tail = tokenizer.encode(prefix, add_special_tokens=False), tokenizer.encode(suffix, add_special_tokens=False)
-    inputs["input_ids"] = [head + ids + tail for ids in inputs["input_ids"]]
-    inputs = tokenizer.pad(inputs, padding=True, return_tensors="pt")
-    with torch.no_grad():
-        logits = hf(**inputs).logits[:, -1, :]
-        expected = torch.log_softmax(torch.stack([logits[:, no], logits[:, yes]], dim=1), dim=1)[:, 1].exp().numpy()
-    model, ours_tokenizer = load(tmp_path, dtype=mx.float32)
-    ours = np.array(rerank(model, ours_tokenizer, QUERY, DOCUMENTS))
+    expected = em.model_card_scores(tmp_path, hf, QUERY, DOCUMENTS)
+    model, tokenizer = load(tmp_path, dtype=mx.float32)
+    ours = np.array(rerank(model, tokenizer, QUERY, DOCUMENTS))
     assert np.abs(ours - expected).max() < BOUND
     assert len(set(np.round(ours, 4))) == len(DOCUMENTS)  # distinct scores: the test can see a swap
 

@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import mlx.core as mx
 
@@ -13,7 +13,7 @@ from mlxformer.errors import MlxformerError
 from mlxformer.models.decoder import Model
 from mlxformer.tokenizer import Tokenizer
 
-__all__ = ["DEFAULT_INSTRUCTION", "rerank", "rerank_inputs", "rerank_tokens"]
+__all__ = ["DEFAULT_INSTRUCTION", "rerank", "rerank_inputs", "rerank_tokens", "scorer"]
 
 DEFAULT_INSTRUCTION = "Given a web search query, retrieve relevant passages that answer the query"
 # Qwen3-Reranker's model card: the judging prompt around each "<Instruct>/<Query>/<Document>" body
@@ -40,9 +40,15 @@ def rerank(model: Model, tokenizer: Tokenizer, query: str, documents: Sequence[s
 
 def rerank_tokens(model: Model, tokenizer: Tokenizer, inputs: Sequence[Sequence[int]],
                   budget: int = BATCH_TOKENS) -> list[float]:
-    """The relevance in [0, 1] of each (query, document) input (``rerank_inputs``): P("yes")
-    against "no" at its last token (a causal LM), or the ``score`` head's sigmoid there (one
-    label; several: the last label's softmax share)."""
+    """The relevance in [0, 1] of each (query, document) input (``rerank_inputs``), ``scorer``'s
+    score of its last token."""
+    return [float(s) for s in pooled_batches(model, inputs, "last", scorer(model, tokenizer), budget)]
+
+
+def scorer(model: Model, tokenizer: Tokenizer) -> Callable[[mx.array], mx.array]:
+    """The relevance ``(B,)`` of last hidden states ``(B, hidden)``: P("yes") against "no" (a
+    causal LM), or the ``score`` head's sigmoid (one label; several: the last label's softmax
+    share). Raises when the model cannot score."""
     head = model.args.head
     if head == "none":
         raise MlxformerError("this model has no output head to score with (an embedding model?)")
@@ -53,7 +59,7 @@ def rerank_tokens(model: Model, tokenizer: Tokenizer, inputs: Sequence[Sequence[
             raise MlxformerError("this model's vocabulary has no 'yes'/'no' tokens: it is not a Qwen3-Reranker-style model")
         pick = mx.array([no, yes])
 
-    def score(last: mx.array) -> mx.array:  # the last token's hidden state (B, hidden) -> (B,)
+    def score(last: mx.array) -> mx.array:
         logits = model.logits(last).astype(mx.float32)
         if pick is not None:
             logits = logits[:, pick]
@@ -61,4 +67,4 @@ def rerank_tokens(model: Model, tokenizer: Tokenizer, inputs: Sequence[Sequence[
             return mx.sigmoid(logits[:, 0])
         return mx.softmax(logits, axis=-1)[:, -1]
 
-    return [float(s) for s in pooled_batches(model, inputs, "last", score, budget)]
+    return score

@@ -15,7 +15,7 @@ from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field
 
 from mlxformer.embeddings.encode import embed_tokens, encode_inputs, shorten
-from mlxformer.embeddings.rerank import rerank_inputs, rerank_tokens
+from mlxformer.embeddings.rerank import rerank_inputs, rerank_tokens, scorer
 from mlxformer.engine import EngineNotRunning
 from mlxformer.errors import MlxformerError
 from mlxformer.server.context import ServerContext
@@ -142,6 +142,10 @@ def embeddings_router(ctx: ServerContext) -> APIRouter:
         if not texts:
             raise bad_request("documents must not be empty", "documents")
         served, model = ctx.served, ctx.engine.model
+        try:
+            scorer(model, served.tokenizer)  # the model can score
+        except MlxformerError as exc:
+            raise bad_request(str(exc), "model") from exc
         ids = await ctx.prepare(lambda: rerank_inputs(served.tokenizer, body.query, texts, body.instruction))
         token_inputs(ctx, ids, None, False, "documents")  # the context and count checks
         budget = ctx.engine.scheduler.step_tokens
