@@ -188,3 +188,21 @@ def test_gguf_embedding_model_from_llama_cpp_converter(tmp_path, hf_smollm_token
     assert model.embedding_head.pooling == "last"
     expected = SentenceTransformer(str(directory), device="cpu").encode(em.TEXTS, normalize_embeddings=True)
     assert np.abs(embed(model, tokenizer, em.TEXTS) - expected).max() < BOUND
+
+
+def test_embed_command(qwen3_embedding, capsys):
+    """``mlxformer embed``: one JSON vector a line (sentence-transformers' query-prompted,
+    truncated to 8 features and normalized); a bad prompt name is one error line."""
+    from sentence_transformers import SentenceTransformer
+
+    from mlxformer.cli import main
+
+    assert main(["embed", "-m", str(qwen3_embedding), "--dtype", "float32", "--prompt-name", "query",
+                 "--dimensions", "8", *em.TEXTS[:2]]) == 0
+    vectors = np.array([json.loads(line) for line in capsys.readouterr().out.splitlines()])
+    reference = SentenceTransformer(str(qwen3_embedding), device="cpu", truncate_dim=8)
+    expected = reference.encode(em.TEXTS[:2], prompt_name="query", normalize_embeddings=True)
+    assert np.abs(vectors - expected).max() < BOUND
+    capsys.readouterr()
+    assert main(["embed", "-m", str(qwen3_embedding), "--pooling", "mean", "--prompt-name", "nope", "x"]) == 1
+    assert capsys.readouterr().err.strip() == "mlxformer: error: unknown prompt name 'nope' (this model's: document, query)"
