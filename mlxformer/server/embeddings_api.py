@@ -21,6 +21,7 @@ from mlxformer.errors import MlxformerError
 from mlxformer.server.context import ServerContext
 from mlxformer.server.errors import APIError, bad_request
 from mlxformer.server.ollama_protocol import keep_alive_seconds
+from mlxformer.server.openapi import GENERATION, error_responses
 from mlxformer.server.protocol import Lenient
 from mlxformer.server.registry import ModelHost
 
@@ -50,6 +51,37 @@ class RerankRequest(Lenient):
     top_n: Optional[int] = Field(default=None, ge=1)
     return_documents: bool = True
     instruction: Optional[str] = None  # the reranker's task (Qwen3-Reranker's "<Instruct>")
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class Embedding(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: Union[list[float], str]  # floats, or base64 of little-endian float32
+
+
+class EmbeddingResponse(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[Embedding]
+    model: str
+    usage: Usage
+
+
+class RerankResult(BaseModel):
+    index: int
+    relevance_score: float
+    document: Optional[RerankDocument] = None
+
+
+class RerankResponse(BaseModel):
+    object: Literal["list"] = "list"
+    model: str
+    results: list[RerankResult]
+    usage: Usage
 
 
 class OllamaEmbedBody(BaseModel):
@@ -126,7 +158,8 @@ def embeddings_router(ctx: ServerContext) -> APIRouter:
     """``POST /embeddings`` and ``POST /rerank`` (mounted under ``/v1``)."""
     router = APIRouter()
 
-    @router.post("/embeddings")
+    @router.post("/embeddings", response_model=EmbeddingResponse, response_model_exclude_none=True,
+                 responses=error_responses(GENERATION))
     async def embeddings(body: EmbeddingRequest) -> dict[str, Any]:
         vectors, tokens = await embed_vectors(ctx, openai_inputs(body.input), body.prompt_name, body.dimensions, False)
         encode: Callable[[np.ndarray], Any] = (
@@ -136,7 +169,8 @@ def embeddings_router(ctx: ServerContext) -> APIRouter:
         return {"object": "list", "data": data, "model": ctx.served.name,
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
-    @router.post("/rerank")
+    @router.post("/rerank", response_model=RerankResponse, response_model_exclude_none=True,
+                 responses=error_responses(GENERATION))
     async def rerank_route(body: RerankRequest) -> dict[str, Any]:
         texts = [d if isinstance(d, str) else d.text for d in body.documents]
         if not texts:
