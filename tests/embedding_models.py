@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from conftest import TINY_SHAPE, perturb_
+from conftest import write_tiny_checkpoint
 
 QWEN3_QUERY_PROMPT = "Instruct: Given a web search query, retrieve relevant passages that answer the query\nQuery:"
 GEMMA_PROMPTS = {"query": "task: search result | query: ", "document": "title: none | text: "}
@@ -41,16 +41,9 @@ def write_tokenizer(directory: Path, append_eot: bool = False, padding_side: str
 
 
 def _base_model(directory: Path, model_type: str, seed: int, **config: Any) -> Any:
-    import torch
-    from transformers import AutoConfig, AutoModel
+    from transformers import AutoModel
 
-    hf_config = AutoConfig.for_model(model_type, **{**TINY_SHAPE, "vocab_size": 260, "head_dim": 16, **config})
-    hf_config._attn_implementation = "eager"
-    torch.manual_seed(seed)
-    model = AutoModel.from_config(hf_config, dtype=torch.float32)
-    perturb_(model, seed)
-    model.save_pretrained(directory)
-    return model
+    return write_tiny_checkpoint(directory, model_type, seed, AutoModel, **{"vocab_size": 260, "head_dim": 16, **config})[1]
 
 
 def _save_sentence_transformer(transformer_dir: Path, out: Path, modules: list[Any], prompts: dict[str, str]) -> Path:
@@ -93,8 +86,6 @@ def write_embedding_gemma(root: Path, seed: int = 1) -> Path:
 
 def write_qwen3_reranker(directory: Path, seed: int = 2) -> Any:
     """A Qwen3ForCausalLM over the yes/no tokenizer (left padding, as the model card pads): its transformers model."""
-    from conftest import write_tiny_checkpoint
-
     _, model = write_tiny_checkpoint(directory, "qwen3", seed=seed, vocab_size=260, head_dim=16,
                                      tie_word_embeddings=True)
     write_tokenizer(directory, padding_side="left")
@@ -103,17 +94,10 @@ def write_qwen3_reranker(directory: Path, seed: int = 2) -> Any:
 
 def write_cross_encoder(directory: Path, seed: int = 3) -> Any:
     """A Qwen3ForSequenceClassification with one label (pad id 0, never in the test's text): its transformers model."""
-    import torch
-    from transformers import AutoConfig, AutoModelForSequenceClassification
+    from transformers import AutoModelForSequenceClassification
 
-    config = AutoConfig.for_model("qwen3", **{**TINY_SHAPE, "vocab_size": 260, "head_dim": 16, "num_labels": 1,
-                                             "pad_token_id": 0})
-    config._attn_implementation = "eager"
-    torch.manual_seed(seed)
-    model = AutoModelForSequenceClassification.from_config(config, dtype=torch.float32)
-    perturb_(model, seed)
-    model.eval()
-    model.save_pretrained(directory)
+    _, model = write_tiny_checkpoint(directory, "qwen3", seed, AutoModelForSequenceClassification, vocab_size=260,
+                                     head_dim=16, num_labels=1, pad_token_id=0)
     write_tokenizer(directory)
     return model
 

@@ -186,7 +186,8 @@ def ollama_router(host: ModelHost) -> APIRouter:
         ctx = await host.context(body.model_name())
         record = next((r for r in host.records() if r.name == ctx.served.name), None)
         args = ctx.engine.model.args
-        capabilities = ["completion"] + (["tools"] if ctx.served.tokenizer.chat_template else []) + (
+        capabilities = (["completion"] if args.head == "lm" else ["embedding"]) + (
+            ["tools"] if ctx.served.tokenizer.chat_template else []) + (
             ["thinking"] if ctx.traits and ctx.traits.reasons else [])
         info = {"general.architecture": args.model_type, f"{args.model_type}.context_length": ctx.served.context_length,
                 f"{args.model_type}.block_count": args.num_hidden_layers,
