@@ -167,3 +167,38 @@ def test_bad_rerank_requests(reranker_server, embedding_server):
     # an embedding model has no head to score with
     status, _, raw = http(embedding_server.url, "POST", "/v1/rerank", {"query": QUERY, "documents": ["a"]})
     assert status == 400 and "no output head" in error_of(raw)["message"]
+
+
+def test_embeddings_beside_generation(tmp_path):
+    """A causal LM serves completions and embeddings at once: the embedding jobs run between the
+    decode steps, the completion's greedy text is the one it has alone, and the vectors are
+    transformers' last hidden states (last token, normalized)."""
+    import torch
+
+    from conftest import write_byte_tokenizer, write_tiny_checkpoint
+    from mlxformer.engine import EngineNotRunning
+
+    _, hf = write_tiny_checkpoint(tmp_path, "llama", head_dim=16)
+    write_byte_tokenizer(tmp_path)
+    model, tokenizer = load(tmp_path, dtype=mx.float32)
+    completion = {"prompt": "Once upon a time", "max_tokens": 48, "temperature": 0}
+    with served(model, tokenizer, max_batch=2) as server:
+        status, _, alone = http(server.url, "POST", "/v1/completions", completion)
+        assert status == 200
+        replies: list[bytes] = []
+        thread = threading.Thread(target=lambda: replies.append(http(server.url, "POST", "/v1/completions", completion)[2]))
+        thread.start()
+        vectors = []
+        for text in em.TEXTS:
+            status, _, body = http(server.url, "POST", "/v1/embeddings", {"input": text})
+            assert status == 200
+            vectors.append(json.loads(body)["data"][0]["embedding"])
+        thread.join(120)
+        assert json.loads(replies[0])["choices"][0]["text"] == json.loads(alone)["choices"][0]["text"]
+        engine = server.engine
+    for text, vector in zip(em.TEXTS, vectors):
+        with torch.no_grad():
+            last = hf.model(input_ids=torch.tensor([tokenizer.encode(text)])).last_hidden_state[0, -1].numpy()
+        assert np.abs(np.array(vector) - last / np.linalg.norm(last)).max() < BOUND
+    with pytest.raises(EngineNotRunning):  # stopped: no job is taken
+        engine.run_job(lambda: None)
