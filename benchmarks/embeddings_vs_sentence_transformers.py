@@ -2,14 +2,14 @@
 checkpoint, batch 32, trials interleaved A B / B A in one run.
 
 The checkpoint is Qwen3-Embedding-0.6B-shaped (hidden 1024, 16 query and 8 K/V heads of 128,
-MLP 3072, last-token pooling, L2 norm) with fewer layers (``--layers``, default 4) and a byte
+MLP 3072, last-token pooling, L2 norm) with fewer layers (``--layers``, default 2) and a byte
 vocabulary (the vocabulary only changes the embedding lookup), random weights, saved by
 sentence-transformers. Both runtimes embed the same texts (~``--chars`` characters each, one token
 a character) in batches of 32, float32; the closing line gives the median rate of each and the
 mlxformer/sentence-transformers ratio (higher: mlxformer faster), and the largest difference
 between their vectors.
 
-Usage: python benchmarks/embeddings_vs_sentence_transformers.py [--layers 4] [--texts 128] [--trials 3]
+Usage: python benchmarks/embeddings_vs_sentence_transformers.py [--layers 2] [--texts 64] [--trials 3]
 """
 
 from __future__ import annotations
@@ -65,9 +65,9 @@ def texts_of(count: int, chars: int) -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--texts", type=int, default=128)
-    parser.add_argument("--chars", type=int, default=160)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--texts", type=int, default=64)
+    parser.add_argument("--chars", type=int, default=96)
     parser.add_argument("--trials", type=int, default=3)
     args = parser.parse_args()
 
