@@ -75,8 +75,6 @@ def test_embedding_gemma_attends_both_ways(embedding_gemma):
 def test_pooling_setting_on_a_causal_lm(tmp_path_factory, pooling):
     """``--pooling`` on a plain causal LM (no sentence-transformers files): transformers' final
     hidden states of each text alone, pooled and normalized."""
-    from conftest import write_byte_tokenizer, write_tiny_checkpoint
-
     directory, hf = _causal_lm(tmp_path_factory)
     model, tokenizer = load(directory, dtype=mx.float32)
     assert model.embedding_head.pooling == "last" and model.embedding_head.normalize
