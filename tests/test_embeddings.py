@@ -204,3 +204,18 @@ def test_embed_command(qwen3_embedding, capsys):
     capsys.readouterr()
     assert main(["embed", "-m", str(qwen3_embedding), "--pooling", "mean", "--prompt-name", "nope", "x"]) == 1
     assert capsys.readouterr().err.strip() == "mlxformer: error: unknown prompt name 'nope' (this model's: document, query)"
+
+
+def test_hub_download_fetches_the_sentence_transformers_modules():
+    """The hub client's own filter over EmbeddingGemma's file list: the modules' configs and the
+    Dense projections' safetensors too, never their pickles."""
+    from huggingface_hub.utils import filter_repo_objects
+
+    from mlxformer.formats.hub import HUB_ALLOW_PATTERNS
+
+    files = ["config.json", "model.safetensors", "modules.json", "config_sentence_transformers.json",
+             "sentence_bert_config.json", "1_Pooling/config.json", "2_Dense/config.json", "2_Dense/model.safetensors",
+             "3_Dense/config.json", "3_Dense/model.safetensors", "3_Dense/pytorch_model.bin", "tokenizer.json",
+             "tokenizer_config.json", "README.md"]
+    fetched = set(filter_repo_objects(files, allow_patterns=HUB_ALLOW_PATTERNS))
+    assert fetched == set(files) - {"3_Dense/pytorch_model.bin", "README.md"}
