@@ -3,7 +3,7 @@ references: sentence-transformers' ``encode`` on the same dirs (Qwen3-Embedding-
 token, query instruction; EmbeddingGemma-shaped: bidirectional attention with a sliding window,
 mean pooling, two Dense projections), transformers' hidden states for ``--pooling``, the
 Qwen3-Reranker model card's computation in transformers, transformers' sequence classifier,
-and a GGUF written by llama.cpp's ``convert_hf_to_gguf.py``."""
+and a GGUF written by llama.cpp's ``convert_hf_to_gguf.py`` (beside llama.cpp's own embeddings)."""
 
 from __future__ import annotations
 
@@ -158,7 +158,7 @@ def test_bad_input_is_one_clear_error(qwen3_embedding):
 def test_gguf_embedding_model_from_llama_cpp_converter(tmp_path, hf_smollm_tokenizer):
     """llama.cpp's converter on a Qwen3-Embedding-shaped dir (SmolLM2's tokenizer: one it knows)
     writes ``qwen3.pooling_type`` 3 (last); mlxformer's vectors from the GGUF match
-    sentence-transformers' on the dir."""
+    sentence-transformers' on the dir and llama.cpp's (llama_cpp) on the file."""
     from sentence_transformers import SentenceTransformer, models
 
     if not CONVERTER.is_file():
@@ -185,7 +185,14 @@ def test_gguf_embedding_model_from_llama_cpp_converter(tmp_path, hf_smollm_token
     model, tokenizer = load(out, dtype=mx.float32)
     assert model.embedding_head.pooling == "last"
     expected = SentenceTransformer(str(directory), device="cpu").encode(em.TEXTS, normalize_embeddings=True)
-    assert np.abs(embed(model, tokenizer, em.TEXTS) - expected).max() < BOUND
+    ours = embed(model, tokenizer, em.TEXTS)
+    assert np.abs(ours - expected).max() < BOUND
+    # llama.cpp's own embeddings of the same file (its pooling read from the file)
+    from llama_cpp import Llama
+
+    llama = Llama(model_path=str(out), embedding=True, n_ctx=256, n_batch=256, n_threads=1, verbose=False,
+                  type_k=0, type_v=0)  # float32 keys and values (its default: float16)
+    assert np.abs(np.array(llama.embed(em.TEXTS, normalize=True)) - ours).max() < BOUND
 
 
 def test_embed_command(qwen3_embedding, capsys):
