@@ -1,7 +1,7 @@
 """Embeddings and rerank over HTTP: OpenAI's ``POST /v1/embeddings``, the llama-server / Jina /
 Cohere ``POST /v1/rerank`` and Ollama's ``POST /api/embed`` (and the older ``/api/embeddings``).
-Inputs are tokenized on the context's pool; the forwards run as one job on the engine's thread
-(``Engine.run_job``), in padded batches of at most the engine's step tokens, keeping no cache."""
+Inputs are tokenized on the context's pool; the forwards run on the engine's thread, one job
+(``Engine.run_job``) per padded batch of at most the engine's step tokens, keeping no cache."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import numpy as np
 from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field
 
-from mlxformer.embeddings.encode import embed_tokens, encode_inputs, shorten
+from mlxformer.embeddings.encode import batches, embed_tokens, encode_inputs, shorten
 from mlxformer.embeddings.rerank import rerank_inputs, rerank_tokens, scorer
 from mlxformer.engine import EngineNotRunning
 from mlxformer.errors import MlxformerError
@@ -104,6 +104,20 @@ async def run_on_engine(ctx: ServerContext, work: Callable[[], T]) -> T:
         raise bad_request(str(exc)) from exc
 
 
+async def batch_jobs(ctx: ServerContext, ids: list[list[int]], work: Callable[[list[list[int]], int], Any]
+                     ) -> np.ndarray:
+    """``work(inputs, budget)`` (rows out in the inputs' order) over ``ids`` as one engine job
+    per padded batch (``batches``, the engine's step tokens each): decode steps run between
+    them, so a large request does not hold the model for its whole length."""
+    budget = ctx.engine.scheduler.step_tokens
+    out: list[Any] = [None] * len(ids)
+    for group in batches([len(row) for row in ids], budget):
+        rows = await run_on_engine(ctx, lambda group=group: work([ids[i] for i in group], budget))
+        for index, row in zip(group, rows):
+            out[index] = row
+    return np.array(out)
+
+
 def token_inputs(ctx: ServerContext, given: Sequence[str] | Sequence[Sequence[int]], prompt_name: str | None,
                  truncate: bool, param: str = "input") -> list[list[int]]:
     """The token ids of each input (texts after the model's prompt ``prompt_name``, or ids as
@@ -138,8 +152,8 @@ async def embed_vectors(ctx: ServerContext, given: Sequence[Any], prompt_name: s
                         truncate: bool) -> tuple[np.ndarray, int]:
     """The embeddings of ``given`` (texts or token-id lists) and their token count."""
     ids = await ctx.prepare(lambda: token_inputs(ctx, given, prompt_name, truncate))
-    model, budget = ctx.engine.model, ctx.engine.scheduler.step_tokens
-    vectors = await run_on_engine(ctx, lambda: embed_tokens(model, ids, budget=budget))
+    model = ctx.engine.model
+    vectors = await batch_jobs(ctx, ids, lambda rows, budget: embed_tokens(model, rows, budget=budget))
     if dimensions is not None and dimensions > vectors.shape[-1]:
         raise bad_request(f"dimensions must be at most {vectors.shape[-1]} for this model", "dimensions")
     return shorten(vectors, dimensions, model.embedding_head.normalize), sum(len(row) for row in ids)
@@ -182,10 +196,9 @@ def embeddings_router(ctx: ServerContext) -> APIRouter:
             raise bad_request(str(exc), "model") from exc
         ids = await ctx.prepare(lambda: rerank_inputs(served.tokenizer, body.query, texts, body.instruction))
         token_inputs(ctx, ids, None, False, "documents")  # the context and count checks
-        budget = ctx.engine.scheduler.step_tokens
-        scores = await run_on_engine(ctx, lambda: rerank_tokens(model, served.tokenizer, ids, budget))
+        scores = await batch_jobs(ctx, ids, lambda rows, budget: rerank_tokens(model, served.tokenizer, rows, budget))
         order = sorted(range(len(texts)), key=lambda i: -scores[i])[:body.top_n]
-        results = [{"index": i, "relevance_score": scores[i],
+        results = [{"index": i, "relevance_score": float(scores[i]),
                     **({"document": {"text": texts[i]}} if body.return_documents else {})} for i in order]
         tokens = sum(len(row) for row in ids)
         return {"object": "list", "model": served.name, "results": results,
