@@ -1,6 +1,6 @@
 """mlxformer: an MLX runtime for LLaMA-family decoder LLMs.
 
-Public API: ``load``, ``generate``, ``stream_generate`` and ``convert``. They are imported on
+Public API: ``load``, ``generate``, ``stream_generate``, ``convert``, ``embed`` and ``rerank``. They are imported on
 first use, so that ``import mlxformer.cli`` (and ``mlxformer --help``) stays light.
 """
 
@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from mlxformer.converter import convert
+    from mlxformer.embeddings.encode import embed
+    from mlxformer.embeddings.rerank import rerank
     from mlxformer.errors import MlxformerError, OptionError
     from mlxformer.generation import GenerationResponse, generate, stream_generate
     from mlxformer.options import SamplingSettings
@@ -24,6 +26,8 @@ _EXPORTS = {
     "GenerationResponse": "mlxformer.generation",
     "SamplingSettings": "mlxformer.options",
     "convert": "mlxformer.converter",
+    "embed": "mlxformer.embeddings.encode",
+    "rerank": "mlxformer.embeddings.rerank",
     "MlxformerError": "mlxformer.errors",
     "OptionError": "mlxformer.errors",
 }

@@ -13,6 +13,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from mlxformer.embeddings.head import read_embedding_head
 from mlxformer.errors import MlxformerError
 from mlxformer.formats.checkpoint import Checkpoint, open_checkpoint
 from mlxformer.formats.tensors import Tensors
@@ -193,6 +194,7 @@ def load(
     dtype = float_dtype(dtype)
     checkpoint = open_checkpoint(path_or_repo)
     model = build_model(checkpoint.config, checkpoint.tensors)
+    model.embedding_head = read_embedding_head(None if checkpoint.is_gguf else checkpoint.path, checkpoint.gguf_metadata)
     tokenizer = load_tokenizer(checkpoint)
     plan = plan or DevicePlan.current()
     apply_dtype_policy(model, dtype, plan.device)

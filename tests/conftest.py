@@ -124,17 +124,18 @@ def perturb_(model, seed: int = 0) -> None:
 
 
 def write_tiny_checkpoint(
-    directory: Path, model_type: str, seed: int = 0, **config: Any
+    directory: Path, model_type: str, seed: int = 0, model_class: Any = None, **config: Any
 ) -> tuple[Path, Any]:
     """Save a tiny random transformers model of ``model_type`` (``TINY_SHAPE`` plus ``config``)
-    with ``save_pretrained`` into ``directory``; returns ``(directory, float32 eager HF model)``."""
+    with ``save_pretrained`` into ``directory``; returns ``(directory, float32 eager HF model)``.
+    ``model_class``: the transformers auto class (default ``AutoModelForCausalLM``)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     hf_config = AutoConfig.for_model(model_type, **{**TINY_SHAPE, **config})
     hf_config._attn_implementation = "eager"
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    model = (model_class or AutoModelForCausalLM).from_config(hf_config, dtype=torch.float32)
     perturb_(model, seed)
     model.eval()
     model.save_pretrained(directory)

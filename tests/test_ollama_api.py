@@ -112,8 +112,8 @@ def test_list_show_ps_describe_the_served_model(server, smollm_gguf):
 
 def test_errors_are_ollama_shaped(server):
     with pytest.raises(ollama.ResponseError) as error:
-        server.client.embed(model="m", input="hi")
-    assert error.value.status_code == 501 and "embeddings are not supported" in error.value.error
+        server.client.embed(model="m", input=[])
+    assert error.value.status_code == 400 and "must not be empty" in error.value.error
     with pytest.raises(ollama.ResponseError) as error:
         server.client.chat(model="m", messages=USER, options={"temperature": -1})
     assert error.value.status_code == 400 and "temperature" in error.value.error

@@ -7,9 +7,9 @@ import sys
 import traceback
 from typing import NoReturn, Sequence
 
-from mlxformer.cli import bench, cache_prompt, chat, convert, generate, info, list_models, perplexity, pull, rm, serve
+from mlxformer.cli import bench, cache_prompt, chat, convert, embed, generate, info, list_models, perplexity, pull, rm, serve
 
-COMMANDS = (generate, chat, convert, perplexity, bench, cache_prompt, info, serve, pull, list_models, rm)
+COMMANDS = (generate, chat, convert, perplexity, bench, cache_prompt, info, serve, pull, list_models, rm, embed)
 
 
 class OneLineParser(argparse.ArgumentParser):

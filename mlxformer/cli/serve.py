@@ -6,6 +6,7 @@ import argparse
 import os
 from typing import Any, Callable
 
+from mlxformer.cli.embed import add_pooling_arg, apply_pooling
 from mlxformer.cli.common import (
     add_cache_args, add_model_args, add_speculative_args, add_verbose, cache_settings, load_for_cli, speculates,
     speculative_settings,
@@ -18,6 +19,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the ``serve`` subcommand."""
     parser = subparsers.add_parser("serve", help="serve an OpenAI-compatible API and a chat page")
     add_model_args(parser, several=True)
+    add_pooling_arg(parser)
     parser.add_argument("--models-dir", metavar="DIR",
                         help="also serve every model in DIR (.gguf files and model folders), each loaded on first use")
     parser.add_argument("--models-from-cache", action="store_true",
@@ -124,6 +126,7 @@ def run(args: argparse.Namespace) -> int:
         return run_several(args, sources, settings, max_kv_memory, prompt_cache, sock)
     args.model = next(iter(sources.values()), None)
     model, tokenizer = load_for_cli(args)
+    apply_pooling(model, args.pooling)
     speculative = speculative_settings(args, tokenizer, model)
     name = args.served_model_name or (model_name(args.model) if args.model else default_model_name())
     serve(
@@ -216,6 +219,7 @@ def run_several(args: argparse.Namespace, sources: dict[str, str], settings: Any
 
     def make_app(name: str, source: str, host: Any) -> tuple[Any, Callable[[], None]]:
         model, tokenizer = load(source, dtype=FLOAT_DTYPES[args.dtype] if args.dtype else None, threads=args.threads)
+        apply_pooling(model, args.pooling)
         engine = Engine(model, tokenizer, max_batch=args.max_batch, max_queue=args.max_queue, cache_settings=settings,
                         prompt_cache=prompt_cache, max_kv_memory=max_kv_memory)
         app = create_app(engine, ServedModel.of(name, model, tokenizer), api_key=args.api_key,

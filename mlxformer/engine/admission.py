@@ -218,5 +218,6 @@ def warm_up(model: Model, draft: Model | None, settings: CacheSettings) -> mx.Dt
     for warm in (draft, model):
         if warm is not None:
             probe = make_cache(warm, settings)
-            mx.eval(warm.last_logits(mx.array([[0]]), probe))
+            token = mx.array([[0]])  # a model without an LM head (embeddings only) runs its hidden states
+            mx.eval(warm.last_logits(token, probe) if warm.args.head == "lm" else warm.hidden_states(token, probe))
     return next(a.dtype for a in probe[0].state if mx.issubdtype(a.dtype, mx.floating))

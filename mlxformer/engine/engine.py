@@ -14,7 +14,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-from typing import Any
+from concurrent.futures import Future
+from typing import Any, Callable, TypeVar
 
 import mlx.core as mx
 from prometheus_client import CollectorRegistry
@@ -24,6 +25,7 @@ from mlxformer.engine.admission import Admission, warm_up
 from mlxformer.engine.batch_runner import BatchRunner
 from mlxformer.engine.decode_step import DecodeStep
 from mlxformer.engine.handle import RequestHandle
+from mlxformer.engine.jobs import Jobs
 from mlxformer.engine.memory import KVBudgetExceeded, KVSizer, MemoryPlanner, nbytes, resolve_budget
 from mlxformer.engine.metrics import EngineMetrics
 from mlxformer.engine.prefix_sharing import PrefixSharing
@@ -41,6 +43,7 @@ from mlxformer.models.decoder import Model
 from mlxformer.tokenizer import Tokenizer
 
 log = logging.getLogger("mlxformer.engine")
+T = TypeVar("T")
 
 
 class Engine(Admission, DecodeStep):
@@ -101,6 +104,7 @@ class Engine(Admission, DecodeStep):
         self.metrics.step_reserve.set(self.budget.reserve if self.budget is not None else 0)
         self._handles: dict[int, RequestHandle] = {}
         self.held_kv = 0  # KV bytes held after the last step (``kv_bytes``), for the metrics thread
+        self.jobs = Jobs()  # embedding/rerank forwards, run between steps (``run_job``)
         self.replays = Replays()  # preempted sequences catching up
         self.pipeline: Pipeline | None = None  # the last step's tokens, queued and not yet read
         self.overlap = True  # queue step n+1 before reading step n's tokens (off: to measure it)
@@ -139,6 +143,7 @@ class Engine(Admission, DecodeStep):
             for handle in list(self._handles.values()):  # e.g. the loop ended before they were admitted
                 self._end(handle.sequence, "cancelled")
             self.replays.clear()
+            self.jobs.fail_all(EngineNotRunning("the engine stopped"))
             self.pipeline = None
             self.runner.reset()  # its buffers were built on the ended thread's streams
             self.prefix_cache.flush()  # the disk tier's writes are done when stop returns
@@ -180,6 +185,16 @@ class Engine(Admission, DecodeStep):
             self._wake.notify_all()
         return handle
 
+    def run_job(self, work: Callable[[], T]) -> "Future[T]":
+        """Run ``work`` (a forward that keeps no cache: embeddings, rerank scores) on the engine's
+        thread between two steps; raises ``EngineNotRunning`` unless the engine is running."""
+        with self._wake:
+            if not self.running:
+                raise EngineNotRunning("the engine is not running (call start() first; it is stopped, or its thread ended)")
+            future = self.jobs.add(work)
+            self._wake.notify_all()
+        return future
+
     @property
     def active(self) -> int:
         """Requests holding a batch slot."""
@@ -210,19 +225,23 @@ class Engine(Admission, DecodeStep):
     def _serve(self) -> None:
         while True:
             with self._wake:
-                while not self._stopping and not self.scheduler.has_work():
+                while not self._stopping and not self.scheduler.has_work() and not self.jobs:
                     self._wake.wait()
                 if self._stopping:
                     return
+            self.jobs.run_all()
+            if not self.scheduler.has_work():
+                continue
             try:
                 self.step()
             except Exception as exc:  # a fault outside any one sequence: fail those in flight, keep serving
                 self._fail_all(exc)
 
     def _fail_all(self, error: BaseException) -> None:
-        """Fail every request in flight with ``error`` (under the lock ``submit`` takes: a request
-        submitted meanwhile is either failed here or served by the next step)."""
+        """Fail every request and job in flight with ``error`` (under the lock ``submit`` takes: a
+        request submitted meanwhile is either failed here or served by the next step)."""
         with self._wake:
+            self.jobs.fail_all(error)
             self.pipeline = None
             self.runner.reset()
             self.sharing.held.clear()

@@ -21,8 +21,9 @@ from mlxformer.formats.hub_gguf import gguf_models, pick_gguf, pick_sidecar, spl
 from mlxformer.formats.safetensors import WEIGHT_GLOB
 
 # Only data files are fetched: never pickles, never code. The weights are ``model*.safetensors``
-# (as mlx-lm fetches them): a Mistral repo's ``consolidated.safetensors`` copy is left out.
-HUB_ALLOW_PATTERNS = ["*.json", WEIGHT_GLOB, "tokenizer.model", "*.jinja", "*.txt"]
+# (as mlx-lm fetches them): a Mistral repo's ``consolidated.safetensors`` copy is left out. An
+# embedding model's sentence-transformers projections are ``2_Dense/model.safetensors`` and the like.
+HUB_ALLOW_PATTERNS = ["*.json", WEIGHT_GLOB, "tokenizer.model", "*.jinja", "*.txt", "*_Dense/model.safetensors"]
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 USABLE_MEMORY_SHARE = 0.75  # a GGUF picked without a tag must fit in this share of physical memory
 

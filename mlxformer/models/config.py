@@ -14,7 +14,7 @@ import mlx.core as mx
 
 from mlxformer.errors import MlxformerError
 from mlxformer.models.config_bounds import check_config_sizes
-from mlxformer.models.families import FAMILIES, family_fields, hybrid_config, text_config_of
+from mlxformer.models.families import FAMILIES, family_fields, head_config, head_fields, hybrid_config, text_config_of
 from mlxformer.models.gemma4_family import gemma4_config  # also registers the gemma4_text family
 from mlxformer.models.rope_config import SUPPORTED_ROPE_TYPES, RopeConfig, rope_config_from_dict, rope_scaling_dict
 
@@ -131,6 +131,10 @@ class ModelArgs:
     num_kv_shared_layers: int = 0  # the last layers attend over an earlier layer's keys/values (``kv_source``)
     double_wide_mlp: bool = False  # the KV-shared layers' MLP is twice ``intermediate_size``
     experts_beside_mlp: bool = False  # a routed experts block beside the dense MLP (Gemma 4's MoE)
+    # --- embedding and scoring models (``mlxformer.embeddings``) ---
+    bidirectional: bool = False  # every token attends to every other (EmbeddingGemma); sliding layers to |i-j| <= window // 2
+    head: str = "lm"  # "lm": vocabulary logits; "none": hidden states only (a base model); "score": a ``score`` classifier
+    num_labels: int = 0  # the ``score`` head's outputs
 
     def layer_window(self, index: int) -> int | None:
         """The sliding window layer ``index`` attends with (None: the whole context)."""
@@ -217,6 +221,8 @@ class ModelArgs:
                 qkv_bias=attention_bias,
                 o_proj_bias=attention_bias,
                 mlp_bias=bool(config.get("mlp_bias", False)),
+                bidirectional=bool(config.get("use_bidirectional_attention", False)),
+                **head_fields(config),
             )
             fields.update(family_fields(config, fields))
             return cls(**fields)
@@ -242,6 +248,8 @@ class ModelArgs:
             "rope_scaling": rope_scaling_dict(self.rope),
             "hidden_act": "silu" if self.hidden_act == "silu" else "gelu_pytorch_tanh",
         }
+        if self.head != "lm" or self.bidirectional:
+            config.update(head_config(self, ARCHITECTURES[self.model_type]))
         if self.model_type != "qwen2":  # Llama's covers all four projections; GLM-4.5's only q/k/v
             config["attention_bias"] = self.qkv_bias or self.o_proj_bias
         config["mlp_bias"] = self.mlp_bias

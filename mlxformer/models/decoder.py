@@ -15,8 +15,9 @@ from typing import Callable, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlxformer.embeddings.head import EmbeddingHead
 from mlxformer.errors import MlxformerError
-from mlxformer.models.mask import Mask, causal_mask_for, kept_rows
+from mlxformer.models.mask import Mask, causal_mask_for, kept_rows, padded_mask
 from mlxformer.cache.protocol import Cache
 from mlxformer.models.attention_ops import fused_attention, position_query_scale, softcap_scores, softcapped_attention
 from mlxformer.models.config import ModelArgs
@@ -277,10 +278,14 @@ class Model(nn.Module):
         # Set by ``watch_hidden``: sees each forward's final hidden states with its caches (native MTP).
         self._hidden_watch: Callable[[mx.array, Sequence[Cache]], None] | None = None
         self.model = DecoderStack(args, num_layers, with_ends, first_layer)
+        # how ``mlxformer.embeddings`` pools this model's hidden states (the loader reads the checkpoint's)
+        self.embedding_head = EmbeddingHead()
         if args.num_kv_shared_layers and 0 < len(self.layers) < args.num_hidden_layers:
             raise MlxformerError("a model whose layers share keys/values (Gemma 4) runs in one process, not a pipeline")
-        if with_ends and not args.tie_word_embeddings:
+        if with_ends and args.head == "lm" and not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        if with_ends and args.head == "score":  # a cross-encoder's classifier (``*ForSequenceClassification``)
+            self.score = nn.Linear(args.hidden_size, args.num_labels, bias=False)
 
     @property
     def layers(self) -> list[DecoderLayer]:
@@ -294,13 +299,15 @@ class Model(nn.Module):
 
     def hidden_states(
         self, inputs: mx.array, cache: Sequence[Cache] | None = None, rope_length: int | None = None,
-        keep: mx.array | None = None, watch: bool = True,
+        keep: mx.array | None = None, watch: bool = True, valid: mx.array | None = None,
     ) -> mx.array:
         """Final-norm hidden states ``(B, T, hidden)`` for token ids ``(B, T)``. ``rope_length``:
         the whole prompt's length when this is one chunk of it (see ``RoPE``). ``keep``: only
         the positions ``(K,)`` wanted, ``(B, K, hidden)`` out: the last layer computes the rest
         of its rows only as far as the caches need (their keys/values). ``watch``: hand the
-        hidden rows to the watch (a packed step's rows go to it by sequence: ``observe``)."""
+        hidden rows to the watch (a packed step's rows go to it by sequence: ``observe``).
+        ``valid``: ``(B, T)`` bool, the real tokens of rows padded at the end (no cache: an
+        embedding batch)."""
         watched = self.watching and cache is not None and watch
         last = None if watched or self._remote_layers is not None else keep  # the last layer is ours
         h = self.model.embed_tokens(inputs)  # (B, T, hidden)
@@ -309,7 +316,7 @@ class Model(nn.Module):
         if self.args.position_type == "learned":
             h = h + self.model.embed_positions(token_positions(cache, inputs.shape[1], self.args.max_position_embeddings))
         extra = gemma4.per_layer_inputs(self.model, self.args, inputs, h) if self.args.hidden_size_per_layer_input else None
-        h = self.run_layers(h, cache, rope_length, extra, last)
+        h = self.run_layers(h, cache, rope_length, extra, last, valid)
         if self._remote_layers is not None:
             h = self._remote_layers(h, rope_length)
         h = self.model.norm(h)
@@ -319,12 +326,13 @@ class Model(nn.Module):
 
     def run_layers(
         self, h: mx.array, cache: Sequence[Cache] | None = None, rope_length: int | None = None,
-        per_layer_inputs: mx.array | None = None, keep: mx.array | None = None,
+        per_layer_inputs: mx.array | None = None, keep: mx.array | None = None, valid: mx.array | None = None,
     ) -> mx.array:
         """This model's decoder layers on hidden states ``(B, T, hidden)``; ``cache`` holds one
         cache per layer of ``cache_layers``, and a layer reading another's keys/values gets that
         layer's. ``per_layer_inputs``: each layer's extra input ``(B, T, layers, size)`` (Gemma 4).
-        ``keep``: the positions ``(K,)`` the last layer outputs (``DecoderLayer``)."""
+        ``keep``: the positions ``(K,)`` the last layer outputs (``DecoderLayer``). ``valid``: the
+        real tokens ``(B, T)`` of padded rows (``hidden_states``)."""
         if not self.layers:
             return kept_rows(h, keep)
         query_len = h.shape[1]
@@ -337,11 +345,20 @@ class Model(nn.Module):
                 h = layer(h, None, layer_cache, rope_length, keep=rows)
                 continue
             if layer.window not in masks:
-                masks[layer.window] = (causal_mask_for(query_len, query_len, layer.window) if layer_cache is None
-                                       else layer_cache.make_mask(query_len, layer.window))
+                masks[layer.window] = self._mask(query_len, layer.window, layer_cache, valid)
             extra = None if per_layer_inputs is None else per_layer_inputs[:, :, i, :]
             h = layer(h, masks[layer.window], layer_cache, rope_length, shared, extra, rows)
         return h
+
+    def _mask(self, query_len: int, window: int | None, cache: Cache | None, valid: mx.array | None) -> Mask:
+        """The attention mask of a layer attending with ``window`` over ``cache`` (None: only this
+        forward's tokens, of which ``valid`` says which are real when the rows are padded)."""
+        if cache is not None:
+            return cache.make_mask(query_len, window)
+        if valid is None and not self.args.bidirectional:
+            return causal_mask_for(query_len, query_len, window)
+        real = mx.ones((1, query_len), dtype=mx.bool_) if valid is None else valid
+        return padded_mask(real, window, self.args.bidirectional)
 
     def use_remote_layers(self, run: Callable[[mx.array, int | None], mx.array]) -> None:
         """Pass hidden states (and the RoPE length, see ``hidden_states``) through ``run``
@@ -368,6 +385,10 @@ class Model(nn.Module):
     def logits(self, hidden: mx.array) -> mx.array:
         """Project hidden states ``(B, T, hidden)`` to vocabulary logits ``(B, T, vocab)``."""
         a = self.args
+        if a.head != "lm":
+            if a.head == "score":  # the classifier's logits (num_labels)
+                return self.score(hidden)
+            raise MlxformerError("this model has no language-model head: it makes embeddings, not text")
         logits = self.model.embed_tokens.as_linear(hidden) if a.tie_word_embeddings else self.lm_head(hidden)
         if a.logits_scale != 1.0:
             logits = logits * a.logits_scale

@@ -314,7 +314,33 @@ def text_config_of(config: dict[str, Any]) -> dict[str, Any]:
 
 # An image-text checkpoint's language model weights (HF: ``model.language_model.``; mlx-lm's
 # wrapper: ``language_model.``) -> the decoder's names; its vision tower is dropped by ``sanitize``.
-_TEXT_WEIGHT_PREFIXES = (("model.language_model.", "model."), ("language_model.", ""))
+# A base model's (``Qwen3Model``, ``Gemma3TextModel``: an embedding model's) have no ``model.``.
+_TEXT_WEIGHT_PREFIXES = (("model.language_model.", "model."), ("language_model.", ""),
+                         ("embed_tokens.", "model.embed_tokens."), ("layers.", "model.layers."), ("norm.", "model.norm."))
+
+
+def head_fields(config: dict[str, Any]) -> Fields:
+    """What the model outputs, from its architecture: vocabulary logits (``*ForCausalLM``),
+    a classifier's (``*ForSequenceClassification``: a cross-encoder's ``score``) or, for a
+    base model (``*Model``) without tied embeddings, hidden states only."""
+    architecture = str((config.get("architectures") or [""])[0])
+    if architecture.endswith("ForSequenceClassification"):
+        labels = config.get("id2label")
+        return {"head": "score", "num_labels": int(config.get("num_labels") or (len(labels) if labels else 2))}
+    if architecture.endswith("Model") and not config.get("tie_word_embeddings", False):
+        return {"head": "none"}
+    return {}
+
+
+def head_config(args: Any, base: str) -> dict[str, Any]:
+    """The ``config.json`` keys ``head_fields`` (and ``use_bidirectional_attention``) read back;
+    ``base``: the family's causal LM architecture."""
+    keys: dict[str, Any] = {"use_bidirectional_attention": args.bidirectional} if args.bidirectional else {}
+    if args.head == "score":
+        keys.update(architectures=[base.replace("ForCausalLM", "ForSequenceClassification")], num_labels=args.num_labels)
+    elif args.head == "none":
+        keys["architectures"] = [base.replace("ForCausalLM", "Model")]
+    return keys
 
 
 def text_weight_names(names: Iterable[str]) -> dict[str, str]:

@@ -23,6 +23,21 @@ def causal_mask_for(query_len: int, key_len: int, window: int | None = None) -> 
     return (key_pos <= query_pos) & (key_pos > query_pos - window)
 
 
+def padded_mask(valid: mx.array, window: int | None = None, bidirectional: bool = False) -> mx.array:
+    """The mask ``(B, 1, T, T)`` of a batch of sequences padded to ``T``: query i of row b sees
+    key j when ``valid[b, j]`` (a real token, ``valid`` ``(B, T)`` bool) and j <= i, or any j
+    when ``bidirectional``; with a sliding ``window``, ``i - window < j`` (bidirectional:
+    ``|i - j| <= window // 2``, as transformers' EmbeddingGemma halves its window)."""
+    T = valid.shape[1]
+    query_pos = mx.arange(T)[:, None]  # (T, 1)
+    key_pos = mx.arange(T)[None]  # (1, T)
+    if bidirectional:
+        seen = mx.ones((T, T), dtype=mx.bool_) if window is None else mx.abs(query_pos - key_pos) <= window // 2
+    else:
+        seen = key_pos <= query_pos if window is None else (key_pos <= query_pos) & (key_pos > query_pos - window)
+    return seen[None, None] & valid[:, None, None, :]
+
+
 def kept_rows(x: mx.array, keep: mx.array | None) -> mx.array:
     """The rows ``keep`` (positions, ``(K,)``) of ``x (B, T, ...)`` as ``(B, K, ...)``: the only
     ones a forward's caller reads (None: all of them)."""

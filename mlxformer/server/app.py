@@ -2,7 +2,7 @@
 
 Routes: ``GET /v1/models``, ``POST /v1/chat/completions``, ``POST /v1/completions``
 (``openai_routes``), ``POST /v1/messages`` (``anthropic_api``), ``POST /v1/responses``
-(``responses_api``), ``GET /v1/models/{id}`` and ``POST /tokenize``, ``/detokenize``,
+(``responses_api``), ``POST /v1/embeddings`` and ``/v1/rerank`` (``embeddings_api``), ``GET /v1/models/{id}`` and ``POST /tokenize``, ``/detokenize``,
 ``/apply-template`` (``meta_api``), ``GET /health``, ``GET /openapi.json``, the chat page at
 ``GET /`` and Ollama's API under ``/api`` (``ollama_api``).
 Every API router is made from the shared ``ServerContext`` and mounted by ``mount_api``: under
@@ -29,6 +29,7 @@ from mlxformer.engine import Engine
 from mlxformer.server.anthropic_api import is_anthropic_path, messages_router
 from mlxformer.server.anthropic_protocol import anthropic_error
 from mlxformer.server.context import ServerContext
+from mlxformer.server.embeddings_api import embeddings_router
 from mlxformer.server.errors import APIError, error_body, validation_message
 from mlxformer.server.guards import DEFAULT_MAX_BODY_BYTES, LOOPBACK_NAMES, BodyTooLarge, RequestGuard, host_name
 from mlxformer.server.meta_api import models_router, template_router
@@ -60,7 +61,8 @@ CORS_HEADERS = (
 )
 RouterMaker = Callable[[ServerContext], APIRouter]
 # each mounted under /v1 behind the key
-API_ROUTERS: tuple[RouterMaker, ...] = (openai_router, models_router, messages_router, responses_router)
+API_ROUTERS: tuple[RouterMaker, ...] = (openai_router, models_router, messages_router, responses_router,
+                                         embeddings_router)
 
 
 def chat_page(name: str = "chat.html") -> str:

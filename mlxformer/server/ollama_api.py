@@ -20,6 +20,7 @@ from starlette.responses import StreamingResponse
 from mlxformer.engine import TokenEvent
 from mlxformer.errors import MlxformerError
 from mlxformer.server.context import ServerContext
+from mlxformer.server.embeddings_api import add_ollama_embed_routes
 from mlxformer.server.errors import APIError, bad_request
 from mlxformer.server.hooks import constraint_for
 from mlxformer.server.ollama_protocol import (
@@ -185,7 +186,8 @@ def ollama_router(host: ModelHost) -> APIRouter:
         ctx = await host.context(body.model_name())
         record = next((r for r in host.records() if r.name == ctx.served.name), None)
         args = ctx.engine.model.args
-        capabilities = ["completion"] + (["tools"] if ctx.served.tokenizer.chat_template else []) + (
+        capabilities = (["completion"] if args.head == "lm" else ["embedding"]) + (
+            ["tools"] if ctx.served.tokenizer.chat_template else []) + (
             ["thinking"] if ctx.traits and ctx.traits.reasons else [])
         info = {"general.architecture": args.model_type, f"{args.model_type}.context_length": ctx.served.context_length,
                 f"{args.model_type}.block_count": args.num_hidden_layers,
@@ -300,11 +302,6 @@ def ollama_router(host: ModelHost) -> APIRouter:
         remove(models)
         return Response(status_code=200)
 
-    async def no_embeddings() -> Response:
-        raise APIError("embeddings are not supported: this server serves text generation models", 501,
-                       "not_implemented", "model")
-
-    router.add_api_route("/embed", no_embeddings, methods=["POST"])
-    router.add_api_route("/embeddings", no_embeddings, methods=["POST"])
+    add_ollama_embed_routes(router, host)
     return router
 

@@ -1,0 +1,2 @@
+"""Embeddings and reranking with decoder models: ``head`` (pooling and projections read from
+the checkpoint), ``encode`` (batched forwards, no cache), ``rerank`` (relevance scores)."""
