@@ -48,6 +48,8 @@ def add_model_args(parser: argparse.ArgumentParser, several: bool = False) -> No
         "--device-plan", choices=("gpu", "cpu"), default=None,
         help="load as planned for this device (compute dtype, CPU streams) whatever MLX runs on (default: its device)",
     )
+    parser.add_argument("--adapter", metavar="DIR",
+                        help="apply this LoRA/DoRA adapter (mlx-lm's adapters.safetensors or PEFT's adapter_model.safetensors)")
 
 
 def add_prompt_args(parser: argparse.ArgumentParser) -> None:
@@ -168,8 +170,30 @@ def load_for_cli(args: argparse.Namespace) -> tuple[Model, Tokenizer]:
     if args.threads is not None and args.threads < 1:
         raise MlxformerError("--threads must be at least 1")
     source = args.model if args.model else default_model_path()
-    return load(source, dtype=FLOAT_DTYPES[args.dtype] if args.dtype else None, threads=args.threads,
-                plan=DevicePlan.named(args.device_plan))
+    model, tokenizer = load(source, dtype=FLOAT_DTYPES[args.dtype] if args.dtype else None, threads=args.threads,
+                            plan=DevicePlan.named(args.device_plan))
+    named = lora_flags(getattr(args, "lora", None) or [])
+    if args.adapter and named:
+        raise MlxformerError("--adapter applies one adapter to every request; with --lora, requests choose theirs")
+    if args.adapter or named:
+        from mlxformer.adapters import attach_adapters, read_adapter
+
+        paths = named or {"adapter": args.adapter}
+        attach_adapters(model, [read_adapter(p) for p in paths.values()], list(paths), always_on=bool(args.adapter))
+    return model, tokenizer
+
+
+def lora_flags(items: list[str]) -> dict[str, str]:
+    """``--lora NAME=DIR`` flags as ``{name: dir}`` (each name once)."""
+    from mlxformer.errors import MlxformerError
+
+    out: dict[str, str] = {}
+    for item in items:
+        name, sep, path = item.partition("=")
+        if not sep or not name.strip() or not path or ":" in name or name in out:
+            raise MlxformerError(f"--lora takes NAME=DIR with a new name without ':', got {item!r}")
+        out[name.strip()] = path
+    return out
 
 
 def check_output_path(path: str | Path) -> None:

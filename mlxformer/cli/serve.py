@@ -34,6 +34,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--strict-model-names", action="store_true",
                         help="with several models (or one): answer only the hosted names (default with one model: "
                              "any name is served by it)")
+    parser.add_argument("--lora", action="append", default=[], metavar="NAME=DIR",
+                        help="load this adapter for requests to choose (lora: [{id, scale}], or model BASE:NAME); "
+                             "requests on different adapters decode together (repeatable)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     parser.add_argument("--port", type=int, default=8080, help="port (default 8080)")
     parser.add_argument("--max-batch", type=int, default=8, help="most sequences decoded together (default 8)")
@@ -121,6 +124,8 @@ def run(args: argparse.Namespace) -> int:
     bound_heap_growth()  # a long-running process: RSS must not creep (Linux glibc; server/heap.py)
     sources = model_sources(args)
     if len(sources) > 1 or args.models_dir or args.models_from_cache:
+        if args.lora or args.adapter:
+            raise MlxformerError("--lora and --adapter serve one model")
         return run_several(args, sources, settings, max_kv_memory, prompt_cache)
     args.model = next(iter(sources.values()), None)
     model, tokenizer = load_for_cli(args)

@@ -34,6 +34,7 @@ class GenerationRequest:
     prompt_logprobs: int | None = None  # k >= 0: also score the prompt's tokens (k alternatives each)
     constraint: TokenConstraint | None = None
     speculate: bool = True  # decode speculatively when the engine has speculative settings (not with a constraint)
+    adapters: tuple[float, ...] | None = None  # its weight on each of the model's adapters (None: the base model)
 
 
 @dataclass
@@ -104,6 +105,7 @@ class Sequence(DecodingState):
         self.packs = True  # its prompt chunks (and rounds) share the step's forward (not after such a step failed)
         k = request.prompt_logprobs
         self.prompt_scores = PromptScores(self.prompt, k) if k is not None else None  # filled during prefill
+        self.cache_salt = ""  # its prefix-cache keys' root: the adapters it runs with (``adapters.cache_salt``)
 
     def accept(self, token: int, logprob: float | None, top: list[tuple[int, float]] | None) -> TokenEvent:
         """Record the chosen ``token`` and return its event (finished when a stop condition hit)."""
@@ -122,6 +124,11 @@ class Sequence(DecodingState):
             prompt_tokens=self.prompt_length, completion_tokens=len(self.generated), cached_tokens=self.cached_tokens,
             proposed_tokens=stats.proposed, accepted_tokens=stats.accepted, incomplete=self.incomplete,
         )
+
+    @property
+    def adapters(self) -> tuple[float, ...] | None:
+        """Its weight on each adapter the model carries (``adapters.select``; None: the base model)."""
+        return self.request.adapters
 
     @property
     def speculative_stats(self) -> SpeculativeStats | None:

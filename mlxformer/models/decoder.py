@@ -262,6 +262,7 @@ class Model(nn.Module):
         # Set by ``watch_hidden``: sees each forward's final hidden states with its caches (native MTP).
         self._hidden_watch: Callable[[mx.array, Sequence[Cache]], None] | None = None
         self.model = DecoderStack(args, num_layers, with_ends, first_layer)
+        self.adapter_bank: object | None = None  # the LoRA adapters it carries (``adapters.attach_adapters``)
         if args.num_kv_shared_layers and 0 < len(self.layers) < args.num_hidden_layers:
             raise MlxformerError("a model whose layers share keys/values (Gemma 4) runs in one process, not a pipeline")
         if with_ends and not args.tie_word_embeddings:
