@@ -27,12 +27,12 @@ from typing import Iterator, Protocol, Sequence, Union
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxformer.adapters.files import Adapter
+from mlxformer.adapters.files import Adapter, LowRank
 from mlxformer.errors import MlxformerError
 
 Weights = Union[tuple[float, ...], None]  # a request's weight on each adapter (None: the base model)
 
-__all__ = ["AdapterBank", "Weights", "attach_adapters", "cache_salt", "dense_weight", "fuse_adapter", "select"]
+__all__ = ["AdapterBank", "Weights", "attach_adapters", "cache_salt", "dense_weight", "fused_weight", "select"]
 
 
 class AdapterBank:
@@ -189,8 +189,7 @@ def attach_adapters(model: nn.Module, adapters: Sequence[Adapter], names: Sequen
                 b_parts.append(low.b.astype(mx.float32) * low.scale)
                 owner += [index] * low.a.shape[1]
                 if low.magnitude is not None:
-                    adapted = weight.astype(mx.float32) + b_parts[-1].T @ a_parts[-1].T  # (out, in)
-                    factor = low.magnitude.astype(mx.float32) / mx.linalg.norm(adapted, axis=1) - 1
+                    factor = dora_factor(low, adapted_weight(weight, low)) - 1
             dora.append(factor)
         module.__class__ = _adapted_class(type(module))
         module._bank, module._owner = bank, mx.array(owner, mx.int32)
@@ -210,19 +209,22 @@ def _adapted_class(cls: type) -> type:
     return _ADAPTED[cls]
 
 
-def fuse_adapter(model: nn.Module, adapter: Adapter) -> None:
-    """Fold ``adapter`` into ``model``'s float projections (``W + s B^T A^T``, DoRA's factor
-    applied per output row), as ``convert --adapter`` writes them."""
-    modules = dict(model.named_modules())
-    for path, low in adapter.modules.items():
-        module = _projection(model, path, modules)
-        if isinstance(module, nn.QuantizedLinear):
-            raise MlxformerError("fusing an adapter needs a float model (it is quantized after fusing)")
-        weight = module.weight
-        fused = weight.astype(mx.float32) + (low.b.astype(mx.float32) * low.scale).T @ low.a.astype(mx.float32).T
-        if low.magnitude is not None:
-            fused = (low.magnitude.astype(mx.float32) / mx.linalg.norm(fused, axis=1))[:, None] * fused
-        if fused.shape != weight.shape:
-            raise MlxformerError(f"adapter {adapter.path}: {path} has shape {tuple(fused.shape)}, the model's "
-                                 f"{tuple(weight.shape)}")
-        module.weight = fused.astype(weight.dtype)
+def adapted_weight(weight: mx.array, low: LowRank) -> mx.array:
+    """``W + s B^T A^T`` ``(out, in)`` in float32, for a float ``weight (out, in)``."""
+    if (low.b.shape[1], low.a.shape[0]) != tuple(weight.shape):
+        raise MlxformerError(f"an adapter maps {low.a.shape[0]} -> {low.b.shape[1]}, the projection "
+                             f"{weight.shape[1]} -> {weight.shape[0]}")
+    return weight.astype(mx.float32) + (low.a.astype(mx.float32) @ (low.b.astype(mx.float32) * low.scale)).T
+
+
+def dora_factor(low: LowRank, adapted: mx.array) -> mx.array:
+    """DoRA's per-output factor ``m / ||W + s B^T A^T||`` ``(out,)`` (``adapted``: the sum)."""
+    assert low.magnitude is not None
+    return low.magnitude.astype(mx.float32) / mx.linalg.norm(adapted, axis=1)
+
+
+def fused_weight(weight: mx.array, low: LowRank) -> mx.array:
+    """The float32 weight ``(out, in)`` of a projection with ``low`` folded in (DoRA's factor
+    applied per output row): what ``convert --adapter`` writes."""
+    adapted = adapted_weight(weight, low)
+    return adapted if low.magnitude is None else dora_factor(low, adapted)[:, None] * adapted
