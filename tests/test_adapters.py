@@ -260,3 +260,33 @@ def test_server_requests_choose_their_adapters(adapters: Path):
                                 ({"model": f"{MODEL_NAME}:nothing"}, "does not exist")):
                 status, _, body = http(url, "POST", "/v1/completions", {"prompt": prompt, "max_tokens": 2, **bad})
                 assert status in (400, 404) and needle in error_of(body)["message"]
+
+
+def test_cli_adapter_flags(adapters: Path, capsys):
+    """``generate --adapter`` runs the adapted model; ``convert --adapter`` writes it fused; bad
+    flags and adapters are one-line errors."""
+    from mlxformer import generate
+    from mlxformer.cli import main
+
+    def cli(*argv: str) -> tuple[int, str, str]:
+        code = main(list(argv))
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    base = str(adapters / "base")
+    flags = ["--prompt", "abcdefgh", "--max-tokens", "6", "--temp", "0", "--ignore-chat-template", "--dtype", "float32"]
+    code, out, _ = cli("generate", "--model", base, "--adapter", str(adapters / "dora"), *flags)
+    model, tokenizer = load(base, dtype=mx.float32)
+    attach_adapters(model, [read_adapter(adapters / "dora")], ["dora"], always_on=True)
+    assert code == 0 and out == generate(model, tokenizer, "abcdefgh", max_tokens=6) + "\n"
+    assert cli("generate", "--model", base, *flags)[1] != out
+    code, out, _ = cli("convert", "--hf-path", base, "--mlx-path", str(adapters / "cli-fused"), "--adapter",
+                       str(adapters / "mlxlm"))
+    assert code == 0 and (adapters / "cli-fused" / "config.json").exists()
+    for argv, needle in (
+        (["generate", "--model", base, "--adapter", str(adapters / "nowhere"), *flags], "not a directory"),
+        (["serve", "--model", base, "--lora", "x"], "--lora takes NAME=DIR"),
+        (["serve", "--model", base, "--lora", f"a={adapters / 'lora'}", "--adapter", str(adapters / "lora")], "--adapter"),
+    ):
+        code, out, err = cli(*argv)
+        assert code == 1 and err.count("\n") == 1 and err.startswith("mlxformer: error:") and needle in err, err

@@ -47,6 +47,7 @@ class AdapterBank:
         self.digests = [a.digest for a in adapters]
         self.default = mx.full((1, 1, len(self.names)), 1.0 if always_on else 0.0)  # (1, 1, n)
         self._weights, self._kept = self.default, self.default
+        self.active = always_on  # whether the next forward adds any adapter's output (None selected: not)
 
     def index(self, name: str) -> int:
         """The position of adapter ``name`` (``MlxformerError`` naming the known ones)."""
@@ -75,6 +76,7 @@ class AdapterBank:
         (None: the default). ``keep``: the positions ``(K,)`` the last layer keeps past its
         attention (``Model.hidden_states``), whose weights its later projections take."""
         self._weights = self.default if weights is None else weights
+        self.active = self.always_on or weights is not None
         per_token = self._weights.shape[1] > 1
         self._kept = self._weights[:, keep] if keep is not None and per_token else self._weights
 
@@ -135,6 +137,8 @@ class Adapted:
 
     def __call__(self, x: mx.array) -> mx.array:
         y = super().__call__(x)  # type: ignore[misc]
+        if not self._bank.active:  # every row on the base model
+            return y
         w = self._bank.weights_for(x).astype(x.dtype)  # (B, T, n)
         h = (x @ self._lora_a) * mx.take(w, self._owner, axis=-1)  # (B, T, R)
         update = h @ self._lora_b  # (B, T, out)
@@ -157,8 +161,10 @@ def dense_weight(module: nn.Module) -> mx.array:
 
 def _projection(model: nn.Module, path: str, modules: dict[str, nn.Module]) -> nn.Module:
     module = modules.get(path)
-    if module is None or not path.startswith("model.layers."):
-        raise MlxformerError(f"adapter targets {path!r}, which is not a projection of the model's layers")
+    if module is None or not path.startswith("model.layers.") or path.endswith(".kv_b_proj"):
+        # (MLA's kv_b_proj is read as absorbed matrices, never called)
+        raise MlxformerError(f"adapter targets {path!r}, which is not a projection of the model's layers "
+                             "that adapters apply to")
     if not isinstance(module, (nn.Linear, nn.QuantizedLinear)):
         raise MlxformerError(f"adapter targets {path!r}, a {type(module).__name__} (only linear projections)")
     return module

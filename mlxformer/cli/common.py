@@ -160,7 +160,10 @@ def cache_settings(args: argparse.Namespace) -> CacheSettings:
 
 
 def load_for_cli(args: argparse.Namespace) -> tuple[Model, Tokenizer]:
-    """``load`` on ``--model`` (or the default model) with ``--dtype``, ``--threads`` and ``--device-plan``."""
+    """``load`` on ``--model`` (or the default model) with ``--dtype``, ``--threads`` and
+    ``--device-plan``, carrying ``--adapter`` (on every forward) or serve's ``--lora`` adapters
+    (for requests to choose), read before the model loads."""
+    from mlxformer.adapters import attach_adapters, read_adapter
     from mlxformer.default_model import default_model_path
     from mlxformer.errors import MlxformerError
     from mlxformer.loader import load
@@ -169,17 +172,13 @@ def load_for_cli(args: argparse.Namespace) -> tuple[Model, Tokenizer]:
 
     if args.threads is not None and args.threads < 1:
         raise MlxformerError("--threads must be at least 1")
+    named = lora_flags(getattr(args, "lora", None) or []) or ({"adapter": args.adapter} if args.adapter else {})
+    adapters = [read_adapter(path) for path in named.values()]
     source = args.model if args.model else default_model_path()
     model, tokenizer = load(source, dtype=FLOAT_DTYPES[args.dtype] if args.dtype else None, threads=args.threads,
                             plan=DevicePlan.named(args.device_plan))
-    named = lora_flags(getattr(args, "lora", None) or [])
-    if args.adapter and named:
-        raise MlxformerError("--adapter applies one adapter to every request; with --lora, requests choose theirs")
-    if args.adapter or named:
-        from mlxformer.adapters import attach_adapters, read_adapter
-
-        paths = named or {"adapter": args.adapter}
-        attach_adapters(model, [read_adapter(p) for p in paths.values()], list(paths), always_on=bool(args.adapter))
+    if adapters:
+        attach_adapters(model, adapters, list(named), always_on=bool(args.adapter))
     return model, tokenizer
 
 

@@ -7,7 +7,7 @@ import os
 from typing import Any, Callable
 
 from mlxformer.cli.common import (
-    add_cache_args, add_model_args, add_speculative_args, add_verbose, cache_settings, load_for_cli, speculates,
+    add_cache_args, add_model_args, add_speculative_args, add_verbose, cache_settings, load_for_cli, lora_flags, speculates,
     speculative_settings,
 )
 
@@ -113,6 +113,8 @@ def run(args: argparse.Namespace) -> int:
         raise MlxformerError("--api-key is empty")
     if args.max_body_bytes is not None and args.max_body_bytes < 1:
         raise MlxformerError("--max-body-bytes must be >= 1")
+    if lora_flags(args.lora) and args.adapter:  # before the model loads
+        raise MlxformerError("--adapter applies one adapter to every request; with --lora, requests choose theirs")
     if args.tool_parser is not None:
         from mlxformer.server.toolcalls import call_format
 
