@@ -221,10 +221,14 @@ def test_pickled_and_malformed_adapters_are_refused(adapters: Path, tmp_path: Pa
         read_adapter(tmp_path / "bin")
     with pytest.raises(MlxformerError, match="not a directory"):
         read_adapter(tmp_path / "missing")
-    model, _ = load(adapters / "base", dtype=mx.float32)
+    model, tokenizer = load(adapters / "base", dtype=mx.float32)
     bank = attach_adapters(model, [read_adapter(adapters / "dora")], ["dora"])
     with pytest.raises(MlxformerError, match="DoRA"):
         bank.vector([(0, 0.5)])
+    with running_engine(model, tokenizer, max_batch=2) as engine:  # a library request's weights are checked
+        for weights in ((1.0, 0.0), (float("nan"),)):
+            with pytest.raises(MlxformerError, match="adapter weights"):
+                engine.submit(GenerationRequest([1, 2, 3], max_tokens=2, adapters=weights))
 
 
 def test_server_requests_choose_their_adapters(adapters: Path):
@@ -251,6 +255,8 @@ def test_server_requests_choose_their_adapters(adapters: Path):
             listed = json.loads(body)
             assert status == 200 and [a["name"] for a in listed] == names and [a["id"] for a in listed] == [0, 1]
             assert listed[1]["type"] == "dora"
+            models = [m["id"] for m in json.loads(http(url, "GET", "/v1/models")[2])["data"]]
+            assert models == [MODEL_NAME, f"{MODEL_NAME}:lora", f"{MODEL_NAME}:dora"]
             assert completion(url) == expected[None]
             assert completion(url, lora=[{"id": 0, "scale": 1.0}]) == expected["lora"]
             assert completion(url, lora=[{"id": "dora"}]) == expected["dora"]

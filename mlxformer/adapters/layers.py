@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 from typing import Iterator, Protocol, Sequence, Union
 
 import mlx.core as mx
@@ -87,8 +88,16 @@ class AdapterBank:
 
 
 def cache_salt(model: nn.Module, weights: Weights) -> str:
-    """``AdapterBank.cache_salt`` of ``model``'s adapters ("" without any)."""
+    """``AdapterBank.cache_salt`` of ``model``'s adapters ("" without any), once ``weights``
+    (a request's) are checked: one finite number per adapter the model carries to choose."""
     bank: AdapterBank | None = model.adapter_bank  # type: ignore[assignment]
+    if weights is not None:
+        if bank is None or bank.always_on or len(weights) != len(bank.names):
+            count = 0 if bank is None or bank.always_on else len(bank.names)
+            raise MlxformerError(f"a request's adapter weights need one number per adapter to choose ({count}), "
+                                 f"got {len(weights)}")
+        if not all(math.isfinite(w) for w in weights):
+            raise MlxformerError("a request's adapter weights must be finite")
     return "" if bank is None else bank.cache_salt(weights)
 
 

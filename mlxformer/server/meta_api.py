@@ -57,7 +57,7 @@ def models_router(ctx: ServerContext) -> APIRouter:
 
     @router.get("/models/{model_id:path}", responses=error_responses([404]))
     async def model(model_id: str) -> ModelCard:
-        if model_id != served.name:
+        if served.base_name(model_id) != served.name:
             raise APIError(f"the model {model_id!r} does not exist; this server serves {served.name!r}",
                            404, "invalid_request_error", "model", "model_not_found")
         return model_card(ctx)
