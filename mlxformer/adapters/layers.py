@@ -82,9 +82,14 @@ class AdapterBank:
         self._kept = self._weights[:, keep] if keep is not None and per_token else self._weights
 
     def weights_for(self, x: mx.array) -> mx.array:
-        """The weights of the rows of ``x (B, T, in)``: the selected ones, or those kept."""
-        w = self._weights
-        return w if w.shape[1] in (1, x.shape[-2]) and x.ndim == 3 else self._kept
+        """The weights of the rows of ``x``: ``(B, T, in)``, or its tokens flattened ``(N, in)``
+        (a mixture block's shared experts): the selected ones, or those the last layer kept."""
+        for w in (self._weights, self._kept):
+            if x.ndim == 3 and w.shape[0] in (1, x.shape[0]) and w.shape[1] in (1, x.shape[1]):
+                return w
+            if x.ndim == 2 and w.shape[0] * w.shape[1] in (1, x.shape[0]):
+                return w.reshape(-1, w.shape[-1])  # (B, T, n) -> (N, n)
+        raise ValueError(f"adapter weights {tuple(self._weights.shape)} do not fit inputs {tuple(x.shape)}")
 
 
 def cache_salt(model: nn.Module, weights: Weights) -> str:
