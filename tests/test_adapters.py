@@ -222,6 +222,13 @@ def test_pickled_and_malformed_adapters_are_refused(adapters: Path, tmp_path: Pa
         read_adapter(tmp_path / "bin")
     with pytest.raises(MlxformerError, match="not a directory"):
         read_adapter(tmp_path / "missing")
+    trained_bias = tmp_path / "bias"
+    trained_bias.mkdir()
+    (trained_bias / "adapter_model.safetensors").write_bytes((adapters / "lora" / "adapter_model.safetensors").read_bytes())
+    config = json.loads((adapters / "lora" / "adapter_config.json").read_text())
+    (trained_bias / "adapter_config.json").write_text(json.dumps({**config, "bias": "all"}))
+    with pytest.raises(MlxformerError, match="bias is not supported"):
+        read_adapter(trained_bias)
     model, tokenizer = load(adapters / "base", dtype=mx.float32)
     bank = attach_adapters(model, [read_adapter(adapters / "dora")], ["dora"])
     with pytest.raises(MlxformerError, match="DoRA"):

@@ -116,11 +116,11 @@ def _read_peft(path: Path) -> Adapter:
     config = _config(path)
     if config.get("peft_type", "LORA") != "LORA":
         raise MlxformerError(f"adapter {path}: peft_type {config.get('peft_type')!r} is not supported (LORA only)")
-    for key, refused in (("fan_in_fan_out", True), ("bias", ("all", "lora_only"))):
-        if config.get(key) == refused or (isinstance(refused, tuple) and config.get(key) in refused):
-            raise MlxformerError(f"adapter {path}: {key}={config[key]!r} is not supported")
-    if config.get("modules_to_save"):
-        raise MlxformerError(f"adapter {path}: modules_to_save (whole trained modules) is not supported")
+    unsupported = {"fan_in_fan_out": config.get("fan_in_fan_out", False), "bias": config.get("bias", "none") != "none",
+                   "modules_to_save": bool(config.get("modules_to_save")), "lora_bias": config.get("lora_bias", False),
+                   "layer_replication": bool(config.get("layer_replication"))}
+    if refused := [key for key, used in unsupported.items() if used]:
+        raise MlxformerError(f"adapter {path}: {refused[0]} is not supported")
     r, alpha = _number(path, "r", config.get("r")), _number(path, "lora_alpha", config.get("lora_alpha", 8))
     ranks, alphas = config.get("rank_pattern") or {}, config.get("alpha_pattern") or {}
     rs = bool(config.get("use_rslora", False))
