@@ -8,7 +8,8 @@ The model is the offline SmolLM2-135M-Instruct converted once to an MLX dir (its
 weights kept: the adapters stay float beside ``quantized_matmul``); the adapters are mlx-lm's
 own LoRA layers (rank 8 on q/k/v/o and the MLP of every layer, random B), saved in its layout.
 Every client generates exactly ``--tokens`` tokens (EOS banned). Reported: aggregate generated
-tokens/s (prefill included) for each way, and the ratios.
+tokens/s (prefill included) for each way, and the ratios; and, less sensitive to a busy
+machine, one 8-row decode step on 4 adapters over the same step on the base model.
 
 Usage: python benchmarks/lora_mixed.py [--tokens 64] [--rounds 2] [--work .bench/lora_mixed]
 """
@@ -77,6 +78,38 @@ def engine_run(model_dir: Path, adapters: list[Path], tokens: int, mixed: bool) 
         engine.stop()
 
 
+def step_overhead(model_dir: Path, adapters: list[Path], repeats: int = 30) -> float:
+    """Median time of one decode forward of 8 rows on 4 adapters over the same forward on the
+    base model (no row on an adapter), interleaved: the cost of the gathered low-rank products
+    alone, less sensitive to a busy machine than whole runs."""
+    import mlx.core as mx
+    from mlxformer import load
+    from mlxformer.adapters import attach_adapters, read_adapter
+    from mlxformer.adapters.layers import select
+    from mlxformer.cache import make_cache
+
+    model, _ = load(model_dir)
+    bank = attach_adapters(model, [read_adapter(p) for p in adapters], [p.name for p in adapters])
+
+    class Row:
+        def __init__(self, weights):
+            self.adapters = weights
+
+    rows = [Row(tuple(bank.vector([(i % ADAPTERS, 1.0)]))) for i in range(len(PROMPTS))]
+    base = [Row(None) for _ in PROMPTS]
+    tokens = mx.array([[100 + i] for i in range(len(PROMPTS))])  # (8, 1)
+    times: dict[str, list[float]] = {"base": [], "mixed": []}
+    for _ in range(repeats):
+        for name, parts in (("base", base), ("mixed", rows)):
+            cache = make_cache(model)
+            start = time.perf_counter()
+            with select(model, [(r, 1) for r in parts], rows=True):
+                logits = model.last_logits(tokens, cache)
+            mx.eval(logits)
+            times[name].append(time.perf_counter() - start)
+    return statistics.median(times["mixed"]) / statistics.median(times["base"])
+
+
 def mlx_lm_reload(model_dir: Path, adapters: list[Path], tokens: int) -> float:
     """Aggregate tokens/s of mlx-lm reloading the model per adapter and batching its clients."""
     import mlx.core as mx
@@ -110,14 +143,17 @@ def main() -> None:
         runs["mixed"].append(engine_run(model_dir, adapters, args.tokens, mixed=True))
         runs["mlx_lm_reload"].append(mlx_lm_reload(model_dir, adapters, args.tokens))
     median = {k: statistics.median(v) for k, v in runs.items()}
+    step = step_overhead(model_dir, adapters)
     result = {"clients": len(PROMPTS), "adapters": ADAPTERS, "tokens": args.tokens, "tokens_per_s": median,
+              "decode_step_mixed_over_base": step,
               "runs": runs, "mixed_over_base": median["mixed"] / median["base"],
               "mixed_over_mlx_lm_reload": median["mixed"] / median["mlx_lm_reload"]}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
     for name, value in median.items():
         print(f"{name:>14}: {value:7.1f} tok/s")
-    print(f"mixed / base: {result['mixed_over_base']:.2f}   mixed / mlx-lm reload: {result['mixed_over_mlx_lm_reload']:.2f}")
+    print(f"mixed / base: {result['mixed_over_base']:.2f}   mixed / mlx-lm reload: {result['mixed_over_mlx_lm_reload']:.2f}"
+          f"   one decode step, mixed / base: {step:.2f}")
 
 
 if __name__ == "__main__":
