@@ -18,6 +18,8 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlxformer.adapters.files import Adapter, read_adapter
+from mlxformer.adapters.layers import fused_weight
 from mlxformer.errors import MlxformerError
 from mlxformer.formats.checkpoint import Checkpoint, open_checkpoint
 from mlxformer.formats.hub import resolve_source
@@ -76,6 +78,7 @@ def convert(
     *,
     max_shard_size: int = MAX_SHARD_BYTES,
     progress: bool = True,
+    adapter: str | Path | None = None,
 ) -> Path:
     """Convert a checkpoint to an MLX model dir (mlx-lm/mlx-community layout); returns its path.
 
@@ -93,6 +96,8 @@ def convert(
             or a model dir, never one holding the current dir, the source or the home dir.
         max_shard_size: largest output shard in bytes (a single bigger tensor gets its own).
         progress: show a progress bar.
+        adapter: a LoRA/DoRA adapter dir (``adapters.read_adapter``) fused into the matrices it
+            adapts (before quantizing, if quantizing).
     """
     settings = _settings(quantize, q_bits, q_group_size, dtype, quant_recipe, dequantize, force)
     destination = Path(mlx_path).expanduser().absolute()
@@ -101,7 +106,7 @@ def convert(
     source_path = resolve_source(hf_path)
     check_destination(destination, source_path, force)  # before any work; staged_output checks again
     source = open_checkpoint(source_path)
-    job = _Job(source, settings)
+    job = _Job(source, settings, read_adapter(adapter) if adapter is not None else None)
     with staged_output(destination, source_path, force) as staging:
         units = job.units()
         groups = plan_shards([(name, job.output_bytes(name)) for name in units], max_shard_size)
@@ -123,8 +128,9 @@ def default_float_dtype(quantize: bool, model_type: str, stored: set[mx.Dtype]) 
 class _Job:
     """One conversion: the source, the per-matrix plan and the tensor producers."""
 
-    def __init__(self, source: Checkpoint, settings: ConvertSettings):
+    def __init__(self, source: Checkpoint, settings: ConvertSettings, adapter: Adapter | None = None):
         self.source, self.settings = source, settings
+        self.adapted = {} if adapter is None else adapter.modules  # matrix path -> the update fused into it
         self.args = source.args
         self.source_quant = quantization_of(source.config)
         model, weights = checked_model(source.config, source.tensors)  # parameters lazy: never evaluated
@@ -139,6 +145,11 @@ class _Job:
             raise MlxformerError("the source is already quantized; add --dequantize to requantize from its float values")
         self.modules = {path: m for path, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Embedding,
                         nn.QuantizedLinear, nn.QuantizedEmbedding, SwitchLinear, QuantizedSwitchLinear))}
+        for path in self.adapted:
+            if path not in self.modules or not path.startswith("model.layers."):
+                raise MlxformerError(f"adapter targets {path!r}, which is not a projection of the model's layers")
+            if self._is_source_quantized(path) and not settings.dequantize:
+                raise MlxformerError("fusing an adapter into a quantized source needs --dequantize (then -q to requantize)")
         stored = {e.dtype for e in self.entries.values()}
         self.float_dtype = settings.dtype or default_float_dtype(settings.quantize, self.args.model_type, stored)
         self.specs = self._plan() if settings.quantize else {}
@@ -164,7 +175,13 @@ class _Job:
                                  self.args.num_hidden_layers) for path in self.modules}
 
     def _float_matrix(self, path: str) -> mx.array:
-        """A matrix in float (dequantized from the exact packed values if the source is quantized)."""
+        """A matrix in float (dequantized from the exact packed values if the source is quantized),
+        with the adapter's update fused in."""
+        if path in self.adapted:
+            return fused_weight(self._source_matrix(path), self.adapted[path])
+        return self._source_matrix(path)
+
+    def _source_matrix(self, path: str) -> mx.array:
         if not self._is_source_quantized(path):
             return self.weights[f"{path}.weight"]
         module = self.modules[path]
@@ -264,8 +281,9 @@ class _Job:
             return {keys[0]: w[keys[0]], keys[1]: w[keys[1]]}
         if spec is not None:  # packed source kept exactly as it is
             return {keys[0]: w[keys[0]], keys[1]: self._cast(w[keys[1]]), keys[2]: self._cast(w[keys[2]])}
-        if self._is_source_quantized(path):
-            return {keys[0]: self._float_matrix(path).astype(self.float_dtype or w[keys[1]].dtype)}
+        if self._is_source_quantized(path) or path in self.adapted:
+            stored = w[keys[1] if self._is_source_quantized(path) else keys[0]].dtype
+            return {keys[0]: self._float_matrix(path).astype(self.float_dtype or stored)}
         return {keys[0]: self._cast(w[keys[0]])}
 
     # ---- config, tokenizer, model card

@@ -53,7 +53,7 @@ def test_schemathesis_finds_nothing(tiny_smol):
         operations = {(method.upper(), path) for path, item in app.openapi()["paths"].items() for method in item}
         routes = {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages", "/v1/messages/count_tokens",
                   "/v1/models", "/v1/models/{model_id}", "/v1/responses/{response_id}", "/tokenize", "/detokenize",
-                  "/apply-template", "/health", "/v1/embeddings", "/v1/rerank",
+                  "/apply-template", "/lora-adapters", "/health", "/v1/embeddings", "/v1/rerank",
                   "/metrics"}
         assert {path for _, path in operations} == routes  # every API route is in the document
         with ServerThread(app) as server:

@@ -23,6 +23,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from mlxformer.adapters.layers import cache_salt
 from mlxformer.cache import CacheSettings, make_cache
 from mlxformer.cache.file_checks import check_layer
 from mlxformer.cache.protocol import Cache
@@ -110,6 +111,8 @@ def fingerprint(model: Model, tokenizer: Tokenizer) -> tuple[dict[str, str], mx.
     """What a prompt cache file must match to be used: metadata key -> value, and the float
     weight samples (``weights_fingerprint``)."""
     weights, samples = weights_fingerprint(model)
+    if salt := cache_salt(model, None):  # an adapter applied to every forward (``--adapter``): its content too
+        weights = hashlib.sha256((weights + salt).encode()).hexdigest()
     return {
         "model_config": model_fingerprint(model),
         "quantization": quantization_fingerprint(model),

@@ -48,6 +48,8 @@ def add_model_args(parser: argparse.ArgumentParser, several: bool = False) -> No
         "--device-plan", choices=("gpu", "cpu"), default=None,
         help="load as planned for this device (compute dtype, CPU streams) whatever MLX runs on (default: its device)",
     )
+    parser.add_argument("--adapter", metavar="DIR",
+                        help="apply this LoRA/DoRA adapter (mlx-lm's adapters.safetensors or PEFT's adapter_model.safetensors)")
 
 
 def add_prompt_args(parser: argparse.ArgumentParser) -> None:
@@ -158,7 +160,10 @@ def cache_settings(args: argparse.Namespace) -> CacheSettings:
 
 
 def load_for_cli(args: argparse.Namespace) -> tuple[Model, Tokenizer]:
-    """``load`` on ``--model`` (or the default model) with ``--dtype``, ``--threads`` and ``--device-plan``."""
+    """``load`` on ``--model`` (or the default model) with ``--dtype``, ``--threads`` and
+    ``--device-plan``, carrying ``--adapter`` (on every forward) or serve's ``--lora`` adapters
+    (for requests to choose), read before the model loads."""
+    from mlxformer.adapters import attach_adapters, read_adapter
     from mlxformer.default_model import model_source
     from mlxformer.errors import MlxformerError
     from mlxformer.loader import load
@@ -167,8 +172,26 @@ def load_for_cli(args: argparse.Namespace) -> tuple[Model, Tokenizer]:
 
     if args.threads is not None and args.threads < 1:
         raise MlxformerError("--threads must be at least 1")
-    return load(model_source(args.model), dtype=FLOAT_DTYPES[args.dtype] if args.dtype else None,
-                threads=args.threads, plan=DevicePlan.named(args.device_plan))
+    named = lora_flags(getattr(args, "lora", None) or []) or ({"adapter": args.adapter} if args.adapter else {})
+    adapters = [read_adapter(path) for path in named.values()]
+    model, tokenizer = load(model_source(args.model), dtype=FLOAT_DTYPES[args.dtype] if args.dtype else None,
+                            threads=args.threads, plan=DevicePlan.named(args.device_plan))
+    if adapters:
+        attach_adapters(model, adapters, list(named), always_on=bool(args.adapter))
+    return model, tokenizer
+
+
+def lora_flags(items: list[str]) -> dict[str, str]:
+    """``--lora NAME=DIR`` flags as ``{name: dir}`` (each name once)."""
+    from mlxformer.errors import MlxformerError
+
+    out: dict[str, str] = {}
+    for item in items:
+        name, sep, path = item.partition("=")
+        if not sep or not name.strip() or not path or ":" in name or name in out:
+            raise MlxformerError(f"--lora takes NAME=DIR with a new name without ':', got {item!r}")
+        out[name.strip()] = path
+    return out
 
 
 def check_output_path(path: str | Path) -> None:

@@ -25,6 +25,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--dtype", default=None, help=f"{', '.join(DTYPE_NAMES)} for float tensors and scales")
     parser.add_argument("--dequantize", action="store_true", help="write a quantized source as float")
     parser.add_argument("--force", action="store_true", help="replace an existing --mlx-path")
+    parser.add_argument("--adapter", metavar="DIR",
+                        help="fuse this LoRA/DoRA adapter (mlx-lm's or PEFT's) into the written weights")
     add_verbose(parser)
     parser.set_defaults(handler=run)
 
@@ -37,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
     out = convert(
         model_source(args.hf_path), args.mlx_path, quantize=args.quantize, q_bits=args.q_bits,
         q_group_size=args.q_group_size, dtype=args.dtype, quant_recipe=args.quant_recipe, dequantize=args.dequantize,
-        force=args.force,
+        force=args.force, adapter=args.adapter,
     )
     print(f"wrote {out}")
     return 0

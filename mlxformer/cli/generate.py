@@ -106,8 +106,8 @@ def run_parallel(args: argparse.Namespace) -> int:
     from mlxformer.model_defaults import NO_DEFAULTS
     from mlxformer.models.config import FLOAT_DTYPES
 
-    if args.prompt_cache_file:
-        raise MlxformerError("--prompt-cache-file is not supported with --parallel")
+    if args.prompt_cache_file or args.adapter:
+        raise MlxformerError("--prompt-cache-file and --adapter are not supported with --parallel")
     if structured_output_args(args):
         raise MlxformerError("--json-schema, --regex and --grammar are not supported with --parallel")
     if speculates(args):

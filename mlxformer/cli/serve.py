@@ -8,7 +8,7 @@ from typing import Any, Callable
 
 from mlxformer.cli.embed import add_pooling_arg, apply_pooling
 from mlxformer.cli.common import (
-    add_cache_args, add_model_args, add_speculative_args, add_verbose, cache_settings, load_for_cli, speculates,
+    add_cache_args, add_model_args, add_speculative_args, add_verbose, cache_settings, load_for_cli, lora_flags, speculates,
     speculative_settings,
 )
 
@@ -38,6 +38,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                              "one model: any name is served by it, e.g. Claude Code's claude-*)")
     parser.add_argument("--strict-model-name", action="store_true", dest="strict_model_names",
                         help=argparse.SUPPRESS)  # the old spelling
+    parser.add_argument("--lora", action="append", default=[], metavar="NAME=DIR",
+                        help="load this adapter for requests to choose (lora: [{id, scale}], or model BASE:NAME); "
+                             "requests on different adapters decode together (repeatable)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     parser.add_argument("--port", type=int, default=8080, help="port (default 8080)")
     parser.add_argument("--max-batch", type=int, default=8, help="most sequences decoded together (default 8)")
@@ -111,6 +114,8 @@ def run(args: argparse.Namespace) -> int:
         raise MlxformerError("--api-key is empty")
     if args.max_body_bytes is not None and args.max_body_bytes < 1:
         raise MlxformerError("--max-body-bytes must be >= 1")
+    if lora_flags(args.lora) and args.adapter:  # before the model loads
+        raise MlxformerError("--adapter applies one adapter to every request; with --lora, requests choose theirs")
     if args.tool_parser is not None:
         from mlxformer.server.toolcalls import call_format
 
@@ -123,6 +128,8 @@ def run(args: argparse.Namespace) -> int:
     sources = model_sources(args)
     sock = bind(args.host, args.port)  # a port in use fails now, not after the model loads
     if len(sources) > 1 or args.models_dir or args.models_from_cache:
+        if args.lora or args.adapter:
+            raise MlxformerError("--lora and --adapter serve one model")
         return run_several(args, sources, settings, max_kv_memory, prompt_cache, sock)
     args.model = next(iter(sources.values()), None)
     model, tokenizer = load_for_cli(args)

@@ -126,15 +126,15 @@ class Admission:
         caches = self.runner.caches(sequence)
         if (ahead := held(sequence) - (len(sequence.tokens) - 1)) > 0:
             caches = taken_back(caches, ahead)
-        tokens = self._keepable(sequence.tokens[: int(caches[0].offset)])
-        blocks = self.prefix_cache.insert(tokens, caches)
+        tokens = self._keepable(sequence.tokens[: int(caches[0].offset)], sequence.cache_salt)
+        blocks = self.prefix_cache.insert(tokens, caches, sequence.cache_salt)
         arrays = [a for block in blocks for a in block.arrays()]
         if self.budget is not None:
             mx.eval(arrays)
         else:
             mx.async_eval(arrays)
 
-    def _keepable(self, tokens: list[int]) -> list[int]:
+    def _keepable(self, tokens: list[int], salt: str) -> list[int]:
         """The tokens of a retiring sequence whose blocks the prefix cache may cut. Under a KV
         budget the new blocks are copies held beside the sequence's row until it leaves (one layer of
         the batch twice while it does), so they must fit in what the active sequences leave:
@@ -146,7 +146,7 @@ class Admission:
         per_token = self.planner.sizer.bytes_for(BLOCK) / BLOCK
         active = sum(nbytes(s) for s in self.scheduler.prefilling + self.scheduler.running)
         room = self.budget.limit - active - math.ceil(active * self.planner.sizer.share(len(tokens), row=True))
-        missing = sum(key not in cache.blocks for key in cache.keys_for(tokens))
+        missing = sum(key not in cache.blocks for key in cache.keys_for(tokens, salt=salt))
         new = math.ceil((missing * size + len(tokens) % size) * per_token)
         if cache.nbytes + new <= room:
             return tokens
@@ -190,7 +190,8 @@ class Admission:
         resumed = bool(sequence.generated)
         scoring = sequence.prompt_scores is not None and not resumed  # scores need every position
         hit = None if scoring else self.prefix_cache.lookup(
-            resume_tokens(sequence, self.prefix_cache, self.scheduler.prefill_chunk) if resumed else sequence.prompt)
+            resume_tokens(sequence, self.prefix_cache, self.scheduler.prefill_chunk) if resumed else sequence.prompt,
+            sequence.cache_salt)
         sequence.cache, cached = hit if hit is not None else (make_cache(self.model, self.cache_settings), 0)
         sequence.processed = min(cached, len(sequence.prompt))
         if resumed:

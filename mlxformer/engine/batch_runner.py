@@ -20,6 +20,7 @@ from typing import Protocol, Sequence
 
 import mlx.core as mx
 
+from mlxformer.adapters.layers import Weights, select
 from mlxformer.cache import Cache, KVCache, RotatingKVCache
 from mlxformer.cache.packed import PackedLayerCache, StepSegment, positions
 from mlxformer.engine.prompt_scores import PromptScores
@@ -41,6 +42,7 @@ class Decoding(Protocol):
 
     cache: list  # its per-layer caches (stand-ins while it is in a batch)
     speculator: object | None  # a speculating sequence decodes on its own caches, or alone on its row
+    adapters: Weights  # its adapters' weights (``adapters.select``; None: the base model)
 
     @property
     def last_token(self) -> int: ...
@@ -56,6 +58,7 @@ class TokenRun:
     last: bool  # the chunk ends the prompt: its last logits are wanted
     prompt_length: int | None  # the whole prompt's (dynamic NTK's base depends on it)
     every: bool = False  # every position's logits are wanted ``(T, vocab)`` (a speculation round's)
+    adapters: Weights = None  # its sequence's adapters' weights
 
     @property
     def wanted(self) -> int:
@@ -63,11 +66,11 @@ class TokenRun:
         return len(self.tokens) if self.every else int(self.last)
 
 
-def speculation_round(last: int, proposed: mx.array, cache: Sequence[Cache]) -> TokenRun:
+def speculation_round(last: int, proposed: mx.array, cache: Sequence[Cache], adapters: Weights = None) -> TokenRun:
     """A speculation round for ``BatchRunner.step``: the ``last`` token then the proposals
     ``(k,)`` (maybe still on the device) on one sequence's caches, every position's logits wanted."""
     tokens = mx.concatenate([mx.array([last], mx.int32), proposed.astype(mx.int32)])  # (k + 1,)
-    return TokenRun(tokens, cache, True, None, every=True)
+    return TokenRun(tokens, cache, True, None, every=True, adapters=adapters)
 
 
 def packs(model: Model) -> bool:
@@ -178,7 +181,8 @@ class BatchRunner:
         """Run one prompt chunk through one sequence's caches; the last position's logits
         ``(1, vocab)`` when ``want_logits`` (lazy), else None (the cache is evaluated).
         ``prompt_length``: the whole prompt's (RoPE's dynamic base depends on it). ``scores``:
-        every position's logits also score the prompt's tokens (the chunk starts at ``start``)."""
+        every position's logits also score the prompt's tokens (the chunk starts at ``start``).
+        The caller selects the sequence's adapters, if any (``adapters.select``)."""
         self._cross_chunk(cache)
         inputs = mx.array(tokens)[None]  # (1, T)
         if scores is not None:
@@ -196,19 +200,20 @@ class BatchRunner:
         mx.eval([c.state for c in cache])
         return None
 
-    def verify(self, last: int, proposed: mx.array, cache: Sequence[Cache]) -> mx.array:
+    def verify(self, last: int, proposed: mx.array, cache: Sequence[Cache], adapters: Weights = None) -> mx.array:
         """A speculation round on one sequence's caches, in a forward of its own: the ``last``
         token then the proposals ``(k,)`` (maybe still on the device) in, every position's
         logits ``(k + 1, vocab)`` out (lazy). Beside a decode step, pass it to ``step`` instead."""
-        logits = self._alone(speculation_round(last, proposed, cache))
+        logits = self._alone(speculation_round(last, proposed, cache, adapters))
         assert logits is not None
         return logits
 
     def _alone(self, chunk: TokenRun) -> mx.array | None:
         """A chunk (or a round) in a forward of its own: ``prefill``'s logits, or every position's."""
-        if not chunk.every:
-            return self.prefill(chunk.tokens, chunk.cache, chunk.last, chunk.prompt_length)
-        logits = self.model(mx.array(chunk.tokens)[None], chunk.cache)[0]  # (1, k + 1, vocab) -> (k + 1, vocab)
+        with select(self.model, [(chunk, 1)]):
+            if not chunk.every:
+                return self.prefill(chunk.tokens, chunk.cache, chunk.last, chunk.prompt_length)
+            logits = self.model(mx.array(chunk.tokens)[None], chunk.cache)[0]  # (1, k + 1, vocab) -> (k + 1, vocab)
         settle(chunk.cache)  # a seated sequence's row holds the round (a rejection trims it)
         return logits
 
@@ -275,7 +280,8 @@ class BatchRunner:
         parts: list[mx.array] = []
         for (caches, rows, batch), fed in zip(groups, tokens):
             read = before(caches, batch)
-            parts.append(self.model.last_logits(fed[:, None], caches))  # (B,) -> (B, 1) in
+            with select(self.model, [(s, 1) for s in rows], rows=True):
+                parts.append(self.model.last_logits(fed[:, None], caches))  # (B,) -> (B, 1) in
             for i in read:
                 reading.setdefault(i, []).append(parts[-1])
             if batch is not None:
@@ -409,7 +415,8 @@ class BatchRunner:
         # only the picked rows past the last layer's attention, as ``Model.last_logits`` does alone
         every = watching or not chunks or len(picked) == ends[-1]  # decoding rows only: all wanted
         keep = None if every or not picked else mx.array(picked)
-        hidden = self.model.hidden_states(mx.concatenate(inputs)[None], layers, keep=keep, watch=False)[0]  # (1, K, hidden) -> (K, hidden)
+        with select(self.model, [(s, 1) for _, rows, _ in groups for s in rows] + [(c, len(c.tokens)) for c in chunks], keep):
+            hidden = self.model.hidden_states(mx.concatenate(inputs)[None], layers, keep=keep, watch=False)[0]  # (1, K, hidden) -> (K, hidden)
         watched = [hidden] if watching else []  # evaluated with the step
         if watching:
             self._observe(groups, chunks, hidden)

@@ -53,8 +53,8 @@ class DecodeStep:
         try:
             inputs = self.pipeline.inputs(decode) if self.pipeline is not None else None  # (B,) or None
             logits, chunk_logits = self.runner.step(decode, [
-                TokenRun(c.tokens, c.sequence.cache, c.last, len(c.sequence.prompt)) for c in riding] + [
-                speculation_round(s.last_token, proposed, s.cache) for s, proposed in rounds], inputs)
+                TokenRun(c.tokens, c.sequence.cache, c.last, len(c.sequence.prompt), adapters=c.sequence.adapters)
+                for c in riding] + [speculation_round(s.last_token, proposed, s.cache, s.adapters) for s, proposed in rounds], inputs)
             ridden.update({id(c): x for c, x in zip(riding, chunk_logits)})
             verified.update({id(s): x for (s, _), x in zip(rounds, chunk_logits[len(riding):])})  # type: ignore[misc]
             if logits is None:

@@ -20,6 +20,7 @@ from typing import Any, Callable, TypeVar
 import mlx.core as mx
 from prometheus_client import CollectorRegistry
 
+from mlxformer.adapters.layers import cache_salt, select
 from mlxformer.cache import CacheSettings
 from mlxformer.engine.admission import Admission, warm_up
 from mlxformer.engine.batch_runner import BatchRunner
@@ -172,6 +173,7 @@ class Engine(Admission, DecodeStep):
         self.planner.check(request)
         sequence = Sequence(request, self.tokenizer.detokenizer(), self.tokenizer.eos_token_ids)
         self.model.args.check_positions(len(request.prompt_ids) + request.max_tokens)  # (max_tokens checked)
+        sequence.cache_salt = cache_salt(self.model, request.adapters)
         handle = RequestHandle(sequence, self._notify)
         with self._wake:
             if not self.running:
@@ -298,7 +300,7 @@ class Engine(Admission, DecodeStep):
             try:
                 logits = verified.get(id(sequence))
                 if logits is None:
-                    logits = self.runner.verify(sequence.last_token, proposed, sequence.cache)
+                    logits = self.runner.verify(sequence.last_token, proposed, sequence.cache, sequence.adapters)
                 tokens, logprobs = sequence.verify(logits)
                 choices.append(([sequence] * len(tokens), mx.array(tokens), logprobs))
             except Exception as exc:
@@ -308,8 +310,9 @@ class Engine(Admission, DecodeStep):
             if sequence.status is not Status.PREFILLING:  # failed (or preempted) at an earlier chunk
                 continue
             try:
-                logits = ridden[id(chunk)] if id(chunk) in ridden else self.runner.prefill(
-                    chunk.tokens, sequence.cache, chunk.last, len(sequence.prompt), sequence.prompt_scores, sequence.processed)
+                with select(self.model, [(sequence, 1)]):
+                    logits = ridden[id(chunk)] if id(chunk) in ridden else self.runner.prefill(
+                        chunk.tokens, sequence.cache, chunk.last, len(sequence.prompt), sequence.prompt_scores, sequence.processed)
                 sequence.processed += len(chunk.tokens)
                 self.metrics.prefilled_tokens.inc(len(chunk.tokens))
                 self.sharing.publish(sequence)  # its blocks for those waiting on the same prefix

@@ -73,21 +73,24 @@ class PrefixCache:
         """Whether any tier keeps blocks."""
         return self.budget > 0 or self.disk is not None
 
-    def keys_for(self, tokens: Sequence[int], count: int | None = None) -> list[str]:
-        """The chain keys of the full blocks of ``tokens``."""
-        return block_keys(self.seed, tokens, self.block_size, count)
+    def keys_for(self, tokens: Sequence[int], count: int | None = None, salt: str = "") -> list[str]:
+        """The chain keys of the full blocks of ``tokens``; ``salt`` names what else the keys
+        and values depend on (the adapters a request runs with: ``adapters.cache_salt``), and
+        is the chain's root ("": the base model's)."""
+        return block_keys(self.seed + salt, tokens, self.block_size, count)
 
-    def insert(self, tokens: Sequence[int], caches: Sequence[Cache], keys: Sequence[str] | None = None) -> list[Block]:
+    def insert(self, tokens: Sequence[int], caches: Sequence[Cache], salt: str = "",
+               keys: Sequence[str] | None = None) -> list[Block]:
         """Keep the blocks of ``caches`` (holding exactly ``tokens``) not kept yet: the full
         ones, and the partial one at the end in memory; returns the blocks cut (lazy). ``keys``:
         the chain keys of ``tokens``' full blocks when known (a prompt published chunk by chunk
         is hashed once, not again after every chunk)."""
         if self.budget <= 0 and self.disk is None:
             return []
-        keys = list(keys) if keys is not None else self.keys_for(tokens)
+        keys = list(keys) if keys is not None else self.keys_for(tokens, salt=salt)
         if not caches or not tokens:
             return []
-        size, parents = self.block_size, ["", *keys]
+        size, parents = self.block_size, [salt, *keys]
         if self.hybrid and keys and len(tokens) == len(keys) * size and keys[-1] in self.blocks \
                 and self.blocks[keys[-1]].states is None:  # the cached last block gets the state snapshot
             self._drop(keys[-1])
@@ -156,14 +159,14 @@ class PrefixCache:
             n += 1
         return n
 
-    def lookup(self, prompt: Sequence[int]) -> tuple[list[Cache], int] | None:
+    def lookup(self, prompt: Sequence[int], salt: str = "") -> tuple[list[Cache], int] | None:
         """``(caches, n)``: new caches holding the first ``n`` tokens of ``prompt`` (its longest
         cached prefix, less than the prompt's length), or None."""
         if self.model is None:
             return None
         run: list[Block] = []
         from_disk: set[str] = set()
-        keys = self.keys_for(prompt, (len(prompt) - 1) // self.block_size)
+        keys = self.keys_for(prompt, (len(prompt) - 1) // self.block_size, salt)
         for key in keys:
             block = self.blocks.get(key)
             on_disk = block is None and self.disk is not None
@@ -174,9 +177,9 @@ class PrefixCache:
                 break
             if on_disk:
                 from_disk.add(block.key)
-                self._add(block, keys[len(run) - 1] if run else "")
+                self._add(block, keys[len(run) - 1] if run else salt)
             run.append(block)
-        run = self._served(run, self._next_blocks(keys[len(run) - 1] if run else "", prompt, len(run) * self.block_size,
+        run = self._served(run, self._next_blocks(keys[len(run) - 1] if run else salt, prompt, len(run) * self.block_size,
                                                   run[0].storage if run else None))
         if not run or (run[0].centers is not None and _length(run) < self.settings.quantized_kv_start):
             return None  # quantized below quantized_kv_start: a cold prefill holds those tokens as floats

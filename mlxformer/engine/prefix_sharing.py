@@ -42,7 +42,7 @@ class PrefixSharing:
     def keys(self, sequence: Sequence) -> list[str]:
         """The block keys of the sequence's prompt (computed once)."""
         if id(sequence) not in self._keys:
-            self._keys[id(sequence)] = self.prefix_cache.keys_for(sequence.prompt)
+            self._keys[id(sequence)] = self.prefix_cache.keys_for(sequence.prompt, salt=sequence.cache_salt)
         return self._keys[id(sequence)]
 
     def hold(self, sequence: Sequence) -> None:
@@ -82,4 +82,5 @@ class PrefixSharing:
         wanted = self.held or (snapshots and self.prefix_cache.caching)
         if wanted and sequence.processed >= self.prefix_cache.block_size:
             full = sequence.processed // self.prefix_cache.block_size
-            self.prefix_cache.insert(sequence.prompt[: sequence.processed], self.caches(sequence), self.keys(sequence)[:full])
+            self.prefix_cache.insert(sequence.prompt[: sequence.processed], self.caches(sequence), sequence.cache_salt,
+                                     self.keys(sequence)[:full])

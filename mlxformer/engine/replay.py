@@ -26,7 +26,7 @@ def resume_tokens(sequence: Sequence, prefix_cache: PrefixCache, prefill_chunk: 
     """The tokens a preempted ``sequence`` looks up in ``prefix_cache`` (see the module's doc)."""
     tokens, prompt, start = sequence.tokens, len(sequence.prompt), sequence.cached_tokens
     size = prefix_cache.block_size
-    hit = prefix_cache.cached_blocks(prefix_cache.keys_for(tokens, (len(tokens) - 1) // size)) * size
+    hit = prefix_cache.cached_blocks(prefix_cache.keys_for(tokens, (len(tokens) - 1) // size, sequence.cache_salt)) * size
     if hit >= prompt or hit <= start:
         return tokens
     boundary = start + (hit - start) // prefill_chunk * prefill_chunk

@@ -37,6 +37,7 @@ class GenerationRequest:
     # ``max_tokens`` is a default, not the client's (the rest of the context): under a KV budget
     # the engine cuts it to what the budget can hold for this prompt instead of refusing it
     fit_budget: bool = False
+    adapters: tuple[float, ...] | None = None  # its weight on each of the model's adapters (None: the base model)
 
 
 @dataclass
@@ -107,6 +108,7 @@ class Sequence(DecodingState):
         self.packs = True  # its prompt chunks (and rounds) share the step's forward (not after such a step failed)
         k = request.prompt_logprobs
         self.prompt_scores = PromptScores(self.prompt, k) if k is not None else None  # filled during prefill
+        self.cache_salt = ""  # its prefix-cache keys' root: the adapters it runs with (``adapters.cache_salt``)
 
     def accept(self, token: int, logprob: float | None, top: list[tuple[int, float]] | None) -> TokenEvent:
         """Record the chosen ``token`` and return its event (finished when a stop condition hit)."""
@@ -125,6 +127,11 @@ class Sequence(DecodingState):
             prompt_tokens=self.prompt_length, completion_tokens=len(self.generated), cached_tokens=self.cached_tokens,
             proposed_tokens=stats.proposed, accepted_tokens=stats.accepted, incomplete=self.incomplete,
         )
+
+    @property
+    def adapters(self) -> tuple[float, ...] | None:
+        """Its weight on each adapter the model carries (``adapters.select``; None: the base model)."""
+        return self.request.adapters
 
     @property
     def speculative_stats(self) -> SpeculativeStats | None:

@@ -280,6 +280,7 @@ class Model(nn.Module):
         self.model = DecoderStack(args, num_layers, with_ends, first_layer)
         # how ``mlxformer.embeddings`` pools this model's hidden states (the loader reads the checkpoint's)
         self.embedding_head = EmbeddingHead()
+        self.adapter_bank: object | None = None  # the LoRA adapters it carries (``adapters.attach_adapters``)
         if args.num_kv_shared_layers and 0 < len(self.layers) < args.num_hidden_layers:
             raise MlxformerError("a model whose layers share keys/values (Gemma 4) runs in one process, not a pipeline")
         if with_ends and args.head == "lm" and not args.tie_word_embeddings:

@@ -23,6 +23,7 @@ from mlxformer.errors import MlxformerError
 from mlxformer.models.decoder import Model
 from mlxformer.models.device_plan import DevicePlan
 from mlxformer.models.mlp import GATES, MLP
+from mlxformer.adapters.layers import Adapted
 from mlxformer.models.expert_counts import ExpertBounds, counting_pays, expert_bounds
 from mlxformer.models.moe import QuantizedSwitchLinear, SwitchGLU, SwitchLinear
 
@@ -268,8 +269,9 @@ class ShardedMLP(MLP):
 
     def __call__(self, x: mx.array) -> mx.array:
         gate, up = self.gate_proj, self.up_proj
-        if not (isinstance(gate, RowSharded) and isinstance(up, RowSharded)):
-            return super().__call__(x)  # a layer type that has no sharded class
+        if not (isinstance(gate, RowSharded) and isinstance(up, RowSharded)) or isinstance(gate, Adapted) \
+                or isinstance(up, Adapted):
+            return super().__call__(x)  # a layer type that has no sharded class, or one adding an adapter's output
         gate_shards, up_shards = gate.row_shards(), up.row_shards()
         hidden = []
         for gate_shard, up_shard, stream in zip(gate_shards, up_shards, worker_streams(len(gate_shards))):

@@ -15,7 +15,7 @@ def not_found(name: str, names: list[str]) -> APIError:
 
 def check_model(ctx: ServerContext, requested: str | None) -> None:
     """A model serves any name it is sent (apps and agents hard-code theirs), unless its server
-    is strict about names (``--strict-model-names``): then only its own name, or none; another
-    gets a 404."""
-    if not ctx.any_model_name and requested and requested != ctx.served.name:
+    is strict about names (``--strict-model-names``): then only its own name (maybe with one of
+    its adapters: ``BASE:NAME``), or none; another gets a 404."""
+    if not ctx.any_model_name and requested and ctx.served.base_name(requested) != ctx.served.name:
         raise not_found(requested, [ctx.served.name])

@@ -1,5 +1,6 @@
 """Model metadata and template tools: the ``/v1/models`` entry (context length and
-capabilities), ``GET /v1/models/{id}``, and llama-server's ``POST /tokenize``, ``/detokenize`` and ``/apply-template``."""
+capabilities), ``GET /v1/models/{id}``, and llama-server's ``POST /tokenize``, ``/detokenize``,
+``/apply-template`` and ``GET /lora-adapters``."""
 
 from __future__ import annotations
 
@@ -56,7 +57,7 @@ def models_router(ctx: ServerContext) -> APIRouter:
 
     @router.get("/models/{model_id:path}", responses=error_responses([404]))
     async def model(model_id: str) -> ModelCard:
-        if model_id != served.name:
+        if served.base_name(model_id) != served.name:
             raise APIError(f"the model {model_id!r} does not exist; this server serves {served.name!r}",
                            404, "invalid_request_error", "model", "model_not_found")
         return model_card(ctx)
@@ -69,6 +70,16 @@ def template_router(ctx: ServerContext) -> APIRouter:
     router = APIRouter()
     served = ctx.served
     tokenizer = served.tokenizer
+
+    @router.get("/lora-adapters")
+    async def lora_adapters() -> list[dict[str, Any]]:
+        """llama-server's list of the adapters requests choose from (``lora: [{id, scale}]``,
+        or model ``BASE:NAME``); a request without them runs the base model (scale 0)."""
+        bank = served.adapters
+        if bank is None:
+            return []
+        return [{"id": i, "name": name, "path": path, "type": kind, "scale": 0.0}
+                for i, (name, path, kind) in enumerate(zip(bank.names, bank.paths, bank.kinds))]
 
     @router.post("/tokenize", responses=error_responses(BODY))
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:

@@ -38,7 +38,9 @@ def openai_router(ctx: ServerContext) -> APIRouter:
     async def models(request: Request) -> Any:
         if "anthropic-version" in request.headers:  # the Anthropic SDK's models.list()
             return JSONResponse(anthropic_models(ctx))
-        return ModelList(data=[model_card(ctx)])
+        card = model_card(ctx)
+        adapters = served.adapters.names if served.adapters is not None else []  # each as BASE:NAME
+        return ModelList(data=[card] + [card.model_copy(update={"id": f"{card.id}:{name}"}) for name in adapters])
 
     @router.post("/chat/completions", response_model=ChatCompletionResponse,
                  responses={**streamed_ok(ChatCompletionResponse, ChatCompletionChunk), **error_responses(GENERATION)})

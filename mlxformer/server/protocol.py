@@ -98,6 +98,14 @@ def bounds(minimum: float | None = None, maximum: float | None = None, *, above:
     return Field(default=None, json_schema_extra={k: v for k, v in rule.items() if v is not None})
 
 
+class LoraPick(Lenient):
+    """One adapter a request runs with (llama-server's ``lora`` entries): its position in
+    ``GET /lora-adapters`` (or its name) and its scale."""
+
+    id: Union[int, str]
+    scale: float = 1.0
+
+
 class SamplingFields(Lenient):
     """The fields shared by chat and text completions."""
 
@@ -118,6 +126,7 @@ class SamplingFields(Lenient):
     stream_options: Optional[StreamOptions] = None
     return_progress: bool = False  # llama-server's: stream prompt_progress objects while the prompt is prefilled
     user: Optional[str] = None
+    lora: Optional[list[LoraPick]] = None  # the adapters to run with (``serve --lora``); model "BASE:NAME" picks one too
 
     def stop_strings(self) -> list[str]:
         """``stop`` as a list of non-empty strings."""

@@ -7,7 +7,8 @@ import functools
 from dataclasses import dataclass
 
 from mlxformer.engine import GenerationRequest
-from mlxformer.errors import OptionError
+from mlxformer.adapters.layers import AdapterBank
+from mlxformer.errors import MlxformerError, OptionError
 from mlxformer.model_defaults import NO_DEFAULTS, SamplingDefaults
 from mlxformer.options import SamplingSettings
 from mlxformer.models.decoder import Model
@@ -29,6 +30,7 @@ class ServedModel:
     tokenizer: Tokenizer
     context_length: int  # the model's max_position_embeddings
     vocab_size: int  # the model's logits width (may exceed the tokenizer's vocabulary)
+    adapters: AdapterBank | None = None  # the adapters requests choose from (``serve --lora``)
 
     @functools.cached_property
     def max_token_chars(self) -> int:
@@ -40,7 +42,18 @@ class ServedModel:
     @classmethod
     def of(cls, name: str, model: Model, tokenizer: Tokenizer) -> ServedModel:
         """The description of ``model`` served as ``name``."""
-        return cls(name, tokenizer, model.args.max_position_embeddings, model.args.vocab_size)
+        bank = model.adapter_bank
+        choosable = bank if isinstance(bank, AdapterBank) and not bank.always_on else None
+        return cls(name, tokenizer, model.args.max_position_embeddings, model.args.vocab_size, choosable)
+
+    def adapter_named(self, requested: str | None) -> str | None:
+        """The adapter a model name ``BASE:NAME`` picks (None: the name picks none)."""
+        base, _, adapter = (requested or "").rpartition(":")
+        return adapter if self.adapters is not None and base and adapter in self.adapters.names else None
+
+    def base_name(self, requested: str | None) -> str | None:
+        """``requested`` without the adapter it picks (``adapter_named``)."""
+        return requested.rpartition(":")[0] if requested and self.adapter_named(requested) else requested
 
 
 def context_exceeded(served: ServedModel, wanted: str, param: str) -> APIError:
@@ -161,4 +174,29 @@ def engine_request(
         logprobs=logprobs,
         constraint=constraint,
         fit_budget=max_tokens is None,  # the rest of the context, or what the KV budget holds
+        adapters=adapter_weights(fields, served),
     )
+
+
+def adapter_weights(fields: SamplingFields, served: ServedModel) -> tuple[float, ...] | None:
+    """The request's weight on each adapter: its ``lora`` entries (by position or name) and the
+    one its model name picks (``BASE:NAME``, scale 1); None for the base model."""
+    named, bank = served.adapter_named(fields.model), served.adapters
+    if not fields.lora and named is None:
+        return None
+    if bank is None:
+        raise bad_request("this server has no adapters to choose (serve --lora NAME=DIR)", param="lora")
+    picks = []
+    for pick in fields.lora or ():
+        if isinstance(pick.id, int) and not 0 <= pick.id < len(bank.names):
+            raise bad_request(f"lora id {pick.id} is not an adapter (0..{len(bank.names) - 1})", param="lora")
+        if isinstance(pick.id, str) and pick.id not in bank.names:
+            raise bad_request(f"lora id {pick.id!r} names no adapter ({', '.join(bank.names)})", param="lora")
+        picks.append((pick.id if isinstance(pick.id, int) else bank.index(pick.id), pick.scale))
+    if named is not None and all(index != bank.index(named) for index, _ in picks):
+        picks.append((bank.index(named), 1.0))
+    try:
+        weights = tuple(bank.vector(picks))
+    except MlxformerError as exc:
+        raise bad_request(str(exc), param="lora") from exc
+    return weights if any(weights) else None
