@@ -15,9 +15,9 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlxformer import load
-from mlxformer.bench import random_prompt
+from mlxformer.tools.bench import random_prompt
 from mlxformer.cache import make_cache
-from mlxformer.generation import decode_step, prefill
+from mlxformer.generation.stream import decode_step, prefill
 
 
 def time_decode(model, context: int, steps: int) -> float:  # type: ignore[no-untyped-def]

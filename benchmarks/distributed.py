@@ -32,8 +32,8 @@ REPEATS = 30
 def timed_generation(model, prompt: list[int], tokens: int) -> tuple[float, float]:
     """(prefill tok/s, decode seconds per token) of greedy generation with a fresh cache."""
     from mlxformer.cache import make_cache
-    from mlxformer.decoding import DecodingState
-    from mlxformer.generation import decode
+    from mlxformer.generation.decoding import DecodingState
+    from mlxformer.generation.stream import decode
 
     state = DecodingState(prompt, max_tokens=tokens, cache=make_cache(model))  # greedy, eos not checked
     start = time.perf_counter()

@@ -76,7 +76,7 @@ def main() -> None:
 
     from mlxformer import load
     from mlxformer.engine import Engine
-    from mlxformer.speculative import SpeculativeSettings
+    from mlxformer.speculative.speculator import SpeculativeSettings
 
     model, tokenizer = load(args.model)
     prompts = [tokenizer.encode_prompt(f"Repeat the following text exactly, word for word.\n\n{t}") for t in TEXTS]

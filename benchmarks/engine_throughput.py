@@ -38,7 +38,7 @@ PROMPTS = [
 
 def single_stream(model, tokenizer, ids: list[int], tokens: int) -> float:
     """mlxformer's single-stream decode tokens/s."""
-    from mlxformer.generation import stream_generate
+    from mlxformer.generation.stream import stream_generate
 
     last = None
     for last in stream_generate(model, tokenizer, ids, tokens):
@@ -49,7 +49,7 @@ def single_stream(model, tokenizer, ids: list[int], tokens: int) -> float:
 def engine_run(engine, prompts: list[list[int]], tokens: int, eos: list[int]) -> tuple[float, float]:
     """(aggregate tokens/s over the run, steady decode tokens/s once all sequences decode)."""
     from mlxformer.engine import GenerationRequest
-    from mlxformer.options import SamplingSettings
+    from mlxformer.sampling.options import SamplingSettings
 
     sampling = SamplingSettings(logit_bias={t: -100.0 for t in eos})
     stamps: list[list[float]] = [[] for _ in prompts]

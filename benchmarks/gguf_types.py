@@ -105,7 +105,7 @@ def worker(path: str) -> None:
     """One trial in this process: load, memory at rest, greedy decode; prints JSON."""
     import mlx.core as mx
 
-    from mlxformer.bench import measure, mlxformer_loop, random_prompt
+    from mlxformer.tools.bench import measure, mlxformer_loop, random_prompt
     from mlxformer.loader import apply_dtype_policy, build_model, read_checkpoint
     from mlxformer.models.row_sharding import apply_thread_policy
 

@@ -117,7 +117,7 @@ def worker(runtime: str, model_dir: str, prompt_tokens: int, generation_tokens: 
     """One trial in this process: its JSON."""
     import mlx.core as mx
 
-    from mlxformer.bench import measure, mlxformer_loop, random_prompt
+    from mlxformer.tools.bench import measure, mlxformer_loop, random_prompt
 
     # On the CPU both runtimes compute in float32: MLX's gather_mm (float experts) is float32-only
     # there, and its quantized_matmul is ~10x slower with bfloat16 activations (mlxformer's CPU

@@ -19,7 +19,7 @@ import pydoc_data.topics
 from mlxformer.cache import CacheSettings, make_cache
 from mlxformer.default_model import default_model_path
 from mlxformer.loader import load
-from mlxformer.perplexity import cached_perplexity as chunked_perplexity
+from mlxformer.tools.perplexity import cached_perplexity as chunked_perplexity
 
 EVAL_TEXT = Path(__file__).resolve().parent.parent / "tests" / "data" / "eval.txt"
 GROUP_SIZE = 64

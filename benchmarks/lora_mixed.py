@@ -38,7 +38,7 @@ def prepare(work: Path) -> tuple[Path, list[Path]]:
     """The MLX model dir and the adapter dirs (written once)."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from adapter_support import write_mlx_lm_adapter
-    from mlxformer.converter import convert
+    from mlxformer.tools.converter import convert
     from mlxformer.default_model import default_model_path
 
     model = work / "smollm2"
@@ -58,7 +58,7 @@ def engine_run(model_dir: Path, adapters: list[Path], tokens: int, mixed: bool) 
     from mlxformer import load
     from mlxformer.adapters import attach_adapters, read_adapter
     from mlxformer.engine import Engine, GenerationRequest
-    from mlxformer.options import SamplingSettings
+    from mlxformer.sampling.options import SamplingSettings
 
     model, tokenizer = load(model_dir)
     bank = attach_adapters(model, [read_adapter(p) for p in adapters], [p.name for p in adapters]) if mixed else None

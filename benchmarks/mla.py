@@ -78,12 +78,12 @@ def worker(runtime: str, model_dir: str, prompt_tokens: int, generation_tokens: 
     """One trial in this process: its JSON (speeds, peak memory, KV bytes after ``kv_context`` tokens)."""
     import mlx.core as mx
 
-    from mlxformer.bench import measure, mlxformer_loop, random_prompt
+    from mlxformer.tools.bench import measure, mlxformer_loop, random_prompt
 
     if runtime == "mlxformer":
         from mlxformer import load
         from mlxformer.cache import make_cache
-        from mlxformer.steps import prefill
+        from mlxformer.generation.steps import prefill
 
         model, _ = load(model_dir)
         loop = mlxformer_loop(model)

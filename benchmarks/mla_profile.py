@@ -40,7 +40,7 @@ def components(model_dir: Path, tokens: int) -> dict[str, dict[str, Callable[[],
 
     from mlxformer import load
     from mlxformer.cache import make_cache
-    from mlxformer.steps import prefill
+    from mlxformer.generation.steps import prefill
 
     ours, _ = load(str(model_dir))
     theirs, _ = load_model(model_dir)

@@ -123,7 +123,7 @@ def profile(model, drafter, prompt: list[int], draft_tokens: list[int], repeats:
     import mlx.core as mx
 
     from mlxformer.cache import CacheSettings, make_cache
-    from mlxformer.steps import decode_step, prefill
+    from mlxformer.generation.steps import decode_step, prefill
 
     k_max = max(draft_tokens)
     cache = make_cache(model, CacheSettings(rewind=k_max + 1))  # trim(k + 1) exact: every part starts equal
@@ -216,8 +216,8 @@ def main() -> None:
     import os
 
     from mlxformer import load
-    from mlxformer.mtp import load_mtp
-    from mlxformer.speculative import SpeculativeSettings
+    from mlxformer.speculative.mtp import load_mtp
+    from mlxformer.speculative.speculator import SpeculativeSettings
 
     directory = write_checkpoint(Path(args.dir) / f"qwen3_5-mtp-h{args.hidden}-l{args.layers}-v{args.vocab}",
                                  args.hidden, args.layers, args.vocab)

@@ -215,7 +215,7 @@ def percentile(values: list[float], q: float) -> float:
 
 def eos_ids_of(model_dir: Path) -> list[int]:
     """The model's end-of-sequence token ids (biased away so that every reply has its full length)."""
-    from mlxformer.tokenizer import load_tokenizer_from_dir
+    from mlxformer.text.tokenizer import load_tokenizer_from_dir
 
     return load_tokenizer_from_dir(model_dir).eos_token_ids
 

@@ -47,7 +47,7 @@ def mlxformer_runners(models: Path, tokens: int) -> dict[str, Callable[[], tuple
     import mlx.core as mx
 
     from mlxformer import load, stream_generate
-    from mlxformer.speculative import SpeculativeSettings
+    from mlxformer.speculative.speculator import SpeculativeSettings
 
     loaded = {name: load(models / name) for name in ("smollm2-f32", "smollm2-bf16", "smollm2-4bit")}
     ids = loaded["smollm2-f32"][1].encode_prompt(PROMPT)

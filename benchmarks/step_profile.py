@@ -39,11 +39,11 @@ import mlx.core as mx
 
 from decode_profile import time_matmuls
 from mlxformer.cache import make_cache
-from mlxformer.choosing import ChoiceRow, choose, draw_key
+from mlxformer.sampling.choosing import ChoiceRow, choose, draw_key
 from mlxformer.engine.batch_runner import BatchRunner
 from mlxformer.models.config import ModelArgs
 from mlxformer.models.decoder import Model
-from mlxformer.options import SamplingSettings
+from mlxformer.sampling.options import SamplingSettings
 from serving import load_average
 
 SETTINGS = {"greedy": SamplingSettings(), "temp 1, top-p 0.9": SamplingSettings(temp=1.0, top_p=0.9, seed=0)}

@@ -59,10 +59,10 @@ def main() -> None:
     from mlxformer.cache import make_cache
     from mlxformer.constrained import make_constraint
     from mlxformer.default_model import default_model_path
-    from mlxformer.decoding import DecodingState
-    from mlxformer.generation import decode
+    from mlxformer.generation.decoding import DecodingState
+    from mlxformer.generation.stream import decode
     from mlxformer.loader import load
-    from mlxformer.options import SamplingSettings
+    from mlxformer.sampling.options import SamplingSettings
 
     model, tokenizer = load(args.model or default_model_path())
     prompt = tokenizer.encode_prompt(PROMPT)

@@ -30,7 +30,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from mlxformer.default_model import default_model_path
-    from mlxformer.generation import stream_generate
+    from mlxformer.generation.stream import stream_generate
     from mlxformer.loader import load
 
     data = json.loads(CASES_FILE.read_text(encoding="utf-8"))

@@ -28,7 +28,7 @@ RUNTIMES = ("mlxformer", "mlx-lm")
 
 def mlx_lm_loop(model, **extra):  # type: ignore[no-untyped-def]
     """mlx-lm's greedy token loop over ``model`` (``extra``: generate_step's options), in the
-    ``(prompt, n) -> token ids`` form ``mlxformer.bench.measure`` times."""
+    ``(prompt, n) -> token ids`` form ``mlxformer.tools.bench.measure`` times."""
     from mlx_lm.generate import generate_step
 
     def loop(prompt, n: int):  # type: ignore[no-untyped-def]
@@ -42,7 +42,7 @@ def mlx_lm_loop(model, **extra):  # type: ignore[no-untyped-def]
 
 def worker(runtime: str, model_dir: str, prompt_tokens: int, generation_tokens: int, kv_bits: int | None) -> None:
     """Run one trial in this process and print its JSON."""
-    from mlxformer.bench import measure, mlxformer_loop, random_prompt
+    from mlxformer.tools.bench import measure, mlxformer_loop, random_prompt
     from mlxformer.cache import CacheSettings
 
     if runtime == "mlxformer":

@@ -10,22 +10,22 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from mlxformer.converter import convert
+    from mlxformer.tools.converter import convert
     from mlxformer.embeddings.encode import embed
     from mlxformer.embeddings.rerank import rerank
     from mlxformer.errors import MlxformerError, OptionError
-    from mlxformer.generation import GenerationResponse, generate, stream_generate
-    from mlxformer.options import SamplingSettings
+    from mlxformer.generation.stream import GenerationResponse, generate, stream_generate
+    from mlxformer.sampling.options import SamplingSettings
     from mlxformer.loader import load
 
 # public name -> the module that defines it
 _EXPORTS = {
     "load": "mlxformer.loader",
-    "generate": "mlxformer.generation",
-    "stream_generate": "mlxformer.generation",
-    "GenerationResponse": "mlxformer.generation",
-    "SamplingSettings": "mlxformer.options",
-    "convert": "mlxformer.converter",
+    "generate": "mlxformer.generation.stream",
+    "stream_generate": "mlxformer.generation.stream",
+    "GenerationResponse": "mlxformer.generation.stream",
+    "SamplingSettings": "mlxformer.sampling.options",
+    "convert": "mlxformer.tools.converter",
     "embed": "mlxformer.embeddings.encode",
     "rerank": "mlxformer.embeddings.rerank",
     "MlxformerError": "mlxformer.errors",

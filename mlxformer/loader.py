@@ -28,7 +28,7 @@ from mlxformer.models.moe import expert_groups, stack_expert_arrays
 from mlxformer.models.dtype_policy import apply_dtype_policy, cast_except_quantized_linears, is_quantized
 from mlxformer.models.device_plan import DevicePlan, wire_memory
 from mlxformer.models.row_sharding import apply_thread_policy
-from mlxformer.tokenizer import Tokenizer, load_tokenizer_from_dir, load_tokenizer_from_gguf
+from mlxformer.text.tokenizer import Tokenizer, load_tokenizer_from_dir, load_tokenizer_from_gguf
 
 __all__ = ["apply_dtype_policy", "build_model", "cast_except_quantized_linears", "is_quantized", "load",
            "read_checkpoint", "load_tokenizer", "used_tensors"]

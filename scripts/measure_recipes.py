@@ -4,7 +4,7 @@
 
 Float source: the default Q4_1 GGUF dequantized by transformers and saved in float32
 (``save_pretrained``). Each recipe is converted with ``mlxformer.convert``; mlx-lm's default
-``-q`` with ``mlx_lm.convert``. Perplexity uses ``mlxformer.perplexity.perplexity`` (context
+``-q`` with ``mlx_lm.convert``. Perplexity uses ``mlxformer.tools.perplexity.perplexity`` (context
 256, stride 128) with float32 activations. The forward pass is transformers' Llama (float32)
 loaded with each MLX dir's weights dequantized by ``mx.dequantize`` — the same math as
 ``quantized_matmul`` with float32 scales/activations, and ~30x faster than MLX's CPU matmul
@@ -155,8 +155,8 @@ def main() -> None:
     import mlx_lm
 
     from mlxformer import convert
-    from mlxformer.perplexity import perplexity
-    from mlxformer.tokenizer import load_tokenizer_from_dir
+    from mlxformer.tools.perplexity import perplexity
+    from mlxformer.text.tokenizer import load_tokenizer_from_dir
 
     args.work.mkdir(parents=True, exist_ok=True)
     source = build_float_source(args.work / "float-source")

@@ -26,7 +26,7 @@ def template(name: str) -> str:
 
 
 def render(source: str, messages: list[dict[str, Any]], generation_prompt: bool, **variables: Any) -> str:
-    from mlxformer.tokenizer import _compile_template
+    from mlxformer.text.tokenizer import _compile_template
 
     defaults = {"bos_token": "<s>", "eos_token": "</s>", "tools": None}
     return _compile_template(source).render(messages=messages, add_generation_prompt=generation_prompt,

@@ -15,8 +15,8 @@ def run_job(job: dict) -> dict:
     from mlxformer.distributed.pipeline import serve_stage
     from mlxformer.distributed.runner import load_distributed
     from mlxformer.errors import MlxformerError
-    from mlxformer.decoding import DecodingState
-    from mlxformer.generation import decode
+    from mlxformer.generation.decoding import DecodingState
+    from mlxformer.generation.stream import decode
 
     mx.clear_cache()
     base = mx.get_active_memory()
@@ -43,7 +43,7 @@ def run_job(job: dict) -> dict:
         return {}
     cache = make_cache(dist.model, settings)
     if job.get("prefill_step"):  # the last logits of a prompt prefilled in chunks of that size
-        from mlxformer.steps import prefill
+        from mlxformer.generation.steps import prefill
 
         logits = prefill(dist.model, mx.array(job["prompt"]), cache, job["prefill_step"])[0]
         if dist.link is not None:

@@ -32,7 +32,7 @@ def chunked_then_decoded(model: Any, ids: np.ndarray, prefilled: int, cache: Any
     ``step_size``, the rest decoded one at a time through the same caches (``cache``: new float
     caches unless given)."""
     from mlxformer.cache import CacheSettings, make_cache
-    from mlxformer.generation import decode_step, prefill
+    from mlxformer.generation.stream import decode_step, prefill
 
     cache = make_cache(model, CacheSettings()) if cache is None else cache
     steps = [np.array(prefill(model, mx.array(ids[:prefilled]), cache, step_size=step_size)[0])]
@@ -47,7 +47,7 @@ def assert_batch_and_speculation_match_alone(model: Any, tokenizer: Any, prompts
     the second prompt its tokens alone; returns the speculative responses."""
     from mlxformer import stream_generate
     from mlxformer.engine import batch_generate
-    from mlxformer.speculative import SpeculativeSettings
+    from mlxformer.speculative.speculator import SpeculativeSettings
 
     alone = [[r.token for r in stream_generate(model, tokenizer, p, tokens)] for p in prompts]
     assert batch_generate(model, tokenizer, prompts, tokens, max_batch=len(prompts)) == [tokenizer.decode(t) for t in alone]

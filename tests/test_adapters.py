@@ -17,7 +17,7 @@ from conftest import write_tiny_byte_llama
 from mlxformer import load
 from mlxformer.adapters import attach_adapters, read_adapter
 from mlxformer.adapters.layers import select
-from mlxformer.converter import convert
+from mlxformer.tools.converter import convert
 from mlxformer.engine import GenerationRequest
 from mlxformer.errors import MlxformerError
 from server_support import MODEL_NAME, error_of, http, running_engine, running_server

@@ -93,7 +93,7 @@ def test_system_messages_and_billing_header(server):
 
 
 def test_assistant_prefill_is_continued(server):
-    from mlxformer.generation import stream_generate
+    from mlxformer.generation.stream import stream_generate
 
     client = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0, timeout=120)
     prefill = "Sure: ban"

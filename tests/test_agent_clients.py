@@ -37,7 +37,7 @@ def client(server):
 
 
 def test_responses_create_and_stream(server, client):
-    from mlxformer.generation import stream_generate
+    from mlxformer.generation.stream import stream_generate
 
     ids = server.tokenizer.encode_prompt(QUESTION, "Be brief.")
     expected = "".join(r.text for r in stream_generate(server.model, server.tokenizer, ids, 8))

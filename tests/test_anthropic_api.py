@@ -39,7 +39,7 @@ def client(server):
 
 
 def reference(server, messages, max_tokens):
-    from mlxformer.generation import stream_generate
+    from mlxformer.generation.stream import stream_generate
 
     ids = server.tokenizer.encode(server.tokenizer.apply_chat_template(messages), add_special_tokens=False)
     return "".join(r.text for r in stream_generate(server.model, server.tokenizer, ids, max_tokens)), len(ids)

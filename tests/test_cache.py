@@ -24,13 +24,13 @@ from mlxformer.cache.rotating import RotatingKVCache  # noqa: E402
 from mlxformer.cli import main  # noqa: E402
 from mlxformer.models.config import ModelArgs  # noqa: E402
 from mlxformer.errors import MlxformerError  # noqa: E402
-from mlxformer.generation import stream_generate  # noqa: E402
+from mlxformer.generation.stream import stream_generate  # noqa: E402
 from mlxformer.models.decoder import Model  # noqa: E402
 from mlxformer.cache.files import (  # noqa: E402
     cache_prompt, load_prompt_cache, save_prompt_cache, strip_cached_prefix,
 )
-from mlxformer.perplexity import cached_perplexity  # noqa: E402
-from mlxformer.tokenizer import HFBackend, Tokenizer  # noqa: E402
+from mlxformer.tools.perplexity import cached_perplexity  # noqa: E402
+from mlxformer.text.tokenizer import HFBackend, Tokenizer  # noqa: E402
 
 EVAL_TEXT = Path(__file__).parent / "data" / "eval.txt"
 

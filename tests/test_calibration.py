@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from conftest import write_byte_tokenizer, write_tiny_checkpoint
-from mlxformer.converter import _Job, _settings
+from mlxformer.tools.converter import _Job, _settings
 from mlxformer.formats.checkpoint import open_checkpoint
 from mlxformer.quant.calibration import CALIBRATION_TEXT
 

@@ -17,12 +17,12 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from mlxformer.cache import CacheSettings  # noqa: E402
-from mlxformer.chat import ChatSession
+from mlxformer.generation.chat import ChatSession
 from mlxformer.cli.chat import run_repl  # noqa: E402
 from mlxformer.cli import main  # noqa: E402
 from mlxformer.models.config import ModelArgs  # noqa: E402
 from mlxformer.errors import MlxformerError  # noqa: E402
-from mlxformer.generation import stream_generate  # noqa: E402
+from mlxformer.generation.stream import stream_generate  # noqa: E402
 from mlxformer.models.decoder import Model  # noqa: E402
 
 MAX_TOKENS = 10

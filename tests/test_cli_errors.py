@@ -40,7 +40,7 @@ def test_argparse_errors_are_one_line_with_a_hint(capsys, argv, expected):
 @pytest.fixture(scope="module")
 def session(tiny_smol):
     from mlxformer import load
-    from mlxformer.chat import ChatSession
+    from mlxformer.generation.chat import ChatSession
 
     model, tokenizer = load(tiny_smol[0])
     return ChatSession(model, tokenizer, max_tokens=3)

@@ -21,7 +21,7 @@ import regex
 
 from mlxformer.constrained import make_constraint
 from mlxformer.errors import MlxformerError
-from mlxformer.tokenizer import Tokenizer, load_tokenizer_from_dir, load_tokenizer_from_gguf
+from mlxformer.text.tokenizer import Tokenizer, load_tokenizer_from_dir, load_tokenizer_from_gguf
 
 WORDS = ["the", "über", "naïve", "日本", "Ω", "😀", "and", "of"]
 # Ω and 😀 are rare in the corpus: SentencePiece must spell them with <0xNN> byte-fallback tokens.

@@ -24,7 +24,7 @@ import pytest
 from conftest import edit_config, write_byte_tokenizer, write_tiny_checkpoint
 from mlxformer import convert, load
 from mlxformer.cli import main as cli_main
-from mlxformer.perplexity import perplexity
+from mlxformer.tools.perplexity import perplexity
 
 REPO = Path(__file__).resolve().parents[1]
 EVAL_TEXT = REPO / "tests/data/eval.txt"
@@ -161,7 +161,7 @@ def quality(smollm_hf_dir, tmp_path_factory):
     import mlx_lm
 
     measure = _measure_module()
-    from mlxformer.tokenizer import load_tokenizer_from_dir
+    from mlxformer.text.tokenizer import load_tokenizer_from_dir
 
     work = tmp_path_factory.mktemp("quality")
     ids = load_tokenizer_from_dir(smollm_hf_dir).encode(EVAL_TEXT.read_text(encoding="utf-8"))
@@ -221,7 +221,7 @@ SHARD_SCRIPT = textwrap.dedent("""
         except OSError:
             return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
-    from mlxformer.converter import convert
+    from mlxformer.tools.converter import convert
     from mlxformer.formats.checkpoint import open_checkpoint
     from mlxformer.loader import load_tokenizer
     load_tokenizer(open_checkpoint(sys.argv[1]))  # the baseline holds what conversion imports and loads too

@@ -20,9 +20,9 @@ import mlx.core as mx
 import pytest
 
 from conftest import write_tiny_checkpoint
-from mlxformer.chat import ChatSession
+from mlxformer.generation.chat import ChatSession
 from mlxformer.cli import main
-from mlxformer.speculative import SpeculativeSettings
+from mlxformer.speculative.speculator import SpeculativeSettings
 
 TURNS = [
     "Repeat this sentence exactly: The cat sat on the mat.",
@@ -187,7 +187,7 @@ def test_prompt_from_stdin_with_parallel_is_a_one_line_error(monkeypatch, capsys
 
 
 def test_perplexity_scores_every_token_once_when_the_stride_is_the_context(monkeypatch):
-    import mlxformer.perplexity as ppl
+    import mlxformer.tools.perplexity as ppl
 
     scored = []
     monkeypatch.setattr(ppl, "window_negative_log_likelihood", lambda model, window, n: scored.append(n) or 0.0)

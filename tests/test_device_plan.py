@@ -111,7 +111,7 @@ def test_gemma3_270m_gguf_gpu_plan_on_the_cpu(gemma3_path):  # noqa: F811
 
 
 def test_convert_never_defaults_to_float16_for_a_family_that_overflows():
-    from mlxformer.converter import default_float_dtype
+    from mlxformer.tools.converter import default_float_dtype
 
     assert default_float_dtype(True, "llama", {mx.float32}) == mx.float16
     assert default_float_dtype(False, "llama", {mx.float16}) is None  # keeps the source's

@@ -69,8 +69,8 @@ def kill_group(process: subprocess.Popen) -> None:
 def reference_tokens(directory: Path, cache: dict) -> list[int]:
     """Greedy tokens of the single-process decoder."""
     from mlxformer.cache import CacheSettings, make_cache
-    from mlxformer.decoding import DecodingState
-    from mlxformer.generation import decode
+    from mlxformer.generation.decoding import DecodingState
+    from mlxformer.generation.stream import decode
     from mlxformer.loader import apply_dtype_policy, build_model, read_checkpoint
 
     config, weights, _ = read_checkpoint(directory)
@@ -84,7 +84,7 @@ def reference_logits(directory: Path, prompt: list[int]) -> np.ndarray:
     """The single-process last logits of ``prompt`` in one forward pass."""
     from mlxformer.cache import make_cache
     from mlxformer.loader import apply_dtype_policy, build_model, read_checkpoint
-    from mlxformer.steps import prefill
+    from mlxformer.generation.steps import prefill
 
     config, weights, _ = read_checkpoint(directory)
     model = build_model(config, weights)

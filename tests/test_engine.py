@@ -15,7 +15,7 @@ from mlxformer import generate, load, stream_generate
 from mlxformer.cache import CacheSettings
 from mlxformer.engine import Engine, EngineOverloaded, GenerationRequest, TokenEvent, batch_generate
 from mlxformer.errors import MlxformerError
-from mlxformer.generation import SamplingSettings
+from mlxformer.generation.stream import SamplingSettings
 
 CHUNK = 16  # small prefill chunks, so that prompts span several
 PROMPTS = [

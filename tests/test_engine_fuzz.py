@@ -15,7 +15,7 @@ from conftest import tiny_byte_llama_of
 from mlxformer.cache import CacheSettings
 from mlxformer.engine import Engine, GenerationRequest
 from mlxformer.engine.memory import KVSizer
-from mlxformer.options import SamplingSettings
+from mlxformer.sampling.options import SamplingSettings
 from test_zero_copy_join import HYBRID, MLA, tiny_model
 
 KINDS = {

@@ -12,7 +12,7 @@ from conftest import tiny_byte_llama_of
 from mlxformer.cache import CacheSettings
 from mlxformer.engine import Engine, GenerationRequest
 from mlxformer.errors import OptionError
-from mlxformer.options import SamplingSettings
+from mlxformer.sampling.options import SamplingSettings
 
 PROMPT = [(5 * j) % 200 + 20 for j in range(24)]
 
@@ -131,7 +131,7 @@ def host_bytes_per_step(context: int) -> int:
     a few tokens, every penalty on, after a warm step (a counted measure, not a timed one)."""
     import tracemalloc
 
-    from mlxformer.choosing import choose
+    from mlxformer.sampling.choosing import choose
     from mlxformer.engine.sequence import Sequence
 
     vocab = 256
@@ -163,8 +163,8 @@ def test_host_work_per_step_does_not_grow_with_the_context():
 def test_prompt_lookup_rounds_cost_the_new_tokens_only():
     import tracemalloc
 
-    from mlxformer.choosing import History
-    from mlxformer.speculative import PromptLookupProposer
+    from mlxformer.sampling.choosing import History
+    from mlxformer.speculative.speculator import PromptLookupProposer
 
     def round_bytes(context: int) -> int:
         prompt = [(7 * j) % 97 for j in range(context)]

@@ -12,7 +12,7 @@ from mlxformer import stream_generate
 from mlxformer.cache import make_cache
 from mlxformer.engine import Engine, GenerationRequest
 from mlxformer.engine.prompt_cache import PromptCacheSettings
-from mlxformer.options import SamplingSettings
+from mlxformer.sampling.options import SamplingSettings
 
 PROMPTS = ["hello world", "once upon a time", "good morning", "lorem ipsum"]
 

@@ -16,8 +16,8 @@ from mlxformer.cache import CacheSettings, make_cache
 from mlxformer.engine import Engine, GenerationRequest, batch_generate
 from mlxformer.engine.prompt_cache import PromptCacheSettings
 from mlxformer.errors import MlxformerError
-from mlxformer.generation import SamplingSettings
-from mlxformer.speculative import SpeculativeSettings
+from mlxformer.generation.stream import SamplingSettings
+from mlxformer.speculative.speculator import SpeculativeSettings
 from test_engine import AllowedTokens
 from test_speculative import SHAPE, write_word_tokenizer
 

@@ -32,7 +32,7 @@ def gemma3_path() -> Path:
 def test_greedy_continuation_equals_transformers(gemma3_path):
     from mlxformer import load
     from mlxformer.cache import KVCache, RotatingKVCache, make_cache
-    from mlxformer.generation import stream_generate
+    from mlxformer.generation.stream import stream_generate
 
     with cpu_default_device():
         model, tokenizer = load(gemma3_path)

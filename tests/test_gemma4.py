@@ -19,7 +19,7 @@ from conftest import max_diff, write_byte_tokenizer, write_tiny_checkpoint
 from family_checks import assert_batch_and_speculation_match_alone, chunked_then_decoded, hf_logits, tokens
 from mlxformer import convert, load
 from mlxformer.cache import CacheSettings, make_cache
-from mlxformer.generation import prefill
+from mlxformer.generation.stream import prefill
 from mlxformer.models.config import ModelArgs
 from mlxformer.models.dtype_policy import float16_safe
 
@@ -96,7 +96,7 @@ def test_kv_shared_layers_have_no_cache(case):
     """KV-shared layers own no cache and no k/v projections; the KV budget's probe and the
     footprint count each cache with its own layer's head size and K/V heads."""
     from mlxformer.engine.memory import KVSizer
-    from mlxformer.planning import footprint
+    from mlxformer.tools.planning import footprint
 
     name, directory, model, _, _ = case
     a = model.args
@@ -219,7 +219,7 @@ def test_quantized_cache_with_shared_layers(tmp_path):
     logits and the engine's batch on it equals each prompt alone."""
     from mlxformer import stream_generate
     from mlxformer.engine import batch_generate
-    from mlxformer.generation import decode_step
+    from mlxformer.generation.stream import decode_step
 
     directory, hf_model = write_tiny_checkpoint(tmp_path / "q", "gemma4_text", **{
         **CASES["per_layer"], "head_dim": 32, "global_head_dim": 64})

@@ -33,7 +33,7 @@ from conftest import cpu_default_device, max_diff, write_tiny_checkpoint
 from hf_reference_cache import cache_root
 from mlxformer import convert, load
 from mlxformer.models.moe import QuantizedSwitchLinear, SparseMoE
-from mlxformer.planning import footprint
+from mlxformer.tools.planning import footprint
 
 CACHE = cache_root()
 CONVERTER = CACHE / f"llama-cpp-python-{LLAMA_CPP_PYTHON_VERSION}" / "vendor" / "llama.cpp" / "convert_hf_to_gguf.py"

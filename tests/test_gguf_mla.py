@@ -28,7 +28,7 @@ import test_mla
 from conftest import max_diff
 from mlxformer import convert, load
 from mlxformer.models.moe import SparseMoE
-from mlxformer.planning import footprint
+from mlxformer.tools.planning import footprint
 from test_gguf_families import run_converter
 
 SEQ_LEN = 40

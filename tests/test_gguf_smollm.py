@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from gguf_helpers import FloatSource, requantize_gguf
-from mlxformer.bench import mlxformer_loop
+from mlxformer.tools.bench import mlxformer_loop
 from mlxformer.loader import apply_dtype_policy, build_model, read_checkpoint
 
 MIXES = ["Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0", "Q4_0"]

@@ -20,7 +20,7 @@ import pytest
 
 from mlxformer.errors import MlxformerError
 from mlxformer.formats.gguf_reader import read_gguf
-from mlxformer.tokenizer import Tokenizer, load_tokenizer_from_gguf
+from mlxformer.text.tokenizer import Tokenizer, load_tokenizer_from_gguf
 
 NORMAL, CONTROL, USER_DEFINED = 1, 3, 4
 DEEPSEEK_TOKENS = [  # (text, type) as in DeepSeek-R1-Distill-Qwen's GGUF

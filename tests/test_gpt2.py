@@ -23,7 +23,7 @@ from family_checks import assert_batch_and_speculation_match_alone, chunked_then
 from mlxformer import convert, load, stream_generate
 from mlxformer.engine import Engine, GenerationRequest
 from mlxformer.errors import MlxformerError
-from mlxformer.planning import footprint
+from mlxformer.tools.planning import footprint
 
 SEQ_LEN = 40
 BOUND = 3e-4  # float32 on both sides (measured <= 1e-6)
@@ -140,7 +140,7 @@ def test_requests_end_at_the_learned_positions(gpt2):
     """A prompt plus ``max_tokens`` filling every position decodes (speculation's drafts too,
     alone and in the engine); one more position is a clear error from ``stream_generate``,
     the engine and the model itself (not a read past the position table)."""
-    from mlxformer.speculative import SpeculativeSettings
+    from mlxformer.speculative.speculator import SpeculativeSettings
 
     _, model, tokenizer, _, _ = gpt2
     prompt = [int(t) for t in np.random.default_rng(4).integers(3, 12, size=POSITIONS - 12)]  # repetitive: drafts

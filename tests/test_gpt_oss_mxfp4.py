@@ -136,7 +136,7 @@ def test_converted_mlx_dirs_load_here_and_in_mlx_lm(mxfp4_case, tmp_path):
         assert np.array_equal(ours, np.array(model(mx.array(ids[None]))[0]))
         assert max_diff(*mlx_lm_pair(kept, ids)) <= BOUND
         # ``info``: the packed bytes as stored, the parameters unpacked, 2 of 6 experts active a token
-        from mlxformer.planning import footprint
+        from mlxformer.tools.planning import footprint
 
         fp = footprint(kept)
         assert fp.stored_bytes == (kept / "model.safetensors").stat().st_size - 8 - int.from_bytes(

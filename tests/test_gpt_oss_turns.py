@@ -73,7 +73,7 @@ def served(tmp_path_factory):
 def test_each_turn_reuses_the_prefix_it_shares_and_replies_as_cold(served):
     import openai
 
-    from mlxformer.generation import stream_generate
+    from mlxformer.generation.stream import stream_generate
 
     client = openai.OpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0, timeout=300)
     messages: list[dict] = []
@@ -110,7 +110,7 @@ def test_a_hit_inside_a_chunk_ends_where_the_window_was_kept(served):
 
     from mlxformer.cache import make_cache
     from mlxformer.engine.prefix_cache import PrefixCache
-    from mlxformer.steps import prefill
+    from mlxformer.generation.steps import prefill
 
     model, chunk = served.model, 128
     prefix_cache = PrefixCache(2**30, model)

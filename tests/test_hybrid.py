@@ -23,10 +23,10 @@ from mlxformer import load, stream_generate
 from mlxformer.cache import CacheSettings, KVCache, StateCache, make_cache
 from mlxformer.cache.files import load_prompt_cache, save_prompt_cache
 from mlxformer.errors import MlxformerError
-from mlxformer.generation import decode_step, prefill
+from mlxformer.generation.stream import decode_step, prefill
 from mlxformer.models import gated_delta
 from mlxformer.models.gated_delta import GatedDeltaNet, chunked_delta_rule, recurrent_delta_rule
-from mlxformer.speculative import SpeculativeSettings
+from mlxformer.speculative.speculator import SpeculativeSettings
 
 from family_checks import tokens
 
@@ -372,7 +372,7 @@ def test_chat_keeps_the_hybrid_cache_between_turns():
     prefills only what the cache does not hold, and replies as a fresh generation does."""
     from mlx.utils import tree_flatten, tree_unflatten
 
-    from mlxformer.chat import ChatSession
+    from mlxformer.generation.chat import ChatSession
     from mlxformer.default_model import default_model_path
     from mlxformer.models.config import ModelArgs
     from mlxformer.models.decoder import Model
@@ -424,7 +424,7 @@ def test_convert_round_trip(case, tmp_path):
 def test_footprint_counts_attention_layers_and_states(case):
     """``info``'s KV figures: keys/values for the one attention layer per token, plus the three
     recurrent layers' fixed states (the caches' own ``nbytes`` after prefill)."""
-    from mlxformer.planning import footprint
+    from mlxformer.tools.planning import footprint
 
     _, directory, model, _, _ = case
     plan = footprint(directory)

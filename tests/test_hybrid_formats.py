@@ -29,7 +29,7 @@ from conftest import TINY_SHAPE, max_diff, write_byte_tokenizer, write_tiny_chec
 from test_gguf_families import run_converter
 from test_hybrid import BOUND, CASES, HYBRID
 from mlxformer import convert, load
-from mlxformer.mtp import has_mtp_block
+from mlxformer.speculative.mtp import has_mtp_block
 
 # name -> (model_type, converter --outtype); "-mtp": the checkpoint with an MTP layer, converted with it
 GGUF_CASES = {

@@ -30,9 +30,9 @@ def loaded_parameter_count(model: nn.Module) -> int:
 @pytest.mark.parametrize("model_type, extra", [("llama", {"head_dim": 64}), ("qwen3", {"head_dim": 64, "tie_word_embeddings": False})])
 def test_counts_and_kv_bytes_match_loaded_model(tmp_path, cpu_device, model_type, extra):
     from mlxformer.cache import CacheSettings, make_cache
-    from mlxformer.generation import prefill
+    from mlxformer.generation.stream import prefill
     from mlxformer.loader import build_model, read_checkpoint
-    from mlxformer.planning import footprint
+    from mlxformer.tools.planning import footprint
 
     directory, hf_model = write_tiny_checkpoint(tmp_path, model_type, **extra)
     fp = footprint(directory)
@@ -54,7 +54,7 @@ def test_counts_and_kv_bytes_match_loaded_model(tmp_path, cpu_device, model_type
 def test_gguf_counts_from_header_only(smollm_gguf, cpu_device, monkeypatch):
     from mlxformer.formats import gguf
     from mlxformer.loader import build_model, load, read_checkpoint
-    from mlxformer.planning import footprint
+    from mlxformer.tools.planning import footprint
 
     with monkeypatch.context() as patch:  # headers only: no tensor is decoded
         patch.setattr(gguf, "_decode", lambda *a: pytest.fail("footprint decoded a tensor"))
@@ -74,7 +74,7 @@ def test_gguf_counts_from_header_only(smollm_gguf, cpu_device, monkeypatch):
 def test_float32_checkpoint_planned_in_the_dtype_each_device_computes(tmp_path):
     """Issue 17, defect 11: a float32 checkpoint computes in bfloat16 on a GPU (the load policy),
     so its weights and float KV cache take half the bytes they take on the CPU."""
-    from mlxformer.planning import footprint
+    from mlxformer.tools.planning import footprint
 
     directory, hf_model = write_tiny_checkpoint(tmp_path, "llama")
     cpu = footprint(directory, device=mx.DeviceType.cpu)

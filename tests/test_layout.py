@@ -64,7 +64,7 @@ def graph() -> dict[str, set[str]]:
 def test_the_walker_sees_imports(graph):
     # A known edge of each kind, so that a broken walker cannot pass the checks below.
     assert "mlxformer.models.decoder" in graph["mlxformer.loader"]  # module-level import
-    assert "mlxformer.generation" in graph["mlxformer.cli.generate"]  # function-level import
+    assert "mlxformer.generation.stream" in graph["mlxformer.cli.generate"]  # function-level import
     assert "mlxformer.cli.bench" in graph["mlxformer.cli.main"]  # from package import submodule
 
 
@@ -126,3 +126,23 @@ def test_help_imports_no_heavy_dependency():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == ""
+
+
+MAX_ROOT_MODULES = 6
+
+
+def test_the_package_root_holds_a_handful_of_modules():
+    """Modules live in packages named for their job (``text``, ``sampling``, ``generation``, ...)."""
+    loose = sorted(p.name for p in PACKAGE_DIR.glob("*.py"))
+    assert len(loose) <= MAX_ROOT_MODULES, loose
+
+
+def test_the_layout_guide_names_every_module():
+    """docs/guide/layout.md lists every package (``name/``) and every module of the root and of
+    the top-level packages (``name.py``) as they are."""
+    guide = (PACKAGE_DIR.parent / "docs" / "guide" / "layout.md").read_text(encoding="utf-8")
+    modules = [p for p in sorted(PACKAGE_DIR.rglob("*.py")) if len(p.relative_to(PACKAGE_DIR).parts) <= 2]
+    missing = [str(p.relative_to(PACKAGE_DIR)) for p in modules if p.name != "__init__.py" and f"`{p.name}`" not in guide]
+    packages = [p for p in PACKAGE_DIR.rglob("*") if p.is_dir() and (p / "__init__.py").exists()]
+    missing += [f"{p.name}/" for p in packages if f"`{p.name}/`" not in guide]
+    assert missing == []

@@ -18,7 +18,7 @@ from conftest import max_diff, write_byte_tokenizer, write_tiny_checkpoint
 from mlxformer import convert, load, stream_generate
 from mlxformer.cache import CacheSettings, make_cache
 from mlxformer.engine import batch_generate
-from mlxformer.generation import decode_step, prefill
+from mlxformer.generation.stream import decode_step, prefill
 from mlxformer.models.moe import SparseMoE
 
 BOUND = 3e-4  # fp32 on both sides
@@ -96,7 +96,7 @@ def test_cache_bytes_per_token(case):
     """An MLA layer caches one latent (kv_lora_rank) and one rope key (qk_rope_head_dim) per
     token, not the expanded keys and values; the KV budget's probe and the footprint agree."""
     from mlxformer.engine.memory import KVSizer
-    from mlxformer.planning import footprint
+    from mlxformer.tools.planning import footprint
 
     name, directory, model, _, _ = case
     a = model.args

@@ -109,7 +109,7 @@ def test_info_figures(dirs):
     """``mlxformer info``'s figures against transformers' own modules and the files: every
     parameter (tied embeddings once; quantized ones unpacked), per token the routed experts'
     share ``k / experts``, and the stored bytes, float and 4-bit."""
-    from mlxformer.planning import footprint
+    from mlxformer.tools.planning import footprint
 
     name, hf_model, root = dirs
     total = sum(p.numel() for p in hf_model.parameters())

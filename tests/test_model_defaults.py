@@ -1,6 +1,6 @@
 """A model's sampling defaults (generation_config.json, GGUF ``general.sampling.*``) apply when
 neither a flag nor a request field sets them: one rule for the CLI and the server
-(``mlxformer/model_defaults.py``). References: transformers' ``GenerationConfig`` and its
+(``mlxformer/sampling/model_defaults.py``). References: transformers' ``GenerationConfig`` and its
 ``generate`` with the model's own generation config; gguf-py's key names."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from mlxformer.cli import main
-from mlxformer.model_defaults import SamplingDefaults
+from mlxformer.sampling.model_defaults import SamplingDefaults
 
 PROMPT = "Tell me a story."
 # top_k 1 makes sampling deterministic; the penalty makes it differ from plain greedy

@@ -29,10 +29,10 @@ from mlxformer import load, stream_generate
 from mlxformer.cache import CacheSettings, make_cache
 from mlxformer.engine import Engine, GenerationRequest
 from mlxformer.errors import MlxformerError
-from mlxformer.mtp import load_mtp
-from mlxformer.sampling import make_distribution
-from mlxformer.speculative import SpeculativeSettings, rewind
-from mlxformer.steps import prefill
+from mlxformer.speculative.mtp import load_mtp
+from mlxformer.sampling.samplers import make_distribution
+from mlxformer.speculative.speculator import SpeculativeSettings, rewind
+from mlxformer.generation.steps import prefill
 
 BOUND = 3e-3  # fp32 both sides, as tests/test_hybrid.py
 HYBRID = dict(num_hidden_layers=4, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
@@ -300,7 +300,7 @@ def test_prompt_chunks_packed_beside_a_decoding_row_feed_the_watch(dense, monkey
     decodes: its chunks ride in the decode steps' packed forwards, and the MTP watch gets every
     row of each (the head drafts from the whole prompt's hidden states, as after a prefill of
     its own); before, a packed step handed it none and its first rows were at position 60."""
-    from mlxformer.mtp import HiddenRows
+    from mlxformer.speculative.mtp import HiddenRows
 
     directory, model, tokenizer, _, _ = dense
     writes: dict[int, list[tuple[int, int]]] = {}

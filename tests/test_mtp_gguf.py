@@ -35,8 +35,8 @@ from test_mtp import BOUND, CASES, EXPERTS, HYBRID, PROMPT, add_mtp_weights, mtp
 from mlxformer import load, stream_generate
 from mlxformer.cache import make_cache
 from mlxformer.errors import MlxformerError
-from mlxformer.mtp import MTPDrafter, has_mtp_block, load_mtp
-from mlxformer.speculative import SpeculativeSettings
+from mlxformer.speculative.mtp import MTPDrafter, has_mtp_block, load_mtp
+from mlxformer.speculative.speculator import SpeculativeSettings
 
 # file kind -> the converter's flags: the head in the model's file, alone, left out
 KINDS = {"with-mtp": [], "mtp-only": ["--mtp"], "no-mtp": ["--no-mtp"]}

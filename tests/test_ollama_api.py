@@ -34,7 +34,7 @@ def server(smollm_gguf):
 
 
 def reference(server, ids: list[int], max_tokens: int) -> str:
-    from mlxformer.generation import stream_generate
+    from mlxformer.generation.stream import stream_generate
 
     return "".join(r.text for r in stream_generate(server.model, server.tokenizer, ids, max_tokens))
 

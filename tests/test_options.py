@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from mlxformer.errors import MlxformerError, OptionError
-from mlxformer.options import MAX_SEED, SamplingSettings
-from mlxformer.sampling import keep_top_p, make_sampler, repetition_penalty_processor
+from mlxformer.sampling.options import MAX_SEED, SamplingSettings
+from mlxformer.sampling.samplers import keep_top_p, make_sampler, repetition_penalty_processor
 
 FLOAT_FIELDS = ["temp", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"]
 

@@ -18,7 +18,7 @@ import torch
 from conftest import cpu_default_device, edit_config, log_softmax, max_diff, write_tiny_checkpoint
 from mlxformer.cache import make_cache
 from mlxformer.errors import MlxformerError
-from mlxformer.generation import decode_step, prefill
+from mlxformer.generation.stream import decode_step, prefill
 from mlxformer.loader import build_model, read_checkpoint
 from mlxformer.models.row_sharding import apply_thread_policy
 

@@ -13,7 +13,7 @@ from conftest import write_tiny_checkpoint
 from mlxformer import load
 from mlxformer.cli import main as cli_main
 from mlxformer.errors import MlxformerError
-from mlxformer.perplexity import cached_perplexity, perplexity
+from mlxformer.tools.perplexity import cached_perplexity, perplexity
 
 EVAL_TEXT = Path(__file__).resolve().parent / "data/eval.txt"
 

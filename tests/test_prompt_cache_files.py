@@ -22,7 +22,7 @@ from mlxformer.cache.files import cache_prompt, load_prompt_cache
 from mlxformer.errors import MlxformerError
 from mlxformer.models.config import ModelArgs
 from mlxformer.models.decoder import Model
-from mlxformer.tokenizer import HFBackend, Tokenizer
+from mlxformer.text.tokenizer import HFBackend, Tokenizer
 
 TINY = dict(
     model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128,

@@ -19,7 +19,7 @@ from mlxformer.cache.rows import RowCache, SpareBatch
 from mlxformer.engine import Engine, GenerationRequest
 from mlxformer.engine.batch_runner import BatchRunner
 from mlxformer.engine.memory import BLOCK, KVBudgetExceeded, KVSizer, nbytes
-from mlxformer.speculative import SpeculativeSettings, rewind
+from mlxformer.speculative.speculator import SpeculativeSettings, rewind
 from test_zero_copy_join import (CHUNK, LAYERS, MLA, PROMPTS, TOKENS, alone, assert_join_copies_nothing,
                                  decode_rises, ids, in_turn, plain_and_speculating, rotating_model,
                                  sliding_model, staggered, Stub, tiny_model, watch_rounds)

@@ -101,7 +101,7 @@ sys.meta_path.insert(0, Block())
 SERVE = """
 import importlib, pkgutil, sys, mlxformer
 for info in pkgutil.walk_packages(mlxformer.__path__, "mlxformer."):
-    if not info.name.startswith("mlxformer.cli.") and info.name not in ("mlxformer.bench", "mlxformer.__main__"):
+    if not info.name.startswith("mlxformer.cli.") and info.name not in ("mlxformer.tools.bench", "mlxformer.__main__"):
         importlib.import_module(info.name)
 import mlxformer.cli.serve, mlxformer.cli.main
 from pathlib import Path

@@ -13,12 +13,12 @@ import pytest
 
 from conftest import write_tiny_checkpoint
 from mlxformer import generate, load, stream_generate
-from mlxformer.options import SamplingSettings
-from mlxformer.sampling import (
+from mlxformer.sampling.options import SamplingSettings
+from mlxformer.sampling.samplers import (
     greedy, keep_min_p, keep_top_k, keep_top_p, make_logits_processors, make_sampler,
     repetition_penalty_processor, sampling_logits,
 )
-from mlxformer.stop import StopMatcher
+from mlxformer.text.stop import StopMatcher
 
 NEG_INF = -np.inf
 

@@ -1,4 +1,4 @@
-"""The batch's sampling graph (``mlxformer.choosing``): its size does not grow with the rows, its
+"""The batch's sampling graph (``mlxformer.sampling.choosing``): its size does not grow with the rows, its
 filters keep what a numpy float64 reference keeps on SmolLM2's real logits (float32 and
 bfloat16), per-row penalties equal transformers' processors row by row, draws follow the
 filtered distribution, and a seeded row draws the same token alone or in any batch."""
@@ -9,9 +9,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlxformer.choosing import ChoiceRow, choose, draw_key, process
-from mlxformer.options import SamplingSettings
-from mlxformer.sampling import keep_mask, normalize, top_logprobs
+from mlxformer.sampling.choosing import ChoiceRow, choose, draw_key, process
+from mlxformer.sampling.options import SamplingSettings
+from mlxformer.sampling.samplers import keep_mask, normalize, top_logprobs
 from test_batch_step import graph_ops
 
 VOCAB = 256

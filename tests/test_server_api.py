@@ -51,7 +51,7 @@ def client(server):
 
 def reference(server, ids: list[int], max_tokens: int = MAX_TOKENS, **kwargs) -> tuple[str, list[int], str]:
     """`generate` alone on ``ids``: (text, token ids, finish reason)."""
-    from mlxformer.generation import stream_generate
+    from mlxformer.generation.stream import stream_generate
 
     responses = list(stream_generate(server.model, server.tokenizer, ids, max_tokens, **kwargs))
     return "".join(r.text for r in responses), [r.token for r in responses], responses[-1].finish_reason
@@ -199,7 +199,7 @@ def test_eight_concurrent_clients_equal_generate_alone(tiny_server):
     """On the tiny model (batching is what is checked; SmolLM2's eight references and replies
     cost ~120 s here). The stop string is cut from the middle of that client's reply alone, so
     it fires inside the batch."""
-    from mlxformer.generation import SamplingSettings
+    from mlxformer.generation.stream import SamplingSettings
 
     server, clients, expected = tiny_server, [], []
     for kind, prompt, settings in CLIENTS:

@@ -356,7 +356,7 @@ def test_prompt_fidelity(server):
 
 
 def test_validation_in_one_place_every_bound_a_400_naming_its_field(server):
-    """Values go through mlxformer.options.SamplingSettings (the library's one validation): each bad
+    """Values go through mlxformer.sampling.options.SamplingSettings (the library's one validation): each bad
     one is a 400 whose param is the API's field name; NaN and infinities in any float too."""
     hi = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
     for field, value in [("seed", -2), ("seed", 2**64), ("temperature", -0.5), ("top_p", 0.0), ("top_p", 1.5),

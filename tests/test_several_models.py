@@ -67,7 +67,7 @@ def chat(url: str, model: str, **extra) -> tuple[int, dict]:
 
 def reference(source, max_tokens: int = 4) -> str:
     from mlxformer import load
-    from mlxformer.generation import stream_generate
+    from mlxformer.generation.stream import stream_generate
 
     model, tokenizer = load(source, threads=1)
     text = tokenizer.apply_chat_template([{"role": "user", "content": "Hi there"}])

@@ -14,7 +14,7 @@ import torch
 from conftest import write_tiny_checkpoint
 from mlxformer.cache import CacheSettings, make_cache
 from mlxformer.cache.rotating import RotatingKVCache
-from mlxformer.generation import decode_step, prefill
+from mlxformer.generation.stream import decode_step, prefill
 from mlxformer.loader import build_model, read_checkpoint
 
 WINDOW = 8

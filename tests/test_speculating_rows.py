@@ -17,7 +17,7 @@ from mlxformer.cache.rows import RingRowCache, RowCache
 from mlxformer.cache.state_rows import StateRowCache, StateRows
 from mlxformer.engine import Engine, GenerationRequest
 from mlxformer.engine.batch_runner import BatchRunner, speculation_round
-from mlxformer.speculative import SpeculativeSettings
+from mlxformer.speculative.speculator import SpeculativeSettings
 from test_zero_copy_hybrid import tiny
 from test_zero_copy_join import (CHUNK, LAYERS, alone, ids, in_turn, plain_and_speculating, sliding_model, Stub,
                                  watch_rounds)

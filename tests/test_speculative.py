@@ -16,7 +16,7 @@ from mlxformer import load, stream_generate
 from mlxformer.cache import CacheSettings
 from mlxformer.cli import main
 from mlxformer.errors import MlxformerError
-from mlxformer.speculative import AdaptiveLength, PromptLookupProposer, SpeculativeSettings
+from mlxformer.speculative.speculator import AdaptiveLength, PromptLookupProposer, SpeculativeSettings
 
 # head_dim 64 so that the quantized KV cache (group 64) applies
 SHAPE = dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=64, intermediate_size=128)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from mlxformer.errors import MlxformerError
-from mlxformer.tokenizer import load_tokenizer_from_dir
+from mlxformer.text.tokenizer import load_tokenizer_from_dir
 
 CHATML = (
     "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>' + '\\n' }}"

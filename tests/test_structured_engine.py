@@ -14,7 +14,7 @@ from conftest import write_tiny_checkpoint
 from mlxformer import load, stream_generate
 from mlxformer.constrained import make_constraint
 from mlxformer.engine import Engine, GenerationRequest
-from mlxformer.generation import SamplingSettings
+from mlxformer.generation.stream import SamplingSettings
 
 PADDING = 64  # model vocabulary rows past the tokenizer's last id: must never be sampled
 # Finite languages (enums, bounded numbers, no free strings), so that even a random model ends.

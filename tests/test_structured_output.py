@@ -13,7 +13,7 @@ import pytest
 
 from mlxformer.cli import main
 from mlxformer.errors import MlxformerError
-from mlxformer.generation import generate, stream_generate
+from mlxformer.generation.stream import generate, stream_generate
 
 CASES_FILE = Path(__file__).parent / "data" / "structured_cases.json"  # shared with benchmarks/structured_validity.py
 _DATA = json.loads(CASES_FILE.read_text(encoding="utf-8"))

@@ -14,12 +14,12 @@ import pytest
 
 from conftest import write_tiny_byte_llama
 from mlxformer import load, stream_generate
-from mlxformer.decoding import open_sequence
+from mlxformer.generation.decoding import open_sequence
 from mlxformer.engine import Engine, GenerationRequest
 from mlxformer.engine.scheduler import Step
-from mlxformer.options import SamplingSettings
-from mlxformer.speculative import PromptLookupProposer, SpeculativeSettings
-from mlxformer.steps import prefill
+from mlxformer.sampling.options import SamplingSettings
+from mlxformer.speculative.speculator import PromptLookupProposer, SpeculativeSettings
+from mlxformer.generation.steps import prefill
 
 
 @contextlib.contextmanager

@@ -10,8 +10,8 @@ import mlx.core as mx
 import pytest
 
 from mlxformer.errors import MlxformerError
-from mlxformer.detokenizer import StreamingDetokenizer
-from mlxformer.tokenizer import Tokenizer, load_tokenizer_from_dir, load_tokenizer_from_gguf
+from mlxformer.text.detokenizer import StreamingDetokenizer
+from mlxformer.text.tokenizer import Tokenizer, load_tokenizer_from_dir, load_tokenizer_from_gguf
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

@@ -201,7 +201,7 @@ def test_forced_grammar_is_the_family_format(name, family, byte_tokenizer):
 
 @pytest.fixture(scope="module")
 def byte_tokenizer(tmp_path_factory):
-    from mlxformer.tokenizer import load_tokenizer_from_dir
+    from mlxformer.text.tokenizer import load_tokenizer_from_dir
 
     directory = tmp_path_factory.mktemp("bytes")
     write_chat_tokenizer(directory)

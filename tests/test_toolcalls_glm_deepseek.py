@@ -84,7 +84,7 @@ def test_forced_grammar_accepts_the_template_call(name, expected, end, byte_toke
 def byte_tokenizer(tmp_path_factory):
     from agent_support import write_chat_tokenizer
 
-    from mlxformer.tokenizer import load_tokenizer_from_dir
+    from mlxformer.text.tokenizer import load_tokenizer_from_dir
 
     directory = tmp_path_factory.mktemp("bytes")
     write_chat_tokenizer(directory)

@@ -31,9 +31,9 @@ from mlxformer.cache.kv import KVCache
 from mlxformer.cache.rotating import RotatingKVCache
 from mlxformer.cache.state import StateCache
 from mlxformer.errors import MlxformerError
-from mlxformer.generation import prefill
+from mlxformer.generation.stream import prefill
 from mlxformer.models.decoder import Model
-from mlxformer.tokenizer import Tokenizer
+from mlxformer.text.tokenizer import Tokenizer
 
 FORMAT = "mlxformer-prompt-cache"
 VERSION = "3"  # 2: the fingerprint covers quantization, weights and tokenizer; 3: weight samples

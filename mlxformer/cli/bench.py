@@ -13,7 +13,7 @@ from mlxformer.cli.common import (
 )
 
 if TYPE_CHECKING:
-    from mlxformer.bench import Trial
+    from mlxformer.tools.bench import Trial
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -42,7 +42,7 @@ def _line(name: str, trial: Trial) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Handler of ``mlxformer bench``."""
-    from mlxformer.bench import run_benchmark
+    from mlxformer.tools.bench import run_benchmark
     from mlxformer.default_model import model_source
     from mlxformer.errors import MlxformerError
 

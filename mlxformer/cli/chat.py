@@ -1,4 +1,4 @@
-"""``mlxformer chat``: a multi-turn REPL over ``mlxformer.chat.ChatSession``."""
+"""``mlxformer chat``: a multi-turn REPL over ``mlxformer.generation.chat.ChatSession``."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from mlxformer.cli.common import (
 )
 
 if TYPE_CHECKING:
-    from mlxformer.chat import ChatSession
+    from mlxformer.generation.chat import ChatSession
 
 HELP = "commands: /reset, /save FILE, /load FILE, /stats, /help, /exit"
 
@@ -114,7 +114,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Handler of ``mlxformer chat``."""
-    from mlxformer.chat import ChatSession
+    from mlxformer.generation.chat import ChatSession
 
     sampling_settings(args)  # bad flags fail before the model loads
     settings = cache_settings(args)

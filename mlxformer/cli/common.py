@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from mlxformer.cache import CacheSettings
     from mlxformer.errors import OptionError
-    from mlxformer.model_defaults import SamplingDefaults
+    from mlxformer.sampling.model_defaults import SamplingDefaults
     from mlxformer.models.decoder import Model
-    from mlxformer.options import SamplingSettings
-    from mlxformer.speculative import SpeculativeSettings
-    from mlxformer.tokenizer import Tokenizer
+    from mlxformer.sampling.options import SamplingSettings
+    from mlxformer.speculative.speculator import SpeculativeSettings
+    from mlxformer.text.tokenizer import Tokenizer
 
 # The names of ``mlxformer.models.config.FLOAT_DTYPES`` (kept as strings: no MLX import here).
 DTYPE_NAMES = ("bfloat16", "float16", "float32")
@@ -63,7 +63,7 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     """The sampling flags shared by generate and chat."""
     parser.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate (default 256)")
     # These five default to the model's generation_config.json (or GGUF sampling metadata), else
-    # to the value in parentheses: the rule of mlxformer/model_defaults.py, shared with the server.
+    # to the value in parentheses: the rule of mlxformer/sampling/model_defaults.py, shared with the server.
     parser.add_argument("--temp", type=float, default=None,
                         help="sampling temperature; 0 is greedy (default: the model's, else 0)")
     parser.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass (default: the model's, else 1: off)")
@@ -120,7 +120,7 @@ def sampling_settings(args: argparse.Namespace, defaults: SamplingDefaults | Non
     name the flag. A random seed (``--seed -1``, or none while sampling) is drawn here and shown
     with ``--verbose``."""
     from mlxformer.errors import OptionError
-    from mlxformer.model_defaults import NO_DEFAULTS
+    from mlxformer.sampling.model_defaults import NO_DEFAULTS
 
     try:
         bias = parse_logit_bias(args.logit_bias)
@@ -255,13 +255,13 @@ def speculative_settings(args: argparse.Namespace, tokenizer: Tokenizer, model: 
     from mlxformer.loader import load
     from mlxformer.models.config import FLOAT_DTYPES
     from mlxformer.models.device_plan import DevicePlan
-    from mlxformer.speculative import SpeculativeSettings
+    from mlxformer.speculative.speculator import SpeculativeSettings
 
     if not speculates(args):
         if args.num_draft_tokens is not None:
             raise MlxformerError("--num-draft-tokens needs --prompt-lookup, --draft-model or --mtp")
         return None
-    from mlxformer.mtp import has_mtp_block, load_mtp
+    from mlxformer.speculative.mtp import has_mtp_block, load_mtp
 
     # --mtp FILE, or a GGUF with an MTP block as --draft-model (llama.cpp's -md drafts with its head)
     mtp_file = args.draft_model if has_mtp_block(args.draft_model) else args.mtp if isinstance(args.mtp, str) else None

@@ -33,7 +33,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Handler of ``mlxformer convert``."""
-    from mlxformer.converter import convert
+    from mlxformer.tools.converter import convert
     from mlxformer.default_model import model_source
 
     out = convert(

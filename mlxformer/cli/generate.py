@@ -14,7 +14,7 @@ from mlxformer.cli.common import (
 from mlxformer.cli.structured import add_structured_args, structured_output_args
 
 if TYPE_CHECKING:
-    from mlxformer.generation import GenerationResponse
+    from mlxformer.generation.stream import GenerationResponse
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
         return run_parallel(args)
     from mlxformer.constrained import make_constraint, validate_structured_output
     from mlxformer.errors import MlxformerError, OptionError
-    from mlxformer.generation import stream_generate
+    from mlxformer.generation.stream import stream_generate
 
     prompt = read_prompt(args.prompt)
     sampling_settings(args)  # bad flags fail before the model loads
@@ -103,7 +103,7 @@ def run_parallel(args: argparse.Namespace) -> int:
     from mlxformer.default_model import model_source
     from mlxformer.distributed.runner import load_distributed, stream_distributed
     from mlxformer.errors import MlxformerError, OptionError
-    from mlxformer.model_defaults import NO_DEFAULTS
+    from mlxformer.sampling.model_defaults import NO_DEFAULTS
     from mlxformer.models.config import FLOAT_DTYPES
 
     if args.prompt_cache_file or args.adapter:

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from mlxformer.cli.common import add_verbose
 
 if TYPE_CHECKING:
-    from mlxformer.planning import Footprint
+    from mlxformer.tools.planning import Footprint
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -53,7 +53,7 @@ def plan_lines(plans: dict[str, Footprint], current: str) -> list[str]:
 
 def format_report(fp: Footprint, context: int, memory: int) -> str:
     """The ``info`` report as text."""
-    from mlxformer.planning import KV_BITS, KV_GROUP_SIZE, WEIGHT_BITS, WEIGHT_GROUP_SIZE, ranks_needed
+    from mlxformer.tools.planning import KV_BITS, KV_GROUP_SIZE, WEIGHT_BITS, WEIGHT_GROUP_SIZE, ranks_needed
 
     a = fp.args
     lines = [
@@ -89,8 +89,8 @@ def run(args: argparse.Namespace) -> int:
     from mlxformer.default_model import model_source
     from mlxformer.errors import MlxformerError
     from mlxformer.formats.checkpoint import open_checkpoint
-    from mlxformer.model_defaults import SamplingDefaults
-    from mlxformer.planning import footprint, machine_memory
+    from mlxformer.sampling.model_defaults import SamplingDefaults
+    from mlxformer.tools.planning import footprint, machine_memory
 
     if args.context < 1:
         raise MlxformerError("--context must be positive")

@@ -27,7 +27,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     """Handler of ``mlxformer perplexity``."""
     from mlxformer.errors import MlxformerError
-    from mlxformer.perplexity import perplexity
+    from mlxformer.tools.perplexity import perplexity
 
     path = Path(args.text)
     try:

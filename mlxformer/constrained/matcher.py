@@ -11,7 +11,7 @@ import numpy as np
 from mlxformer.constrained.grammars import check_grammar, grammar_spec
 from mlxformer.constrained.vocab import grammar_tokenizer
 from mlxformer.errors import MlxformerError
-from mlxformer.tokenizer import Tokenizer
+from mlxformer.text.tokenizer import Tokenizer
 
 PARSER_LIMITS: llguidance.LLParserLimits | None = None  # None: llguidance's defaults
 MAX_ERROR_CHARS = 300  # a matcher error may carry its statistics or the whole grammar

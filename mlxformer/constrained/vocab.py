@@ -14,7 +14,7 @@ import llguidance
 import sentencepiece as spm
 from sentencepiece import sentencepiece_model_pb2
 
-from mlxformer.tokenizer import HFBackend, SPMBackend, Tokenizer
+from mlxformer.text.tokenizer import HFBackend, SPMBackend, Tokenizer
 
 # llguidance marks special (control) tokens with a leading 0xFF byte, which no UTF-8 text contains.
 SPECIAL_MARKER = b"\xff"

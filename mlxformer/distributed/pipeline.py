@@ -25,7 +25,7 @@ from mlxformer.errors import MlxformerError
 from mlxformer.formats.checkpoint import Checkpoint
 from mlxformer.loader import apply_dtype_policy, build_model, used_tensors
 from mlxformer.models.decoder import Model
-from mlxformer.planning import footprint
+from mlxformer.tools.planning import footprint
 
 DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 STOP, RESET = 0, -1

@@ -16,12 +16,12 @@ from mlxformer.distributed.tensor import load_tensor_shard
 from mlxformer.distributed.watchdog import DEFAULT_TIMEOUT, Watchdog, check_timeout
 from mlxformer.errors import MlxformerError
 from mlxformer.formats.checkpoint import open_checkpoint
-from mlxformer.generation import GenerationResponse, stream_generate
+from mlxformer.generation.stream import GenerationResponse, stream_generate
 from mlxformer.loader import load_tokenizer
-from mlxformer.options import SamplingSettings
-from mlxformer.steps import default_prefill_step
+from mlxformer.sampling.options import SamplingSettings
+from mlxformer.generation.steps import default_prefill_step
 from mlxformer.models.decoder import Model
-from mlxformer.tokenizer import Tokenizer
+from mlxformer.text.tokenizer import Tokenizer
 
 # Ranks load at their own pace; the wait for the slowest is allowed this many timeouts.
 LOAD_TIMEOUTS = 10

@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from typing import Iterator, TypeVar
 
 from mlxformer.errors import MlxformerError
-from mlxformer.options import check_number
+from mlxformer.sampling.options import check_number
 
 EXIT_CODE = 1
 DEFAULT_TIMEOUT = 60.0

@@ -12,7 +12,7 @@ import numpy as np
 from mlxformer.embeddings.head import EmbeddingHead
 from mlxformer.errors import MlxformerError
 from mlxformer.models.decoder import Model
-from mlxformer.tokenizer import Tokenizer
+from mlxformer.text.tokenizer import Tokenizer
 
 __all__ = ["BATCH_TOKENS", "batches", "embed", "embed_tokens", "encode_inputs", "pool", "pooled_batches", "shorten"]
 

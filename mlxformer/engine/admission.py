@@ -22,7 +22,7 @@ from mlxformer.engine.scheduler import Scheduler, Step
 from mlxformer.engine.sequence import Sequence
 from mlxformer.engine.working_set import engine_reserve
 from mlxformer.models.decoder import Model
-from mlxformer.speculative import SpeculativeSettings
+from mlxformer.speculative.speculator import SpeculativeSettings
 
 
 class Admission:

@@ -8,10 +8,10 @@ from typing import Any, Sequence as Seq
 from mlxformer.cache import CacheSettings
 from mlxformer.engine.engine import Engine
 from mlxformer.engine.sequence import GenerationRequest
-from mlxformer.generation import SamplingSettings
+from mlxformer.generation.stream import SamplingSettings
 from mlxformer.models.decoder import Model
-from mlxformer.speculative import SpeculativeSettings
-from mlxformer.tokenizer import Tokenizer
+from mlxformer.speculative.speculator import SpeculativeSettings
+from mlxformer.text.tokenizer import Tokenizer
 
 
 def batch_generate(

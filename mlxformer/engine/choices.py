@@ -8,7 +8,7 @@ from typing import Iterator
 import mlx.core as mx
 
 from mlxformer.engine.sequence import Sequence
-from mlxformer.sampling import top_logprobs
+from mlxformer.sampling.samplers import top_logprobs
 
 # Rows chosen in one graph: their sequences (one per row; a sequence may have several rows, in
 # order: a speculation round), the tokens (n,) and the log-probabilities (n, vocab).

@@ -34,14 +34,14 @@ from mlxformer.engine.prompt_cache import PromptCacheSettings, build_prefix_cach
 from mlxformer.engine.replay import Replays
 from mlxformer.engine.scheduler import EngineNotRunning, Scheduler, Step
 from mlxformer.engine.sequence import GenerationRequest, Sequence, Status, TokenEvent, check_request
-from mlxformer.choosing import choose
+from mlxformer.sampling.choosing import choose
 from mlxformer.engine.choices import Choice, Picked, Pipeline, arrays, each_row, read, with_logprobs
-from mlxformer.decoding import with_rewind
-from mlxformer.options import SamplingSettings
-from mlxformer.speculative import SpeculativeSettings, check_draft
-from mlxformer.steps import default_prefill_step
+from mlxformer.generation.decoding import with_rewind
+from mlxformer.sampling.options import SamplingSettings
+from mlxformer.speculative.speculator import SpeculativeSettings, check_draft
+from mlxformer.generation.steps import default_prefill_step
 from mlxformer.models.decoder import Model
-from mlxformer.tokenizer import Tokenizer
+from mlxformer.text.tokenizer import Tokenizer
 
 log = logging.getLogger("mlxformer.engine")
 T = TypeVar("T")

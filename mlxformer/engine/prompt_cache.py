@@ -17,7 +17,7 @@ from mlxformer.engine.disk_cache import DiskBlockStore
 from mlxformer.engine.prefix_cache import BLOCK_SIZE, PrefixCache
 from mlxformer.errors import MlxformerError
 from mlxformer.models.decoder import Model
-from mlxformer.tokenizer import Tokenizer
+from mlxformer.text.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)

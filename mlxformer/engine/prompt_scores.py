@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from mlxformer.sampling import normalize, top_logprobs
+from mlxformer.sampling.samplers import normalize, top_logprobs
 
 
 class PromptScores:

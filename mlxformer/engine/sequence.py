@@ -8,13 +8,13 @@ from dataclasses import dataclass
 from typing import Sequence as Seq
 
 
-from mlxformer.decoding import DecodingState
+from mlxformer.generation.decoding import DecodingState
 from mlxformer.engine.prompt_scores import PromptScores
 from mlxformer.errors import MlxformerError
-from mlxformer.options import SamplingSettings, check_integer
-from mlxformer.sampling import TokenConstraint
-from mlxformer.speculative import SpeculativeStats
-from mlxformer.tokenizer import StreamingDetokenizer
+from mlxformer.sampling.options import SamplingSettings, check_integer
+from mlxformer.sampling.samplers import TokenConstraint
+from mlxformer.speculative.speculator import SpeculativeStats
+from mlxformer.text.tokenizer import StreamingDetokenizer
 
 
 @dataclass

@@ -143,7 +143,7 @@ def is_block_from(gguf_name: str, first: int | None) -> bool:
 
 # The multi-token-prediction block's own tensors (llama.cpp's ``nextn``; the converter's
 # ``_QwenMtpMixin`` renames the hub's ``mtp.*`` to them) -> the hub's names, read as ``mtp.*``
-# by ``mlxformer.mtp``; the block's other tensors are a decoder layer's, ``mtp.layers.{k}.*``.
+# by ``mlxformer.speculative.mtp``; the block's other tensors are a decoder layer's, ``mtp.layers.{k}.*``.
 NEXTN_NAMES: dict[str, str] = {
     "nextn.eh_proj": "mtp.fc",
     "nextn.enorm": "mtp.pre_fc_norm_embedding",

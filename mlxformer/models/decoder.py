@@ -369,7 +369,7 @@ class Model(nn.Module):
 
     def watch_hidden(self, watch: Callable[[mx.array, Sequence[Cache]], None] | None) -> None:
         """Call ``watch(hidden (B, T, hidden), caches)`` after every forward over caches with its
-        final-norm hidden states (lazy): native MTP drafts from them (``mlxformer.mtp``)."""
+        final-norm hidden states (lazy): native MTP drafts from them (``mlxformer.speculative.mtp``)."""
         self._hidden_watch = watch
 
     @property

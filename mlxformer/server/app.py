@@ -38,7 +38,7 @@ from mlxformer.server.openai_routes import openai_router
 from mlxformer.server.metrics import install_metrics
 from mlxformer.server.openapi import GUARDED, KEYED, error_responses, install_openapi
 from mlxformer.server.registry import ModelHost, SingleHost
-from mlxformer.server.responses import TokenStrings
+from mlxformer.server.chat_output import TokenStrings
 from mlxformer.server.responses_api import responses_router
 from mlxformer.server.sse import SSE_PING_SECONDS
 from mlxformer.server.translate import ServedModel

@@ -11,7 +11,7 @@ from typing import AsyncIterator, Callable, Optional, TypeVar
 from mlxformer.engine import Engine, EngineNotRunning, EngineOverloaded, GenerationRequest, TokenEvent
 from mlxformer.errors import MlxformerError
 from mlxformer.server.errors import APIError
-from mlxformer.server.responses import TokenStrings
+from mlxformer.server.chat_output import TokenStrings
 from mlxformer.server.sse import PING, SSE_PING_SECONDS, keepalive, prompt_progress
 from mlxformer.server.streaming import EventStream, InFlight, Lease
 from mlxformer.server.translate import ServedModel

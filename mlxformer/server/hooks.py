@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from mlxformer.constrained import make_constraint
 from mlxformer.errors import MlxformerError
-from mlxformer.sampling import TokenConstraint
+from mlxformer.sampling.samplers import TokenConstraint
 from mlxformer.server.errors import bad_request
 from mlxformer.server.protocol import ResponseFormat
-from mlxformer.tokenizer import Tokenizer
+from mlxformer.text.tokenizer import Tokenizer
 
 
 def constraint_for(

@@ -26,7 +26,7 @@ def model_facts(source: str, tool_parser: str | None = None) -> ModelFacts:
     """The facts of the model at ``source`` (a local path or REPO[:QUANT] in the cache)."""
     from mlxformer.formats.checkpoint import open_checkpoint
     from mlxformer.loader import load_tokenizer
-    from mlxformer.planning import footprint
+    from mlxformer.tools.planning import footprint
     from mlxformer.server.translate import ServedModel
     from mlxformer.server.turn import Traits
 

@@ -21,7 +21,7 @@ from mlxformer.server.protocol import (
     ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, CompletionLogprobs, CompletionRequest,
     CompletionResponse, ModelList, new_id,
 )
-from mlxformer.server.responses import (
+from mlxformer.server.chat_output import (
     chat_chunk_maker, chat_response, completion_chunk_maker, completion_response, echo_logprobs, sse, usage_of,
 )
 from mlxformer.server.hosting import check_model

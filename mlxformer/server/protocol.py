@@ -13,7 +13,7 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from mlxformer.options import MAX_PENALTY, MAX_SEED, RANDOM_SEED
+from mlxformer.sampling.options import MAX_PENALTY, MAX_SEED, RANDOM_SEED
 
 MAX_STOP_STRINGS = 16
 MAX_TOP_LOGPROBS = 20
@@ -92,7 +92,7 @@ class ResponseFormat(Lenient):
 def bounds(minimum: float | None = None, maximum: float | None = None, *, above: float | None = None,
            below: float | None = None) -> Any:
     """A field's documented range (``above``/``below``: exclusive), for the OpenAPI document only:
-    the values are checked by ``mlxformer.options.SamplingSettings``, the one validation of
+    the values are checked by ``mlxformer.sampling.options.SamplingSettings``, the one validation of
     sampling options for every entry point."""
     rule = {"minimum": minimum, "maximum": maximum, "exclusiveMinimum": above, "exclusiveMaximum": below}
     return Field(default=None, json_schema_extra={k: v for k, v in rule.items() if v is not None})

@@ -15,9 +15,9 @@ from typing import Callable
 import mlx.core as mx
 import numpy as np
 
-from mlxformer.sampling import TokenConstraint
+from mlxformer.sampling.samplers import TokenConstraint
 from mlxformer.server.toolcalls.stream import held_suffix
-from mlxformer.tokenizer import Tokenizer
+from mlxformer.text.tokenizer import Tokenizer
 
 @dataclass(frozen=True)
 class ThinkTags:

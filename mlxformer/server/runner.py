@@ -25,8 +25,8 @@ from mlxformer.server.guards import DEFAULT_MAX_BODY_BYTES, loopback_hosts
 from mlxformer.server.registry import SingleHost
 from mlxformer.server.sse import SSE_PING_SECONDS
 from mlxformer.server.translate import ServedModel
-from mlxformer.speculative import SpeculativeSettings
-from mlxformer.tokenizer import Tokenizer
+from mlxformer.speculative.speculator import SpeculativeSettings
+from mlxformer.text.tokenizer import Tokenizer
 
 log = logging.getLogger("mlxformer.server")
 START_TIMEOUT_SECONDS = 30.0

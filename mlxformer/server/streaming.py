@@ -15,7 +15,7 @@ from pydantic import BaseModel
 
 from mlxformer.engine import RequestHandle, TokenEvent
 from mlxformer.server.errors import APIError
-from mlxformer.server.responses import ChunkMaker, Collected, collect, error_event, sse
+from mlxformer.server.chat_output import ChunkMaker, Collected, collect, error_event, sse
 from mlxformer.server.sse import frames
 
 DISCONNECT_POLL_SECONDS = 0.25  # how often a non-streamed request checks that its client is still there

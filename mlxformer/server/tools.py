@@ -16,10 +16,10 @@ from typing import Any
 from mlxformer.constrained import make_constraint
 from mlxformer.constrained.tools import forced_functions, function_specs, with_tools
 from mlxformer.errors import MlxformerError
-from mlxformer.sampling import TokenConstraint
+from mlxformer.sampling.samplers import TokenConstraint
 from mlxformer.server.errors import bad_request
 from mlxformer.server.toolcalls import CallFormat, ToolSpec
-from mlxformer.tokenizer import Tokenizer
+from mlxformer.text.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)

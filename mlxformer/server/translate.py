@@ -9,15 +9,15 @@ from dataclasses import dataclass
 from mlxformer.engine import GenerationRequest
 from mlxformer.adapters.layers import AdapterBank
 from mlxformer.errors import MlxformerError, OptionError
-from mlxformer.model_defaults import NO_DEFAULTS, SamplingDefaults
-from mlxformer.options import SamplingSettings
+from mlxformer.sampling.model_defaults import NO_DEFAULTS, SamplingDefaults
+from mlxformer.sampling.options import SamplingSettings
 from mlxformer.models.decoder import Model
-from mlxformer.sampling import TokenConstraint
+from mlxformer.sampling.samplers import TokenConstraint
 from mlxformer.server.errors import APIError, bad_request
 from mlxformer.server.protocol import (
     MAX_STOP_STRINGS, CompletionRequest, SamplingFields,
 )
-from mlxformer.tokenizer import Tokenizer
+from mlxformer.text.tokenizer import Tokenizer
 
 API_NAMES = {"temp": "temperature"}  # SamplingSettings field -> OpenAI request field, where they differ
 

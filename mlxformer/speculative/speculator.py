@@ -5,7 +5,7 @@ pass of ``k + 1`` positions costs little more, so every accepted proposal is nea
 
 - Proposers: ``PromptLookupProposer`` (the tokens that followed the last n-gram where it
   occurred earlier in the prompt or the output; no second model), ``DraftModelProposer``
-  (a small model with the same tokenizer) and native MTP (``mlxformer.mtp``: the target's own
+  (a small model with the same tokenizer) and native MTP (``mlxformer.speculative.mtp``: the target's own
   multi-token-prediction head, fed the target's hidden states).
 - Verification (``verify``, run by ``Speculator`` for one sequence's ``DecodingState``): greedy keeps the longest prefix of proposals that
   equals the target's argmax, so the output is token for token that of plain decoding. With
@@ -28,12 +28,12 @@ import mlx.core as mx
 from mlxformer.cache.protocol import Cache
 from mlxformer.errors import MlxformerError
 from mlxformer.models.decoder import Model
-from mlxformer.options import SamplingSettings, check_integer
+from mlxformer.sampling.options import SamplingSettings, check_integer
 from mlxformer.cache import CacheSettings, make_cache
-from mlxformer.choosing import History, ChoiceRow, process
-from mlxformer.sampling import Distribution, draw, filtered, normalize
-from mlxformer.steps import prefill
-from mlxformer.tokenizer import Tokenizer
+from mlxformer.sampling.choosing import History, ChoiceRow, process
+from mlxformer.sampling.samplers import Distribution, draw, filtered, normalize
+from mlxformer.generation.steps import prefill
+from mlxformer.text.tokenizer import Tokenizer
 
 
 
@@ -45,7 +45,7 @@ class SpeculativeSettings:
     prompt_lookup: bool = False
     draft_model: Model | None = None
     draft_tokenizer: Tokenizer | None = None  # must map ids exactly as the target's tokenizer
-    mtp: "NativeDrafter | None" = None  # native MTP: the target's own multi-token-prediction head (``mlxformer.mtp``)
+    mtp: "NativeDrafter | None" = None  # native MTP: the target's own multi-token-prediction head (``mlxformer.speculative.mtp``)
     draft_cache: CacheSettings | None = None  # the draft's KV cache (default: ``draft_cache_settings``)
     ngram_max: int = 3  # prompt lookup: longest suffix n-gram searched for
     # Shortest n-gram that may propose. A single recurring token is a weak cue: on SmolLM2
@@ -82,7 +82,7 @@ def _key(next_key: KeySource | None) -> mx.array | None:
 
 
 class NativeDrafter(Protocol):
-    """A target's own draft head as speculation sees it (``mlxformer.mtp.MTPDrafter``)."""
+    """A target's own draft head as speculation sees it (``mlxformer.speculative.mtp.MTPDrafter``)."""
 
     @property
     def head(self) -> Any:

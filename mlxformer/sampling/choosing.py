@@ -21,8 +21,8 @@ from typing import Sequence
 import mlx.core as mx
 import numpy as np
 
-from mlxformer.options import SamplingSettings
-from mlxformer.sampling import (
+from mlxformer.sampling.options import SamplingSettings
+from mlxformer.sampling.samplers import (
     REPETITION_CONTEXT, draw, filtered, normalize, occurrence_penalized, repetition_penalized, token_counts,
 )
 

@@ -9,7 +9,7 @@ pipelined decode step already fed may stay if the cache cannot take it back). So
 a speculation round, or past the last token, never leaves stray keys in the cache, and what
 the cache holds (``cache_tokens``) can be reused by the next turn or the prefix cache.
 
-The loops that drive it: ``mlxformer.generation.decode`` (one stream: ``stream_generate``,
+The loops that drive it: ``mlxformer.generation.stream.decode`` (one stream: ``stream_generate``,
 ``ChatSession``, ``bench``, distributed generation) and the engine (one state per request,
 batched by its runner). ``open_sequence`` builds a state for one stream.
 """
@@ -25,12 +25,12 @@ from mlxformer.cache import Cache, CacheSettings, make_cache
 from mlxformer.cache.rotating import RotatingKVCache
 from mlxformer.errors import MlxformerError
 from mlxformer.models.decoder import Model
-from mlxformer.options import SamplingSettings, check_integer
-from mlxformer.choosing import History, ChoiceRow, choose, draw_key
-from mlxformer.sampling import TokenConstraint, make_distribution
-from mlxformer.speculative import Proposer, SpeculativeSettings, Speculator, new_proposer, rewind
-from mlxformer.stop import StopMatcher
-from mlxformer.tokenizer import StreamingDetokenizer
+from mlxformer.sampling.options import SamplingSettings, check_integer
+from mlxformer.sampling.choosing import History, ChoiceRow, choose, draw_key
+from mlxformer.sampling.samplers import TokenConstraint, make_distribution
+from mlxformer.speculative.speculator import Proposer, SpeculativeSettings, Speculator, new_proposer, rewind
+from mlxformer.text.stop import StopMatcher
+from mlxformer.text.tokenizer import StreamingDetokenizer
 
 
 def with_rewind(settings: CacheSettings | None, speculative: SpeculativeSettings | None) -> CacheSettings | None:
@@ -283,7 +283,7 @@ def open_sequence(
     proposer: Proposer | None = None,
     constraint: TokenConstraint | None = None,
 ) -> DecodingState:
-    """A state ready for ``mlxformer.generation.decode``: ``cache`` (holding a prefix of
+    """A state ready for ``mlxformer.generation.stream.decode``: ``cache`` (holding a prefix of
     ``prompt``) or a new one from ``cache_settings``, with the rewind slack speculation needs."""
     sampling.check_vocabulary(model.args.vocab_size)
     if cache is None:

@@ -14,13 +14,13 @@ from typing import Iterator, Sequence
 
 from mlxformer.cache import Cache, CacheSettings, make_cache
 from mlxformer.cache.files import load_prompt_cache_file, save_prompt_cache
-from mlxformer.decoding import open_sequence, with_rewind
+from mlxformer.generation.decoding import open_sequence, with_rewind
 from mlxformer.errors import MlxformerError
-from mlxformer.generation import GenerationResponse, decode, responses
+from mlxformer.generation.stream import GenerationResponse, decode, responses
 from mlxformer.models.decoder import Model
-from mlxformer.options import SamplingSettings
-from mlxformer.speculative import SpeculativeSettings, check_draft, new_proposer, trim_to_common_prefix
-from mlxformer.tokenizer import Tokenizer
+from mlxformer.sampling.options import SamplingSettings
+from mlxformer.speculative.speculator import SpeculativeSettings, check_draft, new_proposer, trim_to_common_prefix
+from mlxformer.text.tokenizer import Tokenizer
 
 
 class ChatSession:

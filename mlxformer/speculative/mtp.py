@@ -39,9 +39,9 @@ from mlxformer.models.dtype_policy import cast_except_quantized_linears
 from mlxformer.models.families import text_weight_names
 from mlxformer.models.moe import expert_groups
 from mlxformer.models.mtp import MTPHead
-from mlxformer.sampling import Distribution
-from mlxformer.speculative import KeySource, common_prefix_length, draft_token
-from mlxformer.steps import default_prefill_step
+from mlxformer.sampling.samplers import Distribution
+from mlxformer.speculative.speculator import KeySource, common_prefix_length, draft_token
+from mlxformer.generation.steps import default_prefill_step
 
 __all__ = ["HiddenRows", "MTPDrafter", "MTPProposer", "has_mtp_block", "load_mtp"]
 

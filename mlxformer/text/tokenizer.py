@@ -16,13 +16,13 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken
 from tokenizers import Tokenizer as HFTokenizer
 
-from mlxformer.detokenizer import StreamingDetokenizer
+from mlxformer.text.detokenizer import StreamingDetokenizer
 from mlxformer.errors import MlxformerError
 from mlxformer.formats.gguf_vocab import build_gguf_vocab
 from mlxformer.formats.jsonio import read_json_object
-from mlxformer.model_defaults import NO_DEFAULTS, SamplingDefaults
-from mlxformer.tokenizer_hf import HFBackend
-from mlxformer.tokenizer_spm import SPMBackend, spm_backend, spm_special_tokens
+from mlxformer.sampling.model_defaults import NO_DEFAULTS, SamplingDefaults
+from mlxformer.text.tokenizer_hf import HFBackend
+from mlxformer.text.tokenizer_spm import SPMBackend, spm_backend, spm_special_tokens
 
 __all__ = ["Backend", "HFBackend", "SPMBackend", "Tokenizer", "load_tokenizer_from_dir", "load_tokenizer_from_gguf"]
 

@@ -29,7 +29,7 @@ from mlxformer.server.protocol import (
 )
 from mlxformer.server.reply import Reply, ReplyParser
 from mlxformer.server.toolcalls import CallDelta
-from mlxformer.tokenizer import Tokenizer
+from mlxformer.text.tokenizer import Tokenizer
 
 LOGPROB_FLOOR = -9999.0  # what OpenAI reports for a token the model gives (next to) no probability
 SPECIAL_MARKER = b"\xff"  # the grammar vocabulary's mark on control tokens

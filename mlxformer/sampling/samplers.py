@@ -4,13 +4,13 @@ Every function takes log-probabilities or logits ``(B, vocab)`` and per-row sett
 vectors (a Python number stands for the same value in every row), so a batch with different
 settings per row is one graph whose size does not depend on ``B``. Logits are cast to float32
 once, before anything is accumulated (softmax and cumsum in bfloat16 lose the tail: top-p 0.95
-kept 20 tokens of SmolLM2's instead of 2,229). ``mlxformer.choosing`` assembles these into a
+kept 20 tokens of SmolLM2's instead of 2,229). ``mlxformer.sampling.choosing`` assembles these into a
 decode step's choice; ``make_sampler``/``make_distribution`` are the one-setting forms.
 
 Filters, in llama.cpp's order (the filters see the untempered distribution): top-k (exactly
 ``k`` tokens, ties broken by position), top-p over the mass renormalised after top-k (the most
 likely token always stays), min-p (relative to the top token), then the temperature.
-The values are validated by ``mlxformer.options.SamplingSettings``, nowhere else.
+The values are validated by ``mlxformer.sampling.options.SamplingSettings``, nowhere else.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Callable, Protocol
 
 import mlx.core as mx
 
-from mlxformer.options import SamplingSettings
+from mlxformer.sampling.options import SamplingSettings
 
 Sampler = Callable[[mx.array], mx.array]
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]

@@ -13,14 +13,14 @@ import mlx.core as mx
 
 from mlxformer.cache import Cache, CacheSettings
 from mlxformer.constrained import make_constraint
-from mlxformer.decoding import DecodingState, open_sequence
+from mlxformer.generation.decoding import DecodingState, open_sequence
 from mlxformer.errors import MlxformerError
 from mlxformer.models.decoder import Model
-from mlxformer.options import SamplingSettings  # noqa: F401 (re-exported)
-from mlxformer.sampling import TokenConstraint
-from mlxformer.speculative import SpeculativeSettings, check_draft
-from mlxformer.steps import decode_step, default_prefill_step, prefill  # noqa: F401 (re-exported)
-from mlxformer.tokenizer import Tokenizer
+from mlxformer.sampling.options import SamplingSettings  # noqa: F401 (re-exported)
+from mlxformer.sampling.samplers import TokenConstraint
+from mlxformer.speculative.speculator import SpeculativeSettings, check_draft
+from mlxformer.generation.steps import decode_step, default_prefill_step, prefill  # noqa: F401 (re-exported)
+from mlxformer.text.tokenizer import Tokenizer
 
 
 @dataclass
@@ -151,7 +151,7 @@ def stream_generate(
 
     Sampling may be given as ``sampling=SamplingSettings(...)`` or as its fields as keywords
     (``temp``, ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty``, ``presence_penalty``,
-    ``frequency_penalty``, ``logit_bias``, ``seed``; see ``mlxformer.options``). ``cache``:
+    ``frequency_penalty``, ``logit_bias``, ``seed``; see ``mlxformer.sampling.options``). ``cache``:
     caches that already hold the first ``cache[0].offset`` tokens of ``prompt`` (an earlier
     turn; only the rest is prefilled); otherwise a new one is made from ``cache_settings``.
     ``speculative`` turns on prompt-lookup or draft-model decoding (same greedy output).

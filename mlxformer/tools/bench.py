@@ -10,12 +10,12 @@ from typing import Callable, Iterator
 import mlx.core as mx
 
 from mlxformer.cache import CacheSettings
-from mlxformer.decoding import open_sequence
+from mlxformer.generation.decoding import open_sequence
 from mlxformer.errors import MlxformerError
-from mlxformer.generation import decode
+from mlxformer.generation.stream import decode
 from mlxformer.models.decoder import Model
-from mlxformer.speculative import SpeculativeSettings, SpeculativeStats, check_draft
-from mlxformer.tokenizer import Tokenizer
+from mlxformer.speculative.speculator import SpeculativeSettings, SpeculativeStats, check_draft
+from mlxformer.text.tokenizer import Tokenizer
 
 # A token stream: given a prompt (T,) and a count, yields that many generated token ids.
 TokenLoop = Callable[[mx.array, int], Iterator[int]]

@@ -15,7 +15,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlxformer.errors import MlxformerError
-from mlxformer.sampling import logsumexp
+from mlxformer.sampling.samplers import logsumexp
 
 
 def negative_log_likelihoods(logits: mx.array, targets: mx.array) -> mx.array:

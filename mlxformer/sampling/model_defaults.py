@@ -22,7 +22,7 @@ from typing import Any, Mapping
 
 from mlxformer.errors import OptionError
 from mlxformer.formats.jsonio import read_json_object
-from mlxformer.options import SamplingSettings
+from mlxformer.sampling.options import SamplingSettings
 
 # generation_config.json key -> SamplingSettings field
 HF_KEYS = {"temperature": "temp", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",

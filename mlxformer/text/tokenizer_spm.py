@@ -18,7 +18,7 @@ from tokenizers import AddedToken
 
 from mlxformer.errors import MlxformerError
 from mlxformer.formats.gguf_vocab import CONTROL, add_typed_tokens, spm_bpe_tokenizer
-from mlxformer.tokenizer_hf import HFBackend, add_tokens_at
+from mlxformer.text.tokenizer_hf import HFBackend, add_tokens_at
 
 _Piece = sentencepiece_model_pb2.ModelProto.SentencePiece
 _BPE = 2

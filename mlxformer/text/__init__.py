@@ -1,0 +1,1 @@
+"""Text: tokenizers (tokenizers and sentencepiece backends, sandboxed chat templates), the streaming detokenizer, stop strings."""

@@ -1,0 +1,1 @@
+"""Tools over a model: conversion, perplexity, benchmarking, memory planning (``info``)."""
