@@ -233,9 +233,12 @@ def test_anthropic_messages_forced_tool_use_and_thinking_budget(served):
     (use,) = [block for block in reply.content if block.type == "tool_use"]
     assert use.name == "get_weather" and reply.stop_reason == "tool_use"
     jsonschema.validate(use.input, WEATHER_SCHEMA)
-    low, high = (client.messages.create(model=MODEL_NAME, max_tokens=1, messages=user,
-                                        thinking={"type": "enabled", "budget_tokens": budget}).usage.input_tokens
-                 for budget in (1024, 20000))
+    usages = [client.messages.create(model=MODEL_NAME, max_tokens=1, messages=user,
+                                     thinking={"type": "enabled", "budget_tokens": budget}).usage
+              for budget in (1024, 20000)]
+    # the prompt's tokens: those computed and those read from the prompt cache (the second
+    # request reuses the first's prefix now that a sliding window serves a hit)
+    low, high = (u.input_tokens + (u.cache_read_input_tokens or 0) for u in usages)
     assert high - low == 1  # budget 1024 -> "Reasoning: low", 20000 -> "high"
 
 
