@@ -1,5 +1,10 @@
-"""KV caches: the protocol (``protocol``), the growing cache (``kv``), the rotating window
-(``rotating``), the float/quantized storage codec (``codec``) and cache files (``files``).
+"""KV caches behind one protocol (``protocol.py``): a sequence's own caches (``kv.py``: growing,
+float or quantized through ``codec.py``; ``rotating.py``: a window; ``latent.py``: MLA's
+latents; ``state.py``: a Gated DeltaNet layer's state), a sequence's row of the engine's decode
+batch from admission on (``rows.py``, ``rotating_rows.py``, ``state_rows.py``, ``row_place.py``
+over ``batch.py`` / ``batch_kind.py``), one packed step's view (``packed.py``), a cache cut into
+prompt-cache blocks and rebuilt from them (``blocks.py``), and prompt-cache files (``files.py``,
+``file_checks.py``).
 
 ``make_cache`` builds one cache per decoder layer from ``CacheSettings``.
 """

@@ -1,14 +1,17 @@
-"""Continuous-batching generation: several sequences decode in one forward pass.
+"""Continuous batching: several sequences share each forward pass.
 
-``Engine`` runs a background loop: each step it admits queued requests into free batch slots
-(at most ``max_batch``; the queue holds at most ``max_queue``), runs one prompt chunk of the
-oldest newcomer (reusing the cached blocks of a prefix it shares with earlier prompts:
-``prompt_cache=PromptCacheSettings(...)``, in memory and optionally on disk) and one decode
-step for every running sequence, then emits each sequence's ``TokenEvent``. Sequences keep
-their own sampling settings, seeds, stop strings, penalties and constraints; a finished one
-leaves at once. ``batch_generate`` completes a list of prompts this way. With
-``speculative=SpeculativeSettings(...)`` each sequence decodes speculatively (prompt lookup or
-a draft model; ``speculation.py``), with the same greedy output.
+``Engine`` (``engine.py``) runs a background loop: schedule (``scheduler.py``: admission within
+``max_batch`` and the KV budget, then a step as a token budget: every decoding row's token,
+then prompt chunks, newcomers and the shortest first, a starved prompt first of all), run
+(``batch_runner.py``: decode rows, prompt chunks and speculation rounds packed into one
+forward where the model allows), hand out (``choices.py``: one sampling graph and one host
+read per step), each request inside its own error boundary. ``admission.py`` gives admitted
+sequences their caches (a prompt-cache hit from ``prefix_cache.py`` / ``disk_cache.py``, shared
+prefixes between running requests: ``prefix_sharing.py``), ``memory.py`` plans each step
+within ``max_kv_memory`` (evict, then preempt; ``replay.py`` recomputes a preempted sequence),
+``jobs.py`` runs embedding and rerank forwards between steps, ``metrics.py`` exports
+Prometheus metrics. ``batch_generate`` (``batch.py``) completes a list of prompts this way.
+A request is a ``GenerationRequest``; its ``RequestHandle`` yields ``TokenEvent``s.
 """
 
 from mlxformer.engine.batch import batch_generate
