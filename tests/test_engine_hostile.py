@@ -128,7 +128,8 @@ def test_a_long_prompt_is_not_starved_by_a_stream_of_short_ones():
 def host_bytes_per_step(context: int) -> int:
     """Peak bytes the host allocates to build one step's sampling graph (``Sequence.row`` and
     ``choose``, not evaluated) for 8 sequences of ``context`` prompt tokens that have generated
-    a few tokens, every penalty on, after a warm step (a counted measure, not a timed one)."""
+    a few tokens, every penalty on in half the rows, after a warm step (a counted measure, not a
+    timed one)."""
     import tracemalloc
 
     from mlxformer.sampling.choosing import choose
@@ -136,8 +137,9 @@ def host_bytes_per_step(context: int) -> int:
 
     vocab = 256
     settings = SamplingSettings(temp=0.7, repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.3, seed=3)
-    sequences = [Sequence(GenerationRequest([(i + j) % 250 for j in range(context)], 64, settings), None, [])
-                 for i in range(8)]
+    plain = SamplingSettings(temp=0.7, seed=5)  # half the rows without penalties, beside the others
+    sequences = [Sequence(GenerationRequest([(i + j) % 250 for j in range(context)], 64, settings if i % 2 else plain),
+                          None, []) for i in range(8)]
     logits = mx.random.normal((8, vocab), key=mx.random.key(0))
     for step in range(3):
         for s in sequences:

@@ -150,9 +150,12 @@ def process(logits: mx.array, rows: Sequence[ChoiceRow], pending: mx.array | Non
 
 def _generated_counts(rows: Sequence[ChoiceRow], vocab: int, pending: mx.array | None, counts: list[int]) -> mx.array:
     """Float32 ``(B, vocab)``: how often each token occurs in each row's generated tokens and
-    its first ``counts`` pending ones (a row's running ``counts`` when it has them)."""
-    if all(r.counts is not None for r in rows):
-        total = mx.stack([r.counts for r in rows])  # type: ignore[misc]
+    its first ``counts`` pending ones (a row's running ``counts`` when it has them; zeros for a
+    row without these penalties, whose weights are 0)."""
+    unpenalized = [not (r.sampling.presence_penalty or r.sampling.frequency_penalty) for r in rows]
+    if all(r.counts is not None or off for r, off in zip(rows, unpenalized)):
+        zeros = mx.zeros((vocab,), mx.float32)
+        total = mx.stack([r.counts if r.counts is not None else zeros for r in rows])
         if pending is None or not any(counts):
             return total
         return total + token_counts(_ids([[] for _ in rows], vocab, pending, counts), vocab)
