@@ -36,7 +36,6 @@ from mlxformer.generation.steps import prefill
 from mlxformer.text.tokenizer import Tokenizer
 
 
-
 @dataclass(frozen=True)
 class SpeculativeSettings:
     """How to speculate: prompt lookup, a draft model (with its own cache settings) or MTP."""
