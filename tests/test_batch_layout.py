@@ -21,8 +21,11 @@ def layout_of(kind: StorageKind, window: int | None, lengths: list[int]) -> Batc
     """A layout whose rows hold ``lengths`` tokens in slot order (a growing cache's rows)."""
     layout = BatchLayout(kind, window)
     layout.fit(max(lengths) + 1)
-    layout.add([BatchRow(n, n, n) for n in lengths], [mx.arange(n, dtype=mx.int32) for n in lengths])
-    mx.eval(layout.positions)
+    layout.rows = [BatchRow(n, n, n) for n in lengths]
+    positions = np.full((len(lengths), layout.width), -1, dtype=np.int32)
+    for i, n in enumerate(lengths):
+        positions[i, :n] = np.arange(n)
+    layout.positions = mx.array(positions)
     return layout
 
 

@@ -30,14 +30,15 @@ def graph_ops(array: mx.array, path) -> int:
 
 
 def ops_per_step(model, batch: int, settings: CacheSettings, path) -> int:
-    """Operations of the second decode step of ``batch`` sequences of different lengths (the
-    first one joins them into the batch)."""
+    """Operations of the second decode step of ``batch`` sequences of different lengths, each
+    prefilled in its row of the pool."""
     runner = BatchRunner(model)
     sequences = []
     for i in range(batch):
-        cache = make_cache(model, settings)
-        runner.prefill(list(range(1, 30 + 3 * i)), cache, want_logits=False)
-        sequences.append(SimpleNamespace(cache=cache, speculator=None, last_token=5 + i))
+        sequence = SimpleNamespace(cache=make_cache(model, settings), speculator=None, last_token=5 + i)
+        runner.seat(sequence)
+        runner.prefill(list(range(1, 30 + 3 * i)), sequence.cache, want_logits=False)
+        sequences.append(sequence)
     mx.eval(runner.decode(sequences))
     return graph_ops(runner.decode(sequences), path)
 

@@ -257,3 +257,38 @@ def test_a_newcomer_waiting_on_a_prefix_past_a_narrow_window_is_served_from_it(t
         got = [tokens_of(h) for h in handles]
         assert handles[1].sequence.cached_tokens >= 128
     assert got[1] == reference
+
+
+ALONE_CASES = [  # (cache settings, prompt tokens, max_tokens): storage turning quantized before, at, after the end
+    (CacheSettings(), 500, 40),
+    (CacheSettings(kv_bits=8, kv_group_size=32), 240, 20),
+    (CacheSettings(kv_bits=8, kv_group_size=32, quantized_kv_start=250), 250, 2),
+    (CacheSettings(kv_bits=8, kv_group_size=32, quantized_kv_start=300), 250, 10),
+    (CacheSettings(kv_bits=8, kv_group_size=32, quantized_kv_start=300), 60, 300),
+    (CacheSettings(kv_bits=8, kv_group_size=32, quantized_kv_start=300), 300, 5),
+    (CacheSettings(max_kv_size=72, keep=2), 200, 40),
+]
+
+
+@pytest.mark.parametrize("settings,prompt,max_tokens", ALONE_CASES)
+def test_a_request_admitted_alone_completes_alone(tiny, settings, prompt, max_tokens):
+    """A budget of exactly what the check asks for a request (``KVSizer.peak``: the one estimate,
+    ``after``, at each growth and as its storage turns quantized) runs it to its end alone, and
+    the bytes its caches hold never pass the budget. Before, with ``quantized_kv_start`` past a
+    block, the check sized a float row as quantized: 4 of these failed alone ("the request
+    outgrew the KV memory budget")."""
+    model, tokenizer = tiny
+    budget = Engine(model, tokenizer, cache_settings=settings).sizer.peak(prompt + max_tokens)
+    ids = [(7 * j) % 250 + 1 for j in range(prompt)]
+    with Engine(model, tokenizer, max_kv_memory=budget, cache_settings=settings, prefix_cache_bytes=0,
+                prefill_chunk=64) as engine:
+        held, step = [], engine.step
+
+        def recorded_step() -> None:
+            step()
+            held.append(engine.kv_bytes())
+
+        engine.step = recorded_step  # type: ignore[method-assign]
+        events = list(engine.submit(GenerationRequest(ids, max_tokens)))
+    assert sum(e.token is not None for e in events) == max_tokens
+    assert 0 < max(held) <= budget, (max(held), budget)

@@ -205,10 +205,11 @@ def test_decode_rows_and_prompt_chunks_run_in_one_forward(family, request):
     runner = BatchRunner(counting)  # type: ignore[arg-type]
     rows = []
     for i, length in enumerate((30, 45)):
-        cache = make_cache(model, CacheSettings())
-        runner.prefill(list(range(1, length)), cache, want_logits=False)
-        rows.append(SimpleNamespace(cache=cache, speculator=None, last_token=7 + i))
-    mx.eval(runner.decode(rows))  # they join the batch
+        row = SimpleNamespace(cache=make_cache(model, CacheSettings()), speculator=None, last_token=7 + i)
+        runner.seat(row)  # its row of the pool, where its prompt is written
+        runner.prefill(list(range(1, length)), row.cache, want_logits=False)
+        rows.append(row)
+    mx.eval(runner.decode(rows))  # their first decode step
     prompt_a, prompt_b = list(range(10, 110)), list(range(50, 57))
     cache_a, cache_b = make_cache(model, CacheSettings()), make_cache(model, CacheSettings())
     chunks = [TokenRun(prompt_a[:64], cache_a, False, 100), TokenRun(prompt_b, cache_b, True, 7),

@@ -88,10 +88,11 @@ def test_packed_step_keeps_the_wanted_rows_bit_for_bit(case, monkeypatch):
     model, _ = case
     runner = BatchRunner(model)
     assert runner.packs
-    decoded, first, second = (make_cache(model, CacheSettings()) for _ in range(3))
-    runner.prefill(list(range(1, 21)), decoded, want_logits=False)
-    sequence = SimpleNamespace(cache=decoded, speculator=None, last_token=7)
-    runner.step([sequence])  # it joins its batch
+    first, second = (make_cache(model, CacheSettings()) for _ in range(2))
+    sequence = SimpleNamespace(cache=make_cache(model, CacheSettings()), speculator=None, last_token=7)
+    runner.seat(sequence)  # its row of the pool
+    runner.prefill(list(range(1, 21)), sequence.cache, want_logits=False)
+    runner.step([sequence])
     mx.eval(runner.step([sequence])[0])
     chunks = [TokenRun(list(range(30, 50)), first, True, 20), TokenRun(list(range(50, 60)), second, False, 20)]
     rows = record_last_mlp(model, monkeypatch)

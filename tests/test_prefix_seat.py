@@ -109,7 +109,7 @@ def test_a_prefix_hit_is_seated_one_layer_at_a_time(kind, beside, llama, tmp_pat
 
 @pytest.mark.parametrize("kind", ["float", "hybrid"])
 def test_own_caches_seated_again_drop_each_layer_as_it_is_written(kind, llama, tmp_path):
-    """Own caches holding 600 tokens (as a failed step's ``release`` leaves them) seated again,
+    """Own caches holding 600 tokens (a prefix hit's, or caches made outside the engine) seated,
     staged: each own layer goes once its row's layer is written, so MLX's peak over what was
     held rises by one layer of the caches and the own caches' bytes are given back (measured:
     1.01 layers, float; before, 9.0: the whole row beside them up to the end of the seat)."""

@@ -46,7 +46,7 @@ def hybrid(request, tmp_path_factory):
 
 def record_seats(monkeypatch) -> list[int]:
     """The tokens each ``SpareBatch.seat`` writes into its row (0: an empty row at admission;
-    more: a prefix-cache hit, or, on the old path, a prefilled sequence joining)."""
+    more: a prefix-cache hit)."""
     written: list[int] = []
     seat = SpareBatch.seat
 
@@ -62,8 +62,7 @@ def record_seats(monkeypatch) -> list[int]:
 @pytest.mark.parametrize("staged", [False, True], ids=["unbudgeted", "budget"])
 def test_a_hybrid_join_copies_nothing(staged, window, tmp_path):
     """Two Qwen3.5 sequences (4 DeltaNet, 4 attention layers) prefill in their rows: their first
-    decode step raises MLX's peak memory as a steady step does; the old join, measured the same
-    way, copies the rows in. ``budget``: staged (a row added per seat, its states too). ``ring``:
+    decode step raises MLX's peak memory as a steady step does. ``budget``: staged (a row added per seat, its states too). ``ring``:
     a ``max_kv_size`` of 96 (prompts of 300 and 310 in chunks of 128: the rings turn)."""
     layer_types = ["linear_attention", "full_attention"] * 4
     model, _ = tiny(tmp_path, "qwen3_5_text", num_hidden_layers=8, layer_types=layer_types)

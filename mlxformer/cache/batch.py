@@ -10,9 +10,9 @@ and attends over all ``C`` slots of all rows in one call, masked by position. Th
 ones the sequence's own cache would use (the growing cache appends; the rotating cache fills,
 then writes its ring after the sinks), so each row sees exactly the keys it sees alone.
 
-Rows join from, and leave as, ordinary per-sequence caches (``KVCache``, ``RotatingKVCache``):
-prefill, speculation and the prefix cache keep working on those. A recurrent layer's rows
-(``StateCache``: a fixed-size state each) are stacked on the batch axis into one ``StateCache``.
+The rows belong to a pool (``cache/rows.py``), where a sequence lives from admission to
+retirement; ``_row_cache`` gives a row's layer as a per-sequence cache of views (what the prefix
+cache cuts blocks from).
 """
 
 from __future__ import annotations
@@ -139,21 +139,13 @@ class BatchLayout:
                 row.freed = max(0, row.freed - 1)
             row.offset += 1
 
-    def add(self, rows: list[BatchRow], positions: list[mx.array]) -> None:
-        """Append rows, the positions their used slots hold (each ``(used,)``)."""
-        padded = [mx.concatenate([p, mx.full((self.width - p.shape[0],), -1, dtype=mx.int32)]) for p in positions]
-        self.positions = mx.concatenate([self.padded(), mx.stack(padded)], axis=0)  # (B + new, C)
-        self.rows += rows
-
-    def remove(self, index: int, keep: mx.array) -> tuple[BatchRow, mx.array]:
-        """Remove row ``index`` (``keep``: the other rows' indices); returns it and its used
-        slots' positions ``(used,)``; the width narrows to what the rows left need."""
-        row = self.rows.pop(index)
-        held = self.positions[index, : row.used]
+    def remove(self, index: int, keep: mx.array) -> None:
+        """Remove row ``index`` (``keep``: the other rows' indices); the width narrows to what
+        the rows left need."""
+        self.rows.pop(index)
         self.width = 0
         self.fit(max((r.used for r in self.rows), default=0) + 1)
         self.positions = self.positions[keep][:, : self.width]
-        return row, held
 
 
 def _pad(pack: Pack, width: int) -> Pack:
@@ -261,180 +253,14 @@ class BatchLayerCache:
         return pack_nbytes(self.keys) + pack_nbytes(self.values)
 
 
-class RowView:
-    """Stands in for a sequence's caches while its keys/values live in a batch: its offset and
-    its share of the batch's bytes (what accounting and ``cache_tokens`` read)."""
-
-    segments = None  # the rows of one forward (``Cache.segments``)
-
-    def __init__(self, batch: "DecodeBatch", row: BatchRow, layer: int) -> None:
-        self.batch, self.row, self.layer = batch, row, layer
-
-    @property
-    def offset(self) -> int:
-        return self.row.offset
-
-    @property
-    def nbytes(self) -> int:
-        return self.batch.layers[self.layer].nbytes // max(1, len(self.batch))
-
-
-class DecodeBatch:
-    """Rows of one ``BatchKey``: a layout per distinct layer kind and one ``BatchLayerCache`` per layer."""
-
-    def __init__(self, key: BatchKey) -> None:
-        self.key = key
-        self.groups: dict[LayerKind, list[int]] = {}  # each kind's layers, in order
-        for layer, kind in enumerate(key):
-            self.groups.setdefault(kind, []).append(layer)
-        self.layouts = {kind: BatchLayout(*kind) for kind in self.groups}
-        self.layers: list[BatchLayerCache | StateCache] = []
-        self.n_layers = len(key)
-
-    def __len__(self) -> int:
-        return len(next(iter(self.layouts.values())).rows)
-
-    def join(self, caches: Sequence[list[Cache]], staged: bool = False) -> list[list[RowView]]:
-        """Add rows from per-sequence caches (one list of layer caches each); returns each
-        new row's stand-in caches. ``staged``: one layer at a time, each evaluated before the
-        next and the joining caches' layer dropped (their entries become None), so only one
-        layer is ever held twice (the old buffers beside the new, the row in both)."""
-        rows, positions = {}, {}
-        for kind, layers in self.groups.items():
-            rows[kind], positions[kind] = zip(*(_row_of([c[i] for i in layers]) for c in caches))
-            self.layouts[kind].fit(max(r.used for r in rows[kind]) + 1)
-        first = not self.layers
-        for layer in range(self.n_layers):
-            merged = self._merged(layer, None if first else self.layers[layer], [c[layer] for c in caches])
-            if first:
-                self.layers.append(merged)
-            else:
-                self.layers[layer] = merged  # the old layer's buffers are free once evaluated
-            if staged:
-                evaluate_rewrite(merged.state)
-                for own in caches:
-                    own[layer] = None  # type: ignore[call-overload]  # its keys/values now live in the batch
-        for kind, layout in self.layouts.items():
-            layout.add(list(rows[kind]), list(positions[kind]))
-        views: list[list[RowView]] = []
-        for j in range(len(caches)):
-            views.append([RowView(self, rows[self.key[i]][j], i) for i in range(self.n_layers)])
-        return views
-
-    def _merged(
-        self, layer: int, old: "BatchLayerCache | StateCache | None", caches: list[Cache]
-    ) -> "BatchLayerCache | StateCache":
-        """Layer ``layer`` of the batch with the rows of ``caches`` appended to ``old``'s."""
-        kind = self.key[layer]
-        storage, width = kind[0], self.layouts[kind].width
-        if storage.recurrent:  # the rows' states stacked
-            return StateCache.stack([*([old] if old is not None else []), *caches])  # type: ignore[list-item]
-        parts = [_storage(c) for c in caches]
-        keys = [_pad(k, width) for k, _, _ in parts]
-        values = [_pad(v, width) for _, v, _ in parts]
-        centers = [center for _, _, center in parts if center is not None]
-        if isinstance(old, BatchLayerCache):
-            keys.insert(0, _pad(old.keys, width))
-            values.insert(0, _pad(old.values, width))
-            centers[:0] = list(old.codec.state)
-        n_blocks = max((c.shape[2] for c in centers), default=0)  # rows' centers, padded alike
-        centers = [KVCodec(storage.bits, storage.group_size, c).covering(n_blocks).key_center for c in centers]
-        codec = FLOAT_CODEC if storage.bits is None else KVCodec(
-            storage.bits, storage.group_size, mx.concatenate(centers, axis=0) if centers else None)
-        return BatchLayerCache(self.layouts[kind], codec, _cat_rows(keys), _cat_rows(values))
-
-    def leave(self, index: int, keep: bool = True, staged: bool = False) -> list[Cache]:
-        """Remove row ``index``; returns its keys/values as per-sequence caches again (copied
-        out of the batch), or ``[]`` when not ``keep``. ``staged``: one layer at a time, as in ``join``."""
-        caches: list[Cache | None] = [None] * self.n_layers
-        count = len(self)
-        rest = mx.array([i for i in range(count) if i != index], dtype=mx.int32)
-        for kind, layers in self.groups.items():
-            layout = self.layouts[kind]
-            # narrowed to what the rows left need (the KV budget counts each row by its own length)
-            row, positions = layout.remove(index, rest)
-            for meta, layer in zip(row.metas, layers):
-                batched = self.layers[layer]
-                if keep:
-                    caches[layer] = _row_cache(batched, index, row, meta, positions, copy=True)
-                if isinstance(batched, StateCache):
-                    batched.drop_row(index)
-                else:
-                    batched.keep_rows(rest)
-                if staged:
-                    own = caches[layer]
-                    evaluate_rewrite(batched.state, own.state if own is not None else ())
-        return caches if keep else []  # type: ignore[return-value]
-
-    def row_caches(self, index: int) -> list[Cache]:
-        """Row ``index`` as per-sequence caches whose arrays are views of the batch's buffers
-        (nothing copied: for the prefix cache to cut its blocks from, before the row leaves)."""
-        caches: list[Cache | None] = [None] * self.n_layers
-        for kind, layers in self.groups.items():
-            layout = self.layouts[kind]
-            row = layout.rows[index]
-            positions = layout.positions[index, : row.used] if not kind[0].recurrent else mx.zeros((0,), mx.int32)
-            for meta, layer in zip(row.metas, layers):
-                caches[layer] = _row_cache(self.layers[layer], index, row, meta, positions, copy=False)
-        return caches  # type: ignore[return-value]
-
-    def step_caches(self, staged: bool = False, stepping: Sequence[int] | None = None) -> list[BatchLayerCache | StateCache]:
-        """The per-layer caches for this step's forward (the layouts prepared; ``stepping``: the
-        rows taking a token, default all). ``staged``: buffers that must widen for the step are
-        widened one layer at a time (evaluated)."""
-        for kind, layout in self.layouts.items():
-            if not kind[0].recurrent:  # a recurrent layer has no slots or mask
-                layout.prepare(stepping)
-        if staged:
-            self.widen()
-        return self.layers
-
-    def widen(self) -> None:
-        """Pad each layer's buffers to its layout's width one layer at a time, each evaluated
-        before the next (under a KV budget: only one layer is held twice)."""
-        for cache in self.layers:
-            if isinstance(cache, BatchLayerCache) and cache.keys[0].shape[2] < cache.layout.width:
-                cache.keys, cache.values = _pad(cache.keys, cache.layout.width), _pad(cache.values, cache.layout.width)
-                evaluate_rewrite(cache.keys, cache.values)
-
-    def commit(self) -> None:
-        """Record this step's token in every row (after the forward is built)."""
-        for layout in self.layouts.values():
-            layout.commit()
-
-
-def _cat_rows(packs: list[Pack]) -> Pack:
-    """Packs of several rows stacked on the batch axis."""
-    return tuple(mx.concatenate(parts, axis=0) for parts in zip(*packs))
-
-
-def _storage(cache: Cache) -> tuple[Pack, Pack, mx.array | None]:
-    """A per-sequence cache's keys, values (its used slots, in slot order) and key center."""
-    assert isinstance(cache, (KVCache, RotatingKVCache)) and cache.keys is not None and cache.values is not None
-    used = len(cache.positions) if isinstance(cache, RotatingKVCache) else cache.offset
-    keys = tuple(x[..., :used, :] for x in cache.keys)
-    values = tuple(x[..., :used, :] for x in cache.values)
-    return keys, values, cache.codec.key_center
-
-
-def _row_of(caches: Sequence[Cache]) -> tuple[BatchRow, mx.array]:
-    """A joining sequence's row and the positions its used slots hold ``(used,)``."""
-    first = caches[0]
-    metas = [c.meta_state for c in caches]
-    if isinstance(first, RotatingKVCache):
-        return BatchRow(len(first.positions), first.offset, first.idx, metas), mx.array(first.positions, dtype=mx.int32)
-    return BatchRow(first.offset, first.offset, first.offset, metas), mx.arange(first.offset, dtype=mx.int32)
-
-
 def _row_cache(
-    batched: "BatchLayerCache | StateCache", index: int, row: BatchRow, meta: dict[str, str], positions: mx.array, copy: bool
+    batched: "BatchLayerCache | StateCache", index: int, row: BatchRow, meta: dict[str, str], positions: mx.array
 ) -> Cache:
-    """Row ``index`` of one batched layer as a per-sequence cache (``copy``: its own arrays, else views)."""
+    """Row ``index`` of one batched layer as a per-sequence cache whose arrays are views of the buffers."""
     if isinstance(batched, StateCache):
         return batched.row(index, row.offset, int(meta["keep"]))
-    take = mx.contiguous if copy else (lambda x: x)
-    keys = tuple(take(x[index : index + 1, :, : row.used, :]) for x in batched.keys)
-    values = tuple(take(x[index : index + 1, :, : row.used, :]) for x in batched.values)
+    keys = tuple(x[index : index + 1, :, : row.used, :] for x in batched.keys)
+    values = tuple(x[index : index + 1, :, : row.used, :] for x in batched.values)
     center = tuple(c[index : index + 1] for c in batched.codec.state)
     return _rebuild(meta, row, keys + values + center, positions)
 

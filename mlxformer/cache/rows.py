@@ -1,15 +1,16 @@
 """KV in one place (issue 32): a sequence's keys/values live in its row of a decode batch from
 its first prompt chunk on, so joining the decode steps moves nothing.
 
-A ``SpareBatch`` is a ``DecodeBatch`` of growing or rotating caches (float or quantized from the
-first token) whose buffers ``(capacity, n_kv, C, ...)`` keep spare rows. A sequence takes a free row when it is
+A ``SpareBatch`` is the pool of one storage kind (``BatchKey``): every layer's buffers
+``(capacity, n_kv, C, ...)`` (growing or rotating, float or quantized) with spare rows, and the
+slot layouts of its rows (``cache/batch.py``). A sequence takes a free row when it is
 admitted (``seat``: an empty row, or a prefix-cache hit's tokens written into it); its prompt
 chunks write there through ``RowCache`` (one layer of one row behind the cache protocol: ``L``
 slots written in place, a causal mask, attention over the row's slots, exactly what its own
 ``KVCache`` computes); once its prompt is done it takes part in the batch's decode steps where it
 is (the others' rows write a scratch slot and are not recorded: ``BatchLayout.prepare``). A
 speculating sequence's rounds write their ``k + 1`` slots into its row the same way, and a
-rejection trims them (``RowCache.trim``). Leaving frees the row (nothing copied out unless the caller keeps the caches). A full batch doubles its
+rejection trims them (``RowCache.trim``). Leaving frees the row (nothing is copied out). A full batch doubles its
 capacity (bounded by ``max_rows``, the engine's ``max_batch``), so most admissions write into a
 free row and rewrite nothing; the buffers are dropped when the last row leaves.
 
@@ -41,8 +42,8 @@ from typing import Sequence
 
 import mlx.core as mx
 
-from mlxformer.cache.batch import BatchLayerCache, DecodeBatch, _pad, _row_cache
-from mlxformer.cache.batch_kind import BatchKey, BatchRow
+from mlxformer.cache.batch import BatchLayerCache, BatchLayout, _pad, _row_cache
+from mlxformer.cache.batch_kind import BatchKey, BatchRow, LayerKind
 from mlxformer.cache.codec import CENTER_BLOCK, FLOAT_CODEC, KVCodec, Pack, center_blocks, pack_nbytes, pack_slice
 from mlxformer.cache.kv import CodecAttention, KVCache
 from mlxformer.cache.protocol import Cache
@@ -52,27 +53,10 @@ from mlxformer.cache.rotating_rows import RingWrites, held, own_ring_cache, plac
 from mlxformer.cache.state import StateCache
 from mlxformer.cache.state_rows import StateRowCache, StateRows
 from mlxformer.cache.rewrite import evaluate_rewrite
+from mlxformer.errors import MlxformerError
 from mlxformer.models.mask import Mask, causal_mask_for
 
 Blank = tuple[Pack, Pack]  # a layer's keys/values pack of one row and one slot (a recurrent layer's: its window, its state)
-
-
-def seatable(caches: Sequence[Cache]) -> bool:
-    """Whether a sequence's own caches can live in a ``SpareBatch`` row: growing or rotating
-    caches (float, quantized, or turning quantized at ``quantized_kv_start``: the row moves to
-    the quantized batch then, ``BatchRunner._cross``), maybe beside recurrent states."""
-    attention = [c for c in caches if type(c) is not StateCache]
-    return bool(attention) and all(type(c) in (KVCache, RotatingKVCache) for c in attention)
-
-
-def spare_kind(key: BatchKey) -> bool:
-    """Whether a batch of ``key`` is a ``SpareBatch``: attention layers growing or rotating;
-    recurrent layers only beside one kind of attention layer, growing or rotating (their rows
-    follow its layout)."""
-    attention = {kind for kind in key if not kind[0].recurrent}
-    if len(attention) == len({kind for kind in key}):
-        return bool(attention)
-    return len(attention) == 1
 
 
 def _rows_of(pack: Pack, rows: int, width: int) -> Pack:
@@ -80,19 +64,27 @@ def _rows_of(pack: Pack, rows: int, width: int) -> Pack:
     return tuple(mx.zeros((rows, x.shape[1], width, x.shape[3]), x.dtype) for x in pack)
 
 
-class SpareBatch(DecodeBatch):
-    """A ``DecodeBatch`` whose rows are taken at admission and freed at leave (module doc)."""
+class SpareBatch:
+    """Every layer's keys/values (or recurrent states) of the sequences of one ``BatchKey``, one
+    row each, from admission to retirement (module doc): a slot layout per kind of attention
+    layer and one ``BatchLayerCache`` (or ``StateRows``) per layer."""
 
     def __init__(self, key: BatchKey, blanks: Sequence[Blank], max_rows: int | None = None,
                  staged: bool = False) -> None:
-        super().__init__(key)
+        self.key, self.n_layers = key, len(key)
+        self.groups: dict[LayerKind, list[int]] = {}  # each kind's layers, in order
+        for layer, kind in enumerate(key):
+            self.groups.setdefault(kind, []).append(layer)
         self.max_rows = max_rows
         self.staged = staged  # under a KV budget: no spare rows, every rewrite one layer at a time
         self.free: list[int] = []
         # one slot layout per kind of attention layer, each with a sequence's row at the same
-        # index; a recurrent layer's rows follow the one attention layout (``spare_kind``)
-        self.layouts = {kind: layout for kind, layout in self.layouts.items() if not kind[0].recurrent}
+        # index; a recurrent layer's rows follow the first attention layout
+        self.layouts = {kind: BatchLayout(*kind) for kind in self.groups if not kind[0].recurrent}
+        if not self.layouts:
+            raise MlxformerError("the engine needs a model with at least one attention layer")
         self.layout = next(iter(self.layouts.values()))  # the first kind's (the recurrent rows')
+        self.layers: list[BatchLayerCache | StateRows] = []
         for (keys, values), kind in zip(blanks, key):
             storage = kind[0]
             if storage.recurrent:
@@ -211,63 +203,79 @@ class SpareBatch(DecodeBatch):
 
     def reserve(self, slots: int) -> None:
         """Widen the rows to hold ``slots`` slots before a step writes past them (a prompt chunk,
-        a speculation round): one layer at a time, each evaluated (``DecodeBatch.widen``), where
+        a speculation round): one layer at a time, each evaluated (``widen``), where
         the write would widen every layer in the forward's one graph. Every kind's layout (a
         rotating one's never past its row's capacity)."""
         for layout in self.layouts.values():
             layout.fit(slots)
         self.widen()
 
-    def join(self, caches: Sequence[list[Cache]], staged: bool = False) -> list[list[Cache]]:  # type: ignore[override]
-        """Rows from sequences with own caches (each copied into a free row)."""
-        return [self.seat(c)[1] for c in caches]  # type: ignore[misc]
-
-    def leave(self, index: int, keep: bool = True, staged: bool = False) -> list[Cache]:
-        """Free row ``index``; returns its keys/values as own caches (copied) when ``keep``.
-        ``staged`` batches remove it (``_remove``)."""
-        caches = [self._own(layer, index, copy=True) for layer in range(self.n_layers)] if keep else []
+    def leave(self, index: int) -> None:
+        """Free row ``index`` (nothing is copied out); ``staged`` pools remove it (``_remove``)."""
         if self.staged:
-            self._remove(index, caches)
-            return caches
+            self._remove(index)
+            return
         for layout in self.layouts.values():
             layout.rows[index] = BatchRow(0, 0, 0)
             layout.positions[index] = -1
         self.free.append(index)
         self.free.sort()
-        return caches
 
-    def _remove(self, index: int, caches: list[Cache]) -> None:
+    def _remove(self, index: int) -> None:
         """Remove row ``index`` (under a budget): the rows below move up, each layout narrows to
         what the others need, and each layer (keys/values, or a recurrent layer's states) is
-        rewritten and evaluated before the next, with its copy out (``caches``, when kept)."""
+        rewritten and evaluated before the next."""
         rest = mx.array([i for i in range(self.capacity) if i != index], dtype=mx.int32)
         for layout in self.layouts.values():
             layout.remove(index, rest)
-        for layer, batched in enumerate(self.layers):
+        for batched in self.layers:
             if isinstance(batched, StateRows):
                 batched.drop_row(index)
             else:
                 batched.keep_rows(rest)
-            evaluate_rewrite(batched.state, caches[layer].state if caches else ())
+            evaluate_rewrite(batched.state)
 
     def row_caches(self, index: int) -> list[Cache]:
         """Row ``index`` as per-sequence caches (a growing layer's: views of the buffers; a
         rotating layer's: its window copied in time order; states: copies)."""
-        return [self._own(layer, index, copy=False) for layer in range(self.n_layers)]
+        return [self._own(layer, index) for layer in range(self.n_layers)]
 
-    def _own(self, layer: int, index: int, copy: bool) -> Cache:
+    def _own(self, layer: int, index: int) -> Cache:
         """Layer ``layer`` of row ``index`` as the per-sequence cache it stands for."""
         batched = self.layers[layer]
         if isinstance(batched, StateRows):
             row = self.layout.rows[index]
-            return _row_cache(batched, index, row, row.metas[layer], mx.arange(0), copy)
+            return _row_cache(batched, index, row, row.metas[layer], mx.arange(0))
         row = batched.layout.rows[index]
         if batched.layout.kind.rotating:
             return own_ring_cache(batched, index, row, row.metas[layer])
-        return _row_cache(batched, index, row, row.metas[layer], mx.arange(row.used, dtype=mx.int32), copy)
+        return _row_cache(batched, index, row, row.metas[layer], mx.arange(row.used, dtype=mx.int32))
 
     def index(self, row: BatchRow) -> int:
         return next(i for layout in self.layouts.values() for i, r in enumerate(layout.rows) if r is row)
+
+    def step_caches(self, staged: bool = False, stepping: Sequence[int] | None = None) -> list[BatchLayerCache | StateRows]:
+        """The per-layer caches for this step's forward (the layouts prepared; ``stepping``: the
+        rows taking a token, default all). ``staged``: buffers that must widen for the step are
+        widened one layer at a time (evaluated)."""
+        for layout in self.layouts.values():
+            layout.prepare(stepping)
+        if staged:
+            self.widen()
+        return self.layers
+
+    def widen(self) -> None:
+        """Pad each layer's buffers to its layout's width one layer at a time, each evaluated
+        before the next (under a KV budget: only one layer is held twice)."""
+        for cache in self.layers:
+            if isinstance(cache, BatchLayerCache) and cache.keys[0].shape[2] < cache.layout.width:
+                cache.keys, cache.values = _pad(cache.keys, cache.layout.width), _pad(cache.values, cache.layout.width)
+                evaluate_rewrite(cache.keys, cache.values)
+
+    def commit(self) -> None:
+        """Record this step's token in every stepping row (after the forward is built)."""
+        for layout in self.layouts.values():
+            layout.commit()
 
 
 class RowCache(RowPlace, CodecAttention):

@@ -9,9 +9,7 @@ import math
 
 import mlx.core as mx
 
-from mlxformer.cache import CacheSettings, KVCache, make_cache
-from mlxformer.cache.rewrite import evaluate_rewrite
-from mlxformer.cache.row_place import RowPlace
+from mlxformer.cache import CacheSettings, make_cache
 from mlxformer.engine.batch_runner import BatchRunner
 from mlxformer.engine.memory import BLOCK, KVBudget, KVBudgetExceeded, MemoryPlanner, held, nbytes
 from mlxformer.engine.metrics import EngineMetrics
@@ -53,7 +51,7 @@ class Admission:
         cache (evicted down to the room left)."""
         if self.budget is None:
             return step
-        while (room := self.budget.limit - self.planner.step_need(self.scheduler, step, self.runner.batched)) < 0:
+        while (room := self.budget.limit - self.planner.step_need(self.scheduler, step)) < 0:
             victim = self.scheduler.latest_active()
             assert victim is not None
             if self._drain():  # tokens in flight are handed out first (one that ends frees its room)
@@ -68,27 +66,22 @@ class Admission:
         return step
 
     def _grow(self, step: Step) -> Step:
-        """Under a KV budget, widen the buffers of the sequences' own caches that ``step`` will
-        outgrow one layer at a time (each evaluated before the next), so that a growing cache
-        holds one layer's buffers twice at most, not all of them (``memory.KVSizer.step_need``).
-        A seated sequence's chunks and rounds widen its batch's rows the same way
-        (``SpareBatch.reserve``), as the decode steps widen a batch (``BatchRunner.staged``)."""
+        """Under a KV budget, widen the pool rows that ``step``'s prompt chunks and speculation
+        rounds will outgrow one layer at a time, each evaluated before the next
+        (``SpareBatch.reserve``), as the decode steps widen a pool (``BatchRunner.staged``): one
+        layer's buffers are held twice at most, not all of them."""
         if self.budget is None:
             return step
         fed: dict[int, int] = {}
         for chunk in step.prefill:
             fed[id(chunk.sequence)] = fed.get(id(chunk.sequence), 0) + len(chunk.tokens)
         for sequence in step.decode:
-            if sequence.speculator is not None:  # a round on its own caches, or on its row
+            if sequence.speculator is not None:  # a round in its row
                 fed[id(sequence)] = 1 + self.draft_tokens
         for sequence in [c.sequence for c in step.prefill] + step.decode:
             tokens = fed.pop(id(sequence), 0)
-            if tokens and sequence.cache and isinstance(row := sequence.cache[0], RowPlace):  # any layer kind's
-                row.batch.reserve(int(row.offset) + tokens)
-                continue
-            for cache in sequence.cache if tokens else ():
-                if isinstance(cache, KVCache) and cache.reserve(tokens):
-                    evaluate_rewrite(cache.keys, cache.values)
+            if tokens and sequence.cache:
+                self.runner.reserve(sequence, tokens)
         return step
 
     def _preempt(self, sequence: Sequence, keep_cache: bool = True) -> None:
@@ -99,15 +92,15 @@ class Admission:
         self.replays.stop(sequence)
         if keep_cache and held(sequence) > sequence.cached_tokens:  # it computed something worth keeping
             self._keep(sequence)
-        self._unbatch(sequence, keep=False)
+        self._unbatch(sequence)
         sequence.cache, sequence.processed = [], 0
         self.scheduler.preempt(sequence)
 
-    def _unbatch(self, sequence: Sequence, keep: bool = True) -> None:
-        """Give a sequence leaving the batch all its generated tokens back, and its own caches
-        (``keep``) or none (it ended, or it is preempted: its blocks were taken by ``_keep``)."""
+    def _unbatch(self, sequence: Sequence) -> None:
+        """Free a leaving sequence's row (it ended, or it is preempted: its blocks were taken by
+        ``_keep``) and give it all its generated tokens back."""
         self.replays.stop(sequence)
-        self.runner.release(sequence, keep)
+        self.runner.release(sequence)
 
     def _reserve(self, max_batch: int, kv_dtype: mx.Dtype) -> None:
         """Under a budget: a step's activations beside the KV (MLX's buffer cache is bounded by it)."""
@@ -205,10 +198,10 @@ class Admission:
             request = sequence.request
             if self.speculative is not None and request.speculate and request.constraint is None:
                 sequence.speculate(self.speculative, self.cache_settings)
-        if self.budget is not None and self.runner.seats(sequence):  # room for the seat first
-            need = self.planner.seat_need(self.scheduler, sequence, self.runner.batched)
+        if self.budget is not None:  # room for the seat first
+            need = self.planner.seat_need(self.scheduler, sequence)
             self.prefix_cache.evict_to(self.budget.limit - need)
-        self.runner.seat(sequence)  # its row of the decode batch from now on, when it can have one
+        self.runner.seat(sequence)  # its row of the pool from now on
 
 
 def warm_up(model: Model, draft: Model | None, settings: CacheSettings) -> mx.Dtype:

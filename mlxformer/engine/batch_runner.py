@@ -1,15 +1,12 @@
 """Runs the one decoder over a batch of sequences.
 
-Prompt chunks and speculation rounds run on one sequence's own caches (or on its row of the
-decode batch, given at admission: ``cache/rows.py``); an engine step runs the
-decoding rows, the prompt chunks and the speculation rounds in one forward (``step``,
-``cache/packed.py``: every segment writes before any attends, so a row written beside the
-batch's decode step is written in place). Decoding sequences live
-in ``DecodeBatch``es (``cache/batch.py``): their keys/values of each layer in one buffer, so a
-decode step is one forward for all rows — one cache write and one attention per layer, each row
-rotated at its own position and masked to its own slots (a model mixing sliding-window and
-global layers, such as Gemma 2/3, keeps one slot layout per kind of layer). A sequence joins its
-batch on its first decode step and leaves it (as per-sequence caches again) through ``release``.
+Every sequence lives in its row of a pool (``cache/rows.py``) from admission (``seat``) to
+retirement (``release``): its prompt chunks, its speculation rounds and its decode steps write
+there. An engine step runs the decoding rows, the prompt chunks and the speculation rounds in
+one forward (``step``, ``cache/packed.py``: every segment writes before any attends, so every
+row is written in place); a pool's decode rows are one cache write and one attention per layer,
+each row rotated at its own position and masked to its own slots (a model mixing sliding-window
+and global layers, such as Gemma 2/3, keeps one slot layout per kind of layer).
 """
 
 from __future__ import annotations
@@ -21,15 +18,13 @@ from typing import Protocol, Sequence
 import mlx.core as mx
 
 from mlxformer.adapters.layers import Weights, select
-from mlxformer.cache import Cache, KVCache, RotatingKVCache
+from mlxformer.cache import Cache
 from mlxformer.cache.packed import PackedLayerCache, StepSegment, positions
 from mlxformer.engine.prompt_scores import PromptScores
-from mlxformer.cache.batch import DecodeBatch
-from mlxformer.cache.batch_kind import BatchKey, batch_key, quantizes_next, row_quantizes_next
+from mlxformer.cache.batch_kind import BatchKey, BatchRow, batch_key, row_quantizes_next
 from mlxformer.cache.codec import FLOAT_CODEC, KVCodec
-from mlxformer.cache.row_place import RowPlace
 from mlxformer.cache.rotating_rows import ring_key
-from mlxformer.cache.rows import Blank, RowCache, SpareBatch, seatable, settle, spare_kind
+from mlxformer.cache.rows import Blank, SpareBatch, settle
 from mlxformer.cache.state_rows import state_blank
 from mlxformer.models.decoder import Attention, Model
 from mlxformer.models.gated_delta import GatedDeltaNet
@@ -101,7 +96,7 @@ class BatchRunner:
         # a layer whose row says when the keys turn quantized (an attention layer, not a recurrent one)
         self.kv_layer = next((i for i, layer in enumerate(model.cache_layers) if not layer.recurrent), 0)
         self.packs = packs(model)
-        self.batches: dict[BatchKey, DecodeBatch] = {}
+        self.batches: dict[BatchKey, SpareBatch] = {}
         self._rows: dict[BatchKey, list[Decoding | None]] = {}  # each batch's sequences, in row order (None: free)
         self._members: dict[int, BatchKey] = {}  # id(sequence) -> the batch it is in
         # rewrite a batch's buffers (a join, a leave, a wider batch) one layer at a time, each
@@ -114,35 +109,29 @@ class BatchRunner:
         self._dtype: mx.Dtype | None = None  # the keys' dtype (the model's)
 
     def seat(self, sequence: Decoding) -> None:
-        """Give an admitted sequence its row in the decode batch of its kind now, when its caches
-        can live there (``cache/rows.py``): its prompt chunks (and a speculating sequence's
-        rounds) write there and joining the decode steps moves nothing."""
-        if not self.seats(sequence):
-            return
+        """Give an admitted sequence (its caches new, or a prefix-cache hit's) its row in the pool
+        of its kind (``cache/rows.py``): its prompt chunks, its speculation rounds and its decode
+        steps all write there, until it leaves (``release``)."""
         kind = self.row_key(sequence.cache)
-        batch = self._batch(kind)
-        assert isinstance(batch, SpareBatch)
-        index, sequence.cache = self._seat_in(batch, sequence.cache, sequence)  # type: ignore[assignment]
+        index, sequence.cache = self._seat_in(self._batch(kind), sequence.cache, sequence)  # type: ignore[assignment]
         self._place(kind, index, sequence)
 
-    def seats(self, sequence: Decoding) -> bool:
-        """Whether ``seat`` gives ``sequence`` a row (its caches can live in a batch with spare rows)."""
-        return seatable(sequence.cache) and spare_kind(batch_key(sequence.cache, self.windows))
-
     def row_key(self, caches: Sequence[Cache]) -> BatchKey:
-        """The batch a sequence with per-layer ``caches`` joins (a rotating layer's rows keep
-        slots beyond the window for a prompt chunk when the batch has spare rows: what the KV
-        budget counts for a row, ``memory.KVSizer``)."""
-        kind = batch_key(caches, self.windows)
-        return ring_key(kind, self.prefill_chunk or 1) if spare_kind(kind) else kind
+        """The pool a sequence with per-layer ``caches`` takes a row in (a rotating layer's rows
+        keep slots beyond the window for a prompt chunk: what the KV budget counts for a row,
+        ``memory.KVSizer``)."""
+        return ring_key(batch_key(caches, self.windows), self.prefill_chunk or 1)
 
-    def _batch(self, kind: BatchKey) -> DecodeBatch:
-        """The batch of ``kind``, made when first needed (with spare rows when it can have them)."""
+    def _batch(self, kind: BatchKey) -> SpareBatch:
+        """The pool of ``kind``, made when first needed."""
         if kind not in self.batches:
-            spare = spare_kind(kind)
-            self.batches[kind] = (SpareBatch(kind, self._blank(kind), self.max_rows, self.staged) if spare
-                                  else DecodeBatch(kind))
+            self.batches[kind] = SpareBatch(kind, self._blank(kind), self.max_rows, self.staged)
         return self.batches[kind]
+
+    def reserve(self, sequence: Decoding, tokens: int) -> None:
+        """Widen the pool's rows before ``sequence`` writes ``tokens`` more into its row (a prompt
+        chunk, a speculation round: ``SpareBatch.reserve``, one layer at a time)."""
+        self._batch(self._members[id(sequence)]).reserve(int(sequence.cache[0].offset) + tokens)
 
     def _blank(self, kind: BatchKey) -> list[Blank]:
         """Each cache layer's keys/values of one slot as ``kind`` stores them (the shapes a
@@ -259,7 +248,7 @@ class BatchRunner:
         return logits[mx.array(wanted)], chunk_logits
 
     def _one_by_one(
-        self, groups: list[tuple[Sequence[Cache], list[Decoding], DecodeBatch | None]], tokens: list[mx.array],
+        self, groups: list[tuple[Sequence[Cache], list[Decoding], SpareBatch | None]], tokens: list[mx.array],
         chunks: Sequence[TokenRun],
     ) -> tuple[list[mx.array], list[mx.array | None]]:
         """``step`` as one forward per batch, per sequence on its own caches and per chunk (a
@@ -270,8 +259,9 @@ class BatchRunner:
         (``cache/packed.py`` orders the writes instead)."""
         reading: dict[int, list[mx.array]] = {}  # id(batch) -> the outputs not yet evaluated of forwards reading it
 
-        def before(caches: Sequence[Cache], batch: DecodeBatch | None = None) -> set[int]:
-            read = {id(batch)} if batch is not None else {id(c.batch) for c in caches if isinstance(c, RowPlace)}
+        def before(caches: Sequence[Cache], batch: SpareBatch | None = None) -> set[int]:
+            owner = self._owner(caches) if batch is None else None
+            read = {id(batch)} if batch is not None else {id(self._batch(self._members[id(owner)]))} if owner else set()
             waiting = [x for i in read for x in reading.pop(i, [])]
             if waiting:
                 mx.eval(waiting)
@@ -296,45 +286,19 @@ class BatchRunner:
                 reading.setdefault(i, []).append(chunk_logits[-1])  # type: ignore[arg-type]
         return parts, chunk_logits
 
-    def _groups(self, sequences: Sequence[Decoding]) -> list[tuple[Sequence[Cache], list[Decoding], DecodeBatch | None]]:
-        """The decoding sequences by the caches they step on: each batch's rows (its layouts
-        prepared), then each sequence decoding on its own caches (a seated speculating one on
-        its row: native MTP reads the hidden states of the forwards over its caches)."""
-        alone: list[Decoding] = []
-        joining: dict[BatchKey, list[Decoding]] = {}
+    def _groups(self, sequences: Sequence[Decoding]) -> list[tuple[Sequence[Cache], list[Decoding], SpareBatch | None]]:
+        """The decoding sequences by the pool rows they step in (each pool's layouts prepared),
+        then each speculating one on its row alone (a segment of its own: native MTP reads the
+        hidden states of the forwards over its caches). A row whose storage turns quantized at
+        this token moves to the quantized pool first (``_cross``)."""
         for sequence in sequences:
-            if id(sequence) in self._members and row_quantizes_next(sequence.cache[self.kv_layer].row):
-                if isinstance(self.batches[self._members[id(sequence)]], SpareBatch):
-                    self._cross(sequence)  # its row re-encoded into a row of the quantized batch
-                else:
-                    self.release(sequence)  # its storage turns quantized: it moves to the quantized batch
-            if id(sequence) in self._members:
-                if sequence.speculator is not None:  # seated: a segment of its own on its row (packed), not a batch row
-                    alone.append(sequence)
-                continue
-            if sequence.speculator is not None or any(quantizes_next(c) for c in sequence.cache):
-                alone.append(sequence)
-            else:
-                joining.setdefault(self.row_key(sequence.cache), []).append(sequence)
-        for kind, newcomers in joining.items():
-            batch = self._batch(kind)
-            if isinstance(batch, SpareBatch):  # each into a free row (its keys/values copied there)
-                for sequence in newcomers:
-                    index, sequence.cache = batch.seat(sequence.cache)  # type: ignore[assignment]
-                    self._place(kind, index, sequence)
-                continue
-            for sequence, views in zip(newcomers, batch.join([s.cache for s in newcomers], self.staged)):
-                sequence.cache = views
-                self._members[id(sequence)] = kind
-            self._rows.setdefault(kind, []).extend(newcomers)
+            if row_quantizes_next(self._row(sequence)):
+                self._cross(sequence)
+        alone = [s for s in sequences if s.speculator is not None]
         stepping = {id(s) for s in sequences} - {id(s) for s in alone}
-        groups: list[tuple[Sequence[Cache], list[Decoding], DecodeBatch | None]] = []
+        groups: list[tuple[Sequence[Cache], list[Decoding], SpareBatch | None]] = []
         for kind, batch in self.batches.items():
             members = self._rows.get(kind, [])
-            if not isinstance(batch, SpareBatch):
-                if members:
-                    groups.append((batch.step_caches(self.staged), list(members), batch))  # type: ignore[arg-type]
-                continue
             # the rows decoding this step (the others prefill in their rows, or are free)
             indices = [i for i, s in enumerate(members) if s is not None and id(s) in stepping]
             if indices:
@@ -352,39 +316,46 @@ class BatchRunner:
         index = next(i for i, s in enumerate(self._rows[kind]) if s is sequence)
         own = self.batches[kind].row_caches(index)  # views of its float row
         for cache in own:
-            if isinstance(cache, (KVCache, RotatingKVCache)):
-                cache.quantize_storage()
+            cache.quantize_storage()  # (a recurrent layer's state stays as it is)
         quantized = self.row_key(own)
-        batch = self._batch(quantized)
-        assert isinstance(batch, SpareBatch)
-        new_index, views = self._seat_in(batch, own, sequence)
+        new_index, views = self._seat_in(self._batch(quantized), own, sequence)
         caches = sequence.cache
-        self.release(sequence, keep=False)
+        self.release(sequence)
         self._place(quantized, new_index, sequence)
         caches[:] = views
         sequence.cache = caches
 
+    def _owner(self, cache: Sequence[Cache]) -> Decoding | None:
+        """The seated sequence whose caches ``cache`` are (None: caches of no row)."""
+        return next((s for rows in self._rows.values() for s in rows if s is not None and s.cache is cache), None)
+
+    def _row(self, sequence: Decoding) -> BatchRow:
+        """``sequence``'s place in its pool (the first layout's row: every kind's is as long)."""
+        kind = self._members[id(sequence)]
+        index = next(i for i, s in enumerate(self._rows[kind]) if s is sequence)
+        return self.batches[kind].layout.rows[index]
+
     def _cross_chunk(self, cache: Sequence[Cache]) -> None:
         """``_cross`` the seated sequence owning ``cache`` if its storage turns quantized at this chunk."""
-        view = cache[self.kv_layer] if cache else None
-        if isinstance(view, RowCache) and row_quantizes_next(view.row):
-            self._cross(next(s for s in self._rows[view.batch.key] if s is not None and s.cache is cache))
+        owner = self._owner(cache)
+        if owner is not None and row_quantizes_next(self._row(owner)):
+            self._cross(owner)
 
     def _crosses_within(self, chunks: Sequence[TokenRun]) -> bool:
         """Whether a seated prompt's storage turns quantized at a later one of its chunks in this
         step (its row moves between them: they run one after the other, ``prefill``)."""
         fed: dict[int, int] = {}
         for chunk in chunks:
-            view = chunk.cache[self.kv_layer]
-            if isinstance(view, RowCache):
-                ahead = fed.get(id(view.row), 0)
-                if ahead and row_quantizes_next(view.row, ahead):
+            owner = self._owner(chunk.cache)
+            if owner is not None:
+                ahead = fed.get(id(owner), 0)
+                if ahead and row_quantizes_next(self._row(owner), ahead):
                     return True
-                fed[id(view.row)] = ahead + len(chunk.tokens)
+                fed[id(owner)] = ahead + len(chunk.tokens)
         return False
 
     @staticmethod
-    def _tokens(groups: list[tuple[Sequence[Cache], list[Decoding], DecodeBatch | None]], sequences: Sequence[Decoding],
+    def _tokens(groups: list[tuple[Sequence[Cache], list[Decoding], SpareBatch | None]], sequences: Sequence[Decoding],
                 inputs: mx.array | None) -> list[mx.array]:
         """Each group's input tokens ``(rows,)``: taken from ``inputs`` (in the order of
         ``sequences``), or the rows' last tokens."""
@@ -398,7 +369,7 @@ class BatchRunner:
         return out
 
     def _packed(
-        self, groups: list[tuple[Sequence[Cache], list[Decoding], DecodeBatch | None]], tokens: list[mx.array],
+        self, groups: list[tuple[Sequence[Cache], list[Decoding], SpareBatch | None]], tokens: list[mx.array],
         chunks: Sequence[TokenRun],
     ) -> tuple[list[mx.array], list[mx.array | None]]:
         """``step``'s one forward: the decoding rows' tokens, then the chunks', packed on one row."""
@@ -443,7 +414,7 @@ class BatchRunner:
             index += chunk.wanted
         return ([logits[:decoding]] if decoding else []), chunk_logits
 
-    def _observe(self, groups: list[tuple[Sequence[Cache], list[Decoding], DecodeBatch | None]],
+    def _observe(self, groups: list[tuple[Sequence[Cache], list[Decoding], SpareBatch | None]],
                  chunks: Sequence[TokenRun], hidden: mx.array) -> None:
         """Hand the packed step's hidden rows ``(T, hidden)`` (every row's) of each sequence
         stepping on its own caches (a seated speculating one's token, a prompt chunk, a round) to
@@ -458,28 +429,20 @@ class BatchRunner:
             self.model.observe(hidden[None, index : index + len(chunk.tokens)], chunk.cache)
             index += len(chunk.tokens)
 
-    def batched(self, sequence: Decoding) -> bool:
-        """Whether ``sequence`` is in a batch (the KV budget counts its share of the buffers)."""
-        return id(sequence) in self._members
-
-    def release(self, sequence: Decoding, keep: bool = True) -> None:
-        """Take ``sequence`` out of its batch, if it is in one: its ``cache`` becomes its own
-        per-sequence caches again (call before reusing them), or ``[]`` when not ``keep`` (it
-        ended: nothing is copied out)."""
+    def release(self, sequence: Decoding) -> None:
+        """Free ``sequence``'s row, if it has one (it ended, or is preempted: nothing is copied
+        out); its ``cache`` becomes ``[]``."""
         kind = self._members.pop(id(sequence), None)
         if kind is None:
             return
         rows, batch = self._rows[kind], self.batches[kind]
         index = next(i for i, s in enumerate(rows) if s is sequence)
-        if not isinstance(batch, SpareBatch):
-            rows.pop(index)
-            sequence.cache = batch.leave(index, keep, self.staged)
-            return
         if batch.keeps_free_rows:
             rows[index] = None  # the row is free for the next sequence (nothing moves)
         else:
-            rows.pop(index)  # under a budget the row goes (the batch is rewritten one layer at a time)
-        sequence.cache = batch.leave(index, keep)
+            rows.pop(index)  # under a budget the row goes (the pool is rewritten one layer at a time)
+        batch.leave(index)
+        sequence.cache = []
         if not len(batch):  # the last row left: its buffers go
             del self.batches[kind], self._rows[kind]
 

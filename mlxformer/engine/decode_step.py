@@ -43,8 +43,7 @@ class DecodeStep:
         were rerun alone. A sequence whose last step's token is still in flight is fed it from
         the device, and its penalties count it (``pending``).
 
-        If the step fails, each sequence leaves the batch with its caches rolled back and runs
-        alone, so that the one at fault fails alone (one that cannot be rolled back is
+        If the step fails, each sequence's row is rolled back and runs alone, so that the one at fault fails alone (one that cannot be rolled back is
         recomputed); the chunks and rounds are rolled back and run alone after it."""
         replaying = {id(s) for s in decode if s in self.replays}
         offsets, keys = [held(s) for s in decode], [s.key for s in decode]
@@ -79,13 +78,14 @@ class DecodeStep:
         return choices, False
 
     def _decode_alone(self, decode: list[Sequence], offsets: list[int], replaying: set[int]) -> list[Choice]:
+        """Each row of a failed step rolled back in its row and run alone (one that cannot be
+        rolled back is recomputed), so that the one at fault fails alone."""
         self._drain()  # the rows then take their last tokens from the host, and end alone if those end them
         alone = []
         for sequence, before in zip(decode, offsets):
             if sequence.status is Status.FINISHED:  # e.g. its constraint failed while the step was built
                 continue
             try:
-                self.runner.release(sequence)
                 rolled_back = rewind_caches(sequence.cache, before)
             except Exception:
                 rolled_back = False
@@ -98,7 +98,6 @@ class DecodeStep:
             try:
                 logits = self.runner.decode([sequence])
                 mx.eval(logits)
-                self.runner.release(sequence)  # out of the batch again: the next one runs alone too
             except Exception as exc:
                 self._fail(sequence, exc)
                 continue

@@ -263,7 +263,7 @@ class Engine(Admission, DecodeStep):
         for sequence in self.scheduler.prefilling + self.scheduler.running:
             if sequence.cancelled:
                 self._end(sequence, "cancelled")
-        for sequence in self.scheduler.admit(lambda s: self.planner.admissible(self.scheduler, s, self.runner.batched)):
+        for sequence in self.scheduler.admit(lambda s: self.planner.admissible(self.scheduler, s)):
             self.sharing.hold(sequence)  # until the blocks it shares with a running prefill are cached
         for sequence in self.sharing.ready(self.scheduler.prefilling):
             try:
@@ -428,7 +428,7 @@ class Engine(Admission, DecodeStep):
     def _fail(self, sequence: Sequence, error: BaseException) -> None:
         """End one sequence with ``error`` (raised by its handle's iterator)."""
         sequence.finish("error")
-        self._unbatch(sequence, keep=False)
+        self._unbatch(sequence)
         self.scheduler.release(sequence)
         self.metrics.finished.labels("error").inc()
         handle = self._handles.pop(id(sequence), None)
@@ -445,7 +445,7 @@ class Engine(Admission, DecodeStep):
                 self._keep(sequence)
             except Exception:
                 log.exception("a finished request's cache could not be kept for prefix reuse")
-        self._unbatch(sequence, keep=False)
+        self._unbatch(sequence)
         self.scheduler.release(sequence)
         self._handles.pop(id(sequence), None)
         if kept and self.budget is not None:  # within what the active sequences leave

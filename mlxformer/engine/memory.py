@@ -1,12 +1,13 @@
 """The KV memory budget: what a sequence's caches hold at ``n`` tokens, the budget itself (bytes
 or ``"auto"``), what each engine step needs of it, and MLX's memory and cache limits set from it.
 
-The engine never measures memory after the fact: before each step it adds up what every active
-sequence will hold once the step has run (``KVSizer.step_need``: the cache at its new length,
-plus one layer's old buffers while a growing cache is rewritten: under a budget the engine
-rewrites buffers, a sequence's or a decode batch's, one layer at a time, ``BatchRunner.staged``),
-and the prefix cache's bytes, and keeps that sum within ``KVBudget.limit`` by evicting prefix
-entries, then preempting. A request's peak is thus its own size plus one layer's old buffer.
+The engine never measures memory after the fact: every estimate is ``KVSizer.after``, the bytes
+the pools hold once their rows reach given lengths (each pool as wide as its widest row, float
+rows below ``quantized_kv_start`` and quantized ones from it), plus one layer of the buffers held
+now while they are rewritten (under a budget every rewrite is one layer at a time,
+``BatchRunner.staged``). The submit check (``KVSizer.peak``), admission, seating and each step
+ask it; the engine keeps that need and the prefix cache's bytes within ``KVBudget.limit`` by
+evicting prefix entries, then preempting.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import math
 import os
 import re
 from dataclasses import dataclass
-from typing import Callable, NamedTuple
+from typing import Callable, NamedTuple, Sequence as Seq
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
@@ -97,13 +98,15 @@ class Sizes(NamedTuple):
 
 class KVSizer:
     """Bytes a sequence's per-layer caches hold at ``n`` tokens, for the engine's cache settings,
-    as its own caches and as its row of a decode batch (``row``; ``row_key``: the batch a
-    sequence's caches join, ``BatchRunner.row_key``, whose rotating kinds give the row's slots).
+    as its own caches and as its row of a pool (``row``; ``row_key``: the pool a sequence's
+    caches take a row in, ``BatchRunner.row_key``, whose rotating kinds give the row's slots);
+    and ``after``, the one estimate of the bytes an action leaves held (``MemoryPlanner``).
 
-    Probed per block count, when first asked, from the cache classes themselves (lazy zero
-    keys/values: shapes only, nothing is allocated), so quantized, rotating and sliding-window
-    caches are sized exactly as they store, up to the model's context; beyond it the last
-    block's increment is extrapolated."""
+    Probed per block count and storage (float below ``quantized_kv_start``, quantized from it),
+    when first asked, from the cache classes themselves (lazy zero keys/values: shapes only,
+    nothing is allocated), so quantized, rotating and sliding-window caches are sized exactly
+    as they store, up to the model's context; beyond it the last block's increment is
+    extrapolated."""
 
     def __init__(self, model: Model, settings: CacheSettings, extra_tokens: int = 0,
                  row_key: Callable[[list[Cache]], BatchKey] | None = None) -> None:
@@ -111,52 +114,61 @@ class KVSizer:
         self.model, self.settings, self.row_key = model, settings, row_key
         self.dtype = model.hidden_states(mx.array([[0]])).dtype  # the keys' dtype (lazy: never evaluated)
         self.max_blocks = math.ceil((args.max_position_embeddings + extra_tokens) / BLOCK) + 1
-        self._probed: dict[int, Sizes] = {0: Sizes(0, 0, 0, 0)}
+        self._probed: dict[tuple[int, bool], Sizes] = {}
         # a cache turning quantized rewrites its storage all layers at once (not staged)
         self.quantizes = settings.kv_bits is not None and settings.quantized_kv_start > 0
 
-    def _probe(self, blocks: int) -> Sizes:
-        """Bytes of fresh caches fed ``blocks`` blocks of tokens, and of their row (memoized)."""
-        if blocks not in self._probed:
+    def quantized(self, tokens: int) -> bool:
+        """Whether caches holding ``tokens`` tokens store them quantized (past ``quantized_kv_start``)."""
+        return self.settings.kv_bits is not None and tokens > self.settings.quantized_kv_start
+
+    def _probe(self, blocks: int, quantized: bool) -> Sizes:
+        """Bytes of fresh caches fed ``blocks`` blocks of tokens, float or ``quantized``, and of
+        their row (memoized)."""
+        if blocks == 0:
+            return Sizes(0, 0, 0, 0)
+        if (blocks, quantized) not in self._probed:
             n, own, row = blocks * BLOCK, [], []
-            start = self.settings.quantized_kv_start if self.settings.kv_bits is not None else 0
-            caches = make_cache(self.model, self.settings)
+            settings = dataclasses.replace(self.settings, quantized_kv_start=0, kv_bits=(
+                self.settings.kv_bits if quantized else None))
+            caches = make_cache(self.model, settings)
             kinds = [storage for storage, _ in self.row_key(caches)] if self.row_key else [None] * len(caches)
             for index, (cache, kind) in enumerate(zip(caches, kinds)):
                 if isinstance(cache, StateCache):  # a fixed size whatever the length
                     past = state_nbytes(self.model.args, cache.keep, self.dtype)
-                    own.append(past if blocks else 0)
+                    own.append(past)
                     # a row keeps no past states, unless it speculates: its last rounds' beside it
                     # (``StateRowCache._past``, a cache of the same ``keep``)
                     rewinds = past if self.settings.rewind else 0
-                    row.append(state_nbytes(self.model.args, 0, self.dtype) + rewinds if blocks else 0)
+                    row.append(state_nbytes(self.model.args, 0, self.dtype) + rewinds)
                     continue
                 heads, key_dims, value_dims = self.model.args.cache_dims(index)  # the cache's layer's
-                for length in ([start, n - start] if 0 < start < n else [n]):
-                    keys = mx.zeros((1, heads, length, key_dims), self.dtype)
-                    cache.update_and_fetch(keys, mx.zeros((1, heads, length, value_dims), self.dtype))
+                keys = mx.zeros((1, heads, n, key_dims), self.dtype)
+                cache.update_and_fetch(keys, mx.zeros((1, heads, n, value_dims), self.dtype))
                 own.append(cache.nbytes)
                 row.append(cache.nbytes)
                 if kind is not None and kind.capacity is not None and cache.keys is not None:
-                    slots = cache.keys[0].shape[2]  # a rotating row: its slots as the batch fits them
+                    slots = cache.keys[0].shape[2]  # a rotating row: its slots as the pool fits them
                     row[-1] = cache.nbytes // slots * min(n, kind.capacity)
-            self._probed[blocks] = Sizes(sum(own), max(own, default=0), sum(row), max(row, default=0))
-        return self._probed[blocks]
+            self._probed[blocks, quantized] = Sizes(sum(own), max(own, default=0), sum(row), max(row, default=0))
+        return self._probed[blocks, quantized]
 
     def share(self, tokens: int, row: bool = False) -> float:
         """The largest single layer's part of the caches' bytes at ``tokens`` tokens (what a
-        rewrite done one layer at a time holds twice); ``row``: of a decode-batch row."""
+        rewrite done one layer at a time holds twice); ``row``: of a pool row."""
         if self.quantizes:  # the rewrite into quantized storage is all layers at once
             return 1.0
-        sizes = self._probe(min(math.ceil(max(tokens, 1) / BLOCK), self.max_blocks))
+        sizes = self._probe(min(math.ceil(max(tokens, 1) / BLOCK), self.max_blocks), self.quantized(tokens))
         total, layer = (sizes.row, sizes.row_layer) if row else (sizes.own, sizes.own_layer)
         return layer / total if total else 0.0
 
     def bytes_for(self, tokens: int, row: bool = False) -> int:
         """Bytes of caches holding ``tokens`` tokens (their buffers, rounded up to whole blocks);
-        ``row``: of a decode-batch row holding them."""
+        ``row``: of a pool row holding them."""
+        quantized = self.quantized(tokens)
+
         def total(blocks: int) -> int:
-            return self._probe(blocks).row if row else self._probe(blocks).own
+            return self._probe(blocks, quantized).row if row else self._probe(blocks, quantized).own
 
         blocks = math.ceil(max(tokens, 0) / BLOCK)
         if blocks <= self.max_blocks:
@@ -164,28 +176,34 @@ class KVSizer:
         last, before = total(self.max_blocks), total(self.max_blocks - 1)
         return last + (blocks - self.max_blocks) * (last - before)
 
-    def step_need(self, held: int, fed: int, current: int | None = None) -> int:
-        """Bytes while caches holding ``held`` tokens take ``fed`` more: the new buffers, plus one
-        layer's old ones while a growing buffer is rewritten (layer by layer). ``current``: the
-        bytes the caches really hold (a cache assembled from prefix blocks is exactly as long as
-        its tokens, and grows by a whole block from there)."""
-        after, before = self.bytes_for(held + fed), self.bytes_for(held)
-        if current is None:
-            return after + (math.ceil(before * self.share(held)) if after != before else 0)
-        per_token = self._probe(1).own / BLOCK
-        if fed == 0 or held + fed <= current / per_token:  # fits in the buffers it has
-            return max(after, current)
-        grown_tokens = held + math.ceil(fed / BLOCK) * BLOCK
-        grown = min(int(per_token * grown_tokens), self.bytes_for(grown_tokens))
-        return max(after, grown) + math.ceil(current * self.share(held))
+    def after(self, rows: Seq[int], current: int = 0) -> int:
+        """KV bytes held while the pools are brought to rows of ``rows`` tokens each, from the
+        ``current`` bytes they hold (the one estimate behind the check, admission, seating and
+        each step): each pool's rows as wide as its widest (one pool of float rows below
+        ``quantized_kv_start``, one of quantized rows from it), never less than what is held;
+        and, when that rewrites buffers (a row added, the rows widened, a row turning
+        quantized), what is held now held twice one layer at a time (``share``; all layers at
+        once when rows turn quantized)."""
+        pools: dict[bool, list[int]] = {}
+        for tokens in rows:
+            pools.setdefault(self.quantized(tokens), []).append(tokens)
+        total = sum(len(pool) * self.bytes_for(max(pool), row=True) for pool in pools.values())
+        if total <= current:
+            return current
+        return total + math.ceil(current * self.share(max(rows), row=True))
 
     def peak(self, tokens: int) -> int:
-        """The most a lone sequence needs on its way to ``tokens`` tokens: its size, plus one
-        layer held twice while it is rewritten (at a growth, a seat or a leave); the more of its
-        own caches' and its decode-batch row's (where it lives from admission under a budget: a
-        rotating row holds more, a recurrent row less)."""
-        own, row = self.bytes_for(tokens), self.bytes_for(tokens, row=True)
-        return max(own + math.ceil(own * self.share(tokens)), row + math.ceil(row * self.share(tokens, row=True)))
+        """The most a lone request needs on its way to ``tokens`` tokens: its row at its end with
+        one layer of it held twice (rewritten at a growth, or written at a seat from a prefix
+        hit's blocks), and, past ``quantized_kv_start``, ``after`` as it turns quantized (its
+        float row beside its quantized one) and its float row at its largest."""
+        start = self.settings.quantized_kv_start
+        ends = [start, tokens] if self.quantizes and tokens > start else [tokens]
+        need = max(self.bytes_for(n, row=True) + math.ceil(self.bytes_for(n, row=True) * self.share(n, row=True))
+                   for n in ends)
+        if len(ends) > 1:
+            need = max(need, self.after([start + 1], self.bytes_for(start, row=True)))
+        return need
 
 
 @dataclass
@@ -283,95 +301,43 @@ class MemoryPlanner:
                 "use a shorter prompt or a smaller max_tokens"
             )
 
-    def admissible(self, scheduler: Scheduler, sequence: Sequence, batched: Callable[[Sequence], bool]) -> bool:
+    def admissible(self, scheduler: Scheduler, sequence: Sequence) -> bool:
         """Whether ``sequence`` fits beside the active ones (the prefix cache can be evicted) with
-        headroom: through its prefill, through joining the decode batch, and through the batch's
+        headroom: its row added to the pool and brought to its prompt's length, and the pool's
         next growth (every row one buffer block wider) when some row will reach it. Without that
         headroom a sequence admitted into the last free bytes is preempted at its next block and
         re-admitted as soon as one frees (measured: 34 preemptions over 16 requests, 0.15x the
-        unbudgeted throughput). A join or a growth rewrites the batch one layer at a time, so
-        each holds one layer twice at most (before: the whole batch, ``2 * rows - 1`` rows
-        while a row joined)."""
+        unbudgeted throughput)."""
         if self.budget is None or not scheduler.active:
             return True
         active = scheduler.prefilling + scheduler.running
-        alone = [s for s in active if s.speculator is not None and not batched(s)]  # on their own caches
-        rows = [s for s in active if s.speculator is None or batched(s)] + [sequence]
-        alone_need = sum(self.sizer.bytes_for(len(s.tokens) + 1 + self.draft_tokens) for s in alone)
-        prefill = (sum(self.sizer.bytes_for(len(s.tokens) + 1, row=True) for s in rows[:-1])
-                   + self.sizer.peak(len(sequence.tokens)))
-        width = max(len(s.tokens) for s in rows) + 1
-        join = self._rewritten(rows, batched, width)
-        grown = math.ceil(width / BLOCK) * BLOCK + 1  # tokens at which every row's buffer gains a block
-        now, wider = self.sizer.bytes_for(width, row=True), self.sizer.bytes_for(grown, row=True)
-        growth = 0
-        if wider > now and any(len(s.tokens) + s.room >= grown for s in rows):
-            growth = len(rows) * wider + math.ceil(len(rows) * now * self.sizer.share(width, row=True))
-        return alone_need + max(prefill, join, growth) <= self.budget.limit
+        current = sum(nbytes(s) for s in active)
+        rows = [len(s.tokens) + 1 for s in active] + [len(sequence.tokens)]
+        need = self.sizer.after(rows, current)
+        grown = math.ceil(max(rows) / BLOCK) * BLOCK + 1  # tokens at which every row's buffer gains a block
+        if any(len(s.tokens) + s.room >= grown for s in [*active, sequence]):
+            need = max(need, self.sizer.after([grown] * len(rows), self.sizer.after(rows)))
+        return need <= self.budget.limit
 
-    def seat_need(self, scheduler: Scheduler, sequence: Sequence, batched: Callable[[Sequence], bool]) -> int:
-        """KV bytes the active sequences hold while ``sequence`` (admitted: its caches new, or a
-        prefix-cache hit whose tokens stay in the hit's blocks) takes its row: the others' as
-        they are, and the batch with its row, one layer of it held twice (``SpareBatch.seat``
-        rewrites it one layer at a time: the batch's old layer beside the new, with the hit's
-        layer read out of its blocks, at most a row's). The prefix cache must leave this room
-        before the seat (``Admission._attach_cache``): the blocks being copied stay, evicted or
-        not, until their layer is in the row. Before, the row was written whole beside the hit's
-        tokens (held twice, not counted): MLX's peak rose by the row plus 9.3 layers of the hit
-        (``docs/design/scheduler.md``)."""
-        active = [s for s in scheduler.prefilling + scheduler.running if s is not sequence]
-        rows = [s for s in active if batched(s)] + [sequence]
-        width = max(held(s) for s in rows)
-        return sum(nbytes(s) for s in active if not batched(s)) + self._rewritten(rows, batched, width)
+    def seat_need(self, scheduler: Scheduler, sequence: Sequence) -> int:
+        """KV bytes held while ``sequence`` (admitted: its caches new, or a prefix-cache hit's
+        whose tokens stay in the hit's blocks until copied) takes its row: the pool with one row
+        more (``SpareBatch.seat`` rewrites it one layer at a time). The prefix cache must leave
+        this room before the seat (``Admission._attach_cache``)."""
+        active = [s for s in scheduler.prefilling + scheduler.running if s is not sequence and s.cache] + [sequence]
+        return self.sizer.after([held(s) for s in active], sum(nbytes(s) for s in active))  # (its own: the hit's)
 
-    def _rewritten(self, rows: list[Sequence], batched: Callable[[Sequence], bool], width: int) -> int:
-        """Bytes of a decode batch of ``rows`` at ``width`` tokens rewritten one layer at a time:
-        the batch, and one layer of it held twice."""
-        batch = len(rows) * self._row_bytes(rows, batched, width)
-        return batch + math.ceil(batch * self.sizer.share(width, row=True))
-
-    def _rows_need(self, rows: list[Sequence], batched: Callable[[Sequence], bool], width: int) -> int:
-        """Bytes of a decode batch of ``rows`` at ``width`` tokens: the batch's buffers are as wide
-        as its longest row (``cache/batch.py``), so rows times a row's bytes, plus one layer of
-        the old buffers while they are rewritten (the batch grows, or rows join it)."""
-        current = sum(c.nbytes for s in rows if batched(s) for c in s.cache)
-        after = len(rows) * self._row_bytes(rows, batched, width)
-        if after <= current:
-            return after
-        old = sum(c.nbytes for s in rows for c in s.cache)  # the batch and the joining rows' own caches
-        return after + math.ceil(old * self.sizer.share(width, row=True))
-
-    def _row_bytes(self, rows: list[Sequence], batched: Callable[[Sequence], bool], width: int) -> int:
-        """Bytes of one decode-batch row at ``width`` tokens (``KVSizer``'s ``row``: a rotating
-        row's slots beyond its window, a recurrent row's states), never less than a row of the
-        batch's buffers as they are."""
-        members = [s for s in rows if batched(s)]
-        current = sum(c.nbytes for s in members for c in s.cache) // max(1, len(members))
-        return max(self.sizer.bytes_for(width, row=True), current)
-
-    def step_need(self, scheduler: Scheduler, step: Step, batched: Callable[[Sequence], bool]) -> int:
-        """KV bytes the active sequences need while ``step`` runs. The decoding sequences share a
-        batch buffer as wide as its longest row ever was (``cache/batch.py``): rows times a row's
-        bytes, plus the old buffer while it is rewritten (``_rows_need``). A sequence seated in
-        its row at admission (``cache/rows.py``: prefilling, or speculating) is one of those rows,
-        as wide as the batch, and its chunk or round widens every row; the others grow their
-        own caches."""
+    def step_need(self, scheduler: Scheduler, step: Step) -> int:
+        """KV bytes the active sequences hold while ``step`` runs: every row brought to its
+        length after the step (a prompt's chunks, a speculation round, a decode token; a row not
+        stepping writes a scratch slot, ``BatchLayout.prepare``)."""
         fed: dict[int, int] = {}
         for chunk in step.prefill:  # a sequence may run several chunks in one step
             fed[id(chunk.sequence)] = fed.get(id(chunk.sequence), 0) + len(chunk.tokens)
-        need, rows = 0, []
-        for sequence in scheduler.prefilling:
-            if batched(sequence):  # seated: its chunks write into its row
-                rows.append(sequence)
-            else:
-                need += self.sizer.step_need(held(sequence), fed.get(id(sequence), 0), nbytes(sequence))
         for sequence in scheduler.running:
             if sequence.speculator is not None:
                 fed[id(sequence)] = 1 + self.draft_tokens  # a round (or one token)
-                if not batched(sequence):  # on its own caches
-                    need += self.sizer.step_need(held(sequence), fed[id(sequence)], nbytes(sequence))
-                    continue
-            rows.append(sequence)
-        if rows:  # each row takes its tokens, or a scratch slot (``BatchLayout.prepare``)
-            need += self._rows_need(rows, batched, max(held(s) + max(fed.get(id(s), 0), 1) for s in rows))
-        return need
+        rows = [s for s in scheduler.prefilling + scheduler.running if s.cache]  # (not one waiting for its caches)
+        if not rows:
+            return 0
+        return self.sizer.after([held(s) + max(fed.get(id(s), 0), 1) for s in rows], sum(nbytes(s) for s in rows))
