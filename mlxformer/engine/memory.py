@@ -210,7 +210,7 @@ class KVBudget:
         """MLX's freed-buffer cache limit: one step's activations (``reserve``), kept for the next
         step, never more than the margin. Before, the margin (512 MiB at least): freed KV buffers
         of every size piled up in it (measured: 301 MiB beside a 112.5 MiB budget,
-        ``docs/design/scheduler.md``)."""
+        ``docs/design/scheduler-measurements.md``)."""
         return min(self.reserve, margin_for(self.weights + self.limit))
 
     def describe(self) -> str:
@@ -318,7 +318,7 @@ class MemoryPlanner:
         before the seat (``Admission._attach_cache``): the blocks being copied stay, evicted or
         not, until their layer is in the row. Before, the row was written whole beside the hit's
         tokens (held twice, not counted): MLX's peak rose by the row plus 9.3 layers of the hit
-        (``docs/design/scheduler.md``)."""
+        (``docs/design/scheduler-measurements.md``)."""
         active = [s for s in scheduler.prefilling + scheduler.running if s is not sequence]
         rows = [s for s in active if batched(s)] + [sequence]
         width = max(held(s) for s in rows)
