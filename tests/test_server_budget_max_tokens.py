@@ -18,7 +18,9 @@ from server_support import MODEL_NAME, http, running_engine, running_server
 
 HEADER = "x-mlxformer-max-tokens"
 BUDGET_TOKENS = 256  # the KV budget holds one sequence of this many tokens (one cache block), alone
-MESSAGES = [{"role": "user", "content": "Tell me a long story."}]
+# prompts of most of the block: the cut leaves a few dozen tokens to generate (each test ~1 s)
+TEXT = "Once upon a time there was a long story. " * 18
+MESSAGES = [{"role": "user", "content": TEXT}]
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +38,8 @@ def server(tiny_smol):
     assert budget < sizer.peak(model.args.max_position_embeddings)  # smaller than one full context
     with running_engine(model, tokenizer, max_batch=2, max_kv_memory=budget) as engine:
         with running_server(engine, model, tokenizer) as url:
-            yield SimpleNamespace(url=url, sizer=sizer, budget=budget, context=model.args.max_position_embeddings,
+            yield SimpleNamespace(url=url, engine=engine, model=model, tokenizer=tokenizer, sizer=sizer, budget=budget,
+                                  context=model.args.max_position_embeddings,
                                   openai=openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120),
                                   anthropic=anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0, timeout=120))
 
@@ -86,26 +89,26 @@ def test_a_request_with_its_own_max_tokens_reports_no_cut(server):
 
 
 def test_completions_whole_and_streamed(server):
-    raw = server.openai.completions.with_raw_response.create(model=MODEL_NAME, prompt="Once upon a time")
+    raw = server.openai.completions.with_raw_response.create(model=MODEL_NAME, prompt=TEXT)
     reply = raw.parse()
     assert reply.choices[0].finish_reason == "length"
     check_cut(server, raw.headers, reply.usage.prompt_tokens, reply.usage.completion_tokens,
               extra(reply.usage, "max_tokens"))
     with server.openai.completions.with_streaming_response.create(
-            model=MODEL_NAME, prompt="Once upon a time", stream=True, stream_options={"include_usage": True}) as response:
+            model=MODEL_NAME, prompt=TEXT, stream=True, stream_options={"include_usage": True}) as response:
         chunks = list(response.parse())
     usage = chunks[-1].usage
     check_cut(server, response.headers, usage.prompt_tokens, usage.completion_tokens, extra(usage, "max_tokens"))
 
 
 def test_responses_whole_and_streamed(server):
-    raw = server.openai.responses.with_raw_response.create(model=MODEL_NAME, input="Tell me a long story.")
+    raw = server.openai.responses.with_raw_response.create(model=MODEL_NAME, input=TEXT)
     reply = raw.parse()
     assert reply.status == "incomplete" and reply.incomplete_details.reason == "max_output_tokens"
     check_cut(server, raw.headers, reply.usage.input_tokens, reply.usage.output_tokens,
               extra(reply.usage, "max_tokens"))
     with server.openai.responses.with_streaming_response.create(
-            model=MODEL_NAME, input="Tell me a long story.", stream=True) as response:
+            model=MODEL_NAME, input=TEXT, stream=True) as response:
         events = list(response.parse())
     final = events[-1].response
     assert events[-1].type == "response.incomplete"
@@ -132,7 +135,7 @@ def test_anthropic_messages_whole_and_streamed(server):
 
 @pytest.mark.parametrize("path, body", [
     ("/api/chat", {"messages": MESSAGES}),
-    ("/api/generate", {"prompt": "Once upon a time", "raw": True}),
+    ("/api/generate", {"prompt": TEXT, "raw": True}),
 ])
 @pytest.mark.parametrize("stream", [False, True])
 def test_ollama_chat_and_generate(server, path, body, stream):
@@ -142,3 +145,15 @@ def test_ollama_chat_and_generate(server, path, body, stream):
     final = json.loads(raw.decode().strip().splitlines()[-1])
     assert final["done_reason"] == "length"
     check_cut(server, headers, final["prompt_eval_count"], final["eval_count"], int(headers[HEADER]))
+
+
+def test_a_page_on_an_allowed_origin_may_read_the_header(server):
+    """A browser hides response headers from a cross-origin page unless they are exposed."""
+    origin = "http://app.example"
+    with running_server(server.engine, server.model, server.tokenizer, cors_origins=[origin]) as url:
+        status, headers, raw = http(url, "POST", "/v1/chat/completions", {"model": MODEL_NAME, "messages": MESSAGES},
+                                    headers={"Origin": origin})
+    assert status == 200, raw[:300]
+    assert headers["access-control-allow-origin"] == origin
+    assert HEADER in headers["access-control-expose-headers"].lower().split(", ")
+    assert int(headers[HEADER]) == json.loads(raw)["usage"]["max_tokens"]
