@@ -216,7 +216,8 @@ def chat_response(request_id: str, model: str, result: Collected, reply: Reply, 
         logprobs=ChoiceLogprobs(content=content) if logprobs else None,
         finish_reason=reply.finish_reason,
     )
-    return ChatCompletionResponse(id=request_id, model=model, choices=[choice], usage=usage_of(result.last, result.max_tokens))
+    usage = usage_of(result.last, result.max_tokens)
+    return ChatCompletionResponse(id=request_id, model=model, choices=[choice], usage=usage)
 
 
 def completion_response(
@@ -231,7 +232,8 @@ def completion_response(
     choice = CompletionChoice(
         text=echo + result.text, logprobs=built if logprobs else None, finish_reason=result.finish_reason
     )
-    return CompletionResponse(id=request_id, model=model, choices=[choice], usage=usage_of(result.last, result.max_tokens))
+    usage = usage_of(result.last, result.max_tokens)
+    return CompletionResponse(id=request_id, model=model, choices=[choice], usage=usage)
 
 
 def chunk_json(payload: BaseModel, include_usage: bool) -> str:
