@@ -5,7 +5,7 @@ The rewrite frees the layer's old buffers, and MLX keeps freed buffers for reuse
 cache, resident memory). KV buffers are of sizes that seldom serve again, so kept they sit
 beside the KV until the cache's limit is reached, and the next step's activations find no room
 there (measured on SmolLM2-135M under a 112.5 MiB budget: the cache filled with them, issue 32,
-``docs/design/scheduler.md``). So they are dropped as soon as the layer is rewritten.
+``docs/design/scheduler-measurements.md``). So they are dropped as soon as the layer is rewritten.
 """
 
 from __future__ import annotations

@@ -27,6 +27,12 @@ class RequestHandle:
         self.submitted_at = time.monotonic()
         self.last_event_at: float | None = None  # when the engine put the latest event
 
+    @property
+    def max_tokens(self) -> int:
+        """The most tokens this request generates: its ``max_tokens``, or a default one
+        (``fit_budget``) cut to what the KV budget holds for it (known at submit)."""
+        return self.sequence.request.max_tokens
+
     # called on the engine thread
     def _put(self, event: TokenEvent | None = None, error: BaseException | None = None) -> None:
         with self._cond:

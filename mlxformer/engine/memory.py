@@ -228,7 +228,7 @@ class KVBudget:
         """MLX's freed-buffer cache limit: one step's activations (``reserve``), kept for the next
         step, never more than the margin. Before, the margin (512 MiB at least): freed KV buffers
         of every size piled up in it (measured: 301 MiB beside a 112.5 MiB budget,
-        ``docs/design/scheduler.md``)."""
+        ``docs/design/scheduler-measurements.md``)."""
         return min(self.reserve, margin_for(self.weights + self.limit))
 
     def describe(self) -> str:

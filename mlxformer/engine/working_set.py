@@ -3,7 +3,7 @@ weights within the KV budget): the activations one engine step holds at once, bo
 the model's shape, the step's tokens and the longest context the KV budget can hold.
 
 What a step allocates beside the caches (measured on SmolLM2-135M float32, 128-token chunks,
-``benchmarks/rss_profile.py``, ``docs/design/scheduler.md``): the attention scores and their
+``benchmarks/rss_profile.py``, ``docs/design/scheduler-measurements.md``): the attention scores and their
 softmax of the largest layer (``(T, heads, S)`` each, float32 on the CPU's unfused path: 9 MiB
 at S = 1,000), the mask, the cache's keys and values made contiguous for the matmul, the MLP's
 three ``(T, intermediate)`` arrays, a few ``(T, hidden)`` residuals, and the logits of the rows

@@ -216,9 +216,8 @@ def messages_router(ctx: ServerContext) -> APIRouter:
         prepared = await ctx.prepare(lambda: prepare(anthropic_turn(body), served, ctx.traits))
         prompt_tokens = len(prepared.request.prompt_ids)
         limit = context_limit(prompt_tokens, prepared.request.max_tokens, body.max_tokens, ctx.strict_max_tokens)
-        prepared.request.max_tokens = limit
-        clamped = {"x-mlxformer-max-tokens": str(limit)} if limit < body.max_tokens else {}
-        lease = ctx.submit(prepared.request, "messages")
+        prepared.request.max_tokens = limit  # the engine may cut it further, to what the KV budget holds
+        lease = ctx.submit(prepared.request, "messages", asked=body.max_tokens)
         parser, segmenter = prepared.parser(), Segmenter()
         message_id, stops = new_id("msg").replace("-", "_"), body.stop_sequences or []
         head = {"id": message_id, "type": "message", "role": "assistant", "model": body.model}
@@ -229,7 +228,7 @@ def messages_router(ctx: ServerContext) -> APIRouter:
             return stop_reason(event, bool(parser.calls), text, stops, eos)
 
         def usage_of(event: TokenEvent | None) -> dict[str, int]:
-            return {**usage(event), **({"max_tokens": limit} if clamped else {})}
+            return {**usage(event), **({"max_tokens": lease.cut} if lease.cut is not None else {})}
 
         if body.stream:
             # message_start as soon as the request is admitted: the prompt's cached part is not known yet
@@ -250,7 +249,7 @@ def messages_router(ctx: ServerContext) -> APIRouter:
             def on_error(message: str) -> list[str]:
                 return [named_event(anthropic_error(500, message))]
 
-            return ctx.event_stream(frames(lease, on_event, on_error, opening), lease, ping=PING_EVENT, headers=clamped)
+            return ctx.event_stream(frames(lease, on_event, on_error, opening), lease, ping=PING_EVENT)
         result = await collect_unless_gone(lease, request)
         for event in result.events:
             generated.extend([event.token] if event.token is not None else [])
@@ -258,7 +257,7 @@ def messages_router(ctx: ServerContext) -> APIRouter:
         reason, sequence = finish(result.events[-1]) if result.events else ("end_turn", None)
         content = [whole_block(s) for s in segmenter.segments]
         return JSONResponse({**head, "content": content, "stop_reason": reason, "stop_sequence": sequence,
-                             "usage": usage_of(result.last)}, headers=clamped)
+                             "usage": usage_of(result.last)}, headers=lease.headers)
 
     return router
 

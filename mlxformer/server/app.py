@@ -41,6 +41,7 @@ from mlxformer.server.registry import ModelHost, SingleHost
 from mlxformer.server.chat_output import TokenStrings
 from mlxformer.server.responses_api import responses_router
 from mlxformer.server.sse import SSE_PING_SECONDS
+from mlxformer.server.streaming import MAX_TOKENS_HEADER
 from mlxformer.server.translate import ServedModel
 from mlxformer.server.turn import Traits
 
@@ -136,7 +137,7 @@ def create_app(
 
     if cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
-                           allow_headers=list(CORS_HEADERS))
+                           allow_headers=list(CORS_HEADERS), expose_headers=[MAX_TOKENS_HEADER])
     hosts = None if allowed_hosts is None else frozenset(host_name(h) for h in allowed_hosts)
     app.add_middleware(RequestGuard, allowed_hosts=hosts, max_body_bytes=max_body_bytes, shape=api_shape,
                        json_bodies=is_ollama_path)

@@ -40,11 +40,13 @@ def finite(logprob: float) -> float:
     return logprob if math.isfinite(logprob) else (0.0 if logprob > 0 else LOGPROB_FLOOR)
 
 
-def usage_of(event: TokenEvent | None) -> Usage:
-    """Token counts from the last event of a request."""
+def usage_of(event: TokenEvent | None, max_tokens: int | None = None) -> Usage:
+    """Token counts from the last event of a request; ``max_tokens``: the reply's, when fewer
+    than asked (``Lease.cut``)."""
     if event is None:
-        return Usage(prompt_tokens=0, completion_tokens=0, total_tokens=0)
+        return Usage(prompt_tokens=0, completion_tokens=0, total_tokens=0, max_tokens=max_tokens)
     return Usage(
+        max_tokens=max_tokens,
         prompt_tokens=event.prompt_tokens,
         completion_tokens=event.completion_tokens,
         total_tokens=event.prompt_tokens + event.completion_tokens,
@@ -176,6 +178,7 @@ class Collected:
     finish_reason: str | None = None
     last: TokenEvent | None = None
     events: list[TokenEvent] = field(default_factory=list)
+    max_tokens: int | None = None  # the reply's max tokens when fewer than asked (``Lease.cut``)
 
     def scored(self, text: TokenStrings) -> list[Scored]:
         """The tokens to report logprobs for: every generated one."""
@@ -213,7 +216,8 @@ def chat_response(request_id: str, model: str, result: Collected, reply: Reply, 
         logprobs=ChoiceLogprobs(content=content) if logprobs else None,
         finish_reason=reply.finish_reason,
     )
-    return ChatCompletionResponse(id=request_id, model=model, choices=[choice], usage=usage_of(result.last))
+    usage = usage_of(result.last, result.max_tokens)
+    return ChatCompletionResponse(id=request_id, model=model, choices=[choice], usage=usage)
 
 
 def completion_response(
@@ -228,7 +232,8 @@ def completion_response(
     choice = CompletionChoice(
         text=echo + result.text, logprobs=built if logprobs else None, finish_reason=result.finish_reason
     )
-    return CompletionResponse(id=request_id, model=model, choices=[choice], usage=usage_of(result.last))
+    usage = usage_of(result.last, result.max_tokens)
+    return CompletionResponse(id=request_id, model=model, choices=[choice], usage=usage)
 
 
 def chunk_json(payload: BaseModel, include_usage: bool) -> str:

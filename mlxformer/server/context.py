@@ -40,13 +40,13 @@ class ServerContext:
 
     def event_stream(
         self, chunks: AsyncIterator[str], lease: Lease, progress: Callable[[dict[str, int]], str] | None = None,
-        ping: str = PING, headers: dict[str, str] | None = None,
+        ping: str = PING,
     ) -> EventStream:
         """The SSE response of every streaming route: ``chunks`` with keep-alive comments while
         none comes (a long prefill) and, when ``progress`` is given (the request asked for
         ``return_progress``), the prompt's progress as the events it makes (``server/sse.py``)."""
         poll = prompt_progress(lease.handle, progress) if progress is not None else None
-        return EventStream(keepalive(chunks, self.sse_ping_seconds, poll, ping), lease, headers)
+        return EventStream(keepalive(chunks, self.sse_ping_seconds, poll, ping), lease)
 
     def __post_init__(self) -> None:
         if self.traits is None:
@@ -56,10 +56,12 @@ class ServerContext:
         """Run ``work`` (CPU-bound request preparation) on the bounded pool, not on the event loop."""
         return await asyncio.get_running_loop().run_in_executor(self.pool, work)
 
-    def submit(self, request: GenerationRequest, api: str = "chat") -> Lease:
+    def submit(self, request: GenerationRequest, api: str = "chat", asked: int | None = None) -> Lease:
         """Queue ``request`` (for ``api``: its prompt tokens are counted as cached or prefilled,
         ``mlxformer_api_prompt_tokens`` in ``/metrics``): 429 with ``Retry-After`` when the engine's queue is full, 503 when it
-        is not running, 400 when it refuses the request (its KV cache can never fit, for one)."""
+        is not running, 400 when it refuses the request (its KV cache can never fit, for one).
+        ``asked``: the max tokens the client asked for (default: the request's), which the lease
+        reports as cut when the engine runs fewer (``Lease.cut``)."""
         try:
             handle = self.engine.submit(request)
         except EngineOverloaded as exc:
@@ -79,4 +81,4 @@ class ServerContext:
             prompt_tokens.labels(api, "cached").inc(event.cached_tokens)
             prompt_tokens.labels(api, "prefilled").inc(event.prompt_tokens - event.cached_tokens)
 
-        return Lease(handle, self.inflight, count)
+        return Lease(handle, self.inflight, request.max_tokens if asked is None else asked, count)

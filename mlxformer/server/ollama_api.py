@@ -135,7 +135,8 @@ async def reply(
         host.finished(name, keep_alive)
     timing.first = timing.start
     whole = whole_reply(parser, result.events)
-    return JSONResponse({**final(result.last), **shape(whole.content, whole.reasoning, calls_of(parser))})
+    return JSONResponse({**final(result.last), **shape(whole.content, whole.reasoning, calls_of(parser))},
+                        headers=lease.headers)
 
 
 def chat_shape(content: str, reasoning: str, calls: list[dict[str, Any]]) -> dict[str, Any]:

@@ -57,7 +57,7 @@ def openai_router(ctx: ServerContext) -> APIRouter:
             })
 
             def usage_chunk(last: TokenEvent | None) -> BaseModel:
-                return ChatCompletionChunk(id=request_id, model=served.name, choices=[], usage=usage_of(last))
+                return ChatCompletionChunk(id=request_id, model=served.name, choices=[], usage=usage_of(last, lease.cut))
 
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
@@ -68,7 +68,8 @@ def openai_router(ctx: ServerContext) -> APIRouter:
             return ctx.event_stream(chunks, lease, progress_chunk if body.return_progress else None)
         result = await collect_unless_gone(lease, request)
         reply = whole_reply(prepared.parser(), result.events)
-        return JSONResponse(chat_response(request_id, served.name, result, reply, text, body.logprobs).model_dump())
+        return JSONResponse(chat_response(request_id, served.name, result, reply, text, body.logprobs).model_dump(),
+                            headers=lease.headers)
 
     @router.post("/completions", response_model=CompletionResponse,
                  responses={**streamed_ok(CompletionResponse, CompletionResponse), **error_responses(GENERATION)})
@@ -89,7 +90,7 @@ def openai_router(ctx: ServerContext) -> APIRouter:
             make = completion_chunk_maker(request_id, served.name, text, logprobs, echo, echoed)
 
             def usage_chunk(last: TokenEvent | None) -> BaseModel:
-                return CompletionResponse(id=request_id, model=served.name, choices=[], usage=usage_of(last))
+                return CompletionResponse(id=request_id, model=served.name, choices=[], usage=usage_of(last, lease.cut))
 
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
@@ -101,7 +102,7 @@ def openai_router(ctx: ServerContext) -> APIRouter:
             return ctx.event_stream(chunks, lease, progress_chunk if body.return_progress else None)
         result = await collect_unless_gone(lease, request)
         response = completion_response(request_id, served.name, result, text, logprobs, echo, echoed())
-        return JSONResponse(response.model_dump())
+        return JSONResponse(response.model_dump(), headers=lease.headers)
 
     return router
 

@@ -11,7 +11,7 @@ import time
 import uuid
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer, model_validator
 
 from mlxformer.sampling.options import MAX_PENALTY, MAX_SEED, RANDOM_SEED
 
@@ -197,6 +197,17 @@ class Usage(BaseModel):
     total_tokens: int
     prompt_tokens_details: Optional[PromptTokensDetails] = None
     completion_tokens_details: Optional[CompletionTokensDetails] = None
+    max_tokens: Optional[int] = Field(None, description=(
+        "the reply's max tokens when fewer than asked: a missing max_tokens (the rest of the context) cut to what "
+        "the server's KV budget holds for this prompt; absent otherwise (also sent as x-mlxformer-max-tokens)"))
+
+    @model_serializer(mode="wrap")
+    def _without_unset_max_tokens(self, handler: SerializerFunctionWrapHandler):  # type: ignore[no-untyped-def]
+        """Leaves ``max_tokens`` out unless set (no return annotation: it would replace the schema)."""
+        data = handler(self)
+        if data.get("max_tokens") is None:
+            data.pop("max_tokens", None)
+        return data
 
 
 class TopLogprob(BaseModel):

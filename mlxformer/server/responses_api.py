@@ -220,7 +220,8 @@ def responses_router(ctx: ServerContext) -> APIRouter:
                 "usage": {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
                           "output_tokens": completion,
                           "output_tokens_details": {"reasoning_tokens": reasoning_tokens[0]},
-                          "total_tokens": prompt + completion} if done else None,
+                          "total_tokens": prompt + completion,
+                          **({"max_tokens": lease.cut} if lease.cut is not None else {})} if done else None,
                 **({"warnings": tools.warnings()} if tools.ignored else {}),
             }
 
@@ -263,6 +264,6 @@ def responses_router(ctx: ServerContext) -> APIRouter:
         result = await collect_unless_gone(lease, request)
         for event in result.events:
             absorb(event)
-        return JSONResponse(finished(result.last))
+        return JSONResponse(finished(result.last), headers=lease.headers)
 
     return router

@@ -30,16 +30,32 @@ class InFlight:
         self.count = 0
 
 
+MAX_TOKENS_HEADER = "x-mlxformer-max-tokens"  # the reply's max tokens, when fewer than asked (``Lease.cut``)
+
+
 class Lease:
     """A submitted request held by one HTTP response: ``release`` (idempotent) cancels it unless
-    it finished, and stops counting it; ``on_finish`` sees its last event."""
+    it finished, and stops counting it; ``on_finish`` sees its last event. ``asked``: the max
+    tokens the client asked for (or the default, the rest of the context)."""
 
-    def __init__(self, handle: RequestHandle, inflight: InFlight,
+    def __init__(self, handle: RequestHandle, inflight: InFlight, asked: int,
                  on_finish: Callable[[TokenEvent], None] | None = None) -> None:
-        self.handle, self.inflight, self.on_finish = handle, inflight, on_finish
+        self.handle, self.inflight, self.asked, self.on_finish = handle, inflight, asked, on_finish
         self.finished = self.released = False
         self.score_only = False  # max_tokens 0: the reply keeps none of the generated tokens
         inflight.count += 1
+
+    @property
+    def cut(self) -> int | None:
+        """The reply's max tokens when fewer than ``asked`` (clamped to the context's room, or a
+        default cut to what the KV budget holds), else None: reported as ``usage.max_tokens``
+        and the ``MAX_TOKENS_HEADER`` of every generation route."""
+        return self.handle.max_tokens if self.handle.max_tokens < self.asked else None
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """The response headers saying so (``cut``): known at submit, before the first byte."""
+        return {MAX_TOKENS_HEADER: str(self.cut)} if self.cut is not None else {}
 
     async def events(self) -> AsyncIterator[TokenEvent]:
         """The request's events (with ``score_only``, one final event carrying no token)."""
@@ -65,10 +81,11 @@ class Lease:
 
 class EventStream(StreamingResponse):
     """An SSE response that releases its request however the response ends (also when the
-    client is gone before the first chunk, when the chunk generator never runs)."""
+    client is gone before the first chunk, when the chunk generator never runs), with the
+    lease's headers."""
 
-    def __init__(self, chunks: AsyncIterator[str], lease: Lease, extra_headers: dict[str, str] | None = None) -> None:
-        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(extra_headers or {})}
+    def __init__(self, chunks: AsyncIterator[str], lease: Lease) -> None:
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **lease.headers}
         super().__init__(chunks, media_type=SSE_MEDIA_TYPE, headers=headers)
         self.lease = lease
 
@@ -119,7 +136,7 @@ async def collect_unless_gone(lease: Lease, request: Request) -> Collected:
             done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_SECONDS)
             if done:
                 lease.finished = True
-                return task.result()
+                return dataclasses.replace(task.result(), max_tokens=lease.cut)
             if await request.is_disconnected():
                 raise APIError("client disconnected", 499, "invalid_request_error", None, "client_closed_request")
     finally:
