@@ -12,17 +12,19 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import mlx.core as mx
 
-from mlxformer.models.families import text_config_of, text_weight_names, with_stored_layout
+from mlxformer.models.families import text_config_of, with_stored_layout
 from mlxformer.errors import MlxformerError
 from mlxformer.formats.gguf import open_gguf
 from mlxformer.formats.hub import resolve_source
 from mlxformer.formats.safetensors import ShardReader, read_config, read_safetensors_header, weight_files
 from mlxformer.formats.tensors import TensorEntry, Tensors
+from mlxformer.formats.weight_map import decoder_quantization, decoder_weights, text_weight_names
 from mlxformer.models.config import ModelArgs
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
@@ -40,8 +42,8 @@ class Checkpoint:
 
     path: Path  # the resolved model dir or .gguf file
     config: dict[str, Any]
-    args: ModelArgs
-    tensors: Tensors
+    args: ModelArgs  # built once, from ``config``, when the checkpoint is opened
+    tensors: Tensors  # under the file's names (HF's; a GGUF's mapped by ``gguf_names``)
     tokenizer_dir: Path | None  # where tokenizer files live (HF/MLX dirs)
     gguf_metadata: dict[str, Any] | None  # the GGUF's metadata (its vocabulary), else None
     header_bytes: int  # bytes of all headers read to open it
@@ -50,12 +52,21 @@ class Checkpoint:
     def is_gguf(self) -> bool:
         return self.gguf_metadata is not None
 
+    @cached_property
+    def weights(self) -> Tensors:
+        """The tensors the decoder uses, under its names, still lazy (``weight_map.decoder_weights``)."""
+        return decoder_weights(self.args, self.tensors)
+
+    @cached_property
+    def quantization(self) -> dict[str, Any] | None:
+        """The config's ``quantization`` entry under the decoder's names (None: not quantized)."""
+        return decoder_quantization(self.config)
+
     def read(self, tensors: Tensors, piece: Callable[[str, mx.array], mx.array] | None = None
              ) -> dict[str, mx.array]:
-        """The lazy ``tensors`` (this checkpoint's, as the decoder uses them: ``used_tensors``,
-        experts stacked, maybe a subset), each cut by ``piece(name, array)`` if given (a
-        distributed rank's share) and evaluated before the next is read: peak memory is what
-        is kept plus one full tensor."""
+        """The lazy ``tensors`` (this checkpoint's ``weights``, maybe a subset), each cut by
+        ``piece(name, array)`` if given (a distributed rank's share) and evaluated before the
+        next is read: peak memory is what is kept plus one full tensor."""
         out: dict[str, mx.array] = {}
         for name in tensors:
             array = tensors[name]

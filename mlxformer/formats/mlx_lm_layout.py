@@ -22,7 +22,8 @@ from typing import Any
 from mlxformer.formats.gguf_hybrid import SHIFTED_NORMS
 from mlxformer.formats.tensors import Derivation, Tensors
 from mlxformer.models.config import ModelArgs
-from mlxformer.models.gpt2_family import mlx_lm_gpt2_config, mlx_lm_gpt2_names
+from mlxformer.formats.gpt2_names import mlx_lm_gpt2_names
+from mlxformer.models.gpt2_family import mlx_lm_gpt2_config
 
 MLX_LM_TYPES = {"qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe", "qwen3_next": "qwen3_next"}
 

@@ -30,14 +30,14 @@ import mlx.core as mx
 from mlxformer.cache import Cache, CacheSettings, make_cache
 from mlxformer.errors import MlxformerError
 from mlxformer.formats.checkpoint import open_part
+from mlxformer.formats.expert_layouts import expert_groups
 from mlxformer.formats.gguf_names import MTP_ARCHS
 from mlxformer.formats.gguf_split import read_any_gguf
 from mlxformer.formats.hub import fetch_mtp_sidecar
-from mlxformer.loader import check_weights, quantization_of, quantize_like_checkpoint
+from mlxformer.formats.weight_map import quantization_of, text_weight_names
+from mlxformer.loader import check_weights, quantize_like_checkpoint
 from mlxformer.models.decoder import Model
 from mlxformer.models.dtype_policy import cast_except_quantized_linears
-from mlxformer.models.families import text_weight_names
-from mlxformer.models.moe import expert_groups
 from mlxformer.models.mtp import MTPHead
 from mlxformer.sampling.samplers import Distribution
 from mlxformer.speculative.speculator import KeySource, common_prefix_length, draft_token
