@@ -18,10 +18,11 @@ from typing import Any, Callable, Mapping
 
 import mlx.core as mx
 
-from mlxformer.models.families import text_config_of, with_stored_layout
+from mlxformer.models.families import text_config_of
 from mlxformer.errors import MlxformerError
 from mlxformer.formats.gguf import open_gguf
 from mlxformer.formats.hub import resolve_source
+from mlxformer.formats.mlx_lm_layout import with_stored_layout
 from mlxformer.formats.safetensors import ShardReader, read_config, read_safetensors_header, weight_files
 from mlxformer.formats.tensors import TensorEntry, Tensors
 from mlxformer.formats.weight_map import decoder_quantization, decoder_weights, text_weight_names

@@ -310,19 +310,9 @@ def head_config(args: Any, base: str) -> dict[str, Any]:
     return keys
 
 
-# Set by the checkpoint reader (``with_stored_layout``), never written: the weights are stored as
+# Set by the checkpoint reader (``mlx_lm_layout.with_stored_layout``), never written: the weights are stored as
 # mlx-lm stores a Gated DeltaNet model (conv1d ``(C, K, 1)``, the ``(1 + w)`` norms' 1 folded in).
 MLX_LM_LAYOUT = "_mlx_lm_gated_delta_layout"
-
-
-def with_stored_layout(config: dict[str, Any], entries: Iterable[str] | dict[str, Any]) -> dict[str, Any]:
-    """``config`` marked with ``MLX_LM_LAYOUT`` when the tensors (name -> entry with ``shape``)
-    are in mlx-lm's Gated DeltaNet layout: a conv1d weight whose last axis is 1 (HF: the kernel)."""
-    for name, entry in dict(entries).items():
-        if name.endswith("linear_attn.conv1d.weight"):
-            shape = tuple(entry.shape)
-            return {**config, MLX_LM_LAYOUT: True} if shape[-1] == 1 and shape[1] > 1 else config
-    return config
 
 
 def _gated_delta(config: dict[str, Any], base: Fields) -> Fields:
