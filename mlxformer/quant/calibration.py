@@ -3,8 +3,8 @@
 The float model reads a short calibration text (written for this project, distinct from
 any evaluation text); every linear layer records the mean square of each input column.
 The decoder's own forward runs with one stage's weights loaded at a time (the embedding, each
-decoder layer, the final norm), each with only its own float32 parameters in memory, so calibrating needs about one layer in
-float32 rather than a float32 copy of the whole model.
+decoder layer, the final norm), each with only its own float32 parameters in memory, so
+calibrating needs about one layer in float32 rather than a float32 copy of the whole model.
 A weight column that multiplies large activations matters more to the layer's output, so
 the quantizer weights its squared error by these values (a diagonal approximation of the
 output error, as in llama.cpp's importance matrix).

@@ -179,10 +179,9 @@ class MTPDrafter:
             proposer.rows.write(end - hidden.shape[1], hidden[0])
 
     def embed(self, tokens: mx.array) -> mx.array:
-        """The main model's embeddings of ``tokens`` ``(B, L)`` -> ``(B, L, hidden)``."""
-        h = self.model.model.embed_tokens(tokens)
-        scale = self.model.args.embedding_scale
-        return h if scale == 1.0 else h * mx.array(scale, dtype=h.dtype)
+        """The main model's embeddings of ``tokens`` ``(B, L)`` -> ``(B, L, hidden)`` (``Model.embed``:
+        scaled as its first layer gets them; MTP models have no learned positions)."""
+        return self.model.embed(tokens)[0]
 
 
 @dataclass
