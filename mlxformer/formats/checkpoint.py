@@ -29,6 +29,8 @@ from mlxformer.formats.weight_map import decoder_quantization, decoder_weights, 
 from mlxformer.models.config import ModelArgs
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+# MLX's quantization modes: affine (scales and biases) and the float-scaled microscaling formats.
+QUANT_MODES = ("affine", "mxfp4", "mxfp8", "nvfp4")
 # Config sizes a decoder is built from: each must be a positive int below 2**31.
 SIZE_KEYS = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
              "vocab_size", "max_position_embeddings")
@@ -93,6 +95,7 @@ def open_part(path_or_repo: str | Path) -> tuple[Path, dict[str, Any], Tensors]:
     and names checked as ``open_checkpoint`` checks them, but not that they make a whole decoder."""
     source = resolve_source(path_or_repo)
     config, tensors, _, _ = _open_files(source)
+    _check_quantization(config, f"{source}: config" if source.is_dir() else f"{source}: metadata")
     return source, config, tensors
 
 
@@ -158,8 +161,8 @@ def check_config(config: dict[str, Any], entries: Mapping[str, TensorEntry], sou
 
 
 def _check_quantization(config: dict[str, Any], where: str) -> None:
-    """mlx-lm's ``quantization`` entry: ints ``group_size``/``bits``, and per-layer entries that
-    are such a dict or a bool."""
+    """mlx-lm's ``quantization`` entry: ints ``group_size``/``bits``, one of MLX's modes, and
+    per-layer entries that are such a dict or a bool."""
     quantization = config.get("quantization") or config.get("quantization_config")
     if quantization is None:
         return
@@ -167,6 +170,9 @@ def _check_quantization(config: dict[str, Any], where: str) -> None:
         raise MlxformerError(f"{where} quantization is not an object")
 
     def spec_ok(spec: dict[str, Any]) -> bool:
+        if spec.get("mode", "affine") not in QUANT_MODES:
+            raise MlxformerError(f"{where} quantization mode {str(spec['mode'])[:40]!r} is not supported "
+                                 f"(supported: {', '.join(QUANT_MODES)})")
         return all(isinstance(spec.get(k, 1), int) and not isinstance(spec.get(k, 1), bool) and spec.get(k, 1) > 0
                    for k in ("group_size", "bits"))
 

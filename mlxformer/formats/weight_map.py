@@ -22,7 +22,6 @@ from typing import Any, Callable, Iterable, Mapping
 
 import mlx.core as mx
 
-from mlxformer.errors import MlxformerError
 from mlxformer.formats.expert_layouts import expert_groups, gemma4_expert_derivations
 from mlxformer.formats.gpt2_names import conv1d_derivations, gpt2_weight_names, is_gpt2_buffer
 from mlxformer.formats.gpt_oss import MXFP4, fused_expert_derivations
@@ -38,8 +37,6 @@ _TEXT_WEIGHT_PREFIXES = (("model.language_model.", "model."), ("language_model."
 # An image-text checkpoint's vision tower and a multi-token-prediction head: not the decoder's.
 _NOT_TEXT = ("model.visual.", "visual.", "vision_tower.", "mtp.", "model.vision_tower.", "model.audio_tower.",
              "model.embed_vision.", "model.embed_audio.")
-# MLX's quantization modes: affine (scales and biases) and the float-scaled microscaling formats.
-QUANT_MODES = ("affine", "mxfp4", "mxfp8", "nvfp4")
 
 
 def decoder_weights(args: ModelArgs, weights: Mapping[str, mx.array]) -> Tensors:
@@ -94,12 +91,11 @@ def unused_weight(args: ModelArgs) -> Callable[[str], bool]:
 
 
 def quantization_of(config: dict[str, Any]) -> dict[str, Any] | None:
-    """The mlx-lm ``quantization`` entry of a config (``quantization_config`` as fallback)."""
+    """The mlx-lm ``quantization`` entry of a config (``quantization_config`` as fallback), as
+    the checkpoint reader checked it (``checkpoint._check_quantization``)."""
     quantization = config.get("quantization") or config.get("quantization_config")
     if quantization and quantization.get("quant_method") == "mxfp4":  # HF's gpt-oss: the experts' blocks
         return dict(MXFP4)
-    if quantization and quantization.get("mode", "affine") not in QUANT_MODES:
-        raise MlxformerError(f"unsupported quantization mode {quantization['mode']!r} (supported: {', '.join(QUANT_MODES)})")
     return quantization or None
 
 
