@@ -19,36 +19,17 @@ from mlxformer.formats.checkpoint import Checkpoint, open_checkpoint
 from mlxformer.formats.tensors import Tensors
 from mlxformer.models.config import ModelArgs, float_dtype
 from mlxformer.models.decoder import Model
-from mlxformer.formats.gpt_oss import MXFP4, derive_dict, fused_expert_derivations
-from mlxformer.models.families import text_weight_names
-from mlxformer.models.gemma4 import expert_derivations as gemma4_expert_derivations
-from mlxformer.models.gpt2_family import conv1d_derivations
-from mlxformer.models.mla import absorbed_kv_b
-from mlxformer.models.moe import expert_groups, stack_expert_arrays
+from mlxformer.formats.weight_map import decoder_quantization, decoder_weights
 from mlxformer.models.dtype_policy import apply_dtype_policy, cast_except_quantized_linears, is_quantized
 from mlxformer.models.device_plan import DevicePlan, wire_memory
 from mlxformer.models.row_sharding import apply_thread_policy
 from mlxformer.text.tokenizer import Tokenizer, load_tokenizer_from_dir, load_tokenizer_from_gguf
 
-__all__ = ["apply_dtype_policy", "build_model", "cast_except_quantized_linears", "is_quantized", "load",
-           "read_checkpoint", "load_tokenizer", "used_tensors"]
+__all__ = ["apply_dtype_policy", "build_model", "cast_except_quantized_linears", "checked_model", "is_quantized", "load",
+           "loaded_model", "read_checkpoint", "load_tokenizer"]
 
 # What ``check_weights`` needs of a tensor: an ``mx.array`` or a header ``TensorEntry``.
 Shaped = Any
-
-
-def quantization_of(config: dict[str, Any]) -> dict[str, Any] | None:
-    """The mlx-lm ``quantization`` entry of a config (``quantization_config`` as fallback)."""
-    quantization = config.get("quantization") or config.get("quantization_config")
-    if quantization and quantization.get("quant_method") == "mxfp4":  # HF's gpt-oss: the experts' blocks
-        return dict(MXFP4)
-    if quantization and quantization.get("mode", "affine") not in QUANT_MODES:
-        raise MlxformerError(f"unsupported quantization mode {quantization['mode']!r} (supported: {', '.join(QUANT_MODES)})")
-    return quantization or None
-
-
-# MLX's quantization modes: affine (scales and biases) and the float-scaled microscaling formats.
-QUANT_MODES = ("affine", "mxfp4", "mxfp8", "nvfp4")
 
 
 def quantize_like_checkpoint(model: nn.Module, quantization: dict[str, Any], weights: Mapping[str, Shaped]) -> None:
@@ -101,63 +82,39 @@ def _more(names: list[str]) -> str:
     return f" (and {len(names) - 1} more)" if len(names) > 1 else ""
 
 
-def used_tensors(args: ModelArgs, tensors: Tensors) -> Tensors:
-    """The tensors the decoder uses (``Model.sanitize``: no rotary tables, no tied output
-    projection), still lazy. Sanitizing must only drop keys here: it sees header entries."""
-    tensors = tensors.derived(conv1d_derivations(tensors.entries))  # GPT-2's Conv1D weights, transposed and renamed
-    tensors = tensors.renamed(text_weight_names(tensors.entries))  # an image-text checkpoint's language model, GPT-2's
-    if args.num_experts:  # HF's per-expert matrices -> stacked (experts, out, in), still lazy
-        tensors = tensors.stacked(expert_groups(tensors.entries, args.num_experts))
-        tensors = tensors.derived(fused_expert_derivations(tensors.entries))  # gpt-oss
-        tensors = tensors.derived(gemma4_expert_derivations(tensors.entries))  # Gemma 4
-    if args.attention_type == "mla":  # mlx-lm's split kv_b_proj -> HF's, still lazy
-        tensors = tensors.derived(absorbed_kv_b(tensors.entries, args))
-    kept = Model(args, num_layers=0, with_ends=False).sanitize(dict(tensors.entries))
-    if any(kept[name] is not tensors.entries.get(name) for name in kept):
-        raise MlxformerError("Model.sanitize changed a tensor; streamed reading needs it to only drop keys")
-    return tensors.subset(kept)
-
-
 def checked_model(
-    config: dict[str, Any], weights: Mapping[str, mx.array], num_layers: int | None = None, with_ends: bool = True,
-    first_layer: int = 0,
-) -> tuple[Model, Mapping[str, mx.array]]:
-    """The decoder for ``config``, its parameters lazy and not loaded, quantized where the
-    checkpoint is, and the weights it uses, checked by name, shape and dtype. ``weights`` may
-    be a checkpoint's lazy ``Tensors``: then only their header entries are looked at, and the
-    tensors returned are still lazy."""
-    model = Model(ModelArgs.from_dict(config), num_layers, with_ends, first_layer)
-    if isinstance(weights, Tensors):
-        weights = used_tensors(model.args, weights)
-        described: Mapping[str, Shaped] = weights.entries
-    else:
-        weights = derive_dict(dict(weights), conv1d_derivations(weights))
-        renames = text_weight_names(weights)
-        weights = {renames.get(name, name): array for name, array in weights.items()}
-        if model.args.num_experts:
-            weights = stack_expert_arrays(weights, model.args.num_experts)
-            weights = derive_dict(weights, fused_expert_derivations(weights))
-            weights = derive_dict(weights, gemma4_expert_derivations(weights))
-        weights = described = model.sanitize(weights)
-    quantization = quantization_of(config)
-    if quantization:  # per-layer entries under the decoder's names (an image-text checkpoint's renamed)
-        renames = text_weight_names(quantization)
-        quantization = {renames.get(key, key): value for key, value in quantization.items()}
+    args: ModelArgs, weights: Mapping[str, mx.array], quantization: dict[str, Any] | None = None,
+    num_layers: int | None = None, with_ends: bool = True, first_layer: int = 0,
+) -> Model:
+    """The decoder of ``args``, its parameters lazy and not loaded, quantized as ``quantization``
+    says where ``weights`` (under the decoder's names: ``weight_map.decoder_weights``) have
+    scales, after checking ``weights`` by name, shape and dtype. Lazy ``Tensors`` are only
+    looked at through their header entries."""
+    model = Model(args, num_layers, with_ends, first_layer)
+    described: Mapping[str, Shaped] = weights.entries if isinstance(weights, Tensors) else weights
+    if quantization:
         quantize_like_checkpoint(model, quantization, described)
     check_weights(model, described)
-    return model, weights
+    return model
 
 
-def build_model(
-    config: dict[str, Any], weights: Mapping[str, mx.array], num_layers: int | None = None, with_ends: bool = True,
-    first_layer: int = 0,
+def loaded_model(
+    args: ModelArgs, weights: Mapping[str, mx.array], quantization: dict[str, Any] | None = None,
+    num_layers: int | None = None, with_ends: bool = True, first_layer: int = 0,
 ) -> Model:
-    """Instantiate the decoder for ``config`` and load checked ``weights`` into it
-    (``num_layers``/``with_ends``/``first_layer``: one pipeline stage, see ``Model``)."""
-    model, weights = checked_model(config, weights, num_layers, with_ends, first_layer)
+    """``checked_model`` with ``weights`` loaded into it (``num_layers``/``with_ends``/
+    ``first_layer``: one pipeline stage, see ``Model``)."""
+    model = checked_model(args, weights, quantization, num_layers, with_ends, first_layer)
     model.load_weights([(name, weights[name]) for name in weights], strict=True)
     model.eval()
     return model
+
+
+def build_model(config: dict[str, Any], weights: Mapping[str, mx.array]) -> Model:
+    """The decoder of a ``config.json`` dict with ``weights`` (lazy ``Tensors`` or a dict of
+    arrays, under the checkpoint's names) loaded, through the one rename path."""
+    args = ModelArgs.from_dict(config)
+    return loaded_model(args, decoder_weights(args, weights), decoder_quantization(config))
 
 
 def read_checkpoint(path: str | Path) -> tuple[dict[str, Any], Tensors, dict[str, Any] | None]:
@@ -193,7 +150,7 @@ def load(
     """
     dtype = float_dtype(dtype)
     checkpoint = open_checkpoint(path_or_repo)
-    model = build_model(checkpoint.config, checkpoint.tensors)
+    model = loaded_model(checkpoint.args, checkpoint.weights, checkpoint.quantization)
     model.embedding_head = read_embedding_head(None if checkpoint.is_gguf else checkpoint.path, checkpoint.gguf_metadata)
     tokenizer = load_tokenizer(checkpoint)
     plan = plan or DevicePlan.current()

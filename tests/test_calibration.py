@@ -37,6 +37,7 @@ def transformers_importance(hf_model, ids: list[int], tied: bool) -> dict[str, n
 @pytest.mark.parametrize("model_type,config", [
     ("llama", {"tie_word_embeddings": True}),
     ("qwen2", {"tie_word_embeddings": False}),  # attention biases, untied head
+    ("gemma", {"tie_word_embeddings": True}),  # embeddings scaled by sqrt(hidden) before the first layer
 ])
 def test_importance_matches_transformers_hooks(tmp_path, model_type, config):
     directory, hf_model = write_tiny_checkpoint(tmp_path, model_type, seed=4, **config)

@@ -168,6 +168,9 @@ def test_rope_freqs_of_the_wrong_length_are_refused(tmp_path, monkeypatch, lengt
     ({"quantization": {"group_size": 64, "bits": "4"}}, "group_size/bits are not positive integers"),
     ({"quantization": {"group_size": 64, "bits": 4, "model.layers.0.mlp.up_proj": 4}}, "'model.layers.0.mlp.up_proj'"),
     ({"quantization_config": {"quant_method": "gptq", "bits": 4}}, "quantization method 'gptq'"),
+    ({"quantization": {"group_size": 64, "bits": 4, "mode": "int3"}}, "quantization mode 'int3' is not supported"),
+    ({"quantization": {"group_size": 64, "bits": 4, "lm_head": {"group_size": 32, "bits": 8, "mode": "fp3"}}},
+     "quantization mode 'fp3' is not supported"),
 ])
 def test_ill_typed_config_values_are_one_line_errors(tiny_dir, tmp_path, capsys, changes, complaint):
     model = copy_of(tiny_dir, tmp_path / "m")

@@ -146,3 +146,26 @@ def test_the_layout_guide_names_every_module():
     packages = [p for p in PACKAGE_DIR.rglob("*") if p.is_dir() and (p / "__init__.py").exists()]
     missing += [f"{p.name}/" for p in packages if f"`{p.name}/`" not in guide]
     assert missing == []
+
+
+def registrations(path: Path) -> list[str]:
+    """Module-level writes into a table imported from another project module
+    (``FAMILIES["x"] = ...``, ``GATES.update(...)``): a registration done by importing."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    imported = {a.asname or a.name for node in tree.body if isinstance(node, ast.ImportFrom)
+                and (node.module or "").startswith("mlxformer") for a in node.names}
+    found = []
+    for node in tree.body:
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AugAssign) else []
+        written = [t.value.id for t in targets if isinstance(t, ast.Subscript) and isinstance(t.value, ast.Name)]
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call) and isinstance(node.value.func, ast.Attribute) \
+                and isinstance(node.value.func.value, ast.Name):
+            written.append(node.value.func.value.id)
+        found += [f"{path.relative_to(PACKAGE_DIR)}:{node.lineno} {name}" for name in written if name in imported]
+    return found
+
+
+def test_no_table_is_filled_by_importing_a_module():
+    """Registries (model families, MLP kinds, ...) are literal tables built where they are
+    defined: no module adds its rows to another's table as a side effect of being imported."""
+    assert [r for p in sorted(PACKAGE_DIR.rglob("*.py")) for r in registrations(p)] == []

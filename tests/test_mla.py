@@ -19,6 +19,7 @@ from mlxformer import convert, load, stream_generate
 from mlxformer.cache import CacheSettings, make_cache
 from mlxformer.engine import batch_generate
 from mlxformer.generation.stream import decode_step, prefill
+from mlxformer.loader import build_model
 from mlxformer.models.moe import SparseMoE
 
 BOUND = 3e-4  # fp32 on both sides
@@ -203,7 +204,9 @@ def test_mlx_lm_dirs(case, tmp_path):
     from transformers' here (it zeroes the groups left out, where transformers sets them to
     -inf; this checkpoint's random correction bias makes kept scores negative), so that family
     is compared with transformers only; and mlx-lm re-quantizes a quantized ``kv_b_proj`` into
-    its split (another 4-bit rounding), so on our 4-bit MLA dirs it only has to load and run."""
+    its split (another 4-bit rounding), so on our 4-bit MLA dirs it only has to load and run.
+    mlx-lm's split float dirs also load from a dict of their arrays (``build_model``), whose
+    ``kv_b_proj`` is joined by the same path as the lazy reader's."""
     import shutil
 
     from mlx_lm import convert as mlx_lm_convert
@@ -237,6 +240,11 @@ def test_mlx_lm_dirs(case, tmp_path):
             assert max_diff(got, np.array(theirs(mx.array(ids[None]))[0])) <= 1e-3, converted
         if not converted.endswith("q4"):
             assert max_diff(got, reference(hf_model, ids)) <= BOUND
+        if split and not converted.endswith("q4"):  # the same tensors as a dict of arrays: the same renames
+            written = json.loads((tmp_path / converted / "config.json").read_text())
+            from_dict = build_model(written, stored)
+            from_dict.set_dtype(mx.float32)
+            assert max_diff(np.array(from_dict(mx.array(ids[None]))[0]), reference(hf_model, ids)) <= BOUND
 
 
 

@@ -17,7 +17,8 @@ from family_checks import assert_batch_and_speculation_match_alone, chunked_then
 from conftest import add_mlx_lm_config_keys, max_diff, write_byte_tokenizer, write_tiny_checkpoint
 from mlxformer import load
 from mlxformer.errors import MlxformerError
-from mlxformer.models.moe import SORT_THRESHOLD, SparseMoE, expert_groups
+from mlxformer.formats.expert_layouts import expert_groups
+from mlxformer.models.moe import SORT_THRESHOLD, SparseMoE
 from mlxformer.models.row_sharding import ShardedMLP, ShardedQuantizedSwitchLinear, ShardedSwitchLinear
 
 BOUND = 3e-4  # fp32 on both sides; measured <= 1.7e-5

@@ -23,7 +23,7 @@ from mlxformer.cache import Cache, CacheSettings, make_cache
 from mlxformer.distributed.watchdog import Watchdog
 from mlxformer.errors import MlxformerError
 from mlxformer.formats.checkpoint import Checkpoint
-from mlxformer.loader import apply_dtype_policy, build_model, used_tensors
+from mlxformer.loader import apply_dtype_policy, loaded_model
 from mlxformer.models.decoder import Model
 from mlxformer.tools.planning import footprint
 
@@ -94,18 +94,15 @@ def _local_name(name: str, stage: Stage) -> str | None:
 
 def load_stage(checkpoint: Checkpoint, stage: Stage, dtype: mx.Dtype | None = None) -> Model:
     """The decoder holding ``stage``'s layers (and ends), reading only their tensors."""
-    used = used_tensors(checkpoint.args, checkpoint.tensors)
+    used = checkpoint.weights
     weights = checkpoint.read(used.subset(name for name in used if _local_name(name, stage) is not None))
     local = {local_name: array for name, array in weights.items() if (local_name := _local_name(name, stage))}
-    config = dict(checkpoint.config)
-    quantization = config.get("quantization") or config.get("quantization_config")
+    quantization = checkpoint.quantization
     if quantization:  # per-layer overrides follow the renumbering
         overrides = {k: v for k, v in quantization.items() if isinstance(v, dict)}
-        renamed = {k: v for k, v in quantization.items() if k not in overrides}
-        renamed.update({_local_name(k, stage): v for k, v in overrides.items() if _local_name(k, stage)})
-        config["quantization"] = renamed
-        config.pop("quantization_config", None)
-    model = build_model(config, local, stage.stop - stage.start, stage.with_ends, stage.start)
+        quantization = {k: v for k, v in quantization.items() if k not in overrides}
+        quantization.update({_local_name(k, stage): v for k, v in overrides.items() if _local_name(k, stage)})
+    model = loaded_model(checkpoint.args, local, quantization, stage.stop - stage.start, stage.with_ends, stage.start)
     apply_dtype_policy(model, dtype)
     return model
 

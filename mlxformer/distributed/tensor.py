@@ -15,6 +15,7 @@ watchdog guards each step as a whole (``runner.stream_distributed``).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 import mlx.core as mx
@@ -22,7 +23,7 @@ import mlx.nn as nn
 
 from mlxformer.errors import MlxformerError
 from mlxformer.formats.checkpoint import Checkpoint
-from mlxformer.loader import apply_dtype_policy, build_model, used_tensors
+from mlxformer.loader import apply_dtype_policy, loaded_model
 from mlxformer.models.config import ModelArgs
 from mlxformer.models.decoder import Model
 
@@ -105,23 +106,19 @@ def slice_for(rank: int, size: int) -> Piece:
     return piece
 
 
-def local_config(config: dict, args: ModelArgs, size: int) -> dict:
-    """The config of one rank's narrower decoder."""
-    return {
-        **config,
-        "num_attention_heads": args.num_attention_heads // size,
-        "num_key_value_heads": args.num_key_value_heads // size,
-        "intermediate_size": args.intermediate_size // size,
-        "head_dim": args.head_dim,
-    }
+def local_args(args: ModelArgs, size: int) -> ModelArgs:
+    """The args of one rank's narrower decoder: its share of the heads and the MLP's width."""
+    return dataclasses.replace(args, num_attention_heads=args.num_attention_heads // size,
+                               num_key_value_heads=args.num_key_value_heads // size,
+                               intermediate_size=args.intermediate_size // size)
 
 
 def load_tensor_shard(checkpoint: Checkpoint, group: mx.distributed.Group, dtype: mx.Dtype | None = None) -> Model:
     """This rank's shard of every layer, reading only its slices of the weights."""
     args, size = checkpoint.args, group.size()
     check_divisible(args, size)
-    weights = checkpoint.read(used_tensors(args, checkpoint.tensors), slice_for(group.rank(), size))
-    model = build_model(local_config(checkpoint.config, args, size), weights)
+    weights = checkpoint.read(checkpoint.weights, slice_for(group.rank(), size))
+    model = loaded_model(local_args(args, size), weights, checkpoint.quantization)
     apply_dtype_policy(model, dtype)
     for layer in model.layers:
         for owner, name in ((layer.self_attn, "o_proj"), (layer.mlp, "down_proj")):

@@ -12,20 +12,25 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import mlx.core as mx
 
-from mlxformer.models.families import text_config_of, text_weight_names, with_stored_layout
+from mlxformer.models.families import text_config_of
 from mlxformer.errors import MlxformerError
 from mlxformer.formats.gguf import open_gguf
 from mlxformer.formats.hub import resolve_source
+from mlxformer.formats.mlx_lm_layout import with_stored_layout
 from mlxformer.formats.safetensors import ShardReader, read_config, read_safetensors_header, weight_files
 from mlxformer.formats.tensors import TensorEntry, Tensors
+from mlxformer.formats.weight_map import decoder_quantization, decoder_weights, text_weight_names
 from mlxformer.models.config import ModelArgs
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+# MLX's quantization modes: affine (scales and biases) and the float-scaled microscaling formats.
+QUANT_MODES = ("affine", "mxfp4", "mxfp8", "nvfp4")
 # Config sizes a decoder is built from: each must be a positive int below 2**31.
 SIZE_KEYS = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
              "vocab_size", "max_position_embeddings")
@@ -40,8 +45,8 @@ class Checkpoint:
 
     path: Path  # the resolved model dir or .gguf file
     config: dict[str, Any]
-    args: ModelArgs
-    tensors: Tensors
+    args: ModelArgs  # built once, from ``config``, when the checkpoint is opened
+    tensors: Tensors  # under the file's names (HF's; a GGUF's mapped by ``gguf_names``)
     tokenizer_dir: Path | None  # where tokenizer files live (HF/MLX dirs)
     gguf_metadata: dict[str, Any] | None  # the GGUF's metadata (its vocabulary), else None
     header_bytes: int  # bytes of all headers read to open it
@@ -50,12 +55,21 @@ class Checkpoint:
     def is_gguf(self) -> bool:
         return self.gguf_metadata is not None
 
+    @cached_property
+    def weights(self) -> Tensors:
+        """The tensors the decoder uses, under its names, still lazy (``weight_map.decoder_weights``)."""
+        return decoder_weights(self.args, self.tensors)
+
+    @cached_property
+    def quantization(self) -> dict[str, Any] | None:
+        """The config's ``quantization`` entry under the decoder's names (None: not quantized)."""
+        return decoder_quantization(self.config)
+
     def read(self, tensors: Tensors, piece: Callable[[str, mx.array], mx.array] | None = None
              ) -> dict[str, mx.array]:
-        """The lazy ``tensors`` (this checkpoint's, as the decoder uses them: ``used_tensors``,
-        experts stacked, maybe a subset), each cut by ``piece(name, array)`` if given (a
-        distributed rank's share) and evaluated before the next is read: peak memory is what
-        is kept plus one full tensor."""
+        """The lazy ``tensors`` (this checkpoint's ``weights``, maybe a subset), each cut by
+        ``piece(name, array)`` if given (a distributed rank's share) and evaluated before the
+        next is read: peak memory is what is kept plus one full tensor."""
         out: dict[str, mx.array] = {}
         for name in tensors:
             array = tensors[name]
@@ -81,6 +95,7 @@ def open_part(path_or_repo: str | Path) -> tuple[Path, dict[str, Any], Tensors]:
     and names checked as ``open_checkpoint`` checks them, but not that they make a whole decoder."""
     source = resolve_source(path_or_repo)
     config, tensors, _, _ = _open_files(source)
+    _check_quantization(config, f"{source}: config" if source.is_dir() else f"{source}: metadata")
     return source, config, tensors
 
 
@@ -146,8 +161,8 @@ def check_config(config: dict[str, Any], entries: Mapping[str, TensorEntry], sou
 
 
 def _check_quantization(config: dict[str, Any], where: str) -> None:
-    """mlx-lm's ``quantization`` entry: ints ``group_size``/``bits``, and per-layer entries that
-    are such a dict or a bool."""
+    """mlx-lm's ``quantization`` entry: ints ``group_size``/``bits``, one of MLX's modes, and
+    per-layer entries that are such a dict or a bool."""
     quantization = config.get("quantization") or config.get("quantization_config")
     if quantization is None:
         return
@@ -155,6 +170,9 @@ def _check_quantization(config: dict[str, Any], where: str) -> None:
         raise MlxformerError(f"{where} quantization is not an object")
 
     def spec_ok(spec: dict[str, Any]) -> bool:
+        if spec.get("mode", "affine") not in QUANT_MODES:
+            raise MlxformerError(f"{where} quantization mode {str(spec['mode'])[:40]!r} is not supported "
+                                 f"(supported: {', '.join(QUANT_MODES)})")
         return all(isinstance(spec.get(k, 1), int) and not isinstance(spec.get(k, 1), bool) and spec.get(k, 1) > 0
                    for k in ("group_size", "bits"))
 

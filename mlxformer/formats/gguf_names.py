@@ -82,7 +82,7 @@ ARCH_TENSOR_NAMES["deepseek2"] = {  # multi-head latent attention (``models.mla`
         ("q_a", "q_a_proj"), ("q_a_norm", "q_a_layernorm"), ("q_b", "q_b_proj"),
         ("kv_a_mqa", "kv_a_proj_with_mqa"), ("kv_a_norm", "kv_a_layernorm"), ("kv_b", "kv_b_proj"),
         # kv_b_proj split per head, as mlx-lm splits it: k_b (H, rank, nope), v_b (H, v, rank)
-        # (``mla.absorbed_kv_b`` joins them back); older files have the whole ``attn_kv_b``
+        # (``mla_layout.absorbed_kv_b`` joins them back); older files have the whole ``attn_kv_b``
         ("k_b", "embed_q"), ("v_b", "unembed_out"))},
     **_ROUTED_EXPERTS,
 }

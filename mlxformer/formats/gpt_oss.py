@@ -7,7 +7,7 @@ hidden)``, and their ``_bias``es. The hub's MXFP4 checkpoints store the matrices
 ``*_scales`` ``(E, out, groups)`` uint8 (E8M0 exponents): byte for byte MLX's own ``mxfp4``
 layout (eight codes a uint32, lowest bits first; the same exponents), so they are viewed,
 never dequantized. The decoder's ``mlp.experts.{gate,up,down}_proj.{weight,bias,scales}``
-are derived lazily from these (``Tensors.derived``) or at once from a dict.
+are derived lazily from these (``Tensors.derived``, by ``weight_map``).
 """
 
 from __future__ import annotations
@@ -85,12 +85,4 @@ def fused_expert_derivations(entries: Mapping[str, Any]) -> dict[str, Derivation
                 make, new_dtype = _rows(parity, False), dtype
             out[f"{prefix}.{target}.{kind}"] = Derivation((name,), new_shape, new_dtype,
                                                            lambda arrays, make=make: make(arrays[0]))
-    return out
-
-
-def derive_dict(weights: dict[str, mx.array], derivations: Mapping[str, Derivation]) -> dict[str, mx.array]:
-    """``weights`` with the derivations' sources replaced by the derived arrays."""
-    sources = {source for d in derivations.values() for source in d.sources}
-    out = {name: value for name, value in weights.items() if name not in sources}
-    out.update({name: d.make([weights[source] for source in d.sources]) for name, d in derivations.items()})
     return out

@@ -6,7 +6,7 @@ mlx-lm's ``gpt2`` names (``model.h.N.attn.c_attn``, Linear layout) with its conf
 - Tensors: the conv1d weight ``(C, K, 1)`` (HF: ``(C, 1, K)``) and the ``(1 + w)`` RMSNorms
   with the 1 folded in. mlx-lm's ``qwen3_next`` reads nothing else (its ``sanitize`` only fixes
   HF dirs with per-expert tensors); the checkpoint reader recognises the layout by the conv's
-  shape (``families.with_stored_layout``), so the output reads back too.
+  shape (``with_stored_layout``), so the output reads back too.
 - Config: flat (mlx-lm takes a config without ``text_config`` as the text model's), with
   mlx-lm's model types (``qwen3_5``/``qwen3_5_moe``: transformers' image-text types, which the
   reader maps to the text ones), ``rope_parameters`` (mlx-lm's Qwen3.5 reads theta and the rotated
@@ -17,12 +17,14 @@ mlx-lm's ``gpt2`` names (``model.h.N.attn.c_attn``, Linear layout) with its conf
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Mapping
 
 from mlxformer.formats.gguf_hybrid import SHIFTED_NORMS
 from mlxformer.formats.tensors import Derivation, Tensors
 from mlxformer.models.config import ModelArgs
-from mlxformer.models.gpt2_family import mlx_lm_gpt2_config, mlx_lm_gpt2_names
+from mlxformer.models.families import MLX_LM_LAYOUT
+from mlxformer.formats.gpt2_names import mlx_lm_gpt2_names
+from mlxformer.models.gpt2_family import mlx_lm_gpt2_config
 
 MLX_LM_TYPES = {"qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe", "qwen3_next": "qwen3_next"}
 
@@ -41,6 +43,16 @@ def stored_for_mlx_lm(args: ModelArgs, weights: Tensors) -> tuple[ModelArgs, Ten
             derivations[name] = Derivation((name,), entry.shape, entry.dtype, lambda p: p[0] + 1)
     stored = dataclasses.replace(args, norm_offset=0.0, linear_conv_channels_last=True)
     return stored, weights.derived(derivations)
+
+
+def with_stored_layout(config: dict[str, Any], entries: Mapping[str, Any]) -> dict[str, Any]:
+    """``config`` marked with ``MLX_LM_LAYOUT`` when the tensors (name -> entry with ``shape``)
+    are in mlx-lm's Gated DeltaNet layout: a conv1d weight whose last axis is 1 (HF: the kernel)."""
+    for name, entry in entries.items():
+        if name.endswith("linear_attn.conv1d.weight"):
+            shape = tuple(entry.shape)
+            return {**config, MLX_LM_LAYOUT: True} if shape[-1] == 1 and shape[1] > 1 else config
+    return config
 
 
 def mlx_lm_names(args: ModelArgs, names: Any) -> dict[str, str]:

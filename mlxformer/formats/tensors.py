@@ -11,6 +11,8 @@ import mlx.core as mx
 
 from mlxformer.errors import MlxformerError
 
+IN_MEMORY = Path("<in memory>")  # the ``file`` of a tensor given as an array (``Tensors.of_arrays``)
+
 
 @dataclass(frozen=True)
 class TensorEntry:
@@ -67,6 +69,13 @@ class Tensors(Mapping[str, mx.array]):
     def __init__(self, entries: dict[str, TensorEntry], load: Callable[[TensorEntry], mx.array]):
         self.entries = entries
         self._load = load
+
+    @classmethod
+    def of_arrays(cls, arrays: Mapping[str, mx.array]) -> Tensors:
+        """Arrays already in memory (a dict of weights) as the same lazy mapping a checkpoint
+        gives, so they take the same renames and derivations (``formats.weight_map``)."""
+        entries = {name: TensorEntry(name, tuple(a.shape), a.dtype, IN_MEMORY) for name, a in arrays.items()}
+        return cls(entries, lambda entry: arrays[entry.name])
 
     def subset(self, names: Iterable[str]) -> Tensors:
         """The same tensors restricted to ``names`` (in this mapping's order)."""

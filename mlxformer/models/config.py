@@ -15,7 +15,7 @@ import mlx.core as mx
 from mlxformer.errors import MlxformerError
 from mlxformer.models.config_bounds import check_config_sizes
 from mlxformer.models.families import FAMILIES, family_fields, head_config, head_fields, hybrid_config, text_config_of
-from mlxformer.models.gemma4_family import gemma4_config  # also registers the gemma4_text family
+from mlxformer.models.gemma4_family import gemma4_config
 from mlxformer.models.rope_config import SUPPORTED_ROPE_TYPES, RopeConfig, rope_config_from_dict, rope_scaling_dict
 
 __all__ = ["FLOAT_DTYPES", "float_dtype", "ModelArgs", "RopeConfig", "SUPPORTED_ROPE_TYPES", "rope_config_from_dict", "rope_scaling_dict"]
@@ -59,7 +59,7 @@ class ModelArgs:
     sliding_window: int | None = None
     # --- family switches; the defaults are Llama's ---
     hidden_act: str = "silu"  # the MLP gate: "silu" (SwiGLU) or "gelu_tanh" (GeGLU, Gemma)
-    mlp_type: str = "dense"  # a key of ``models.mlp.MLP_TYPES``
+    mlp_type: str = "dense"  # a key of ``models.feed_forward.MLP_TYPES``
     fused_qkv: bool = False  # one ``qkv_proj`` (Phi-3) instead of q/k/v projections
     fused_gate_up: bool = False  # one ``gate_up_proj`` (Phi-3) instead of gate/up projections
     norm_type: str = "rms"  # "rms" (RMSNorm) or "layer" (LayerNorm with a bias, GPT-2): ``models.norms.make_norm``

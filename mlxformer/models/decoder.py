@@ -23,17 +23,12 @@ from mlxformer.models.attention_ops import fused_attention, position_query_scale
 from mlxformer.models.config import ModelArgs
 from mlxformer.models.mla import MLAttention
 from mlxformer.models.gated_delta import GatedDeltaNet
-from mlxformer.models.mlp import MLP, make_mlp, swiglu
+from mlxformer.models.feed_forward import make_mlp
+from mlxformer.models.mlp import MLP, swiglu
 from mlxformer.models import gemma4
-import mlxformer.models.moe  # noqa: F401  registers the "moe" MLP type
-import mlxformer.models.moe_gpt_oss  # noqa: F401  registers gpt-oss's experts and gate
-from mlxformer.models.gpt2_family import is_gpt2_buffer
 from mlxformer.models.norms import NORM_LAYOUTS, RMSNorm, make_norm
 from mlxformer.models.rope_variants import make_rope
 
-# An image-text checkpoint's vision tower and a multi-token-prediction head: not the decoder's.
-_NOT_TEXT = ("model.visual.", "visual.", "vision_tower.", "mtp.", "model.vision_tower.", "model.audio_tower.",
-             "model.embed_vision.", "model.embed_audio.")
 # A layer's keys/values as the layers reading them get them (``kv_source``): what the cache
 # returned, and the position of the first new token.
 SharedKV = dict[int, tuple[object, object, "int | mx.array"]]
@@ -311,12 +306,7 @@ class Model(nn.Module):
         embedding batch)."""
         watched = self.watching and cache is not None and watch
         last = None if watched or self._remote_layers is not None else keep  # the last layer is ours
-        h = self.model.embed_tokens(inputs)  # (B, T, hidden)
-        if self.args.embedding_scale != 1.0:  # in the activation dtype, as transformers does
-            h = h * mx.array(self.args.embedding_scale, dtype=h.dtype)
-        if self.args.position_type == "learned":
-            h = h + self.model.embed_positions(token_positions(cache, inputs.shape[1], self.args.max_position_embeddings))
-        extra = gemma4.per_layer_inputs(self.model, self.args, inputs, h) if self.args.hidden_size_per_layer_input else None
+        h, extra = self.embed(inputs, cache)
         h = self.run_layers(h, cache, rope_length, extra, last, valid)
         if self._remote_layers is not None:
             h = self._remote_layers(h, rope_length)
@@ -325,21 +315,37 @@ class Model(nn.Module):
             self._hidden_watch(h, cache)  # type: ignore[misc]
         return h if last is not None else kept_rows(h, keep)
 
+    def embed(self, inputs: mx.array, cache: Sequence[Cache] | None = None) -> tuple[mx.array, mx.array | None]:
+        """The first layer's input ``(B, T, hidden)`` for token ids ``(B, T)`` (the embeddings,
+        scaled, plus the learned positions after ``cache``'s), and Gemma 4's per-layer inputs
+        ``(B, T, layers, size)`` (None for every other family)."""
+        h = self.model.embed_tokens(inputs)  # (B, T, hidden)
+        if self.args.embedding_scale != 1.0:  # in the activation dtype, as transformers does
+            h = h * mx.array(self.args.embedding_scale, dtype=h.dtype)
+        if self.args.position_type == "learned":
+            h = h + self.model.embed_positions(token_positions(cache, inputs.shape[1], self.args.max_position_embeddings))
+        extra = gemma4.per_layer_inputs(self.model, self.args, inputs, h) if self.args.hidden_size_per_layer_input else None
+        return h, extra
+
     def run_layers(
         self, h: mx.array, cache: Sequence[Cache] | None = None, rope_length: int | None = None,
         per_layer_inputs: mx.array | None = None, keep: mx.array | None = None, valid: mx.array | None = None,
+        before_layer: Callable[[int, mx.array], None] | None = None,
     ) -> mx.array:
         """This model's decoder layers on hidden states ``(B, T, hidden)``; ``cache`` holds one
         cache per layer of ``cache_layers``, and a layer reading another's keys/values gets that
         layer's. ``per_layer_inputs``: each layer's extra input ``(B, T, layers, size)`` (Gemma 4).
         ``keep``: the positions ``(K,)`` the last layer outputs (``DecoderLayer``). ``valid``: the
-        real tokens ``(B, T)`` of padded rows (``hidden_states``)."""
+        real tokens ``(B, T)`` of padded rows (``hidden_states``). ``before_layer(i, h)``: called
+        with each layer's input before it runs (calibration loads that layer's weights there)."""
         if not self.layers:
             return kept_rows(h, keep)
         query_len = h.shape[1]
         masks: dict[int | None, Mask] = {}  # one mask per window, from the first cache of that window
         shared: SharedKV | None = {} if self.args.num_kv_shared_layers else None  # keys/values read by later layers
         for i, layer in enumerate(self.layers):
+            if before_layer is not None:
+                before_layer(i, h)
             layer_cache = None if cache is None else cache[i if layer.kv_source is None else layer.kv_source]
             rows = keep if i == len(self.layers) - 1 else None
             if layer.recurrent:  # no mask: the state holds the past
@@ -408,22 +414,3 @@ class Model(nn.Module):
         T = inputs.shape[1]
         keep = None if T == 1 else mx.array([T - 1])
         return self.logits(self.hidden_states(inputs, cache, rope_length, keep)[:, -1, :])
-
-    def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
-        """Drop checkpoint keys that carry no weights for this decoder."""
-        weights = {k: v for k, v in weights.items()
-                   if "rotary_emb.inv_freq" not in k and not k.startswith(_NOT_TEXT) and not is_gpt2_buffer(k)}
-        first = self.args.num_hidden_layers  # GLM/DeepSeek's multi-token-prediction layers follow the decoder's
-        mtp = tuple(f"model.layers.{i}." for i in range(first, first + self.args.mtp_layers))
-        if mtp:
-            weights = {k: v for k, v in weights.items() if not k.startswith(mtp)}
-        if self.args.num_kv_shared_layers:  # checkpoints keep k/v projections the shared layers never use
-            first = self.args.num_hidden_layers - self.args.num_kv_shared_layers
-            unused = tuple(f"model.layers.{i}.self_attn.{name}." for i in range(first, self.args.num_hidden_layers)
-                           for name in ("k_proj", "v_proj", "k_norm", "v_norm"))
-            weights = {k: v for k, v in weights.items() if not k.startswith(unused)}
-        if self.args.tie_word_embeddings:
-            weights.pop("lm_head.weight", None)
-            weights.pop("lm_head.scales", None)
-            weights.pop("lm_head.biases", None)
-        return weights

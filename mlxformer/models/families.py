@@ -8,39 +8,13 @@ family is a row of this table, never a copy of the decoder.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 from mlxformer.errors import MlxformerError
-from mlxformer.models.gpt2_family import gpt2_config, gpt2_fields, gpt2_weight_names
+from mlxformer.models.family_keys import Fields, activation, float_or_none, layer_types, window
+from mlxformer.models.gemma4_family import gemma4_fields
+from mlxformer.models.gpt2_family import gpt2_config, gpt2_fields
 from mlxformer.models.rope_config import RopeConfig, rope_config_from_dict, yarn_mscale
-
-Fields = dict[str, Any]
-# transformers' activation names -> the decoder's gate functions (``models.mlp.GATES``)
-_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
-
-
-def _activation(config: dict[str, Any], default: str, *keys: str) -> str:
-    name = next((config[k] for k in keys if config.get(k)), default)
-    if name not in _ACTIVATIONS:
-        raise MlxformerError(f"unsupported activation {name!r} for {config.get('model_type')}")
-    return _ACTIVATIONS[name]
-
-
-def _layer_types(config: dict[str, Any], sliding: Callable[[int], bool]) -> tuple[str, ...]:
-    """Per layer "sliding" or "full": the config's ``layer_types`` or the family's pattern."""
-    layers = int(config["num_hidden_layers"])
-    written = config.get("layer_types")
-    if written is None:
-        return tuple("sliding" if sliding(i) else "full" for i in range(layers))
-    names = {"sliding_attention": "sliding", "full_attention": "full"}
-    if len(written) != layers or any(t not in names for t in written):
-        raise MlxformerError(f"config.json layer_types must name {layers} layers as sliding_attention/full_attention")
-    return tuple(names[t] for t in written)
-
-
-def _window(config: dict[str, Any]) -> int | None:
-    window = config.get("sliding_window")
-    return int(window) if window else None
 
 
 def _llama(config: dict[str, Any], base: Fields) -> Fields:
@@ -48,7 +22,7 @@ def _llama(config: dict[str, Any], base: Fields) -> Fields:
 
 
 def _mistral(config: dict[str, Any], base: Fields) -> Fields:
-    return {"sliding_window": _window(config)}
+    return {"sliding_window": window(config)}
 
 
 def _qwen2(config: dict[str, Any], base: Fields) -> Fields:
@@ -63,7 +37,7 @@ def _qwen3(config: dict[str, Any], base: Fields) -> Fields:
 def _gemma(config: dict[str, Any], base: Fields) -> Fields:
     """GeGLU, ``(1 + w)`` RMSNorms, embeddings scaled by sqrt(hidden), tied output."""
     return {
-        "hidden_act": _activation(config, "gelu_pytorch_tanh", "hidden_activation", "hidden_act"),
+        "hidden_act": activation(config, "gelu_pytorch_tanh", "hidden_activation", "hidden_act"),
         "norm_offset": 1.0,
         "embedding_scale": math.sqrt(base["hidden_size"]),
         "tie_word_embeddings": bool(config.get("tie_word_embeddings", True)),
@@ -76,10 +50,10 @@ def _gemma2(config: dict[str, Any], base: Fields) -> Fields:
         **_gemma(config, base),
         "norm_layout": "sandwich",
         "attention_scale": float(config.get("query_pre_attn_scalar") or 256) ** -0.5,
-        "attn_logit_softcap": _float_or_none(config.get("attn_logit_softcapping", 50.0)),
-        "final_logit_softcap": _float_or_none(config.get("final_logit_softcapping", 30.0)),
-        "sliding_window": _window(config),
-        "layer_types": _layer_types(config, lambda i: i % 2 == 0),
+        "attn_logit_softcap": float_or_none(config.get("attn_logit_softcapping", 50.0)),
+        "final_logit_softcap": float_or_none(config.get("final_logit_softcapping", 30.0)),
+        "sliding_window": window(config),
+        "layer_types": layer_types(config, lambda i: i % 2 == 0),
     }
 
 
@@ -95,11 +69,11 @@ def _gemma3(config: dict[str, Any], base: Fields) -> Fields:
         local = RopeConfig(theta=float(config.get("rope_local_base_freq", 10000.0)))
     return {
         **_gemma2(config, base),
-        "attn_logit_softcap": _float_or_none(config.get("attn_logit_softcapping")),
-        "final_logit_softcap": _float_or_none(config.get("final_logit_softcapping")),
+        "attn_logit_softcap": float_or_none(config.get("attn_logit_softcapping")),
+        "final_logit_softcap": float_or_none(config.get("final_logit_softcapping")),
         "qk_norm": True,
         "rope_local": local,
-        "layer_types": _layer_types(config, lambda i: (i + 1) % pattern != 0),
+        "layer_types": layer_types(config, lambda i: (i + 1) % pattern != 0),
     }
 
 
@@ -108,7 +82,7 @@ def _phi3(config: dict[str, Any], base: Fields) -> Fields:
     params = config.get("rope_parameters") or {}
     factor = config.get("partial_rotary_factor", params.get("partial_rotary_factor", 1.0))
     return {"fused_qkv": True, "fused_gate_up": True, "partial_rotary_factor": float(factor),
-            "sliding_window": _window(config)}
+            "sliding_window": window(config)}
 
 
 def _granite(config: dict[str, Any], base: Fields) -> Fields:
@@ -138,8 +112,8 @@ def _layer_type_rope(config: dict[str, Any], base: Fields, layer_type: str) -> R
 
 def _olmo3(config: dict[str, Any], base: Fields) -> Fields:
     """OLMo 2 with sliding-window layers (three to one global by default), whose RoPE is unscaled."""
-    return {**_olmo2(config, base), "sliding_window": _window(config) or 4096,
-            "layer_types": _layer_types(config, lambda i: (i + 1) % 4 != 0),
+    return {**_olmo2(config, base), "sliding_window": window(config) or 4096,
+            "layer_types": layer_types(config, lambda i: (i + 1) % 4 != 0),
             "rope_local": _layer_type_rope(config, base, "sliding_attention")}
 
 
@@ -151,7 +125,7 @@ def _ministral3(config: dict[str, Any], base: Fields) -> Fields:
     fields: Fields = {**_mistral(config, base), "query_scale_beta": beta,
                       "query_scale_length": int(params.get("original_max_position_embeddings") or 1)}
     if config.get("layer_types") is not None:
-        fields["layer_types"] = _layer_types(config, lambda i: False)
+        fields["layer_types"] = layer_types(config, lambda i: False)
     return fields
 
 
@@ -220,7 +194,7 @@ def _gpt_oss(config: dict[str, Any], base: Fields) -> Fields:
     bias = bool(config.get("attention_bias", True))
     return {**_experts(config, "intermediate_size", False), "mlp_type": "moe_topk_softmax",
             "hidden_act": "swiglu_clamped", "attention_sinks": True, "qkv_bias": bias, "o_proj_bias": bias,
-            "sliding_window": _window(config), "layer_types": _layer_types(config, lambda i: i % 2 == 0)}
+            "sliding_window": window(config), "layer_types": layer_types(config, lambda i: i % 2 == 0)}
 
 
 def _routed(config: dict[str, Any], router: str, norm_default: bool) -> Fields:
@@ -312,13 +286,6 @@ def text_config_of(config: dict[str, Any]) -> dict[str, Any]:
     return {**outer, **(config.get("text_config") or {}), "model_type": inner}
 
 
-# An image-text checkpoint's language model weights (HF: ``model.language_model.``; mlx-lm's
-# wrapper: ``language_model.``) -> the decoder's names; its vision tower is dropped by ``sanitize``.
-# A base model's (``Qwen3Model``, ``Gemma3TextModel``: an embedding model's) have no ``model.``.
-_TEXT_WEIGHT_PREFIXES = (("model.language_model.", "model."), ("language_model.", ""),
-                         ("embed_tokens.", "model.embed_tokens."), ("layers.", "model.layers."), ("norm.", "model.norm."))
-
-
 def head_fields(config: dict[str, Any]) -> Fields:
     """What the model outputs, from its architecture: vocabulary logits (``*ForCausalLM``),
     a classifier's (``*ForSequenceClassification``: a cross-encoder's ``score``) or, for a
@@ -343,33 +310,9 @@ def head_config(args: Any, base: str) -> dict[str, Any]:
     return keys
 
 
-def text_weight_names(names: Iterable[str]) -> dict[str, str]:
-    """The renames (old -> new) that take an image-text checkpoint's language model weights, or
-    GPT-2's (``gpt2_family``: its ``Conv1D`` weights are also transposed there), to the
-    decoder's names (none for a checkpoint already named as the decoder is)."""
-    names = list(names)
-    renames = gpt2_weight_names(names)
-    for name in names:
-        for prefix, replacement in _TEXT_WEIGHT_PREFIXES:
-            if name.startswith(prefix):
-                renames[name] = replacement + name[len(prefix):]
-                break
-    return renames
-
-
-# Set by the checkpoint reader (``with_stored_layout``), never written: the weights are stored as
+# Set by the checkpoint reader (``mlx_lm_layout.with_stored_layout``), never written: the weights are stored as
 # mlx-lm stores a Gated DeltaNet model (conv1d ``(C, K, 1)``, the ``(1 + w)`` norms' 1 folded in).
 MLX_LM_LAYOUT = "_mlx_lm_gated_delta_layout"
-
-
-def with_stored_layout(config: dict[str, Any], entries: Iterable[str] | dict[str, Any]) -> dict[str, Any]:
-    """``config`` marked with ``MLX_LM_LAYOUT`` when the tensors (name -> entry with ``shape``)
-    are in mlx-lm's Gated DeltaNet layout: a conv1d weight whose last axis is 1 (HF: the kernel)."""
-    for name, entry in dict(entries).items():
-        if name.endswith("linear_attn.conv1d.weight"):
-            shape = tuple(entry.shape)
-            return {**config, MLX_LM_LAYOUT: True} if shape[-1] == 1 and shape[1] > 1 else config
-    return config
 
 
 def _gated_delta(config: dict[str, Any], base: Fields) -> Fields:
@@ -422,10 +365,6 @@ def hybrid_config(args: Any) -> dict[str, Any]:
     }
 
 
-def _float_or_none(value: Any) -> float | None:
-    return None if value is None else float(value)
-
-
 FAMILIES: dict[str, Callable[[dict[str, Any], Fields], Fields]] = {
     "llama": _llama,
     "mistral": _mistral,
@@ -452,6 +391,7 @@ FAMILIES: dict[str, Callable[[dict[str, Any], Fields], Fields]] = {
     "qwen3_5_text": _gated_delta,
     "qwen3_5_moe_text": _qwen3_5_moe,
     "qwen3_next": _qwen3_next,
+    "gemma4_text": gemma4_fields,
     "gpt2": gpt2_fields,
 }
 

@@ -9,7 +9,7 @@ each layer adds ``post_per_layer_input_norm(per_layer_projection(act(per_layer_i
 Experts: ``router`` (a scale-free RMSNorm, a learned ``scale``, softmax over ``proj``, top-k
 renormalised and multiplied by ``per_expert_scale``) picks experts run by ``experts.switch_glu``
 (``moe.SwitchGLU``, mlx-lm's names; HF's fused ``experts.gate_up_proj`` is split at load by
-``expert_derivations``) on ``pre_feedforward_layernorm_2`` of the layer's residual stream; the
+``formats.expert_layouts``) on ``pre_feedforward_layernorm_2`` of the layer's residual stream; the
 MLP's and the experts' outputs are normed (``post_feedforward_layernorm_1``/``_2``) and summed.
 Module names are the checkpoint's, set on the decoder's stack and layers.
 """
@@ -17,14 +17,10 @@ Module names are the checkpoint's, set on the decoder's stack and layers.
 from __future__ import annotations
 
 import math
-import re
-from typing import Any, Mapping
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxformer.errors import MlxformerError
-from mlxformer.formats.tensors import Derivation
 from mlxformer.models.config import ModelArgs
 from mlxformer.models.mlp import GATES
 from mlxformer.models.moe import SwitchGLU
@@ -120,28 +116,3 @@ def experts_beside_mlp(layer: nn.Module, residual: mx.array, mlp_out: mx.array) 
     indices, weights = layer.router(rows)
     routed = layer.experts(layer.pre_feedforward_layernorm_2(rows), indices, weights).reshape(B, T, H)
     return layer.post_feedforward_layernorm_1(mlp_out) + layer.post_feedforward_layernorm_2(routed)
-
-
-_FUSED = re.compile(r"^(.*\.layers\.\d+\.experts)\.(gate_up_proj|down_proj)$")
-
-
-def expert_derivations(entries: Mapping[str, Any]) -> dict[str, Derivation]:
-    """HF's fused experts ``experts.gate_up_proj`` ``(E, 2 * inter, hidden)`` (gate rows first)
-    and ``experts.down_proj`` ``(E, hidden, inter)`` as ``experts.switch_glu.*.weight``."""
-    out: dict[str, Derivation] = {}
-    for name, entry in entries.items():
-        match = _FUSED.match(name)
-        if match is None:
-            continue
-        prefix, matrix = match.groups()
-        shape, dtype = tuple(entry.shape), entry.dtype
-        if matrix == "down_proj":
-            out[f"{prefix}.switch_glu.down_proj.weight"] = Derivation((name,), shape, dtype, lambda a: a[0])
-            continue
-        if len(shape) != 3 or shape[1] % 2:
-            raise MlxformerError(f"{name}: gate_up_proj must be (experts, 2 * inter, hidden), not {list(shape)}")
-        half = shape[1] // 2
-        for target, part in (("gate_proj", slice(0, half)), ("up_proj", slice(half, None))):
-            out[f"{prefix}.switch_glu.{target}.weight"] = Derivation(
-                (name,), (shape[0], half, shape[2]), dtype, lambda a, part=part: mx.contiguous(a[0][:, part]))
-    return out

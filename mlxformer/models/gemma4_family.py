@@ -7,7 +7,7 @@ their own head size (``global_head_dim``), K/V head count and keys that are also
 RoPE on full layers, plain ``w`` (not ``1 + w``) RMSNorms, a stored scalar per layer, per-layer
 token inputs (``hidden_size_per_layer_input``), the last ``num_kv_shared_layers`` layers reading
 the keys/values of an earlier layer of their type, a double-wide MLP on those (``use_double_wide_mlp``)
-and a routed experts block beside the MLP (``enable_moe_block``). Registers itself in ``FAMILIES``.
+and a routed experts block beside the MLP (``enable_moe_block``).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import math
 from typing import Any
 
 from mlxformer.errors import MlxformerError
-from mlxformer.models.families import FAMILIES, Fields, _activation, _float_or_none, _layer_types, _window
+from mlxformer.models.family_keys import Fields, activation, float_or_none, layer_types, window
 from mlxformer.models.rope_config import RopeConfig, rope_config_from_dict, rope_scaling_dict
 
 # transformers' defaults when a config.json leaves them out
@@ -53,7 +53,7 @@ def gemma4_fields(config: dict[str, Any], base: Fields) -> Fields:
     if config.get("use_bidirectional_attention"):
         raise MlxformerError("unsupported gemma4 setting use_bidirectional_attention (not a causal LM)")
     layers = int(config["num_hidden_layers"])
-    types = list(_layer_types(config, lambda i: (i + 1) % 6 != 0))
+    types = list(layer_types(config, lambda i: (i + 1) % 6 != 0))
     types[-1] = "full"  # transformers forces the last layer global
     shared = int(config.get("num_kv_shared_layers") or 0)
     if not 0 <= shared < layers or not set(types[shared and layers - shared:]) <= set(types[: layers - shared]):
@@ -61,12 +61,12 @@ def gemma4_fields(config: dict[str, Any], base: Fields) -> Fields:
     head_dim, kv_heads = _global_sizes(config, tuple(types), base)
     per_layer = int(config.get("hidden_size_per_layer_input") or 0)
     fields: Fields = {
-        "hidden_act": _activation(config, "gelu_pytorch_tanh", "hidden_activation", "hidden_act"),
+        "hidden_act": activation(config, "gelu_pytorch_tanh", "hidden_activation", "hidden_act"),
         "embedding_scale": math.sqrt(base["hidden_size"]),
         "tie_word_embeddings": bool(config.get("tie_word_embeddings", True)),
         "norm_layout": "sandwich", "qk_norm": True, "v_norm": True, "attention_scale": 1.0,
-        "final_logit_softcap": _float_or_none(config.get("final_logit_softcapping")),
-        "sliding_window": _window(config) or 512, "layer_types": tuple(types),
+        "final_logit_softcap": float_or_none(config.get("final_logit_softcapping")),
+        "sliding_window": window(config) or 512, "layer_types": tuple(types),
         "rope": _rope(config, base, "full_attention"), "rope_local": _rope(config, base, "sliding_attention"),
         "global_head_dim": head_dim, "global_kv_heads": kv_heads,
         "attention_k_eq_v": bool(config.get("attention_k_eq_v", False)), "layer_scalar": True,
@@ -107,5 +107,3 @@ def gemma4_config(args: Any) -> dict[str, Any]:
                       moe_intermediate_size=args.moe_intermediate_size)
     return config
 
-
-FAMILIES["gemma4_text"] = gemma4_fields

@@ -1,8 +1,7 @@
-"""The feed-forward block: a pluggable component chosen by ``ModelArgs.mlp_type``.
+"""The dense feed-forward blocks and the gate functions every block (dense or experts) uses.
 
-``MLP_TYPES`` maps a type to a builder ``(args, layer_index) -> module``; a mixture-of-experts
-block registers itself here and may return a dense MLP for some layers. Every block maps
-``(B, T, hidden) -> (B, T, hidden)``.
+Which block a layer gets is ``ModelArgs.mlp_type``'s row of ``models.feed_forward.MLP_TYPES``.
+Every block maps ``(B, T, hidden) -> (B, T, hidden)``.
 """
 
 from __future__ import annotations
@@ -29,7 +28,20 @@ def geglu(gate: mx.array, up: mx.array) -> mx.array:
     return nn.gelu_approx(gate) * up
 
 
-GATES: dict[str, Callable[[mx.array, mx.array], mx.array]] = {"silu": swiglu, "gelu_tanh": geglu}
+SWIGLU_ALPHA = 1.702  # transformers' GptOssConfig swiglu_alpha
+SWIGLU_LIMIT = 7.0  # and swiglu_limit
+
+
+@partial(mx.compile, shapeless=True)
+def clamped_swiglu(gate: mx.array, up: mx.array) -> mx.array:
+    """``(clip(up, -7, 7) + 1) * g * sigmoid(1.702 g)`` with ``g = min(gate, 7)`` (gpt-oss's experts)."""
+    gate = mx.minimum(gate, SWIGLU_LIMIT)
+    up = mx.clip(up, -SWIGLU_LIMIT, SWIGLU_LIMIT)
+    return (up + 1) * (gate * mx.sigmoid(gate * SWIGLU_ALPHA))
+
+
+GATES: dict[str, Callable[[mx.array, mx.array], mx.array]] = {"silu": swiglu, "gelu_tanh": geglu,
+                                                               "swiglu_clamped": clamped_swiglu}
 # The same activations in an ungated MLP (GPT-2's ``gelu_new`` is the tanh GELU)
 ACTIVATIONS: dict[str, Callable[[mx.array], mx.array]] = {"silu": nn.silu, "gelu_tanh": nn.gelu_approx}
 
@@ -89,11 +101,3 @@ def check_width(args: ModelArgs) -> None:
     when no layer has one (Qwen3.5-MoE's are all experts)."""
     if args.intermediate_size <= 0:
         raise MlxformerError("config.json intermediate_size must be a positive integer: the model has a dense MLP")
-
-
-MLP_TYPES: dict[str, Callable[[ModelArgs, int], nn.Module]] = {"dense": dense_mlp}
-
-
-def make_mlp(args: ModelArgs, layer_index: int) -> nn.Module:
-    """The feed-forward block of layer ``layer_index``."""
-    return MLP_TYPES[args.mlp_type](args, layer_index)

@@ -6,22 +6,20 @@ renormalised); the routed experts are stacked ``(experts, out, in)`` matrices ap
 the (token, expert) pairs are sorted by expert first, so each expert's rows are contiguous.
 Qwen2-MoE adds a shared expert behind a sigmoid gate. Parameter names are mlx-lm's
 (``switch_mlp.{gate,up,down}_proj``), so mlx-community dirs load as they are; HF checkpoints'
-per-expert matrices are stacked at load (``expert_groups``: lazily, by the checkpoint reader).
+per-expert matrices are stacked at load (``formats.expert_layouts``: lazily, by the checkpoint reader).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import re
-from typing import Iterable, Mapping
+from typing import Mapping
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxformer.errors import MlxformerError
 from mlxformer.models.config import ModelArgs
-from mlxformer.models.mlp import GATES, MLP, MLP_TYPES
+from mlxformer.models.mlp import GATES, MLP
 from mlxformer.models.router import GroupedRouter
 
 # Below this many (token, expert) pairs the gather runs unsorted (decode steps).
@@ -189,41 +187,3 @@ def moe_mlp(args: ModelArgs, layer_index: int) -> nn.Module:
     """A sparse block, or the dense MLP on ``mlp_only_layers`` and between sparse steps."""
     sparse = layer_index not in args.mlp_only_layers and (layer_index + 1) % args.decoder_sparse_step == 0
     return SparseMoE(args) if sparse else MLP(args)
-
-
-# HF per-expert matrix names -> the stacked ones (Mixtral's w1/w2/w3 are gate/down/up).
-_EXPERT_NAMES = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj",
-                 "gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj"}
-_EXPERT_KEY = re.compile(r"^(.*)\.experts\.(\d+)\.(\w+)\.(weight|scales|biases)$")
-
-
-def expert_groups(names: Iterable[str], num_experts: int) -> dict[str, list[str]]:
-    """HF's per-expert names (``...experts.E.{w1,gate_proj,...}.weight``) grouped under the
-    stacked name each becomes (``...switch_mlp.gate_proj.weight``), in expert order; a block
-    missing an expert raises naming it."""
-    found: dict[str, dict[int, str]] = {}
-    for name in names:
-        match = _EXPERT_KEY.match(name)
-        if match is not None and match.group(3) in _EXPERT_NAMES:
-            prefix, expert, proj, kind = match.groups()
-            found.setdefault(f"{prefix}.switch_mlp.{_EXPERT_NAMES[proj]}.{kind}", {})[int(expert)] = name
-    groups = {}
-    for stacked, experts in found.items():
-        if sorted(experts) != list(range(num_experts)):
-            missing = sorted(set(range(num_experts)) - set(experts)) or sorted(set(experts) - set(range(num_experts)))
-            raise MlxformerError(f"{stacked.rsplit('.switch_mlp', 1)[0]}.experts: expected experts "
-                                 f"0..{num_experts - 1}, missing or extra {missing[:4]}")
-        groups[stacked] = [experts[e] for e in range(num_experts)]
-    return groups
-
-
-def stack_expert_arrays(weights: dict[str, mx.array], num_experts: int) -> dict[str, mx.array]:
-    """``weights`` with each expert group replaced by its stacked ``(experts, ...)`` array."""
-    groups = expert_groups(weights, num_experts)
-    members = {name for names in groups.values() for name in names}
-    out = {name: value for name, value in weights.items() if name not in members}
-    out.update({stacked: mx.stack([weights[n] for n in names]) for stacked, names in groups.items()})
-    return out
-
-
-MLP_TYPES["moe"] = moe_mlp

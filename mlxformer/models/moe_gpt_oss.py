@@ -1,5 +1,5 @@
 """gpt-oss's mixture of experts: a biased router whose top-k logits are softmaxed, experts
-with biases, and the clamped SwiGLU.
+with biases, and the clamped SwiGLU (``mlp.clamped_swiglu``).
 
 Names are HF's and mlx-lm's (``mlp.router``, ``mlp.experts.{gate,up,down}_proj``); HF's fused
 ``gate_up_proj`` (gate on even, up on odd columns) is split at load (``formats.gpt_oss``).
@@ -7,25 +7,11 @@ Names are HF's and mlx-lm's (``mlp.router``, ``mlp.experts.{gate,up,down}_proj``
 
 from __future__ import annotations
 
-from functools import partial
-
 import mlx.core as mx
 import mlx.nn as nn
 
 from mlxformer.models.config import ModelArgs
-from mlxformer.models.mlp import GATES, MLP_TYPES
 from mlxformer.models.moe import SparseMoE, SwitchGLU
-
-SWIGLU_ALPHA = 1.702  # transformers' GptOssConfig swiglu_alpha
-SWIGLU_LIMIT = 7.0  # and swiglu_limit
-
-
-@partial(mx.compile, shapeless=True)
-def clamped_swiglu(gate: mx.array, up: mx.array) -> mx.array:
-    """``(clip(up, -7, 7) + 1) * g * sigmoid(1.702 g)`` with ``g = min(gate, 7)`` (gpt-oss)."""
-    gate = mx.minimum(gate, SWIGLU_LIMIT)
-    up = mx.clip(up, -SWIGLU_LIMIT, SWIGLU_LIMIT)
-    return (up + 1) * (gate * mx.sigmoid(gate * SWIGLU_ALPHA))
 
 
 class TopKSoftmaxMoE(SparseMoE):
@@ -48,5 +34,7 @@ class TopKSoftmaxMoE(SparseMoE):
         return mx.stop_gradient(indices), weights
 
 
-GATES["swiglu_clamped"] = clamped_swiglu
-MLP_TYPES["moe_topk_softmax"] = lambda args, layer_index: TopKSoftmaxMoE(args)
+
+def gpt_oss_mlp(args: ModelArgs, layer_index: int) -> nn.Module:
+    """gpt-oss's block (every layer is sparse)."""
+    return TopKSoftmaxMoE(args)

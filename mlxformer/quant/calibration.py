@@ -2,9 +2,9 @@
 
 The float model reads a short calibration text (written for this project, distinct from
 any evaluation text); every linear layer records the mean square of each input column.
-The model runs one stage at a time (the embedding, each decoder layer, the final norm), each
-with only its own float32 parameters in memory, so calibrating needs about one layer in
-float32 rather than a float32 copy of the whole model.
+The decoder's own forward runs with one stage's weights loaded at a time (the embedding, each
+decoder layer, the final norm), each with only its own float32 parameters in memory, so
+calibrating needs about one layer in float32 rather than a float32 copy of the whole model.
 A weight column that multiplies large activations matters more to the layer's output, so
 the quantizer weights its squared error by these values (a diagonal approximation of the
 output error, as in llama.cpp's importance matrix).
@@ -18,13 +18,15 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlxformer.models.config import ModelArgs
-from mlxformer.models.decoder import Model, SharedKV
-from mlxformer.models.gemma4 import per_layer_inputs
-from mlxformer.models.mask import causal_mask_for
+from mlxformer.models.decoder import Model
 
 # The float32 parameters of the module at a path (``model.layers.3``), named relative to it
 # (``self_attn.q_proj.weight``); called once per stage, just before the stage runs.
 ParamsOf = Callable[[str], dict[str, mx.array]]
+# The stack's modules that turn token ids into the first layer's input (``Model.embed``), those
+# the model has: the embedding, GPT-2's positions, Gemma 4's per-layer inputs.
+_INPUT_MODULES = ("embed_tokens", "embed_positions", "embed_tokens_per_layer", "per_layer_model_projection",
+                  "per_layer_projection_norm")
 
 CALIBRATION_TEXT = """\
 Recipe notes for a rainy Sunday. Soak two cups of dried beans overnight, then simmer them with a bay leaf, \
@@ -100,64 +102,45 @@ def _record_linear_inputs(layer: nn.Module, prefix: str, stats: _Statistics) -> 
                 parent[name] = _Recorder(child, stats.recorder_for(f"{prefix}.{parent_name}.{name}"))
 
 
-def _per_layer_inputs(model: Model, params_of: ParamsOf, tokens: mx.array, h: mx.array) -> mx.array | None:
-    """Gemma 4's per-layer inputs ``(1, T, layers, size)`` of the embedded ``tokens`` (``h``,
-    unscaled), their float32 modules loaded for this and released; None without them."""
-    args = model.args
-    if not args.hidden_size_per_layer_input:
-        return None
-    names = ("embed_tokens_per_layer", "per_layer_model_projection", "per_layer_projection_norm")
-    for name in names:
-        model.model[name].load_weights(list(params_of(f"model.{name}").items()), strict=True)
-    extra = per_layer_inputs(model.model, args, tokens, h * mx.array(args.embedding_scale, dtype=h.dtype))
-    mx.eval(extra)
-    for name in names:
-        del model.model[name]
-    return extra
-
-
 def activation_importance(
     args: ModelArgs, params_of: ParamsOf, token_ids: list[int], max_tokens: int = 128
 ) -> dict[str, mx.array]:
     """Mean squared input activation per column, keyed by the layer path (``...q_proj``).
 
-    The decoder runs stage by stage on the first ``max_tokens`` ids: each stage's float32
-    parameters come from ``params_of(path)``, are evaluated with that stage and released
-    before the next, so peak memory is about one decoder layer in float32 (the embedding
-    matrix too while the ids are embedded). For tied embeddings the statistics of the final
-    norm's output (the input of the output projection) are stored under
-    ``model.embed_tokens``; the output projection itself is not computed.
+    The decoder runs (its own ``embed`` and ``run_layers``) on the first ``max_tokens`` ids
+    stage by stage: each stage's float32 parameters come from ``params_of(path)``, are loaded
+    just before the stage runs and released after, so peak memory is about one decoder layer
+    in float32 (the embedding matrices too while the ids are embedded). For tied embeddings
+    the statistics of the final norm's output (the input of the output projection) are stored
+    under ``model.embed_tokens``; the output projection itself is not computed.
     """
     model = Model(args)  # its parameters stay lazy, never evaluated: each stage gets real ones in turn
     stats = _Statistics()
     tokens = mx.array(token_ids[:max_tokens])[None]  # (1, T)
-    embedding = model.model.embed_tokens
-    embedding.load_weights(list(params_of("model.embed_tokens").items()), strict=True)
-    h = embedding(tokens)  # (1, T, hidden)
-    if args.position_type == "learned":  # GPT-2: the positions' table too
-        positions = model.model.embed_positions
-        positions.load_weights(list(params_of("model.embed_positions").items()), strict=True)
-        h = h + positions(mx.arange(tokens.shape[1])[None])
-    mx.eval(h)
-    del embedding, model.model.embed_tokens  # the stage is done: free its float32 matrix
-    extra = _per_layer_inputs(model, params_of, tokens, h)  # Gemma 4 (None for every other family)
-    shared: SharedKV | None = {} if args.num_kv_shared_layers else None  # keys/values later layers read
-    layers = model.layers
-    for index in range(len(layers)):
+    stack, layers = model.model, model.layers
+    inputs = [name for name in _INPUT_MODULES if name in stack]  # the embedding (GPT-2: positions; Gemma 4: per layer)
+    for name in inputs:
+        stack[name].load_weights(list(params_of(f"model.{name}").items()), strict=True)
+    h, extra = model.embed(tokens)  # (1, T, hidden), Gemma 4's (1, T, layers, size) or None
+    mx.eval([a for a in (h, extra) if a is not None])
+    for name in inputs:  # the stage is done: free its float32 matrices
+        del stack[name]
+
+    def before_layer(index: int, h: mx.array) -> None:
+        mx.eval(h, stats.sums)  # the previous layer's output: its parameters may go
+        if index:
+            layers[index - 1] = None  # the decoder's list held the only other reference
         prefix = f"model.layers.{index}"
-        layer = layers[index]
-        layers[index] = None  # the stage below holds the only reference: freed after it runs
         params = params_of(prefix)
         for value in params.values():  # one at a time: each source tensor is freed before the next is read
             mx.eval(value)
-        layer.load_weights(list(params.items()), strict=True)
-        del params
-        _record_linear_inputs(layer, prefix, stats)
-        mask = causal_mask_for(tokens.shape[1], tokens.shape[1], layer.window)
-        h = layer(h, mask, None, None, shared, None if extra is None else extra[:, :, index])
-        mx.eval(h, stats.sums)
-        del layer
-    norm = model.model.norm
+        layers[index].load_weights(list(params.items()), strict=True)
+        _record_linear_inputs(layers[index], prefix, stats)
+
+    h = model.run_layers(h, per_layer_inputs=extra, before_layer=before_layer)
+    mx.eval(h, stats.sums)
+    layers[-1] = None
+    norm = stack.norm
     norm.load_weights(list(params_of("model.norm").items()), strict=True)
     head = "model.embed_tokens" if args.tie_word_embeddings else "lm_head"
     stats.recorder_for(head)(norm(h))  # the output projection's input; the projection itself is skipped

@@ -30,14 +30,14 @@ import mlx.core as mx
 from mlxformer.cache import Cache, CacheSettings, make_cache
 from mlxformer.errors import MlxformerError
 from mlxformer.formats.checkpoint import open_part
+from mlxformer.formats.expert_layouts import expert_groups
 from mlxformer.formats.gguf_names import MTP_ARCHS
 from mlxformer.formats.gguf_split import read_any_gguf
 from mlxformer.formats.hub import fetch_mtp_sidecar
-from mlxformer.loader import check_weights, quantization_of, quantize_like_checkpoint
+from mlxformer.formats.weight_map import quantization_of, text_weight_names
+from mlxformer.loader import check_weights, quantize_like_checkpoint
 from mlxformer.models.decoder import Model
 from mlxformer.models.dtype_policy import cast_except_quantized_linears
-from mlxformer.models.families import text_weight_names
-from mlxformer.models.moe import expert_groups
 from mlxformer.models.mtp import MTPHead
 from mlxformer.sampling.samplers import Distribution
 from mlxformer.speculative.speculator import KeySource, common_prefix_length, draft_token
@@ -179,10 +179,9 @@ class MTPDrafter:
             proposer.rows.write(end - hidden.shape[1], hidden[0])
 
     def embed(self, tokens: mx.array) -> mx.array:
-        """The main model's embeddings of ``tokens`` ``(B, L)`` -> ``(B, L, hidden)``."""
-        h = self.model.model.embed_tokens(tokens)
-        scale = self.model.args.embedding_scale
-        return h if scale == 1.0 else h * mx.array(scale, dtype=h.dtype)
+        """The main model's embeddings of ``tokens`` ``(B, L)`` -> ``(B, L, hidden)`` (``Model.embed``:
+        scaled as its first layer gets them; MTP models have no learned positions)."""
+        return self.model.embed(tokens)[0]
 
 
 @dataclass

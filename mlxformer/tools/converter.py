@@ -25,8 +25,7 @@ from mlxformer.formats.checkpoint import Checkpoint, open_checkpoint
 from mlxformer.formats.hub import resolve_source
 from mlxformer.formats.mlx_lm_layout import mlx_lm_config, mlx_lm_names, stored_for_mlx_lm
 from mlxformer.formats.mlx_writer import MAX_SHARD_BYTES, check_destination, plan_shards, staged_output, write_shards
-from mlxformer.formats.tensors import Tensors
-from mlxformer.loader import checked_model, load_tokenizer, quantization_of
+from mlxformer.loader import checked_model, load_tokenizer
 from mlxformer.models.config import FLOAT_DTYPES, float_dtype
 from mlxformer.models.dtype_policy import float16_safe
 from mlxformer.models.families import MLX_LM_LAYOUT, text_config_of
@@ -132,11 +131,10 @@ class _Job:
         self.source, self.settings = source, settings
         self.adapted = {} if adapter is None else adapter.modules  # matrix path -> the update fused into it
         self.args = source.args
-        self.source_quant = quantization_of(source.config)
-        model, weights = checked_model(source.config, source.tensors)  # parameters lazy: never evaluated
-        assert isinstance(weights, Tensors)
+        self.source_quant = source.quantization
+        model = checked_model(source.args, source.weights, source.quantization)  # parameters lazy: never evaluated
         # lazy: each tensor is read when its shard is written; hybrids in mlx-lm's layout
-        self.args, self.weights = stored_for_mlx_lm(self.args, weights)
+        self.args, self.weights = stored_for_mlx_lm(self.args, source.weights)
         self.entries = self.weights.entries  # shapes and dtypes, from the headers
         if self.args.rope.type == "freq_factors":
             raise MlxformerError(f"{source.path}: its rope_freqs factors are not llama3's, and mlx-lm cannot read "

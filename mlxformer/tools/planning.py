@@ -130,7 +130,8 @@ def footprint(path_or_repo: str | Path | Checkpoint, device: mx.DeviceType | Non
     """The footprint of a local HF/MLX dir, hub repo id or ``.gguf`` file, from headers only,
     as ``load`` would place it on ``device`` (default: MLX's default device)."""
     checkpoint = path_or_repo if isinstance(path_or_repo, Checkpoint) else open_checkpoint(path_or_repo)
-    model, tensors = checked_model(checkpoint.config, checkpoint.tensors)
+    tensors = checkpoint.weights
+    model = checked_model(checkpoint.args, tensors, checkpoint.quantization)
     # Placeholders of the stored shapes and dtypes (lazy: never allocated), cast by the policy.
     model.load_weights([(n, mx.zeros(e.shape, e.dtype)) for n, e in tensors.entries.items()], strict=True)
     stored = dict(tree_flatten(model.parameters()))
