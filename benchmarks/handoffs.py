@@ -53,7 +53,7 @@ def main() -> None:
 
     from mlxformer import load, stream_generate
     from mlxformer.engine import Engine
-    from mlxformer.engine.sequence import GenerationRequest
+    from mlxformer.engine.request_state import GenerationRequest
 
     print(f"load average {load_average()}")
     for threads in (1, 2):

@@ -9,7 +9,7 @@ rows seated at admission (``cache/rows.py``: prefilled in their batch row, nothi
     python benchmarks/zero_copy_join.py --hybrid --max-kv-size 512  # a hybrid's ring and recurrent rows
 
 ``--staged``: as under a KV budget (``BatchRunner.staged``: every rewrite one layer at a time,
-the seated rows widened before each chunk as ``Admission._grow`` does).
+the seated rows widened before each chunk as ``Admission.grow`` does).
 
 A random Llama with SmolLM2-135M's attention shape (9 heads, 3 KV heads of 64) and ``--layers``
 layers, float32 on the CPU; the figures are the fastest of ``--repeats`` runs. ``--hybrid``: a

@@ -7,7 +7,7 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-import mlxformer.engine.engine as engine_module
+import mlxformer.engine.delivery as delivery_module
 from conftest import tiny_byte_llama_of
 from mlxformer.cache import CacheSettings
 from mlxformer.engine import Engine, GenerationRequest
@@ -50,7 +50,7 @@ def test_top_k_past_int32_is_refused_and_past_the_vocabulary_keeps_it_whole(tiny
 def test_a_row_whose_choice_fails_ends_alone(tiny, monkeypatch):
     """A failure while building the step's one sampling graph is found row by row: only the row
     whose settings fail ends (before: every request in flight ended with it)."""
-    real = engine_module.choose
+    real = delivery_module.choose
 
     def choose(logits, rows, pending=None):
         if any(r.sampling.seed == 666 for r in rows):
@@ -61,7 +61,7 @@ def test_a_row_whose_choice_fails_ends_alone(tiny, monkeypatch):
     good = GenerationRequest(PROMPT, 8, logprobs=0)
     bad = GenerationRequest(PROMPT[:12], 8, SamplingSettings(temp=0.5, seed=666))
     reference = alone(tiny, good)
-    monkeypatch.setattr(engine_module, "choose", choose)
+    monkeypatch.setattr(delivery_module, "choose", choose)
     with Engine(model, tokenizer, prefix_cache_bytes=0) as engine:
         handles = [engine.submit(good), engine.submit(bad)]
         assert tokens_of(handles[0]) == reference
@@ -90,10 +90,10 @@ def drive(scheduler, long_prompt: int, arrivals: int) -> int:
     """Run the scheduler's plans as the engine would (each short request decodes one token and
     ends), a short request arriving every step for ``arrivals`` steps; the step at which the
     long prompt's last chunk runs."""
-    from mlxformer.engine.sequence import Sequence
+    from mlxformer.engine.request_state import RequestState
 
-    def request(n: int, first: int) -> Sequence:
-        return Sequence(GenerationRequest([first + j % 50 for j in range(n)], 1), None, [])
+    def request(n: int, first: int) -> RequestState:
+        return RequestState(GenerationRequest([first + j % 50 for j in range(n)], 1), None, [])
 
     long = request(long_prompt, 1)
     scheduler.add(long)
@@ -126,19 +126,19 @@ def test_a_long_prompt_is_not_starved_by_a_stream_of_short_ones():
 
 
 def host_bytes_per_step(context: int) -> int:
-    """Peak bytes the host allocates to build one step's sampling graph (``Sequence.row`` and
+    """Peak bytes the host allocates to build one step's sampling graph (``RequestState.row`` and
     ``choose``, not evaluated) for 8 sequences of ``context`` prompt tokens that have generated
     a few tokens, every penalty on in half the rows, after a warm step (a counted measure, not a
     timed one)."""
     import tracemalloc
 
     from mlxformer.sampling.choosing import choose
-    from mlxformer.engine.sequence import Sequence
+    from mlxformer.engine.request_state import RequestState
 
     vocab = 256
     settings = SamplingSettings(temp=0.7, repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.3, seed=3)
     plain = SamplingSettings(temp=0.7, seed=5)  # half the rows without penalties, beside the others
-    sequences = [Sequence(GenerationRequest([(i + j) % 250 for j in range(context)], 64, settings if i % 2 else plain),
+    sequences = [RequestState(GenerationRequest([(i + j) % 250 for j in range(context)], 64, settings if i % 2 else plain),
                           None, []) for i in range(8)]
     logits = mx.random.normal((8, vocab), key=mx.random.key(0))
     for step in range(3):

@@ -49,8 +49,8 @@ def test_finished_and_cancelled_rows_keep_exactly_their_tokens_but_the_last(tiny
                                                      stop=r.stop)) for r in requests[:3]]
     queued = []
     with Engine(model, tokenizer, max_batch=4, prompt_cache=PromptCacheSettings(block_size=1)) as engine:
-        real_hand_out = engine._hand_out
-        engine._hand_out = lambda q, now: (queued.append(bool(q)), real_hand_out(q, now))[1]  # type: ignore[method-assign]
+        real_hand_out = engine.delivery.hand_out
+        engine.delivery.hand_out = lambda q, now: (queued.append(bool(q)), real_hand_out(q, now))[1]  # type: ignore[method-assign]
         handles = [engine.submit(r) for r in requests]
         events = [list(h) for h in handles[:3]]
         for n, _ in enumerate(handles[3]):

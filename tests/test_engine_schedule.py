@@ -18,7 +18,7 @@ from mlxformer.cache import CacheSettings, make_cache
 from mlxformer.engine import Engine, GenerationRequest
 from mlxformer.engine.batch_runner import BatchRunner, TokenRun
 from mlxformer.engine.scheduler import Scheduler
-from mlxformer.engine.sequence import Sequence, Status
+from mlxformer.engine.request_state import RequestState, Status
 from test_batch_step import tiny_gemma3  # noqa: F401  (a fixture: sliding-window and global layers)
 
 CHUNK = 64
@@ -73,8 +73,8 @@ def test_the_plan_fills_the_budget_decode_rows_first():
     """Decode rows count one token each; chunks go round by round, newcomers then the shortest
     remaining prompt first, cut as alone (full chunks, then the rest); the first chunk runs
     even over the budget."""
-    def sequence(length: int, processed: int = 0) -> Sequence:
-        s = Sequence(GenerationRequest(list(range(1, length + 1))), detokenizer=None, eos_ids=[])  # type: ignore[arg-type]
+    def sequence(length: int, processed: int = 0) -> RequestState:
+        s = RequestState(GenerationRequest(list(range(1, length + 1))), detokenizer=None, eos_ids=[])  # type: ignore[arg-type]
         s.processed = processed
         return s
 

@@ -239,7 +239,7 @@ def test_engine_preempts_and_replays_hybrid_rows(case):
         real_run(step)
         steps[0] += 1
         if steps[0] in (6, 12, 18) and engine.scheduler.running:
-            engine._preempt(engine.scheduler.running[0])
+            engine.departures.preempt(engine.scheduler.running[0])
 
     engine._run = run
     with engine:

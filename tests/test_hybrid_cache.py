@@ -123,7 +123,7 @@ def test_a_turn_carrying_the_generated_reply_prefills_only_the_new_message(hybri
     retired; ``batched``: retired from a batch row beside another request), so only the new
     message is prefilled: the engine's overlapped step (queued before the last token was read)
     fed the reply's last token too, and a recurrent state cannot give it back, so it is kept
-    with every token it holds (engine/admission.py ``_keep``). The tokens equal a cold
+    with every token it holds (engine/departures.py ``_keep``). The tokens equal a cold
     engine's; the log-probabilities agree to float32 rounding, not bit for bit: the reply's
     states were computed one decode step at a time (the recurrent form), a cold engine computes
     them inside a prefill chunk (the chunked form), which sums in another order."""

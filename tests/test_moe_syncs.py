@@ -112,7 +112,7 @@ def test_one_read_per_engine_decode_step(family, batch, monkeypatch):
     expected = [[r.token for r in stream_generate(model, tokenizer, p, 12)] for p in prompts]
     engine = Engine(model, tokenizer, max_batch=batch, prefix_cache_bytes=0)
     planned, reads = [], []  # the steps _run ran in one engine step; each decode-only step's reads
-    real_run, real_step, real_retire = engine._run, engine.step, engine._retire
+    real_run, real_step, real_retire = engine._run, engine.step, engine.departures.retire
     monkeypatch.setattr(engine, "_run", lambda step: (planned.append(step), real_run(step))[1])
 
     def retire(sequence) -> None:  # a finished row's cache offered for reuse: gpt-oss' window
@@ -129,7 +129,7 @@ def test_one_read_per_engine_decode_step(family, batch, monkeypatch):
 
     with counting_syncs(monkeypatch) as syncs:
         monkeypatch.setattr(engine, "step", step)
-        monkeypatch.setattr(engine, "_retire", retire)
+        monkeypatch.setattr(engine.departures, "retire", retire)
         with engine:
             with engine._wake:  # together: the idle loop sees them in one step
                 handles = [engine.submit(GenerationRequest(tokenizer.encode(p), max_tokens=12)) for p in prompts]

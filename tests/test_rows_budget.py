@@ -41,7 +41,7 @@ def draft(tmp_path_factory):
 def seated_prefill(runner: BatchRunner, sequence: Stub, length: int) -> None:
     """Seat ``sequence`` and prefill ``length`` tokens into its row (chunks of the runner's
     ``prefill_chunk``, else 128), widening the rows before each chunk as the engine does under a
-    budget (``Admission._grow``)."""
+    budget (``Admission.grow``)."""
     runner.seat(sequence)
     prompt, size = ids(length, 3), runner.prefill_chunk or 128
     for start in range(0, length, size):

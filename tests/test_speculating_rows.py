@@ -137,7 +137,7 @@ def test_a_round_beside_decoding_rows_writes_in_place(llama, hybrid, draft, kind
     engine = Engine(model, tokenizer, max_batch=2, prefill_chunk=128, speculative=speculative, prefix_cache_bytes=0,
                     cache_settings=settings)
     rises: list[float] = []  # each step with a round beside a decoding row: MLX's peak over what was held
-    real_run, real_propose = engine._run, engine._propose
+    real_run, real_propose = engine._run, engine.decoding.propose
     measured: list[tuple[bool, int]] = []  # the step's: whether a round rides beside a decoding row, bytes held
 
     def propose(running):  # what was held once the proposals are made (a draft's first prefills its cache)
@@ -158,7 +158,7 @@ def test_a_round_beside_decoding_rows_writes_in_place(llama, hybrid, draft, kind
             rises.append((mx.get_peak_memory() - measured[-1][1]) / (sum(attention) / len(attention)))
         measured.clear()
 
-    engine._run, engine._propose = run, propose  # type: ignore[method-assign]
+    engine._run, engine.decoding.propose = run, propose  # type: ignore[method-assign]
     # the device still runs a step when the host builds what follows it (a GPU's async_eval
     # returns at once; the CPU here would often have finished the batch's step already)
     monkeypatch.setattr(mx, "async_eval", lambda *arrays: None)

@@ -166,10 +166,11 @@ def test_one_sync_per_engine_step(tiny_byte_llama, batch, mode, monkeypatch):
     monkeypatch.setattr(engine, "_run", lambda step: (planned.append(step), real_run(step))[1])
     queued: list[mx.array] = []  # every array given to mx.async_eval
     overlapped: list[bool] = []  # per read: the next step's tokens were queued before it
-    real_emit = engine._emit
+    real_emit = engine.delivery.emit
 
     def emit(picked) -> None:
-        ahead = engine.pipeline is not None and all(any(a is p[1] for a in queued) for p in engine.pipeline.picked)
+        pipeline = engine.delivery.pipeline
+        ahead = pipeline is not None and all(any(a is p.tokens for a in queued) for p in pipeline.picked)
         overlapped.append(ahead)
         real_emit(picked)
 
@@ -185,7 +186,7 @@ def test_one_sync_per_engine_step(tiny_byte_llama, batch, mode, monkeypatch):
         real_async_eval = mx.async_eval
         monkeypatch.setattr(mx, "async_eval", lambda *a: (queued.extend(a[0] if isinstance(a[0], list) else a),
                                                           real_async_eval(*a))[1])
-        monkeypatch.setattr(engine, "_emit", emit)
+        monkeypatch.setattr(engine.delivery, "emit", emit)
         monkeypatch.setattr(engine, "step", step)
         with engine:
             with engine._wake:  # together: the idle loop sees them in one step

@@ -79,7 +79,7 @@ def assert_join_copies_nothing(model, settings: CacheSettings, chunk: int = 128,
     """``test_a_join_copies_nothing`` for ``model`` and ``settings`` (prompts of 300 and 310
     tokens in chunks of ``chunk``); the own caches' KV bytes and the seated batch. ``staged``:
     as under a KV budget (a row added per seat, the rows widened before each chunk as
-    ``Admission._grow`` does, every rewrite one layer at a time)."""
+    ``Admission.grow`` does, every rewrite one layer at a time)."""
     windows = [layer.window for layer in model.cache_layers]
     # what the same prompts' own caches store (keys/values), to compare the pool's buffers with
     caches = [make_cache(model, settings), make_cache(model, settings)]
@@ -237,7 +237,7 @@ def in_turn(engine: Engine, requests: list[GenerationRequest], seats: bool | Non
     row, which would hide a fault behind equal replies). ``seats``: whether every sequence must
     (or must not) have taken its batch row at admission."""
     failed, seated = [], []
-    engine._decode_alone = lambda *args: failed.append(args) or []  # type: ignore[method-assign]
+    engine.decoding.run_alone = lambda *args: failed.append(args) or []  # type: ignore[method-assign]
     seat = engine.runner.seat
 
     def recorded_seat(sequence) -> None:

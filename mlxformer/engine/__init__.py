@@ -20,7 +20,7 @@ from mlxformer.engine.handle import RequestHandle
 from mlxformer.engine.memory import KVBudgetExceeded
 from mlxformer.engine.prompt_cache import PromptCacheSettings
 from mlxformer.engine.scheduler import EngineOverloaded
-from mlxformer.engine.sequence import GenerationRequest, TokenEvent
+from mlxformer.engine.request_state import GenerationRequest, TokenEvent
 
 __all__ = [
     "Engine", "EngineNotRunning", "EngineOverloaded", "GenerationRequest", "KVBudgetExceeded", "PromptCacheSettings",

@@ -1,76 +1,62 @@
-"""The engine's admission half: an admitted sequence gets its caches (a prefix-cache hit, or
-new ones; a preempted one resumes from what it had), and each step is fitted into the KV budget
-(prefix entries evicted, then the latest sequences preempted). A base of ``Engine``, which holds
-the state named below."""
+"""The engine's admission (``Admission``): an admitted sequence gets its row of a pool with a
+prefix-cache hit's tokens or none (a preempted one resumes from what it had), each step is fitted
+into the KV budget (prefix entries evicted, then the latest sequences preempted) and its rows
+widened one layer at a time, and MLX's buffer cache is emptied after a step that freed KV."""
 
 from __future__ import annotations
-
-import math
 
 import mlx.core as mx
 
 from mlxformer.cache import CacheSettings, make_cache
-from mlxformer.engine.batch_runner import BatchRunner
-from mlxformer.engine.memory import BLOCK, KVBudget, KVBudgetExceeded, MemoryPlanner, held, nbytes
-from mlxformer.engine.metrics import EngineMetrics
-from mlxformer.engine.prefix_cache import PrefixCache
-from mlxformer.engine.prefix_sharing import PrefixSharing
-from mlxformer.engine.replay import Replays, resume_tokens, taken_back
-from mlxformer.engine.scheduler import Scheduler, Step
-from mlxformer.engine.sequence import Sequence
+from mlxformer.engine.delivery import Delivery
+from mlxformer.engine.departures import Departures
+from mlxformer.engine.memory import BLOCK, KVBudgetExceeded
+from mlxformer.engine.parts import EngineParts
+from mlxformer.engine.replay import resume_tokens
+from mlxformer.engine.request_state import RequestState
+from mlxformer.engine.scheduler import Step
 from mlxformer.engine.working_set import engine_reserve
 from mlxformer.models.decoder import Model
 from mlxformer.speculative.speculator import SpeculativeSettings
 
 
 class Admission:
-    """Caches for admitted sequences and the KV budget of each step (``Engine``'s state)."""
+    """Rows for admitted sequences and the KV budget of each step."""
 
-    model: Model
-    cache_settings: CacheSettings
-    speculative: SpeculativeSettings | None
-    budget: KVBudget | None
-    draft_tokens: int
-    planner: MemoryPlanner
-    scheduler: Scheduler
-    runner: BatchRunner
-    sharing: PrefixSharing
-    prefix_cache: PrefixCache
-    metrics: EngineMetrics
-    replays: Replays
-    _freed_last_step = False  # whether the last step freed KV buffers (``_drop_freed``)
+    def __init__(self, parts: EngineParts, departures: Departures, delivery: Delivery,
+                 cache_settings: CacheSettings, speculative: SpeculativeSettings | None) -> None:
+        self.parts, self.departures, self.delivery = parts, departures, delivery
+        self.cache_settings, self.speculative = cache_settings, speculative
+        self.draft_tokens = speculative.num_draft_tokens if speculative is not None else 0
+        self._freed_last_step = False  # whether the last step freed KV buffers (``drop_freed``)
 
-    def _fail(self, sequence: Sequence, error: BaseException) -> None:
-        raise NotImplementedError
-
-    def _drain(self) -> bool:
-        raise NotImplementedError
-
-    def _fit(self, step: Step) -> Step:
+    def fit(self, step: Step) -> Step:
         """``step``, or a smaller one after preemptions, whose KV fits the budget beside the prefix
         cache (evicted down to the room left)."""
-        if self.budget is None:
+        parts = self.parts
+        if parts.budget is None:
             return step
-        while (room := self.budget.limit - self.planner.step_need(self.scheduler, step)) < 0:
-            victim = self.scheduler.latest_active()
+        scheduler = parts.scheduler
+        while (room := parts.budget.limit - parts.planner.step_need(scheduler, step)) < 0:
+            victim = scheduler.latest_active()
             assert victim is not None
-            if self._drain():  # tokens in flight are handed out first (one that ends frees its room)
-                step = self.scheduler.plan(skip=self.sharing.held)
+            if self.delivery.drain():  # tokens in flight are handed out first (one that ends frees its room)
+                step = scheduler.plan(skip=parts.sharing.held)
                 continue
-            if self.scheduler.active == 1:  # alone and still too big (submit's check prevents it)
-                self._fail(victim, KVBudgetExceeded("the request outgrew the KV memory budget"))
+            if scheduler.active == 1:  # alone and still too big (submit's check prevents it)
+                self.departures.fail(victim, KVBudgetExceeded("the request outgrew the KV memory budget"))
             else:
-                self._preempt(victim)
-            step = self.scheduler.plan(skip=self.sharing.held)
-        self.prefix_cache.evict_to(room)
+                self.departures.preempt(victim)
+            step = scheduler.plan(skip=parts.sharing.held)
+        parts.prefix_cache.evict_to(room)
         return step
 
-    def _grow(self, step: Step) -> Step:
+    def grow(self, step: Step) -> Step:
         """Under a KV budget, widen the pool rows that ``step``'s prompt chunks and speculation
         rounds will outgrow one layer at a time, each evaluated before the next
         (``SpareBatch.reserve``), as the decode steps widen a pool (``BatchRunner.staged``): one
         layer's buffers are held twice at most, not all of them."""
-        if self.budget is None:
+        if self.parts.budget is None:
             return step
         fed: dict[int, int] = {}
         for chunk in step.prefill:
@@ -81,82 +67,28 @@ class Admission:
         for sequence in [c.sequence for c in step.prefill] + step.decode:
             tokens = fed.pop(id(sequence), 0)
             if tokens and sequence.cache:
-                self.runner.reserve(sequence, tokens)
+                self.parts.runner.reserve(sequence, tokens)
         return step
 
-    def _preempt(self, sequence: Sequence, keep_cache: bool = True) -> None:
-        """Take ``sequence`` out of the batch to be recomputed when there is room again; its caches
-        go to the prefix cache (kept while room allows) unless they cannot be trusted."""
-        self.metrics.preemptions.inc()
-        self.sharing.held[:] = [s for s in self.sharing.held if s is not sequence]
-        self.replays.stop(sequence)
-        if keep_cache and held(sequence) > sequence.cached_tokens:  # it computed something worth keeping
-            self._keep(sequence)
-        self._unbatch(sequence)
-        sequence.cache, sequence.processed = [], 0
-        self.scheduler.preempt(sequence)
-
-    def _unbatch(self, sequence: Sequence) -> None:
-        """Free a leaving sequence's row (it ended, or it is preempted: its blocks were taken by
-        ``_keep``) and give it all its generated tokens back."""
-        self.replays.stop(sequence)
-        self.runner.release(sequence)
-
-    def _reserve(self, max_batch: int, kv_dtype: mx.Dtype) -> None:
+    def reserve_activations(self, max_batch: int, kv_dtype: mx.Dtype) -> None:
         """Under a budget: a step's activations beside the KV (MLX's buffer cache is bounded by it)."""
-        if self.budget is not None:
-            per_token = self.planner.sizer.bytes_for(BLOCK) / BLOCK
-            self.budget.reserve = engine_reserve(
-                self.model.args, self.budget.limit, per_token, self.scheduler.step_tokens,
-                self.scheduler.prefill_chunk, max_batch, self.draft_tokens, kv_dtype.size)
+        parts = self.parts
+        if parts.budget is not None:
+            per_token = parts.planner.sizer.bytes_for(BLOCK) / BLOCK
+            parts.budget.reserve = engine_reserve(
+                parts.model.args, parts.budget.limit, per_token, parts.scheduler.step_tokens,
+                parts.scheduler.prefill_chunk, max_batch, self.draft_tokens, kv_dtype.size)
 
-    def _keep(self, sequence: Sequence) -> None:
-        """Offer the sequence's keys/values to the prefix cache, cut from where they are (its
-        row of a batch: one copy, the blocks kept). The blocks are computed at once (under a KV
-        budget before the row leaves), or a lazy block would keep the batch's old buffers alive.
-        A pipelined step that fed its last token (it ended when that token was read) is taken
-        back where every layer can (not a recurrent state: it is kept with every token it holds)."""
-        caches = self.runner.caches(sequence)
-        if (ahead := held(sequence) - (len(sequence.tokens) - 1)) > 0:
-            caches = taken_back(caches, ahead)
-        tokens = self._keepable(sequence.tokens[: int(caches[0].offset)], sequence.cache_salt)
-        blocks = self.prefix_cache.insert(tokens, caches, sequence.cache_salt)
-        arrays = [a for block in blocks for a in block.arrays()]
-        if self.budget is not None:
-            mx.eval(arrays)
-        else:
-            mx.async_eval(arrays)
-
-    def _keepable(self, tokens: list[int], salt: str) -> list[int]:
-        """The tokens of a retiring sequence whose blocks the prefix cache may cut. Under a KV
-        budget the new blocks are copies held beside the sequence's row until it leaves (one layer of
-        the batch twice while it does), so they must fit in what the active sequences leave:
-        older blocks are evicted first, then the blocks kept are cut short. Before, a request's
-        retire held its KV twice (measured: MLX's peak 135.5 MiB over the weights, budget 112.5)."""
-        if self.budget is None:
-            return tokens
-        cache, size = self.prefix_cache, self.prefix_cache.block_size
-        per_token = self.planner.sizer.bytes_for(BLOCK) / BLOCK
-        active = sum(nbytes(s) for s in self.scheduler.prefilling + self.scheduler.running)
-        room = self.budget.limit - active - math.ceil(active * self.planner.sizer.share(len(tokens), row=True))
-        missing = sum(key not in cache.blocks for key in cache.keys_for(tokens, salt=salt))
-        new = math.ceil((missing * size + len(tokens) % size) * per_token)
-        if cache.nbytes + new <= room:
-            return tokens
-        cache.evict_to(max(room - new, 0))  # the least recently used blocks make room first
-        if new <= room:
-            return tokens
-        return tokens[: int(max(room, 0) // (per_token * size)) * size]
-
-    def _kv_layout(self) -> tuple:
+    def kv_layout(self) -> tuple:
         """What changes when KV buffers are freed: the sequences decoding and prefilling, and the
         KV bytes held (nothing without a budget)."""
-        if self.budget is None:
+        parts = self.parts
+        if parts.budget is None:
             return ()
-        active = self.scheduler.prefilling + self.scheduler.running
-        return [id(s) for s in self.scheduler.running], [id(s) for s in active], self.kv_bytes()
+        active = parts.active()
+        return [id(s) for s in parts.scheduler.running], [id(s) for s in active], parts.kv_bytes()
 
-    def _drop_freed(self, before: tuple, prompted: bool = False) -> None:
+    def drop_freed(self, before: tuple, prompted: bool = False) -> None:
         """Under a KV budget, empty MLX's buffer cache after a step that freed KV buffers (a
         growth, a join or leave, a retire, an eviction, a sequence's last prompt chunk) or ran
         prompt chunks (``prompted``), and after the step that follows it. Buffers of those sizes
@@ -167,41 +99,39 @@ class Admission:
         second clear drops the activations of that step, which are freed only once the next
         step has read its tokens (the overlap): kept, they sat in the cache through every decode
         step after the prompts (19.6 MiB beside a 59.7 MiB budget)."""
-        freed = bool(before) and (prompted or self._kv_layout() != before)
+        freed = bool(before) and (prompted or self.kv_layout() != before)
         if freed or self._freed_last_step:
             mx.clear_cache()
         self._freed_last_step = freed
 
-    def kv_bytes(self) -> int:
-        raise NotImplementedError
-
-    def _attach_cache(self, sequence: Sequence) -> None:
-        """Give an admitted sequence its caches: a prefix-cache copy when one serves, else new.
+    def seat(self, sequence: RequestState) -> None:
+        """Give an admitted sequence its row: with a prefix-cache hit's tokens when one serves.
         A preempted one looks up everything it had; what is missing it recomputes. Under a KV
         budget the prefix cache first leaves room for its seat (``MemoryPlanner.seat_need``: the
         hit's blocks stay while they are copied into its row, one layer at a time)."""
+        parts = self.parts
+        scheduler, prefix_cache = parts.scheduler, parts.prefix_cache
         resumed = bool(sequence.generated)
         scoring = sequence.prompt_scores is not None and not resumed  # scores need every position
-        hit = None if scoring else self.prefix_cache.lookup(
-            resume_tokens(sequence, self.prefix_cache, self.scheduler.prefill_chunk) if resumed else sequence.prompt,
+        hit = None if scoring else prefix_cache.lookup(
+            resume_tokens(sequence, prefix_cache, scheduler.prefill_chunk) if resumed else sequence.prompt,
             sequence.cache_salt)
-        sequence.cache, cached = hit if hit is not None else (make_cache(self.model, self.cache_settings), 0)
+        sequence.cache, cached = hit if hit is not None else (make_cache(parts.model, self.cache_settings), 0)
         sequence.processed = min(cached, len(sequence.prompt))
         if resumed:
             if cached >= len(sequence.prompt):
-                self.scheduler.start_decoding(sequence)
-                self.replays.start(sequence, cached - len(sequence.prompt))
+                scheduler.start_decoding(sequence)
+                parts.replays.start(sequence, cached - len(sequence.prompt))
         else:
             sequence.cached_tokens = cached
-            self.metrics.prompt_tokens.inc(len(sequence.prompt))
-            self.metrics.prefix_hit_tokens.inc(cached)
+            parts.metrics.prompt_tokens.inc(len(sequence.prompt))
+            parts.metrics.prefix_hit_tokens.inc(cached)
             request = sequence.request
             if self.speculative is not None and request.speculate and request.constraint is None:
                 sequence.speculate(self.speculative, self.cache_settings)
-        if self.budget is not None:  # room for the seat first
-            need = self.planner.seat_need(self.scheduler, sequence)
-            self.prefix_cache.evict_to(self.budget.limit - need)
-        self.runner.seat(sequence)  # its row of the pool from now on
+        if parts.budget is not None:  # room for the seat first
+            prefix_cache.evict_to(parts.budget.limit - parts.planner.seat_need(scheduler, sequence))
+        parts.runner.seat(sequence)  # its row of the pool from now on
 
 
 def warm_up(model: Model, draft: Model | None, settings: CacheSettings) -> mx.Dtype:

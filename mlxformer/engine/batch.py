@@ -7,7 +7,7 @@ from typing import Any, Sequence as Seq
 
 from mlxformer.cache import CacheSettings
 from mlxformer.engine.engine import Engine
-from mlxformer.engine.sequence import GenerationRequest
+from mlxformer.engine.request_state import GenerationRequest
 from mlxformer.generation.stream import SamplingSettings
 from mlxformer.models.decoder import Model
 from mlxformer.speculative.speculator import SpeculativeSettings

@@ -3,19 +3,31 @@
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 import mlx.core as mx
 
-from mlxformer.engine.sequence import Sequence
+from mlxformer.engine.request_state import RequestState
 from mlxformer.sampling.samplers import top_logprobs
 
-# Rows chosen in one graph: their sequences (one per row; a sequence may have several rows, in
-# order: a speculation round), the tokens (n,) and the log-probabilities (n, vocab).
-Choice = tuple[list[Sequence], mx.array, mx.array]
-# A choice with what its requests report: the chosen tokens' log-probabilities (n,) and the
-# ``top`` alternatives' ids and values (n, top), each None when no row asks.
-Picked = tuple[list[Sequence], mx.array, mx.array | None, mx.array | None, mx.array | None]
+
+
+class Choice(NamedTuple):
+    """Rows chosen in one graph."""
+
+    sequences: list[RequestState]  # one per row (a sequence may have several rows, in order: a speculation round)
+    tokens: mx.array  # (n,)
+    logprobs: mx.array  # (n, vocab)
+
+
+class Picked(NamedTuple):
+    """A choice with what its requests report (each None when no row asks)."""
+
+    sequences: list[RequestState]
+    tokens: mx.array  # (n,)
+    chosen: mx.array | None  # the chosen tokens' log-probabilities (n,)
+    top_ids: mx.array | None  # the ``top`` alternatives' ids (n, top)
+    top_values: mx.array | None  # and their log-probabilities (n, top)
 
 
 def with_logprobs(choice: Choice) -> Picked:
@@ -28,7 +40,7 @@ def with_logprobs(choice: Choice) -> Picked:
     if any(k is not None for k in asked):
         chosen = mx.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]  # (n,)
     top_ids, top_values = top_logprobs(logprobs, top) if top else (None, None)  # (n, top)
-    return sequences, tokens, chosen, top_ids, top_values
+    return Picked(sequences, tokens, chosen, top_ids, top_values)
 
 
 def arrays(picked: Picked) -> list[mx.array]:
@@ -53,7 +65,7 @@ def read(picks: list[Picked]) -> list[list[float]]:
 
 def each_row(
     picked: Picked, values: list[float]
-) -> Iterator[tuple[Sequence, int, float | None, list[tuple[int, float]] | None]]:
+) -> Iterator[tuple[RequestState, int, float | None, list[tuple[int, float]] | None]]:
     """Each row of ``picked`` from its ``values`` (``read``): its sequence, token,
     log-probability and top alternatives, as its request asks."""
     sequences, tokens, chosen, top_ids, _ = picked
@@ -73,15 +85,15 @@ class Pipeline:
 
     def __init__(self, picked: list[Picked]) -> None:
         self.picked = picked
-        tokens = [p[1].astype(mx.int32) for p in picked]
+        tokens = [p.tokens.astype(mx.int32) for p in picked]
         self.tokens = tokens[0] if len(tokens) == 1 else mx.concatenate(tokens)  # (n,)
-        self.where = {id(s): i for i, s in enumerate(s for p in picked for s in p[0])}  # one row each
+        self.where = {id(s): i for i, s in enumerate(s for p in picked for s in p.sequences)}  # one row each
         mx.async_eval([a for p in picked for a in arrays(p)])
 
-    def __contains__(self, sequence: Sequence) -> bool:
+    def __contains__(self, sequence: RequestState) -> bool:
         return id(sequence) in self.where
 
-    def inputs(self, sequences: list[Sequence]) -> mx.array | None:
+    def inputs(self, sequences: list[RequestState]) -> mx.array | None:
         """Each sequence's next input token ``(B,)``: its pending token, else its last one (from
         the host); None when none of them has one pending."""
         index = [self.where.get(id(s), -1) for s in sequences]

@@ -10,14 +10,14 @@ import time
 from collections import deque
 from typing import AsyncIterator, Callable, Iterator
 
-from mlxformer.engine.sequence import Sequence, TokenEvent
+from mlxformer.engine.request_state import RequestState, TokenEvent
 
 
 class RequestHandle:
     """A submitted request: iterate it (``for event in handle``, or ``async for`` over
     ``handle.aiter()``) to get its ``TokenEvent``s; ``cancel()`` ends it and frees its slot."""
 
-    def __init__(self, sequence: Sequence, notify: Callable[[], None]) -> None:
+    def __init__(self, sequence: RequestState, notify: Callable[[], None]) -> None:
         self._notify = notify
         self.sequence = sequence
         self._events: deque[TokenEvent] = deque()

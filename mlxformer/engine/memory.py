@@ -17,7 +17,7 @@ import math
 import os
 import re
 from dataclasses import dataclass
-from typing import Callable, NamedTuple, Sequence as Seq
+from typing import Callable, NamedTuple, Sequence
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
@@ -26,7 +26,7 @@ from mlxformer.cache import Cache, CacheSettings, make_cache
 from mlxformer.cache.batch_kind import BatchKey
 from mlxformer.cache.state import StateCache, state_nbytes
 from mlxformer.engine.scheduler import Scheduler, Step
-from mlxformer.engine.sequence import GenerationRequest, Sequence
+from mlxformer.engine.request_state import GenerationRequest, RequestState
 from mlxformer.errors import MlxformerError
 from mlxformer.models.decoder import Model
 
@@ -176,7 +176,7 @@ class KVSizer:
         last, before = total(self.max_blocks), total(self.max_blocks - 1)
         return last + (blocks - self.max_blocks) * (last - before)
 
-    def after(self, rows: Seq[int], current: int = 0) -> int:
+    def after(self, rows: Sequence[int], current: int = 0) -> int:
         """KV bytes held while the pools are brought to rows of ``rows`` tokens each, from the
         ``current`` bytes they hold (the one estimate behind the check, admission, seating and
         each step): each pool's rows as wide as its widest (one pool of float rows below
@@ -261,12 +261,12 @@ def resolve_budget(model: Model, max_kv_memory: int | str | None) -> KVBudget | 
     return KVBudget(limit, weights_nbytes(model))
 
 
-def held(sequence: Sequence) -> int:
+def held(sequence: RequestState) -> int:
     """Tokens the sequence's caches hold."""
     return int(sequence.cache[0].offset) if sequence.cache else 0
 
 
-def nbytes(sequence: Sequence) -> int:
+def nbytes(sequence: RequestState) -> int:
     """Bytes the sequence's caches hold (its share of a batch's buffers)."""
     return sum(c.nbytes for c in sequence.cache)
 
@@ -301,7 +301,7 @@ class MemoryPlanner:
                 "use a shorter prompt or a smaller max_tokens"
             )
 
-    def admissible(self, scheduler: Scheduler, sequence: Sequence) -> bool:
+    def admissible(self, scheduler: Scheduler, sequence: RequestState) -> bool:
         """Whether ``sequence`` fits beside the active ones (the prefix cache can be evicted) with
         headroom: its row added to the pool and brought to its prompt's length, and the pool's
         next growth (every row one buffer block wider) when some row will reach it. Without that
@@ -319,11 +319,11 @@ class MemoryPlanner:
             need = max(need, self.sizer.after([grown] * len(rows), self.sizer.after(rows)))
         return need <= self.budget.limit
 
-    def seat_need(self, scheduler: Scheduler, sequence: Sequence) -> int:
+    def seat_need(self, scheduler: Scheduler, sequence: RequestState) -> int:
         """KV bytes held while ``sequence`` (admitted: its caches new, or a prefix-cache hit's
         whose tokens stay in the hit's blocks until copied) takes its row: the pool with one row
         more (``SpareBatch.seat`` rewrites it one layer at a time). The prefix cache must leave
-        this room before the seat (``Admission._attach_cache``)."""
+        this room before the seat (``Admission.seat``)."""
         active = [s for s in scheduler.prefilling + scheduler.running if s is not sequence and s.cache] + [sequence]
         return self.sizer.after([held(s) for s in active], sum(nbytes(s) for s in active))  # (its own: the hit's)
 

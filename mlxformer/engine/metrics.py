@@ -12,7 +12,7 @@ import mlx.core as mx
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from mlxformer.engine.handle import RequestHandle
-from mlxformer.engine.sequence import TokenEvent
+from mlxformer.engine.request_state import TokenEvent
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)

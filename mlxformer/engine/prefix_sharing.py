@@ -19,12 +19,12 @@ layer can be cut only while the window still holds them (``cache.blocks``).
 from __future__ import annotations
 
 import os
-from typing import Callable, Sequence as Seq
+from typing import Callable, Sequence
 
 from mlxformer.cache import Cache
 
 from mlxformer.engine.prefix_cache import PrefixCache
-from mlxformer.engine.sequence import Sequence, Status
+from mlxformer.engine.request_state import RequestState, Status
 
 
 class PrefixSharing:
@@ -33,28 +33,28 @@ class PrefixSharing:
     def __init__(self, prefix_cache: PrefixCache, enabled: bool = True) -> None:
         self.prefix_cache = prefix_cache
         self.enabled = enabled and (prefix_cache.budget > 0 or prefix_cache.disk is not None)
-        self.held: list[Sequence] = []
+        self.held: list[RequestState] = []
         # where a sequence's keys/values are: its own caches, or its row of a decode batch
         # (the engine sets ``BatchRunner.caches``)
-        self.caches: Callable[[Sequence], Seq[Cache]] = lambda sequence: sequence.cache
+        self.caches: Callable[[RequestState], Sequence[Cache]] = lambda sequence: sequence.cache
         self._keys: dict[int, list[str]] = {}
 
-    def keys(self, sequence: Sequence) -> list[str]:
+    def keys(self, sequence: RequestState) -> list[str]:
         """The block keys of the sequence's prompt (computed once)."""
         if id(sequence) not in self._keys:
             self._keys[id(sequence)] = self.prefix_cache.keys_for(sequence.prompt, salt=sequence.cache_salt)
         return self._keys[id(sequence)]
 
-    def hold(self, sequence: Sequence) -> None:
+    def hold(self, sequence: RequestState) -> None:
         """Hold a newly admitted sequence until ``ready`` lets it go."""
         self.held.append(sequence)
 
-    def ready(self, prefilling: Seq[Sequence]) -> list[Sequence]:
+    def ready(self, prefilling: Sequence[RequestState]) -> list[RequestState]:
         """The held sequences that may get their caches now (in admission order); the finished
         (cancelled) ones are dropped."""
         live = {id(s) for s in self.held} | {id(s) for s in prefilling}
         self._keys = {k: v for k, v in self._keys.items() if k in live}
-        going: list[Sequence] = []
+        going: list[RequestState] = []
         for sequence in list(self.held):
             if sequence.status is Status.FINISHED or not self._waits(sequence, prefilling, going):
                 self.held.remove(sequence)
@@ -62,7 +62,7 @@ class PrefixSharing:
                     going.append(sequence)
         return going
 
-    def _waits(self, sequence: Sequence, prefilling: Seq[Sequence], going: Seq[Sequence]) -> bool:
+    def _waits(self, sequence: RequestState, prefilling: Sequence[RequestState], going: Sequence[RequestState]) -> bool:
         """Whether a prompt being prefilled (or about to be: ``going``) holds blocks of
         ``sequence``'s prompt that are not cached yet."""
         if not self.enabled:
@@ -75,7 +75,7 @@ class PrefixSharing:
                 return True
         return False
 
-    def publish(self, sequence: Sequence) -> None:
+    def publish(self, sequence: RequestState) -> None:
         """Offer the sequence's finished prompt blocks while others wait for them (a hybrid
         model's always: with the state snapshot where its cache ends)."""
         snapshots = self.prefix_cache.hybrid or any(self.prefix_cache.windows)  # states, windows: cut per chunk

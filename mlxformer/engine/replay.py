@@ -19,10 +19,10 @@ import copy
 
 from mlxformer.cache import Cache
 from mlxformer.engine.prefix_cache import PrefixCache
-from mlxformer.engine.sequence import Sequence
+from mlxformer.engine.request_state import RequestState
 
 
-def resume_tokens(sequence: Sequence, prefix_cache: PrefixCache, prefill_chunk: int) -> list[int]:
+def resume_tokens(sequence: RequestState, prefix_cache: PrefixCache, prefill_chunk: int) -> list[int]:
     """The tokens a preempted ``sequence`` looks up in ``prefix_cache`` (see the module's doc)."""
     tokens, prompt, start = sequence.tokens, len(sequence.prompt), sequence.cached_tokens
     size = prefix_cache.block_size
@@ -39,16 +39,16 @@ class Replays:
     def __init__(self) -> None:
         self._pending: dict[int, list[int]] = {}
 
-    def __contains__(self, sequence: Sequence) -> bool:
+    def __contains__(self, sequence: RequestState) -> bool:
         return id(sequence) in self._pending
 
-    def start(self, sequence: Sequence, index: int) -> None:
+    def start(self, sequence: RequestState, index: int) -> None:
         """Replay ``generated[index:]`` (nothing when only the last token is left to feed)."""
         if index < len(sequence.generated) - 1:
             self._pending[id(sequence)] = sequence.generated[index + 1 :]
             del sequence.generated[index + 1 :]
 
-    def advance(self, sequences: list[Sequence]) -> None:
+    def advance(self, sequences: list[RequestState]) -> None:
         """After a decode step: each replaying sequence's next token is the one it had generated."""
         for sequence in sequences:
             pending = self._pending.get(id(sequence))
@@ -57,7 +57,7 @@ class Replays:
                 if not pending:
                     del self._pending[id(sequence)]
 
-    def stop(self, sequence: Sequence) -> None:
+    def stop(self, sequence: RequestState) -> None:
         """Give a sequence all its generated tokens back (it leaves the batch)."""
         sequence.generated += self._pending.pop(id(sequence), [])
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Container
 
 from mlxformer.device import on_cpu
-from mlxformer.engine.sequence import Sequence, Status
+from mlxformer.engine.request_state import RequestState, Status
 from mlxformer.errors import MlxformerError
 
 # Tokens one engine step runs (decode rows and prompt chunks). A GPU step is memory bound up to
@@ -47,7 +47,7 @@ class EngineNotRunning(MlxformerError):
 class Chunk:
     """The next piece of one newcomer's prompt."""
 
-    sequence: Sequence
+    sequence: RequestState
     tokens: list[int]
     last: bool  # the chunk ends the prompt: its logits give the first token
 
@@ -57,7 +57,7 @@ class Step:
     """The work of one engine step."""
 
     prefill: list[Chunk] = field(default_factory=list)  # a sequence's chunks in prompt order
-    decode: list[Sequence] = field(default_factory=list)  # sequences decoding one token each
+    decode: list[RequestState] = field(default_factory=list)  # sequences decoding one token each
 
 
 class Scheduler:
@@ -71,16 +71,16 @@ class Scheduler:
         self.max_batch, self.max_queue, self.prefill_chunk = max_batch, max_queue, prefill_chunk
         self.step_tokens = step_tokens
         self.aligned = aligned  # chunks end at multiples of prefill_chunk (a hybrid model's snapshots)
-        self.waiting: deque[Sequence] = deque()
-        self.prefilling: list[Sequence] = []
-        self.running: list[Sequence] = []
+        self.waiting: deque[RequestState] = deque()
+        self.prefilling: list[RequestState] = []
+        self.running: list[RequestState] = []
         self.lock = threading.Lock()
         self._arrival: dict[int, int] = {}  # id(sequence) -> submission order
         self._counter = itertools.count()
         self.steps = 0  # steps planned so far
         self._chunked: dict[int, int] = {}  # id(prefilling sequence) -> the step it last got a chunk (or was admitted)
 
-    def add(self, sequence: Sequence) -> None:
+    def add(self, sequence: RequestState) -> None:
         """Queue a new sequence; raises ``EngineOverloaded`` when the queue is full (the requests
         that will take a free slot at the next step do not count)."""
         with self.lock:
@@ -99,7 +99,7 @@ class Scheduler:
         with self.lock:
             return bool(self.waiting or self.prefilling or self.running)
 
-    def admit(self, fits: Callable[[Sequence], bool] = lambda s: True) -> list[Sequence]:
+    def admit(self, fits: Callable[[RequestState], bool] = lambda s: True) -> list[RequestState]:
         """Move waiting sequences into free batch slots, in order while ``fits`` says the next one
         does; returns them (to be given caches)."""
         admitted = []
@@ -114,7 +114,7 @@ class Scheduler:
                 admitted.append(sequence)
         return admitted
 
-    def drop_cancelled_waiting(self) -> list[Sequence]:
+    def drop_cancelled_waiting(self) -> list[RequestState]:
         """Remove cancelled sequences that never got a slot; returns them."""
         with self.lock:
             dropped = [s for s in self.waiting if s.cancelled]
@@ -123,7 +123,7 @@ class Scheduler:
                 self._arrival.pop(id(sequence), None)
         return dropped
 
-    def plan(self, skip: Container[Sequence] = ()) -> Step:
+    def plan(self, skip: Container[RequestState] = ()) -> Step:
         """This step's work within ``step_tokens``: every running sequence decodes one token,
         then the prefilling sequences get prompt chunks in rounds (one chunk each per round;
         those with nothing prefilled yet first, then the shortest remaining prompt) while the
@@ -159,20 +159,20 @@ class Scheduler:
                 break
         return step
 
-    def _priority(self, sequence: Sequence) -> tuple:
+    def _priority(self, sequence: RequestState) -> tuple:
         """Chunk order: prompts starved for ``MAX_PREFILL_WAIT`` steps (oldest first), then
         newcomers, then the shortest remaining prompt."""
         starved = self.steps - self._chunked.get(id(sequence), self.steps) > MAX_PREFILL_WAIT
         return (not starved, self._arrival.get(id(sequence), 0) if starved else 0,
                 sequence.processed > sequence.cached_tokens, len(sequence.prompt) - sequence.processed)
 
-    def start_decoding(self, sequence: Sequence) -> None:
+    def start_decoding(self, sequence: RequestState) -> None:
         """A newcomer's prompt is done: it decodes from the next step on."""
         self.prefilling.remove(sequence)
         sequence.status = Status.RUNNING
         self.running.append(sequence)
 
-    def release(self, sequence: Sequence) -> None:
+    def release(self, sequence: RequestState) -> None:
         """Free the sequence's slot (finished or cancelled)."""
         with self.lock:
             if sequence in self.prefilling:
@@ -184,12 +184,12 @@ class Scheduler:
             self._arrival.pop(id(sequence), None)
             self._chunked.pop(id(sequence), None)
 
-    def latest_active(self) -> Sequence | None:
+    def latest_active(self) -> RequestState | None:
         """The active sequence submitted last (the first to preempt)."""
         active = self.prefilling + self.running
         return max(active, key=lambda s: self._arrival[id(s)]) if active else None
 
-    def preempt(self, sequence: Sequence) -> None:
+    def preempt(self, sequence: RequestState) -> None:
         """Take an active sequence out of the batch, back to the queue in submission order
         (ahead of every newer request: it is readmitted first)."""
         with self.lock:
@@ -202,7 +202,7 @@ class Scheduler:
             at = next((i for i, s in enumerate(self.waiting) if self._arrival.get(id(s), order) > order), len(self.waiting))
             self.waiting.insert(at, sequence)
 
-    def clear(self) -> list[Sequence]:
+    def clear(self) -> list[RequestState]:
         """Remove every sequence (waiting or active); returns them."""
         with self.lock:
             everything = [*self.waiting, *self.prefilling, *self.running]

@@ -25,7 +25,7 @@ from contextlib import aclosing
 from typing import Any, AsyncIterator, Callable, Protocol, Sequence
 
 from mlxformer.engine import RequestHandle, TokenEvent
-from mlxformer.engine.sequence import Status
+from mlxformer.engine.request_state import Status
 
 
 

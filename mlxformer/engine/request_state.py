@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Sequence as Seq
+from typing import Sequence
 
 
 from mlxformer.generation.decoding import DecodingState
@@ -29,7 +29,7 @@ class GenerationRequest:
     prompt_ids: list[int]
     max_tokens: int = 256
     sampling: SamplingSettings = SamplingSettings()
-    stop: Seq[str] = ()
+    stop: Sequence[str] = ()
     logprobs: int | None = None
     prompt_logprobs: int | None = None  # k >= 0: also score the prompt's tokens (k alternatives each)
     constraint: TokenConstraint | None = None
@@ -92,10 +92,10 @@ def check_request(request: GenerationRequest, vocab_size: int) -> None:
         check_integer("prompt_logprobs", request.prompt_logprobs, low=0)
 
 
-class Sequence(DecodingState):
+class RequestState(DecodingState):
     """A request being served: its ``DecodingState`` plus where the engine is with it."""
 
-    def __init__(self, request: GenerationRequest, detokenizer: StreamingDetokenizer, eos_ids: Seq[int]) -> None:
+    def __init__(self, request: GenerationRequest, detokenizer: StreamingDetokenizer, eos_ids: Sequence[int]) -> None:
         super().__init__(
             request.prompt_ids, sampling=request.sampling, max_tokens=request.max_tokens, stop=request.stop,
             eos_ids=eos_ids, detokenizer=detokenizer, constraint=request.constraint,
