@@ -2,7 +2,15 @@
 
 Public API: ``load``, ``generate``, ``stream_generate``, ``convert``, ``embed`` and ``rerank``. They are imported on
 first use, so that ``import mlxformer.cli`` (and ``mlxformer --help``) stays light.
-"""
+
+The root holds ``loader.py`` (``load``: checkpoint to checked weights to the decoder, with the
+tokenizer), ``default_model.py`` (the offline default model), ``device.py`` (where MLX runs),
+``errors.py`` (``MlxformerError``, ``OptionError``) and ``__main__.py``; every other module lives
+in a package named for its job, each described in its ``__init__.py``: ``models/`` (the one
+decoder), ``cache/`` (KV caches), ``formats/`` (checkpoints), ``text/``, ``sampling/``,
+``generation/``, ``speculative/``, ``constrained/`` (structured output), ``adapters/``,
+``embeddings/``, ``quant/``, ``tools/`` (convert, perplexity, bench, ``info``), ``engine/``
+(continuous batching), ``server/``, ``distributed/`` and ``cli/``."""
 
 from __future__ import annotations
 

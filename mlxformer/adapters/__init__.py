@@ -1,5 +1,9 @@
-"""LoRA/DoRA adapters: read mlx-lm's and PEFT's (``files``), carried by a model and chosen per
-row (``layers``), or fused into its weights (``fused_weight``, ``convert --adapter``)."""
+"""LoRA/DoRA adapters.
+
+- ``files.py``: mlx-lm's and PEFT's adapter dirs read and checked into one ``Adapter``.
+- ``layers.py``: adapters carried beside any projection of a loaded model and chosen per row
+  in one batched step (``attach_adapters``), or fused into the weights (``fused_weight``,
+  ``convert --adapter``)."""
 
 from mlxformer.adapters.files import Adapter, LowRank, read_adapter
 from mlxformer.adapters.layers import AdapterBank, attach_adapters, fused_weight

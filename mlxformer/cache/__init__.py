@@ -1,13 +1,26 @@
-"""KV caches behind one protocol (``protocol.py``): a sequence's own caches (``kv.py``: growing,
-float or quantized through ``codec.py``; ``rotating.py``: a window; ``latent.py``: MLA's
-latents; ``state.py``: a Gated DeltaNet layer's state), a sequence's row of the engine's decode
-batch from admission on (``rows.py``, ``rotating_rows.py``, ``state_rows.py``, ``row_place.py``
-over ``batch.py`` / ``batch_kind.py``), one packed step's view (``packed.py``), a cache cut into
-prompt-cache blocks and rebuilt from them (``blocks.py``), and prompt-cache files (``files.py``,
-``file_checks.py``).
+"""KV caches behind one protocol, and ``make_cache``, which builds one cache per decoder layer from
+``CacheSettings``.
 
-``make_cache`` builds one cache per decoder layer from ``CacheSettings``.
-"""
+- ``protocol.py``: ``Cache``, what the decoder needs from one layer's cache.
+- A sequence's own caches (a single stream: ``generate``, ``chat``, ``bench``, distributed):
+  ``kv.py`` (``KVCache``: growing, float or quantized), ``rotating.py`` (``RotatingKVCache``: a
+  window with sinks), ``state.py`` (``StateCache``: a Gated DeltaNet layer's fixed-size state);
+  ``codec.py`` (how keys/values are stored: float, or quantized with a Hadamard rotation, and
+  attended that way) and ``latent.py`` (MLA's latents held in an ordinary cache, and the
+  attention over them).
+- The engine's KV pool, where a sequence lives in a row from admission to retirement:
+  ``rows.py`` (``SpareBatch``: the pool of one storage kind, ``RowCache``: one layer of one row),
+  ``batch.py`` (``BatchLayout``: which position each slot of each row holds, ``BatchLayerCache``:
+  one layer's buffers and decode step), ``batch_kind.py`` (``StorageKind``/``BatchKey``: what
+  rows of one pool share, ``BatchRow``: a row's place), ``rotating_rows.py`` (a rotating cache's
+  ring in a row), ``state_rows.py`` (recurrent layers' rows), ``row_place.py`` (what a row's
+  layer views of every kind share), ``rewrite.py`` (a layer's rewrite evaluated and its old
+  buffers freed at once, under a KV budget).
+- ``packed.py``: ``PackedLayerCache``, one engine step's decode rows and prompt chunks in one
+  forward, each segment written to and attended over by its own cache.
+- ``blocks.py``: a cache cut into hash-chained token blocks and caches rebuilt from them (the
+  prompt cache's storage).
+- ``files.py`` + ``file_checks.py``: prompt-cache files, and the checks of their layers."""
 
 from __future__ import annotations
 

@@ -1,8 +1,12 @@
 """The KV cache protocol: what the decoder needs from one layer's cache.
 
 Every cache stores keys/values of shape ``(B, n_kv_heads, S, head_dim)`` for one layer and
-knows how to attend over what it stores, so the decoder never inspects cache types.
-"""
+knows how to attend over what it stores (``attention``, ``latent_attention``,
+``expanded_attention``), and a packed step's cache hands out its parts (``segments``), so the
+decoder and its mixers (``mlxformer/models/``) never check a concrete cache class
+(``tests/test_layout.py`` holds them to it). The code that builds, moves and stores caches
+(this package, the engine, ``generation.decoding.reserve_rewind``) still tells the kinds apart
+by class."""
 
 from __future__ import annotations
 

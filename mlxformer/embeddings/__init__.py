@@ -1,2 +1,6 @@
-"""Embeddings and reranking with decoder models: ``head`` (pooling and projections read from
-the checkpoint), ``encode`` (batched forwards, no cache), ``rerank`` (relevance scores)."""
+"""Embeddings and reranking with decoder models.
+
+- ``head.py``: the ``EmbeddingHead`` (pooling, dense projections, normalization) read from the
+  checkpoint's sentence-transformers files or a GGUF's pooling type.
+- ``encode.py``: ``embed``, padded batches under a token budget, prefill only (no cache).
+- ``rerank.py``: ``rerank``, relevance scores from Qwen3-Reranker or a decoder cross-encoder."""

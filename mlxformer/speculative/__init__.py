@@ -1,1 +1,5 @@
-"""Speculative decoding: prompt-lookup and draft-model proposers, rounds and their verification, native MTP."""
+"""Speculative decoding: propose several tokens cheaply, verify them in one target pass.
+
+- ``speculator.py``: ``SpeculativeSettings``, the prompt-lookup and draft-model proposers,
+  ``verify`` and ``Speculator`` (one sequence's rounds, verification and cache rewind).
+- ``mtp.py``: native MTP, the checkpoint's own ``mtp.*`` head (``models/mtp.py``) as the draft."""

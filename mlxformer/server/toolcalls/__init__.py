@@ -1,6 +1,12 @@
 """Tool-call formats, one module each, and the rule that picks one from a chat template
 (overridable with ``serve --tool-parser NAME``), as vLLM's ``ToolParserManager`` and mlx-lm's
-``tool_parsers``. See ``base.py`` for the interface and ``stream.py`` for incremental parsing."""
+``tool_parsers``.
+
+- ``base.py``: the ``CallFormat`` interface; ``stream.py``: ``ToolCallStream``, a format driven
+  over text arriving piece by piece; ``jsoncalls.py``: JSON calls read while they grow.
+- Formats: ``hermes.py`` (Hermes, Qwen2.5/3), ``qwen3_coder.py``, ``llama3.py``,
+  ``mistral.py``, ``gemma4.py``, ``glm.py`` (GLM-4.5 to 4.7), ``deepseek.py`` (DeepSeek-V3.1),
+  ``harmony.py`` (gpt-oss), ``json_fallback.py`` (templates with no format of their own)."""
 
 from __future__ import annotations
 
