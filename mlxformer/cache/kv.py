@@ -64,6 +64,9 @@ class KVCache(CodecAttention):
         """Whether the stored keys/values are quantized yet."""
         return self.codec.bits is not None
 
+    def reserve_rewind(self, slack: int) -> None:
+        """Nothing to keep: a growing cache can always take its last tokens back."""
+
     def quantize_storage(self) -> None:
         """Re-encode what the cache holds into quantized storage (at ``quantized_kv_start``; a
         batch row crossing it, ``BatchRunner._cross``, re-encodes its row through this)."""

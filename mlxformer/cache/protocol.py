@@ -3,10 +3,10 @@
 Every cache stores keys/values of shape ``(B, n_kv_heads, S, head_dim)`` for one layer and
 knows how to attend over what it stores (``attention``, ``latent_attention``,
 ``expanded_attention``), and a packed step's cache hands out its parts (``segments``), so the
-decoder and its mixers (``mlxformer/models/``) never check a concrete cache class
-(``tests/test_layout.py`` holds them to it). The code that builds, moves and stores caches
-(this package, the engine, ``generation.decoding.reserve_rewind``) still tells the kinds apart
-by class."""
+decoder, its mixers, the engine and the generation loop never check a concrete cache class
+(``tests/test_layout.py`` holds every module outside this package to it): what differs per kind
+is a method of the cache (``trim``, a per-sequence cache's ``reserve_rewind``) or a field of the
+pool (``cache/batch_kind.py``'s ``StorageKind``). Only this package tells the kinds apart."""
 
 from __future__ import annotations
 

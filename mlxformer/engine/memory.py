@@ -24,7 +24,7 @@ from mlx.utils import tree_flatten
 
 from mlxformer.cache import Cache, CacheSettings, make_cache
 from mlxformer.cache.batch_kind import BatchKey
-from mlxformer.cache.state import StateCache, state_nbytes
+from mlxformer.cache.state import state_nbytes
 from mlxformer.engine.scheduler import Scheduler, Step
 from mlxformer.engine.request_state import GenerationRequest, RequestState
 from mlxformer.errors import MlxformerError
@@ -134,7 +134,7 @@ class KVSizer:
             caches = make_cache(self.model, settings)
             kinds = [storage for storage, _ in self.row_key(caches)] if self.row_key else [None] * len(caches)
             for index, (cache, kind) in enumerate(zip(caches, kinds)):
-                if isinstance(cache, StateCache):  # a fixed size whatever the length
+                if self.model.cache_layers[index].recurrent:  # a fixed size whatever the length
                     past = state_nbytes(self.model.args, cache.keep, self.dtype)
                     own.append(past)
                     # a row keeps no past states, unless it speculates: its last rounds' beside it

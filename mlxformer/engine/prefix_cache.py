@@ -28,7 +28,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
-from mlxformer.cache import Cache, CacheSettings, RotatingKVCache, make_cache
+from mlxformer.cache import Cache, CacheSettings, make_cache, sliding_windows
 from mlxformer.cache.protocol import HasLayers
 from mlxformer.cache.blocks import Block, assemble, block_keys, cut_blocks, cut_run, head_of, tail_key, window_end
 
@@ -62,8 +62,7 @@ class PrefixCache:
         self.stats = PrefixStats()
         self.hybrid = model is not None and any(layer.recurrent for layer in model.layers)
         # each cache's sliding window (a rotating cache without sinks: its capacity), else None
-        self.windows = [c.capacity if isinstance(c, RotatingKVCache) and not c.keep else None
-                        for c in (make_cache(model, self.settings) if model is not None else [])]
+        self.windows = sliding_windows(make_cache(model, self.settings) if model is not None else [])
 
     def __len__(self) -> int:
         return len(self.blocks)

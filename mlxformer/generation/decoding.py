@@ -22,7 +22,6 @@ from typing import Sequence
 import mlx.core as mx
 
 from mlxformer.cache import Cache, CacheSettings, make_cache
-from mlxformer.cache.rotating import RotatingKVCache
 from mlxformer.errors import MlxformerError
 from mlxformer.models.decoder import Model
 from mlxformer.sampling.options import SamplingSettings, check_integer
@@ -46,8 +45,7 @@ def reserve_rewind(cache: Sequence[Cache], speculative: SpeculativeSettings | No
     if speculative is None:
         return
     for layer_cache in cache:
-        if isinstance(layer_cache, RotatingKVCache):
-            layer_cache.reserve_rewind(speculative.num_draft_tokens)
+        layer_cache.reserve_rewind(speculative.num_draft_tokens)
 
 
 class DecodingState:
