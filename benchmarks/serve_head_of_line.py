@@ -20,8 +20,7 @@ import time
 from datetime import date
 from pathlib import Path
 
-from serving import KINDS as SERVERS
-from serving import Server, concurrently, load_average, text_of_tokens
+from serving import BEFORE, Server, concurrently, kinds, load_average, text_of_tokens
 
 
 def sent_after(delay: float, call: functools.partial) -> dict[str, float]:
@@ -50,15 +49,18 @@ def main() -> None:
     parser.add_argument("--delay", type=float, default=0.3, help="seconds between the long and the short request")
     parser.add_argument("--max-tokens", type=int, default=4)
     parser.add_argument("--trials", type=int, default=2)
+    parser.add_argument("--baseline", type=Path, help="a checkout of an earlier mlxformer, served too as "
+                        "mlxformer-before (a before/after in the same run)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args()
+    servers = kinds(args.baseline)
     model_dir = args.models_dir / args.model
     start_load = load_average()
-    rounds: dict[str, list[dict[str, float]]] = {s: [] for s in SERVERS}
+    rounds: dict[str, list[dict[str, float]]] = {s: [] for s in servers}
     texts = [text_of_tokens(model_dir, args.long, seed=n) for n in range(args.trials)]
     for n in range(args.trials):
-        for kind in (SERVERS if n % 2 == 0 else SERVERS[::-1]):
-            with Server(kind, model_dir) as running:
+        for kind in (servers if n % 2 == 0 else servers[::-1]):
+            with Server(kind, model_dir, checkout=args.baseline if kind == BEFORE else None) as running:
                 running.stream_chat([{"role": "user", "content": "Hello"}], 2)  # warm-up
                 rounds[kind].append(trial(running, texts[n], n, args))
                 print(f"{kind} trial {n}: {json.dumps(rounds[kind][-1])}", flush=True)

@@ -29,14 +29,13 @@ import time
 from datetime import date
 from pathlib import Path
 
-from serving import KINDS as SERVERS
-from serving import Server, concurrently, eos_ids_of, load_average, percentile, pyplot, save_figure
+from serving import BEFORE, KINDS, Server, concurrently, eos_ids_of, kinds, load_average, percentile, pyplot, save_figure
 
 TOPICS = ["the sea", "a robot", "the moon", "a small town", "winter", "a dragon", "coffee", "a library"]
 
 
 def server_flags(server: str, kv_bits: int | None, max_batch: int, ours: tuple[str, ...] = ()) -> list[str]:
-    if server == "mlxformer":
+    if server.startswith("mlxformer"):
         return ["--max-batch", str(max_batch), *ours] + (["--kv-bits", str(kv_bits)] if kv_bits else [])
     return ["--kv-bits", str(kv_bits), "--quantized-kv-start", "0"] if kv_bits else []
 
@@ -58,7 +57,9 @@ def run_round(server: Server, clients: int, max_tokens: int, eos_ids: list[int])
 
 def bench_server(server: str, model_dir: Path, args: argparse.Namespace, kv_bits: int | None,
                  eos_ids: list[int], clients: list[int]) -> dict[int, dict[str, float]]:
-    with Server(server, model_dir, server_flags(server, kv_bits, max(args.clients), args.ours)) as running:
+    checkout = args.baseline if server == BEFORE else None
+    flags = server_flags(server, kv_bits, max(args.clients), args.ours)
+    with Server(server, model_dir, flags, checkout) as running:
         running.stream_chat([{"role": "user", "content": "Hello"}], 4)  # warm-up
         return {c: run_round(running, c, args.max_tokens, eos_ids) for c in clients}
 
@@ -91,7 +92,7 @@ def plot(results: dict, clients: list[int], path: Path) -> None:
     figure, (throughput, ttft) = plt.subplots(1, 2, figsize=(11, 4.5))
     for index, (key, per_server) in enumerate(results.items()):
         for server, rows in per_server.items():
-            style = "-o" if server == "mlxformer" else "--s"
+            style = {"mlxformer": "-o", BEFORE: ":^"}.get(server, "--s")
             measured = [c for c in clients if str(c) in rows]  # a guard model has fewer
             for axis, field in ((throughput, "tok_s"), (ttft, "ttft_p50")):
                 axis.plot(measured, [rows[str(c)][field] for c in measured], style, color=f"C{index}",
@@ -119,6 +120,10 @@ def targets(results: dict, clients: list[int]) -> dict[str, dict[str, float]]:
                 ratios[f"tok_s_ratio_{c}"] = round(ours["tok_s"] / theirs["tok_s"], 3)
                 ratios[f"ttft_p50_ratio_{c}"] = round(ours["ttft_p50"] / theirs["ttft_p50"], 3)
                 ratios[f"cpu_per_token_ratio_{c}"] = round(ours["cpu_ms_per_token"] / theirs["cpu_ms_per_token"], 3)
+                if BEFORE in per:  # ours now over ours from the baseline checkout
+                    before = per[BEFORE][str(c)]
+                    ratios[f"tok_s_vs_before_{c}"] = round(ours["tok_s"] / before["tok_s"], 3)
+                    ratios[f"ttft_p50_vs_before_{c}"] = round(ours["ttft_p50"] / before["ttft_p50"], 3)
         out[key] = ratios
     return out
 
@@ -134,7 +139,9 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--trials", type=int, default=1)
     parser.add_argument("--kv-bits", nargs="+", type=int, default=[0], help="0: float KV cache (default)")
-    parser.add_argument("--first", choices=SERVERS, default=SERVERS[0], help="the server of the first round")
+    parser.add_argument("--first", choices=KINDS, default=KINDS[0], help="the server of the first round")
+    parser.add_argument("--baseline", type=Path, help="a checkout of an earlier mlxformer (e.g. `git worktree add "
+                        "../before REV`), served too as mlxformer-before: a before/after in the same run")
     parser.add_argument("--ours", action="append", default=[], help="one more `mlxformer serve` flag (repeatable), e.g. --ours=--threads=1")
     parser.add_argument("--skip-single", action="store_true", help="no library single-stream decode figure")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
@@ -149,7 +156,8 @@ def main() -> None:
     start_load = load_average()
     results: dict[str, dict[str, dict[str, dict[str, float]]]] = {}
     single: dict[str, float] = {}
-    flip = args.first != SERVERS[0]
+    servers = kinds(args.baseline)
+    flip = args.first != KINDS[0]
     for name in args.models + args.ends_only:
         model_dir = args.models_dir / name
         clients = args.clients if name in args.models else sorted({min(args.clients), max(args.clients)})
@@ -158,9 +166,9 @@ def main() -> None:
             single[name] = single_stream_decode(model_dir, args.max_tokens)
         for kv_bits in args.kv_bits:
             key = f"{name}" + (f" kv{kv_bits}" if kv_bits else "")
-            rounds: dict[str, dict[int, list]] = {s: {c: [] for c in clients} for s in SERVERS}
+            rounds: dict[str, dict[int, list]] = {s: {c: [] for c in clients} for s in servers}
             for _ in range(args.trials):
-                order = SERVERS[::-1] if flip else SERVERS
+                order = servers[::-1] if flip else servers
                 flip = not flip
                 for server in order:
                     begun = time.monotonic()

@@ -24,6 +24,12 @@ T = TypeVar("T")
 
 START_TIMEOUT_SECONDS = 300
 KINDS = ("mlxformer", "mlx-lm")
+BEFORE = "mlxformer-before"  # `mlxformer serve` from another checkout (``--baseline``): a before/after in one run
+
+
+def kinds(baseline: Path | None) -> tuple[str, ...]:
+    """The servers a run measures: ours, ours from the ``baseline`` checkout if given, mlx-lm's."""
+    return (KINDS[0], BEFORE, KINDS[1]) if baseline else KINDS
 
 
 def free_port() -> int:
@@ -40,24 +46,28 @@ def load_average() -> list[float]:
 
 def server_command(kind: str, model_dir: Path, port: int, extra: list[str]) -> list[str]:
     """The command line of one ``kind`` server on ``model_dir`` (``extra``: its own flags)."""
-    if kind == "mlxformer":
-        return [sys.executable, "-m", "mlxformer", "serve", "--model", str(model_dir), "--port", str(port), *extra]
-    return [sys.executable, "-m", "mlx_lm", "server", "--model", str(model_dir), "--port", str(port),
+    if kind.startswith("mlxformer"):
+        return [sys.executable, "-m", "mlxformer", "serve", "--model", str(model_dir.resolve()), "--port", str(port), *extra]
+    return [sys.executable, "-m", "mlx_lm", "server", "--model", str(model_dir.resolve()), "--port", str(port),
             "--log-level", "WARNING", *extra]
 
 
 class Server:
     """One server subprocess: started and healthy on enter, stopped (terminate, then kill) on exit."""
 
-    def __init__(self, kind: str, model_dir: Path, extra: list[str] | None = None) -> None:
+    def __init__(self, kind: str, model_dir: Path, extra: list[str] | None = None, checkout: Path | None = None) -> None:
         self.kind, self.port = kind, free_port()
         self.command = server_command(kind, model_dir, self.port, extra or [])
-        self.name = model_dir.name if kind == "mlxformer" else "default_model"  # the served model's name
+        self.name = model_dir.name if kind.startswith("mlxformer") else "default_model"  # the served model's name
+        # the checkout's package first (``-m`` puts the working directory first on the path)
+        self.env = {**os.environ, "PYTHONPATH": str(checkout.resolve())} if checkout else None
+        self.cwd = checkout.resolve() if checkout else None
 
     def __enter__(self) -> "Server":
         if threading.current_thread() is threading.main_thread():  # a SIGTERM (e.g. timeout) stops the server too
             signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-        self.process = subprocess.Popen(self.command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.process = subprocess.Popen(self.command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                        env=self.env, cwd=self.cwd)
         try:
             self._wait_healthy()
         except BaseException:
@@ -127,7 +137,7 @@ class Server:
 
     def metrics(self, names: tuple[str, ...]) -> dict[str, float]:
         """The unlabelled counters and gauges ``names`` found in one ``/metrics`` scrape (mlxformer only)."""
-        if self.kind != "mlxformer":
+        if not self.kind.startswith("mlxformer"):
             return {}
         connection = HTTPConnection("127.0.0.1", self.port, timeout=60)
         connection.request("GET", "/metrics")
