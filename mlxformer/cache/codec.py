@@ -162,6 +162,21 @@ class KVCodec:
             centers.append(previous)
         return KVCodec(self.bits, self.group_size, mx.concatenate(centers, axis=2))
 
+    def store(self, keys: mx.array, values: mx.array, positions: Sequence[int]) -> tuple["KVCodec", Pack, Pack]:
+        """Float ``keys``/``values`` ``(B, n_kv, L, D)`` at ``positions`` as this codec stores
+        them: the codec with the centers they reach (``with_key_center``), and their packs."""
+        codec = self.with_key_center(keys, positions)
+        return codec, codec.encode_keys(keys, center_blocks(positions)), codec.encode(values)
+
+    def unpack(self, arrays: Sequence[mx.array]) -> tuple["KVCodec", Pack, Pack]:
+        """A cache's ``state`` arrays (the keys' pack, the values' pack, then the key centers
+        when this codec quantizes) split back into the codec holding those centers and the packs."""
+        packs, codec = list(arrays), self
+        if self.bits is not None:
+            codec = KVCodec(self.bits, self.group_size, packs.pop())
+        half = len(packs) // 2
+        return codec, tuple(packs[:half]), tuple(packs[half:])
+
     def covering(self, n_blocks: int) -> "KVCodec":
         """This codec with at least ``n_blocks`` centers, new ones repeating the last (a batch of
         single-token decode steps)."""

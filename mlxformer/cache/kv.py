@@ -5,7 +5,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from mlxformer.cache.codec import (
-    FLOAT_CODEC, KVCodec, Pack, center_blocks, check_kv_quantization, pack_concat, pack_nbytes, pack_slice,
+    FLOAT_CODEC, KVCodec, Pack, check_kv_quantization, pack_concat, pack_nbytes, pack_slice,
     pack_write, pack_zeros_like,
 )
 from mlxformer.cache.latent import Expand, latent_attention
@@ -73,19 +73,14 @@ class KVCache(CodecAttention):
         assert self.bits is not None
         self.codec, float_codec = KVCodec(self.bits, self.group_size), self.codec
         if self.keys is not None and self.values is not None:
-            keys = float_codec.decode(pack_slice(self.keys, 0, self.offset))
-            values = float_codec.decode(pack_slice(self.values, 0, self.offset))
-            positions = range(self.offset)
-            self.codec = self.codec.with_key_center(keys, positions)
-            self.keys, self.values = self.codec.encode_keys(keys, center_blocks(positions)), self.codec.encode(values)
+            keys, values = (float_codec.decode(pack_slice(x, 0, self.offset)) for x in (self.keys, self.values))
+            self.codec, self.keys, self.values = self.codec.store(keys, values, range(self.offset))
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Pack, Pack]:
         if self.bits is not None and not self.quantized and self.offset >= self.start:
             self.quantize_storage()
         start, length = self.offset, keys.shape[2]
-        positions = range(start, start + length)
-        self.codec = self.codec.with_key_center(keys, positions)
-        new_keys, new_values = self.codec.encode_keys(keys, center_blocks(positions)), self.codec.encode(values)
+        self.codec, new_keys, new_values = self.codec.store(keys, values, range(start, start + length))
         if self.keys is None or self.values is None:
             n_new = ((length + self.step - 1) // self.step) * self.step
             self.keys, self.values = pack_zeros_like(new_keys, n_new), pack_zeros_like(new_values, n_new)
@@ -127,11 +122,7 @@ class KVCache(CodecAttention):
             self.keys = self.values = None
             self.offset = 0
             return
-        if self.quantized:  # the key center follows the two packs
-            *packs, center = arrays
-            self.codec, arrays = KVCodec(self.bits, self.group_size, center), tuple(packs)
-        half = len(arrays) // 2
-        self.keys, self.values = tuple(arrays[:half]), tuple(arrays[half:])
+        self.codec, self.keys, self.values = self.codec.unpack(arrays)
         self.offset = self.keys[0].shape[2]
 
     @property

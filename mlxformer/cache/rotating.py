@@ -11,7 +11,7 @@ import mlx.core as mx
 
 from mlxformer.models.mask import Mask, causal_mask_for
 from mlxformer.cache.codec import (
-    CENTER_BLOCK, FLOAT_CODEC, KVCodec, Pack, center_blocks, check_kv_quantization, pack_concat, pack_nbytes,
+    CENTER_BLOCK, FLOAT_CODEC, KVCodec, Pack, check_kv_quantization, pack_concat, pack_nbytes,
     pack_slice, pack_write, pack_zeros_like,
 )
 from mlxformer.errors import MlxformerError
@@ -72,21 +72,20 @@ class RotatingKVCache:
 
     # --- storage -----------------------------------------------------------------------
 
-    def _time_order(self) -> tuple[Pack, Pack, list[int]]:
-        """Stored keys, values and positions, oldest first (sinks, then the rotated tail)."""
-        assert self.keys is not None and self.values is not None
+    def _time_spans(self) -> list[tuple[int, int]]:
+        """The slot spans holding the stored tokens, oldest first (sinks, then the rotated tail)."""
         size, keep, idx = self.size, self.keep, self.idx
-        if size < self.capacity or idx == keep:
-            return pack_slice(self.keys, 0, size), pack_slice(self.values, 0, size), list(self.positions)
-        spans = [(0, keep), (idx, size), (keep, idx)]
-        keys = pack_concat([pack_slice(self.keys, a, b) for a, b in spans])
-        values = pack_concat([pack_slice(self.values, a, b) for a, b in spans])
-        positions = [p for a, b in spans for p in self.positions[a:b]]
-        return keys, values, positions
+        return [(0, size)] if size < self.capacity or idx == keep else [(0, keep), (idx, size), (keep, idx)]
 
     def time_order(self) -> tuple[Pack, Pack, list[int]]:
         """The stored keys, values and their positions, oldest first."""
-        return self._time_order()
+        assert self.keys is not None and self.values is not None
+        spans = self._time_spans()
+        if len(spans) == 1:
+            return pack_slice(self.keys, 0, self.size), pack_slice(self.values, 0, self.size), list(self.positions)
+        keys = pack_concat([pack_slice(self.keys, a, b) for a, b in spans])
+        values = pack_concat([pack_slice(self.values, a, b) for a, b in spans])
+        return keys, values, self._time_positions()
 
     def quantize_storage(self) -> None:
         """Re-encode the window into quantized storage (at ``quantized_kv_start``; a ring row
@@ -94,10 +93,8 @@ class RotatingKVCache:
         assert self.bits is not None
         self.codec, float_codec = KVCodec(self.bits, self.group_size), self.codec
         if self.keys is not None and self.values is not None:
-            keys = float_codec.decode(pack_slice(self.keys, 0, self.size))
-            self.codec = self.codec.with_key_center(keys, self.positions)
-            self.keys = self.codec.encode_keys(keys, center_blocks(self.positions))
-            self.values = self.codec.encode(float_codec.decode(pack_slice(self.values, 0, self.size)))
+            keys, values = (float_codec.decode(pack_slice(x, 0, self.size)) for x in (self.keys, self.values))
+            self.codec, self.keys, self.values = self.codec.store(keys, values, self.positions)
 
     def _append_one(self, keys: Pack, values: Pack) -> None:
         assert self.keys is not None and self.values is not None
@@ -123,8 +120,7 @@ class RotatingKVCache:
             self.quantize_storage()
         length = keys.shape[2]
         new_positions = range(self.offset, self.offset + length)
-        self.codec = self.codec.with_key_center(keys, new_positions)
-        new_keys, new_values = self.codec.encode_keys(keys, center_blocks(new_positions)), self.codec.encode(values)
+        self.codec, new_keys, new_values = self.codec.store(keys, values, new_positions)
         if self.keys is None or self.values is None:
             self.keys, self.values = pack_zeros_like(new_keys, 0), pack_zeros_like(new_values, 0)
         if length == 1:
@@ -135,7 +131,7 @@ class RotatingKVCache:
             self.offset += 1
             self._fetched = self.positions
             return pack_slice(self.keys, 0, self.size), pack_slice(self.values, 0, self.size)
-        old_keys, old_values, positions = self._time_order()
+        old_keys, old_values, positions = self.time_order()
         all_keys, all_values = pack_concat([old_keys, new_keys]), pack_concat([old_values, new_values])
         positions += range(self.offset, self.offset + length)
         self.offset += length
@@ -194,10 +190,7 @@ class RotatingKVCache:
         return visible
 
     def _time_positions(self) -> list[int]:
-        size, keep, idx = self.size, self.keep, self.idx
-        if size < self.capacity or idx == keep:
-            return list(self.positions)
-        return self.positions[:keep] + self.positions[idx:] + self.positions[keep:idx]
+        return [p for a, b in self._time_spans() for p in self.positions[a:b]]
 
     # --- save / load / trim ---------------------------------------------------------------
 
@@ -216,11 +209,7 @@ class RotatingKVCache:
             self.positions = []
             return
         *packs, positions = arrays
-        if self.codec.bits is not None:  # the key center follows the two packs
-            *packs, center = packs
-            self.codec = KVCodec(self.codec.bits, self.codec.group_size, center)
-        half = len(packs) // 2
-        self.keys, self.values = tuple(packs[:half]), tuple(packs[half:])
+        self.codec, self.keys, self.values = self.codec.unpack(packs)
         self.positions = [int(p) for p in positions.tolist()]
 
     @property
@@ -248,7 +237,7 @@ class RotatingKVCache:
         if slack <= self.slack:
             return
         if self.keys is not None and self.values is not None and self.size == self.capacity:
-            self.keys, self.values, self.positions = self._time_order()
+            self.keys, self.values, self.positions = self.time_order()
         self.slack, self.capacity = slack, self.max_size + slack
         self.idx = self.size
 
@@ -262,7 +251,7 @@ class RotatingKVCache:
         if self.offset == self.size:  # nothing evicted: slot order is time order
             self.positions = self.positions[: self.size - n]
         else:
-            keys, values, positions = self._time_order()
+            keys, values, positions = self.time_order()
             if not takes_back(positions[self.keep], len(positions), self.offset, n, self.max_size, self.keep):
                 return 0
             size = len(positions) - n

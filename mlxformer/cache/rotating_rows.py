@@ -21,20 +21,17 @@ empty).
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import Callable
 
 import mlx.core as mx
 
 from mlxformer.cache.batch import BatchLayerCache, _rebuild, in_window
 from mlxformer.cache.batch_kind import BatchKey, BatchRow, StorageKind
-from mlxformer.cache.codec import CENTER_BLOCK, KVCodec, Pack, center_blocks, pack_slice
+from mlxformer.cache.codec import CENTER_BLOCK, KVCodec, Pack, pack_slice
 from mlxformer.cache.latent import Expand, latent_attention
 from mlxformer.cache.rotating import RotatingKVCache, takes_back
 from mlxformer.cache.row_place import RowHost, move_back
 from mlxformer.models.mask import Mask
-
-if TYPE_CHECKING:
-    from mlxformer.cache.batch import BatchLayout
 
 Span = tuple[int, int, int]  # (first slot, first token of the chunk, tokens)
 
@@ -187,8 +184,8 @@ class RingWrites:
         """The chunk encoded (its key centers set); written when it attends."""
         index, start, length = self.batch.index(self.row), self.offset, keys.shape[2]
         positions = range(start, start + length)
-        self.codec = self._row_codec(index, start).with_key_center(keys, positions)
-        return self.codec.encode_keys(keys, center_blocks(positions)), self.codec.encode(values)
+        self.codec, new_keys, new_values = self._row_codec(index, start).store(keys, values, positions)
+        return new_keys, new_values
 
     def attention(
         self, queries: mx.array, keys: Pack, values: Pack, scale: float, mask: Mask, softcap: float | None = None,

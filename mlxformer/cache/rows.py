@@ -24,9 +24,9 @@ removes it (every layout's row, a recurrent layer's states too), so the buffers 
 use times the widest row, what the planner counts (``engine/memory.py``: a ring row's slots
 beyond its window, a recurrent row's state); each such rewrite, and a widening (``reserve``,
 every layout), is done one layer at a time, each evaluated before the next, so only one layer
-is ever held twice. A seat that copies tokens in (a prefix-cache hit, own caches seated again
-after a failed step) grows, writes and evaluates each layer in turn and drops the own layer
-before the next, so the tokens are held twice one layer at a time.
+is ever held twice. A seat that copies tokens in (a prefix-cache hit's caches assembled from
+its blocks, a crossing row's re-encoded window) grows, writes and evaluates each layer in turn
+and drops that layer's source before the next, so the tokens are held twice one layer at a time.
 
 A rotating cache (a ``max_kv_size`` window, a sliding-window layer) lives in a row of a ring
 (``cache/rotating_rows.py``); a model mixing sliding-window and global layers keeps one slot
@@ -44,11 +44,10 @@ import mlx.core as mx
 
 from mlxformer.cache.batch import BatchLayerCache, BatchLayout, _pad, _row_cache
 from mlxformer.cache.batch_kind import BatchKey, BatchRow, LayerKind
-from mlxformer.cache.codec import CENTER_BLOCK, FLOAT_CODEC, KVCodec, Pack, center_blocks, pack_nbytes, pack_slice
-from mlxformer.cache.kv import CodecAttention, KVCache
+from mlxformer.cache.codec import CENTER_BLOCK, FLOAT_CODEC, KVCodec, Pack, pack_nbytes, pack_slice
+from mlxformer.cache.kv import CodecAttention
 from mlxformer.cache.protocol import Cache
 from mlxformer.cache.row_place import RowPlace, move_back
-from mlxformer.cache.rotating import RotatingKVCache
 from mlxformer.cache.rotating_rows import RingWrites, held, own_ring_cache, placement
 from mlxformer.cache.state import StateCache
 from mlxformer.cache.state_rows import StateRowCache, StateRows
@@ -334,8 +333,7 @@ class RowCache(RowPlace, CodecAttention):
         index, start, length = self.batch.index(self.row), self.offset, keys.shape[2]
         stop = start + length
         positions = range(start, stop)
-        codec = self._row_codec(index, start).with_key_center(keys, positions)
-        new_keys, new_values = codec.encode_keys(keys, center_blocks(positions)), codec.encode(values)
+        codec, new_keys, new_values = self._row_codec(index, start).store(keys, values, positions)
         self.write(index, start, new_keys, new_values, codec, stop)
         self.pending += length
         return self.fetch()
@@ -375,7 +373,6 @@ class RowCache(RowPlace, CodecAttention):
     @property
     def nbytes(self) -> int:
         return (pack_nbytes(self._layer.keys) + pack_nbytes(self._layer.values)) // max(1, len(self.batch))
-
 
     def record(self) -> None:
         """Record the pending tokens in the row (``settle``): the slots after its last."""
