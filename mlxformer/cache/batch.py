@@ -21,12 +21,11 @@ from typing import Callable, Sequence
 
 import mlx.core as mx
 
-from mlxformer.cache.batch_kind import BatchKey, LayerKind, BatchRow, StorageKind
-from mlxformer.cache.codec import CENTER_BLOCK, FLOAT_CODEC, KVCodec, Pack, pack_nbytes
+from mlxformer.cache.batch_kind import BatchRow, StorageKind
+from mlxformer.cache.codec import CENTER_BLOCK, KVCodec, Pack, pack_nbytes
 from mlxformer.cache.kv import KVCache
 from mlxformer.cache.latent import Expand, latent_attention
 from mlxformer.cache.protocol import Cache
-from mlxformer.cache.rewrite import evaluate_rewrite
 from mlxformer.cache.rotating import RotatingKVCache
 from mlxformer.cache.state import StateCache
 from mlxformer.models.mask import Mask

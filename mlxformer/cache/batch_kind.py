@@ -35,18 +35,9 @@ def storage_kind(cache: Cache) -> StorageKind:
     return StorageKind(False, None, None, 0, cache.codec.bits, cache.group_size)
 
 
-def quantizes_next(cache: Cache) -> bool:
-    """Whether the cache's next update turns its float storage into quantized storage (its
-    storage kind changes, so it must take that step in its own cache)."""
-    if isinstance(cache, StateCache):
-        return False
-    assert isinstance(cache, (KVCache, RotatingKVCache))
-    return cache.bits is not None and cache.codec.bits is None and cache.offset >= cache.start
-
-
 def row_quantizes_next(row: "BatchRow", fed: int = 0) -> bool:
-    """``quantizes_next`` for a sequence whose keys/values are in a batch (once ``fed`` more
-    tokens are in: a prompt's later chunk in the same step)."""
+    """Whether a row's float storage turns quantized at its next token (``quantized_kv_start``;
+    once ``fed`` more tokens are in: a prompt's later chunk in the same step)."""
     meta = next((m for m in row.metas if "bits" in m), None)  # an attention layer's (not a recurrent one's)
     if meta is None:
         return False

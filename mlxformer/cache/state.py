@@ -101,30 +101,6 @@ class StateCache:
         self.offset -= n
         return n
 
-    @staticmethod
-    def stack(rows: "list[StateCache]") -> "StateCache":
-        """One cache for all ``rows`` (a batched decode step: their current conv windows and
-        states stacked on the batch axis, nothing kept to take back)."""
-        stacked = StateCache()
-        parts = [c.state for c in rows]
-        stacked.conv = mx.concatenate([conv for conv, _ in parts], axis=0)
-        stacked.states = [mx.concatenate([state for _, state in parts], axis=0)]
-        stacked._width = stacked.conv.shape[1]
-        return stacked
-
-    def row(self, index: int, offset: int, keep: int) -> "StateCache":
-        """Row ``index`` of a stacked cache as a cache of its own (``offset`` tokens, ``keep``)."""
-        conv, state = self.state
-        single = StateCache(keep)
-        single.conv, single.states, single._width, single.offset = conv[index : index + 1], [state[index : index + 1]], self._width, offset
-        return single
-
-    def drop_row(self, index: int) -> None:
-        """Remove row ``index`` of a stacked cache."""
-        conv, state = self.state
-        rest = mx.array([i for i in range(conv.shape[0]) if i != index], dtype=mx.int32)
-        self.conv, self.states = conv[rest], [state[rest]]
-
     @property
     def nbytes(self) -> int:
         held = sum(s.nbytes for s in self.states)

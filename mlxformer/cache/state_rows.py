@@ -85,6 +85,11 @@ class StateRows(StateCache):
         self.conv[index : index + 1] = conv
         self.states[0][index : index + 1] = state
 
+    def drop_row(self, index: int) -> None:
+        """Remove row ``index`` (under a KV budget the pool holds only the rows in use)."""
+        rest = mx.array([i for i in range(self.conv.shape[0]) if i != index], dtype=mx.int32)
+        self.conv, self.states = self.conv[rest], [self.states[0][rest]]
+
     def row(self, index: int, offset: int, keep: int) -> StateCache:
         """Row ``index`` as a cache of its own (``offset`` tokens, ``keep``): copies (module doc)."""
         take = mx.array([index])

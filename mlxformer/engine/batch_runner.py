@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import NamedTuple, Protocol, Sequence
 
 import mlx.core as mx
 
@@ -35,12 +35,21 @@ from mlxformer.models.rope import RoPE
 class Decoding(Protocol):
     """What the runner needs of a decoding sequence."""
 
-    cache: list  # its per-layer caches (stand-ins while it is in a batch)
-    speculator: object | None  # a speculating sequence decodes on its own caches, or alone on its row
+    cache: list  # its per-layer caches: views of its pool row once seated (``seat``)
+    speculator: object | None  # a speculating sequence decodes alone on its row (a group of its own)
     adapters: Weights  # its adapters' weights (``adapters.select``; None: the base model)
 
     @property
     def last_token(self) -> int: ...
+
+
+class StepGroup(NamedTuple):
+    """Decoding rows stepping together: a pool's rows (its step caches, ``pool`` set), or one
+    speculating sequence on its row alone (its own views, ``pool`` None)."""
+
+    caches: Sequence[Cache]
+    rows: list[Decoding]
+    pool: SpareBatch | None
 
 
 @dataclass(frozen=True)
@@ -49,7 +58,7 @@ class TokenRun:
     ``speculation_round``)."""
 
     tokens: Sequence[int] | mx.array
-    cache: Sequence[Cache]  # the sequence's own caches
+    cache: Sequence[Cache]  # the sequence's caches (views of its pool row)
     last: bool  # the chunk ends the prompt: its last logits are wanted
     prompt_length: int | None  # the whole prompt's (dynamic NTK's base depends on it)
     every: bool = False  # every position's logits are wanted ``(T, vocab)`` (a speculation round's)
@@ -216,16 +225,16 @@ class BatchRunner:
         self, sequences: Sequence[Decoding], chunks: Sequence[TokenRun] = (), inputs: mx.array | None = None
     ) -> tuple[mx.array | None, list[mx.array | None]]:
         """One engine step in one forward (``cache/packed.py``): one token per decoding sequence
-        and each prompt chunk's (or speculation round's) tokens on its own caches (a prompt's
+        and each prompt chunk's (or speculation round's) tokens on its sequence's row (a prompt's
         chunks in order). Returns the next-token logits ``(B, vocab)`` in the order of
         ``sequences`` (None without any) and each chunk's last logits ``(1, vocab)`` when it
         wants them, a round's every position's ``(k + 1, vocab)`` (lazy; a chunk that wants
         none is evaluated). A model whose RoPE depends on each sequence's length runs one
         forward per batch kind and per chunk instead.
 
-        Sequences not yet in a batch join one; a seated one whose storage turns quantized this
-        step moves to a row of the quantized batch (``_cross``); one with own caches turning
-        quantized, or that speculates, runs on its own caches (a seated speculator on its row).
+        Every sequence is seated (``seat``); one whose storage turns quantized this step moves to
+        a row of the quantized pool first (``_cross``), and one that speculates steps on its row
+        as a group of its own (``_groups``).
         ``inputs``: the tokens ``(B,)`` the sequences take, in their order (maybe still on the
         device: a pipelined step's); default: their last tokens."""
         for chunk in chunks:
@@ -241,17 +250,17 @@ class BatchRunner:
         if not parts:
             return None, chunk_logits
         logits = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)
-        where = {id(s): i for i, s in enumerate(s for _, rows, _ in groups for s in rows)}
+        where = {id(s): i for i, s in enumerate(s for group in groups for s in group.rows)}
         wanted = [where[id(s)] for s in sequences]
         if wanted == list(range(len(wanted))):
             return logits, chunk_logits
         return logits[mx.array(wanted)], chunk_logits
 
     def _one_by_one(
-        self, groups: list[tuple[Sequence[Cache], list[Decoding], SpareBatch | None]], tokens: list[mx.array],
+        self, groups: list[StepGroup], tokens: list[mx.array],
         chunks: Sequence[TokenRun],
     ) -> tuple[list[mx.array], list[mx.array | None]]:
-        """``step`` as one forward per batch, per sequence on its own caches and per chunk (a
+        """``step`` as one forward per pool, per speculating sequence's row and per chunk (a
         model that does not pack, a step of one part, a prompt's chunks crossing within it). A
         forward writing a row of a batch that an earlier forward read is built once that one is
         evaluated: the earlier attention would otherwise still read the buffer the write
@@ -286,7 +295,7 @@ class BatchRunner:
                 reading.setdefault(i, []).append(chunk_logits[-1])  # type: ignore[arg-type]
         return parts, chunk_logits
 
-    def _groups(self, sequences: Sequence[Decoding]) -> list[tuple[Sequence[Cache], list[Decoding], SpareBatch | None]]:
+    def _groups(self, sequences: Sequence[Decoding]) -> list[StepGroup]:
         """The decoding sequences by the pool rows they step in (each pool's layouts prepared),
         then each speculating one on its row alone (a segment of its own: native MTP reads the
         hidden states of the forwards over its caches). A row whose storage turns quantized at
@@ -296,14 +305,14 @@ class BatchRunner:
                 self._cross(sequence)
         alone = [s for s in sequences if s.speculator is not None]
         stepping = {id(s) for s in sequences} - {id(s) for s in alone}
-        groups: list[tuple[Sequence[Cache], list[Decoding], SpareBatch | None]] = []
+        groups: list[StepGroup] = []
         for kind, batch in self.batches.items():
             members = self._rows.get(kind, [])
             # the rows decoding this step (the others prefill in their rows, or are free)
             indices = [i for i, s in enumerate(members) if s is not None and id(s) in stepping]
             if indices:
-                groups.append((batch.step_caches(self.staged, indices), [members[i] for i in indices], batch))  # type: ignore[misc]
-        groups += [(sequence.cache, [sequence], None) for sequence in alone]
+                groups.append(StepGroup(batch.step_caches(self.staged, indices), [members[i] for i in indices], batch))  # type: ignore[arg-type]
+        groups += [StepGroup(sequence.cache, [sequence], None) for sequence in alone]
         return groups
 
     def _cross(self, sequence: Decoding) -> None:
@@ -312,8 +321,7 @@ class BatchRunner:
         (``KVCache.quantize_storage``; a ring row's window, ``RotatingKVCache.quantize_storage``;
         its states, if any, written beside), nothing else copied, and the float row freed. Its
         cache list is updated in place (a step's chunks hold it)."""
-        kind = self._members[id(sequence)]
-        index = next(i for i, s in enumerate(self._rows[kind]) if s is sequence)
+        kind, index = self._seat_of(sequence)
         own = self.batches[kind].row_caches(index)  # views of its float row
         for cache in own:
             cache.quantize_storage()  # (a recurrent layer's state stays as it is)
@@ -329,10 +337,14 @@ class BatchRunner:
         """The seated sequence whose caches ``cache`` are (None: caches of no row)."""
         return next((s for rows in self._rows.values() for s in rows if s is not None and s.cache is cache), None)
 
+    def _seat_of(self, sequence: Decoding) -> tuple[BatchKey, int]:
+        """The pool a seated ``sequence`` is in, and its row there."""
+        kind = self._members[id(sequence)]
+        return kind, next(i for i, s in enumerate(self._rows[kind]) if s is sequence)
+
     def _row(self, sequence: Decoding) -> BatchRow:
         """``sequence``'s place in its pool (the first layout's row: every kind's is as long)."""
-        kind = self._members[id(sequence)]
-        index = next(i for i, s in enumerate(self._rows[kind]) if s is sequence)
+        kind, index = self._seat_of(sequence)
         return self.batches[kind].layout.rows[index]
 
     def _cross_chunk(self, cache: Sequence[Cache]) -> None:
@@ -355,30 +367,30 @@ class BatchRunner:
         return False
 
     @staticmethod
-    def _tokens(groups: list[tuple[Sequence[Cache], list[Decoding], SpareBatch | None]], sequences: Sequence[Decoding],
+    def _tokens(groups: list[StepGroup], sequences: Sequence[Decoding],
                 inputs: mx.array | None) -> list[mx.array]:
         """Each group's input tokens ``(rows,)``: taken from ``inputs`` (in the order of
         ``sequences``), or the rows' last tokens."""
         if inputs is None:
-            return [mx.array([s.last_token for s in rows]) for _, rows, _ in groups]
+            return [mx.array([s.last_token for s in group.rows]) for group in groups]
         where = {id(s): i for i, s in enumerate(sequences)}
         out = []
-        for _, rows, _ in groups:
-            index = [where[id(s)] for s in rows]  # every batched row decodes in the step
+        for group in groups:
+            index = [where[id(s)] for s in group.rows]  # every batched row decodes in the step
             out.append(inputs if index == list(range(len(sequences))) else inputs[mx.array(index)])
         return out
 
     def _packed(
-        self, groups: list[tuple[Sequence[Cache], list[Decoding], SpareBatch | None]], tokens: list[mx.array],
+        self, groups: list[StepGroup], tokens: list[mx.array],
         chunks: Sequence[TokenRun],
     ) -> tuple[list[mx.array], list[mx.array | None]]:
         """``step``'s one forward: the decoding rows' tokens, then the chunks', packed on one row."""
         inputs = tokens + [mx.array(c.tokens).astype(mx.int32) for c in chunks]
-        segments = [[StepSegment(caches[i], len(rows), 1) for caches, rows, _ in groups]
+        segments = [[StepSegment(g.caches[i], len(g.rows), 1) for g in groups]
                     + [StepSegment(c.cache[i], 1, len(c.tokens)) for c in chunks] for i in range(len(self.windows))]
         where = positions(segments[self.kv_layer])  # (an attention layer's: a recurrent one has no positions)
         layers = [PackedLayerCache(s, window, where, read) for s, window, read in zip(segments, self.windows, self.read)]
-        decoding = sum(len(rows) for _, rows, _ in groups)
+        decoding = sum(len(group.rows) for group in groups)
         ends = list(itertools.accumulate((len(c.tokens) for c in chunks), initial=decoding))[1:]
         # the rows whose logits are wanted: the decoding rows', each chunk's last ``wanted``
         picked = list(range(decoding)) + [i for c, end in zip(chunks, ends) for i in range(end - c.wanted, end)]
@@ -386,19 +398,19 @@ class BatchRunner:
         # only the picked rows past the last layer's attention, as ``Model.last_logits`` does alone
         every = watching or not chunks or len(picked) == ends[-1]  # decoding rows only: all wanted
         keep = None if every or not picked else mx.array(picked)
-        with select(self.model, [(s, 1) for _, rows, _ in groups for s in rows] + [(c, len(c.tokens)) for c in chunks], keep):
+        with select(self.model, [(s, 1) for group in groups for s in group.rows] + [(c, len(c.tokens)) for c in chunks], keep):
             hidden = self.model.hidden_states(mx.concatenate(inputs)[None], layers, keep=keep, watch=False)[0]  # (1, K, hidden) -> (K, hidden)
         watched = [hidden] if watching else []  # evaluated with the step
         if watching:
             self._observe(groups, chunks, hidden)
             if picked and len(picked) < hidden.shape[0]:
                 hidden = hidden[mx.array(picked)]
-        for _, _, batch in groups:
-            if batch is not None:
-                batch.commit()
-        for caches, _, batch in groups:
-            if batch is None:  # after the commits (which set the batch's positions)
-                settle(caches)
+        for group in groups:
+            if group.pool is not None:
+                group.pool.commit()
+        for group in groups:
+            if group.pool is None:  # after the commits (which set the pools' positions)
+                settle(group.caches)
         for chunk in chunks:
             settle(chunk.cache)
         unwanted = [a for c in chunks if not c.last for layer in c.cache for a in layer.state] + watched
@@ -414,11 +426,11 @@ class BatchRunner:
             index += chunk.wanted
         return ([logits[:decoding]] if decoding else []), chunk_logits
 
-    def _observe(self, groups: list[tuple[Sequence[Cache], list[Decoding], SpareBatch | None]],
+    def _observe(self, groups: list[StepGroup],
                  chunks: Sequence[TokenRun], hidden: mx.array) -> None:
         """Hand the packed step's hidden rows ``(T, hidden)`` (every row's) of each sequence
-        stepping on its own caches (a seated speculating one's token, a prompt chunk, a round) to
-        the model's watch, as a forward of its own over those caches would (native MTP drafts
+        stepping on its row alone (a speculating one's token, a prompt chunk, a round) to the
+        model's watch, as a forward of its own over that row would (native MTP drafts
         from them; before ``settle``)."""
         index = 0
         for caches, rows, batch in groups:
@@ -432,11 +444,11 @@ class BatchRunner:
     def release(self, sequence: Decoding) -> None:
         """Free ``sequence``'s row, if it has one (it ended, or is preempted: nothing is copied
         out); its ``cache`` becomes ``[]``."""
-        kind = self._members.pop(id(sequence), None)
-        if kind is None:
+        if id(sequence) not in self._members:
             return
+        kind, index = self._seat_of(sequence)
+        del self._members[id(sequence)]
         rows, batch = self._rows[kind], self.batches[kind]
-        index = next(i for i, s in enumerate(rows) if s is sequence)
         if batch.keeps_free_rows:
             rows[index] = None  # the row is free for the next sequence (nothing moves)
         else:
@@ -448,11 +460,10 @@ class BatchRunner:
 
     def caches(self, sequence: Decoding) -> list[Cache]:
         """The sequence's caches to read its keys/values from (the prefix cache cuts its blocks
-        from them): its own, or, while it is in a batch, views of its row (nothing copied)."""
-        kind = self._members.get(id(sequence))
-        if kind is None:
+        from them): views of its row (nothing copied); before it is seated, its own."""
+        if id(sequence) not in self._members:
             return list(sequence.cache)
-        index = next(i for i, s in enumerate(self._rows[kind]) if s is sequence)
+        kind, index = self._seat_of(sequence)
         return self.batches[kind].row_caches(index)
 
     def reset(self) -> None:

@@ -18,7 +18,6 @@ first exists (a block may be on disk before it has one) and read only where a hi
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import queue
@@ -290,8 +289,3 @@ def _storage_settings(storage: str) -> tuple[int | None, int]:
         return int(bits), int(group)
     except ValueError:
         raise ValueError(f"unknown storage {storage!r}") from None
-
-
-def identity_json(settings: Any) -> str:
-    """Cache settings as canonical JSON (a dataclass's fields)."""
-    return json.dumps(settings, sort_keys=True, default=lambda o: o.__dict__)

@@ -86,9 +86,9 @@ def auto_kv_budget(model: Model) -> int:
 
 
 class Sizes(NamedTuple):
-    """Bytes of a sequence's caches at some length: its own caches' and its decode-batch row's
-    (a rotating row keeps slots for a prompt chunk beyond its window, a recurrent row no past
-    states), each in all and the largest single layer's."""
+    """Bytes of a sequence's caches at some length: as per-sequence caches (``own``: what its
+    prefix blocks hold) and as its pool row (a rotating row keeps slots for a prompt chunk beyond
+    its window, a recurrent row no past states), each in all and the largest single layer's."""
 
     own: int
     own_layer: int

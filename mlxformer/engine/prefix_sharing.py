@@ -34,8 +34,8 @@ class PrefixSharing:
         self.prefix_cache = prefix_cache
         self.enabled = enabled and (prefix_cache.budget > 0 or prefix_cache.disk is not None)
         self.held: list[RequestState] = []
-        # where a sequence's keys/values are: its own caches, or its row of a decode batch
-        # (the engine sets ``BatchRunner.caches``)
+        # a sequence's keys/values as caches to cut blocks from (the engine sets
+        # ``BatchRunner.caches``: views of its pool row)
         self.caches: Callable[[RequestState], Sequence[Cache]] = lambda sequence: sequence.cache
         self._keys: dict[int, list[str]] = {}
 

@@ -44,10 +44,6 @@ class PromptScores:
         self.scored += len(targets)
         return [chosen, top_ids, top_values]
 
-    @property
-    def complete(self) -> bool:
-        return self.scored >= len(self.prompt)
-
     def entries(self) -> list[tuple[float, list[tuple[int, float]]]]:
         """For prompt positions 1.. (once the prefill is done): ``(logprob, [(id, logprob), ...])``."""
         result: list[tuple[float, list[tuple[int, float]]]] = []

@@ -132,8 +132,3 @@ class RequestState(DecodingState):
     def adapters(self) -> tuple[float, ...] | None:
         """Its weight on each adapter the model carries (``adapters.select``; None: the base model)."""
         return self.request.adapters
-
-    @property
-    def speculative_stats(self) -> SpeculativeStats | None:
-        """Proposed and accepted tokens so far (None when the sequence does not speculate)."""
-        return self.speculator.stats if self.speculator is not None else None
