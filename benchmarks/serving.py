@@ -59,15 +59,15 @@ class Server:
         self.kind, self.port = kind, free_port()
         self.command = server_command(kind, model_dir, self.port, extra or [])
         self.name = model_dir.name if kind.startswith("mlxformer") else "default_model"  # the served model's name
-        # the checkout's package first (``-m`` puts the working directory first on the path)
-        self.env = {**os.environ, "PYTHONPATH": str(checkout.resolve())} if checkout else None
-        self.cwd = checkout.resolve() if checkout else None
+        self.checkout = checkout.resolve() if checkout else None  # where to run it from (None: here)
 
     def __enter__(self) -> "Server":
         if threading.current_thread() is threading.main_thread():  # a SIGTERM (e.g. timeout) stops the server too
             signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+        # a checkout's package first (``-m`` puts the working directory first on the path)
+        env = {**os.environ, "PYTHONPATH": str(self.checkout)} if self.checkout else None
         self.process = subprocess.Popen(self.command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                        env=self.env, cwd=self.cwd)
+                                        env=env, cwd=self.checkout)
         try:
             self._wait_healthy()
         except BaseException:
