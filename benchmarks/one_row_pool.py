@@ -3,7 +3,7 @@ stream is a pool with one row"): whether the tokens and logits agree bit for bit
 speed of each, trials interleaved (own, pool, pool, own, ...) on the same model in one process.
 
 The pool is the engine's (``BatchRunner.seat``: a row of ``cache/rows.py``'s ``SpareBatch``,
-each layer a ``RowCache`` view, recorded after each forward by ``rows.settle``); the own caches
+each layer a ``RowCache`` view, which records what a forward wrote once it is built); the own caches
 are ``make_cache``'s, as ``generate`` uses them. Greedy decoding of ``--tokens`` tokens after a
 short prompt; ``--kv-bits`` quantizes both (from the first token); ``--max-kv-size`` makes both
 rotating.
@@ -23,7 +23,6 @@ import mlx.core as mx
 
 from mlxformer import load
 from mlxformer.cache import Cache, CacheSettings, make_cache
-from mlxformer.cache.rows import settle
 from mlxformer.engine.batch_runner import BatchRunner
 
 PROMPT = "Write a long story about the sea, the waves and the boats that sail on it."
@@ -48,15 +47,11 @@ def decode(model, prompt: mx.array, settings: CacheSettings, tokens: int, pooled
         runner.prefill_chunk = prompt.shape[1]
         runner.seat(stream)  # the stream's caches are now views of its row
     logits = model(prompt, stream.cache)[:, -1]
-    if pooled:
-        settle(stream.cache)
     mx.eval(logits)
     out, start = [], time.perf_counter()
     for _ in range(tokens):
         token = mx.argmax(logits, axis=-1)
         logits = model(token[:, None], stream.cache)[:, -1]
-        if pooled:
-            settle(stream.cache)
         mx.eval(logits)
         out.append(int(token.item()))
     return out, logits, tokens / (time.perf_counter() - start)

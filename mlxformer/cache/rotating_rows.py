@@ -243,14 +243,14 @@ class RingWrites:
             pieces.append((first, count, (row_keys, row_values, visible, mx.maximum(positions, 0) // CENTER_BLOCK)))
         return pieces
 
-    def settled(self) -> None:
-        """The forward's writes are recorded (``settle``): its pieces' views go (they would keep
+    def recorded(self) -> None:
+        """The forward's writes are recorded (``record_writes``): its pieces' views go (they would keep
         the buffers they view from being written in place)."""
         self.pending = 0
         self._written = None
 
     def record(self) -> None:
-        """Record the pending tokens in the row (``settle``)."""
+        """Record the pending tokens in the row (``record_writes``)."""
         index, layout = self.batch.index(self.row), self._layer.layout
         spans, used, idx = self._pending()
         layout.positions = layout.padded()

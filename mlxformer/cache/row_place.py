@@ -50,7 +50,7 @@ def move_back(layout: "BatchLayout", index: int, row: "BatchRow", target: int) -
 
 class RowPlace:
     """Layer ``layer`` of ``row`` in ``batch``; what a forward being built wrote there counts in
-    ``pending`` (``pendings``: the row's layers', shared by their caches) until ``settle``."""
+    ``pending`` (``pendings``: the row's layers', shared by their caches) until the forward is built (``rows.record_writes``)."""
 
     def __init__(self, batch: RowHost, row: "BatchRow", layer: int, pendings: dict[int, int]) -> None:
         self.batch, self.row, self.layer, self.pendings = batch, row, layer, pendings
@@ -68,8 +68,8 @@ class RowPlace:
     def offset(self) -> int:
         return self.row.offset + self.pending
 
-    def settled(self) -> None:
-        """The forward's writes are recorded (``settle``)."""
+    def recorded(self) -> None:
+        """The forward's writes are recorded (``rows.record_writes``)."""
         self.pending = 0
 
     def _take_back(self, n: int) -> None:

@@ -271,18 +271,13 @@ class SpareBatch:
                 cache.keys, cache.values = _pad(cache.keys, cache.layout.width), _pad(cache.values, cache.layout.width)
                 evaluate_rewrite(cache.keys, cache.values)
 
-    def commit(self) -> None:
-        """Record this step's token in every stepping row (after the forward is built)."""
-        for layout in self.layouts.values():
-            layout.commit()
-
 
 class RowCache(RowPlace, CodecAttention):
     """One layer of one ``SpareBatch`` row behind the cache protocol: a sequence's own cache
     while its keys/values live in the batch (its prompt chunks, a rollback's trim, the views the
-    prefix cache cuts blocks from). A chunk's write is counted in ``pending`` until the runner
-    ``settle``s the forward (the row, shared by every layer, then moves once); a trim back into
-    the row too, until every layer has trimmed to the same length (``pendings``: the row's
+    prefix cache cuts blocks from). A chunk's write is counted in ``pending`` until the forward
+    is built (``record_writes``: the row, shared by every layer, then moves once); a trim back
+    into the row too, until every layer has trimmed to the same length (``pendings``: the row's
     layers', shared by their caches)."""
 
     def __init__(self, batch: SpareBatch, row: BatchRow, layer: int, pendings: dict[int, int]) -> None:
@@ -375,7 +370,7 @@ class RowCache(RowPlace, CodecAttention):
         return (pack_nbytes(self._layer.keys) + pack_nbytes(self._layer.values)) // max(1, len(self.batch))
 
     def record(self) -> None:
-        """Record the pending tokens in the row (``settle``): the slots after its last."""
+        """Record the pending tokens in the row (``record_writes``): the slots after its last."""
         index, start, stop = self.batch.index(self.row), self.row.offset, self.offset
         layout = self._layer.layout
         layout.positions = layout.padded()
@@ -393,17 +388,20 @@ class RingRowCache(RingWrites, RowCache):  # type: ignore[misc]
         return RowCache.trim(self, n) if self.takes_back(n) else 0
 
 
-def settle(caches: Sequence[Cache]) -> None:
-    """After a forward was built on a sequence's caches: record in its rows what its
-    ``RowCache``s (and ``StateRowCache``s) wrote (the layers of one kind wrote the same slots:
-    each row moves once)."""
-    rows = [c for c in caches if isinstance(c, (RowCache, StateRowCache))]
-    if not rows or rows[0].pending <= 0:
-        return
+def record_writes(caches: Sequence[Cache]) -> None:
+    """Record in the pools what a forward just built over ``caches`` wrote (the decoder calls
+    this at the end of every forward, ``Model.run_layers``): a decode step's token in each of
+    its pools' layouts (``BatchLayout.commit``), then the tokens a row's ``RowCache``s and
+    ``StateRowCache``s wrote (the layers of one kind wrote the same slots: each row moves once).
+    A packed step's parts are its segments' caches. Own caches record as they write."""
+    parts = [p for c in caches for p in ([s.cache for s in c.segments] if c.segments else [c])]
+    for layout in {id(p.layout): p.layout for p in parts if isinstance(p, BatchLayerCache)}.values():
+        layout.commit()
+    rows = [p for p in parts if isinstance(p, (RowCache, StateRowCache)) and p.pending > 0]
     moved: set[int] = set()
     for cache in rows:
         if isinstance(cache, RowCache) and id(cache.row) not in moved:
             moved.add(id(cache.row))
             cache.record()
     for cache in rows:
-        cache.settled()
+        cache.recorded()

@@ -101,7 +101,7 @@ class StateRows(StateCache):
 
 class StateRowCache(RowPlace):
     """One recurrent layer of one ``SpareBatch`` row behind the cache protocol (module doc); a
-    chunk's tokens count in ``pending`` until the runner settles the forward (``rows.settle``)."""
+    chunk's tokens count in ``pending`` until the forward is built (``rows.record_writes``)."""
 
     segments = None  # the rows of one forward (``Cache.segments``)
 

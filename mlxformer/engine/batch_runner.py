@@ -24,7 +24,7 @@ from mlxformer.engine.prompt_scores import PromptScores
 from mlxformer.cache.batch_kind import BatchKey, BatchRow, batch_key, row_quantizes_next
 from mlxformer.cache.codec import FLOAT_CODEC, KVCodec
 from mlxformer.cache.rotating_rows import ring_key
-from mlxformer.cache.rows import Blank, SpareBatch, settle
+from mlxformer.cache.rows import Blank, SpareBatch
 from mlxformer.cache.state_rows import state_blank
 from mlxformer.models.decoder import Attention, Model
 from mlxformer.models.gated_delta import GatedDeltaNet
@@ -185,16 +185,12 @@ class BatchRunner:
         inputs = mx.array(tokens)[None]  # (1, T)
         if scores is not None:
             hidden = self.model.hidden_states(inputs, cache, rope_length=prompt_length)
-            settle(cache)
             logits = self.model.logits(hidden)[0]  # (1, T, vocab) -> (T, vocab)
             mx.eval([*scores.add(start, logits), *(c.state for c in cache)])  # on this (the engine's) thread
             return logits[-1:] if want_logits else None
         if want_logits:
-            logits = self.model.last_logits(inputs, cache, rope_length=prompt_length)
-            settle(cache)
-            return logits
+            return self.model.last_logits(inputs, cache, rope_length=prompt_length)
         self.model.hidden_states(inputs, cache, rope_length=prompt_length)
-        settle(cache)
         mx.eval([c.state for c in cache])
         return None
 
@@ -211,9 +207,7 @@ class BatchRunner:
         with select(self.model, [(chunk, 1)]):
             if not chunk.every:
                 return self.prefill(chunk.tokens, chunk.cache, chunk.last, chunk.prompt_length)
-            logits = self.model(mx.array(chunk.tokens)[None], chunk.cache)[0]  # (1, k + 1, vocab) -> (k + 1, vocab)
-        settle(chunk.cache)  # a seated sequence's row holds the round (a rejection trims it)
-        return logits
+            return self.model(mx.array(chunk.tokens)[None], chunk.cache)[0]  # (1, k + 1, vocab) -> (k + 1, vocab)
 
     def decode(self, sequences: Sequence[Decoding]) -> mx.array:
         """One token per sequence in, next-token logits ``(B, vocab)`` in the same order out (lazy)."""
@@ -283,10 +277,6 @@ class BatchRunner:
                 parts.append(self.model.last_logits(fed[:, None], caches))  # (B,) -> (B, 1) in
             for i in read:
                 reading.setdefault(i, []).append(parts[-1])
-            if batch is not None:
-                batch.commit()
-            else:
-                settle(caches)
         chunk_logits: list[mx.array | None] = []
         for chunk in chunks:
             read = before(chunk.cache)
@@ -405,14 +395,6 @@ class BatchRunner:
             self._observe(groups, chunks, hidden)
             if picked and len(picked) < hidden.shape[0]:
                 hidden = hidden[mx.array(picked)]
-        for group in groups:
-            if group.pool is not None:
-                group.pool.commit()
-        for group in groups:
-            if group.pool is None:  # after the commits (which set the pools' positions)
-                settle(group.caches)
-        for chunk in chunks:
-            settle(chunk.cache)
         unwanted = [a for c in chunks if not c.last for layer in c.cache for a in layer.state] + watched
         if not picked:
             mx.eval(unwanted)
@@ -431,7 +413,7 @@ class BatchRunner:
         """Hand the packed step's hidden rows ``(T, hidden)`` (every row's) of each sequence
         stepping on its row alone (a speculating one's token, a prompt chunk, a round) to the
         model's watch, as a forward of its own over that row would (native MTP drafts
-        from them; before ``settle``)."""
+        from them)."""
         index = 0
         for caches, rows, batch in groups:
             if batch is None:

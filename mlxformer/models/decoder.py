@@ -19,6 +19,7 @@ from mlxformer.embeddings.head import EmbeddingHead
 from mlxformer.errors import MlxformerError
 from mlxformer.models.mask import Mask, causal_mask_for, kept_rows, padded_mask
 from mlxformer.cache.protocol import Cache
+from mlxformer.cache.rows import record_writes
 from mlxformer.models.attention_ops import fused_attention, position_query_scale, softcap_scores, softcapped_attention
 from mlxformer.models.config import ModelArgs
 from mlxformer.models.mla import MLAttention
@@ -337,7 +338,9 @@ class Model(nn.Module):
         layer's. ``per_layer_inputs``: each layer's extra input ``(B, T, layers, size)`` (Gemma 4).
         ``keep``: the positions ``(K,)`` the last layer outputs (``DecoderLayer``). ``valid``: the
         real tokens ``(B, T)`` of padded rows (``hidden_states``). ``before_layer(i, h)``: called
-        with each layer's input before it runs (calibration loads that layer's weights there)."""
+        with each layer's input before it runs (calibration loads that layer's weights there).
+        A cache records what the forward wrote once it is built (``cache.rows.record_writes``: a pool's
+        rows, shared by their layers, move once)."""
         if not self.layers:
             return kept_rows(h, keep)
         query_len = h.shape[1]
@@ -355,6 +358,8 @@ class Model(nn.Module):
                 masks[layer.window] = self._mask(query_len, layer.window, layer_cache, valid)
             extra = None if per_layer_inputs is None else per_layer_inputs[:, :, i, :]
             h = layer(h, masks[layer.window], layer_cache, rope_length, shared, extra, rows)
+        if cache is not None:
+            record_writes(cache)
         return h
 
     def _mask(self, query_len: int, window: int | None, cache: Cache | None, valid: mx.array | None) -> Mask:
