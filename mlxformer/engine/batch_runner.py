@@ -146,7 +146,7 @@ class BatchRunner:
         """Each cache layer's keys/values of one slot as ``kind`` stores them (the shapes a
         ``SpareBatch`` allocates; lazy, never evaluated)."""
         if self._dtype is None:
-            self._dtype = self.model.hidden_states(mx.array([[0]])).dtype  # the keys'
+            self._dtype = self.model.kv_dtype()
         blanks = []
         for index, (storage, _) in enumerate(kind):
             if storage.recurrent:

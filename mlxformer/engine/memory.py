@@ -112,7 +112,7 @@ class KVSizer:
                  row_key: Callable[[list[Cache]], BatchKey] | None = None) -> None:
         args = model.args
         self.model, self.settings, self.row_key = model, settings, row_key
-        self.dtype = model.hidden_states(mx.array([[0]])).dtype  # the keys' dtype (lazy: never evaluated)
+        self.dtype = model.kv_dtype()
         self.max_blocks = math.ceil((args.max_position_embeddings + extra_tokens) / BLOCK) + 1
         self._probed: dict[tuple[int, bool], Sizes] = {}
         # a cache turning quantized rewrites its storage all layers at once (not staged)

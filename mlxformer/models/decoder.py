@@ -394,6 +394,12 @@ class Model(nn.Module):
         if self._hidden_watch is not None:
             self._hidden_watch(hidden, cache)
 
+    def kv_dtype(self) -> mx.Dtype:
+        """The dtype the caches hold keys and values in: what this model's layers output for one
+        token (a lazy graph, never evaluated; a pipeline's other stages are not asked)."""
+        h, extra = self.embed(mx.array([[0]]))
+        return self.run_layers(h, per_layer_inputs=extra).dtype
+
     def logits(self, hidden: mx.array) -> mx.array:
         """Project hidden states ``(B, T, hidden)`` to vocabulary logits ``(B, T, vocab)``."""
         a = self.args
