@@ -228,10 +228,7 @@ class SpareBatch:
         for layout in self.layouts.values():
             layout.remove(index, rest)
         for batched in self.layers:
-            if isinstance(batched, StateRows):
-                batched.drop_row(index)
-            else:
-                batched.keep_rows(rest)
+            batched.keep_rows(rest)
             evaluate_rewrite(batched.state)
 
     def row_caches(self, index: int) -> list[Cache]:

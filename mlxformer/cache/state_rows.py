@@ -85,9 +85,8 @@ class StateRows(StateCache):
         self.conv[index : index + 1] = conv
         self.states[0][index : index + 1] = state
 
-    def drop_row(self, index: int) -> None:
-        """Remove row ``index`` (under a KV budget the pool holds only the rows in use)."""
-        rest = mx.array([i for i in range(self.conv.shape[0]) if i != index], dtype=mx.int32)
+    def keep_rows(self, rest: mx.array) -> None:
+        """Keep rows ``rest`` only (a row leaves; under a KV budget the pool holds only the rows in use)."""
         self.conv, self.states = self.conv[rest], [self.states[0][rest]]
 
     def row(self, index: int, offset: int, keep: int) -> StateCache:

@@ -271,10 +271,10 @@ class BatchRunner:
             return read
 
         parts: list[mx.array] = []
-        for (caches, rows, batch), fed in zip(groups, tokens):
-            read = before(caches, batch)
-            with select(self.model, [(s, 1) for s in rows], rows=True):
-                parts.append(self.model.last_logits(fed[:, None], caches))  # (B,) -> (B, 1) in
+        for group, fed in zip(groups, tokens):
+            read = before(group.caches, group.pool)
+            with select(self.model, [(s, 1) for s in group.rows], rows=True):
+                parts.append(self.model.last_logits(fed[:, None], group.caches))  # (B,) -> (B, 1) in
             for i in read:
                 reading.setdefault(i, []).append(parts[-1])
         chunk_logits: list[mx.array | None] = []
@@ -415,10 +415,10 @@ class BatchRunner:
         model's watch, as a forward of its own over that row would (native MTP drafts
         from them)."""
         index = 0
-        for caches, rows, batch in groups:
-            if batch is None:
-                self.model.observe(hidden[None, index : index + 1], caches)
-            index += len(rows)
+        for group in groups:
+            if group.pool is None:
+                self.model.observe(hidden[None, index : index + 1], group.caches)
+            index += len(group.rows)
         for chunk in chunks:
             self.model.observe(hidden[None, index : index + len(chunk.tokens)], chunk.cache)
             index += len(chunk.tokens)
