@@ -58,12 +58,7 @@ class Admission:
         layer's buffers are held twice at most, not all of them."""
         if self.parts.budget is None:
             return step
-        fed: dict[int, int] = {}
-        for chunk in step.prefill:
-            fed[id(chunk.sequence)] = fed.get(id(chunk.sequence), 0) + len(chunk.tokens)
-        for sequence in step.decode:
-            if sequence.speculator is not None:  # a round in its row
-                fed[id(sequence)] = 1 + self.draft_tokens
+        fed = step.fed(self.draft_tokens)
         for sequence in [c.sequence for c in step.prefill] + step.decode:
             tokens = fed.pop(id(sequence), 0)
             if tokens and sequence.cache:
@@ -134,14 +129,12 @@ class Admission:
         parts.runner.seat(sequence)  # its row of the pool from now on
 
 
-def warm_up(model: Model, draft: Model | None, settings: CacheSettings) -> mx.Dtype:
+def warm_up(model: Model, draft: Model | None, settings: CacheSettings) -> None:
     """Validate the cache settings in the caller's thread and run one token through the model(s)
     there: MLX arrays made lazily in a thread (weight views, for example) can only be evaluated
-    by that thread, so the engine's thread must find them all evaluated. Returns the model's KV
-    dtype."""
+    by that thread, so the engine's thread must find them all evaluated."""
     for warm in (draft, model):
         if warm is not None:
             probe = make_cache(warm, settings)
             token = mx.array([[0]])  # a model without an LM head (embeddings only) runs its hidden states
             mx.eval(warm.last_logits(token, probe) if warm.args.head == "lm" else warm.hidden_states(token, probe))
-    return next(a.dtype for a in probe[0].state if mx.issubdtype(a.dtype, mx.floating))

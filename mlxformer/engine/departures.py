@@ -109,7 +109,7 @@ class Departures:
         cache, size, sizer = parts.prefix_cache, parts.prefix_cache.block_size, parts.planner.sizer
         per_token = sizer.bytes_for(BLOCK) / BLOCK
         active = sum(nbytes(s) for s in parts.active())
-        room = parts.budget.limit - active - math.ceil(active * sizer.share(len(tokens), row=True))
+        room = parts.budget.limit - active - math.ceil(active * sizer.share(len(tokens)))
         missing = sum(key not in cache.blocks for key in cache.keys_for(tokens, salt=salt))
         new = math.ceil((missing * size + len(tokens) % size) * per_token)
         if cache.nbytes + new <= room:

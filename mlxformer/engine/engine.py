@@ -85,7 +85,7 @@ class Engine:
         if speculative is not None:
             check_draft(speculative, tokenizer)
         self.cache_settings = with_rewind(cache_settings, speculative) or CacheSettings()
-        kv_dtype = warm_up(model, speculative.draft_model if speculative is not None else None, self.cache_settings)
+        warm_up(model, speculative.draft_model if speculative is not None else None, self.cache_settings)
         draft_tokens = speculative.num_draft_tokens if speculative is not None else 0
         self.budget = resolve_budget(model, max_kv_memory)
         self.scheduler = Scheduler(max_batch, max_queue, prefill_chunk or default_prefill_step(), step_tokens,
@@ -95,6 +95,7 @@ class Engine:
         self.runner.max_rows = max_batch  # a pool's spare rows (cache/rows.py)
         self.runner.prefill_chunk = self.scheduler.prefill_chunk  # a rotating row's slots past its window
         self.sizer = KVSizer(model, self.cache_settings, draft_tokens, self.runner.row_key)
+        kv_dtype = self.sizer.dtype  # ``Model.kv_dtype``
         self.planner = MemoryPlanner(self.sizer, self.budget, draft_tokens)
         # ``prompt_cache``: the tiers (memory budget, disk directory); else memory of ``prefix_cache_bytes``
         tiers = prompt_cache or PromptCacheSettings(memory_bytes=prefix_cache_bytes)

@@ -88,10 +88,9 @@ def auto_kv_budget(model: Model) -> int:
 class Sizes(NamedTuple):
     """Bytes of a sequence's caches at some length: as per-sequence caches (``own``: what its
     prefix blocks hold) and as its pool row (a rotating row keeps slots for a prompt chunk beyond
-    its window, a recurrent row no past states), each in all and the largest single layer's."""
+    its window, a recurrent row no past states), and the row's largest single layer's."""
 
     own: int
-    own_layer: int
     row: int
     row_layer: int
 
@@ -126,7 +125,7 @@ class KVSizer:
         """Bytes of fresh caches fed ``blocks`` blocks of tokens, float or ``quantized``, and of
         their row (memoized)."""
         if blocks == 0:
-            return Sizes(0, 0, 0, 0)
+            return Sizes(0, 0, 0)
         if (blocks, quantized) not in self._probed:
             n, own, row = blocks * BLOCK, [], []
             settings = dataclasses.replace(self.settings, quantized_kv_start=0, kv_bits=(
@@ -150,17 +149,16 @@ class KVSizer:
                 if kind is not None and kind.capacity is not None and cache.keys is not None:
                     slots = cache.keys[0].shape[2]  # a rotating row: its slots as the pool fits them
                     row[-1] = cache.nbytes // slots * min(n, kind.capacity)
-            self._probed[blocks, quantized] = Sizes(sum(own), max(own, default=0), sum(row), max(row, default=0))
+            self._probed[blocks, quantized] = Sizes(sum(own), sum(row), max(row, default=0))
         return self._probed[blocks, quantized]
 
-    def share(self, tokens: int, row: bool = False) -> float:
-        """The largest single layer's part of the caches' bytes at ``tokens`` tokens (what a
-        rewrite done one layer at a time holds twice); ``row``: of a pool row."""
+    def share(self, tokens: int) -> float:
+        """The largest single layer's part of a pool row's bytes at ``tokens`` tokens (what a
+        rewrite done one layer at a time holds twice)."""
         if self.quantizes:  # the rewrite into quantized storage is all layers at once
             return 1.0
         sizes = self._probe(min(math.ceil(max(tokens, 1) / BLOCK), self.max_blocks), self.quantized(tokens))
-        total, layer = (sizes.row, sizes.row_layer) if row else (sizes.own, sizes.own_layer)
-        return layer / total if total else 0.0
+        return sizes.row_layer / sizes.row if sizes.row else 0.0
 
     def bytes_for(self, tokens: int, row: bool = False) -> int:
         """Bytes of caches holding ``tokens`` tokens (their buffers, rounded up to whole blocks);
@@ -190,7 +188,7 @@ class KVSizer:
         total = sum(len(pool) * self.bytes_for(max(pool), row=True) for pool in pools.values())
         if total <= current:
             return current
-        return total + math.ceil(current * self.share(max(rows), row=True))
+        return total + math.ceil(current * self.share(max(rows)))
 
     def peak(self, tokens: int) -> int:
         """The most a lone request needs on its way to ``tokens`` tokens: its row at its end with
@@ -199,7 +197,7 @@ class KVSizer:
         float row beside its quantized one) and its float row at its largest."""
         start = self.settings.quantized_kv_start
         ends = [start, tokens] if self.quantizes and tokens > start else [tokens]
-        need = max(self.bytes_for(n, row=True) + math.ceil(self.bytes_for(n, row=True) * self.share(n, row=True))
+        need = max(self.bytes_for(n, row=True) + math.ceil(self.bytes_for(n, row=True) * self.share(n))
                    for n in ends)
         if len(ends) > 1:
             need = max(need, self.after([start + 1], self.bytes_for(start, row=True)))
@@ -331,12 +329,7 @@ class MemoryPlanner:
         """KV bytes the active sequences hold while ``step`` runs: every row brought to its
         length after the step (a prompt's chunks, a speculation round, a decode token; a row not
         stepping writes a scratch slot, ``BatchLayout.prepare``)."""
-        fed: dict[int, int] = {}
-        for chunk in step.prefill:  # a sequence may run several chunks in one step
-            fed[id(chunk.sequence)] = fed.get(id(chunk.sequence), 0) + len(chunk.tokens)
-        for sequence in scheduler.running:
-            if sequence.speculator is not None:
-                fed[id(sequence)] = 1 + self.draft_tokens  # a round (or one token)
+        fed = step.fed(self.draft_tokens)
         rows = [s for s in scheduler.prefilling + scheduler.running if s.cache]  # (not one waiting for its caches)
         if not rows:
             return 0

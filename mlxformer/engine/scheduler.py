@@ -59,6 +59,18 @@ class Step:
     prefill: list[Chunk] = field(default_factory=list)  # a sequence's chunks in prompt order
     decode: list[RequestState] = field(default_factory=list)  # sequences decoding one token each
 
+    def fed(self, draft_tokens: int) -> dict[int, int]:
+        """id(sequence) -> the tokens its row takes in this step beyond a decode token: its
+        prompt chunks' (a sequence may run several), or a speculation round's
+        (``1 + draft_tokens``, or one token)."""
+        fed: dict[int, int] = {}
+        for chunk in self.prefill:
+            fed[id(chunk.sequence)] = fed.get(id(chunk.sequence), 0) + len(chunk.tokens)
+        for sequence in self.decode:
+            if sequence.speculator is not None:
+                fed[id(sequence)] = 1 + draft_tokens
+        return fed
+
 
 class Scheduler:
     """Queues, admits and plans: thread-safe ``add``; the rest runs on the engine thread."""
@@ -175,14 +187,17 @@ class Scheduler:
     def release(self, sequence: RequestState) -> None:
         """Free the sequence's slot (finished or cancelled)."""
         with self.lock:
-            if sequence in self.prefilling:
-                self.prefilling.remove(sequence)
-            if sequence in self.running:
-                self.running.remove(sequence)
+            self._unslot(sequence)
             if sequence in self.waiting:
                 self.waiting.remove(sequence)
             self._arrival.pop(id(sequence), None)
             self._chunked.pop(id(sequence), None)
+
+    def _unslot(self, sequence: RequestState) -> None:
+        """Take ``sequence`` out of its batch slot, if it holds one."""
+        for active in (self.prefilling, self.running):
+            if sequence in active:
+                active.remove(sequence)
 
     def latest_active(self) -> RequestState | None:
         """The active sequence submitted last (the first to preempt)."""
@@ -193,10 +208,7 @@ class Scheduler:
         """Take an active sequence out of the batch, back to the queue in submission order
         (ahead of every newer request: it is readmitted first)."""
         with self.lock:
-            if sequence in self.prefilling:
-                self.prefilling.remove(sequence)
-            if sequence in self.running:
-                self.running.remove(sequence)
+            self._unslot(sequence)
             sequence.status = Status.WAITING
             order = self._arrival[id(sequence)]
             at = next((i for i, s in enumerate(self.waiting) if self._arrival.get(id(s), order) > order), len(self.waiting))
