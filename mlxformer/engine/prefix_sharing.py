@@ -32,7 +32,7 @@ class PrefixSharing:
 
     def __init__(self, prefix_cache: PrefixCache, enabled: bool = True) -> None:
         self.prefix_cache = prefix_cache
-        self.enabled = enabled and (prefix_cache.budget > 0 or prefix_cache.disk is not None)
+        self.enabled = enabled and prefix_cache.caching
         self.held: list[RequestState] = []
         # a sequence's keys/values as caches to cut blocks from (the engine sets
         # ``BatchRunner.caches``: views of its pool row)
