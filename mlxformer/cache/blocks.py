@@ -38,7 +38,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlxformer.cache import Cache, CacheSettings, KVCache, RotatingKVCache, make_cache
-from mlxformer.cache.codec import Pack, pack_nbytes
+from mlxformer.cache.codec import Pack
 from mlxformer.cache.protocol import HasLayers
 from mlxformer.cache.state import StateCache
 
@@ -76,9 +76,7 @@ class Block:
 
     @property
     def nbytes(self) -> int:
-        centers = sum(c.nbytes for c in self.centers) if self.centers else 0
-        states = sum(x.nbytes for state in self.states or [] for x in state)
-        return sum(pack_nbytes(k) + pack_nbytes(v) for k, v in zip(self.keys, self.values)) + centers + states
+        return sum(x.nbytes for x in self.arrays())
 
     def arrays(self) -> list[mx.array]:
         """Every array the block holds."""
@@ -122,10 +120,12 @@ def cut_blocks(cache: Sequence[Cache], tokens: Sequence[int], spans: Sequence[tu
     blocks = []
     end = int(cache[0].offset)  # type: ignore[arg-type]
     held = [_held(c) for c in cache]
+    # each layer's key center when quantized (a recurrent layer's: an empty array)
+    centers = [mx.zeros((0,)) if isinstance(c, StateCache) else c.codec.key_center  # type: ignore[attr-defined]
+               for c in cache] if tag != "float" else None
     for key, a, b in spans:
         layer_keys = [_slice(h, 0, a, b) for h in held]
         layer_values = [_slice(h, 1, a, b) for h in held]
-        centers = [_center(c) for c in cache] if tag != "float" else None
         states = [c.state if isinstance(c, StateCache) else () for c in cache] if b == end else None
         blocks.append(Block(key, tuple(tokens[a:b]), tag, layer_keys, layer_values, centers, states))
     mx.eval([x for block in blocks for x in block.arrays()])
@@ -196,11 +196,6 @@ def cut_run(blocks: Sequence[Block], n: int) -> list[Block]:
         run.append(head_of(block, min(n, len(block.tokens))))
         n -= len(block.tokens)
     return run
-
-
-def _center(cache: Cache) -> mx.array:
-    """A layer's key center (a recurrent layer's: an empty array)."""
-    return mx.zeros((0,)) if isinstance(cache, StateCache) else cache.codec.key_center  # type: ignore[attr-defined]
 
 
 def head_of(block: Block, n: int) -> Block:
