@@ -18,9 +18,10 @@ A sliding-window layer (a rotating cache without sinks: Gemma's, Mistral's, gpt-
 layers) only ever sees its last ``capacity`` tokens, and that is all a cold prefill leaves in
 its cache: a block holds that layer's keys/values for the last tokens of the block the window
 still held when the block was cut (all of them, some, or none: ``Block.held``). A run of ``n``
-tokens serves when each window layer holds the run's last ``capacity`` tokens (``window_end``
-finds the longest such head of a run, cutting inside a block when it must); the cache is
-rebuilt with those tokens in time order, as a cold prefill leaves it after a chunk. The engine
+tokens serves when each window layer holds the run's last ``capacity`` tokens (``window_blocks``
+finds the longest such head of a run: whole blocks, since the tokens a layer holds end at a
+block's end); the cache is rebuilt with those tokens in time order, as a cold prefill leaves it
+after a chunk. The engine
 inserts such prompts after every prefill chunk, so a block is cut while the window still holds
 its tokens, and the window's last ``capacity`` tokens at every chunk's end are kept (llama.cpp's
 SWA checkpoints, at the block boundaries the hash chain has anyway): a hit can always end at a
@@ -31,6 +32,7 @@ when the chunk is at most the window less a block.
 from __future__ import annotations
 
 import hashlib
+import itertools
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -155,47 +157,23 @@ def _slice(held: tuple[Pack, Pack, int] | None, which: int, a: int, b: int) -> P
     return tuple(mx.contiguous(x[..., a:b, :]) for x in held[which])
 
 
-def window_end(blocks: Sequence[Block], windows: Sequence[int | None]) -> int:
-    """The most tokens ``n`` of the run ``blocks`` such that every window layer (``windows[l]``
-    its capacity, None: not a window) holds its keys/values for the last ``capacity`` tokens
-    before ``n`` (all that a sliding window of that capacity keeps); 0 when none does."""
-    starts = np.cumsum([0, *(len(b.tokens) for b in blocks)])
-    n = int(starts[-1])
-    layers = [(layer, w) for layer, w in enumerate(windows) if w]
-    if not layers:
-        return n
-    # each layer's held spans [first, end): a block holds the last ``held`` of its tokens
-    spans = {layer: _merged([(int(starts[i + 1]) - b.held(layer), int(starts[i + 1])) for i, b in enumerate(blocks)])
-             for layer, _ in layers}
-    ends = sorted({min(end, n) for layer_spans in spans.values() for _, end in layer_spans}, reverse=True)
-    for end in ends:
-        if all(any(first <= max(0, end - w) and end <= last for first, last in spans[layer]) for layer, w in layers):
-            return end
-    return 0
-
-
-def _merged(spans: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
-    """Adjacent or overlapping ``[first, end)`` spans (in order) merged; empty ones dropped."""
-    merged: list[tuple[int, int]] = []
-    for first, end in spans:
-        if first >= end:
+def window_blocks(blocks: Sequence[Block], windows: Sequence[int | None]) -> int:
+    """The most leading blocks of the run ``blocks`` at whose end every window layer
+    (``windows[l]`` its capacity, None: not a window) holds its keys/values for the last
+    ``capacity`` tokens (all that a sliding window of that capacity keeps); 0 when none does.
+    A block holds a layer's last tokens, so the tokens a layer holds run up to blocks' ends, and
+    the longest such head of a run ends at a block's end."""
+    serves = [True] * len(blocks)  # whether the run's first i + 1 blocks serve
+    ends = list(itertools.accumulate(len(b.tokens) for b in blocks))
+    for layer, w in enumerate(windows):
+        if not w:
             continue
-        if merged and first <= merged[-1][1]:
-            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
-        else:
-            merged.append((first, end))
-    return merged
-
-
-def cut_run(blocks: Sequence[Block], n: int) -> list[Block]:
-    """The first ``n`` tokens of the run ``blocks`` (its last block cut with ``head_of``)."""
-    run: list[Block] = []
-    for block in blocks:
-        if n <= 0:
-            break
-        run.append(head_of(block, min(n, len(block.tokens))))
-        n -= len(block.tokens)
-    return run
+        first = 0  # where the tokens the layer holds without a gap up to the block's end start
+        for i, (block, end) in enumerate(zip(blocks, ends)):
+            held = block.held(layer)
+            first = first if held == len(block.tokens) else end - held
+            serves[i] = serves[i] and first <= max(0, end - w)
+    return max((i + 1 for i, ok in enumerate(serves) if ok), default=0)
 
 
 def head_of(block: Block, n: int) -> Block:

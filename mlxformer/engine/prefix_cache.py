@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Sequence
 
 from mlxformer.cache import Cache, CacheSettings, make_cache, sliding_windows
 from mlxformer.cache.protocol import HasLayers
-from mlxformer.cache.blocks import Block, assemble, block_keys, cut_blocks, cut_run, head_of, tail_key, window_end
+from mlxformer.cache.blocks import Block, assemble, block_keys, cut_blocks, head_of, tail_key, window_blocks
 from mlxformer.speculative.speculator import common_prefix_length
 
 if TYPE_CHECKING:
@@ -192,7 +192,7 @@ class PrefixCache:
     def _served(self, run: list[Block], nexts: Sequence[Block]) -> list[Block]:
         """The longest run that serves a hit: ``run`` followed by one of ``nexts`` (or none),
         ending where a hybrid model's state snapshot is and where every sliding window holds its
-        last tokens (cut inside a block when it must)."""
+        last tokens (whole blocks go)."""
         best: list[Block] = []
         for candidate in [*nexts, None]:  # most tokens first: stop once none can serve more
             served = run + [candidate] if candidate is not None else list(run)
@@ -200,11 +200,7 @@ class PrefixCache:
                 break
             while self.hybrid and served and served[-1].states is None and not self._snapshot_from_disk(served[-1]):
                 served.pop()  # end where a state snapshot is
-            if self.hybrid:  # a snapshot's end or nothing: whole blocks go
-                while served and window_end(served, self.windows) < _length(served):
-                    served.pop()
-            else:
-                served = cut_run(served, window_end(served, self.windows))
+            served = served[: window_blocks(served, self.windows)]
             if _length(served) > _length(best):
                 best = served
         return best
