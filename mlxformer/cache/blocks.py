@@ -199,7 +199,8 @@ def assemble(model: HasLayers, settings: CacheSettings, blocks: Sequence[Block])
     """New per-layer caches holding the tokens of ``blocks`` (a run with one storage tag), built
     like ``make_cache(model, settings)`` and filled through the protocol's ``meta_state``/``state``."""
     caches = make_cache(model, settings)
-    quantized = blocks[0].centers is not None
+    centers = blocks[0].centers
+    quantized = centers is not None
     n = sum(len(b.tokens) for b in blocks)
     for layer, cache in enumerate(caches):
         if isinstance(cache, StateCache):  # the last block's snapshot
@@ -217,7 +218,7 @@ def assemble(model: HasLayers, settings: CacheSettings, blocks: Sequence[Block])
         # the run's first block may hold only its last tokens (a window's): take the last ``held``
         keys = tuple(_last(mx.concatenate(parts, axis=2), held) for parts in zip(*(b.keys[layer] for b in run)))
         values = tuple(_last(mx.concatenate(parts, axis=2), held) for parts in zip(*(b.values[layer] for b in run)))
-        center = (blocks[0].centers[layer],) if quantized and blocks[0].centers else ()
+        center = (centers[layer],) if centers is not None else ()
         meta = {**cache.meta_state, "quantized": str(int(quantized))}
         if isinstance(cache, RotatingKVCache):  # in time order, as a chunk's update leaves it
             idx = held if held < cache.capacity else cache.keep

@@ -92,11 +92,6 @@ class DiskBlockStore:
     def _path(self, key: str) -> Path:
         return self.directory / f"{key}{SUFFIX}"
 
-    def _forget(self, key: str) -> None:
-        with self._lock:
-            self._index.pop(key, None)
-        self._path(key).unlink(missing_ok=True)
-
     # --- writing (background) ----------------------------------------------------------------
 
     def put(self, block: Block) -> None:
@@ -195,7 +190,9 @@ class DiskBlockStore:
             loaded = read(path)
         except Exception as exc:
             log.warning("prompt cache: removing %s: %s", path.name, exc)
-            self._forget(name)
+            with self._lock:
+                self._index.pop(name, None)
+            path.unlink(missing_ok=True)
             return None
         with contextlib.suppress(OSError):
             os.utime(path)  # the LRU order survives a restart

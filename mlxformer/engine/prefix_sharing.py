@@ -70,10 +70,8 @@ class PrefixSharing:
         mine = self.keys(sequence)[: (len(sequence.prompt) - 1) // self.prefix_cache.block_size]
         cached = self.prefix_cache.cached_blocks(mine)
         others = [s for s in prefilling if s.cache and s not in self.held] + list(going)
-        for other in others:
-            if len(os.path.commonprefix([mine, self.keys(other)])) > cached:  # blocks shared, not cached
-                return True
-        return False
+        # blocks shared, not cached
+        return any(len(os.path.commonprefix([mine, self.keys(other)])) > cached for other in others)
 
     def publish(self, sequence: RequestState) -> None:
         """Offer the sequence's finished prompt blocks while others wait for them (a hybrid
