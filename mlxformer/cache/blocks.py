@@ -18,9 +18,10 @@ A sliding-window layer (a rotating cache without sinks: Gemma's, Mistral's, gpt-
 layers) only ever sees its last ``capacity`` tokens, and that is all a cold prefill leaves in
 its cache: a block holds that layer's keys/values for the last tokens of the block the window
 still held when the block was cut (all of them, some, or none: ``Block.held``). A run of ``n``
-tokens serves when each window layer holds the run's last ``capacity`` tokens (``window_end``
-finds the longest such head of a run, cutting inside a block when it must); the cache is
-rebuilt with those tokens in time order, as a cold prefill leaves it after a chunk. The engine
+tokens serves when each window layer holds the run's last ``capacity`` tokens (``window_blocks``
+finds the longest such head of a run: whole blocks, since the tokens a layer holds end at a
+block's end); the cache is rebuilt with those tokens in time order, as a cold prefill leaves it
+after a chunk. The engine
 inserts such prompts after every prefill chunk, so a block is cut while the window still holds
 its tokens, and the window's last ``capacity`` tokens at every chunk's end are kept (llama.cpp's
 SWA checkpoints, at the block boundaries the hash chain has anyway): a hit can always end at a
@@ -31,6 +32,7 @@ when the chunk is at most the window less a block.
 from __future__ import annotations
 
 import hashlib
+import itertools
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -38,7 +40,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlxformer.cache import Cache, CacheSettings, KVCache, RotatingKVCache, make_cache
-from mlxformer.cache.codec import Pack, pack_nbytes
+from mlxformer.cache.codec import Pack
 from mlxformer.cache.protocol import HasLayers
 from mlxformer.cache.state import StateCache
 
@@ -76,9 +78,7 @@ class Block:
 
     @property
     def nbytes(self) -> int:
-        centers = sum(c.nbytes for c in self.centers) if self.centers else 0
-        states = sum(x.nbytes for state in self.states or [] for x in state)
-        return sum(pack_nbytes(k) + pack_nbytes(v) for k, v in zip(self.keys, self.values)) + centers + states
+        return sum(x.nbytes for x in self.arrays())
 
     def arrays(self) -> list[mx.array]:
         """Every array the block holds."""
@@ -122,10 +122,12 @@ def cut_blocks(cache: Sequence[Cache], tokens: Sequence[int], spans: Sequence[tu
     blocks = []
     end = int(cache[0].offset)  # type: ignore[arg-type]
     held = [_held(c) for c in cache]
+    # each layer's key center when quantized (a recurrent layer's: an empty array)
+    centers = [mx.zeros((0,)) if isinstance(c, StateCache) else c.codec.key_center  # type: ignore[attr-defined]
+               for c in cache] if tag != "float" else None
     for key, a, b in spans:
         layer_keys = [_slice(h, 0, a, b) for h in held]
         layer_values = [_slice(h, 1, a, b) for h in held]
-        centers = [_center(c) for c in cache] if tag != "float" else None
         states = [c.state if isinstance(c, StateCache) else () for c in cache] if b == end else None
         blocks.append(Block(key, tuple(tokens[a:b]), tag, layer_keys, layer_values, centers, states))
     mx.eval([x for block in blocks for x in block.arrays()])
@@ -155,52 +157,23 @@ def _slice(held: tuple[Pack, Pack, int] | None, which: int, a: int, b: int) -> P
     return tuple(mx.contiguous(x[..., a:b, :]) for x in held[which])
 
 
-def window_end(blocks: Sequence[Block], windows: Sequence[int | None]) -> int:
-    """The most tokens ``n`` of the run ``blocks`` such that every window layer (``windows[l]``
-    its capacity, None: not a window) holds its keys/values for the last ``capacity`` tokens
-    before ``n`` (all that a sliding window of that capacity keeps); 0 when none does."""
-    starts = np.cumsum([0, *(len(b.tokens) for b in blocks)])
-    n = int(starts[-1])
-    layers = [(layer, w) for layer, w in enumerate(windows) if w]
-    if not layers:
-        return n
-    # each layer's held spans [first, end): a block holds the last ``held`` of its tokens
-    spans = {layer: _merged([(int(starts[i + 1]) - b.held(layer), int(starts[i + 1])) for i, b in enumerate(blocks)])
-             for layer, _ in layers}
-    ends = sorted({min(end, n) for layer_spans in spans.values() for _, end in layer_spans}, reverse=True)
-    for end in ends:
-        if all(any(first <= max(0, end - w) and end <= last for first, last in spans[layer]) for layer, w in layers):
-            return end
-    return 0
-
-
-def _merged(spans: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
-    """Adjacent or overlapping ``[first, end)`` spans (in order) merged; empty ones dropped."""
-    merged: list[tuple[int, int]] = []
-    for first, end in spans:
-        if first >= end:
+def window_blocks(blocks: Sequence[Block], windows: Sequence[int | None]) -> int:
+    """The most leading blocks of the run ``blocks`` at whose end every window layer
+    (``windows[l]`` its capacity, None: not a window) holds its keys/values for the last
+    ``capacity`` tokens (all that a sliding window of that capacity keeps); 0 when none does.
+    A block holds a layer's last tokens, so the tokens a layer holds run up to blocks' ends, and
+    the longest such head of a run ends at a block's end."""
+    serves = [True] * len(blocks)  # whether the run's first i + 1 blocks serve
+    ends = list(itertools.accumulate(len(b.tokens) for b in blocks))
+    for layer, w in enumerate(windows):
+        if not w:
             continue
-        if merged and first <= merged[-1][1]:
-            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
-        else:
-            merged.append((first, end))
-    return merged
-
-
-def cut_run(blocks: Sequence[Block], n: int) -> list[Block]:
-    """The first ``n`` tokens of the run ``blocks`` (its last block cut with ``head_of``)."""
-    run: list[Block] = []
-    for block in blocks:
-        if n <= 0:
-            break
-        run.append(head_of(block, min(n, len(block.tokens))))
-        n -= len(block.tokens)
-    return run
-
-
-def _center(cache: Cache) -> mx.array:
-    """A layer's key center (a recurrent layer's: an empty array)."""
-    return mx.zeros((0,)) if isinstance(cache, StateCache) else cache.codec.key_center  # type: ignore[attr-defined]
+        first = 0  # where the tokens the layer holds without a gap up to the block's end start
+        for i, (block, end) in enumerate(zip(blocks, ends)):
+            held = block.held(layer)
+            first = first if held == len(block.tokens) else end - held
+            serves[i] = serves[i] and first <= max(0, end - w)
+    return max((i + 1 for i, ok in enumerate(serves) if ok), default=0)
 
 
 def head_of(block: Block, n: int) -> Block:
@@ -226,7 +199,8 @@ def assemble(model: HasLayers, settings: CacheSettings, blocks: Sequence[Block])
     """New per-layer caches holding the tokens of ``blocks`` (a run with one storage tag), built
     like ``make_cache(model, settings)`` and filled through the protocol's ``meta_state``/``state``."""
     caches = make_cache(model, settings)
-    quantized = blocks[0].centers is not None
+    centers = blocks[0].centers
+    quantized = centers is not None
     n = sum(len(b.tokens) for b in blocks)
     for layer, cache in enumerate(caches):
         if isinstance(cache, StateCache):  # the last block's snapshot
@@ -244,7 +218,7 @@ def assemble(model: HasLayers, settings: CacheSettings, blocks: Sequence[Block])
         # the run's first block may hold only its last tokens (a window's): take the last ``held``
         keys = tuple(_last(mx.concatenate(parts, axis=2), held) for parts in zip(*(b.keys[layer] for b in run)))
         values = tuple(_last(mx.concatenate(parts, axis=2), held) for parts in zip(*(b.values[layer] for b in run)))
-        center = (blocks[0].centers[layer],) if quantized and blocks[0].centers else ()
+        center = (centers[layer],) if centers is not None else ()
         meta = {**cache.meta_state, "quantized": str(int(quantized))}
         if isinstance(cache, RotatingKVCache):  # in time order, as a chunk's update leaves it
             idx = held if held < cache.capacity else cache.keep

@@ -18,6 +18,7 @@ first exists (a block may be on disk before it has one) and read only where a hi
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -58,16 +59,17 @@ class DiskBlockStore:
             raise MlxformerError(f"cannot use the prompt cache directory {directory}: {exc.strerror}") from None
         self.max_bytes, self.identity, self.dtype, self.block_size = max_bytes, dict(identity), dtype, block_size
         self.n_layers = args.num_hidden_layers - args.num_kv_shared_layers  # the layers with caches of their own
-        self.recurrent = tuple(recurrent) or (False,) * self.n_layers
+        recurrent = tuple(recurrent) or (False,) * self.n_layers
+        self._kv_layers = [layer for layer in range(self.n_layers) if not recurrent[layer]]
+        self._state_layers = [layer for layer in range(self.n_layers) if recurrent[layer]]
         self._args = SimpleNamespace(cache_dims=args.cache_dims, layer_window=lambda index: None)
         self._model_args = args
         self._lock = threading.Lock()
         self._index: OrderedDict[str, int] = OrderedDict()  # key -> file bytes, least recently used first
         self._pending: set[str] = set()
         self._scan()
-        self._queue: queue.Queue[Any] = queue.Queue()
-        self._writer = threading.Thread(target=self._write_loop, name="mlxformer-prompt-cache-writer", daemon=True)
-        self._writer.start()
+        self._queue: queue.Queue[Block | threading.Event] = queue.Queue()
+        threading.Thread(target=self._write_loop, name="mlxformer-prompt-cache-writer", daemon=True).start()
 
     # --- index ----------------------------------------------------------------------------
 
@@ -83,23 +85,12 @@ class DiskBlockStore:
         for _, key, size in sorted(found):
             self._index[key] = size
 
-    @property
-    def nbytes(self) -> int:
-        """Bytes of block files on disk."""
-        with self._lock:
-            return sum(self._index.values())
-
     def __contains__(self, key: str) -> bool:
         with self._lock:
             return key in self._index or key in self._pending
 
     def _path(self, key: str) -> Path:
         return self.directory / f"{key}{SUFFIX}"
-
-    def _forget(self, key: str) -> None:
-        with self._lock:
-            self._index.pop(key, None)
-        self._path(key).unlink(missing_ok=True)
 
     # --- writing (background) ----------------------------------------------------------------
 
@@ -114,9 +105,10 @@ class DiskBlockStore:
         self._queue.put(block)
 
     def _write_loop(self) -> None:
-        while (block := self._queue.get()) is not None:
-            if isinstance(block, _Marker):
-                block.done.set()
+        while True:
+            block = self._queue.get()
+            if isinstance(block, threading.Event):  # ``flush``'s: everything before it is written
+                block.set()
                 continue
             try:
                 self._write(block)
@@ -125,7 +117,6 @@ class DiskBlockStore:
             finally:
                 with self._lock:
                     self._pending.difference_update((block.key, block.key + SNAPSHOT))
-        mx.clear_streams()
 
     def _write(self, block: Block) -> None:
         with self._lock:
@@ -133,7 +124,7 @@ class DiskBlockStore:
         metadata = {"format": FORMAT, "version": VERSION, **self.identity, "key": block.key, "storage": block.storage}
         if not written[0]:
             arrays = {"tokens": mx.array(block.tokens, dtype=mx.int32)}
-            for layer in self._kv_layers():
+            for layer in self._kv_layers:
                 state = list(block.keys[layer]) + list(block.values[layer])
                 if block.centers is not None:
                     state.append(block.centers[layer])
@@ -141,18 +132,12 @@ class DiskBlockStore:
             self._save(block.key, arrays, metadata)
         if self._snapshot_of(block) and not written[1]:
             assert block.states is not None
-            snapshot = {f"state.{layer}.{j}": a for layer in self._state_layers() for j, a in enumerate(block.states[layer])}
+            snapshot = {f"state.{layer}.{j}": a for layer in self._state_layers for j, a in enumerate(block.states[layer])}
             self._save(block.key + SNAPSHOT, snapshot, metadata)
 
     def _snapshot_of(self, block: Block) -> bool:
         """Whether ``block`` has a snapshot of recurrent layers to write."""
-        return block.states is not None and any(self.recurrent)
-
-    def _kv_layers(self) -> list[int]:
-        return [layer for layer in range(self.n_layers) if not self.recurrent[layer]]
-
-    def _state_layers(self) -> list[int]:
-        return [layer for layer in range(self.n_layers) if self.recurrent[layer]]
+        return block.states is not None and bool(self._state_layers)
 
     def _save(self, name: str, arrays: dict[str, mx.array], metadata: dict[str, str]) -> None:
         """Write file ``name`` (through a temporary), then drop least recently used files over the bound."""
@@ -180,14 +165,8 @@ class DiskBlockStore:
     def flush(self) -> None:
         """Wait until every queued block is written."""
         done = threading.Event()
-        self._queue.put(_Marker(done))
+        self._queue.put(done)
         done.wait()
-
-    def close(self) -> None:
-        """Write what is queued, then stop the writer thread."""
-        if self._writer.is_alive():
-            self._queue.put(None)
-            self._writer.join()
 
     # --- reading -------------------------------------------------------------------------------
 
@@ -211,12 +190,12 @@ class DiskBlockStore:
             loaded = read(path)
         except Exception as exc:
             log.warning("prompt cache: removing %s: %s", path.name, exc)
-            self._forget(name)
+            with self._lock:
+                self._index.pop(name, None)
+            path.unlink(missing_ok=True)
             return None
-        try:
+        with contextlib.suppress(OSError):
             os.utime(path)  # the LRU order survives a restart
-        except OSError:
-            pass
         return loaded
 
     def _open(self, path: Path, key: str) -> tuple[dict[str, mx.array], dict[str, str]]:
@@ -237,13 +216,12 @@ class DiskBlockStore:
         if stored is None or stored.dtype != mx.int32 or tuple(stored.shape) != (self.block_size,):
             raise ValueError("no token array of the block size")
         count = 2 * per_pack + int(quantized)
-        kv_layers = self._kv_layers()
-        if len(arrays) != 1 + len(kv_layers) * count:
-            raise ValueError(f"{len(arrays)} arrays, expected {1 + len(kv_layers) * count}")
+        if len(arrays) != 1 + len(self._kv_layers) * count:
+            raise ValueError(f"{len(arrays)} arrays, expected {1 + len(self._kv_layers) * count}")
         bits, group = _storage_settings(storage)
         meta = {"bits": str(bits or ""), "group_size": str(group), "start": "0", "quantized": str(int(quantized))}
         layers: list[list[mx.array]] = [[]] * self.n_layers  # a recurrent layer: no arrays
-        for layer in kv_layers:
+        for layer in self._kv_layers:
             state = [arrays[f"layer.{layer}.{j}"] for j in range(count)]
             check_layer(path, layer, "KVCache", meta, state, self._args, self.block_size)
             if any(mx.issubdtype(a.dtype, mx.floating) and a.dtype != self.dtype for a in state):
@@ -261,23 +239,15 @@ class DiskBlockStore:
 
     def _read_snapshot(self, path: Path, key: str) -> list[tuple[mx.array, ...]]:
         arrays, _ = self._open(path, key)
-        state_layers = self._state_layers()
-        if len(arrays) != 2 * len(state_layers):
-            raise ValueError(f"{len(arrays)} arrays, expected {2 * len(state_layers)}")
+        if len(arrays) != 2 * len(self._state_layers):
+            raise ValueError(f"{len(arrays)} arrays, expected {2 * len(self._state_layers)}")
         states: list[tuple[mx.array, ...]] = [()] * self.n_layers
-        for layer in state_layers:
+        for layer in self._state_layers:
             state = [arrays[f"state.{layer}.{j}"] for j in range(2)]
             check_layer(path, layer, "StateCache", {"offset": "0", "keep": "1"}, state, self._model_args, 0)
             states[layer] = tuple(state)
         mx.eval(list(arrays.values()))
         return states
-
-
-class _Marker:
-    """A queue item that only signals that everything before it was written."""
-
-    def __init__(self, done: threading.Event) -> None:
-        self.done = done
 
 
 def _storage_settings(storage: str) -> tuple[int | None, int]:

@@ -30,7 +30,8 @@ from typing import TYPE_CHECKING, Sequence
 
 from mlxformer.cache import Cache, CacheSettings, make_cache, sliding_windows
 from mlxformer.cache.protocol import HasLayers
-from mlxformer.cache.blocks import Block, assemble, block_keys, cut_blocks, cut_run, head_of, tail_key, window_end
+from mlxformer.cache.blocks import Block, assemble, block_keys, cut_blocks, head_of, tail_key, window_blocks
+from mlxformer.speculative.speculator import common_prefix_length
 
 if TYPE_CHECKING:
     from mlxformer.engine.disk_cache import DiskBlockStore
@@ -40,9 +41,8 @@ BLOCK_SIZE = 32  # tokens per block
 
 @dataclass
 class PrefixStats:
-    """Prompt tokens served by each tier so far."""
+    """Prompt tokens served from the disk tier so far."""
 
-    memory_tokens: int = 0
     disk_tokens: int = 0
 
 
@@ -84,11 +84,9 @@ class PrefixCache:
         ones, and the partial one at the end in memory; returns the blocks cut (lazy). ``keys``:
         the chain keys of ``tokens``' full blocks when known (a prompt published chunk by chunk
         is hashed once, not again after every chunk)."""
-        if self.budget <= 0 and self.disk is None:
+        if not self.caching or not caches or not tokens:
             return []
         keys = list(keys) if keys is not None else self.keys_for(tokens, salt=salt)
-        if not caches or not tokens:
-            return []
         size, parents = self.block_size, [salt, *keys]
         if self.hybrid and keys and len(tokens) == len(keys) * size and keys[-1] in self.blocks \
                 and self.blocks[keys[-1]].states is None:  # the cached last block gets the state snapshot
@@ -105,7 +103,7 @@ class PrefixCache:
                     self.disk.put(fresh[key])
         if tail_id in fresh:
             self._add(fresh[tail_id], parents[-1])  # least recent: a tail goes before its chain
-        self._touch([self.blocks[k] for k in keys if k in self.blocks])
+        self._touch(keys)
         for i in reversed(range(len(keys))):  # the first blocks end most recent: tails go first
             if keys[i] in fresh:
                 self._add(fresh[keys[i]], parents[i])
@@ -120,34 +118,25 @@ class PrefixCache:
         self._parent[block.key] = parent
         self._children.setdefault(parent, set()).add(block.key)
 
-    def _touch(self, run: Sequence[Block]) -> None:
-        for block in reversed(run):  # the chain's first block most recent
-            self.blocks.move_to_end(block.key)
+    def _touch(self, keys: Sequence[str]) -> None:
+        """Make the cached blocks of ``keys`` the most recent, the chain's first block most of all."""
+        for key in reversed(keys):
+            if key in self.blocks:
+                self.blocks.move_to_end(key)
 
     def _drop(self, key: str) -> None:
-        block = self.blocks.pop(key)
-        self.nbytes -= block.nbytes
-        self._children.get(self._parent.pop(key), set()).discard(key)
-
-    def evict_to(self, limit: int) -> int:
-        """Drop least recently used blocks until at most ``limit`` bytes are held; returns the
-        bytes freed (blocks on disk stay there)."""
-        freed = 0
-        while self.blocks and self.nbytes > limit:
-            key, block = self.blocks.popitem(last=False)
-            self.nbytes -= block.nbytes
-            self._unlink(key)
-            freed += block.nbytes
-        return freed
-
-    def _unlink(self, key: str) -> None:
-        """Drop an evicted block from the child index (an empty child set goes too)."""
+        """Drop block ``key`` from memory and from the child index (an empty child set goes too)."""
+        self.nbytes -= self.blocks.pop(key).nbytes
         parent = self._parent.pop(key)
-        siblings = self._children.get(parent)
-        if siblings is not None:
-            siblings.discard(key)
-            if not siblings:
-                del self._children[parent]
+        self._children[parent].discard(key)
+        if not self._children[parent]:
+            del self._children[parent]
+
+    def evict_to(self, limit: int) -> None:
+        """Drop least recently used blocks until at most ``limit`` bytes are held (blocks on disk
+        stay there)."""
+        while self.blocks and self.nbytes > limit:
+            self._drop(next(iter(self.blocks)))
 
     def cached_blocks(self, keys: Sequence[str]) -> int:
         """How many of the leading ``keys`` are cached, in memory or on disk."""
@@ -166,29 +155,26 @@ class PrefixCache:
         run: list[Block] = []
         from_disk: set[str] = set()
         keys = self.keys_for(prompt, (len(prompt) - 1) // self.block_size, salt)
+        parents = [salt, *keys]  # parents[i]: the key of the block before block i
         for key in keys:
+            start = len(run) * self.block_size
             block = self.blocks.get(key)
-            on_disk = block is None and self.disk is not None
-            if on_disk:
-                start = len(run) * self.block_size
-                block = self.disk.get(key, tuple(prompt[start : start + self.block_size]))  # type: ignore[union-attr]
+            if block is None and self.disk is not None:
+                block = self.disk.get(key, tuple(prompt[start : start + self.block_size]))
+                from_disk.add(key)
             if block is None or (run and block.storage != run[0].storage):
                 break
-            if on_disk:
-                from_disk.add(block.key)
-                self._add(block, keys[len(run) - 1] if run else salt)
+            if key in from_disk:
+                self._add(block, parents[len(run)])
             run.append(block)
-        run = self._served(run, self._next_blocks(keys[len(run) - 1] if run else salt, prompt, len(run) * self.block_size,
+        run = self._served(run, self._next_blocks(parents[len(run)], prompt, len(run) * self.block_size,
                                                   run[0].storage if run else None))
         if not run or (run[0].centers is not None and _length(run) < self.settings.quantized_kv_start):
             return None  # quantized below quantized_kv_start: a cold prefill holds those tokens as floats
-        self._touch([b for b in run if b.key in self.blocks])
+        self._touch([b.key for b in run])
         self.evict_to(self.budget)
-        n = _length(run)
-        disk_tokens = sum(len(b.tokens) for b in run if b.key in from_disk)
-        self.stats.memory_tokens += n - disk_tokens
-        self.stats.disk_tokens += disk_tokens
-        return assemble(self.model, self.settings, run), n
+        self.stats.disk_tokens += sum(len(b.tokens) for b in run if b.key in from_disk)
+        return assemble(self.model, self.settings, run), _length(run)
 
     def _snapshot_from_disk(self, block: Block) -> bool:
         """Give a whole block its state snapshot from the disk tier, if one is there."""
@@ -197,18 +183,16 @@ class PrefixCache:
         states = self.disk.snapshot(block.key)
         if states is None:
             return False
-        held = self.blocks.get(block.key) is block
-        if held:
-            self.nbytes -= block.nbytes
+        before = block.nbytes
         block.states = states
-        if held:
-            self.nbytes += block.nbytes
+        if self.blocks.get(block.key) is block:  # the memory tier's bytes grow by the snapshot's
+            self.nbytes += block.nbytes - before
         return True
 
     def _served(self, run: list[Block], nexts: Sequence[Block]) -> list[Block]:
         """The longest run that serves a hit: ``run`` followed by one of ``nexts`` (or none),
         ending where a hybrid model's state snapshot is and where every sliding window holds its
-        last tokens (cut inside a block when it must)."""
+        last tokens (whole blocks go)."""
         best: list[Block] = []
         for candidate in [*nexts, None]:  # most tokens first: stop once none can serve more
             served = run + [candidate] if candidate is not None else list(run)
@@ -216,11 +200,7 @@ class PrefixCache:
                 break
             while self.hybrid and served and served[-1].states is None and not self._snapshot_from_disk(served[-1]):
                 served.pop()  # end where a state snapshot is
-            if self.hybrid:  # a snapshot's end or nothing: whole blocks go
-                while served and window_end(served, self.windows) < _length(served):
-                    served.pop()
-            else:
-                served = cut_run(served, window_end(served, self.windows))
+            served = served[: window_blocks(served, self.windows)]
             if _length(served) > _length(best):
                 best = served
         return best
@@ -235,11 +215,7 @@ class PrefixCache:
             block = self.blocks[key]
             if storage is not None and block.storage != storage:
                 continue
-            n = 0
-            for mine, theirs in zip(prompt[start : start + min(room, len(block.tokens))], block.tokens):
-                if mine != theirs:
-                    break
-                n += 1
+            n = common_prefix_length(prompt[start : start + room], block.tokens)
             if n:
                 found.append((n, n == len(block.tokens), block))
         found.sort(key=lambda f: (f[0], f[1]), reverse=True)

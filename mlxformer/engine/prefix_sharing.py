@@ -32,7 +32,7 @@ class PrefixSharing:
 
     def __init__(self, prefix_cache: PrefixCache, enabled: bool = True) -> None:
         self.prefix_cache = prefix_cache
-        self.enabled = enabled and (prefix_cache.budget > 0 or prefix_cache.disk is not None)
+        self.enabled = enabled and prefix_cache.caching
         self.held: list[RequestState] = []
         # a sequence's keys/values as caches to cut blocks from (the engine sets
         # ``BatchRunner.caches``: views of its pool row)
@@ -70,10 +70,8 @@ class PrefixSharing:
         mine = self.keys(sequence)[: (len(sequence.prompt) - 1) // self.prefix_cache.block_size]
         cached = self.prefix_cache.cached_blocks(mine)
         others = [s for s in prefilling if s.cache and s not in self.held] + list(going)
-        for other in others:
-            if len(os.path.commonprefix([mine, self.keys(other)])) > cached:  # blocks shared, not cached
-                return True
-        return False
+        # blocks shared, not cached
+        return any(len(os.path.commonprefix([mine, self.keys(other)])) > cached for other in others)
 
     def publish(self, sequence: RequestState) -> None:
         """Offer the sequence's finished prompt blocks while others wait for them (a hybrid
