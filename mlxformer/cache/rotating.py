@@ -22,6 +22,12 @@ def takes_back(oldest: int, held: int, offset: int, n: int, max_size: int, keep:
     return held - n > keep and oldest <= max(keep, offset - n - (max_size - keep) + 1)
 
 
+def time_spans(size: int, capacity: int, keep: int, idx: int) -> list[tuple[int, int]]:
+    """The spans of a ring's ``size`` used slots (of ``capacity``, the next to write ``idx``)
+    in token order, oldest first: the sinks, then the rotated tail."""
+    return [(0, size)] if size < capacity or idx == keep else [(0, keep), (idx, size), (keep, idx)]
+
+
 class RotatingKVCache(OwnCache):
     """At most ``max_size`` tokens of keys/values, float or (with ``bits``) quantized.
 
@@ -60,15 +66,10 @@ class RotatingKVCache(OwnCache):
 
     # --- storage -----------------------------------------------------------------------
 
-    def _time_spans(self) -> list[tuple[int, int]]:
-        """The slot spans holding the stored tokens, oldest first (sinks, then the rotated tail)."""
-        size, keep, idx = self.size, self.keep, self.idx
-        return [(0, size)] if size < self.capacity or idx == keep else [(0, keep), (idx, size), (keep, idx)]
-
     def time_order(self) -> tuple[Pack, Pack, list[int]]:
         """The stored keys, values and their positions, oldest first."""
         assert self.keys is not None and self.values is not None
-        spans = self._time_spans()
+        spans = time_spans(self.size, self.capacity, self.keep, self.idx)
         if len(spans) == 1:
             return pack_slice(self.keys, 0, self.size), pack_slice(self.values, 0, self.size), list(self.positions)
         keys = pack_concat([pack_slice(self.keys, a, b) for a, b in spans])
@@ -148,7 +149,7 @@ class RotatingKVCache(OwnCache):
         return visible
 
     def _time_positions(self) -> list[int]:
-        return [p for a, b in self._time_spans() for p in self.positions[a:b]]
+        return [p for a, b in time_spans(self.size, self.capacity, self.keep, self.idx) for p in self.positions[a:b]]
 
     # --- save / load / trim ---------------------------------------------------------------
 
