@@ -79,30 +79,26 @@ class RotatingKVCache(OwnCache):
     def _held(self) -> list[int]:
         return self.positions
 
-    def _append_one(self, keys: Pack, values: Pack) -> None:
+    def _write_one(self, keys: Pack, values: Pack) -> None:
+        """Write one token in place: in the next free slot while there is one, else over the
+        oldest token after the sinks (slot ``idx``)."""
         assert self.keys is not None and self.values is not None
-        if self.size == self.keys[0].shape[2]:  # grow by a step, never past self.capacity
-            self._grow(self.size, min(self.step, self.capacity - self.size))
-        pack_write(self.keys, self.size, keys)
-        pack_write(self.values, self.size, values)
-        self.positions.append(self.offset)
-        self.idx = self.size if self.size < self.capacity else self.keep
-
-    def _write_ring(self, keys: Pack, values: Pack) -> None:
-        assert self.keys is not None and self.values is not None
-        pack_write(self.keys, self.idx, keys)
-        pack_write(self.values, self.idx, values)
-        self.positions[self.idx] = self.offset
-        self.idx = self.idx + 1 if self.idx + 1 < self.capacity else self.keep
+        slot = self.size if self.size < self.capacity else self.idx
+        if slot == self.keys[0].shape[2]:  # grow by a step, never past self.capacity
+            self._grow(slot, min(self.step, self.capacity - slot))
+        pack_write(self.keys, slot, keys)
+        pack_write(self.values, slot, values)
+        if slot == self.size:
+            self.positions.append(self.offset)
+        else:
+            self.positions[slot] = self.offset
+        self.idx = slot + 1 if slot + 1 < self.capacity else self.keep
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Pack, Pack]:
         length = keys.shape[2]
         new_keys, new_values = self._store(keys, values, range(self.offset, self.offset + length))
         if length == 1:
-            if self.size < self.capacity:
-                self._append_one(new_keys, new_values)
-            else:
-                self._write_ring(new_keys, new_values)
+            self._write_one(new_keys, new_values)
             self.offset += 1
             self._fetched = self.positions
             return pack_slice(self.keys, 0, self.size), pack_slice(self.values, 0, self.size)
