@@ -32,8 +32,6 @@ class _Layer:
 
     def __init__(self, path: Path, layer: int, name: str, meta: Any) -> None:
         self.where = f"prompt cache file {path}: layer {layer}"
-        if name not in META_KEYS:
-            raise MlxformerError(f"{self.where}: unknown cache class {name!r}")
         if not isinstance(meta, dict):
             self.fail("meta_state is not an object")
         self.ints: dict[str, int] = {}
@@ -62,7 +60,8 @@ def check_layer(
     path: Path, layer: int, name: str, meta: Any, arrays: list[mx.array], args: Any, n_tokens: int
 ) -> None:
     """Refuse a layer whose fields or arrays do not fit ``args`` (the model's ``ModelArgs``), its
-    cache class ``name`` or the ``n_tokens`` cached token ids."""
+    cache class ``name`` (a key of ``META_KEYS``: the caller has refused unknown classes) or the
+    ``n_tokens`` cached token ids."""
     fields = _Layer(path, layer, name, meta)
     if name == "StateCache":
         _check_state(fields, arrays, args, n_tokens)
