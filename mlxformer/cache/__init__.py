@@ -3,11 +3,11 @@
 
 - ``protocol.py``: ``Cache``, what the decoder needs from one layer's cache.
 - A sequence's own caches (a single stream: ``generate``, ``chat``, ``bench``, distributed):
-  ``kv.py`` (``KVCache``: growing, float or quantized), ``rotating.py`` (``RotatingKVCache``: a
-  window with sinks), ``state.py`` (``StateCache``: a Gated DeltaNet layer's fixed-size state);
-  ``codec.py`` (how keys/values are stored: float, or quantized with a Hadamard rotation, and
-  attended that way) and ``latent.py`` (MLA's latents held in an ordinary cache, and the
-  attention over them).
+  ``kv.py`` (``KVCache``: growing, float or quantized; ``OwnCache``: what it shares with the
+  rotating cache), ``rotating.py`` (``RotatingKVCache``: a window with sinks), ``state.py``
+  (``StateCache``: a Gated DeltaNet layer's fixed-size state); ``codec.py`` (how keys/values
+  are stored: float, or quantized with a Hadamard rotation, and attended that way) and
+  ``latent.py`` (MLA's latents held in an ordinary cache, and the attention over them).
 - The engine's KV pool, where a sequence lives in a row from admission to retirement:
   ``rows.py`` (``SpareBatch``: the pool of one storage kind, ``RowCache``: one layer of one row),
   ``batch.py`` (``BatchLayout``: which position each slot of each row holds, ``BatchLayerCache``:

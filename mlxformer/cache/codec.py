@@ -233,25 +233,27 @@ class KVCodec:
             if softcap is not None:
                 return softcapped_attention(queries, keys[0], values[0], scale, mask, softcap, sinks)
             return fused_attention(queries, keys[0], values[0], scale, mask, sinks)
-        bias = None
-        if self.key_center is not None:
-            if key_blocks is None:
-                key_blocks = mx.arange(keys[0].shape[2]) // CENTER_BLOCK
-            bias = _center_scores(queries, self.key_center, key_blocks, scale)
+        bias = self.center_scores(queries, keys[0].shape[2], key_blocks, scale)
         return quantized_attention(queries, keys, values, scale, mask, self.bits, self.group_size, softcap, bias, sinks)
 
-
-def _center_scores(queries: mx.array, centers: mx.array, key_blocks: mx.array, scale: float) -> mx.array:
-    """``scale * q . c_b`` for every query and key: ``(B, n_kv, n_rep, L, S)``."""
-    B, n_heads, L, D = queries.shape
-    n_kv = centers.shape[1]
-    # (B, n_heads, L, D) -> (B, n_kv, n_rep, L, D); centers (B, n_kv, NB, D) -> (B, n_kv, 1, D, NB)
-    q = queries.reshape(B, n_kv, n_heads // n_kv, L, D).astype(mx.float32)
-    per_block = (q * scale) @ mx.expand_dims(centers.astype(mx.float32).swapaxes(-1, -2), 2)  # (B, n_kv, n_rep, L, NB)
-    if key_blocks.ndim == 1:
-        return mx.take(per_block, key_blocks, axis=-1)  # (B, n_kv, n_rep, L, S)
-    index = mx.broadcast_to(key_blocks[:, None, None, None, :], (*per_block.shape[:-1], key_blocks.shape[-1]))
-    return mx.take_along_axis(per_block, index, axis=-1)
+    def center_scores(self, queries: mx.array, n_keys: int, key_blocks: mx.array | None, scale: float) -> mx.array | None:
+        """``scale * q . c_b`` for every query and each of ``n_keys`` keys, ``(B, n_kv, n_rep, L, S)``:
+        what the centered keys leave out of the scores (None without centers); ``key_blocks`` as
+        in ``attention``."""
+        if self.key_center is None:
+            return None
+        if key_blocks is None:
+            key_blocks = mx.arange(n_keys) // CENTER_BLOCK
+        B, n_heads, L, D = queries.shape
+        n_kv = self.key_center.shape[1]
+        # (B, n_heads, L, D) -> (B, n_kv, n_rep, L, D); centers (B, n_kv, NB, D) -> (B, n_kv, 1, D, NB)
+        q = queries.reshape(B, n_kv, n_heads // n_kv, L, D).astype(mx.float32)
+        centers = mx.expand_dims(self.key_center.astype(mx.float32).swapaxes(-1, -2), 2)
+        per_block = (q * scale) @ centers  # (B, n_kv, n_rep, L, NB)
+        if key_blocks.ndim == 1:
+            return mx.take(per_block, key_blocks, axis=-1)  # (B, n_kv, n_rep, L, S)
+        index = mx.broadcast_to(key_blocks[:, None, None, None, :], (*per_block.shape[:-1], key_blocks.shape[-1]))
+        return mx.take_along_axis(per_block, index, axis=-1)
 
 
 FLOAT_CODEC = KVCodec()

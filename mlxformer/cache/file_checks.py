@@ -15,6 +15,8 @@ from typing import Any
 import mlx.core as mx
 
 from mlxformer.cache.codec import CENTER_BLOCK, KV_BITS, KV_GROUP_SIZES
+from mlxformer.cache.rotating import time_spans
+from mlxformer.cache.state import state_shapes
 from mlxformer.errors import MlxformerError
 
 # class name -> the meta_state keys it reads (all integers but "bits", which may be "")
@@ -30,8 +32,6 @@ class _Layer:
 
     def __init__(self, path: Path, layer: int, name: str, meta: Any) -> None:
         self.where = f"prompt cache file {path}: layer {layer}"
-        if name not in META_KEYS:
-            raise MlxformerError(f"{self.where}: unknown cache class {name!r}")
         if not isinstance(meta, dict):
             self.fail("meta_state is not an object")
         self.ints: dict[str, int] = {}
@@ -60,7 +60,8 @@ def check_layer(
     path: Path, layer: int, name: str, meta: Any, arrays: list[mx.array], args: Any, n_tokens: int
 ) -> None:
     """Refuse a layer whose fields or arrays do not fit ``args`` (the model's ``ModelArgs``), its
-    cache class ``name`` or the ``n_tokens`` cached token ids."""
+    cache class ``name`` (a key of ``META_KEYS``: the caller has refused unknown classes) or the
+    ``n_tokens`` cached token ids."""
     fields = _Layer(path, layer, name, meta)
     if name == "StateCache":
         _check_state(fields, arrays, args, n_tokens)
@@ -92,12 +93,9 @@ def _check_state(fields: _Layer, arrays: list[mx.array], args: Any, n_tokens: in
     """A recurrent layer's conv window ``(1, kernel - 1, conv_dim)`` and state ``(1, H, Dk, Dv)``."""
     if fields.ints["offset"] != n_tokens:
         fields.fail(f"offset={fields.ints['offset']} but the file lists {n_tokens} token ids")
-    conv_dim = 2 * args.linear_num_key_heads * args.linear_key_head_dim + args.linear_num_value_heads * args.linear_value_head_dim
-    shapes = [(1, args.linear_conv_kernel_dim - 1, conv_dim),
-              (1, args.linear_num_value_heads, args.linear_key_head_dim, args.linear_value_head_dim)]
     if len(arrays) != 2:
         fields.fail(f"{len(arrays)} arrays where a StateCache holds 2")
-    for j, (array, shape) in enumerate(zip(arrays, shapes)):
+    for j, (array, shape) in enumerate(zip(arrays, state_shapes(args))):
         if tuple(array.shape) != shape or not _is(array.dtype, "float"):
             fields.fail(f"array {j} has shape {tuple(array.shape)} and dtype {array.dtype}, expected {shape}, float")
 
@@ -155,7 +153,7 @@ def _check_ring(fields: _Layer, positions: mx.array, window: int | None, n_token
     full = size == capacity
     if (full and not keep <= idx < capacity) or (not full and idx != size):
         fields.fail(f"idx={idx} does not fit {size} slots of {capacity}")
-    ordered = slots if not full or idx == keep else slots[:keep] + slots[idx:] + slots[keep:idx]
+    ordered = [p for a, b in time_spans(size, capacity, keep, idx) for p in slots[a:b]]
     sinks = min(keep, size)
     needed = max(sinks, offset - (max_size - keep))  # the oldest token the next query sees
     tail = ordered[sinks:]

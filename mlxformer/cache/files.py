@@ -121,12 +121,7 @@ def fingerprint(model: Model, tokenizer: Tokenizer) -> tuple[dict[str, str], mx.
     }, samples
 
 
-_MISMATCH = {
-    "model_config": "config",
-    "quantization": "quantization",
-    "weights": "weights",
-    "tokenizer": "tokenizer",
-}
+_MISMATCH = {"model_config": "config"}  # a fingerprint key -> the word a mismatch names (else the key)
 
 
 def save_prompt_cache(
@@ -194,7 +189,7 @@ def load_prompt_cache_file(
     keys, samples = fingerprint(model, tokenizer)
     for key, value in keys.items():
         if metadata.get(key) != value:
-            raise MlxformerError(f"prompt cache file {path} was made for a different model {_MISMATCH[key]}")
+            raise MlxformerError(f"prompt cache file {path} was made for a different model {_MISMATCH.get(key, key)}")
     if SAMPLES_KEY not in arrays or not samples_match(arrays.pop(SAMPLES_KEY), samples):
         raise MlxformerError(f"prompt cache file {path} was made for a different model weights")
     try:

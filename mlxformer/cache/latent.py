@@ -19,7 +19,7 @@ from typing import Callable
 
 import mlx.core as mx
 
-from mlxformer.cache.codec import CENTER_BLOCK, KVCodec, Pack, _center_scores, rotate, unrotate
+from mlxformer.cache.codec import KVCodec, Pack, rotate, unrotate
 from mlxformer.models.attention_ops import mask_scores
 from mlxformer.models.mask import Mask
 
@@ -45,9 +45,8 @@ def latent_attention(
     quantized = dict(group_size=codec.group_size, bits=codec.bits)
     scores = mx.quantized_matmul(rotate(q_latent, scale), *values, transpose=True, **quantized).astype(mx.float32)
     scores = scores + mx.quantized_matmul(rotate(q_rope, scale), *keys, transpose=True, **quantized).astype(mx.float32)
-    if codec.key_center is not None:  # the rope keys are stored centered: add q . c_b back
-        if key_blocks is None:
-            key_blocks = mx.arange(keys[0].shape[2]) // CENTER_BLOCK
-        scores = scores + _center_scores(q_rope, codec.key_center, key_blocks, scale).reshape(scores.shape)
+    bias = codec.center_scores(q_rope, keys[0].shape[2], key_blocks, scale)
+    if bias is not None:  # the rope keys are stored centered: add q . c_b back
+        scores = scores + bias.reshape(scores.shape)
     probs = mx.softmax(mask_scores(scores, mask), axis=-1).astype(q_latent.dtype)
     return unrotate(mx.quantized_matmul(probs, *values, transpose=False, **quantized))  # (B, H, L, rank)

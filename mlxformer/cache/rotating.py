@@ -10,12 +10,9 @@ from __future__ import annotations
 import mlx.core as mx
 
 from mlxformer.models.mask import Mask, causal_mask_for
-from mlxformer.cache.codec import (
-    CENTER_BLOCK, FLOAT_CODEC, KVCodec, Pack, check_kv_quantization, pack_concat, pack_nbytes,
-    pack_slice, pack_write, pack_zeros_like,
-)
+from mlxformer.cache.codec import CENTER_BLOCK, Pack, pack_concat, pack_slice, pack_write
+from mlxformer.cache.kv import OwnCache, codec_settings
 from mlxformer.errors import MlxformerError
-from mlxformer.cache.latent import Expand, latent_attention
 
 
 def takes_back(oldest: int, held: int, offset: int, n: int, max_size: int, keep: int) -> bool:
@@ -25,7 +22,13 @@ def takes_back(oldest: int, held: int, offset: int, n: int, max_size: int, keep:
     return held - n > keep and oldest <= max(keep, offset - n - (max_size - keep) + 1)
 
 
-class RotatingKVCache:
+def time_spans(size: int, capacity: int, keep: int, idx: int) -> list[tuple[int, int]]:
+    """The spans of a ring's ``size`` used slots (of ``capacity``, the next to write ``idx``)
+    in token order, oldest first: the sinks, then the rotated tail."""
+    return [(0, size)] if size < capacity or idx == keep else [(0, keep), (idx, size), (keep, idx)]
+
+
+class RotatingKVCache(OwnCache):
     """At most ``max_size`` tokens of keys/values, float or (with ``bits``) quantized.
 
     ``slack`` extra slots keep that many tokens beyond the window (masked out), so that the
@@ -36,10 +39,6 @@ class RotatingKVCache:
     an explicit mask) and then keep the sinks and the newest tokens. ``offset`` counts every
     token seen, so RoPE positions keep growing past the window.
     """
-
-    segments = None  # the rows of one forward (``Cache.segments``)
-
-    step = 256
 
     def __init__(
         self, max_size: int = 4096, keep: int = 4, bits: int | None = None, group_size: int = 64, start: int = 0,
@@ -52,18 +51,13 @@ class RotatingKVCache:
     ) -> None:
         if not 0 <= keep < max_size:
             raise MlxformerError(f"the rotating cache needs 0 <= keep < max_kv_size, got keep={keep}, max_kv_size={max_size}")
-        if bits is not None:
-            check_kv_quantization(bits, group_size)
-        self.max_size, self.keep, self.bits, self.group_size, self.start = max_size, keep, bits, group_size, start
+        self._configure_storage(bits, group_size, start, quantized)  # keys/values: (B, n_kv, capacity, ...) slots
+        self.max_size, self.keep = max_size, keep
         self.slack = max(0, slack)
         self.capacity = max_size + self.slack  # slots stored; the mask shows at most max_size
-        self.codec = KVCodec(bits, group_size) if quantized else FLOAT_CODEC
-        self.keys: Pack | None = None  # (B, n_kv, capacity, ...) slots
-        self.values: Pack | None = None
         self.positions: list[int] = []  # absolute token position held by each used slot
         self._fetched: list[int] = []  # the position of each key the last update_and_fetch returned
         self.idx = 0  # next slot to write once the ring is full
-        self.offset = 0
 
     @property
     def size(self) -> int:
@@ -72,62 +66,39 @@ class RotatingKVCache:
 
     # --- storage -----------------------------------------------------------------------
 
-    def _time_spans(self) -> list[tuple[int, int]]:
-        """The slot spans holding the stored tokens, oldest first (sinks, then the rotated tail)."""
-        size, keep, idx = self.size, self.keep, self.idx
-        return [(0, size)] if size < self.capacity or idx == keep else [(0, keep), (idx, size), (keep, idx)]
-
     def time_order(self) -> tuple[Pack, Pack, list[int]]:
         """The stored keys, values and their positions, oldest first."""
         assert self.keys is not None and self.values is not None
-        spans = self._time_spans()
+        spans = time_spans(self.size, self.capacity, self.keep, self.idx)
         if len(spans) == 1:
             return pack_slice(self.keys, 0, self.size), pack_slice(self.values, 0, self.size), list(self.positions)
         keys = pack_concat([pack_slice(self.keys, a, b) for a, b in spans])
         values = pack_concat([pack_slice(self.values, a, b) for a, b in spans])
         return keys, values, self._time_positions()
 
-    def quantize_storage(self) -> None:
-        """Re-encode the window into quantized storage (at ``quantized_kv_start``; a ring row
-        crossing it, ``BatchRunner._cross``, re-encodes its window through this)."""
-        assert self.bits is not None
-        self.codec, float_codec = KVCodec(self.bits, self.group_size), self.codec
-        if self.keys is not None and self.values is not None:
-            keys, values = (float_codec.decode(pack_slice(x, 0, self.size)) for x in (self.keys, self.values))
-            self.codec, self.keys, self.values = self.codec.store(keys, values, self.positions)
+    def _held(self) -> list[int]:
+        return self.positions
 
-    def _append_one(self, keys: Pack, values: Pack) -> None:
+    def _write_one(self, keys: Pack, values: Pack) -> None:
+        """Write one token in place: in the next free slot while there is one, else over the
+        oldest token after the sinks (slot ``idx``)."""
         assert self.keys is not None and self.values is not None
-        capacity = self.keys[0].shape[2]
-        if self.size == capacity:  # grow by a step, never past self.capacity
-            extra = min(self.step, self.capacity - capacity)
-            self.keys = pack_concat([self.keys, pack_zeros_like(keys, extra)])
-            self.values = pack_concat([self.values, pack_zeros_like(values, extra)])
-        pack_write(self.keys, self.size, keys)
-        pack_write(self.values, self.size, values)
-        self.positions.append(self.offset)
-        self.idx = self.size if self.size < self.capacity else self.keep
-
-    def _write_ring(self, keys: Pack, values: Pack) -> None:
-        assert self.keys is not None and self.values is not None
-        pack_write(self.keys, self.idx, keys)
-        pack_write(self.values, self.idx, values)
-        self.positions[self.idx] = self.offset
-        self.idx = self.idx + 1 if self.idx + 1 < self.capacity else self.keep
+        slot = self.size if self.size < self.capacity else self.idx
+        if slot == self.keys[0].shape[2]:  # grow by a step, never past self.capacity
+            self._grow(slot, min(self.step, self.capacity - slot))
+        pack_write(self.keys, slot, keys)
+        pack_write(self.values, slot, values)
+        if slot == self.size:
+            self.positions.append(self.offset)
+        else:
+            self.positions[slot] = self.offset
+        self.idx = slot + 1 if slot + 1 < self.capacity else self.keep
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Pack, Pack]:
-        if self.bits is not None and self.codec.bits is None and self.offset >= self.start:
-            self.quantize_storage()
         length = keys.shape[2]
-        new_positions = range(self.offset, self.offset + length)
-        self.codec, new_keys, new_values = self.codec.store(keys, values, new_positions)
-        if self.keys is None or self.values is None:
-            self.keys, self.values = pack_zeros_like(new_keys, 0), pack_zeros_like(new_values, 0)
+        new_keys, new_values = self._store(keys, values, range(self.offset, self.offset + length))
         if length == 1:
-            if self.size < self.capacity:
-                self._append_one(new_keys, new_values)
-            else:
-                self._write_ring(new_keys, new_values)
+            self._write_one(new_keys, new_values)
             self.offset += 1
             self._fetched = self.positions
             return pack_slice(self.keys, 0, self.size), pack_slice(self.values, 0, self.size)
@@ -149,25 +120,9 @@ class RotatingKVCache:
 
     # --- attention -----------------------------------------------------------------------
 
-    def attention(
-        self, queries: mx.array, keys: Pack, values: Pack, scale: float, mask: Mask, softcap: float | None = None,
-        sinks: mx.array | None = None,
-    ) -> mx.array:
-        blocks = None  # the key centers' block of each fetched key (slots are not positions here)
-        if self.codec.key_center is not None:
-            blocks = mx.array(self._fetched, dtype=mx.int32) // CENTER_BLOCK
-        return self.codec.attention(queries, keys, values, scale, mask, softcap, blocks, sinks)
-
-    def latent_attention(
-        self, q_latent: mx.array, q_rope: mx.array, keys: Pack, values: Pack, scale: float, mask: Mask
-    ) -> mx.array:
-        blocks = None if self.codec.key_center is None else mx.array(self._fetched, dtype=mx.int32) // CENTER_BLOCK
-        return latent_attention(self.codec, q_latent, q_rope, keys, values, scale, mask, blocks)
-
-    def expanded_attention(
-        self, q_nope: mx.array, q_rope: mx.array, keys: Pack, values: Pack, mask: Mask, expand: Expand
-    ) -> mx.array:
-        return expand(q_nope, q_rope, keys[0], values[0], mask)  # float: the fetched keys in time order
+    def _fetched_blocks(self) -> mx.array | None:
+        """The key centers' block of each fetched key (slots are not positions here)."""
+        return None if self.codec.key_center is None else mx.array(self._fetched, dtype=mx.int32) // CENTER_BLOCK
 
     def make_mask(self, query_len: int, window: int | None) -> Mask:
         if self.offset + query_len <= self.max_size:  # nothing evicted: same as the plain cache
@@ -190,7 +145,7 @@ class RotatingKVCache:
         return visible
 
     def _time_positions(self) -> list[int]:
-        return [p for a, b in self._time_spans() for p in self.positions[a:b]]
+        return [p for a, b in time_spans(self.size, self.capacity, self.keep, self.idx) for p in self.positions[a:b]]
 
     # --- save / load / trim ---------------------------------------------------------------
 
@@ -215,19 +170,13 @@ class RotatingKVCache:
     @property
     def meta_state(self) -> dict[str, str]:
         return {
-            "max_size": str(self.max_size), "keep": str(self.keep),
-            "bits": "" if self.bits is None else str(self.bits), "group_size": str(self.group_size),
-            "start": str(self.start), "quantized": str(int(self.codec.bits is not None)),
+            "max_size": str(self.max_size), "keep": str(self.keep), **self._codec_meta(),
             "offset": str(self.offset), "idx": str(self.idx), "slack": str(self.slack),
         }
 
     @meta_state.setter
     def meta_state(self, meta: dict[str, str]) -> None:
-        bits = int(meta["bits"]) if meta["bits"] else None
-        self._configure(
-            int(meta["max_size"]), int(meta["keep"]), bits, int(meta["group_size"]), int(meta["start"]),
-            meta["quantized"] == "1", int(meta.get("slack", "0")),
-        )
+        self._configure(int(meta["max_size"]), int(meta["keep"]), *codec_settings(meta), int(meta.get("slack", "0")))
         self.offset, self.idx = int(meta["offset"]), int(meta["idx"])
 
     def reserve_rewind(self, slack: int) -> None:
@@ -260,7 +209,3 @@ class RotatingKVCache:
         self.offset -= n
         self.idx = self.size
         return n
-
-    @property
-    def nbytes(self) -> int:
-        return pack_nbytes(self.keys) + pack_nbytes(self.values)

@@ -10,6 +10,7 @@ be recovered, so ``trim`` returns fewer than asked, as a rotating cache that has
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import mlx.core as mx
@@ -17,12 +18,19 @@ import mlx.core as mx
 from mlxformer.models.mask import Mask, causal_mask_for
 
 
+def state_shapes(args: Any) -> tuple[tuple[int, int, int], tuple[int, int, int, int]]:
+    """What one sequence's ``state`` holds for a recurrent layer of ``args`` (a ``ModelArgs``):
+    the conv window ``(1, kernel - 1, C)`` and the recurrent state ``(1, H, Dk, Dv)``."""
+    conv_dim = 2 * args.linear_num_key_heads * args.linear_key_head_dim + args.linear_num_value_heads * args.linear_value_head_dim
+    return ((1, args.linear_conv_kernel_dim - 1, conv_dim),
+            (1, args.linear_num_value_heads, args.linear_key_head_dim, args.linear_value_head_dim))
+
+
 def state_nbytes(args: Any, keep: int, dtype: mx.Dtype) -> int:
     """Bytes a ``StateCache`` keeping ``keep`` tokens holds for a layer of ``args`` (a
     ``ModelArgs``) whatever the context length: conv inputs in ``dtype``, float32 states."""
-    conv_dim = 2 * args.linear_num_key_heads * args.linear_key_head_dim + args.linear_num_value_heads * args.linear_value_head_dim
-    conv = (args.linear_conv_kernel_dim - 1 + keep) * conv_dim * dtype.size
-    return conv + (keep + 1) * args.linear_num_value_heads * args.linear_key_head_dim * args.linear_value_head_dim * 4
+    (_, width, conv_dim), state = state_shapes(args)
+    return (width + keep) * conv_dim * dtype.size + (keep + 1) * math.prod(state) * 4
 
 
 class StateCache:
