@@ -26,7 +26,7 @@ from mlxformer.models.config import ModelArgs  # noqa: E402
 from mlxformer.errors import MlxformerError  # noqa: E402
 from mlxformer.generation.stream import stream_generate  # noqa: E402
 from mlxformer.models.decoder import Model  # noqa: E402
-from mlxformer.cache.files import (  # noqa: E402
+from mlxformer.generation.prompt_cache_files import (  # noqa: E402
     cache_prompt, load_prompt_cache, save_prompt_cache, strip_cached_prefix,
 )
 from mlxformer.tools.perplexity import cached_perplexity  # noqa: E402

@@ -21,7 +21,7 @@ import torch
 from conftest import max_diff, write_byte_tokenizer, write_tiny_checkpoint
 from mlxformer import load, stream_generate
 from mlxformer.cache import CacheSettings, KVCache, StateCache, make_cache
-from mlxformer.cache.files import load_prompt_cache, save_prompt_cache
+from mlxformer.generation.prompt_cache_files import load_prompt_cache, save_prompt_cache
 from mlxformer.errors import MlxformerError
 from mlxformer.generation.stream import decode_step, prefill
 from mlxformer.models import gated_delta

@@ -173,7 +173,7 @@ def test_prompt_cache_memory_disk_and_file(case, tmp_path):
     """The latent in the prompt cache: a shared prefix served from memory blocks, then from disk
     after a restart (the files checked against the latent's shapes), and a saved cache file
     loaded back; every output the one the prompt gets alone."""
-    from mlxformer.cache.files import load_prompt_cache, save_prompt_cache
+    from mlxformer.generation.prompt_cache_files import load_prompt_cache, save_prompt_cache
     from mlxformer.engine import Engine, GenerationRequest
     from mlxformer.engine.prompt_cache import PromptCacheSettings
 

@@ -18,7 +18,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models
 
 from mlxformer.cache import CacheSettings, make_cache
-from mlxformer.cache.files import cache_prompt, load_prompt_cache
+from mlxformer.generation.prompt_cache_files import cache_prompt, load_prompt_cache
 from mlxformer.errors import MlxformerError
 from mlxformer.models.config import ModelArgs
 from mlxformer.models.decoder import Model
@@ -80,7 +80,7 @@ def files(tmp_path_factory) -> dict[str, Path]:
             model(mx.array(IDS[start : start + 10])[None], cache)
         for t in IDS[30:]:
             model(mx.array([t])[None], cache)
-        from mlxformer.cache.files import save_prompt_cache
+        from mlxformer.generation.prompt_cache_files import save_prompt_cache
 
         save_prompt_cache(out / name, cache, IDS, model, TOKENIZER)
     return {name: out / name for name in made}

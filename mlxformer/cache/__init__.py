@@ -20,7 +20,8 @@
   forward, each segment written to and attended over by its own cache.
 - ``blocks.py``: a cache cut into hash-chained token blocks and caches rebuilt from them (the
   prompt cache's storage).
-- ``files.py`` + ``file_checks.py``: prompt-cache files, and the checks of their layers."""
+- ``file_checks.py``: the checks of a stored layer (prompt-cache files,
+  ``generation/prompt_cache_files.py``, and the prefix cache's disk tier)."""
 
 from __future__ import annotations
 

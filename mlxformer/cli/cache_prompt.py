@@ -26,7 +26,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Handler of ``mlxformer cache-prompt``."""
-    from mlxformer.cache.files import cache_prompt
+    from mlxformer.generation.prompt_cache_files import cache_prompt
     from mlxformer.errors import MlxformerError
 
     out = Path(args.prompt_cache_file)

@@ -75,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
     ids = prompt_ids_for_cli(tokenizer, prompt, args)
     cache = None
     if args.prompt_cache_file:
-        from mlxformer.cache.files import load_prompt_cache, strip_cached_prefix
+        from mlxformer.generation.prompt_cache_files import load_prompt_cache, strip_cached_prefix
 
         cache, cached_ids = load_prompt_cache(args.prompt_cache_file, model, tokenizer, settings)
         strip_cached_prefix(ids, cached_ids)  # the prompt must continue the cached tokens

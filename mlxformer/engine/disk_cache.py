@@ -1,7 +1,7 @@
 """The prompt cache's disk tier: one safetensors file per prefix block, written in the background.
 
 A file ``<key>.safetensors`` holds one block's keys/values of every layer and, as metadata, the
-fingerprint of the model and tokenizer that made it (``cache.files.fingerprint``), the cache
+fingerprint of the model and tokenizer that made it (``generation.prompt_cache_files.fingerprint``), the cache
 settings and the block's key and storage tag; its tokens are an array beside the layers'. Files
 are written by one background thread (never on the engine's step), to a temporary name and
 renamed into place, so a write killed half-way leaves no file under a block's name (the

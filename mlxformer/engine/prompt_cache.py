@@ -12,7 +12,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlxformer.cache import CacheSettings
-from mlxformer.cache.files import fingerprint
+from mlxformer.generation.prompt_cache_files import fingerprint
 from mlxformer.engine.disk_cache import DiskBlockStore
 from mlxformer.engine.prefix_cache import BLOCK_SIZE, PrefixCache
 from mlxformer.errors import MlxformerError

@@ -5,4 +5,6 @@
 - ``steps.py``: the two forward passes, chunked ``prefill`` and ``decode_step``.
 - ``stream.py``: the single-stream loop (``decode``: pipelined steps or speculation rounds) and
   ``stream_generate``/``generate``.
-- ``chat.py``: ``ChatSession``, a multi-turn chat that keeps the KV cache between turns."""
+- ``chat.py``: ``ChatSession``, a multi-turn chat that keeps the KV cache between turns.
+- ``prompt_cache_files.py``: a prefilled KV cache saved to safetensors and loaded back
+  checked (the fingerprint of the model and tokenizer that made it)."""

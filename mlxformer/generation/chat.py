@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Iterator, Sequence
 
 from mlxformer.cache import Cache, CacheSettings, make_cache
-from mlxformer.cache.files import load_prompt_cache_file, save_prompt_cache
+from mlxformer.generation.prompt_cache_files import load_prompt_cache_file, save_prompt_cache
 from mlxformer.generation.decoding import open_sequence, with_rewind
 from mlxformer.errors import MlxformerError
 from mlxformer.generation.stream import GenerationResponse, decode, responses
