@@ -25,7 +25,7 @@ from typing import Callable
 
 import mlx.core as mx
 
-from mlxformer.cache.batch import BatchLayerCache, _rebuild, in_window
+from mlxformer.cache.batch import BatchLayerCache, in_window
 from mlxformer.cache.batch_kind import BatchKey, BatchRow, StorageKind
 from mlxformer.cache.codec import CENTER_BLOCK, Pack, pack_slice
 from mlxformer.cache.latent import Expand, latent_attention
@@ -122,9 +122,9 @@ def own_ring_cache(layer: BatchLayerCache, index: int, row: BatchRow, meta: dict
     center = tuple(c[index : index + 1] for c in layer.codec.state)
     positions = mx.take(layer.layout.padded()[index], order)
     size = len(slots)
-    own = BatchRow(size, row.offset, size if size < capacity else kind.keep)
-    cache = _rebuild(meta, own, keys + values + center, positions)
-    assert isinstance(cache, RotatingKVCache)
+    cache = RotatingKVCache()
+    cache.meta_state = {**meta, "offset": str(row.offset), "idx": str(size if size < capacity else kind.keep)}  # type: ignore[misc]
+    cache.state = keys + values + center + (positions,)  # type: ignore[misc]
     return cache
 
 

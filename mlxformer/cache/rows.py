@@ -41,9 +41,10 @@ from typing import Sequence
 
 import mlx.core as mx
 
-from mlxformer.cache.batch import BatchLayerCache, BatchLayout, _pad, _row_cache
+from mlxformer.cache.batch import BatchLayerCache, BatchLayout, _pad
 from mlxformer.cache.batch_kind import BatchKey, BatchRow, LayerKind
 from mlxformer.cache.codec import FLOAT_CODEC, KVCodec, Pack, pack_slice
+from mlxformer.cache.kv import KVCache
 from mlxformer.cache.protocol import Cache
 from mlxformer.cache.row_place import RowCache
 from mlxformer.cache.rotating_rows import RingRowCache, held, own_ring_cache, placement
@@ -67,7 +68,7 @@ class SpareBatch:
 
     def __init__(self, key: BatchKey, blanks: Sequence[Blank], max_rows: int | None = None,
                  staged: bool = False) -> None:
-        self.key, self.n_layers = key, len(key)
+        self.key = key
         self.groups: dict[LayerKind, list[int]] = {}  # each kind's layers, in order
         for layer, kind in enumerate(key):
             self.groups.setdefault(kind, []).append(layer)
@@ -230,19 +231,22 @@ class SpareBatch:
 
     def row_caches(self, index: int) -> list[Cache]:
         """Row ``index`` as per-sequence caches (a growing layer's: views of the buffers; a
-        rotating layer's: its window copied in time order; states: copies)."""
-        return [self._own(layer, index) for layer in range(self.n_layers)]
-
-    def _own(self, layer: int, index: int) -> Cache:
-        """Layer ``layer`` of row ``index`` as the per-sequence cache it stands for."""
-        batched = self.layers[layer]
-        if isinstance(batched, StateRows):
-            row = self.layout.rows[index]
-            return _row_cache(batched, index, row, row.metas[layer], mx.arange(0))
-        row = batched.layout.rows[index]
-        if batched.layout.kind.rotating:
-            return own_ring_cache(batched, index, row, row.metas[layer])
-        return _row_cache(batched, index, row, row.metas[layer], mx.arange(row.used, dtype=mx.int32))
+        rotating layer's: its window copied in time order, ``own_ring_cache``; states: copies)."""
+        caches: list[Cache] = []
+        for layer, batched in enumerate(self.layers):
+            row = batched.layout.rows[index]  # a recurrent layer's: the first layout's
+            meta = row.metas[layer]
+            if isinstance(batched, StateRows):
+                caches.append(batched.row(index, row.offset, int(meta["keep"])))
+            elif batched.layout.kind.rotating:
+                caches.append(own_ring_cache(batched, index, row, meta))
+            else:
+                own = KVCache()
+                own.meta_state = meta  # type: ignore[misc]
+                views = tuple(x[index : index + 1, :, : row.used] for x in batched.keys + batched.values)
+                own.state = views + tuple(c[index : index + 1] for c in batched.codec.state)  # type: ignore[misc]
+                caches.append(own)
+        return caches
 
     def index(self, row: BatchRow) -> int:
         return next(i for layout in self.layouts.values() for i, r in enumerate(layout.rows) if r is row)
