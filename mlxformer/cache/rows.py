@@ -56,9 +56,9 @@ from mlxformer.errors import MlxformerError
 Blank = tuple[Pack, Pack]  # a layer's keys/values pack of one row and one slot (a recurrent layer's: its window, its state)
 
 
-def _rows_of(pack: Pack, rows: int, width: int) -> Pack:
-    """Zero buffers like ``pack`` with ``rows`` rows of ``width`` slots."""
-    return tuple(mx.zeros((rows, x.shape[1], width, x.shape[3]), x.dtype) for x in pack)
+def _no_rows(pack: Pack) -> Pack:
+    """Buffers like ``pack`` with no rows and no slots."""
+    return tuple(mx.zeros((0, x.shape[1], 0, x.shape[3]), x.dtype) for x in pack)
 
 
 class SpareBatch:
@@ -90,7 +90,7 @@ class SpareBatch:
                                              mx.zeros((0, *state.shape[1:]), state.dtype)))
                 continue
             codec = FLOAT_CODEC if storage.bits is None else KVCodec(storage.bits, storage.group_size)
-            self.layers.append(BatchLayerCache(self.layouts[kind], codec, _rows_of(keys, 0, 0), _rows_of(values, 0, 0)))
+            self.layers.append(BatchLayerCache(self.layouts[kind], codec, _no_rows(keys), _no_rows(values)))
 
     def __len__(self) -> int:
         """Rows in use (a row's share of the buffers is theirs over this)."""
@@ -208,26 +208,22 @@ class SpareBatch:
         self.widen()
 
     def leave(self, index: int) -> None:
-        """Free row ``index`` (nothing is copied out); ``staged`` pools remove it (``_remove``)."""
+        """Free row ``index`` (nothing is copied out). A ``staged`` pool (under a budget) removes
+        it: the rows below move up, each layout narrows to what the others need, and each layer
+        (keys/values, or a recurrent layer's states) is rewritten and evaluated before the next."""
         if self.staged:
-            self._remove(index)
+            rest = mx.array([i for i in range(self.capacity) if i != index], dtype=mx.int32)
+            for layout in self.layouts.values():
+                layout.remove(index, rest)
+            for batched in self.layers:
+                batched.keep_rows(rest)
+                evaluate_rewrite(batched.state)
             return
         for layout in self.layouts.values():
             layout.rows[index] = BatchRow(0, 0, 0)
             layout.positions[index] = -1
         self.free.append(index)
         self.free.sort()
-
-    def _remove(self, index: int) -> None:
-        """Remove row ``index`` (under a budget): the rows below move up, each layout narrows to
-        what the others need, and each layer (keys/values, or a recurrent layer's states) is
-        rewritten and evaluated before the next."""
-        rest = mx.array([i for i in range(self.capacity) if i != index], dtype=mx.int32)
-        for layout in self.layouts.values():
-            layout.remove(index, rest)
-        for batched in self.layers:
-            batched.keep_rows(rest)
-            evaluate_rewrite(batched.state)
 
     def row_caches(self, index: int) -> list[Cache]:
         """Row ``index`` as per-sequence caches (a growing layer's: views of the buffers; a
