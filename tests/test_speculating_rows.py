@@ -1,9 +1,9 @@
 """Speculating sequences with sliding-window or recurrent layers live in their rows (issue 32,
 "KV in one place"): seated at admission, their rounds verify on their rows, and a rejected round
 is taken back there (a turned ring's index steps back over the rejected slots,
-``RingWrites._move_back``; a recurrent row keeps its last tokens' states, as its own cache does,
+``RowPlace._move_back``; a recurrent row keeps its last tokens' states, as its own cache does,
 and writes back the state before the rejected tokens, ``StateRowCache.trim``; a hybrid's ring
-rows beside recurrent rows, both moved back by ``row_place.move_back``). Checked by the greedy
+rows beside recurrent rows, both moved back by ``RowPlace._move_back``). Checked by the greedy
 replies against plain ``stream_generate`` alone (speculation must not change a token)."""
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def target(request, tmp_path_factory):
     if request.param == "qwen3_5_text":
         return tiny(directory, "qwen3_5_text"), StateRowCache, None
     if request.param == "qwen3_5_ring":
-        # a recurrent layer last: the row moves back when it is trimmed (``StateRowCache._move_back``)
+        # a recurrent layer last: the row moves back when it is trimmed (``RowPlace._move_back``)
         layer_types = ["full_attention", "linear_attention"] * 2
         return (tiny(directory, "qwen3_5_text", layer_types=layer_types), RingRowCache,
                 CacheSettings(max_kv_size=WINDOW, keep=2))

@@ -9,13 +9,13 @@
   are stored: float, or quantized with a Hadamard rotation, and attended that way) and
   ``latent.py`` (MLA's latents held in an ordinary cache, and the attention over them).
 - The engine's KV pool, where a sequence lives in a row from admission to retirement:
-  ``rows.py`` (``SpareBatch``: the pool of one storage kind, ``RowCache``: one layer of one row),
+  ``rows.py`` (``SpareBatch``: the pool of one storage kind),
   ``batch.py`` (``BatchLayout``: which position each slot of each row holds, ``BatchLayerCache``:
   one layer's buffers and decode step), ``batch_kind.py`` (``StorageKind``/``BatchKey``: what
   rows of one pool share, ``BatchRow``: a row's place), ``rotating_rows.py`` (a rotating cache's
   ring in a row), ``state_rows.py`` (recurrent layers' rows), ``row_place.py`` (what a row's
-  layer views of every kind share), ``rewrite.py`` (a layer's rewrite evaluated and its old
-  buffers freed at once, under a KV budget).
+  layer views of every kind share, and ``RowCache``: one layer of one row), ``rewrite.py`` (a
+  layer's rewrite evaluated and its old buffers freed at once, under a KV budget).
 - ``packed.py``: ``PackedLayerCache``, one engine step's decode rows and prompt chunks in one
   forward, each segment written to and attended over by its own cache.
 - ``blocks.py``: a cache cut into hash-chained token blocks and caches rebuilt from them (the

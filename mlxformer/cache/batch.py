@@ -11,8 +11,8 @@ ones the sequence's own cache would use (the growing cache appends; the rotating
 then writes its ring after the sinks), so each row sees exactly the keys it sees alone.
 
 The rows belong to a pool (``cache/rows.py``), where a sequence lives from admission to
-retirement; ``_row_cache`` gives a row's layer as a per-sequence cache of views (what the prefix
-cache cuts blocks from).
+retirement; ``SpareBatch.row_caches`` gives a row as per-sequence caches (what the prefix cache
+cuts blocks from).
 """
 
 from __future__ import annotations
@@ -23,11 +23,7 @@ import mlx.core as mx
 
 from mlxformer.cache.batch_kind import BatchRow, StorageKind
 from mlxformer.cache.codec import CENTER_BLOCK, KVCodec, Pack, pack_nbytes
-from mlxformer.cache.kv import KVCache
 from mlxformer.cache.latent import Expand, latent_attention
-from mlxformer.cache.protocol import Cache
-from mlxformer.cache.rotating import RotatingKVCache
-from mlxformer.cache.state import StateCache
 from mlxformer.models.mask import Mask
 
 STEP = 256  # slots are added in steps, like the growing cache's buffers
@@ -250,29 +246,3 @@ class BatchLayerCache:
     @property
     def nbytes(self) -> int:
         return pack_nbytes(self.keys) + pack_nbytes(self.values)
-
-
-def _row_cache(
-    batched: "BatchLayerCache | StateCache", index: int, row: BatchRow, meta: dict[str, str], positions: mx.array
-) -> Cache:
-    """Row ``index`` of one batched layer as a per-sequence cache whose arrays are views of the buffers."""
-    if isinstance(batched, StateCache):
-        return batched.row(index, row.offset, int(meta["keep"]))
-    keys = tuple(x[index : index + 1, :, : row.used, :] for x in batched.keys)
-    values = tuple(x[index : index + 1, :, : row.used, :] for x in batched.values)
-    center = tuple(c[index : index + 1] for c in batched.codec.state)
-    return _rebuild(meta, row, keys + values + center, positions)
-
-
-def _rebuild(meta: dict[str, str], row: BatchRow, arrays: tuple[mx.array, ...], positions: mx.array) -> Cache:
-    """A per-sequence cache from a row's slots (through the protocol's ``meta_state``/``state``)."""
-    cache: Cache
-    if "max_size" in meta:
-        cache = RotatingKVCache()
-        cache.meta_state = {**meta, "offset": str(row.offset), "idx": str(row.idx)}  # type: ignore[misc]
-        cache.state = arrays + (positions,)  # type: ignore[misc]
-    else:
-        cache = KVCache()
-        cache.meta_state = meta  # type: ignore[misc]
-        cache.state = arrays  # type: ignore[misc]
-    return cache

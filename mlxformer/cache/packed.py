@@ -127,13 +127,13 @@ class PackedLayerCache:
         ``kv_source``) calls this again: each of its segments attends over what this layer's
         segment attended over, nothing written twice."""
         parts = self.cut(queries)
-        if self._attended is not None:
-            return mx.concatenate([self._attend(segment, q, *kvm, scale, softcap, sinks)
-                                   for segment, q, kvm in zip(self.segments, parts, self._attended)], axis=2)
 
         def attend(i: int, keys: Any, values: Any, mask: Mask) -> mx.array:
-            return self._attend(self.segments[i], parts[i], keys, values, mask, scale, softcap, sinks)
+            segment = self.segments[i]
+            return pack_segment(segment.cache.attention(parts[i], keys, values, scale, mask, softcap, sinks), segment)
 
+        if self._attended is not None:
+            return mx.concatenate([attend(i, *kvm) for i, kvm in enumerate(self._attended)], axis=2)
         return mx.concatenate(self.each(self.cut(keys), self.cut(values), attend), axis=2)  # type: ignore[arg-type]
 
     def each(self, keys: Sequence[Any], values: Sequence[Any], attend: Attend) -> list[mx.array | None]:
@@ -169,11 +169,6 @@ class PackedLayerCache:
         """A segment's keys/values written to its cache; what it returns, and its mask (taken before)."""
         own = segment.cache.make_mask(segment.length, self.window)
         return (*segment.cache.update_and_fetch(keys, values), own)
-
-    @staticmethod
-    def _attend(segment: StepSegment, queries: mx.array, keys: Any, values: Any, mask: Mask, scale: float,
-                softcap: float | None, sinks: mx.array | None) -> mx.array:
-        return pack_segment(segment.cache.attention(queries, keys, values, scale, mask, softcap, sinks), segment)
 
     @property
     def state(self) -> tuple[mx.array, ...]:

@@ -5,7 +5,7 @@ A row of a rotating kind holds ``extra`` slots more than its cache's ``max_size 
 (``ring_key``: the batch key's capacity is the cache's plus ``extra``). Its slots fill, then
 its ring over slots ``keep..capacity-1`` is written in turn, as a decode step writes it
 (``BatchLayout.commit``). A prompt chunk writes its tokens in place at the ring's next slots
-and attends over the row's slots, masked by the positions they hold (``RingWrites``): a piece
+and attends over the row's slots, masked by the positions they hold (``RingRowCache``): a piece
 of at most ``extra + 1`` tokens overwrites only the oldest ring tokens, at least
 ``max_size - keep + slack`` behind its first query, which no query of the piece sees; a
 longer chunk is written and attended piece by piece. A row that does not take a decode step
@@ -13,7 +13,7 @@ writes the step's scratch at its next slot (``BatchLayout.prepare``): a free slo
 oldest ring slot, whose token is out of every later query's window and (``extra >= 1``) not
 among the ``max_size + slack`` tokens the row gives back as a per-sequence cache
 (``own_ring_cache``). A rejected speculation round is taken back in the row, also once its ring
-turned (``RingWrites.takes_back``: the per-sequence cache's rule; ``row_place.move_back``: the
+turned (``RingRowCache.takes_back``: the per-sequence cache's rule; ``RowPlace._move_back``: the
 ring index steps back, the slots it passes are the row's ``freed`` ones, written first and read as
 empty).
 """
@@ -25,12 +25,12 @@ from typing import Callable
 
 import mlx.core as mx
 
-from mlxformer.cache.batch import BatchLayerCache, _rebuild, in_window
+from mlxformer.cache.batch import BatchLayerCache, in_window
 from mlxformer.cache.batch_kind import BatchKey, BatchRow, StorageKind
-from mlxformer.cache.codec import CENTER_BLOCK, KVCodec, Pack, pack_slice
+from mlxformer.cache.codec import CENTER_BLOCK, Pack, pack_slice
 from mlxformer.cache.latent import Expand, latent_attention
 from mlxformer.cache.rotating import RotatingKVCache, takes_back
-from mlxformer.cache.row_place import RowHost, move_back
+from mlxformer.cache.row_place import RowCache
 from mlxformer.models.mask import Mask
 
 Span = tuple[int, int, int]  # (first slot, first token of the chunk, tokens)
@@ -122,9 +122,9 @@ def own_ring_cache(layer: BatchLayerCache, index: int, row: BatchRow, meta: dict
     center = tuple(c[index : index + 1] for c in layer.codec.state)
     positions = mx.take(layer.layout.padded()[index], order)
     size = len(slots)
-    own = BatchRow(size, row.offset, size if size < capacity else kind.keep)
-    cache = _rebuild(meta, own, keys + values + center, positions)
-    assert isinstance(cache, RotatingKVCache)
+    cache = RotatingKVCache()
+    cache.meta_state = {**meta, "offset": str(row.offset), "idx": str(size if size < capacity else kind.keep)}  # type: ignore[misc]
+    cache.state = keys + values + center + (positions,)  # type: ignore[misc]
     return cache
 
 
@@ -143,20 +143,11 @@ Piece = tuple[Pack, Pack, mx.array, mx.array]  # a piece's row keys, values, mas
 Attend = Callable[[tuple[mx.array, ...], Pack, Pack, mx.array, mx.array], mx.array]
 
 
-class RingWrites:
-    """What a rotating row's ``RowCache`` (``rows.RingRowCache``) does differently: a chunk is
-    written at the ring's next slots and attended piece by piece (module doc)."""
+class RingRowCache(RowCache):
+    """One layer of a rotating row: what it does differently from a growing row's ``RowCache``
+    is that a chunk is written at the ring's next slots and attended piece by piece (module doc)."""
 
-    batch: RowHost
-    row: BatchRow
-    layer: int
-    pending: int
-    codec: KVCodec
-    _layer: BatchLayerCache
-    offset: int
-    _row_codec: Callable[[int, int], KVCodec]
-    write: Callable[[int, int, Pack, Pack, KVCodec, int], None]
-    fetch = None  # a chunk is written where it attends, piece by piece: nothing to fetch before
+    fetch = None  # type: ignore[assignment]  # a chunk is written where it attends, piece by piece: nothing to fetch before
     _written: tuple[Pack, list[tuple[int, int, Piece]]] | None = None  # the chunk written, its pieces
 
     @property
@@ -182,10 +173,7 @@ class RingWrites:
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Pack, Pack]:
         """The chunk encoded (its key centers set); written when it attends."""
-        index, start, length = self.batch.index(self.row), self.offset, keys.shape[2]
-        positions = range(start, start + length)
-        self.codec, new_keys, new_values = self._row_codec(index, start).store(keys, values, positions)
-        return new_keys, new_values
+        return self._encode(self.index, keys, values)
 
     def attention(
         self, queries: mx.array, keys: Pack, values: Pack, scale: float, mask: Mask, softcap: float | None = None,
@@ -220,7 +208,7 @@ class RingWrites:
     def _write(self, keys: Pack, values: Pack) -> list[tuple[int, int, Piece]]:
         """Write the chunk into the row in pieces of at most ``extra + 1`` tokens; each piece's
         first token, length and what its queries attend over."""
-        index, length, kind = self.batch.index(self.row), keys[0].shape[2], self._kind
+        index, length, kind = self.index, keys[0].shape[2], self._kind
         assert kind.capacity is not None and kind.max_size is not None
         size = kind.capacity - kind.max_size - int(self.row.metas[self.layer].get("slack", "0")) + 1
         pieces = []
@@ -237,21 +225,19 @@ class RingWrites:
             query = mx.arange(start, start + count)[:, None]  # (count, 1)
             visible = (positions >= 0) & (positions <= query)
             visible = in_window(visible, positions, query, kind, self._layer.layout.window)
-            layer = self._layer
-            row_keys = tuple(x[index : index + 1, :, :width] for x in layer.keys)
-            row_values = tuple(x[index : index + 1, :, :width] for x in layer.values)
+            row_keys, row_values = self._slots(index, width)
             pieces.append((first, count, (row_keys, row_values, visible, mx.maximum(positions, 0) // CENTER_BLOCK)))
         return pieces
 
     def recorded(self) -> None:
         """The forward's writes are recorded (``record_writes``): its pieces' views go (they would keep
         the buffers they view from being written in place)."""
-        self.pending = 0
+        super().recorded()
         self._written = None
 
     def record(self) -> None:
         """Record the pending tokens in the row (``record_writes``)."""
-        index, layout = self.batch.index(self.row), self._layer.layout
+        index, layout = self.index, self._layer.layout
         spans, used, idx = self._pending()
         layout.positions = layout.padded()
         for slot, token, n in spans:
@@ -274,5 +260,7 @@ class RingWrites:
         ring = kind.capacity - kind.keep - row.freed  # the ring's tokens: the newest, in order
         return takes_back(row.offset - ring, kind.keep + ring, row.offset, n - self.pending, kind.max_size, kind.keep)
 
-    def _move_back(self, target: int) -> None:
-        move_back(self._layer.layout, self.batch.index(self.row), self.row, target)
+    def trim(self, n: int) -> int:
+        """As a growing row's, where the ring can take the tokens back (``takes_back``; else 0)."""
+        n = min(n, self.offset)
+        return super().trim(n) if self.takes_back(n) else 0

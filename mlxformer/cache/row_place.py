@@ -1,19 +1,28 @@
 """A sequence's place in a ``SpareBatch`` row, for one layer (``cache/rows.py``): what the row's
-caches of every kind (``RowCache``, ``StateRowCache``) share."""
+caches of every kind (``RowCache``, ``rotating_rows.RingRowCache``, ``state_rows.StateRowCache``)
+share, and ``RowCache``, one layer of a growing row."""
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 import mlx.core as mx
 
+from mlxformer.cache.batch import BatchLayerCache, _pad
+from mlxformer.cache.codec import CENTER_BLOCK, FLOAT_CODEC, KVCodec, Pack
+from mlxformer.cache.kv import CodecAttention
+from mlxformer.models.mask import Mask, causal_mask_for
+
 if TYPE_CHECKING:
-    from mlxformer.cache.batch import BatchLayout
-    from mlxformer.cache.batch_kind import BatchRow
+    from mlxformer.cache.batch_kind import BatchKey, BatchRow
 
 
 class RowHost(Protocol):
-    """What a row's layer views ask of the batch the row lives in (``rows.SpareBatch``)."""
+    """What a row's layer views ask of the pool the row lives in (``rows.SpareBatch``, which
+    imports them)."""
+
+    key: "BatchKey"
 
     @property
     def layers(self) -> Sequence[Any]:
@@ -25,35 +34,28 @@ class RowHost(Protocol):
         """Rows its buffers hold."""
         ...
 
+    def __len__(self) -> int:
+        """Rows in use."""
+        ...
+
     def index(self, row: "BatchRow") -> int:
         """Where ``row`` is in the buffers now."""
         ...
-
-
-def move_back(layout: "BatchLayout", index: int, row: "BatchRow", target: int) -> None:
-    """Row ``index`` back to its first ``target`` tokens: a row whose slots hold its tokens in
-    order (a growing row, a ring not yet turned) frees its later slots; a turned ring's index
-    steps back over the slots it frees (``freed``: written first, and skipped when it is read
-    in time order). A hybrid's recurrent rows following the layout move it the same way."""
-    kind = layout.kind
-    layout.positions = layout.padded()
-    if kind.capacity is None or row.used < kind.capacity:
-        layout.positions[index, target:] = -1
-        row.used = row.offset = row.idx = target
-        return
-    back, ring = row.offset - target, kind.capacity - kind.keep
-    row.idx = kind.keep + (row.idx - kind.keep - back) % ring
-    slots = mx.array([kind.keep + (row.idx - kind.keep + j) % ring for j in range(back)], dtype=mx.int32)
-    layout.positions[index, slots] = -1
-    row.offset, row.freed = target, row.freed + back
 
 
 class RowPlace:
     """Layer ``layer`` of ``row`` in ``batch``; what a forward being built wrote there counts in
     ``pending`` (``pendings``: the row's layers', shared by their caches) until the forward is built (``rows.record_writes``)."""
 
+    segments = None  # the rows of one forward (``Cache.segments``)
+
     def __init__(self, batch: RowHost, row: "BatchRow", layer: int, pendings: dict[int, int]) -> None:
         self.batch, self.row, self.layer, self.pendings = batch, row, layer, pendings
+
+    @property
+    def index(self) -> int:
+        """Where the row is in the batch's buffers now."""
+        return self.batch.index(self.row)
 
     @property
     def pending(self) -> int:
@@ -67,6 +69,18 @@ class RowPlace:
     @property
     def offset(self) -> int:
         return self.row.offset + self.pending
+
+    def make_mask(self, query_len: int, window: int | None) -> Mask:
+        return causal_mask_for(query_len, self.offset + query_len, window)
+
+    @property
+    def meta_state(self) -> dict[str, str]:
+        return self.row.metas[self.layer]
+
+    @property
+    def nbytes(self) -> int:
+        """The row's share of its layer's buffers."""
+        return self.batch.layers[self.layer].nbytes // max(1, len(self.batch))
 
     def recorded(self) -> None:
         """The forward's writes are recorded (``rows.record_writes``)."""
@@ -83,5 +97,118 @@ class RowPlace:
                 self.pendings[layer] = 0
 
     def _move_back(self, target: int) -> None:
-        """Move the row back to its first ``target`` tokens (its later slots freed)."""
-        raise NotImplementedError
+        """The row back to its first ``target`` tokens in the layout its layer follows (a
+        recurrent layer's: the first attention layout, maybe a ring's): a row whose slots hold
+        its tokens in order (a growing row, a ring not yet turned) frees its later slots; a
+        turned ring's index steps back over the slots it frees (``freed``: written first, and
+        skipped when it is read in time order)."""
+        layout, index, row = self.batch.layers[self.layer].layout, self.index, self.row
+        kind = layout.kind
+        layout.positions = layout.padded()
+        if kind.capacity is None or row.used < kind.capacity:
+            layout.positions[index, target:] = -1
+            row.used = row.offset = row.idx = target
+            return
+        back, ring = row.offset - target, kind.capacity - kind.keep
+        row.idx = kind.keep + (row.idx - kind.keep - back) % ring
+        slots = mx.array([kind.keep + (row.idx - kind.keep + j) % ring for j in range(back)], dtype=mx.int32)
+        layout.positions[index, slots] = -1
+        row.offset, row.freed = target, row.freed + back
+
+
+class RowCache(RowPlace, CodecAttention):
+    """One layer of one ``SpareBatch`` row behind the cache protocol: a sequence's own cache
+    while its keys/values live in the batch (its prompt chunks, a rollback's trim, the views the
+    prefix cache cuts blocks from). A chunk's write is counted in ``pending`` until the forward
+    is built (``record_writes``: the row, shared by every layer, then moves once); a trim back
+    into the row too, until every layer has trimmed to the same length (``pendings``: the row's
+    layers', shared by their caches)."""
+
+    def __init__(self, batch: RowHost, row: "BatchRow", layer: int, pendings: dict[int, int]) -> None:
+        super().__init__(batch, row, layer, pendings)
+        self.codec: KVCodec = FLOAT_CODEC  # the row's own (its key centers), for its attention
+
+    @property
+    def _layer(self) -> BatchLayerCache:
+        layer = self.batch.layers[self.layer]
+        assert isinstance(layer, BatchLayerCache)
+        return layer
+
+    def _row_codec(self, index: int, tokens: int) -> KVCodec:
+        """The row's codec holding its own centers (those of the blocks its ``tokens`` reach)."""
+        codec = self._layer.codec
+        if codec.bits is None:
+            return FLOAT_CODEC
+        have = math.ceil(tokens / CENTER_BLOCK)
+        center = codec.key_center[index : index + 1, :, :have] if codec.key_center is not None and have else None
+        return KVCodec(codec.bits, codec.group_size, center)
+
+    def _slots(self, index: int, stop: int) -> tuple[Pack, Pack]:
+        """Views of row ``index``'s first ``stop`` slots, in the buffers as written so far."""
+        layer = self._layer
+        return (tuple(x[index : index + 1, :, :stop] for x in layer.keys),
+                tuple(x[index : index + 1, :, :stop] for x in layer.values))
+
+    def _encode(self, index: int, keys: mx.array, values: mx.array) -> tuple[Pack, Pack]:
+        """A chunk's keys/values at the next positions of row ``index`` encoded with the row's
+        own key centers (``codec`` then holds the centers they reach)."""
+        start = self.offset
+        self.codec, new_keys, new_values = self._row_codec(index, start).store(keys, values, range(start, start + keys.shape[2]))
+        return new_keys, new_values
+
+    def write(self, index: int, start: int, keys: Pack, values: Pack, codec: KVCodec, stop: int) -> None:
+        """Write packed ``keys``/``values`` (``stop - start`` slots, encoded with ``codec``) into
+        the row's slots ``start:stop``, and the row's key centers into the batch's."""
+        layer = self._layer
+        layer.layout.fit(stop)
+        width = layer.layout.width
+        layer.keys, layer.values = _pad(layer.keys, width), _pad(layer.values, width)
+        for target, source in zip(layer.keys + layer.values, keys + values):
+            target[index : index + 1, :, start:stop, :] = source  # in place (its own row only)
+        if codec.key_center is not None:
+            mine = codec.key_center  # (1, n_kv, nb, D)
+            center = layer.codec.key_center
+            if center is None:
+                center = mx.zeros((self.batch.capacity, *mine.shape[1:]), mine.dtype)
+            n_blocks = max(center.shape[2], mine.shape[2])
+            layer.codec = KVCodec(codec.bits, codec.group_size, center).covering(n_blocks)
+            assert layer.codec.key_center is not None
+            layer.codec.key_center[index : index + 1] = codec.covering(n_blocks).key_center
+        self.codec = codec
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Pack, Pack]:
+        index, start, length = self.index, self.offset, keys.shape[2]
+        new_keys, new_values = self._encode(index, keys, values)
+        self.write(index, start, new_keys, new_values, self.codec, start + length)
+        self.pending += length
+        return self.fetch()
+
+    def fetch(self) -> tuple[Pack, Pack]:
+        """Views of the row's slots up to its written tokens, in the buffers as written so far."""
+        return self._slots(self.index, self.offset)
+
+    @property
+    def state(self) -> tuple[mx.array, ...]:
+        """Views of the row's slots (and its key centers)."""
+        index, used = self.index, self.row.used
+        keys, values = self._slots(index, used)
+        return keys + values + self._row_codec(index, used).state
+
+    def trim(self, n: int) -> int:
+        """Forget the last ``n`` tokens: of the forward being built, then of the row. The layers
+        share the row's slots, so the row moves once every layer has been trimmed to the same
+        length (``RowPlace._take_back``). A hybrid model's row gives nothing back unless its
+        recurrent layers keep their last states (a speculating row: ``BatchRow.rewinds``)."""
+        if not self.row.rewinds and any(storage.recurrent for storage, _ in self.batch.key):
+            return 0
+        n = min(n, self.offset)
+        self._take_back(n)
+        return n
+
+    def record(self) -> None:
+        """Record the pending tokens in the row (``record_writes``): the slots after its last."""
+        index, start, stop = self.index, self.row.offset, self.offset
+        layout = self._layer.layout
+        layout.positions = layout.padded()
+        layout.positions[index, start:stop] = mx.arange(start, stop, dtype=mx.int32)
+        self.row.used = self.row.offset = self.row.idx = stop

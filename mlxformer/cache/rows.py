@@ -32,35 +32,33 @@ A rotating cache (a ``max_kv_size`` window, a sliding-window layer) lives in a r
 (``cache/rotating_rows.py``); a model mixing sliding-window and global layers keeps one slot
 layout per kind of layer, each with the sequence's row at the same index. Beside recurrent
 layers (a hybrid model with a ``max_kv_size`` window) the recurrent rows follow the ring's
-layout (a rejected speculation round moves them back with it: ``row_place.move_back``).
+layout (a rejected speculation round moves them back with it: ``RowPlace._move_back``).
 """
 
 from __future__ import annotations
 
-import math
 from typing import Sequence
 
 import mlx.core as mx
 
-from mlxformer.cache.batch import BatchLayerCache, BatchLayout, _pad, _row_cache
+from mlxformer.cache.batch import BatchLayerCache, BatchLayout, _pad
 from mlxformer.cache.batch_kind import BatchKey, BatchRow, LayerKind
-from mlxformer.cache.codec import CENTER_BLOCK, FLOAT_CODEC, KVCodec, Pack, pack_nbytes, pack_slice
-from mlxformer.cache.kv import CodecAttention
+from mlxformer.cache.codec import FLOAT_CODEC, KVCodec, Pack, pack_slice
+from mlxformer.cache.kv import KVCache
 from mlxformer.cache.protocol import Cache
-from mlxformer.cache.row_place import RowPlace, move_back
-from mlxformer.cache.rotating_rows import RingWrites, held, own_ring_cache, placement
+from mlxformer.cache.row_place import RowCache
+from mlxformer.cache.rotating_rows import RingRowCache, held, own_ring_cache, placement
 from mlxformer.cache.state import StateCache
 from mlxformer.cache.state_rows import StateRowCache, StateRows
 from mlxformer.cache.rewrite import evaluate_rewrite
 from mlxformer.errors import MlxformerError
-from mlxformer.models.mask import Mask, causal_mask_for
 
 Blank = tuple[Pack, Pack]  # a layer's keys/values pack of one row and one slot (a recurrent layer's: its window, its state)
 
 
-def _rows_of(pack: Pack, rows: int, width: int) -> Pack:
-    """Zero buffers like ``pack`` with ``rows`` rows of ``width`` slots."""
-    return tuple(mx.zeros((rows, x.shape[1], width, x.shape[3]), x.dtype) for x in pack)
+def _no_rows(pack: Pack) -> Pack:
+    """Buffers like ``pack`` with no rows and no slots."""
+    return tuple(mx.zeros((0, x.shape[1], 0, x.shape[3]), x.dtype) for x in pack)
 
 
 class SpareBatch:
@@ -70,7 +68,7 @@ class SpareBatch:
 
     def __init__(self, key: BatchKey, blanks: Sequence[Blank], max_rows: int | None = None,
                  staged: bool = False) -> None:
-        self.key, self.n_layers = key, len(key)
+        self.key = key
         self.groups: dict[LayerKind, list[int]] = {}  # each kind's layers, in order
         for layer, kind in enumerate(key):
             self.groups.setdefault(kind, []).append(layer)
@@ -92,7 +90,7 @@ class SpareBatch:
                                              mx.zeros((0, *state.shape[1:]), state.dtype)))
                 continue
             codec = FLOAT_CODEC if storage.bits is None else KVCodec(storage.bits, storage.group_size)
-            self.layers.append(BatchLayerCache(self.layouts[kind], codec, _rows_of(keys, 0, 0), _rows_of(values, 0, 0)))
+            self.layers.append(BatchLayerCache(self.layouts[kind], codec, _no_rows(keys), _no_rows(values)))
 
     def __len__(self) -> int:
         """Rows in use (a row's share of the buffers is theirs over this)."""
@@ -210,9 +208,16 @@ class SpareBatch:
         self.widen()
 
     def leave(self, index: int) -> None:
-        """Free row ``index`` (nothing is copied out); ``staged`` pools remove it (``_remove``)."""
+        """Free row ``index`` (nothing is copied out). A ``staged`` pool (under a budget) removes
+        it: the rows below move up, each layout narrows to what the others need, and each layer
+        (keys/values, or a recurrent layer's states) is rewritten and evaluated before the next."""
         if self.staged:
-            self._remove(index)
+            rest = mx.array([i for i in range(self.capacity) if i != index], dtype=mx.int32)
+            for layout in self.layouts.values():
+                layout.remove(index, rest)
+            for batched in self.layers:
+                batched.keep_rows(rest)
+                evaluate_rewrite(batched.state)
             return
         for layout in self.layouts.values():
             layout.rows[index] = BatchRow(0, 0, 0)
@@ -220,32 +225,24 @@ class SpareBatch:
         self.free.append(index)
         self.free.sort()
 
-    def _remove(self, index: int) -> None:
-        """Remove row ``index`` (under a budget): the rows below move up, each layout narrows to
-        what the others need, and each layer (keys/values, or a recurrent layer's states) is
-        rewritten and evaluated before the next."""
-        rest = mx.array([i for i in range(self.capacity) if i != index], dtype=mx.int32)
-        for layout in self.layouts.values():
-            layout.remove(index, rest)
-        for batched in self.layers:
-            batched.keep_rows(rest)
-            evaluate_rewrite(batched.state)
-
     def row_caches(self, index: int) -> list[Cache]:
         """Row ``index`` as per-sequence caches (a growing layer's: views of the buffers; a
-        rotating layer's: its window copied in time order; states: copies)."""
-        return [self._own(layer, index) for layer in range(self.n_layers)]
-
-    def _own(self, layer: int, index: int) -> Cache:
-        """Layer ``layer`` of row ``index`` as the per-sequence cache it stands for."""
-        batched = self.layers[layer]
-        if isinstance(batched, StateRows):
-            row = self.layout.rows[index]
-            return _row_cache(batched, index, row, row.metas[layer], mx.arange(0))
-        row = batched.layout.rows[index]
-        if batched.layout.kind.rotating:
-            return own_ring_cache(batched, index, row, row.metas[layer])
-        return _row_cache(batched, index, row, row.metas[layer], mx.arange(row.used, dtype=mx.int32))
+        rotating layer's: its window copied in time order, ``own_ring_cache``; states: copies)."""
+        caches: list[Cache] = []
+        for layer, batched in enumerate(self.layers):
+            row = batched.layout.rows[index]  # a recurrent layer's: the first layout's
+            meta = row.metas[layer]
+            if isinstance(batched, StateRows):
+                caches.append(batched.row(index, row.offset, int(meta["keep"])))
+            elif batched.layout.kind.rotating:
+                caches.append(own_ring_cache(batched, index, row, meta))
+            else:
+                own = KVCache()
+                own.meta_state = meta  # type: ignore[misc]
+                views = tuple(x[index : index + 1, :, : row.used] for x in batched.keys + batched.values)
+                own.state = views + tuple(c[index : index + 1] for c in batched.codec.state)  # type: ignore[misc]
+                caches.append(own)
+        return caches
 
     def index(self, row: BatchRow) -> int:
         return next(i for layout in self.layouts.values() for i, r in enumerate(layout.rows) if r is row)
@@ -267,122 +264,6 @@ class SpareBatch:
             if isinstance(cache, BatchLayerCache) and cache.keys[0].shape[2] < cache.layout.width:
                 cache.keys, cache.values = _pad(cache.keys, cache.layout.width), _pad(cache.values, cache.layout.width)
                 evaluate_rewrite(cache.keys, cache.values)
-
-
-class RowCache(RowPlace, CodecAttention):
-    """One layer of one ``SpareBatch`` row behind the cache protocol: a sequence's own cache
-    while its keys/values live in the batch (its prompt chunks, a rollback's trim, the views the
-    prefix cache cuts blocks from). A chunk's write is counted in ``pending`` until the forward
-    is built (``record_writes``: the row, shared by every layer, then moves once); a trim back
-    into the row too, until every layer has trimmed to the same length (``pendings``: the row's
-    layers', shared by their caches)."""
-
-    def __init__(self, batch: SpareBatch, row: BatchRow, layer: int, pendings: dict[int, int]) -> None:
-        super().__init__(batch, row, layer, pendings)
-        self.codec: KVCodec = FLOAT_CODEC  # the row's own (its key centers), for its attention
-
-    @property
-    def _layer(self) -> BatchLayerCache:
-        layer = self.batch.layers[self.layer]
-        assert isinstance(layer, BatchLayerCache)
-        return layer
-
-    def _row_codec(self, index: int, tokens: int) -> KVCodec:
-        """The row's codec holding its own centers (those of the blocks its ``tokens`` reach)."""
-        codec = self._layer.codec
-        if codec.bits is None:
-            return FLOAT_CODEC
-        have = math.ceil(tokens / CENTER_BLOCK)
-        center = codec.key_center[index : index + 1, :, :have] if codec.key_center is not None and have else None
-        return KVCodec(codec.bits, codec.group_size, center)
-
-    def write(self, index: int, start: int, keys: Pack, values: Pack, codec: KVCodec, stop: int) -> None:
-        """Write packed ``keys``/``values`` (``stop - start`` slots, encoded with ``codec``) into
-        the row's slots ``start:stop``, and the row's key centers into the batch's."""
-        layer = self._layer
-        layer.layout.fit(stop)
-        width = layer.layout.width
-        layer.keys, layer.values = _pad(layer.keys, width), _pad(layer.values, width)
-        for target, source in zip(layer.keys + layer.values, keys + values):
-            target[index : index + 1, :, start:stop, :] = source  # in place (its own row only)
-        if codec.key_center is not None:
-            mine = codec.key_center  # (1, n_kv, nb, D)
-            center = layer.codec.key_center
-            if center is None:
-                center = mx.zeros((self.batch.capacity, *mine.shape[1:]), mine.dtype)
-            n_blocks = max(center.shape[2], mine.shape[2])
-            batch_codec = KVCodec(codec.bits, codec.group_size, center).covering(n_blocks)
-            center = batch_codec.key_center
-            assert center is not None
-            center[index : index + 1] = codec.covering(n_blocks).key_center
-            layer.codec = KVCodec(codec.bits, codec.group_size, center)
-        self.codec = codec
-
-    def make_mask(self, query_len: int, window: int | None) -> Mask:
-        return causal_mask_for(query_len, self.offset + query_len, window)
-
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Pack, Pack]:
-        index, start, length = self.batch.index(self.row), self.offset, keys.shape[2]
-        stop = start + length
-        positions = range(start, stop)
-        codec, new_keys, new_values = self._row_codec(index, start).store(keys, values, positions)
-        self.write(index, start, new_keys, new_values, codec, stop)
-        self.pending += length
-        return self.fetch()
-
-    def fetch(self) -> tuple[Pack, Pack]:
-        """Views of the row's slots up to its written tokens, in the buffers as written so far."""
-        index, stop, layer = self.batch.index(self.row), self.offset, self._layer
-        return (tuple(x[index : index + 1, :, :stop] for x in layer.keys),
-                tuple(x[index : index + 1, :, :stop] for x in layer.values))
-
-    @property
-    def state(self) -> tuple[mx.array, ...]:
-        """Views of the row's slots (and its key centers)."""
-        index, used = self.batch.index(self.row), self.row.used
-        layer = self._layer
-        views = tuple(x[index : index + 1, :, :used] for x in layer.keys + layer.values)
-        return views + self._row_codec(index, used).state
-
-    @property
-    def meta_state(self) -> dict[str, str]:
-        return self.row.metas[self.layer]
-
-    def trim(self, n: int) -> int:
-        """Forget the last ``n`` tokens: of the forward being built, then of the row. The layers
-        share the row's slots, so the row moves once every layer has been trimmed to the same
-        length (``RowPlace._take_back``). A hybrid model's row gives nothing back unless its
-        recurrent layers keep their last states (a speculating row: ``BatchRow.rewinds``)."""
-        if not self.row.rewinds and any(isinstance(layer, StateRows) for layer in self.batch.layers):
-            return 0
-        n = min(n, self.offset)
-        self._take_back(n)
-        return n
-
-    def _move_back(self, target: int) -> None:
-        move_back(self._layer.layout, self.batch.index(self.row), self.row, target)
-
-    @property
-    def nbytes(self) -> int:
-        return (pack_nbytes(self._layer.keys) + pack_nbytes(self._layer.values)) // max(1, len(self.batch))
-
-    def record(self) -> None:
-        """Record the pending tokens in the row (``record_writes``): the slots after its last."""
-        index, start, stop = self.batch.index(self.row), self.row.offset, self.offset
-        layout = self._layer.layout
-        layout.positions = layout.padded()
-        layout.positions[index, start:stop] = mx.arange(start, stop, dtype=mx.int32)
-        self.row.used = self.row.offset = self.row.idx = stop
-
-
-class RingRowCache(RingWrites, RowCache):  # type: ignore[misc]
-    """One layer of a rotating row (``cache/rotating_rows.py``): a chunk written at the ring's
-    next slots and attended piece by piece."""
-
-    def trim(self, n: int) -> int:
-        """As a growing row's, where the ring can take the tokens back (``takes_back``; else 0)."""
-        n = min(n, self.offset)
-        return RowCache.trim(self, n) if self.takes_back(n) else 0
 
 
 def record_writes(caches: Sequence[Cache]) -> None:

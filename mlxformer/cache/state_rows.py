@@ -26,9 +26,8 @@ from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
-from mlxformer.cache.row_place import RowHost, RowPlace, move_back
+from mlxformer.cache.row_place import RowHost, RowPlace
 from mlxformer.cache.state import StateCache
-from mlxformer.models.mask import Mask, causal_mask_for
 
 if TYPE_CHECKING:
     from mlxformer.cache.batch import BatchLayout
@@ -102,8 +101,6 @@ class StateRowCache(RowPlace):
     """One recurrent layer of one ``SpareBatch`` row behind the cache protocol (module doc); a
     chunk's tokens count in ``pending`` until the forward is built (``rows.record_writes``)."""
 
-    segments = None  # the rows of one forward (``Cache.segments``)
-
     def __init__(self, batch: RowHost, row: "BatchRow", layer: int, pendings: dict[int, int]) -> None:
         super().__init__(batch, row, layer, pendings)
         self.keep = max(1, int(row.metas[layer]["keep"]))  # the sequence's own cache's
@@ -116,11 +113,11 @@ class StateRowCache(RowPlace):
         return rows
 
     def conv_window(self, width: int, like: mx.array) -> mx.array:
-        index = self.batch.index(self.row)
+        index = self.index
         return self._rows.conv[index : index + 1]
 
     def recurrent(self, batch: int, heads: int, key_dim: int, value_dim: int) -> mx.array:
-        index = self.batch.index(self.row)
+        index = self.index
         return self._rows.states[0][index : index + 1]
 
     def advance(self, inputs: mx.array, states: list[mx.array]) -> None:
@@ -130,7 +127,7 @@ class StateRowCache(RowPlace):
         window = mx.concatenate([self.conv_window(rows._width, inputs), inputs], axis=1)[:, -rows._width :]
         if self.row.rewinds:
             self._keep_past(inputs, states)
-        rows.write(self.batch.index(self.row), window, states[-1])
+        rows.write(self.index, window, states[-1])
         self.pending += inputs.shape[1]
 
     def _keep_past(self, inputs: mx.array, states: list[mx.array]) -> None:
@@ -140,31 +137,24 @@ class StateRowCache(RowPlace):
         (kept, a view would stop the batch's buffer from being written in place)."""
         past = self._past
         if past is None or past.offset != self.offset:
-            past = self._past = self._rows.row(self.batch.index(self.row), self.offset, self.keep)
+            past = self._past = self._rows.row(self.index, self.offset, self.keep)
         if inputs.shape[1] <= self.keep:  # ``delta_rule``: the first of ``states`` is the state before
             states = [past.states[-1], *states[1:]]
         past.advance(inputs, states)
 
     def reset(self, own: StateCache) -> None:
         """Start the row from ``own``'s state (a prefix-cache hit's snapshot), or zeros."""
-        rows, index = self._rows, self.batch.index(self.row)
+        rows, index = self._rows, self.index
         arrays = own.state
         if not arrays:
             arrays = (mx.zeros((1, *rows.conv.shape[1:]), rows.conv.dtype), mx.zeros((1, *rows.states[0].shape[1:]), mx.float32))
         rows.write(index, *arrays)
 
-    def make_mask(self, query_len: int, window: int | None) -> Mask:
-        return causal_mask_for(query_len, self.offset + query_len, window)
-
     @property
     def state(self) -> tuple[mx.array, ...]:
         """Views of the row's window and state."""
-        index = self.batch.index(self.row)
+        index = self.index
         return self._rows.conv[index : index + 1], self._rows.states[0][index : index + 1]
-
-    @property
-    def meta_state(self) -> dict[str, str]:
-        return self.row.metas[self.layer]
 
     def trim(self, n: int) -> int:
         """Take back the last ``n`` tokens, a speculating row's (``StateCache.trim`` of its last
@@ -174,15 +164,7 @@ class StateRowCache(RowPlace):
             return 0
         n = past.trim(n)
         if n:
-            self._rows.write(self.batch.index(self.row), *past.state)
+            self._rows.write(self.index, *past.state)
             self._take_back(n)
         return n
 
-    def _move_back(self, target: int) -> None:
-        """The row back to ``target`` tokens, as its attention layout moves it (a ring's, maybe turned)."""
-        move_back(self._rows.layout, self.batch.index(self.row), self.row, target)
-
-
-    @property
-    def nbytes(self) -> int:
-        return self._rows.nbytes // max(1, len(self.batch))
