@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import mlx.core as mx
 
 from mlxformer.cache.row_place import RowHost, RowPlace
-from mlxformer.cache.state import StateCache
+from mlxformer.cache.state import StateCache, state_shapes
 
 if TYPE_CHECKING:
     from mlxformer.cache.batch import BatchLayout
@@ -37,10 +37,8 @@ if TYPE_CHECKING:
 def state_blank(args: Any, dtype: mx.Dtype) -> tuple[tuple[mx.array], tuple[mx.array]]:
     """A recurrent layer's conv window ``(1, kernel - 1, C)`` in ``dtype`` and float32 state
     ``(1, H, Dk, Dv)`` for one row of a layer of ``args`` (a ``ModelArgs``; lazy zeros, shapes only)."""
-    conv_dim = 2 * args.linear_num_key_heads * args.linear_key_head_dim + args.linear_num_value_heads * args.linear_value_head_dim
-    conv = mx.zeros((1, args.linear_conv_kernel_dim - 1, conv_dim), dtype)
-    state = mx.zeros((1, args.linear_num_value_heads, args.linear_key_head_dim, args.linear_value_head_dim), mx.float32)
-    return (conv,), (state,)
+    conv, state = state_shapes(args)
+    return (mx.zeros(conv, dtype),), (mx.zeros(state, mx.float32),)
 
 
 class StateRows(StateCache):
