@@ -155,10 +155,10 @@ class PackedLayerCache:
             return outs
         written = [self._write(segment, k, v) for segment, k, v in zip(self.segments, keys, values)]
         outs: list[mx.array | None] = [None] * len(written)
+        fetches = [getattr(segment.cache, "fetch", None) for segment in self.segments]
         # caches writing where they attend (a ring row, piece by piece) first, then the fetching ones
-        order = sorted(range(len(written)), key=lambda i: getattr(self.segments[i].cache, "fetch", None) is not None)
-        for i in order:
-            fetch = getattr(self.segments[i].cache, "fetch", None)
+        for i in sorted(range(len(written)), key=lambda i: fetches[i] is not None):
+            fetch = fetches[i]
             if fetch is not None:
                 written[i] = (*fetch(), written[i][2])
             outs[i] = attend(i, *written[i])
