@@ -228,13 +228,39 @@ class KVCodec:
     ) -> mx.array:
         """Attend ``(B, n_heads, L, D)`` queries over packed keys/values (scores soft-capped at
         ``softcap`` when set, per-head ``sinks`` in the softmax); ``key_blocks``: the center
-        block of each key, ``(S,)`` or per row ``(B, S)`` (default: key ``s`` is at position ``s``)."""
+        block of each key, ``(S,)`` or per row ``(B, S)`` (default: key ``s`` is at position ``s``).
+
+        Quantized, the softmax attention runs directly on the packed keys/values, GQA heads
+        unrepeated. The part the centered keys left out (``q . c_b``, ``center_scores``) is added
+        to the scores first, so the scores are those of the keys themselves, which soft-capping
+        (not shift-invariant) needs."""
         if self.bits is None:
             if softcap is not None:
                 return softcapped_attention(queries, keys[0], values[0], scale, mask, softcap, sinks)
             return fused_attention(queries, keys[0], values[0], scale, mask, sinks)
         bias = self.center_scores(queries, keys[0].shape[2], key_blocks, scale)
-        return quantized_attention(queries, keys, values, scale, mask, self.bits, self.group_size, softcap, bias, sinks)
+        quantized = dict(group_size=self.group_size, bits=self.bits)
+        B, n_heads, L, D = queries.shape
+        n_kv = keys[0].shape[1]
+        n_rep = n_heads // n_kv
+        # The packs hold rotated keys/values (see ``rotate``): rotate the queries too, with the
+        # attention scale folded into the transform's normalization.
+        # (B, n_heads, L, D) -> (B, n_kv, n_rep, L, D): each K/V head serves n_rep query heads.
+        queries = rotate(queries, scale).reshape(B, n_kv, n_rep, L, D)
+        # (B, n_kv, S, ...) -> (B, n_kv, 1, S, ...): broadcast over the n_rep axis.
+        keys = tuple(mx.expand_dims(x, 2) for x in keys)
+        values = tuple(mx.expand_dims(x, 2) for x in values)
+        scores = mx.quantized_matmul(queries, *keys, transpose=True, **quantized)  # (B, n_kv, n_rep, L, S)
+        scores = scores.astype(mx.float32)
+        if bias is not None:
+            scores = scores + bias
+        if softcap is not None:
+            scores = softcap_scores(scores, softcap)
+        scores = mask_scores(scores, mask)
+        probs = softmax_with_sinks(scores, sinks).astype(queries.dtype)
+        out = mx.quantized_matmul(probs, *values, transpose=False, **quantized)  # (B, n_kv, n_rep, L, D)
+        out = unrotate(out)  # back from the rotated basis
+        return out.reshape(B, n_heads, L, D)  # (B, n_kv, n_rep, L, D) -> (B, n_heads, L, D)
 
     def center_scores(self, queries: mx.array, n_keys: int, key_blocks: mx.array | None, scale: float) -> mx.array | None:
         """``scale * q . c_b`` for every query and each of ``n_keys`` keys, ``(B, n_kv, n_rep, L, S)``:
@@ -257,35 +283,3 @@ class KVCodec:
 
 
 FLOAT_CODEC = KVCodec()
-
-
-def quantized_attention(
-    queries: mx.array, keys: Pack, values: Pack, scale: float, mask: Mask, bits: int, group_size: int,
-    softcap: float | None = None, bias: mx.array | None = None, sinks: mx.array | None = None,
-) -> mx.array:
-    """Softmax attention computed directly on quantized keys/values, GQA heads unrepeated.
-
-    ``bias`` ``(B, n_kv, n_rep, L, S)`` is added to the scores first: the part the centered keys
-    left out (``q . c_b``), so the scores are those of the keys themselves, which soft-capping
-    (``softcap``; not shift-invariant) needs."""
-    B, n_heads, L, D = queries.shape
-    n_kv = keys[0].shape[1]
-    n_rep = n_heads // n_kv
-    # The packs hold rotated keys/values (see ``rotate``): rotate the queries too, with the
-    # attention scale folded into the transform's normalization.
-    # (B, n_heads, L, D) -> (B, n_kv, n_rep, L, D): each K/V head serves n_rep query heads.
-    queries = rotate(queries, scale).reshape(B, n_kv, n_rep, L, D)
-    # (B, n_kv, S, ...) -> (B, n_kv, 1, S, ...): broadcast over the n_rep axis.
-    keys = tuple(mx.expand_dims(x, 2) for x in keys)
-    values = tuple(mx.expand_dims(x, 2) for x in values)
-    scores = mx.quantized_matmul(queries, *keys, transpose=True, group_size=group_size, bits=bits)  # (B, n_kv, n_rep, L, S)
-    scores = scores.astype(mx.float32)
-    if bias is not None:
-        scores = scores + bias
-    if softcap is not None:
-        scores = softcap_scores(scores, softcap)
-    scores = mask_scores(scores, mask)
-    probs = softmax_with_sinks(scores, sinks).astype(queries.dtype)
-    out = mx.quantized_matmul(probs, *values, transpose=False, group_size=group_size, bits=bits)  # (B, n_kv, n_rep, L, D)
-    out = unrotate(out)  # back from the rotated basis
-    return out.reshape(B, n_heads, L, D)  # (B, n_kv, n_rep, L, D) -> (B, n_heads, L, D)
