@@ -110,8 +110,7 @@ class Engine:
         self.delivery = Delivery(self.parts, self.departures)
         self.admission = Admission(self.parts, self.departures, self.delivery, self.cache_settings, speculative)
         self.decoding = DecodeStep(self.parts, self.departures, self.delivery)
-        self.admission.reserve_activations(max_batch, kv_dtype)
-        self.vocab_size = model.args.vocab_size
+        self.admission.reserve_activations()
         self.metrics.watch(lambda: len(self.scheduler.waiting), lambda: self.scheduler.active, lambda: self.held_kv,
                            self.budget.limit if self.budget is not None else 0)
         self.metrics.step_reserve.set(self.budget.reserve if self.budget is not None else 0)
@@ -177,7 +176,7 @@ class Engine:
         """Queue ``request``; raises ``MlxformerError`` on an invalid request, ``KVBudgetExceeded``
         when its KV cache can never fit the budget, ``EngineOverloaded`` when the queue is full and
         ``EngineNotRunning`` unless the engine is running."""
-        check_request(request, self.vocab_size)
+        check_request(request, self.model.args.vocab_size)
         request = self.planner.fitted(request)
         self.planner.check(request)
         sequence = RequestState(request, self.tokenizer.detokenizer(), self.tokenizer.eos_token_ids)
@@ -294,7 +293,7 @@ class Engine:
         # chunks in the decode step's forward (a scored prompt needs every position's logits: its own)
         riding = [c for c in step.prefill if c.sequence.prompt_scores is None and c.sequence.packs]
         packing = [r for r in rounds if r.sequence.packs]  # speculation rounds too: their rows written before any is read
-        decoded = self.decoding.run(decode, riding, packing) if decode or riding or packing else Decoded()
+        decoded = self.decoding.run(decode, riding, packing)
         batched = [] if decoded.alone else decoded.choices  # queued for the next step's read when they can wait
         now += decoded.choices if decoded.alone else []
         for sequence, proposed in rounds:
