@@ -100,8 +100,8 @@ class Engine:
         # ``prompt_cache``: the tiers (memory budget, disk directory); else memory of ``prefix_cache_bytes``
         tiers = prompt_cache or PromptCacheSettings(memory_bytes=prefix_cache_bytes)
         self.prefix_cache = build_prefix_cache(model, tokenizer, self.cache_settings, tiers, kv_dtype)
-        self.sharing = PrefixSharing(self.prefix_cache, tiers.share_prefills)
-        self.sharing.caches = self.runner.caches  # a prefilling sequence's keys/values are in its row
+        # a prefilling sequence's keys/values are in its row
+        self.sharing = PrefixSharing(self.prefix_cache, self.runner.caches, tiers.share_prefills)
         self.metrics = EngineMetrics(metrics)
         self.replays = Replays()  # preempted sequences catching up
         self.parts = EngineParts(model, self.scheduler, self.runner, self.planner, self.budget, self.prefix_cache,
@@ -151,10 +151,7 @@ class Engine:
                 self.departures.end(sequence, "cancelled")
             for handle in list(self.parts.handles.values()):  # e.g. the loop ended before they were admitted
                 self.departures.end(handle.sequence, "cancelled")
-            self.replays.clear()
-            self.jobs.fail_all(EngineNotRunning("the engine stopped"))
-            self.delivery.pipeline = None
-            self.runner.reset()  # its buffers were built on the ended thread's streams
+            self._drop_work(EngineNotRunning("the engine stopped"))
             self.prefix_cache.flush()  # the disk tier's writes are done when stop returns
             if self._limits is not None:
                 self.budget.restore(self._limits)  # type: ignore[union-attr]
@@ -249,16 +246,23 @@ class Engine:
         """Fail every request and job in flight with ``error`` (under the lock ``submit`` takes: a
         request submitted meanwhile is either failed here or served by the next step)."""
         with self._wake:
-            self.jobs.fail_all(error)
-            self.delivery.pipeline = None
-            self.runner.reset()
-            self.sharing.held.clear()
-            self.scheduler.clear()
-            self.replays.clear()
+            self._drop_work(error)
             for handle in list(self.parts.handles.values()):
                 handle.sequence.finish("error")
                 self.parts.handles.pop(id(handle.sequence), None)
                 handle._put(error=error)
+
+    def _drop_work(self, error: BaseException) -> None:
+        """Forget the work in flight (the caller tells its requests): the queued jobs fail with
+        ``error``; the tokens in flight, the pools (their rows' sequences have ended; their
+        buffers were built on the loop thread's streams), the held newcomers, the queues and the
+        replays go."""
+        self.jobs.fail_all(error)
+        self.delivery.pipeline = None
+        self.runner.reset()
+        self.sharing.held.clear()
+        self.scheduler.clear()
+        self.replays.clear()
 
     def step(self) -> None:
         """One engine step: drop cancelled, admit, fit the step into the KV budget, run the
