@@ -294,7 +294,7 @@ class BatchRunner:
             if row_quantizes_next(self._row(sequence)):
                 self._cross(sequence)
         alone = [s for s in sequences if s.speculator is not None]
-        stepping = {id(s) for s in sequences} - {id(s) for s in alone}
+        stepping = {id(s) for s in sequences if s.speculator is None}
         groups: list[StepGroup] = []
         for kind, batch in self.batches.items():
             members = self._rows.get(kind, [])
