@@ -27,7 +27,6 @@ class Admission:
                  cache_settings: CacheSettings, speculative: SpeculativeSettings | None) -> None:
         self.parts, self.departures, self.delivery = parts, departures, delivery
         self.cache_settings, self.speculative = cache_settings, speculative
-        self.draft_tokens = speculative.num_draft_tokens if speculative is not None else 0
         self._freed_last_step = False  # whether the last step freed KV buffers (``drop_freed``)
 
     def fit(self, step: Step) -> Step:
@@ -58,21 +57,22 @@ class Admission:
         layer's buffers are held twice at most, not all of them."""
         if self.parts.budget is None:
             return step
-        fed = step.fed(self.draft_tokens)
+        fed = step.fed(self.parts.planner.draft_tokens)
         for sequence in [c.sequence for c in step.prefill] + step.decode:
             tokens = fed.pop(id(sequence), 0)
             if tokens and sequence.cache:
                 self.parts.runner.reserve(sequence, tokens)
         return step
 
-    def reserve_activations(self, max_batch: int, kv_dtype: mx.Dtype) -> None:
+    def reserve_activations(self) -> None:
         """Under a budget: a step's activations beside the KV (MLX's buffer cache is bounded by it)."""
         parts = self.parts
         if parts.budget is not None:
-            per_token = parts.planner.sizer.bytes_for(BLOCK) / BLOCK
+            scheduler, planner = parts.scheduler, parts.planner
+            per_token = planner.sizer.bytes_for(BLOCK) / BLOCK
             parts.budget.reserve = engine_reserve(
-                parts.model.args, parts.budget.limit, per_token, parts.scheduler.step_tokens,
-                parts.scheduler.prefill_chunk, max_batch, self.draft_tokens, kv_dtype.size)
+                parts.model.args, parts.budget.limit, per_token, scheduler.step_tokens, scheduler.prefill_chunk,
+                scheduler.max_batch, planner.draft_tokens, planner.sizer.dtype.size)
 
     def kv_layout(self) -> tuple:
         """What changes when KV buffers are freed: the sequences decoding and prefilling, and the

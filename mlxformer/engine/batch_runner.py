@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol, Sequence
+from typing import Iterator, NamedTuple, Protocol, Sequence
 
 import mlx.core as mx
 
@@ -107,7 +107,6 @@ class BatchRunner:
         self.packs = packs(model)
         self.batches: dict[BatchKey, SpareBatch] = {}
         self._rows: dict[BatchKey, list[Decoding | None]] = {}  # each batch's sequences, in row order (None: free)
-        self._members: dict[int, BatchKey] = {}  # id(sequence) -> the batch it is in
         # rewrite a batch's buffers (a join, a leave, a wider batch) one layer at a time, each
         # evaluated before the next: only one layer is ever held twice (set under a KV budget)
         self.staged = False
@@ -121,9 +120,7 @@ class BatchRunner:
         """Give an admitted sequence (its caches new, or a prefix-cache hit's) its row in the pool
         of its kind (``cache/rows.py``): its prompt chunks, its speculation rounds and its decode
         steps all write there, until it leaves (``release``)."""
-        kind = self.row_key(sequence.cache)
-        index, sequence.cache = self._seat_in(self._batch(kind), sequence.cache, sequence)  # type: ignore[assignment]
-        self._place(kind, index, sequence)
+        sequence.cache = self._seat_in(self.row_key(sequence.cache), sequence.cache, sequence)
 
     def row_key(self, caches: Sequence[Cache]) -> BatchKey:
         """The pool a sequence with per-layer ``caches`` takes a row in (a rotating layer's rows
@@ -140,7 +137,8 @@ class BatchRunner:
     def reserve(self, sequence: Decoding, tokens: int) -> None:
         """Widen the pool's rows before ``sequence`` writes ``tokens`` more into its row (a prompt
         chunk, a speculation round: ``SpareBatch.reserve``, one layer at a time)."""
-        self._batch(self._members[id(sequence)]).reserve(int(sequence.cache[0].offset) + tokens)
+        kind, _ = self._seat_of(sequence)  # type: ignore[misc]  (a seated sequence)
+        self.batches[kind].reserve(int(sequence.cache[0].offset) + tokens)
 
     def _blank(self, kind: BatchKey) -> list[Blank]:
         """Each cache layer's keys/values of one slot as ``kind`` stores them (the shapes a
@@ -158,19 +156,18 @@ class BatchRunner:
                            codec.encode(mx.zeros((1, heads, 1, value_dims), self._dtype))))
         return blanks
 
-    def _place(self, kind: BatchKey, index: int, sequence: Decoding) -> None:
+    def _seat_in(self, kind: BatchKey, caches: list[Cache], sequence: Decoding) -> list[Cache]:
+        """Seat ``sequence``, its per-layer ``caches`` written, in a row of the pool of ``kind``
+        (``SpareBatch.seat``); the views of its row. A speculating sequence's row keeps its
+        recurrent layers' last states (``Row.rewinds``: a rejected round is taken back,
+        ``cache/state_rows.py``)."""
+        batch = self._batch(kind)
+        index, views = batch.seat(caches)
+        batch.layout.rows[index].rewinds = sequence.speculator is not None
         rows = self._rows.setdefault(kind, [])
         rows += [None] * (index + 1 - len(rows))
         rows[index] = sequence
-        self._members[id(sequence)] = kind
-
-    @staticmethod
-    def _seat_in(batch: SpareBatch, caches: list[Cache], sequence: Decoding) -> tuple[int, list[Cache]]:
-        """``SpareBatch.seat``; a speculating sequence's row keeps its recurrent layers' last
-        states (``Row.rewinds``: a rejected round is taken back, ``cache/state_rows.py``)."""
-        index, views = batch.seat(caches)
-        batch.layout.rows[index].rewinds = sequence.speculator is not None
-        return index, views  # type: ignore[return-value]
+        return views  # type: ignore[return-value]
 
     def prefill(
         self, tokens: Sequence[int], cache: Sequence[Cache], want_logits: bool, prompt_length: int | None = None,
@@ -235,7 +232,9 @@ class BatchRunner:
             if not chunk.every:  # a round does not move its row (the decode steps do, ``_groups``)
                 self._cross_chunk(chunk.cache)
         groups = self._groups(sequences)
-        tokens = self._tokens(groups, sequences, inputs)
+        place = {id(s): i for i, s in enumerate(sequences)}
+        order = [place[id(s)] for group in groups for s in group.rows]  # the grouped rows' places in ``sequences``
+        tokens = self._tokens(groups, order, inputs)
         # one batch alone needs no packing; a prompt whose row moves between its chunks cannot share one forward
         if self.packs and len(groups) + len(chunks) > 1 and not self._crosses_within(chunks):
             parts, chunk_logits = self._packed(groups, tokens, chunks)
@@ -244,8 +243,7 @@ class BatchRunner:
         if not parts:
             return None, chunk_logits
         logits = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)
-        where = {id(s): i for i, s in enumerate(s for group in groups for s in group.rows)}
-        wanted = [where[id(s)] for s in sequences]
+        wanted = sorted(range(len(order)), key=order.__getitem__)  # each sequence's row of ``logits``
         if wanted == list(range(len(wanted))):
             return logits, chunk_logits
         return logits[mx.array(wanted)], chunk_logits
@@ -263,8 +261,10 @@ class BatchRunner:
         reading: dict[int, list[mx.array]] = {}  # id(batch) -> the outputs not yet evaluated of forwards reading it
 
         def before(caches: Sequence[Cache], batch: SpareBatch | None = None) -> set[int]:
-            owner = self._owner(caches) if batch is None else None
-            read = {id(batch)} if batch is not None else {id(self._batch(self._members[id(owner)]))} if owner else set()
+            if batch is None:  # a chunk's: the pool of the sequence whose row its caches are, if any
+                seat = self._seat_of(self._owner(caches))
+                batch = self.batches[seat[0]] if seat is not None else None
+            read = {id(batch)} if batch is not None else set()
             waiting = [x for i in read for x in reading.pop(i, [])]
             if waiting:
                 mx.eval(waiting)
@@ -294,7 +294,7 @@ class BatchRunner:
             if row_quantizes_next(self._row(sequence)):
                 self._cross(sequence)
         alone = [s for s in sequences if s.speculator is not None]
-        stepping = {id(s) for s in sequences} - {id(s) for s in alone}
+        stepping = {id(s) for s in sequences if s.speculator is None}
         groups: list[StepGroup] = []
         for kind, batch in self.batches.items():
             members = self._rows.get(kind, [])
@@ -311,30 +311,30 @@ class BatchRunner:
         (``KVCache.quantize_storage``; a ring row's window, ``RotatingKVCache.quantize_storage``;
         its states, if any, written beside), nothing else copied, and the float row freed. Its
         cache list is updated in place (a step's chunks hold it)."""
-        kind, index = self._seat_of(sequence)
+        kind, index = self._seat_of(sequence)  # type: ignore[misc]  (a seated sequence)
         own = self.batches[kind].row_caches(index)  # views of its float row
         for cache in own:
             cache.quantize_storage()  # (a recurrent layer's state stays as it is)
-        quantized = self.row_key(own)
-        new_index, views = self._seat_in(self._batch(quantized), own, sequence)
         caches = sequence.cache
-        self.release(sequence)
-        self._place(quantized, new_index, sequence)
-        caches[:] = views
+        caches[:] = self._seat_in(self.row_key(own), own, sequence)
+        self._free(sequence, kind, index)
         sequence.cache = caches
+
+    def _seats(self) -> Iterator[tuple[Decoding, BatchKey, int]]:
+        """Every seated sequence, the pool it is in and its row there."""
+        return ((s, kind, i) for kind, rows in self._rows.items() for i, s in enumerate(rows) if s is not None)
 
     def _owner(self, cache: Sequence[Cache]) -> Decoding | None:
         """The seated sequence whose caches ``cache`` are (None: caches of no row)."""
-        return next((s for rows in self._rows.values() for s in rows if s is not None and s.cache is cache), None)
+        return next((s for s, _, _ in self._seats() if s.cache is cache), None)
 
-    def _seat_of(self, sequence: Decoding) -> tuple[BatchKey, int]:
-        """The pool a seated ``sequence`` is in, and its row there."""
-        kind = self._members[id(sequence)]
-        return kind, next(i for i, s in enumerate(self._rows[kind]) if s is sequence)
+    def _seat_of(self, sequence: Decoding | None) -> tuple[BatchKey, int] | None:
+        """The pool ``sequence`` is seated in, and its row there (None: not seated)."""
+        return next(((kind, i) for s, kind, i in self._seats() if s is sequence), None)
 
     def _row(self, sequence: Decoding) -> BatchRow:
         """``sequence``'s place in its pool (the first layout's row: every kind's is as long)."""
-        kind, index = self._seat_of(sequence)
+        kind, index = self._seat_of(sequence)  # type: ignore[misc]  (a seated sequence)
         return self.batches[kind].layout.rows[index]
 
     def _cross_chunk(self, cache: Sequence[Cache]) -> None:
@@ -357,17 +357,16 @@ class BatchRunner:
         return False
 
     @staticmethod
-    def _tokens(groups: list[StepGroup], sequences: Sequence[Decoding],
-                inputs: mx.array | None) -> list[mx.array]:
-        """Each group's input tokens ``(rows,)``: taken from ``inputs`` (in the order of
-        ``sequences``), or the rows' last tokens."""
+    def _tokens(groups: list[StepGroup], order: list[int], inputs: mx.array | None) -> list[mx.array]:
+        """Each group's input tokens ``(rows,)``: taken from ``inputs`` (its rows' at their places
+        ``order`` in the step's sequences), or the rows' last tokens."""
         if inputs is None:
             return [mx.array([s.last_token for s in group.rows]) for group in groups]
-        where = {id(s): i for i, s in enumerate(sequences)}
-        out = []
+        out, start = [], 0
         for group in groups:
-            index = [where[id(s)] for s in group.rows]  # every batched row decodes in the step
-            out.append(inputs if index == list(range(len(sequences))) else inputs[mx.array(index)])
+            index = order[start : start + len(group.rows)]  # every batched row decodes in the step
+            out.append(inputs if index == list(range(inputs.shape[0])) else inputs[mx.array(index)])
+            start += len(group.rows)
         return out
 
     def _packed(
@@ -426,10 +425,12 @@ class BatchRunner:
     def release(self, sequence: Decoding) -> None:
         """Free ``sequence``'s row, if it has one (it ended, or is preempted: nothing is copied
         out); its ``cache`` becomes ``[]``."""
-        if id(sequence) not in self._members:
-            return
-        kind, index = self._seat_of(sequence)
-        del self._members[id(sequence)]
+        seat = self._seat_of(sequence)
+        if seat is not None:
+            self._free(sequence, *seat)
+
+    def _free(self, sequence: Decoding, kind: BatchKey, index: int) -> None:
+        """Free row ``index`` of the pool of ``kind``, ``sequence``'s (``release``)."""
         rows, batch = self._rows[kind], self.batches[kind]
         if batch.keeps_free_rows:
             rows[index] = None  # the row is free for the next sequence (nothing moves)
@@ -443,13 +444,10 @@ class BatchRunner:
     def caches(self, sequence: Decoding) -> list[Cache]:
         """The sequence's caches to read its keys/values from (the prefix cache cuts its blocks
         from them): views of its row (nothing copied); before it is seated, its own."""
-        if id(sequence) not in self._members:
-            return list(sequence.cache)
-        kind, index = self._seat_of(sequence)
-        return self.batches[kind].row_caches(index)
+        seat = self._seat_of(sequence)
+        return list(sequence.cache) if seat is None else self.batches[seat[0]].row_caches(seat[1])
 
     def reset(self) -> None:
         """Forget every batch (after a failed step: the sequences in them have ended)."""
         self.batches.clear()
         self._rows.clear()
-        self._members.clear()

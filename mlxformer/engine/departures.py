@@ -27,7 +27,8 @@ class Departures:
         """End one sequence with ``error`` (raised by its handle's iterator)."""
         parts = self.parts
         sequence.finish("error")
-        self._unbatch(sequence)
+        parts.replays.stop(sequence)
+        parts.runner.release(sequence)
         parts.scheduler.release(sequence)
         parts.metrics.finished.labels("error").inc()
         handle = parts.handles.pop(id(sequence), None)
@@ -45,7 +46,7 @@ class Departures:
                 self._keep(sequence)
             except Exception:
                 log.exception("a finished request's cache could not be kept for prefix reuse")
-        self._unbatch(sequence)
+        parts.runner.release(sequence)
         parts.scheduler.release(sequence)
         parts.handles.pop(id(sequence), None)
         if kept and parts.budget is not None:  # within what the active sequences leave
@@ -70,14 +71,9 @@ class Departures:
         parts.replays.stop(sequence)
         if keep_cache and held(sequence) > sequence.cached_tokens:  # it computed something worth keeping
             self._keep(sequence)
-        self._unbatch(sequence)
+        parts.runner.release(sequence)  # its blocks were taken by ``_keep``
         sequence.cache, sequence.processed = [], 0
         parts.scheduler.preempt(sequence)
-
-    def _unbatch(self, sequence: RequestState) -> None:
-        """Free a leaving sequence's row (its blocks were taken by ``_keep``)."""
-        self.parts.replays.stop(sequence)
-        self.parts.runner.release(sequence)
 
     def _keep(self, sequence: RequestState) -> None:
         """Offer the sequence's keys/values to the prefix cache, cut from its row (one copy, the

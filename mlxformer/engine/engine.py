@@ -100,8 +100,8 @@ class Engine:
         # ``prompt_cache``: the tiers (memory budget, disk directory); else memory of ``prefix_cache_bytes``
         tiers = prompt_cache or PromptCacheSettings(memory_bytes=prefix_cache_bytes)
         self.prefix_cache = build_prefix_cache(model, tokenizer, self.cache_settings, tiers, kv_dtype)
-        self.sharing = PrefixSharing(self.prefix_cache, tiers.share_prefills)
-        self.sharing.caches = self.runner.caches  # a prefilling sequence's keys/values are in its row
+        # a prefilling sequence's keys/values are in its row
+        self.sharing = PrefixSharing(self.prefix_cache, self.runner.caches, tiers.share_prefills)
         self.metrics = EngineMetrics(metrics)
         self.replays = Replays()  # preempted sequences catching up
         self.parts = EngineParts(model, self.scheduler, self.runner, self.planner, self.budget, self.prefix_cache,
@@ -110,8 +110,7 @@ class Engine:
         self.delivery = Delivery(self.parts, self.departures)
         self.admission = Admission(self.parts, self.departures, self.delivery, self.cache_settings, speculative)
         self.decoding = DecodeStep(self.parts, self.departures, self.delivery)
-        self.admission.reserve_activations(max_batch, kv_dtype)
-        self.vocab_size = model.args.vocab_size
+        self.admission.reserve_activations()
         self.metrics.watch(lambda: len(self.scheduler.waiting), lambda: self.scheduler.active, lambda: self.held_kv,
                            self.budget.limit if self.budget is not None else 0)
         self.metrics.step_reserve.set(self.budget.reserve if self.budget is not None else 0)
@@ -152,10 +151,7 @@ class Engine:
                 self.departures.end(sequence, "cancelled")
             for handle in list(self.parts.handles.values()):  # e.g. the loop ended before they were admitted
                 self.departures.end(handle.sequence, "cancelled")
-            self.replays.clear()
-            self.jobs.fail_all(EngineNotRunning("the engine stopped"))
-            self.delivery.pipeline = None
-            self.runner.reset()  # its buffers were built on the ended thread's streams
+            self._drop_work(EngineNotRunning("the engine stopped"))
             self.prefix_cache.flush()  # the disk tier's writes are done when stop returns
             if self._limits is not None:
                 self.budget.restore(self._limits)  # type: ignore[union-attr]
@@ -177,7 +173,7 @@ class Engine:
         """Queue ``request``; raises ``MlxformerError`` on an invalid request, ``KVBudgetExceeded``
         when its KV cache can never fit the budget, ``EngineOverloaded`` when the queue is full and
         ``EngineNotRunning`` unless the engine is running."""
-        check_request(request, self.vocab_size)
+        check_request(request, self.model.args.vocab_size)
         request = self.planner.fitted(request)
         self.planner.check(request)
         sequence = RequestState(request, self.tokenizer.detokenizer(), self.tokenizer.eos_token_ids)
@@ -250,16 +246,23 @@ class Engine:
         """Fail every request and job in flight with ``error`` (under the lock ``submit`` takes: a
         request submitted meanwhile is either failed here or served by the next step)."""
         with self._wake:
-            self.jobs.fail_all(error)
-            self.delivery.pipeline = None
-            self.runner.reset()
-            self.sharing.held.clear()
-            self.scheduler.clear()
-            self.replays.clear()
+            self._drop_work(error)
             for handle in list(self.parts.handles.values()):
                 handle.sequence.finish("error")
                 self.parts.handles.pop(id(handle.sequence), None)
                 handle._put(error=error)
+
+    def _drop_work(self, error: BaseException) -> None:
+        """Forget the work in flight (the caller tells its requests): the queued jobs fail with
+        ``error``; the tokens in flight, the pools (their rows' sequences have ended; their
+        buffers were built on the loop thread's streams), the held newcomers, the queues and the
+        replays go."""
+        self.jobs.fail_all(error)
+        self.delivery.pipeline = None
+        self.runner.reset()
+        self.sharing.held.clear()
+        self.scheduler.clear()
+        self.replays.clear()
 
     def step(self) -> None:
         """One engine step: drop cancelled, admit, fit the step into the KV budget, run the
@@ -294,7 +297,7 @@ class Engine:
         # chunks in the decode step's forward (a scored prompt needs every position's logits: its own)
         riding = [c for c in step.prefill if c.sequence.prompt_scores is None and c.sequence.packs]
         packing = [r for r in rounds if r.sequence.packs]  # speculation rounds too: their rows written before any is read
-        decoded = self.decoding.run(decode, riding, packing) if decode or riding or packing else Decoded()
+        decoded = self.decoding.run(decode, riding, packing)
         batched = [] if decoded.alone else decoded.choices  # queued for the next step's read when they can wait
         now += decoded.choices if decoded.alone else []
         for sequence, proposed in rounds:

@@ -30,13 +30,13 @@ from mlxformer.engine.request_state import RequestState, Status
 class PrefixSharing:
     """The newcomers held back, and when each may go."""
 
-    def __init__(self, prefix_cache: PrefixCache, enabled: bool = True) -> None:
+    def __init__(self, prefix_cache: PrefixCache, caches: Callable[[RequestState], Sequence[Cache]],
+                 enabled: bool = True) -> None:
         self.prefix_cache = prefix_cache
         self.enabled = enabled and prefix_cache.caching
         self.held: list[RequestState] = []
-        # a sequence's keys/values as caches to cut blocks from (the engine sets
-        # ``BatchRunner.caches``: views of its pool row)
-        self.caches: Callable[[RequestState], Sequence[Cache]] = lambda sequence: sequence.cache
+        # a sequence's keys/values as caches to cut blocks from (``BatchRunner.caches``: views of its pool row)
+        self.caches = caches
         self._keys: dict[int, list[str]] = {}
 
     def keys(self, sequence: RequestState) -> list[str]:

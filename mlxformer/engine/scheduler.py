@@ -30,11 +30,6 @@ CPU_STEP_TOKENS = 128
 MAX_PREFILL_WAIT = 4
 
 
-def default_step_tokens() -> int:
-    """The per-step token budget for the default device."""
-    return CPU_STEP_TOKENS if on_cpu() else GPU_STEP_TOKENS
-
-
 class EngineOverloaded(MlxformerError):
     """The engine's waiting queue is full: retry later."""
 
@@ -77,7 +72,7 @@ class Scheduler:
 
     def __init__(self, max_batch: int, max_queue: int, prefill_chunk: int, step_tokens: int | None = None,
                  aligned: bool = False) -> None:
-        step_tokens = step_tokens or default_step_tokens()
+        step_tokens = step_tokens or (CPU_STEP_TOKENS if on_cpu() else GPU_STEP_TOKENS)  # the default device's
         if max_batch < 1 or max_queue < 0 or prefill_chunk < 1 or step_tokens < 1:
             raise MlxformerError("need max_batch >= 1, max_queue >= 0, prefill_chunk >= 1 and step_tokens >= 1")
         self.max_batch, self.max_queue, self.prefill_chunk = max_batch, max_queue, prefill_chunk
