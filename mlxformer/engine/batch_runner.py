@@ -234,6 +234,7 @@ class BatchRunner:
         groups = self._groups(sequences)
         place = {id(s): i for i, s in enumerate(sequences)}
         order = [place[id(s)] for group in groups for s in group.rows]  # the grouped rows' places in ``sequences``
+        assert len(order) == len(sequences), "every decoding sequence is seated"
         tokens = self._tokens(groups, order, inputs)
         # one batch alone needs no packing; a prompt whose row moves between its chunks cannot share one forward
         if self.packs and len(groups) + len(chunks) > 1 and not self._crosses_within(chunks):
