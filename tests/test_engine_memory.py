@@ -62,6 +62,9 @@ def test_eight_full_contexts_in_a_two_sequence_budget(tiny, cache):
         held.append(sum(c.nbytes for s in active for c in s.cache) + engine.prefix_cache.nbytes)
 
     engine._run = run
+    reruns = []  # batched steps rerun row by row (the fault path: none fails here)
+    real_alone = engine.decoding.run_alone
+    engine.decoding.run_alone = lambda *a: reruns.append(1) or real_alone(*a)
     expected = [generate(model, tokenizer, p, CONTEXT - len(p), cache_settings=settings, prefill_step_size=CHUNK)
                 for p in PROMPTS]  # (also the warm-up: the RSS baseline below is taken after it)
     process, peak, done = psutil.Process(), [0], threading.Event()
@@ -80,6 +83,9 @@ def test_eight_full_contexts_in_a_two_sequence_budget(tiny, cache):
     sampler.join()
     assert replies == expected
     assert max(held) <= budget
+    # a step whose decoding rows all replay (preempted ones catching up) chooses no token; it once
+    # indexed the logits with an empty float array and took the fault path every time
+    assert not reruns
     # Peak RSS over the warmed-up baseline (weights, first-use kernels, the references' buffers):
     # within the budget plus MARGIN. Measured here: 5.4 MiB of growth (float), 2.3 MiB (kv8),
     # about what MLX's freed-buffer cache holds after the run (mx.get_cache_memory(); the engine's

@@ -91,10 +91,10 @@ class DecodeStep:
                 return result
             mx.async_eval(logits)  # constraints compute their masks while the step runs
             rows = [i for i, s in enumerate(decode) if id(s) not in replaying]
-            if len(rows) < len(decode):  # a replaying row's token is known: it chooses none
+            choosing = [decode[i] for i in rows]
+            if choosing and len(rows) < len(decode):  # a replaying row's token is known: it chooses none
                 logits = logits[mx.array(rows)]
                 inputs = inputs[mx.array(rows)] if inputs is not None else None
-            choosing = [decode[i] for i in rows]
             result.choices = self.delivery.choose(choosing, [logits], inputs) if choosing else []
         except Exception:
             for sequence, key in zip(decode, keys):
