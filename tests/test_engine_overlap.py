@@ -21,13 +21,13 @@ def assert_kept(engine: Engine, model, tokens: list[int]) -> None:
     """The prefix cache holds ``tokens[:-1]`` (one-token blocks), as a fresh prefill computes them."""
     key, cache = tokens[:-1], engine.prefix_cache
     assert cache.cached_blocks(cache.keys_for(tokens)) == len(key)
-    caches, n = cache.lookup(tokens)
+    hit, n = cache.lookup(tokens)
     assert n == len(key)
     fresh = make_cache(model)
     mx.eval(model.hidden_states(mx.array([key]), fresh))
-    for kept, reference in zip(caches, fresh):
+    for kept, reference in zip(hit, fresh):
         assert kept.offset == len(key)
-        for a, b in zip(kept.state, reference.state):
+        for a, b in zip(kept.keys + kept.values, reference.state):
             assert a.shape == b.shape and mx.allclose(a, b, atol=1e-4).item()
 
 

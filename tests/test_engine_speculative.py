@@ -183,13 +183,13 @@ def test_prefix_cache_holds_exactly_the_tokens_after_rewinds(models):
         assert events[-1].accepted_tokens > 0
         key = ids + tokens[:-1]
         assert engine.prefix_cache.cached_blocks(engine.prefix_cache.keys_for(key + [tokens[-1]])) == len(key)
-        caches, n = engine.prefix_cache.lookup(key + [tokens[-1]])
+        hit, n = engine.prefix_cache.lookup(key + [tokens[-1]])
         assert n == len(key)
         fresh = make_cache(model)
         mx.eval(model.hidden_states(mx.array([list(key)]), fresh))
-        for kept, reference in zip(caches, fresh):
+        for kept, reference in zip(hit, fresh):
             assert kept.offset == len(key)
-            for a, b in zip(kept.state, reference.state):
+            for a, b in zip(kept.keys + kept.values, reference.state):
                 assert a.shape == b.shape and mx.allclose(a, b, atol=1e-4).item()
         follow = GenerationRequest(list(key) + [tokens[-1], 50, 51], max_tokens=12)
         again, follow_events = collect(engine.submit(follow))

@@ -107,6 +107,7 @@ def test_a_hit_inside_a_chunk_ends_where_the_window_was_kept(served):
     import mlx.core as mx
     import numpy as np
     from family_checks import tokens
+    from pool_support import held, seated
 
     from mlxformer.cache import make_cache
     from mlxformer.engine.prefix_cache import PrefixCache
@@ -118,10 +119,10 @@ def test_a_hit_inside_a_chunk_ends_where_the_window_was_kept(served):
     caches = make_cache(model)
     for start in range(0, len(first), chunk):  # as the engine publishes a window model's prompt
         prefill(model, mx.array(first[start : start + chunk]), caches, chunk)
-        prefix_cache.insert(first[: start + chunk], caches)
+        prefix_cache.insert(first[: start + chunk], held(caches))
     second = first[:300] + [int(t) for t in tokens(60, seed=2)]
     hit, n = prefix_cache.lookup(second)
     assert n == 256
     cold = prefill(model, mx.array(second), make_cache(model), chunk)
-    warm = prefill(model, mx.array(second[n:]), hit, chunk)
+    warm = prefill(model, mx.array(second[n:]), seated(model, hit, chunk), chunk)
     assert np.abs(np.array(warm) - np.array(cold)).max() < 1e-4

@@ -29,6 +29,7 @@ from mlxformer.models.gated_delta import GatedDeltaNet, chunked_delta_rule, recu
 from mlxformer.speculative.speculator import SpeculativeSettings
 
 from family_checks import tokens
+from pool_support import held, seated
 
 # fp32 on both sides. Measured: qwen3_5_text 1.7e-4, qwen3_5_moe_text 2.3e-4, qwen3_next 1.2e-3
 # (the same with the recurrent form alone: the random MoE amplifies float32 rounding).
@@ -260,11 +261,11 @@ def test_prefix_cache_resumes_from_a_state_snapshot(case):
     own = make_cache(model)
     prefill(model, mx.array(first), own)
     prefix = PrefixCache(10**8, model, CacheSettings())
-    prefix.insert(first, own)
+    prefix.insert(first, held(own))
     second = first + [5, 6, 7]
-    caches, n = prefix.lookup(second)
-    assert n == len(first) and [type(c) for c in caches] == [type(c) for c in own]
-    got = model.last_logits(mx.array([second[n:]]), caches)
+    hit, n = prefix.lookup(second)
+    assert n == len(first) and [h.storage.recurrent for h in hit] == [layer.recurrent for layer in model.cache_layers]
+    got = model.last_logits(mx.array([second[n:]]), seated(model, hit))
     assert mx.array_equal(got, model.last_logits(mx.array([second[n:]]), own)).item()  # bit for bit
     assert prefix.lookup(first[:70] + [9, 9]) is None  # the states after 70 tokens are not kept
     assert prefix.lookup(first[:64] + [9]) is None

@@ -14,6 +14,7 @@ import mlx.core as mx
 import pytest
 
 from conftest import write_tiny_byte_llama
+from pool_support import held, seated
 from mlxformer import load, stream_generate
 from mlxformer.cache import CacheSettings, make_cache
 from mlxformer.engine import Engine, GenerationRequest
@@ -56,11 +57,12 @@ def test_shared_blocks_partial_hit_and_exact_logits(tiny_byte_llama, cache):
     settings = SETTINGS[cache]
     prefix = tiers(model, tokenizer, settings)
     first = SYSTEM + list(range(40, 48))  # 4 blocks
-    prefix.insert(first, prefilled(model, first, settings))
+    prefix.insert(first, held(prefilled(model, first, settings)))
     assert len(prefix) == 4
     one_block = prefix.nbytes // len(prefix)
     second = SYSTEM + list(range(60, 70))
-    caches, n = prefix.lookup(second)
+    hit, n = prefix.lookup(second)
+    caches = seated(model, hit)
     assert n == len(SYSTEM) and caches[0].offset == n
     got = model.last_logits(mx.array([second[n:]]), caches)
     reference = prefilled(model, first, settings)  # the first prompt's own cache, cut back to the system prompt
@@ -69,11 +71,11 @@ def test_shared_blocks_partial_hit_and_exact_logits(tiny_byte_llama, cache):
     assert mx.array_equal(got, want).item()
     # the second prompt's own cache adds only its own block and its 2-token tail (issue 19:
     # shared buffers counted twice)
-    prefix.insert(second, prefilled(model, second, settings))
+    prefix.insert(second, held(prefilled(model, second, settings)))
     tails = [b for b in prefix.blocks.values() if len(b.tokens) < BLOCK]
     assert len(prefix) == 4 + 2 and [b.tokens for b in tails] == [(68, 69)]
     assert prefix.nbytes == 5 * one_block + tails[0].nbytes
-    prefix.insert(second, caches)  # a hit's caches put back: nothing new
+    prefix.insert(second, held(caches))  # a hit's caches put back: nothing new
     assert prefix.nbytes == 5 * one_block + tails[0].nbytes
 
 
@@ -87,10 +89,11 @@ def test_a_hit_is_the_exact_common_prefix(tiny_byte_llama, cache):
     settings = SETTINGS[cache]
     prefix = tiers(model, tokenizer, settings)
     first = SYSTEM + list(range(40, 48)) + [50, 51, 52]  # 4 blocks and a 3-token tail
-    prefix.insert(first, prefilled(model, first, settings))
+    prefix.insert(first, held(prefilled(model, first, settings)))
     for prompt, shared in ((first[:-1] + [99, 98], 34), (SYSTEM + [40, 41, 42, 77], 27), (first, 34),
                            (first[:27], 26), ([10, 11, 5], 2)):
-        caches, n = prefix.lookup(prompt)
+        hit, n = prefix.lookup(prompt)
+        caches = seated(model, hit)
         assert n == shared and caches[0].offset == n
         got = model.last_logits(mx.array([prompt[n:]]), caches)
         reference = prefilled(model, first, settings)
@@ -106,10 +109,10 @@ def test_shorter_prefix_serves_when_the_longest_cannot(tiny_byte_llama):
     settings = SETTINGS["rotating"]
     prefix = tiers(model, tokenizer, settings)
     long = SYSTEM + list(range(100, 140))  # 64 tokens > the 48-token window: evicted
-    prefix.insert(long, prefilled(model, long, settings))
+    prefix.insert(long, held(prefilled(model, long, settings)))
     assert len(prefix) == 0
     short = SYSTEM + [100, 101]
-    prefix.insert(short, prefilled(model, short, settings))
+    prefix.insert(short, held(prefilled(model, short, settings)))
     caches, n = prefix.lookup(long)
     assert n == len(short)
 
@@ -118,13 +121,13 @@ def test_memory_lru_at_the_byte_bound(tiny_byte_llama):
     model, tokenizer = tiny_byte_llama
     probe = tiers(model, tokenizer)
     a, b, c = ([i] * 16 for i in (1, 2, 3))  # 2 blocks each
-    probe.insert(a, prefilled(model, a))
+    probe.insert(a, held(prefilled(model, a)))
     block = probe.nbytes // 2
     prefix = tiers(model, tokenizer, memory=4 * block)
-    prefix.insert(a, prefilled(model, a))
-    prefix.insert(b, prefilled(model, b))
+    prefix.insert(a, held(prefilled(model, a)))
+    prefix.insert(b, held(prefilled(model, b)))
     assert prefix.lookup(a + [9])[1] == 16  # a is now the most recent
-    prefix.insert(c, prefilled(model, c))  # b goes
+    prefix.insert(c, held(prefilled(model, c)))  # b goes
     assert prefix.nbytes == 4 * block
     assert prefix.lookup(b + [9]) is None and prefix.lookup(c + [9])[1] == 16
     prefix.evict_to(block)  # the budget's interface: tails first, so a chain keeps its start
@@ -136,11 +139,11 @@ def test_eviction_leaves_no_child_index_behind(tiny_byte_llama):
     -> blocks cached after it) holds only the blocks in memory, not one entry per prompt ever seen."""
     model, tokenizer = tiny_byte_llama
     probe = tiers(model, tokenizer)
-    probe.insert([1] * 16, prefilled(model, [1] * 16))
+    probe.insert([1] * 16, held(prefilled(model, [1] * 16)))
     prefix = tiers(model, tokenizer, memory=probe.nbytes * 2)
     for i in range(40):
         tokens = [40 + i] * 12 + [7] * 6  # a full block and a tail, each prompt its own chain
-        prefix.insert(tokens, prefilled(model, tokens))
+        prefix.insert(tokens, held(prefilled(model, tokens)))
     children = [key for keys in prefix._children.values() for key in keys]
     assert sorted(children) == sorted(prefix.blocks) and len(prefix._children) <= len(prefix.blocks)
 
@@ -180,12 +183,12 @@ def test_engine_reuses_the_disk_after_a_restart(tiny_byte_llama, tmp_path):
 def test_disk_lru_at_the_byte_bound(tiny_byte_llama, tmp_path):
     model, tokenizer = tiny_byte_llama
     first = tiers(model, tokenizer, memory=0, directory=tmp_path / "probe")
-    first.insert([1] * 8, prefilled(model, [1] * 8))
+    first.insert([1] * 8, held(prefilled(model, [1] * 8)))
     first.flush()
     size = block_files(tmp_path / "probe")[0].stat().st_size
     prefix = tiers(model, tokenizer, memory=0, directory=tmp_path / "lru", disk=int(2.5 * size))
     for i in (1, 2, 3):
-        prefix.insert([i] * 8, prefilled(model, [i] * 8))
+        prefix.insert([i] * 8, held(prefilled(model, [i] * 8)))
         prefix.flush()
         if i == 2:
             assert prefix.lookup([1] * 8 + [0])[1] == 8  # 1 becomes the most recent
@@ -198,7 +201,7 @@ def test_bad_files_are_skipped_and_removed(tiny_byte_llama, tmp_path, tmp_path_f
     model, tokenizer = tiny_byte_llama
     prompt = SYSTEM + [1]
     prefix = tiers(model, tokenizer, memory=0, directory=tmp_path)
-    prefix.insert(prompt, prefilled(model, prompt))
+    prefix.insert(prompt, held(prefilled(model, prompt)))
     prefix.flush()
     keys = prefix.keys_for(prompt)
     files = [tmp_path / f"{k}.safetensors" for k in keys]
@@ -206,7 +209,7 @@ def test_bad_files_are_skipped_and_removed(tiny_byte_llama, tmp_path, tmp_path_f
     files[1].write_bytes(data[: len(data) // 2])  # truncated
     other_model, other_tokenizer = load(write_tiny_byte_llama(tmp_path_factory.mktemp("other"), 1), dtype=mx.float32)
     other = tiers(other_model, other_tokenizer, memory=0, directory=tmp_path / "other")
-    other.insert(prompt, prefilled(other_model, prompt))
+    other.insert(prompt, held(prefilled(other_model, prompt)))
     other.flush()
     other_file = tmp_path / "other" / f"{other.keys_for(prompt)[0]}.safetensors"
     os.replace(other_file, files[0])  # another model's block under our first block's name
@@ -214,7 +217,7 @@ def test_bad_files_are_skipped_and_removed(tiny_byte_llama, tmp_path, tmp_path_f
     assert restarted.lookup(prompt) is None  # block 0 is foreign: nothing is used
     assert not files[0].exists() and files[1].exists() and files[2].exists()
     fresh = prefilled(model, SYSTEM[:8])
-    restarted.insert(SYSTEM[:8], fresh)
+    restarted.insert(SYSTEM[:8], held(fresh))
     restarted.flush()
     assert restarted.lookup(prompt)[1] == BLOCK  # block 1 is truncated: the hit stops before it
     assert not files[1].exists()
@@ -245,7 +248,7 @@ def test_a_write_killed_half_way_leaves_no_entry(tiny_byte_llama, tmp_path):
         cache = make_cache(model)
         tokens = list(range(10, 18))
         mx.eval(model.last_logits(mx.array([tokens]), cache))
-        prefix.insert(tokens, cache)
+        prefix.insert(tokens, [c.held() for c in cache])
         prefix.flush()
     """)
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)}

@@ -16,7 +16,6 @@ from conftest import tiny_byte_llama_of
 from mlxformer import generate
 from mlxformer.cache import CacheSettings, make_cache
 from mlxformer.cache.rows import SpareBatch
-from mlxformer.cache.state import StateCache
 from mlxformer.engine import Engine, GenerationRequest
 from mlxformer.engine.batch_runner import BatchRunner
 from mlxformer.engine.memory import nbytes
@@ -45,9 +44,9 @@ def kind_model(kind: str, llama, directory) -> tuple:
     return llama[0], CacheSettings(kv_bits=8, kv_group_size=32) if kind == "kv8" else CacheSettings()
 
 
-def hit_caches(model, settings: CacheSettings) -> tuple[list, PrefixCache]:
-    """Caches rebuilt from prefix blocks holding the first ``SHARED`` tokens of a prompt (lazy, as
-    ``PrefixCache.lookup`` gives them: the blocks' arrays, not yet copied), and the prefix cache
+def prefix_hit(model, settings: CacheSettings) -> tuple[list, PrefixCache]:
+    """What each layer holds once it holds the first ``SHARED`` tokens of a prompt from prefix
+    blocks (lazy, as ``PrefixCache.lookup`` gives it: the blocks' arrays, not yet copied), and the prefix cache
     holding the blocks (kept by the caller, as the engine keeps it)."""
     prefix = PrefixCache(2**30, model, settings)
     tokens = ids(SHARED, 3)
@@ -56,22 +55,23 @@ def hit_caches(model, settings: CacheSettings) -> tuple[list, PrefixCache]:
     for start in range(0, SHARED, 128):
         BatchRunner(model).prefill(tokens[start : start + 128], own, want_logits=False)
         if sliding or start + 128 >= SHARED:  # a sliding window's blocks are cut while it holds them
-            prefix.insert(tokens[: start + 128], own)
+            prefix.insert(tokens[: start + 128], [c.held() for c in own])
     hit = prefix.lookup(tokens + [5, 6])
     assert hit is not None and hit[1] == SHARED
     del own
     return hit[0], prefix
 
 
-def seat_rise(runner: BatchRunner, sequence: Stub) -> tuple[int, int]:
-    """MLX's peak memory over what was held while ``runner`` seats ``sequence``, and what the
-    seat left held."""
+def seat_rise(runner: BatchRunner, sequence: Stub, held: list | None = None) -> tuple[int, int]:
+    """MLX's peak memory over what was held while ``runner`` seats ``sequence`` (holding
+    ``held``, a hit's, which it empties; default: what its caches hold), and what the seat
+    left held."""
     mx.eval([layer.state for batch in runner.batches.values() for layer in batch.layers])
     mx.synchronize()
     mx.clear_cache()
     before = mx.get_active_memory()
     mx.reset_peak_memory()
-    runner.seat(sequence)
+    runner.seat(sequence, held)
     mx.eval([layer.state for batch in runner.batches.values() for layer in batch.layers])
     mx.synchronize()
     return mx.get_peak_memory() - before, mx.get_active_memory() - before
@@ -92,12 +92,11 @@ def test_a_prefix_hit_is_seated_one_layer_at_a_time(kind, beside, llama, tmp_pat
     runner.staged, runner.prefill_chunk = True, 128
     if beside:
         seated_prefill(runner, Stub(make_cache(model, settings), 5), 300)
-    caches, prefix = hit_caches(model, settings)
-    sequence = Stub(caches, 6)
-    del caches
-    hit_layer = max(c.nbytes for c in sequence.cache if not isinstance(c, StateCache))  # its keys/values
+    hit, prefix = prefix_hit(model, settings)
+    sequence = Stub([], 6)
+    hit_layer = max(h.nbytes for h in hit if not h.storage.recurrent)  # its keys/values
     old_layer = max((layer.nbytes for b in runner.batches.values() for layer in b.layers), default=0)
-    rise, kept = seat_rise(runner, sequence)
+    rise, kept = seat_rise(runner, sequence, hit)
     (batch,) = runner.batches.values()
     assert isinstance(batch, SpareBatch) and batch.capacity == 1 + beside
     assert [int(c.offset) for c in sequence.cache] == [SHARED] * LAYERS
@@ -151,10 +150,10 @@ def test_a_prefix_hit_under_a_budget_holds_its_tokens_once(llama):
     engine = Engine(model, tokenizer, prefill_chunk=128, max_kv_memory=budget)
     real_seat, seats = engine.runner.seat, []
 
-    def seat(sequence):
+    def seat(sequence, held=None):
         mx.synchronize()
         mx.reset_peak_memory()
-        real_seat(sequence)
+        real_seat(sequence, held)
         mx.eval([layer.state for batch in engine.runner.batches.values() for layer in batch.layers])
         mx.synchronize()
         seats.append((sequence.cached_tokens, mx.get_peak_memory() - start, engine.prefix_cache.nbytes))

@@ -103,7 +103,7 @@ def assert_join_copies_nothing(model, settings: CacheSettings, chunk: int = 128,
     assert all(isinstance(c, (RowCache, StateRowCache)) for s in rows for c in s.cache)
     (batch,) = runner.batches.values()
     assert isinstance(batch, SpareBatch) and batch.capacity == 2
-    assert ring_key(batch_key(make_cache(model, settings), windows), chunk) == batch.key
+    assert ring_key(batch_key([c.held() for c in make_cache(model, settings)], windows), chunk) == batch.key
     attention = [layer for layer in batch.layers if isinstance(layer, BatchLayerCache)]
     held = sum(layer.nbytes for layer in attention)
     layer = held / len(attention)  # one layer of the batch (Gemma 4's: 3 cache layers for 5)
@@ -240,8 +240,8 @@ def in_turn(engine: Engine, requests: list[GenerationRequest], seats: bool | Non
     engine.decoding.run_alone = lambda *args: failed.append(args) or []  # type: ignore[method-assign]
     seat = engine.runner.seat
 
-    def recorded_seat(sequence) -> None:
-        seat(sequence)
+    def recorded_seat(sequence, held=None) -> None:
+        seat(sequence, held)
         seated.append(all(isinstance(c, (RowCache, StateRowCache)) for c in sequence.cache))
 
     engine.runner.seat = recorded_seat  # type: ignore[method-assign]

@@ -11,7 +11,7 @@ ones the sequence's own cache would use (the growing cache appends; the rotating
 then writes its ring after the sinks), so each row sees exactly the keys it sees alone.
 
 The rows belong to a pool (``cache/rows.py``), where a sequence lives from admission to
-retirement; ``SpareBatch.row_caches`` gives a row as per-sequence caches (what the prefix cache
+retirement; a row's layer views say what it holds as data (``held()``: what the prefix cache
 cuts blocks from).
 """
 

@@ -8,7 +8,7 @@ and a hit can be partial. A block holds every layer's keys/values of its tokens 
 owns exactly the bytes it counts), tagged with its storage (float, or the quantization and the
 digest of the sequence's key centers): a run of blocks is used only while the tags agree.
 
-A hybrid model's recurrent layers (``StateCache``) hold no per-token arrays: their packs are
+A hybrid model's recurrent layers hold no per-token arrays: their packs are
 empty, and the block that ends where the sequence's cache ended carries a snapshot of every
 recurrent layer's state there (``states``). A hit on a hybrid model ends at a block with a
 snapshot, taken whole (the state after any other prefix is not known); the engine inserts a
@@ -33,16 +33,16 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import mlx.core as mx
 import numpy as np
 
-from mlxformer.cache import Cache, CacheSettings, KVCache, RotatingKVCache, make_cache
-from mlxformer.cache.codec import Pack
+from mlxformer.cache import CacheSettings, make_cache
+from mlxformer.cache.batch_kind import Held
+from mlxformer.cache.codec import FLOAT_CODEC, KVCodec, Pack
 from mlxformer.cache.protocol import HasLayers
-from mlxformer.cache.state import StateCache
 
 
 def block_keys(seed: str, tokens: Sequence[int], block_size: int, count: int | None = None) -> list[str]:
@@ -66,7 +66,7 @@ class Block:
     keys: list[Pack]
     values: list[Pack]
     centers: list[mx.array] | None  # each layer's key center (1, n_kv, 1, D) when quantized
-    # each layer's ``StateCache.state`` after the block's last token (``()`` for an attention
+    # each layer's window and state (``Held.state``) after the block's last token (``()`` for an attention
     # layer); None: no snapshot (a hybrid model's run cannot end here)
     states: list[tuple[mx.array, ...]] | None = None
 
@@ -86,21 +86,18 @@ class Block:
         return [x for pack in self.keys + self.values for x in pack] + list(self.centers or []) + states
 
 
-def storage_tag(cache: Sequence[Cache]) -> str | None:
-    """The storage tag of a sequence's caches, or None when they are not a plain prefix (a
-    rotating cache that has evicted tokens) or hold nothing."""
-    cache = [c for c in cache if not isinstance(c, StateCache)]  # the attention layers'
-    if not cache:
+def storage_tag(held: Sequence[Held]) -> str | None:
+    """The storage tag of what a sequence's layers hold, or None when it is not a plain prefix
+    (a rotating cache that has evicted tokens from beside its sinks) or nothing."""
+    held = [h for h in held if not h.storage.recurrent]  # the attention layers'
+    if not held or not held[0].positions:
         return None
-    first = cache[0]
-    if not isinstance(first, (KVCache, RotatingKVCache)) or first.keys is None:
-        return None
-    if any(isinstance(c, RotatingKVCache) and c.keep and c.size != c.offset for c in cache):
+    if any(h.storage.keep and len(h.positions) != h.offset for h in held):
         return None  # sinks kept apart from an evicted middle: not a prefix
-    codec = first.codec
+    codec = held[0].codec
     if codec.bits is None:
         return "float"
-    centers = [c.codec.key_center for c in cache]  # type: ignore[attr-defined]
+    centers = [h.codec.key_center for h in held]
     mx.eval(centers)
     digest = hashlib.sha256(b"".join(np.asarray(c.astype(mx.float32)).tobytes() for c in centers)).hexdigest()[:16]
     return f"q{codec.bits}g{codec.group_size}:{digest}"
@@ -113,48 +110,35 @@ def tail_key(parent: str, tokens: Sequence[int]) -> str:
     return hashlib.sha256(b"tail:" + parent.encode() + block).hexdigest()
 
 
-def cut_blocks(cache: Sequence[Cache], tokens: Sequence[int], spans: Sequence[tuple[str, int, int]]) -> list[Block]:
-    """The blocks of ``cache`` (holding ``tokens``) named by ``spans`` (key, start, end); their
-    arrays are evaluated copies."""
-    tag = storage_tag(cache)
+def cut_blocks(held: Sequence[Held], tokens: Sequence[int], spans: Sequence[tuple[str, int, int]]) -> list[Block]:
+    """The blocks named by ``spans`` (key, start, end) of what a sequence's layers hold
+    (``held``, of ``tokens``); their arrays are evaluated copies."""
+    tag = storage_tag(held)
     if tag is None:
         return []
     blocks = []
-    end = int(cache[0].offset)  # type: ignore[arg-type]
-    held = [_held(c) for c in cache]
+    end = held[0].offset
     # each layer's key center when quantized (a recurrent layer's: an empty array)
-    centers = [mx.zeros((0,)) if isinstance(c, StateCache) else c.codec.key_center  # type: ignore[attr-defined]
-               for c in cache] if tag != "float" else None
+    centers = [mx.zeros((0,)) if h.storage.recurrent else h.codec.key_center for h in held] if tag != "float" else None
     for key, a, b in spans:
-        layer_keys = [_slice(h, 0, a, b) for h in held]
-        layer_values = [_slice(h, 1, a, b) for h in held]
-        states = [c.state if isinstance(c, StateCache) else () for c in cache] if b == end else None
-        blocks.append(Block(key, tuple(tokens[a:b]), tag, layer_keys, layer_values, centers, states))
+        layer_keys = [_slice(h, h.keys, a, b) for h in held]
+        layer_values = [_slice(h, h.values, a, b) for h in held]
+        states = [h.state for h in held] if b == end else None
+        blocks.append(Block(key, tuple(tokens[a:b]), tag, layer_keys, layer_values, centers, states))  # type: ignore[arg-type]
     mx.eval([x for block in blocks for x in block.arrays()])
     return blocks
 
 
-def _held(cache: Cache) -> tuple[Pack, Pack, int] | None:
-    """A layer's keys, values and the position of the first they hold, in time order (None: a
-    recurrent layer, which holds no per-token arrays)."""
-    if isinstance(cache, StateCache):
-        return None
-    if isinstance(cache, RotatingKVCache) and cache.size != cache.offset:  # evicted: held in time order
-        keys, values, positions = cache.time_order()
-        return keys, values, positions[0]
-    return cache.keys, cache.values, 0  # type: ignore[attr-defined, return-value]
-
-
-def _slice(held: tuple[Pack, Pack, int] | None, which: int, a: int, b: int) -> Pack:
-    """Copies of a layer's keys (``which`` 0) or values (1) of the tokens ``a:b`` it still holds
-    (the last of them, for a window that moved past ``a``; nothing for a recurrent layer)."""
-    if held is None:
+def _slice(held: Held, pack: Pack, a: int, b: int) -> Pack:
+    """Copies of a layer's keys or values (``pack``) of the tokens ``a:b`` it still holds (the
+    last of them, for a window that moved past ``a``; nothing for a recurrent layer)."""
+    if not held.positions:
         return ()
-    first = held[2]
+    first = held.positions[0]
     a, b = max(a, first) - first, b - first
     if a >= b:
         return ()
-    return tuple(mx.contiguous(x[..., a:b, :]) for x in held[which])
+    return tuple(mx.contiguous(x[..., a:b, :]) for x in pack)
 
 
 def window_blocks(blocks: Sequence[Block], windows: Sequence[int | None]) -> int:
@@ -195,36 +179,31 @@ def _last(x: mx.array, n: int) -> mx.array:
     return x[..., x.shape[2] - n :, :]
 
 
-def assemble(model: HasLayers, settings: CacheSettings, blocks: Sequence[Block]) -> list[Cache]:
-    """New per-layer caches holding the tokens of ``blocks`` (a run with one storage tag), built
-    like ``make_cache(model, settings)`` and filled through the protocol's ``meta_state``/``state``."""
-    caches = make_cache(model, settings)
+def assemble(model: HasLayers, settings: CacheSettings, blocks: Sequence[Block]) -> list[Held]:
+    """What the layers of caches made like ``make_cache(model, settings)`` hold once they hold
+    the tokens of ``blocks`` (a run with one storage tag), as a cold prefill leaves them: a
+    window's last ``capacity`` tokens in time order, a recurrent layer's last snapshot."""
     centers = blocks[0].centers
     quantized = centers is not None
     n = sum(len(b.tokens) for b in blocks)
-    for layer, cache in enumerate(caches):
-        if isinstance(cache, StateCache):  # the last block's snapshot
+    held = []
+    for layer, empty in enumerate(c.held() for c in make_cache(model, settings)):
+        if empty.storage.recurrent:  # the last block's snapshot
             assert blocks[-1].states is not None
-            cache.meta_state = {"offset": str(n), "keep": str(cache.keep)}  # type: ignore[misc]
-            cache.state = blocks[-1].states[layer]  # type: ignore[misc]
+            held.append(replace(empty, offset=n, state=blocks[-1].states[layer]))
             continue
-        held = n if not isinstance(cache, RotatingKVCache) else min(n, cache.capacity)
-        run, count = [], 0  # the blocks holding the last ``held`` tokens (a window: its capacity)
+        count = n if empty.storage.capacity is None else min(n, empty.storage.capacity)
+        run, have = [], 0  # the blocks holding the last ``count`` tokens (a window: its capacity)
         for block in reversed(blocks):
-            if count >= held:
+            if have >= count:
                 break
             run.insert(0, block)
-            count += len(block.tokens)
-        # the run's first block may hold only its last tokens (a window's): take the last ``held``
-        keys = tuple(_last(mx.concatenate(parts, axis=2), held) for parts in zip(*(b.keys[layer] for b in run)))
-        values = tuple(_last(mx.concatenate(parts, axis=2), held) for parts in zip(*(b.values[layer] for b in run)))
-        center = (centers[layer],) if centers is not None else ()
-        meta = {**cache.meta_state, "quantized": str(int(quantized))}
-        if isinstance(cache, RotatingKVCache):  # in time order, as a chunk's update leaves it
-            idx = held if held < cache.capacity else cache.keep
-            cache.meta_state = {**meta, "offset": str(n), "idx": str(idx)}  # type: ignore[misc]
-            cache.state = keys + values + center + (mx.arange(n - held, n, dtype=mx.int32),)  # type: ignore[misc]
-        else:
-            cache.meta_state = meta  # type: ignore[misc]
-            cache.state = keys + values + center  # type: ignore[misc]
-    return caches
+            have += len(block.tokens)
+        # the run's first block may hold only its last tokens (a window's): take the last ``count``
+        keys = tuple(_last(mx.concatenate(parts, axis=2), count) for parts in zip(*(b.keys[layer] for b in run)))
+        values = tuple(_last(mx.concatenate(parts, axis=2), count) for parts in zip(*(b.values[layer] for b in run)))
+        bits = int(empty.meta["bits"]) if quantized else None
+        codec = KVCodec(bits, empty.storage.group_size, centers[layer]) if centers is not None else FLOAT_CODEC
+        held.append(Held(replace(empty.storage, bits=bits), {**empty.meta, "quantized": str(int(quantized))}, n,
+                         keys, values, list(range(n - count, n)), codec))
+    return held

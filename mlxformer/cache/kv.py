@@ -7,6 +7,7 @@ from typing import Sequence
 
 import mlx.core as mx
 
+from mlxformer.cache.batch_kind import Held, StorageKind
 from mlxformer.cache.codec import (
     FLOAT_CODEC, KVCodec, Pack, check_kv_quantization, pack_concat, pack_nbytes, pack_slice,
     pack_write, pack_zeros_like,
@@ -82,6 +83,25 @@ class OwnCache(CodecAttention):
         """The absolute position of each stored slot, in slot order."""
         raise NotImplementedError
 
+    @property
+    def storage(self) -> StorageKind:
+        """The pool a sequence with this cache takes a row in (``cache/batch_kind.py``)."""
+        raise NotImplementedError
+
+    def time_order(self) -> tuple[Pack, Pack, list[int]]:
+        """The stored keys, values and their positions, oldest first."""
+        raise NotImplementedError
+
+    @property
+    def meta_state(self) -> dict[str, str]:
+        raise NotImplementedError
+
+    def held(self) -> Held:
+        """What the cache holds, oldest first, as data (``Held``)."""
+        if self.keys is None or self.values is None or not self.offset:
+            return Held(self.storage, self.meta_state, int(self.offset), codec=self.codec)
+        return Held(self.storage, self.meta_state, int(self.offset), *self.time_order(), codec=self.codec)
+
     def quantize_storage(self) -> None:
         """Re-encode what the cache holds into quantized storage (at ``quantized_kv_start``; a
         batch row crossing it, ``BatchRunner._cross``, re-encodes its row or window through this)."""
@@ -133,6 +153,14 @@ class KVCache(OwnCache):
 
     def _held(self) -> Sequence[int]:
         return range(self.offset)
+
+    @property
+    def storage(self) -> StorageKind:
+        return StorageKind(False, None, None, 0, self.codec.bits, self.group_size)
+
+    def time_order(self) -> tuple[Pack, Pack, list[int]]:
+        assert self.keys is not None and self.values is not None
+        return pack_slice(self.keys, 0, self.offset), pack_slice(self.values, 0, self.offset), list(range(self.offset))
 
     def reserve_rewind(self, slack: int) -> None:
         """Nothing to keep: a growing cache can always take its last tokens back."""

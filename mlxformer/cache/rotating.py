@@ -10,16 +10,10 @@ from __future__ import annotations
 import mlx.core as mx
 
 from mlxformer.models.mask import Mask, causal_mask_for
+from mlxformer.cache.batch_kind import StorageKind, takes_back
 from mlxformer.cache.codec import CENTER_BLOCK, Pack, pack_concat, pack_slice, pack_write
 from mlxformer.cache.kv import OwnCache, codec_settings
 from mlxformer.errors import MlxformerError
-
-
-def takes_back(oldest: int, held: int, offset: int, n: int, max_size: int, keep: int) -> bool:
-    """Whether a window of ``max_size`` tokens with ``keep`` sinks, holding ``held`` tokens
-    (the oldest after its sinks at position ``oldest``) of ``offset``, can forget its last
-    ``n``: it keeps a token beyond its sinks and every token the next query sees."""
-    return held - n > keep and oldest <= max(keep, offset - n - (max_size - keep) + 1)
 
 
 def time_spans(size: int, capacity: int, keep: int, idx: int) -> list[tuple[int, int]]:
@@ -65,6 +59,10 @@ class RotatingKVCache(OwnCache):
         return len(self.positions)
 
     # --- storage -----------------------------------------------------------------------
+
+    @property
+    def storage(self) -> StorageKind:
+        return StorageKind(True, self.capacity, self.max_size, self.keep, self.codec.bits, self.group_size)
 
     def time_order(self) -> tuple[Pack, Pack, list[int]]:
         """The stored keys, values and their positions, oldest first."""

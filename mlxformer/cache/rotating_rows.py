@@ -11,8 +11,8 @@ of at most ``extra + 1`` tokens overwrites only the oldest ring tokens, at least
 longer chunk is written and attended piece by piece. A row that does not take a decode step
 writes the step's scratch at its next slot (``BatchLayout.prepare``): a free slot, or the
 oldest ring slot, whose token is out of every later query's window and (``extra >= 1``) not
-among the ``max_size + slack`` tokens the row gives back as a per-sequence cache
-(``own_ring_cache``). A rejected speculation round is taken back in the row, also once its ring
+among the ``max_size + slack`` tokens the row gives back as a per-sequence cache would hold
+them (``RingRowCache.held``). A rejected speculation round is taken back in the row, also once its ring
 turned (``RingRowCache.takes_back``: the per-sequence cache's rule; ``RowPlace._move_back``: the
 ring index steps back, the slots it passes are the row's ``freed`` ones, written first and read as
 empty).
@@ -25,11 +25,10 @@ from typing import Callable
 
 import mlx.core as mx
 
-from mlxformer.cache.batch import BatchLayerCache, in_window
-from mlxformer.cache.batch_kind import BatchKey, BatchRow, StorageKind
+from mlxformer.cache.batch import in_window
+from mlxformer.cache.batch_kind import BatchKey, BatchRow, Held, StorageKind, takes_back
 from mlxformer.cache.codec import CENTER_BLOCK, Pack, pack_slice
 from mlxformer.cache.latent import Expand, latent_attention
-from mlxformer.cache.rotating import RotatingKVCache, takes_back
 from mlxformer.cache.row_place import RowCache
 from mlxformer.models.mask import Mask
 
@@ -105,38 +104,6 @@ def time_slots(row: BatchRow, capacity: int, keep: int) -> list[int]:
         return list(range(row.used))
     ring = [*range(row.idx, capacity), *range(keep, row.idx)]
     return [*range(keep), *ring[row.freed :]]
-
-
-def own_ring_cache(layer: BatchLayerCache, index: int, row: BatchRow, meta: dict[str, str]) -> RotatingKVCache:
-    """Row ``index`` of a rotating layer as the per-sequence cache it stands for (``meta``):
-    its sinks and newest tokens in time order, at most its ``max_size + slack`` (copies)."""
-    kind = layer.layout.kind
-    assert kind.capacity is not None
-    capacity = int(meta["max_size"]) + int(meta.get("slack", "0"))
-    slots = time_slots(row, kind.capacity, kind.keep)
-    if len(slots) > capacity:
-        slots = slots[: kind.keep] + slots[len(slots) - (capacity - kind.keep) :]
-    order = mx.array(slots, dtype=mx.int32)
-    keys = tuple(mx.take(x[index : index + 1], order, axis=2) for x in layer.keys)
-    values = tuple(mx.take(x[index : index + 1], order, axis=2) for x in layer.values)
-    center = tuple(c[index : index + 1] for c in layer.codec.state)
-    positions = mx.take(layer.layout.padded()[index], order)
-    size = len(slots)
-    cache = RotatingKVCache()
-    cache.meta_state = {**meta, "offset": str(row.offset), "idx": str(size if size < capacity else kind.keep)}  # type: ignore[misc]
-    cache.state = keys + values + center + (positions,)  # type: ignore[misc]
-    return cache
-
-
-def held(cache: object) -> tuple[Pack, Pack, list[int]] | None:
-    """A per-sequence cache's keys, values and the positions they hold, oldest first (None:
-    nothing yet)."""
-    if isinstance(cache, RotatingKVCache):
-        return None if cache.keys is None else cache.time_order()
-    keys, values, offset = cache.keys, cache.values, int(cache.offset)  # type: ignore[attr-defined]
-    if keys is None or not offset:
-        return None
-    return pack_slice(keys, 0, offset), pack_slice(values, 0, offset), list(range(offset))
 
 
 Piece = tuple[Pack, Pack, mx.array, mx.array]  # a piece's row keys, values, mask (count, C) and key blocks (C,)
@@ -245,6 +212,19 @@ class RingRowCache(RowCache):
             layout.positions[index, slot : slot + n] = mx.arange(start, start + n, dtype=mx.int32)
         self.row.used, self.row.idx, self.row.offset = used, idx, self.row.offset + self.pending
         self.row.freed = max(0, self.row.freed - self.pending)  # written first (``ring_spans`` starts at ``idx``)
+
+    def held(self) -> Held:
+        """The row's window as data, as a per-sequence cache of it holds it: its sinks and newest
+        tokens in time order, at most ``max_size + slack`` (copies)."""
+        kind, row, meta = self._kind, self.row, self.meta_state
+        assert kind.capacity is not None
+        capacity = int(meta["max_size"]) + int(meta.get("slack", "0"))
+        slots = time_slots(row, kind.capacity, kind.keep)
+        if len(slots) > capacity:
+            slots = slots[: kind.keep] + slots[len(slots) - (capacity - kind.keep) :]
+        index = self.index
+        positions = mx.take(self._layer.layout.padded()[index], mx.array(slots, dtype=mx.int32)).tolist() if slots else []
+        return self._held(index, slots, positions, replace(kind, capacity=capacity))
 
     def takes_back(self, n: int) -> bool:
         """Whether the last ``n`` tokens can be taken back: while the slots hold every token in

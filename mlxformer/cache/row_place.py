@@ -10,12 +10,13 @@ from typing import TYPE_CHECKING, Any, Protocol, Sequence
 import mlx.core as mx
 
 from mlxformer.cache.batch import BatchLayerCache, _pad
+from mlxformer.cache.batch_kind import Held
 from mlxformer.cache.codec import CENTER_BLOCK, FLOAT_CODEC, KVCodec, Pack
 from mlxformer.cache.kv import CodecAttention
 from mlxformer.models.mask import Mask, causal_mask_for
 
 if TYPE_CHECKING:
-    from mlxformer.cache.batch_kind import BatchKey, BatchRow
+    from mlxformer.cache.batch_kind import BatchKey, BatchRow, StorageKind
 
 
 class RowHost(Protocol):
@@ -186,6 +187,29 @@ class RowCache(RowPlace, CodecAttention):
     def fetch(self) -> tuple[Pack, Pack]:
         """Views of the row's slots up to its written tokens, in the buffers as written so far."""
         return self._slots(self.index, self.offset)
+
+    def _held(self, index: int, slots: list[int], positions: list[int], storage: "StorageKind") -> Held:
+        """The row's ``slots`` (holding ``positions``, oldest first) as data: views when they
+        are its first slots in order, else copies; the codec holding the row's key centers."""
+        layer = self._layer
+        codec = layer.codec
+        if codec.bits is not None:
+            center = None if codec.key_center is None else codec.key_center[index : index + 1]
+            codec = KVCodec(codec.bits, codec.group_size, center)
+        if not slots:
+            return Held(storage, self.meta_state, self.row.offset, codec=codec)
+        if slots == list(range(len(slots))):
+            keys, values = self._slots(index, len(slots))
+        else:
+            order = mx.array(slots, dtype=mx.int32)
+            keys = tuple(mx.take(x[index : index + 1], order, axis=2) for x in layer.keys)
+            values = tuple(mx.take(x[index : index + 1], order, axis=2) for x in layer.values)
+        return Held(storage, self.meta_state, self.row.offset, keys, values, positions, codec)
+
+    def held(self) -> Held:
+        """The row's tokens as data (views of its slots: nothing is copied)."""
+        used = self.row.used
+        return self._held(self.index, list(range(used)), list(range(used)), self._layer.layout.kind)
 
     @property
     def state(self) -> tuple[mx.array, ...]:

@@ -4,7 +4,8 @@ its first prompt chunk on, so joining the decode steps moves nothing.
 A ``SpareBatch`` is the pool of one storage kind (``BatchKey``): every layer's buffers
 ``(capacity, n_kv, C, ...)`` (growing or rotating, float or quantized) with spare rows, and the
 slot layouts of its rows (``cache/batch.py``). A sequence takes a free row when it is
-admitted (``seat``: an empty row, or a prefix-cache hit's tokens written into it); its prompt
+admitted (``seat``: an empty row, or a prefix-cache hit's tokens written into it, each layer's
+given as data, ``batch_kind.Held``); its prompt
 chunks write there through ``RowCache`` (one layer of one row behind the cache protocol: ``L``
 slots written in place, a causal mask, attention over the row's slots, exactly what its own
 ``KVCache`` computes); once its prompt is done it takes part in the batch's decode steps where it
@@ -24,8 +25,8 @@ removes it (every layout's row, a recurrent layer's states too), so the buffers 
 use times the widest row, what the planner counts (``engine/memory.py``: a ring row's slots
 beyond its window, a recurrent row's state); each such rewrite, and a widening (``reserve``,
 every layout), is done one layer at a time, each evaluated before the next, so only one layer
-is ever held twice. A seat that copies tokens in (a prefix-cache hit's caches assembled from
-its blocks, a crossing row's re-encoded window) grows, writes and evaluates each layer in turn
+is ever held twice. A seat that copies tokens in (what a prefix-cache hit's blocks hold,
+``Held`` per layer; a crossing row's re-encoded window) grows, writes and evaluates each layer in turn
 and drops that layer's source before the next, so the tokens are held twice one layer at a time.
 
 A rotating cache (a ``max_kv_size`` window, a sliding-window layer) lives in a row of a ring
@@ -42,13 +43,11 @@ from typing import Sequence
 import mlx.core as mx
 
 from mlxformer.cache.batch import BatchLayerCache, BatchLayout, _pad
-from mlxformer.cache.batch_kind import BatchKey, BatchRow, LayerKind
+from mlxformer.cache.batch_kind import BatchKey, BatchRow, Held, LayerKind
 from mlxformer.cache.codec import FLOAT_CODEC, KVCodec, Pack, pack_slice
-from mlxformer.cache.kv import KVCache
 from mlxformer.cache.protocol import Cache
 from mlxformer.cache.row_place import RowCache
-from mlxformer.cache.rotating_rows import RingRowCache, held, own_ring_cache, placement
-from mlxformer.cache.state import StateCache
+from mlxformer.cache.rotating_rows import RingRowCache, placement
 from mlxformer.cache.state_rows import StateRowCache, StateRows
 from mlxformer.cache.rewrite import evaluate_rewrite
 from mlxformer.errors import MlxformerError
@@ -139,24 +138,22 @@ class SpareBatch:
             center = mx.pad(center, [(0, extra)] + [(0, 0)] * (center.ndim - 1))
             layer.codec = KVCodec(layer.codec.bits, layer.codec.group_size, center)
 
-    def seat(self, caches: list[Cache]) -> tuple[int, list["RowCache | StateRowCache"]]:
-        """A free row for a sequence with own ``caches`` (maybe holding a prefix-cache hit's
-        tokens and states, written into the row: ``placement``; nothing else is copied); returns
-        its index and its caches from now on. A full batch adds rows (``_add_rows``) to each
-        layer just before that layer's row is written. ``staged``: one layer at a time, each
-        evaluated before the next and the own layer dropped then (its entry becomes None), so the
-        tokens copied in are held twice one layer at a time, not whole (``_write_layer``)."""
+    def seat(self, held: list[Held | None]) -> tuple[int, list["RowCache | StateRowCache"]]:
+        """A free row for a sequence whose layers hold ``held`` (maybe a prefix-cache hit's tokens
+        and states, written into the row: ``placement``; nothing else is copied); returns its
+        index and its caches from now on. A full batch adds rows (``_add_rows``) to each layer
+        just before that layer's row is written. ``staged``: one layer at a time, each evaluated
+        before the next and its entry of ``held`` dropped then (None), so the tokens copied in
+        are held twice one layer at a time, not whole (``_write_layer``)."""
         extra = 0 if self.free else self._add_rows()
         index = self.free.pop(0)
-        metas = [c.meta_state for c in caches]
-        kept = [None if isinstance(c, StateCache) else held(c) for c in caches]
+        metas = [h.meta for h in held]  # type: ignore[union-attr]
         rows, spans, pendings = {}, {}, {}
         for kind, layers in self.groups.items():
             if kind[0].recurrent:
                 continue
-            layout = self.layouts[kind]
-            positions = kept[layers[0]][2] if kept[layers[0]] is not None else []  # type: ignore[index]
-            rows[kind], spans[kind] = placement(kind[0], positions, int(caches[layers[0]].offset), metas)
+            layout, positions = self.layouts[kind], held[layers[0]].positions  # type: ignore[union-attr]
+            rows[kind], spans[kind] = placement(kind[0], positions, held[layers[0]].offset, metas)  # type: ignore[union-attr]
             pendings[kind] = {layer: 0 for layer in layers}  # shared by the row's caches (``RowCache.pending``)
             layout.rows[index] = rows[kind]
             if positions:
@@ -175,28 +172,23 @@ class SpareBatch:
         for layer, kind in enumerate(self.key):
             if extra:
                 self._grow_layer(layer, extra)
-            self._write_layer(index, views[layer], caches[layer], kept[layer], spans.get(kind, []))
+            self._write_layer(index, views[layer], held[layer], spans.get(kind, []))  # type: ignore[arg-type]
             if self.staged:
-                caches[layer] = kept[layer] = None  # type: ignore[call-overload]  # now in the row
+                held[layer] = None  # now in the row
                 evaluate_rewrite(self.layers[layer].state)
         return index, views
 
     @staticmethod
-    def _write_layer(index: int, view: "RowCache | StateRowCache", own: Cache,
-                     have: tuple[Pack, Pack, list[int]] | None, spans: list[tuple[int, int, int]]) -> None:
-        """Write one layer of row ``index`` from ``own``: its tokens ``have`` (keys, values,
-        positions) at ``spans`` (slot, token, count), or its recurrent state (a hit's snapshot, or
-        zeros: a freed row holds its last sequence's). Nothing of ``own`` is referenced after."""
+    def _write_layer(index: int, view: "RowCache | StateRowCache", held: Held, spans: list[tuple[int, int, int]]) -> None:
+        """Write one layer of row ``index`` from ``held``: its tokens at ``spans`` (slot, token,
+        count), or its recurrent state (a hit's snapshot, or zeros: a freed row holds its last
+        sequence's). Nothing of ``held`` is referenced after."""
         if isinstance(view, StateRowCache):
-            assert isinstance(own, StateCache)
-            view.reset(own)
+            view.reset(held.state)
             return
-        if have is None:
-            return
-        keys, values, _ = have
         for slot, token, n in spans:
-            view.write(index, slot, pack_slice(keys, token, token + n), pack_slice(values, token, token + n),
-                       own.codec, slot + n)  # type: ignore[attr-defined]
+            view.write(index, slot, pack_slice(held.keys, token, token + n), pack_slice(held.values, token, token + n),
+                       held.codec, slot + n)
 
     def reserve(self, slots: int) -> None:
         """Widen the rows to hold ``slots`` slots before a step writes past them (a prompt chunk,
@@ -224,25 +216,6 @@ class SpareBatch:
             layout.positions[index] = -1
         self.free.append(index)
         self.free.sort()
-
-    def row_caches(self, index: int) -> list[Cache]:
-        """Row ``index`` as per-sequence caches (a growing layer's: views of the buffers; a
-        rotating layer's: its window copied in time order, ``own_ring_cache``; states: copies)."""
-        caches: list[Cache] = []
-        for layer, batched in enumerate(self.layers):
-            row = batched.layout.rows[index]  # a recurrent layer's: the first layout's
-            meta = row.metas[layer]
-            if isinstance(batched, StateRows):
-                caches.append(batched.row(index, row.offset, int(meta["keep"])))
-            elif batched.layout.kind.rotating:
-                caches.append(own_ring_cache(batched, index, row, meta))
-            else:
-                own = KVCache()
-                own.meta_state = meta  # type: ignore[misc]
-                views = tuple(x[index : index + 1, :, : row.used] for x in batched.keys + batched.values)
-                own.state = views + tuple(c[index : index + 1] for c in batched.codec.state)  # type: ignore[misc]
-                caches.append(own)
-        return caches
 
     def index(self, row: BatchRow) -> int:
         return next(i for layout in self.layouts.values() for i, r in enumerate(layout.rows) if r is row)

@@ -15,6 +15,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from mlxformer.cache.batch_kind import RECURRENT, Held
 from mlxformer.models.mask import Mask, causal_mask_for
 
 
@@ -91,6 +92,10 @@ class StateCache:
     @meta_state.setter
     def meta_state(self, meta: dict[str, str]) -> None:
         self.offset, self.keep = int(meta["offset"]), max(1, int(meta["keep"]))
+
+    def held(self) -> Held:
+        """Its window and state, as data (``Held``)."""
+        return Held(RECURRENT, self.meta_state, self.offset, state=self.state)
 
     def reserve_rewind(self, slack: int) -> None:
         """Keep the states of at least ``slack`` tokens from now on (speculative decoding)."""

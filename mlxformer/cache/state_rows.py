@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
+from mlxformer.cache.batch_kind import RECURRENT, Held
 from mlxformer.cache.row_place import RowHost, RowPlace
 from mlxformer.cache.state import StateCache, state_shapes
 
@@ -140,13 +141,17 @@ class StateRowCache(RowPlace):
             states = [past.states[-1], *states[1:]]
         past.advance(inputs, states)
 
-    def reset(self, own: StateCache) -> None:
-        """Start the row from ``own``'s state (a prefix-cache hit's snapshot), or zeros."""
+    def reset(self, arrays: tuple[mx.array, ...]) -> None:
+        """Start the row from a window and state (a prefix-cache hit's snapshot), or zeros (``()``)."""
         rows, index = self._rows, self.index
-        arrays = own.state
         if not arrays:
             arrays = (mx.zeros((1, *rows.conv.shape[1:]), rows.conv.dtype), mx.zeros((1, *rows.states[0].shape[1:]), mx.float32))
         rows.write(index, *arrays)
+
+    def held(self) -> Held:
+        """The row's window and state as data (copies, a gather: a prefix-cache snapshot owns its bytes)."""
+        take, rows = mx.array([self.index]), self._rows
+        return Held(RECURRENT, self.meta_state, self.row.offset, state=(rows.conv[take], rows.states[0][take]))
 
     @property
     def state(self) -> tuple[mx.array, ...]:

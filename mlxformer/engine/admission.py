@@ -111,7 +111,8 @@ class Admission:
         hit = None if scoring else prefix_cache.lookup(
             resume_tokens(sequence, prefix_cache, scheduler.prefill_chunk) if resumed else sequence.prompt,
             sequence.cache_salt)
-        sequence.cache, cached = hit if hit is not None else (make_cache(parts.model, self.cache_settings), 0)
+        # what its layers hold: the hit's tokens, or nothing yet (new caches)
+        held, cached = hit if hit is not None else ([c.held() for c in make_cache(parts.model, self.cache_settings)], 0)
         sequence.processed = min(cached, len(sequence.prompt))
         if resumed:
             if cached >= len(sequence.prompt):
@@ -125,8 +126,8 @@ class Admission:
             if self.speculative is not None and request.speculate and request.constraint is None:
                 sequence.speculate(self.speculative, self.cache_settings)
         if parts.budget is not None:  # room for the seat first
-            prefix_cache.evict_to(parts.budget.limit - parts.planner.seat_need(scheduler, sequence))
-        parts.runner.seat(sequence)  # its row of the pool from now on
+            prefix_cache.evict_to(parts.budget.limit - parts.planner.seat_need(scheduler, sequence, held))
+        parts.runner.seat(sequence, held)  # its row of the pool from now on
 
 
 def warm_up(model: Model, draft: Model | None, settings: CacheSettings) -> None:

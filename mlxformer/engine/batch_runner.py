@@ -21,7 +21,7 @@ from mlxformer.adapters.layers import Weights, select
 from mlxformer.cache import Cache
 from mlxformer.cache.packed import PackedLayerCache, StepSegment, positions
 from mlxformer.engine.prompt_scores import PromptScores
-from mlxformer.cache.batch_kind import BatchKey, BatchRow, batch_key, row_quantizes_next
+from mlxformer.cache.batch_kind import BatchKey, BatchRow, Held, batch_key, row_quantizes_next
 from mlxformer.cache.codec import FLOAT_CODEC, KVCodec
 from mlxformer.cache.rotating_rows import ring_key
 from mlxformer.cache.rows import Blank, SpareBatch
@@ -116,17 +116,21 @@ class BatchRunner:
         self.prefill_chunk: int | None = None
         self._dtype: mx.Dtype | None = None  # the keys' dtype (the model's)
 
-    def seat(self, sequence: Decoding) -> None:
-        """Give an admitted sequence (its caches new, or a prefix-cache hit's) its row in the pool
-        of its kind (``cache/rows.py``): its prompt chunks, its speculation rounds and its decode
-        steps all write there, until it leaves (``release``)."""
-        sequence.cache = self._seat_in(self.row_key(sequence.cache), sequence.cache, sequence)
+    def seat(self, sequence: Decoding, held: list[Held | None] | None = None) -> None:
+        """Give an admitted sequence its row in the pool of its kind (``cache/rows.py``), holding
+        ``held`` (a prefix-cache hit's; default: what its caches hold, which it lets go of, so
+        that a seat under a KV budget drops each layer once it is in the row): its prompt
+        chunks, its speculation rounds and its decode steps all write there, until it leaves
+        (``release``)."""
+        if held is None:
+            held, sequence.cache = [c.held() for c in sequence.cache], []
+        sequence.cache = self._seat_in(self.row_key(held), held, sequence)  # type: ignore[arg-type]
 
-    def row_key(self, caches: Sequence[Cache]) -> BatchKey:
-        """The pool a sequence with per-layer ``caches`` takes a row in (a rotating layer's rows
+    def row_key(self, held: Sequence[Held]) -> BatchKey:
+        """The pool a sequence whose layers hold ``held`` takes a row in (a rotating layer's rows
         keep slots beyond the window for a prompt chunk: what the KV budget counts for a row,
         ``memory.KVSizer``)."""
-        return ring_key(batch_key(caches, self.windows), self.prefill_chunk or 1)
+        return ring_key(batch_key(held, self.windows), self.prefill_chunk or 1)
 
     def _batch(self, kind: BatchKey) -> SpareBatch:
         """The pool of ``kind``, made when first needed."""
@@ -156,13 +160,13 @@ class BatchRunner:
                            codec.encode(mx.zeros((1, heads, 1, value_dims), self._dtype))))
         return blanks
 
-    def _seat_in(self, kind: BatchKey, caches: list[Cache], sequence: Decoding) -> list[Cache]:
-        """Seat ``sequence``, its per-layer ``caches`` written, in a row of the pool of ``kind``
+    def _seat_in(self, kind: BatchKey, held: list[Held | None], sequence: Decoding) -> list[Cache]:
+        """Seat ``sequence``, what its layers hold (``held``) written, in a row of the pool of ``kind``
         (``SpareBatch.seat``); the views of its row. A speculating sequence's row keeps its
         recurrent layers' last states (``Row.rewinds``: a rejected round is taken back,
         ``cache/state_rows.py``)."""
         batch = self._batch(kind)
-        index, views = batch.seat(caches)
+        index, views = batch.seat(held)
         batch.layout.rows[index].rewinds = sequence.speculator is not None
         rows = self._rows.setdefault(kind, [])
         rows += [None] * (index + 1 - len(rows))
@@ -309,15 +313,13 @@ class BatchRunner:
     def _cross(self, sequence: Decoding) -> None:
         """Move a seated sequence whose storage turns quantized at its next token
         (``quantized_kv_start``) to a row of the quantized batch: its float row re-encoded there
-        (``KVCache.quantize_storage``; a ring row's window, ``RotatingKVCache.quantize_storage``;
-        its states, if any, written beside), nothing else copied, and the float row freed. Its
-        cache list is updated in place (a step's chunks hold it)."""
+        (``Held.quantized``: a ring row's window; its states, if any, written beside), nothing
+        else copied, and the float row freed. Its cache list is updated in place (a step's
+        chunks hold it)."""
         kind, index = self._seat_of(sequence)  # type: ignore[misc]  (a seated sequence)
-        own = self.batches[kind].row_caches(index)  # views of its float row
-        for cache in own:
-            cache.quantize_storage()  # (a recurrent layer's state stays as it is)
+        held: list[Held | None] = [c.held().quantized() for c in sequence.cache]
         caches = sequence.cache
-        caches[:] = self._seat_in(self.row_key(own), own, sequence)
+        caches[:] = self._seat_in(self.row_key(held), held, sequence)  # type: ignore[arg-type]
         self._free(sequence, kind, index)
         sequence.cache = caches
 
@@ -442,11 +444,6 @@ class BatchRunner:
         if not len(batch):  # the last row left: its buffers go
             del self.batches[kind], self._rows[kind]
 
-    def caches(self, sequence: Decoding) -> list[Cache]:
-        """The sequence's caches to read its keys/values from (the prefix cache cuts its blocks
-        from them): views of its row (nothing copied); before it is seated, its own."""
-        seat = self._seat_of(sequence)
-        return list(sequence.cache) if seat is None else self.batches[seat[0]].row_caches(seat[1])
 
     def reset(self) -> None:
         """Forget every batch (after a failed step: the sequences in them have ended)."""

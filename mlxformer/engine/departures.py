@@ -81,11 +81,11 @@ class Departures:
         or a lazy block would keep the pool's old buffers alive. A pipelined step that fed its
         last token (it ended when that token was read) is taken back where every layer can (not
         a recurrent state: it is kept with every token it holds)."""
-        caches = self.parts.runner.caches(sequence)
+        layers = [c.held() for c in sequence.cache]
         if (ahead := held(sequence) - (len(sequence.tokens) - 1)) > 0:
-            caches = taken_back(caches, ahead)
-        tokens = self._keepable(sequence.tokens[: int(caches[0].offset)], sequence.cache_salt)
-        blocks = self.parts.prefix_cache.insert(tokens, caches, sequence.cache_salt)
+            layers = taken_back(layers, ahead)
+        tokens = self._keepable(sequence.tokens[: layers[0].offset], sequence.cache_salt)
+        blocks = self.parts.prefix_cache.insert(tokens, layers, sequence.cache_salt)
         arrays = [a for block in blocks for a in block.arrays()]
         if self.parts.budget is not None:
             mx.eval(arrays)

@@ -100,8 +100,7 @@ class Engine:
         # ``prompt_cache``: the tiers (memory budget, disk directory); else memory of ``prefix_cache_bytes``
         tiers = prompt_cache or PromptCacheSettings(memory_bytes=prefix_cache_bytes)
         self.prefix_cache = build_prefix_cache(model, tokenizer, self.cache_settings, tiers, kv_dtype)
-        # a prefilling sequence's keys/values are in its row
-        self.sharing = PrefixSharing(self.prefix_cache, self.runner.caches, tiers.share_prefills)
+        self.sharing = PrefixSharing(self.prefix_cache, tiers.share_prefills)
         self.metrics = EngineMetrics(metrics)
         self.replays = Replays()  # preempted sequences catching up
         self.parts = EngineParts(model, self.scheduler, self.runner, self.planner, self.budget, self.prefix_cache,

@@ -22,8 +22,8 @@ from typing import Callable, NamedTuple, Sequence
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from mlxformer.cache import Cache, CacheSettings, make_cache
-from mlxformer.cache.batch_kind import BatchKey
+from mlxformer.cache import CacheSettings, make_cache
+from mlxformer.cache.batch_kind import BatchKey, Held
 from mlxformer.cache.state import state_nbytes
 from mlxformer.engine.scheduler import Scheduler, Step
 from mlxformer.engine.request_state import GenerationRequest, RequestState
@@ -108,7 +108,7 @@ class KVSizer:
     extrapolated."""
 
     def __init__(self, model: Model, settings: CacheSettings, extra_tokens: int = 0,
-                 row_key: Callable[[list[Cache]], BatchKey] | None = None) -> None:
+                 row_key: Callable[[list[Held]], BatchKey] | None = None) -> None:
         args = model.args
         self.model, self.settings, self.row_key = model, settings, row_key
         self.dtype = model.kv_dtype()
@@ -131,7 +131,7 @@ class KVSizer:
             settings = dataclasses.replace(self.settings, quantized_kv_start=0, kv_bits=(
                 self.settings.kv_bits if quantized else None))
             caches = make_cache(self.model, settings)
-            kinds = [storage for storage, _ in self.row_key(caches)] if self.row_key else [None] * len(caches)
+            kinds = [storage for storage, _ in self.row_key([c.held() for c in caches])] if self.row_key else [None] * len(caches)
             for index, (cache, kind) in enumerate(zip(caches, kinds)):
                 if self.model.cache_layers[index].recurrent:  # a fixed size whatever the length
                     past = state_nbytes(self.model.args, cache.keep, self.dtype)
@@ -317,13 +317,14 @@ class MemoryPlanner:
             need = max(need, self.sizer.after([grown] * len(rows), self.sizer.after(rows)))
         return need <= self.budget.limit
 
-    def seat_need(self, scheduler: Scheduler, sequence: RequestState) -> int:
-        """KV bytes held while ``sequence`` (admitted: its caches new, or a prefix-cache hit's
-        whose tokens stay in the hit's blocks until copied) takes its row: the pool with one row
-        more (``SpareBatch.seat`` rewrites it one layer at a time). The prefix cache must leave
-        this room before the seat (``Admission.seat``)."""
-        active = [s for s in scheduler.prefilling + scheduler.running if s is not sequence and s.cache] + [sequence]
-        return self.sizer.after([held(s) for s in active], sum(nbytes(s) for s in active))  # (its own: the hit's)
+    def seat_need(self, scheduler: Scheduler, sequence: RequestState, layers: Sequence[Held]) -> int:
+        """KV bytes held while ``sequence`` (admitted: its layers holding ``layers``, nothing
+        yet or a prefix-cache hit's tokens, which stay in the hit's blocks until copied) takes
+        its row: the pool with one row more (``SpareBatch.seat`` rewrites it one layer at a
+        time). The prefix cache must leave this room before the seat (``Admission.seat``)."""
+        active = [s for s in scheduler.prefilling + scheduler.running if s is not sequence and s.cache]
+        rows = [held(s) for s in active] + [layers[0].offset]
+        return self.sizer.after(rows, sum(nbytes(s) for s in active) + sum(h.nbytes for h in layers))
 
     def step_need(self, scheduler: Scheduler, step: Step) -> int:
         """KV bytes the active sequences hold while ``step`` runs: every row brought to its

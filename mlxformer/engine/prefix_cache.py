@@ -28,7 +28,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
-from mlxformer.cache import Cache, CacheSettings, make_cache, sliding_windows
+from mlxformer.cache import CacheSettings, make_cache, sliding_windows
+from mlxformer.cache.batch_kind import Held
 from mlxformer.cache.protocol import HasLayers
 from mlxformer.cache.blocks import Block, assemble, block_keys, cut_blocks, head_of, tail_key, window_blocks
 from mlxformer.speculative.speculator import common_prefix_length
@@ -78,13 +79,13 @@ class PrefixCache:
         is the chain's root ("": the base model's)."""
         return block_keys(self.seed + salt, tokens, self.block_size, count)
 
-    def insert(self, tokens: Sequence[int], caches: Sequence[Cache], salt: str = "",
+    def insert(self, tokens: Sequence[int], held: Sequence[Held], salt: str = "",
                keys: Sequence[str] | None = None) -> list[Block]:
-        """Keep the blocks of ``caches`` (holding exactly ``tokens``) not kept yet: the full
+        """Keep the blocks of what a sequence's layers hold (``held``: exactly ``tokens``) not kept yet: the full
         ones, and the partial one at the end in memory; returns the blocks cut (lazy). ``keys``:
         the chain keys of ``tokens``' full blocks when known (a prompt published chunk by chunk
         is hashed once, not again after every chunk)."""
-        if not self.caching or not caches or not tokens:
+        if not self.caching or not held or not tokens:
             return []
         keys = list(keys) if keys is not None else self.keys_for(tokens, salt=salt)
         size, parents = self.block_size, [salt, *keys]
@@ -96,7 +97,7 @@ class PrefixCache:
         tail_id = tail_key(parents[-1], tokens[len(tokens) - tail :]) if tail and self.budget > 0 else None
         if tail_id is not None and tail_id not in self.blocks:
             spans.append((tail_id, len(tokens) - tail, len(tokens)))
-        fresh = {block.key: block for block in cut_blocks(caches, tokens, spans)} if spans else {}
+        fresh = {block.key: block for block in cut_blocks(held, tokens, spans)} if spans else {}
         if self.disk is not None:  # whole blocks (a window's evicted tokens stay out of the disk tier)
             for key in keys:
                 if key in fresh and all(w is None or fresh[key].held(layer) == size for layer, w in enumerate(self.windows)):
@@ -147,9 +148,9 @@ class PrefixCache:
             n += 1
         return n
 
-    def lookup(self, prompt: Sequence[int], salt: str = "") -> tuple[list[Cache], int] | None:
-        """``(caches, n)``: new caches holding the first ``n`` tokens of ``prompt`` (its longest
-        cached prefix, less than the prompt's length), or None."""
+    def lookup(self, prompt: Sequence[int], salt: str = "") -> tuple[list[Held], int] | None:
+        """``(held, n)``: what each layer holds once it holds the first ``n`` tokens of ``prompt``
+        (its longest cached prefix, less than the prompt's length; a row seats it), or None."""
         if self.model is None:
             return None
         run: list[Block] = []

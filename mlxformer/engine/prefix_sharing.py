@@ -19,9 +19,8 @@ layer can be cut only while the window still holds them (``cache.blocks``).
 from __future__ import annotations
 
 import os
-from typing import Callable, Sequence
+from typing import Sequence
 
-from mlxformer.cache import Cache
 
 from mlxformer.engine.prefix_cache import PrefixCache
 from mlxformer.engine.request_state import RequestState, Status
@@ -30,13 +29,10 @@ from mlxformer.engine.request_state import RequestState, Status
 class PrefixSharing:
     """The newcomers held back, and when each may go."""
 
-    def __init__(self, prefix_cache: PrefixCache, caches: Callable[[RequestState], Sequence[Cache]],
-                 enabled: bool = True) -> None:
+    def __init__(self, prefix_cache: PrefixCache, enabled: bool = True) -> None:
         self.prefix_cache = prefix_cache
         self.enabled = enabled and prefix_cache.caching
         self.held: list[RequestState] = []
-        # a sequence's keys/values as caches to cut blocks from (``BatchRunner.caches``: views of its pool row)
-        self.caches = caches
         self._keys: dict[int, list[str]] = {}
 
     def keys(self, sequence: RequestState) -> list[str]:
@@ -80,5 +76,5 @@ class PrefixSharing:
         wanted = self.held or (snapshots and self.prefix_cache.caching)
         if wanted and sequence.processed >= self.prefix_cache.block_size:
             full = sequence.processed // self.prefix_cache.block_size
-            self.prefix_cache.insert(sequence.prompt[: sequence.processed], self.caches(sequence), sequence.cache_salt,
+            self.prefix_cache.insert(sequence.prompt[: sequence.processed], [c.held() for c in sequence.cache], sequence.cache_salt,
                                      self.keys(sequence)[:full])

@@ -15,9 +15,9 @@ tokens after it wait here; their logits are not used."""
 
 from __future__ import annotations
 
-import copy
 
 from mlxformer.cache import Cache
+from mlxformer.cache.batch_kind import Held
 from mlxformer.engine.prefix_cache import PrefixCache
 from mlxformer.engine.request_state import RequestState
 
@@ -74,9 +74,8 @@ def rewind_caches(cache: list[Cache], offset: int) -> bool:
     return True
 
 
-def taken_back(cache: list[Cache], n: int) -> list[Cache]:
-    """``cache`` without its last ``n`` tokens when every layer can give them back, else
-    ``cache`` (trimmed shallow copies: a cache's ``trim`` rebinds its fields, so the originals,
-    e.g. a batch row's views or a sequence's own caches, are left as they are)."""
-    copies = [copy.copy(c) for c in cache]
-    return copies if all(c.trim(n) == n for c in copies) else list(cache)
+def taken_back(held: list[Held], n: int) -> list[Held]:
+    """What a sequence's layers hold (``held``) without the last ``n`` tokens when every layer
+    can give them back (``Held.back``), else ``held``."""
+    back = [h.back(n) for h in held]
+    return held if None in back else back  # type: ignore[return-value]
