@@ -9,7 +9,7 @@
   are stored: float, or quantized with a Hadamard rotation, and attended that way) and
   ``latent.py`` (MLA's latents held in an ordinary cache, and the attention over them).
 - The engine's KV pool, where a sequence lives in a row from admission to retirement:
-  ``rows.py`` (``SpareBatch``: the pool of one storage kind),
+  ``rows.py`` (``SpareBatch``: the pool of one storage kind; ``blanks``: the slot shapes it allocates),
   ``batch.py`` (``BatchLayout``: which position each slot of each row holds, ``BatchLayerCache``:
   one layer's buffers and decode step), ``batch_kind.py`` (``StorageKind``/``BatchKey``: what
   rows of one pool share, ``BatchRow``: a row's place), ``rotating_rows.py`` (a rotating cache's

@@ -38,7 +38,7 @@ layout (a rejected speculation round moves them back with it: ``RowPlace._move_b
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import mlx.core as mx
 
@@ -48,7 +48,7 @@ from mlxformer.cache.codec import FLOAT_CODEC, KVCodec, Pack, pack_slice
 from mlxformer.cache.protocol import Cache
 from mlxformer.cache.row_place import RowCache
 from mlxformer.cache.rotating_rows import RingRowCache, placement
-from mlxformer.cache.state_rows import StateRowCache, StateRows
+from mlxformer.cache.state_rows import StateRowCache, StateRows, state_blank
 from mlxformer.cache.rewrite import evaluate_rewrite
 from mlxformer.errors import MlxformerError
 
@@ -58,6 +58,21 @@ Blank = tuple[Pack, Pack]  # a layer's keys/values pack of one row and one slot 
 def _no_rows(pack: Pack) -> Pack:
     """Buffers like ``pack`` with no rows and no slots."""
     return tuple(mx.zeros((0, x.shape[1], 0, x.shape[3]), x.dtype) for x in pack)
+
+
+def blanks(args: Any, dtype: mx.Dtype, kind: BatchKey) -> list[Blank]:
+    """Each cache layer of a model of ``args`` (its ``ModelArgs``; keys in ``dtype``) as one
+    slot of ``kind`` stores it: the shapes a ``SpareBatch`` allocates (lazy, never evaluated)."""
+    out = []
+    for index, (storage, _) in enumerate(kind):
+        if storage.recurrent:
+            out.append(state_blank(args, dtype))
+            continue
+        heads, key_dims, value_dims = args.cache_dims(index)
+        codec = FLOAT_CODEC if storage.bits is None else KVCodec(storage.bits, storage.group_size)
+        out.append((codec.encode(mx.zeros((1, heads, 1, key_dims), dtype)),
+                    codec.encode(mx.zeros((1, heads, 1, value_dims), dtype))))
+    return out
 
 
 class SpareBatch:

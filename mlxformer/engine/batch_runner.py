@@ -22,10 +22,8 @@ from mlxformer.cache import Cache
 from mlxformer.cache.packed import PackedLayerCache, StepSegment, positions
 from mlxformer.engine.prompt_scores import PromptScores
 from mlxformer.cache.batch_kind import BatchKey, BatchRow, Held, batch_key, row_quantizes_next
-from mlxformer.cache.codec import FLOAT_CODEC, KVCodec
 from mlxformer.cache.rotating_rows import ring_key
-from mlxformer.cache.rows import Blank, SpareBatch
-from mlxformer.cache.state_rows import state_blank
+from mlxformer.cache.rows import SpareBatch, blanks
 from mlxformer.models.decoder import Attention, Model
 from mlxformer.models.gated_delta import GatedDeltaNet
 from mlxformer.models.mla import MLAttention
@@ -114,7 +112,7 @@ class BatchRunner:
         # the tokens of a prompt chunk (the engine's prefill_chunk): a rotating row keeps slots
         # for one beyond its window (``cache/rotating_rows.py``; a longer chunk goes in pieces)
         self.prefill_chunk: int | None = None
-        self._dtype: mx.Dtype | None = None  # the keys' dtype (the model's)
+        self._dtype: mx.Dtype | None = None  # the keys' dtype (the model's), found when first needed
 
     def seat(self, sequence: Decoding, held: list[Held | None] | None = None) -> None:
         """Give an admitted sequence its row in the pool of its kind (``cache/rows.py``), holding
@@ -135,7 +133,8 @@ class BatchRunner:
     def _batch(self, kind: BatchKey) -> SpareBatch:
         """The pool of ``kind``, made when first needed."""
         if kind not in self.batches:
-            self.batches[kind] = SpareBatch(kind, self._blank(kind), self.max_rows, self.staged)
+            self._dtype = self._dtype or self.model.kv_dtype()
+            self.batches[kind] = SpareBatch(kind, blanks(self.model.args, self._dtype, kind), self.max_rows, self.staged)
         return self.batches[kind]
 
     def reserve(self, sequence: Decoding, tokens: int) -> None:
@@ -143,22 +142,6 @@ class BatchRunner:
         chunk, a speculation round: ``SpareBatch.reserve``, one layer at a time)."""
         kind, _ = self._seat_of(sequence)  # type: ignore[misc]  (a seated sequence)
         self.batches[kind].reserve(int(sequence.cache[0].offset) + tokens)
-
-    def _blank(self, kind: BatchKey) -> list[Blank]:
-        """Each cache layer's keys/values of one slot as ``kind`` stores them (the shapes a
-        ``SpareBatch`` allocates; lazy, never evaluated)."""
-        if self._dtype is None:
-            self._dtype = self.model.kv_dtype()
-        blanks = []
-        for index, (storage, _) in enumerate(kind):
-            if storage.recurrent:
-                blanks.append(state_blank(self.model.args, self._dtype))
-                continue
-            heads, key_dims, value_dims = self.model.args.cache_dims(index)
-            codec = FLOAT_CODEC if storage.bits is None else KVCodec(storage.bits, storage.group_size)
-            blanks.append((codec.encode(mx.zeros((1, heads, 1, key_dims), self._dtype)),
-                           codec.encode(mx.zeros((1, heads, 1, value_dims), self._dtype))))
-        return blanks
 
     def _seat_in(self, kind: BatchKey, held: list[Held | None], sequence: Decoding) -> list[Cache]:
         """Seat ``sequence``, what its layers hold (``held``) written, in a row of the pool of ``kind``
