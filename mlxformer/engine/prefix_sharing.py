@@ -21,7 +21,6 @@ from __future__ import annotations
 import os
 from typing import Sequence
 
-
 from mlxformer.engine.prefix_cache import PrefixCache
 from mlxformer.engine.request_state import RequestState, Status
 

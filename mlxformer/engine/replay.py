@@ -15,7 +15,6 @@ tokens after it wait here; their logits are not used."""
 
 from __future__ import annotations
 
-
 from mlxformer.cache import Cache
 from mlxformer.cache.batch_kind import Held
 from mlxformer.engine.prefix_cache import PrefixCache
