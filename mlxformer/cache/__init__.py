@@ -28,6 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+from mlxformer.cache.batch_kind import Held
 from mlxformer.cache.codec import check_kv_quantization
 from mlxformer.cache.kv import KVCache
 from mlxformer.cache.protocol import Cache, HasLayers
@@ -35,7 +36,7 @@ from mlxformer.cache.rotating import RotatingKVCache
 from mlxformer.cache.state import StateCache
 from mlxformer.errors import MlxformerError
 
-__all__ = ["Cache", "CacheSettings", "KVCache", "RotatingKVCache", "StateCache", "make_cache", "sliding_windows"]
+__all__ = ["Cache", "CacheSettings", "KVCache", "RotatingKVCache", "StateCache", "make_cache", "new_held", "sliding_windows"]
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,12 @@ def make_cache(model: HasLayers, settings: CacheSettings | None = None) -> list[
         raise MlxformerError("max_kv_size must be positive")
     return [StateCache(settings.rewind) if layer.recurrent else _layer_cache(layer.window, settings)
             for layer in model.cache_layers]
+
+
+def new_held(model: HasLayers, settings: CacheSettings | None = None) -> list[Held]:
+    """What a new sequence's layers hold (nothing yet), each with the storage and settings
+    ``make_cache`` gives it: a seat's empty row, the template of a prefix hit's layers."""
+    return [c.held() for c in make_cache(model, settings)]
 
 
 def _layer_cache(window: int | None, settings: CacheSettings) -> Cache:

@@ -39,7 +39,7 @@ from typing import Sequence
 import mlx.core as mx
 import numpy as np
 
-from mlxformer.cache import CacheSettings, make_cache
+from mlxformer.cache import CacheSettings, new_held
 from mlxformer.cache.batch_kind import Held
 from mlxformer.cache.codec import FLOAT_CODEC, KVCodec, Pack
 from mlxformer.cache.protocol import HasLayers
@@ -187,7 +187,7 @@ def assemble(model: HasLayers, settings: CacheSettings, blocks: Sequence[Block])
     quantized = centers is not None
     n = sum(len(b.tokens) for b in blocks)
     held = []
-    for layer, empty in enumerate(c.held() for c in make_cache(model, settings)):
+    for layer, empty in enumerate(new_held(model, settings)):
         if empty.storage.recurrent:  # the last block's snapshot
             assert blocks[-1].states is not None
             held.append(replace(empty, offset=n, state=blocks[-1].states[layer]))

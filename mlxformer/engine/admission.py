@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from mlxformer.cache import CacheSettings, make_cache
+from mlxformer.cache import CacheSettings, make_cache, new_held
 from mlxformer.engine.delivery import Delivery
 from mlxformer.engine.departures import Departures
 from mlxformer.engine.memory import BLOCK, KVBudgetExceeded
@@ -112,7 +112,7 @@ class Admission:
             resume_tokens(sequence, prefix_cache, scheduler.prefill_chunk) if resumed else sequence.prompt,
             sequence.cache_salt)
         # what its layers hold: the hit's tokens, or nothing yet (new caches)
-        held, cached = hit if hit is not None else ([c.held() for c in make_cache(parts.model, self.cache_settings)], 0)
+        held, cached = hit if hit is not None else (new_held(parts.model, self.cache_settings), 0)
         sequence.processed = min(cached, len(sequence.prompt))
         if resumed:
             if cached >= len(sequence.prompt):
