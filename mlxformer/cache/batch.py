@@ -17,6 +17,7 @@ cuts blocks from).
 
 from __future__ import annotations
 
+import sys
 from typing import Callable, Sequence
 
 import mlx.core as mx
@@ -37,6 +38,28 @@ def in_window(visible: mx.array, positions: mx.array, query: mx.array, kind: Sto
     if window is not None:
         visible = visible & (positions > query - window)
     return visible
+
+
+Span = tuple[int, int, int]  # (first slot, first token of the chunk, tokens)
+
+
+def ring_spans(used: int, idx: int, capacity: int, keep: int, count: int) -> tuple[list[Span], int, int]:
+    """Where ``count`` tokens go in a row with ``used`` slots and ring index ``idx`` (the
+    slots fill, then the ring over ``keep..capacity-1`` turns); the spans in token order (a
+    later span may overwrite an earlier one's slots) and the row's ``used`` and ``idx`` after."""
+    spans: list[Span] = []
+    token = 0
+    if used < capacity and count:
+        token = min(count, capacity - used)
+        spans.append((used, 0, token))
+        used += token
+        idx = used if used < capacity else keep
+    while token < count:
+        n = min(count - token, capacity - idx)
+        spans.append((idx, token, n))
+        token += n
+        idx = idx + n if idx + n < capacity else keep
+    return spans, used, idx
 
 
 class BatchLayout:
@@ -122,17 +145,10 @@ class BatchLayout:
             self.positions, self._next = self._next, None
         else:
             assert self.kind.recurrent, "prepare() first"
-        capacity, keep = self.kind.capacity, self.kind.keep
         stepping = self.rows if self._stepping is None else [self.rows[i] for i in self._stepping]
         for row in stepping:
-            slot = self.slot_of(row)
-            if slot == row.used:
-                row.used += 1
-                row.idx = row.used if capacity is None or row.used < capacity else keep
-            else:
-                row.idx = slot + 1 if capacity is None or slot + 1 < capacity else keep
-                row.freed = max(0, row.freed - 1)
-            row.offset += 1
+            _, row.used, row.idx = ring_spans(row.used, row.idx, self.kind.capacity or sys.maxsize, self.kind.keep, 1)
+            row.offset, row.freed = row.offset + 1, max(0, row.freed - 1)
 
     def remove(self, index: int, keep: mx.array) -> None:
         """Remove row ``index`` (``keep``: the other rows' indices); the width narrows to what
@@ -235,13 +251,6 @@ class BatchLayerCache:
     @property
     def state(self) -> tuple[mx.array, ...]:
         return self.keys + self.values + self.codec.state
-
-    @property
-    def meta_state(self) -> dict[str, str]:
-        return {}
-
-    def trim(self, n: int) -> int:
-        return 0
 
     @property
     def nbytes(self) -> int:

@@ -169,18 +169,3 @@ class PackedLayerCache:
         """A segment's keys/values written to its cache; what it returns, and its mask (taken before)."""
         own = segment.cache.make_mask(segment.length, self.window)
         return (*segment.cache.update_and_fetch(keys, values), own)
-
-    @property
-    def state(self) -> tuple[mx.array, ...]:
-        return tuple(a for segment in self.segments for a in segment.cache.state)
-
-    @property
-    def meta_state(self) -> dict[str, str]:
-        return {}
-
-    def trim(self, n: int) -> int:
-        return 0
-
-    @property
-    def nbytes(self) -> int:
-        return sum(segment.cache.nbytes for segment in self.segments)

@@ -25,14 +25,12 @@ from typing import Callable
 
 import mlx.core as mx
 
-from mlxformer.cache.batch import in_window
+from mlxformer.cache.batch import Span, in_window, ring_spans
 from mlxformer.cache.batch_kind import BatchKey, BatchRow, Held, StorageKind, takes_back
 from mlxformer.cache.codec import CENTER_BLOCK, Pack, pack_slice
 from mlxformer.cache.latent import Expand, latent_attention
 from mlxformer.cache.row_place import RowCache
 from mlxformer.models.mask import Mask
-
-Span = tuple[int, int, int]  # (first slot, first token of the chunk, tokens)
 
 
 def ring_extra(max_size: int, chunk: int) -> int:
@@ -49,25 +47,6 @@ def ring_key(key: BatchKey, chunk: int) -> BatchKey:
 def _grown(storage: StorageKind, chunk: int) -> StorageKind:
     assert storage.capacity is not None and storage.max_size is not None
     return replace(storage, capacity=storage.capacity + ring_extra(storage.max_size, chunk))
-
-
-def ring_spans(used: int, idx: int, capacity: int, keep: int, count: int) -> tuple[list[Span], int, int]:
-    """Where ``count`` tokens go in a row with ``used`` slots and ring index ``idx`` (the
-    slots fill, then the ring over ``keep..capacity-1`` turns); the spans in token order (a
-    later span may overwrite an earlier one's slots) and the row's ``used`` and ``idx`` after."""
-    spans: list[Span] = []
-    token = 0
-    if used < capacity and count:
-        token = min(count, capacity - used)
-        spans.append((used, 0, token))
-        used += token
-        idx = used if used < capacity else keep
-    while token < count:
-        n = min(count - token, capacity - idx)
-        spans.append((idx, token, n))
-        token += n
-        idx = idx + n if idx + n < capacity else keep
-    return spans, used, idx
 
 
 def ring_slot(position: int, capacity: int, keep: int) -> int:
@@ -116,16 +95,6 @@ class RingRowCache(RowCache):
 
     fetch = None  # type: ignore[assignment]  # a chunk is written where it attends, piece by piece: nothing to fetch before
     _written: tuple[Pack, list[tuple[int, int, Piece]]] | None = None  # the chunk written, its pieces
-
-    @property
-    def _kind(self) -> StorageKind:
-        return self._layer.layout.kind
-
-    def _pending(self) -> tuple[list[Span], int, int]:
-        """``ring_spans`` of the row's pending tokens (written, not yet recorded)."""
-        kind = self._kind
-        assert kind.capacity is not None
-        return ring_spans(self.row.used, self.row.idx, kind.capacity, kind.keep, self.pending)
 
     def _positions(self, index: int) -> mx.array:
         """The positions ``(C,)`` the row's slots hold with its pending tokens written."""
@@ -201,17 +170,6 @@ class RingRowCache(RowCache):
         the buffers they view from being written in place)."""
         super().recorded()
         self._written = None
-
-    def record(self) -> None:
-        """Record the pending tokens in the row (``record_writes``)."""
-        index, layout = self.index, self._layer.layout
-        spans, used, idx = self._pending()
-        layout.positions = layout.padded()
-        for slot, token, n in spans:
-            start = self.row.offset + token
-            layout.positions[index, slot : slot + n] = mx.arange(start, start + n, dtype=mx.int32)
-        self.row.used, self.row.idx, self.row.offset = used, idx, self.row.offset + self.pending
-        self.row.freed = max(0, self.row.freed - self.pending)  # written first (``ring_spans`` starts at ``idx``)
 
     def held(self) -> Held:
         """The row's window as data, as a per-sequence cache of it holds it: its sinks and newest

@@ -5,11 +5,12 @@ share, and ``RowCache``, one layer of a growing row."""
 from __future__ import annotations
 
 import math
+import sys
 from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 import mlx.core as mx
 
-from mlxformer.cache.batch import BatchLayerCache, _pad
+from mlxformer.cache.batch import BatchLayerCache, Span, _pad, ring_spans
 from mlxformer.cache.batch_kind import Held
 from mlxformer.cache.codec import CENTER_BLOCK, FLOAT_CODEC, KVCodec, Pack
 from mlxformer.cache.kv import CodecAttention
@@ -229,10 +230,22 @@ class RowCache(RowPlace, CodecAttention):
         self._take_back(n)
         return n
 
+    @property
+    def _kind(self) -> "StorageKind":
+        return self._layer.layout.kind
+
+    def _pending(self) -> tuple[list[Span], int, int]:
+        """``ring_spans`` of the row's pending tokens (written, not yet recorded)."""
+        kind = self._kind
+        return ring_spans(self.row.used, self.row.idx, kind.capacity or sys.maxsize, kind.keep, self.pending)
+
     def record(self) -> None:
-        """Record the pending tokens in the row (``record_writes``): the slots after its last."""
-        index, start, stop = self.index, self.row.offset, self.offset
-        layout = self._layer.layout
+        """Record the pending tokens in the row (``record_writes``): the slots they went to."""
+        index, layout = self.index, self._layer.layout
+        spans, used, idx = self._pending()
         layout.positions = layout.padded()
-        layout.positions[index, start:stop] = mx.arange(start, stop, dtype=mx.int32)
-        self.row.used = self.row.offset = self.row.idx = stop
+        for slot, token, n in spans:
+            start = self.row.offset + token
+            layout.positions[index, slot : slot + n] = mx.arange(start, start + n, dtype=mx.int32)
+        self.row.used, self.row.idx, self.row.offset = used, idx, self.row.offset + self.pending
+        self.row.freed = max(0, self.row.freed - self.pending)  # written first (``ring_spans`` starts at ``idx``)

@@ -114,11 +114,6 @@ class SpareBatch:
     def capacity(self) -> int:
         return len(self.layout.rows)  # every kind's layout has a row per sequence
 
-    @property
-    def keeps_free_rows(self) -> bool:
-        """Whether a leaving row stays in the buffers, free for the next seat (not under a budget)."""
-        return not self.staged
-
     def _add_rows(self) -> int:
         """Double the rows (at least one more, at most ``max_rows`` unless more are needed; one
         more under a budget, ``staged``: the planner counts each row) in every layout, the new
@@ -235,13 +230,13 @@ class SpareBatch:
     def index(self, row: BatchRow) -> int:
         return next(i for layout in self.layouts.values() for i, r in enumerate(layout.rows) if r is row)
 
-    def step_caches(self, staged: bool = False, stepping: Sequence[int] | None = None) -> list[BatchLayerCache | StateRows]:
+    def step_caches(self, stepping: Sequence[int] | None = None) -> list[BatchLayerCache | StateRows]:
         """The per-layer caches for this step's forward (the layouts prepared; ``stepping``: the
         rows taking a token, default all). ``staged``: buffers that must widen for the step are
         widened one layer at a time (evaluated)."""
         for layout in self.layouts.values():
             layout.prepare(stepping)
-        if staged:
+        if self.staged:
             self.widen()
         return self.layers
 

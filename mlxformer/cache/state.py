@@ -101,9 +101,6 @@ class StateCache:
         """Keep the states of at least ``slack`` tokens from now on (speculative decoding)."""
         self.keep = max(self.keep, slack)
 
-    def quantize_storage(self) -> None:
-        """A state is never quantized (``quantized_kv_start`` turns only keys/values)."""
-
     def trim(self, n: int) -> int:
         n = min(n, len(self.states) - 1, self.offset)
         if n <= 0:

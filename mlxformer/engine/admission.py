@@ -10,12 +10,11 @@ import mlx.core as mx
 from mlxformer.cache import CacheSettings, make_cache, new_held
 from mlxformer.engine.delivery import Delivery
 from mlxformer.engine.departures import Departures
-from mlxformer.engine.memory import BLOCK, KVBudgetExceeded
+from mlxformer.engine.memory import KVBudgetExceeded
 from mlxformer.engine.parts import EngineParts
 from mlxformer.engine.replay import resume_tokens
 from mlxformer.engine.request_state import RequestState
 from mlxformer.engine.scheduler import Step
-from mlxformer.engine.working_set import engine_reserve
 from mlxformer.models.decoder import Model
 from mlxformer.speculative.speculator import SpeculativeSettings
 
@@ -63,16 +62,6 @@ class Admission:
             if tokens and sequence.cache:
                 self.parts.runner.reserve(sequence, tokens)
         return step
-
-    def reserve_activations(self) -> None:
-        """Under a budget: a step's activations beside the KV (MLX's buffer cache is bounded by it)."""
-        parts = self.parts
-        if parts.budget is not None:
-            scheduler, planner = parts.scheduler, parts.planner
-            per_token = planner.sizer.bytes_for(BLOCK) / BLOCK
-            parts.budget.reserve = engine_reserve(
-                parts.model.args, parts.budget.limit, per_token, scheduler.step_tokens, scheduler.prefill_chunk,
-                scheduler.max_batch, planner.draft_tokens, planner.sizer.dtype.size)
 
     def kv_layout(self) -> tuple:
         """What changes when KV buffers are freed: the sequences decoding and prefilling, and the

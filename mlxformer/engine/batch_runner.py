@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Iterator, NamedTuple, Protocol, Sequence
+from typing import NamedTuple, Protocol, Sequence
 
 import mlx.core as mx
 
@@ -21,7 +21,8 @@ from mlxformer.adapters.layers import Weights, select
 from mlxformer.cache import Cache
 from mlxformer.cache.packed import PackedLayerCache, StepSegment, positions
 from mlxformer.engine.prompt_scores import PromptScores
-from mlxformer.cache.batch_kind import BatchKey, BatchRow, Held, batch_key, row_quantizes_next
+from mlxformer.cache.batch_kind import BatchKey, Held, batch_key, row_quantizes_next
+from mlxformer.cache.row_place import RowPlace
 from mlxformer.cache.rotating_rows import ring_key
 from mlxformer.cache.rows import SpareBatch, blanks
 from mlxformer.models.decoder import Attention, Model
@@ -104,7 +105,6 @@ class BatchRunner:
         self.kv_layer = next((i for i, layer in enumerate(model.cache_layers) if not layer.recurrent), 0)
         self.packs = packs(model)
         self.batches: dict[BatchKey, SpareBatch] = {}
-        self._rows: dict[BatchKey, list[Decoding | None]] = {}  # each batch's sequences, in row order (None: free)
         # rewrite a batch's buffers (a join, a leave, a wider batch) one layer at a time, each
         # evaluated before the next: only one layer is ever held twice (set under a KV budget)
         self.staged = False
@@ -122,7 +122,7 @@ class BatchRunner:
         (``release``)."""
         if held is None:
             held, sequence.cache = [c.held() for c in sequence.cache], []
-        sequence.cache = self._seat_in(self.row_key(held), held, sequence)  # type: ignore[arg-type]
+        sequence.cache = self._seat_in(held, sequence.speculator is not None)
 
     def row_key(self, held: Sequence[Held]) -> BatchKey:
         """The pool a sequence whose layers hold ``held`` takes a row in (a rotating layer's rows
@@ -140,20 +140,15 @@ class BatchRunner:
     def reserve(self, sequence: Decoding, tokens: int) -> None:
         """Widen the pool's rows before ``sequence`` writes ``tokens`` more into its row (a prompt
         chunk, a speculation round: ``SpareBatch.reserve``, one layer at a time)."""
-        kind, _ = self._seat_of(sequence)  # type: ignore[misc]  (a seated sequence)
-        self.batches[kind].reserve(int(sequence.cache[0].offset) + tokens)
+        sequence.cache[0].batch.reserve(int(sequence.cache[0].offset) + tokens)
 
-    def _seat_in(self, kind: BatchKey, held: list[Held | None], sequence: Decoding) -> list[Cache]:
-        """Seat ``sequence``, what its layers hold (``held``) written, in a row of the pool of ``kind``
-        (``SpareBatch.seat``); the views of its row. A speculating sequence's row keeps its
-        recurrent layers' last states (``Row.rewinds``: a rejected round is taken back,
-        ``cache/state_rows.py``)."""
-        batch = self._batch(kind)
+    def _seat_in(self, held: list[Held | None], rewinds: bool) -> list[Cache]:
+        """A row holding ``held`` in the pool of its kind (``SpareBatch.seat``); the views of the
+        row. A speculating sequence's row keeps its recurrent layers' last states (``rewinds``:
+        a rejected round is taken back, ``cache/state_rows.py``)."""
+        batch = self._batch(self.row_key(held))  # type: ignore[arg-type]
         index, views = batch.seat(held)
-        batch.layout.rows[index].rewinds = sequence.speculator is not None
-        rows = self._rows.setdefault(kind, [])
-        rows += [None] * (index + 1 - len(rows))
-        rows[index] = sequence
+        batch.layout.rows[index].rewinds = rewinds
         return views  # type: ignore[return-value]
 
     def prefill(
@@ -165,7 +160,7 @@ class BatchRunner:
         ``prompt_length``: the whole prompt's (RoPE's dynamic base depends on it). ``scores``:
         every position's logits also score the prompt's tokens (the chunk starts at ``start``).
         The caller selects the sequence's adapters, if any (``adapters.select``)."""
-        self._cross_chunk(cache)
+        self._cross(cache)
         inputs = mx.array(tokens)[None]  # (1, T)
         if scores is not None:
             hidden = self.model.hidden_states(inputs, cache, rope_length=prompt_length)
@@ -217,7 +212,7 @@ class BatchRunner:
         device: a pipelined step's); default: their last tokens."""
         for chunk in chunks:
             if not chunk.every:  # a round does not move its row (the decode steps do, ``_groups``)
-                self._cross_chunk(chunk.cache)
+                self._cross(chunk.cache)  # type: ignore[arg-type]
         groups = self._groups(sequences)
         place = {id(s): i for i, s in enumerate(sequences)}
         order = [place[id(s)] for group in groups for s in group.rows]  # the grouped rows' places in ``sequences``
@@ -249,9 +244,8 @@ class BatchRunner:
         reading: dict[int, list[mx.array]] = {}  # id(batch) -> the outputs not yet evaluated of forwards reading it
 
         def before(caches: Sequence[Cache], batch: SpareBatch | None = None) -> set[int]:
-            if batch is None:  # a chunk's: the pool of the sequence whose row its caches are, if any
-                seat = self._seat_of(self._owner(caches))
-                batch = self.batches[seat[0]] if seat is not None else None
+            if batch is None:  # a chunk's: the pool its caches are a row of, if any
+                batch = caches[0].batch if _seated(caches) else None  # type: ignore[attr-defined]
             read = {id(batch)} if batch is not None else set()
             waiting = [x for i in read for x in reading.pop(i, [])]
             if waiting:
@@ -279,67 +273,41 @@ class BatchRunner:
         hidden states of the forwards over its caches). A row whose storage turns quantized at
         this token moves to the quantized pool first (``_cross``)."""
         for sequence in sequences:
-            if row_quantizes_next(self._row(sequence)):
-                self._cross(sequence)
+            self._cross(sequence.cache)
         alone = [s for s in sequences if s.speculator is not None]
-        stepping = {id(s) for s in sequences if s.speculator is None}
         groups: list[StepGroup] = []
-        for kind, batch in self.batches.items():
-            members = self._rows.get(kind, [])
-            # the rows decoding this step (the others prefill in their rows, or are free)
-            indices = [i for i, s in enumerate(members) if s is not None and id(s) in stepping]
-            if indices:
-                groups.append(StepGroup(batch.step_caches(self.staged, indices), [members[i] for i in indices], batch))  # type: ignore[arg-type]
+        for batch in self.batches.values():  # the rows decoding this step (the others prefill in theirs, or are free)
+            where = {id(row): i for i, row in enumerate(batch.layout.rows)}
+            members = sorted((where[id(s.cache[0].row)], s) for s in sequences  # type: ignore[attr-defined]
+                             if s.speculator is None and s.cache[0].batch is batch)  # type: ignore[attr-defined]
+            if members:
+                indices, rows = zip(*members)
+                groups.append(StepGroup(batch.step_caches(list(indices)), list(rows), batch))  # type: ignore[arg-type]
         groups += [StepGroup(sequence.cache, [sequence], None) for sequence in alone]
         return groups
 
-    def _cross(self, sequence: Decoding) -> None:
-        """Move a seated sequence whose storage turns quantized at its next token
-        (``quantized_kv_start``) to a row of the quantized batch: its float row re-encoded there
-        (``Held.quantized``: a ring row's window; its states, if any, written beside), nothing
-        else copied, and the float row freed. Its cache list is updated in place (a step's
-        chunks hold it)."""
-        kind, index = self._seat_of(sequence)  # type: ignore[misc]  (a seated sequence)
-        held: list[Held | None] = [c.held().quantized() for c in sequence.cache]
-        caches = sequence.cache
-        caches[:] = self._seat_in(self.row_key(held), held, sequence)  # type: ignore[arg-type]
-        self._free(sequence, kind, index)
-        sequence.cache = caches
-
-    def _seats(self) -> Iterator[tuple[Decoding, BatchKey, int]]:
-        """Every seated sequence, the pool it is in and its row there."""
-        return ((s, kind, i) for kind, rows in self._rows.items() for i, s in enumerate(rows) if s is not None)
-
-    def _owner(self, cache: Sequence[Cache]) -> Decoding | None:
-        """The seated sequence whose caches ``cache`` are (None: caches of no row)."""
-        return next((s for s, _, _ in self._seats() if s.cache is cache), None)
-
-    def _seat_of(self, sequence: Decoding | None) -> tuple[BatchKey, int] | None:
-        """The pool ``sequence`` is seated in, and its row there (None: not seated)."""
-        return next(((kind, i) for s, kind, i in self._seats() if s is sequence), None)
-
-    def _row(self, sequence: Decoding) -> BatchRow:
-        """``sequence``'s place in its pool (the first layout's row: every kind's is as long)."""
-        kind, index = self._seat_of(sequence)  # type: ignore[misc]  (a seated sequence)
-        return self.batches[kind].layout.rows[index]
-
-    def _cross_chunk(self, cache: Sequence[Cache]) -> None:
-        """``_cross`` the seated sequence owning ``cache`` if its storage turns quantized at this chunk."""
-        owner = self._owner(cache)
-        if owner is not None and row_quantizes_next(self._row(owner)):
-            self._cross(owner)
+    def _cross(self, cache: list[Cache]) -> None:
+        """If ``cache`` is a row whose storage turns quantized at its next token
+        (``quantized_kv_start``), move it to a row of the quantized batch: its float row
+        re-encoded there (``Held.quantized``: a ring row's window; its states, if any, written
+        beside), nothing else copied, and the float row freed. The list is updated in place (the
+        sequence and a step's chunks hold it)."""
+        if _seated(cache) and row_quantizes_next(cache[0].row):  # type: ignore[attr-defined]
+            old: RowPlace = cache[0]  # type: ignore[assignment]
+            held: list[Held | None] = [c.held().quantized() for c in cache]
+            cache[:] = self._seat_in(held, old.row.rewinds)
+            self._leave(old)
 
     def _crosses_within(self, chunks: Sequence[TokenRun]) -> bool:
         """Whether a seated prompt's storage turns quantized at a later one of its chunks in this
         step (its row moves between them: they run one after the other, ``prefill``)."""
         fed: dict[int, int] = {}
         for chunk in chunks:
-            owner = self._owner(chunk.cache)
-            if owner is not None:
-                ahead = fed.get(id(owner), 0)
-                if ahead and row_quantizes_next(self._row(owner), ahead):
+            if _seated(chunk.cache):
+                ahead = fed.get(id(chunk.cache), 0)
+                if ahead and row_quantizes_next(chunk.cache[0].row, ahead):  # type: ignore[attr-defined]
                     return True
-                fed[id(owner)] = ahead + len(chunk.tokens)
+                fed[id(chunk.cache)] = ahead + len(chunk.tokens)
         return False
 
     @staticmethod
@@ -411,24 +379,22 @@ class BatchRunner:
     def release(self, sequence: Decoding) -> None:
         """Free ``sequence``'s row, if it has one (it ended, or is preempted: nothing is copied
         out); its ``cache`` becomes ``[]``."""
-        seat = self._seat_of(sequence)
-        if seat is not None:
-            self._free(sequence, *seat)
+        place = sequence.cache[0] if _seated(sequence.cache) else None
+        if place is not None and place.batch is self.batches.get(place.batch.key):  # (not a pool ``reset`` dropped)
+            self._leave(place)
+            sequence.cache = []
 
-    def _free(self, sequence: Decoding, kind: BatchKey, index: int) -> None:
-        """Free row ``index`` of the pool of ``kind``, ``sequence``'s (``release``)."""
-        rows, batch = self._rows[kind], self.batches[kind]
-        if batch.keeps_free_rows:
-            rows[index] = None  # the row is free for the next sequence (nothing moves)
-        else:
-            rows.pop(index)  # under a budget the row goes (the pool is rewritten one layer at a time)
-        batch.leave(index)
-        sequence.cache = []
-        if not len(batch):  # the last row left: its buffers go
-            del self.batches[kind], self._rows[kind]
-
+    def _leave(self, place: RowPlace) -> None:
+        """Free ``place``'s row of its pool; the pool goes with its last row."""
+        place.batch.leave(place.index)
+        if not len(place.batch):
+            del self.batches[place.batch.key]
 
     def reset(self) -> None:
         """Forget every batch (after a failed step: the sequences in them have ended)."""
         self.batches.clear()
-        self._rows.clear()
+
+
+def _seated(cache: Sequence[Cache]) -> bool:
+    """Whether ``cache`` is a row of a pool (not a sequence's own caches)."""
+    return bool(cache) and isinstance(cache[0], RowPlace)

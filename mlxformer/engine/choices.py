@@ -1,5 +1,5 @@
 """A step's chosen tokens as the engine hands them out: groups of rows chosen in one graph
-(``Choice``), the log-probabilities their requests ask for, and one host read for all groups."""
+(``choice``), the log-probabilities their requests ask for, and one host read for all groups."""
 
 from __future__ import annotations
 
@@ -12,28 +12,19 @@ from mlxformer.sampling.samplers import top_logprobs
 
 
 
-class Choice(NamedTuple):
-    """Rows chosen in one graph."""
+class Picked(NamedTuple):
+    """Rows chosen in one graph, with what their requests report (each None when no row asks)."""
 
     sequences: list[RequestState]  # one per row (a sequence may have several rows, in order: a speculation round)
-    tokens: mx.array  # (n,)
-    logprobs: mx.array  # (n, vocab)
-
-
-class Picked(NamedTuple):
-    """A choice with what its requests report (each None when no row asks)."""
-
-    sequences: list[RequestState]
     tokens: mx.array  # (n,)
     chosen: mx.array | None  # the chosen tokens' log-probabilities (n,)
     top_ids: mx.array | None  # the ``top`` alternatives' ids (n, top)
     top_values: mx.array | None  # and their log-probabilities (n, top)
 
 
-def with_logprobs(choice: Choice) -> Picked:
-    """``choice`` with the log-probabilities its requests ask for (lazy; the largest ``top`` of
-    the rows, by ``argpartition``)."""
-    sequences, tokens, logprobs = choice
+def choice(sequences: list[RequestState], tokens: mx.array, logprobs: mx.array) -> Picked:
+    """Rows chosen in one graph (``tokens (n,)`` from ``logprobs (n, vocab)``) with the
+    log-probabilities their requests ask for (lazy; the largest ``top`` of the rows, by ``argpartition``)."""
     asked = [s.request.logprobs for s in sequences]
     top = max((k for k in asked if k), default=0)
     chosen = None

@@ -12,7 +12,7 @@ from typing import NamedTuple
 import mlx.core as mx
 
 from mlxformer.engine.batch_runner import TokenRun, speculation_round
-from mlxformer.engine.choices import Choice
+from mlxformer.engine.choices import Picked
 from mlxformer.engine.delivery import Delivery
 from mlxformer.engine.departures import Departures
 from mlxformer.engine.memory import held
@@ -33,7 +33,7 @@ class Round(NamedTuple):
 class Decoded:
     """What the decode step's forward gave."""
 
-    choices: list[Choice] = field(default_factory=list)  # the decoding rows' (not those replaying)
+    choices: list[Picked] = field(default_factory=list)  # the decoding rows' (not those replaying)
     alone: bool = False  # the rows were rerun one by one (their choices are read now)
     chunk_logits: dict[int, mx.array | None] = field(default_factory=dict)  # id(riding chunk) -> its logits
     round_logits: dict[int, mx.array] = field(default_factory=dict)  # id(sequence) -> its round's logits
@@ -73,7 +73,6 @@ class DecodeStep:
         fault fails alone (one that cannot be rolled back is recomputed); the chunks and rounds
         are rolled back and run alone after it (their logits are then not in the result)."""
         replays, pipeline = self.parts.replays, self.delivery.pipeline
-        replaying = {id(s) for s in decode if s in replays}
         offsets, keys = [held(s) for s in decode], [s.key for s in decode]
         prompts = {id(c.sequence): (c.sequence, held(c.sequence)) for c in riding}  # before the step
         prompts.update({id(r.sequence): (r.sequence, held(r.sequence)) for r in rounds})
@@ -90,12 +89,7 @@ class DecodeStep:
             if logits is None:
                 return result
             mx.async_eval(logits)  # constraints compute their masks while the step runs
-            rows = [i for i, s in enumerate(decode) if id(s) not in replaying]
-            choosing = [decode[i] for i in rows]
-            if choosing and len(rows) < len(decode):  # a replaying row's token is known: it chooses none
-                logits = logits[mx.array(rows)]
-                inputs = inputs[mx.array(rows)] if inputs is not None else None
-            result.choices = self.delivery.choose(choosing, [logits], inputs) if choosing else []
+            result.choices = self.delivery.choose(decode, [logits], inputs)  # (not the replaying rows')
         except Exception:
             for sequence, key in zip(decode, keys):
                 sequence.key = key
@@ -103,11 +97,11 @@ class DecodeStep:
                 sequence.packs = False
                 if not rewind_caches(sequence.cache, before):
                     self.departures.preempt(sequence, keep_cache=False)
-            return Decoded(self.run_alone(decode, offsets, replaying), alone=True)
+            return Decoded(self.run_alone(decode, offsets), alone=True)
         replays.advance(decode)
         return result
 
-    def run_alone(self, decode: list[RequestState], offsets: list[int], replaying: set[int]) -> list[Choice]:
+    def run_alone(self, decode: list[RequestState], offsets: list[int]) -> list[Picked]:
         """Each row of a failed step rolled back in its row to ``offsets`` and run alone (one
         that cannot be rolled back is recomputed), so that the one at fault fails alone."""
         self.delivery.drain()  # the rows then take their last tokens from the host, and end alone if those end them
@@ -123,7 +117,7 @@ class DecodeStep:
                 alone.append(sequence)
             else:  # recompute it
                 self.departures.preempt(sequence, keep_cache=False)
-        choices: list[Choice] = []
+        choices: list[Picked] = []
         for sequence in alone:
             try:
                 logits = self.parts.runner.decode([sequence])
@@ -131,7 +125,6 @@ class DecodeStep:
             except Exception as exc:
                 self.departures.fail(sequence, exc)
                 continue
+            choices += self.delivery.choose([sequence], [logits])  # before its replay advances
             self.parts.replays.advance([sequence])
-            if id(sequence) not in replaying:
-                choices += self.delivery.choose([sequence], [logits])
         return choices

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from mlxformer.engine.choices import Choice, Picked, Pipeline, arrays, each_row, read, with_logprobs
+from mlxformer.engine.choices import Picked, Pipeline, arrays, choice, each_row, read
 from mlxformer.engine.departures import Departures
 from mlxformer.engine.parts import EngineParts
 from mlxformer.engine.request_state import RequestState, Status, TokenEvent
@@ -22,13 +22,15 @@ class Delivery:
         self.pipeline: Pipeline | None = None  # the last step's tokens, queued and not yet read
 
     def choose(self, sequences: list[RequestState], logits: list[mx.array],
-               pending: mx.array | None = None) -> list[Choice]:
+               pending: mx.array | None = None) -> list[Picked]:
         """The sequences' choices in one graph (``choosing.choose``) over the rows of ``logits``
         (blocks ``(n, vocab)``, one row per sequence in order); one whose settings fail ends
         alone. ``pending``: their input tokens ``(n,)``, not recorded yet where in ``pipeline``."""
         rows, kept = [], []
         batch_vocab = logits[0].shape[-1]
         for i, sequence in enumerate(sequences):
+            if sequence in self.parts.replays:  # replaying: its next token is known
+                continue
             try:
                 rows.append(sequence.row(int(pending is not None and sequence in (self.pipeline or ())), batch_vocab))
                 kept.append(i)
@@ -42,24 +44,24 @@ class Delivery:
             pending = pending[mx.array(kept)] if pending is not None else None
         kept_sequences = [sequences[i] for i in kept]
         try:
-            return [Choice(kept_sequences, *choose(batch, rows, pending))]
+            return [choice(kept_sequences, *choose(batch, rows, pending))]
         except Exception:  # one row's settings: choose row by row, and fail only the rows that fail
             choices = []
             for i, (sequence, row) in enumerate(zip(kept_sequences, rows)):
                 try:
                     one = pending[i : i + 1] if pending is not None else None
-                    choices.append(Choice([sequence], *choose(batch[i : i + 1], [row], one)))
+                    choices.append(choice([sequence], *choose(batch[i : i + 1], [row], one)))
                 except Exception as exc:
                     self.departures.fail(sequence, exc)
             return choices
 
-    def hand_out(self, queued: list[Choice], now: list[Choice]) -> None:
+    def hand_out(self, queued: list[Picked], now: list[Picked]) -> None:
         """Queue ``queued`` for the next step (``Pipeline``); read the tokens in flight and
         ``now`` in one sync, and hand them out."""
         last, self.pipeline = self.pipeline, None
         if queued:
-            self.pipeline = Pipeline([with_logprobs(choice) for choice in queued])
-        picked = (last.picked if last is not None else []) + [with_logprobs(choice) for choice in now]
+            self.pipeline = Pipeline(queued)
+        picked = (last.picked if last is not None else []) + now
         if picked:
             self.emit(picked)
 

@@ -27,13 +27,13 @@ from mlxformer.adapters.layers import cache_salt, select
 from mlxformer.cache import CacheSettings
 from mlxformer.engine.admission import Admission, warm_up
 from mlxformer.engine.batch_runner import BatchRunner
-from mlxformer.engine.choices import Choice
+from mlxformer.engine.choices import Picked, choice
 from mlxformer.engine.decode_step import DecodeStep, Decoded
 from mlxformer.engine.delivery import Delivery
 from mlxformer.engine.departures import Departures
 from mlxformer.engine.handle import RequestHandle
 from mlxformer.engine.jobs import Jobs
-from mlxformer.engine.memory import KVSizer, MemoryPlanner, resolve_budget
+from mlxformer.engine.memory import BLOCK, KVSizer, MemoryPlanner, resolve_budget
 from mlxformer.engine.metrics import EngineMetrics
 from mlxformer.engine.parts import EngineParts
 from mlxformer.engine.prefix_sharing import PrefixSharing
@@ -41,6 +41,7 @@ from mlxformer.engine.prompt_cache import PromptCacheSettings, build_prefix_cach
 from mlxformer.engine.replay import Replays
 from mlxformer.engine.request_state import GenerationRequest, RequestState, Status, check_request
 from mlxformer.engine.scheduler import Chunk, EngineNotRunning, Scheduler, Step
+from mlxformer.engine.working_set import engine_reserve
 from mlxformer.generation.decoding import with_rewind
 from mlxformer.generation.steps import default_prefill_step
 from mlxformer.models.decoder import Model
@@ -109,7 +110,10 @@ class Engine:
         self.delivery = Delivery(self.parts, self.departures)
         self.admission = Admission(self.parts, self.departures, self.delivery, self.cache_settings, speculative)
         self.decoding = DecodeStep(self.parts, self.departures, self.delivery)
-        self.admission.reserve_activations()
+        if self.budget is not None:  # a step's activations beside the KV (MLX's buffer cache is bounded by it)
+            self.budget.reserve = engine_reserve(model.args, self.budget.limit, self.sizer.bytes_for(BLOCK) / BLOCK,
+                                                 self.scheduler.step_tokens, self.scheduler.prefill_chunk, max_batch,
+                                                 draft_tokens, kv_dtype.size)
         self.metrics.watch(lambda: len(self.scheduler.waiting), lambda: self.scheduler.active, lambda: self.held_kv,
                            self.budget.limit if self.budget is not None else 0)
         self.metrics.step_reserve.set(self.budget.reserve if self.budget is not None else 0)
@@ -291,7 +295,7 @@ class Engine:
         (``Delivery.hand_out``); a step whose choices must be read now (a first token, a
         speculation round, a constraint's next mask, a row rerun alone) reads the last step's
         and its own."""
-        now: list[Choice] = []  # to read in this step
+        now: list[Picked] = []  # to read in this step
         decode, rounds = self.decoding.propose(step.decode)
         # chunks in the decode step's forward (a scored prompt needs every position's logits: its own)
         riding = [c for c in step.prefill if c.sequence.prompt_scores is None and c.sequence.packs]
@@ -307,7 +311,7 @@ class Engine:
                 if logits is None:
                     logits = self.runner.verify(sequence.last_token, proposed, sequence.cache, sequence.adapters)
                 tokens, logprobs = sequence.verify(logits)
-                now.append(Choice([sequence] * len(tokens), mx.array(tokens), logprobs))
+                now.append(choice([sequence] * len(tokens), mx.array(tokens), logprobs))
             except Exception as exc:
                 self.departures.fail(sequence, exc)
         for chunk in step.prefill:
@@ -319,7 +323,7 @@ class Engine:
         else:
             self.delivery.hand_out([], batched + now)
 
-    def _prefill(self, chunk: Chunk, decoded: Decoded) -> list[Choice]:
+    def _prefill(self, chunk: Chunk, decoded: Decoded) -> list[Picked]:
         """Run one prompt chunk (unless it rode in the decode step's forward); the first token's
         choice once the prompt is done."""
         sequence = chunk.sequence
