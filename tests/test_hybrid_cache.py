@@ -109,7 +109,7 @@ def test_the_disk_tier_keeps_snapshots_across_a_restart(hybrid, tmp_path, storag
                                           prompt_cache=tiers) as engine:
             tokens, logprobs, cached = run(engine, turn)
             assert cached == (len(turn) - 25 - len(reply)) // 32 * 32  # the previous prompt's last block
-            assert engine.prefix_cache.stats.disk_tokens == cached
+            assert engine.prefix_cache.disk_tokens == cached
             assert sample(engine, "mlxformer_prefix_cache_hit_ratio") == pytest.approx(cached / len(turn))
         assert (tokens, logprobs, 0) == cold(hybrid, settings, turn)
         reply = tokens

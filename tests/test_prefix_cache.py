@@ -175,7 +175,7 @@ def test_engine_reuses_the_disk_after_a_restart(tiny_byte_llama, tmp_path):
     assert len(block_files(tmp_path)) == (len(prompt) + 5) // BLOCK
     with Engine(model, tokenizer, prompt_cache=disk) as engine:  # a restart: memory empty
         events = list(engine.submit(request))
-        assert engine.prefix_cache.stats.disk_tokens == 32
+        assert engine.prefix_cache.disk_tokens == 32
     assert events[-1].cached_tokens == 32
     assert [e.token for e in events] == alone
 

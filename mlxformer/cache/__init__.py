@@ -26,7 +26,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
 
 from mlxformer.cache.batch_kind import Held
 from mlxformer.cache.codec import check_kv_quantization
@@ -36,7 +35,7 @@ from mlxformer.cache.rotating import RotatingKVCache
 from mlxformer.cache.state import StateCache
 from mlxformer.errors import MlxformerError
 
-__all__ = ["Cache", "CacheSettings", "KVCache", "RotatingKVCache", "StateCache", "make_cache", "new_held", "sliding_windows"]
+__all__ = ["Cache", "CacheSettings", "KVCache", "RotatingKVCache", "StateCache", "make_cache", "new_held"]
 
 
 @dataclass(frozen=True)
@@ -92,8 +91,3 @@ def _layer_cache(window: int | None, settings: CacheSettings) -> Cache:
         return RotatingKVCache(settings.max_kv_size, keep, bits, group, start, settings.rewind)
     return KVCache(bits, group, start)
 
-
-def sliding_windows(caches: Sequence[Cache]) -> list[int | None]:
-    """Each cache's sliding window as the slots it keeps (a rotating cache without sinks: its
-    capacity, rewind slack included), else None (the prefix cache's window ends)."""
-    return [c.capacity if isinstance(c, RotatingKVCache) and not c.keep else None for c in caches]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from mlxformer.models.mask import Mask, causal_mask_for
+from mlxformer.cache.batch import in_window
 from mlxformer.cache.batch_kind import StorageKind, takes_back
 from mlxformer.cache.codec import CENTER_BLOCK, Pack, pack_concat, pack_slice, pack_write
 from mlxformer.cache.kv import OwnCache, codec_settings
@@ -137,10 +138,7 @@ class RotatingKVCache(OwnCache):
             key_positions = self._time_positions() + list(range(self.offset, self.offset + query_len))
         query_pos = mx.arange(self.offset, self.offset + query_len)[:, None]  # (L, 1)
         key_pos = mx.array(key_positions)[None]  # (1, S)
-        visible = (key_pos <= query_pos) & ((key_pos < self.keep) | (key_pos > query_pos - (self.max_size - self.keep)))
-        if window is not None:
-            visible = visible & (key_pos > query_pos - window)
-        return visible
+        return in_window(key_pos <= query_pos, key_pos, query_pos, self.storage, window)
 
     def _time_positions(self) -> list[int]:
         return [p for a, b in time_spans(self.size, self.capacity, self.keep, self.idx) for p in self.positions[a:b]]

@@ -118,6 +118,11 @@ class RowPlace:
         row.offset, row.freed = target, row.freed + back
 
 
+def seated(caches: Sequence[Any]) -> bool:
+    """Whether ``caches`` are the views of a pool row (not a sequence's own caches)."""
+    return bool(caches) and isinstance(caches[0], RowPlace)
+
+
 class RowCache(RowPlace, CodecAttention):
     """One layer of one ``SpareBatch`` row behind the cache protocol: a sequence's own cache
     while its keys/values live in the batch (its prompt chunks, a rollback's trim, the views the

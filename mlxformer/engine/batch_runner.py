@@ -22,7 +22,7 @@ from mlxformer.cache import Cache
 from mlxformer.cache.packed import PackedLayerCache, StepSegment, positions
 from mlxformer.engine.prompt_scores import PromptScores
 from mlxformer.cache.batch_kind import BatchKey, Held, batch_key, row_quantizes_next
-from mlxformer.cache.row_place import RowPlace
+from mlxformer.cache.row_place import RowPlace, seated
 from mlxformer.cache.rotating_rows import ring_key
 from mlxformer.cache.rows import SpareBatch, blanks
 from mlxformer.models.decoder import Attention, Model
@@ -245,7 +245,7 @@ class BatchRunner:
 
         def before(caches: Sequence[Cache], batch: SpareBatch | None = None) -> set[int]:
             if batch is None:  # a chunk's: the pool its caches are a row of, if any
-                batch = caches[0].batch if _seated(caches) else None  # type: ignore[attr-defined]
+                batch = caches[0].batch if seated(caches) else None  # type: ignore[attr-defined]
             read = {id(batch)} if batch is not None else set()
             waiting = [x for i in read for x in reading.pop(i, [])]
             if waiting:
@@ -292,7 +292,7 @@ class BatchRunner:
         re-encoded there (``Held.quantized``: a ring row's window; its states, if any, written
         beside), nothing else copied, and the float row freed. The list is updated in place (the
         sequence and a step's chunks hold it)."""
-        if _seated(cache) and row_quantizes_next(cache[0].row):  # type: ignore[attr-defined]
+        if seated(cache) and row_quantizes_next(cache[0].row):  # type: ignore[attr-defined]
             old: RowPlace = cache[0]  # type: ignore[assignment]
             held: list[Held | None] = [c.held().quantized() for c in cache]
             cache[:] = self._seat_in(held, old.row.rewinds)
@@ -303,7 +303,7 @@ class BatchRunner:
         step (its row moves between them: they run one after the other, ``prefill``)."""
         fed: dict[int, int] = {}
         for chunk in chunks:
-            if _seated(chunk.cache):
+            if seated(chunk.cache):
                 ahead = fed.get(id(chunk.cache), 0)
                 if ahead and row_quantizes_next(chunk.cache[0].row, ahead):  # type: ignore[attr-defined]
                     return True
@@ -379,7 +379,7 @@ class BatchRunner:
     def release(self, sequence: Decoding) -> None:
         """Free ``sequence``'s row, if it has one (it ended, or is preempted: nothing is copied
         out); its ``cache`` becomes ``[]``."""
-        place = sequence.cache[0] if _seated(sequence.cache) else None
+        place = sequence.cache[0] if seated(sequence.cache) else None
         if place is not None and place.batch is self.batches.get(place.batch.key):  # (not a pool ``reset`` dropped)
             self._leave(place)
             sequence.cache = []
@@ -394,7 +394,3 @@ class BatchRunner:
         """Forget every batch (after a failed step: the sequences in them have ended)."""
         self.batches.clear()
 
-
-def _seated(cache: Sequence[Cache]) -> bool:
-    """Whether ``cache`` is a row of a pool (not a sequence's own caches)."""
-    return bool(cache) and isinstance(cache[0], RowPlace)

@@ -15,7 +15,6 @@ from mlxformer.engine.batch_runner import TokenRun, speculation_round
 from mlxformer.engine.choices import Picked
 from mlxformer.engine.delivery import Delivery
 from mlxformer.engine.departures import Departures
-from mlxformer.engine.memory import held
 from mlxformer.engine.parts import EngineParts
 from mlxformer.engine.replay import rewind_caches
 from mlxformer.engine.request_state import RequestState, Status
@@ -73,9 +72,9 @@ class DecodeStep:
         fault fails alone (one that cannot be rolled back is recomputed); the chunks and rounds
         are rolled back and run alone after it (their logits are then not in the result)."""
         replays, pipeline = self.parts.replays, self.delivery.pipeline
-        offsets, keys = [held(s) for s in decode], [s.key for s in decode]
-        prompts = {id(c.sequence): (c.sequence, held(c.sequence)) for c in riding}  # before the step
-        prompts.update({id(r.sequence): (r.sequence, held(r.sequence)) for r in rounds})
+        offsets, keys = [s.cache_offset for s in decode], [s.key for s in decode]
+        prompts = {id(c.sequence): (c.sequence, c.sequence.cache_offset) for c in riding}  # before the step
+        prompts.update({id(r.sequence): (r.sequence, r.sequence.cache_offset) for r in rounds})
         result = Decoded()
         try:
             inputs = pipeline.inputs(decode) if pipeline is not None else None  # (B,) or None

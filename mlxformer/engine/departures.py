@@ -9,7 +9,7 @@ import math
 
 import mlx.core as mx
 
-from mlxformer.engine.memory import BLOCK, held, nbytes
+from mlxformer.engine.memory import BLOCK, nbytes
 from mlxformer.engine.parts import EngineParts
 from mlxformer.engine.replay import taken_back
 from mlxformer.engine.request_state import RequestState
@@ -69,7 +69,7 @@ class Departures:
         parts.metrics.preemptions.inc()
         parts.sharing.held[:] = [s for s in parts.sharing.held if s is not sequence]
         parts.replays.stop(sequence)
-        if keep_cache and held(sequence) > sequence.cached_tokens:  # it computed something worth keeping
+        if keep_cache and sequence.cache_offset > sequence.cached_tokens:  # it computed something worth keeping
             self._keep(sequence)
         parts.runner.release(sequence)  # its blocks were taken by ``_keep``
         sequence.cache, sequence.processed = [], 0
@@ -82,7 +82,7 @@ class Departures:
         last token (it ended when that token was read) is taken back where every layer can (not
         a recurrent state: it is kept with every token it holds)."""
         layers = [c.held() for c in sequence.cache]
-        if (ahead := held(sequence) - (len(sequence.tokens) - 1)) > 0:
+        if (ahead := sequence.cache_offset - (len(sequence.tokens) - 1)) > 0:
             layers = taken_back(layers, ahead)
         tokens = self._keepable(sequence.tokens[: layers[0].offset], sequence.cache_salt)
         blocks = self.parts.prefix_cache.insert(tokens, layers, sequence.cache_salt)

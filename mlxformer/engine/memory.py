@@ -259,11 +259,6 @@ def resolve_budget(model: Model, max_kv_memory: int | str | None) -> KVBudget | 
     return KVBudget(limit, weights_nbytes(model))
 
 
-def held(sequence: RequestState) -> int:
-    """Tokens the sequence's caches hold."""
-    return int(sequence.cache[0].offset) if sequence.cache else 0
-
-
 def nbytes(sequence: RequestState) -> int:
     """Bytes the sequence's caches hold (its share of a batch's buffers)."""
     return sum(c.nbytes for c in sequence.cache)
@@ -323,7 +318,7 @@ class MemoryPlanner:
         its row: the pool with one row more (``SpareBatch.seat`` rewrites it one layer at a
         time). The prefix cache must leave this room before the seat (``Admission.seat``)."""
         active = [s for s in scheduler.prefilling + scheduler.running if s is not sequence and s.cache]
-        rows = [held(s) for s in active] + [layers[0].offset]
+        rows = [s.cache_offset for s in active] + [layers[0].offset]
         return self.sizer.after(rows, sum(nbytes(s) for s in active) + sum(h.nbytes for h in layers))
 
     def step_need(self, scheduler: Scheduler, step: Step) -> int:
@@ -334,4 +329,4 @@ class MemoryPlanner:
         rows = [s for s in scheduler.prefilling + scheduler.running if s.cache]  # (not one waiting for its caches)
         if not rows:
             return 0
-        return self.sizer.after([held(s) + max(fed.get(id(s), 0), 1) for s in rows], sum(nbytes(s) for s in rows))
+        return self.sizer.after([s.cache_offset + max(fed.get(id(s), 0), 1) for s in rows], sum(nbytes(s) for s in rows))

@@ -25,10 +25,9 @@ drops blocks until it holds at most ``limit`` bytes.
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
-from mlxformer.cache import CacheSettings, make_cache, sliding_windows
+from mlxformer.cache import CacheSettings, new_held
 from mlxformer.cache.batch_kind import Held
 from mlxformer.cache.protocol import HasLayers
 from mlxformer.cache.blocks import Block, assemble, block_keys, cut_blocks, head_of, tail_key, window_blocks
@@ -38,13 +37,6 @@ if TYPE_CHECKING:
     from mlxformer.engine.disk_cache import DiskBlockStore
 
 BLOCK_SIZE = 32  # tokens per block
-
-
-@dataclass
-class PrefixStats:
-    """Prompt tokens served from the disk tier so far."""
-
-    disk_tokens: int = 0
 
 
 class PrefixCache:
@@ -60,10 +52,11 @@ class PrefixCache:
         self._parent: dict[str, str] = {}  # block key -> the key of the block before it ("" first)
         self._children: dict[str, set[str]] = {}  # the inverse: the blocks cached after a key
         self.nbytes = 0
-        self.stats = PrefixStats()
-        self.hybrid = model is not None and any(layer.recurrent for layer in model.layers)
-        # each cache's sliding window (a rotating cache without sinks: its capacity), else None
-        self.windows = sliding_windows(make_cache(model, self.settings) if model is not None else [])
+        self.disk_tokens = 0  # prompt tokens served from the disk tier so far
+        storage = [h.storage for h in new_held(model, self.settings)] if model is not None else []
+        self.hybrid = any(s.recurrent for s in storage)
+        # each cache's sliding window (a rotating cache without sinks: its capacity, slack included), else None
+        self.windows = [s.capacity if s.rotating and not s.keep else None for s in storage]
 
     def __len__(self) -> int:
         return len(self.blocks)
@@ -174,7 +167,7 @@ class PrefixCache:
             return None  # quantized below quantized_kv_start: a cold prefill holds those tokens as floats
         self._touch([b.key for b in run])
         self.evict_to(self.budget)
-        self.stats.disk_tokens += sum(len(b.tokens) for b in run if b.key in from_disk)
+        self.disk_tokens += sum(len(b.tokens) for b in run if b.key in from_disk)
         return assemble(self.model, self.settings, run), _length(run)
 
     def _snapshot_from_disk(self, block: Block) -> bool:
