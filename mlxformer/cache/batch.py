@@ -118,6 +118,7 @@ class BatchLayout:
         query = self.offsets[:, None]  # (B, 1)
         positions = mx.put_along_axis(self.padded(), self.slots[:, None], query, axis=1)  # (B, C)
         self.live = self.spread = self.rope = None
+        self._next, visible = positions, (positions >= 0) & (positions <= query)
         if stepping is not None:
             spread = [0] * len(self.rows)
             for j, i in enumerate(stepping):
@@ -129,10 +130,7 @@ class BatchLayout:
             # the others attend to their scratch slot alone (a softmax over nothing is NaN)
             scratch = mx.arange(positions.shape[1])[None] == self.slots[:, None]  # (B, C)
             self._next = mx.where(others[:, None], self.padded(), positions)
-            visible = mx.where(others[:, None], scratch, (positions >= 0) & (positions <= query))
-        else:
-            self._next = positions
-            visible = (positions >= 0) & (positions <= query)
+            visible = mx.where(others[:, None], scratch, visible)
         visible = in_window(visible, positions, query, self.kind, self.window)
         self.mask = visible[:, None, None, :]  # (B, 1, 1, C)
         self.key_blocks = mx.maximum(positions, 0) // CENTER_BLOCK
@@ -141,10 +139,8 @@ class BatchLayout:
     def commit(self) -> None:
         """Record this step's token in every row (call after the forward is built; a recurrent
         layer's rows, which have no slots, only count it)."""
-        if self._next is not None:
-            self.positions, self._next = self._next, None
-        else:
-            assert self.kind.recurrent, "prepare() first"
+        assert self._next is not None, "prepare() first"  # (a layout is never a recurrent kind's: ``SpareBatch.layouts``)
+        self.positions, self._next = self._next, None
         stepping = self.rows if self._stepping is None else [self.rows[i] for i in self._stepping]
         for row in stepping:
             _, row.used, row.idx = ring_spans(row.used, row.idx, self.kind.capacity or sys.maxsize, self.kind.keep, 1)

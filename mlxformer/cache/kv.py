@@ -98,9 +98,8 @@ class OwnCache(CodecAttention):
 
     def held(self) -> Held:
         """What the cache holds, oldest first, as data (``Held``)."""
-        if self.keys is None or self.values is None or not self.offset:
-            return Held(self.storage, self.meta_state, int(self.offset), codec=self.codec)
-        return Held(self.storage, self.meta_state, int(self.offset), *self.time_order(), codec=self.codec)
+        empty = self.keys is None or self.values is None or not self.offset
+        return Held(self.storage, self.meta_state, int(self.offset), *(() if empty else self.time_order()), codec=self.codec)
 
     def quantize_storage(self) -> None:
         """Re-encode what the cache holds into quantized storage (at ``quantized_kv_start``; a
@@ -181,9 +180,7 @@ class KVCache(OwnCache):
         evaluates one layer's growth at a time, so only one layer's old buffers are ever held
         beside the new ones). Nothing to do before the first update or before the update that
         turns the storage quantized (which rewrites the buffers itself)."""
-        if self.keys is None or self.values is None or self.offset + length <= self.keys[0].shape[2]:
-            return False
-        if self._quantize_due:
+        if self.keys is None or self.values is None or self.offset + length <= self.keys[0].shape[2] or self._quantize_due:
             return False
         self._grow(self.offset, ((length + self.step - 1) // self.step) * self.step)
         return True

@@ -112,12 +112,10 @@ class StateRowCache(RowPlace):
         return rows
 
     def conv_window(self, width: int, like: mx.array) -> mx.array:
-        index = self.index
-        return self._rows.conv[index : index + 1]
+        return self.state[0]
 
     def recurrent(self, batch: int, heads: int, key_dim: int, value_dim: int) -> mx.array:
-        index = self.index
-        return self._rows.states[0][index : index + 1]
+        return self.state[1]
 
     def advance(self, inputs: mx.array, states: list[mx.array]) -> None:
         """Record a chunk ``(1, L, C)``: the row's new window and its state after the last token

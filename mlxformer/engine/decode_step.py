@@ -73,8 +73,7 @@ class DecodeStep:
         are rolled back and run alone after it (their logits are then not in the result)."""
         replays, pipeline = self.parts.replays, self.delivery.pipeline
         offsets, keys = [s.cache_offset for s in decode], [s.key for s in decode]
-        prompts = {id(c.sequence): (c.sequence, c.sequence.cache_offset) for c in riding}  # before the step
-        prompts.update({id(r.sequence): (r.sequence, r.sequence.cache_offset) for r in rounds})
+        prompts = {id(s): (s, s.cache_offset) for s in [c.sequence for c in riding] + [r.sequence for r in rounds]}  # before the step
         result = Decoded()
         try:
             inputs = pipeline.inputs(decode) if pipeline is not None else None  # (B,) or None
@@ -88,7 +87,7 @@ class DecodeStep:
             if logits is None:
                 return result
             mx.async_eval(logits)  # constraints compute their masks while the step runs
-            result.choices = self.delivery.choose(decode, [logits], inputs)  # (not the replaying rows')
+            result.choices = self.delivery.choose(decode, logits, inputs)  # (not the replaying rows')
         except Exception:
             for sequence, key in zip(decode, keys):
                 sequence.key = key
@@ -124,6 +123,6 @@ class DecodeStep:
             except Exception as exc:
                 self.departures.fail(sequence, exc)
                 continue
-            choices += self.delivery.choose([sequence], [logits])  # before its replay advances
+            choices += self.delivery.choose([sequence], logits)  # before its replay advances
             self.parts.replays.advance([sequence])
         return choices

@@ -21,36 +21,33 @@ class Delivery:
         self.parts, self.departures = parts, departures
         self.pipeline: Pipeline | None = None  # the last step's tokens, queued and not yet read
 
-    def choose(self, sequences: list[RequestState], logits: list[mx.array],
-               pending: mx.array | None = None) -> list[Picked]:
+    def choose(self, sequences: list[RequestState], logits: mx.array, pending: mx.array | None = None) -> list[Picked]:
         """The sequences' choices in one graph (``choosing.choose``) over the rows of ``logits``
-        (blocks ``(n, vocab)``, one row per sequence in order); one whose settings fail ends
+        (``(n, vocab)``, one row per sequence in order); one whose settings fail ends
         alone. ``pending``: their input tokens ``(n,)``, not recorded yet where in ``pipeline``."""
         rows, kept = [], []
-        batch_vocab = logits[0].shape[-1]
         for i, sequence in enumerate(sequences):
             if sequence in self.parts.replays:  # replaying: its next token is known
                 continue
             try:
-                rows.append(sequence.row(int(pending is not None and sequence in (self.pipeline or ())), batch_vocab))
+                rows.append(sequence.row(int(pending is not None and sequence in (self.pipeline or ())), logits.shape[-1]))
                 kept.append(i)
             except Exception as exc:
                 self.departures.fail(sequence, exc)
         if not rows:
             return []
-        batch = logits[0] if len(logits) == 1 else mx.concatenate(logits)  # (B, vocab)
         if len(kept) < len(sequences):
-            batch = batch[mx.array(kept)]
+            logits = logits[mx.array(kept)]
             pending = pending[mx.array(kept)] if pending is not None else None
         kept_sequences = [sequences[i] for i in kept]
         try:
-            return [choice(kept_sequences, *choose(batch, rows, pending))]
+            return [choice(kept_sequences, *choose(logits, rows, pending))]
         except Exception:  # one row's settings: choose row by row, and fail only the rows that fail
             choices = []
             for i, (sequence, row) in enumerate(zip(kept_sequences, rows)):
                 try:
                     one = pending[i : i + 1] if pending is not None else None
-                    choices.append(choice([sequence], *choose(batch[i : i + 1], [row], one)))
+                    choices.append(choice([sequence], *choose(logits[i : i + 1], [row], one)))
                 except Exception as exc:
                     self.departures.fail(sequence, exc)
             return choices
@@ -58,9 +55,7 @@ class Delivery:
     def hand_out(self, queued: list[Picked], now: list[Picked]) -> None:
         """Queue ``queued`` for the next step (``Pipeline``); read the tokens in flight and
         ``now`` in one sync, and hand them out."""
-        last, self.pipeline = self.pipeline, None
-        if queued:
-            self.pipeline = Pipeline(queued)
+        last, self.pipeline = self.pipeline, Pipeline(queued) if queued else None
         picked = (last.picked if last is not None else []) + now
         if picked:
             self.emit(picked)
@@ -85,7 +80,7 @@ class Delivery:
             if sequence.status is Status.FINISHED:  # a stop ended it earlier in its speculation round
                 continue
             try:
-                event = sequence.accept(token, logprob, top)
+                event = sequence.event(sequence.record(token), token, logprob, top)  # finished when a stop hit
             except Exception as exc:  # e.g. a constraint refusing the token, or the detokenizer failing
                 self.departures.fail(sequence, exc)
                 continue

@@ -51,7 +51,7 @@ class DiskBlockStore:
     layers are recurrent (they keep no arrays per block, only snapshots)."""
 
     def __init__(self, directory: str | Path, max_bytes: int, identity: dict[str, str], args: Any,
-                 dtype: mx.Dtype, block_size: int, recurrent: Sequence[bool] = ()) -> None:
+                 dtype: mx.Dtype, block_size: int, recurrent: Sequence[bool]) -> None:
         self.directory = Path(directory)
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
@@ -59,7 +59,6 @@ class DiskBlockStore:
             raise MlxformerError(f"cannot use the prompt cache directory {directory}: {exc.strerror}") from None
         self.max_bytes, self.identity, self.dtype, self.block_size = max_bytes, dict(identity), dtype, block_size
         self.n_layers = args.num_hidden_layers - args.num_kv_shared_layers  # the layers with caches of their own
-        recurrent = tuple(recurrent) or (False,) * self.n_layers
         self._kv_layers = [layer for layer in range(self.n_layers) if not recurrent[layer]]
         self._state_layers = [layer for layer in range(self.n_layers) if recurrent[layer]]
         self._args = SimpleNamespace(cache_dims=args.cache_dims, layer_window=lambda index: None)

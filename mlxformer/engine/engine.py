@@ -82,7 +82,6 @@ class Engine:
         metrics: CollectorRegistry | None = None,
     ) -> None:
         self.model, self.tokenizer = model, tokenizer
-        self.speculative = speculative
         if speculative is not None:
             check_draft(speculative, tokenizer)
         self.cache_settings = with_rewind(cache_settings, speculative) or CacheSettings()
@@ -270,21 +269,18 @@ class Engine:
     def step(self) -> None:
         """One engine step: drop cancelled, admit, fit the step into the KV budget, run the
         prompt chunks and the decode step, hand out."""
-        admission, departures = self.admission, self.departures
+        admission, departures, scheduler = self.admission, self.departures, self.scheduler
         layout = admission.kv_layout()
-        for sequence in self.scheduler.drop_cancelled_waiting():
+        for sequence in scheduler.drop_cancelled_waiting() + [s for s in scheduler.prefilling + scheduler.running if s.cancelled]:
             departures.end(sequence, "cancelled")
-        for sequence in self.scheduler.prefilling + self.scheduler.running:
-            if sequence.cancelled:
-                departures.end(sequence, "cancelled")
-        for sequence in self.scheduler.admit(lambda s: self.planner.admissible(self.scheduler, s)):
-            self.sharing.hold(sequence)  # until the blocks it shares with a running prefill are cached
-        for sequence in self.sharing.ready(self.scheduler.prefilling):
+        for sequence in scheduler.admit(lambda s: self.planner.admissible(scheduler, s)):
+            self.sharing.held.append(sequence)  # until the blocks it shares with a running prefill are cached
+        for sequence in self.sharing.ready(scheduler.prefilling):
             try:
                 admission.seat(sequence)
             except Exception as exc:  # e.g. a draft model's cache
                 departures.fail(sequence, exc)
-        step = admission.grow(admission.fit(self.scheduler.plan(skip=self.sharing.held)))
+        step = admission.grow(admission.fit(scheduler.plan(skip=self.sharing.held)))
         self._run(step)
         admission.drop_freed(layout, prompted=bool(step.prefill))
         self.held_kv = self.kv_bytes()  # what the metrics read (never the caches the engine swaps)
@@ -295,14 +291,13 @@ class Engine:
         (``Delivery.hand_out``); a step whose choices must be read now (a first token, a
         speculation round, a constraint's next mask, a row rerun alone) reads the last step's
         and its own."""
-        now: list[Picked] = []  # to read in this step
         decode, rounds = self.decoding.propose(step.decode)
         # chunks in the decode step's forward (a scored prompt needs every position's logits: its own)
         riding = [c for c in step.prefill if c.sequence.prompt_scores is None and c.sequence.packs]
         packing = [r for r in rounds if r.sequence.packs]  # speculation rounds too: their rows written before any is read
         decoded = self.decoding.run(decode, riding, packing)
         batched = [] if decoded.alone else decoded.choices  # queued for the next step's read when they can wait
-        now += decoded.choices if decoded.alone else []
+        now: list[Picked] = decoded.choices if decoded.alone else []  # to read in this step
         for sequence, proposed in rounds:
             if sequence.status is not Status.RUNNING:  # preempted after its round failed in the step
                 continue
@@ -347,4 +342,4 @@ class Engine:
             self.replays.start(sequence, 0)
             return []
         mx.async_eval(logits)
-        return self.delivery.choose([sequence], [logits])
+        return self.delivery.choose([sequence], logits)

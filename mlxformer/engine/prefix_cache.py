@@ -43,7 +43,7 @@ class PrefixCache:
     """Blocks of finished sequences' caches: see the module docstring."""
 
     def __init__(
-        self, budget: int, model: HasLayers | None = None, settings: CacheSettings | None = None, *,
+        self, budget: int, model: HasLayers, settings: CacheSettings | None = None, *,
         seed: str = "", block_size: int = BLOCK_SIZE, disk: "DiskBlockStore | None" = None,
     ) -> None:
         self.budget, self.model, self.settings = budget, model, settings or CacheSettings()
@@ -53,7 +53,7 @@ class PrefixCache:
         self._children: dict[str, set[str]] = {}  # the inverse: the blocks cached after a key
         self.nbytes = 0
         self.disk_tokens = 0  # prompt tokens served from the disk tier so far
-        storage = [h.storage for h in new_held(model, self.settings)] if model is not None else []
+        storage = [h.storage for h in new_held(model, self.settings)]
         self.hybrid = any(s.recurrent for s in storage)
         # each cache's sliding window (a rotating cache without sinks: its capacity, slack included), else None
         self.windows = [s.capacity if s.rotating and not s.keep else None for s in storage]
@@ -134,18 +134,12 @@ class PrefixCache:
 
     def cached_blocks(self, keys: Sequence[str]) -> int:
         """How many of the leading ``keys`` are cached, in memory or on disk."""
-        n = 0
-        for key in keys:
-            if key not in self.blocks and (self.disk is None or key not in self.disk):
-                break
-            n += 1
-        return n
+        return next((n for n, key in enumerate(keys)
+                     if key not in self.blocks and (self.disk is None or key not in self.disk)), len(keys))
 
     def lookup(self, prompt: Sequence[int], salt: str = "") -> tuple[list[Held], int] | None:
         """``(held, n)``: what each layer holds once it holds the first ``n`` tokens of ``prompt``
         (its longest cached prefix, less than the prompt's length; a row seats it), or None."""
-        if self.model is None:
-            return None
         run: list[Block] = []
         from_disk: set[str] = set()
         keys = self.keys_for(prompt, (len(prompt) - 1) // self.block_size, salt)

@@ -31,7 +31,7 @@ class PrefixSharing:
     def __init__(self, prefix_cache: PrefixCache, enabled: bool = True) -> None:
         self.prefix_cache = prefix_cache
         self.enabled = enabled and prefix_cache.caching
-        self.held: list[RequestState] = []
+        self.held: list[RequestState] = []  # newly admitted sequences, until ``ready`` lets them go
         self._keys: dict[int, list[str]] = {}
 
     def keys(self, sequence: RequestState) -> list[str]:
@@ -39,10 +39,6 @@ class PrefixSharing:
         if id(sequence) not in self._keys:
             self._keys[id(sequence)] = self.prefix_cache.keys_for(sequence.prompt, salt=sequence.cache_salt)
         return self._keys[id(sequence)]
-
-    def hold(self, sequence: RequestState) -> None:
-        """Hold a newly admitted sequence until ``ready`` lets it go."""
-        self.held.append(sequence)
 
     def ready(self, prefilling: Sequence[RequestState]) -> list[RequestState]:
         """The held sequences that may get their caches now (in admission order); the finished

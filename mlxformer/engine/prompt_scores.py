@@ -19,9 +19,7 @@ class PromptScores:
     def __init__(self, prompt: list[int], top: int) -> None:
         self.prompt, self.top = prompt, top
         self.scored = 1  # the next prompt position to score (position 0 has no prediction)
-        self._chosen: list[mx.array] = []  # (k,) each
-        self._top_ids: list[mx.array] = []  # (k, top) each
-        self._top_values: list[mx.array] = []
+        self._scores: list[tuple[mx.array, mx.array, mx.array]] = []  # each chunk's chosen (k,), top ids and values (k, top)
 
     def add(self, start: int, logits: mx.array) -> list[mx.array]:
         """Score the tokens predicted by a chunk's logits ``(T, vocab)`` (the chunk starts at prompt
@@ -38,16 +36,11 @@ class PromptScores:
             top_ids, top_values = top_logprobs(logprobs, self.top)  # (k, top): a partition, not a sort
         else:
             top_ids = top_values = mx.zeros((logprobs.shape[0], 0), mx.int32)
-        self._chosen.append(chosen)
-        self._top_ids.append(top_ids)
-        self._top_values.append(top_values)
+        self._scores.append((chosen, top_ids, top_values))
         self.scored += len(targets)
         return [chosen, top_ids, top_values]
 
     def entries(self) -> list[tuple[float, list[tuple[int, float]]]]:
         """For prompt positions 1.. (once the prefill is done): ``(logprob, [(id, logprob), ...])``."""
-        result: list[tuple[float, list[tuple[int, float]]]] = []
-        for chosen, ids, values in zip(self._chosen, self._top_ids, self._top_values):
-            for lp, row_ids, row_values in zip(chosen.tolist(), ids.tolist(), values.tolist()):
-                result.append((lp, list(zip(row_ids, row_values))))
-        return result
+        return [(lp, list(zip(row_ids, row_values))) for chosen, ids, values in self._scores
+                for lp, row_ids, row_values in zip(chosen.tolist(), ids.tolist(), values.tolist())]

@@ -110,10 +110,6 @@ class RequestState(DecodingState):
         self.prompt_scores = PromptScores(self.prompt, k) if k is not None else None  # filled during prefill
         self.cache_salt = ""  # its prefix-cache keys' root: the adapters it runs with (``adapters.cache_salt``)
 
-    def accept(self, token: int, logprob: float | None, top: list[tuple[int, float]] | None) -> TokenEvent:
-        """Record the chosen ``token`` and return its event (finished when a stop condition hit)."""
-        return self.event(self.record(token), token, logprob, top)
-
     def finish(self, reason: str) -> None:
         self.status = Status.FINISHED
         super().finish(reason)

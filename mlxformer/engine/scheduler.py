@@ -122,12 +122,10 @@ class Scheduler:
         return admitted
 
     def drop_cancelled_waiting(self) -> list[RequestState]:
-        """Remove cancelled sequences that never got a slot; returns them."""
+        """Remove cancelled sequences that never got a slot; returns them (each to be ``release``d)."""
         with self.lock:
             dropped = [s for s in self.waiting if s.cancelled]
             self.waiting = deque(s for s in self.waiting if not s.cancelled)
-            for sequence in dropped:
-                self._arrival.pop(id(sequence), None)
         return dropped
 
     def plan(self, skip: Container[RequestState] = ()) -> Step:
@@ -183,14 +181,12 @@ class Scheduler:
         """Free the sequence's slot (finished or cancelled)."""
         with self.lock:
             self._unslot(sequence)
-            if sequence in self.waiting:
-                self.waiting.remove(sequence)
             self._arrival.pop(id(sequence), None)
             self._chunked.pop(id(sequence), None)
 
     def _unslot(self, sequence: RequestState) -> None:
-        """Take ``sequence`` out of its batch slot, if it holds one."""
-        for active in (self.prefilling, self.running):
+        """Take ``sequence`` out of the queue or its batch slot, wherever it is."""
+        for active in (self.waiting, self.prefilling, self.running):
             if sequence in active:
                 active.remove(sequence)
 
@@ -213,9 +209,6 @@ class Scheduler:
         """Remove every sequence (waiting or active); returns them."""
         with self.lock:
             everything = [*self.waiting, *self.prefilling, *self.running]
-            self.waiting.clear()
-            self.prefilling.clear()
-            self.running.clear()
-            self._arrival.clear()
-            self._chunked.clear()
+            for held in (self.waiting, self.prefilling, self.running, self._arrival, self._chunked):
+                held.clear()
         return everything
