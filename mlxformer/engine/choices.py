@@ -27,7 +27,9 @@ def choice(sequences: list[RequestState], tokens: mx.array, logprobs: mx.array) 
     log-probabilities their requests ask for (lazy; the largest ``top`` of the rows, by ``argpartition``)."""
     asked = [s.request.logprobs for s in sequences]
     top = max((k for k in asked if k), default=0)
-    chosen = mx.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0] if any(k is not None for k in asked) else None  # (n,)
+    chosen = None
+    if any(k is not None for k in asked):
+        chosen = mx.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]  # (n,)
     top_ids, top_values = top_logprobs(logprobs, top) if top else (None, None)  # (n, top)
     return Picked(sequences, tokens, chosen, top_ids, top_values)
 

@@ -73,7 +73,8 @@ class DecodeStep:
         are rolled back and run alone after it (their logits are then not in the result)."""
         replays, pipeline = self.parts.replays, self.delivery.pipeline
         offsets, keys = [s.cache_offset for s in decode], [s.key for s in decode]
-        prompts = {id(s): (s, s.cache_offset) for s in [c.sequence for c in riding] + [r.sequence for r in rounds]}  # before the step
+        prompting = [c.sequence for c in riding] + [r.sequence for r in rounds]
+        prompts = {id(s): (s, s.cache_offset) for s in prompting}  # before the step
         result = Decoded()
         try:
             inputs = pipeline.inputs(decode) if pipeline is not None else None  # (B,) or None

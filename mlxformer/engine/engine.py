@@ -271,7 +271,8 @@ class Engine:
         prompt chunks and the decode step, hand out."""
         admission, departures, scheduler = self.admission, self.departures, self.scheduler
         layout = admission.kv_layout()
-        for sequence in scheduler.drop_cancelled_waiting() + [s for s in scheduler.prefilling + scheduler.running if s.cancelled]:
+        cancelled = [s for s in scheduler.prefilling + scheduler.running if s.cancelled]
+        for sequence in scheduler.drop_cancelled_waiting() + cancelled:
             departures.end(sequence, "cancelled")
         for sequence in scheduler.admit(lambda s: self.planner.admissible(scheduler, s)):
             self.sharing.held.append(sequence)  # until the blocks it shares with a running prefill are cached
