@@ -137,9 +137,9 @@ class BatchLayout:
         self.query_blocks = query // CENTER_BLOCK
 
     def commit(self) -> None:
-        """Record this step's token in every row (call after the forward is built; a recurrent
-        layer's rows, which have no slots, only count it)."""
-        assert self._next is not None, "prepare() first"  # (a layout is never a recurrent kind's: ``SpareBatch.layouts``)
+        """Record this step's token in every stepping row (call after the forward is built; a
+        recurrent layer's rows follow the first attention layout's, ``SpareBatch.layouts``)."""
+        assert self._next is not None, "prepare() first"
         self.positions, self._next = self._next, None
         stepping = self.rows if self._stepping is None else [self.rows[i] for i in self._stepping]
         for row in stepping:

@@ -180,7 +180,9 @@ class KVCache(OwnCache):
         evaluates one layer's growth at a time, so only one layer's old buffers are ever held
         beside the new ones). Nothing to do before the first update or before the update that
         turns the storage quantized (which rewrites the buffers itself)."""
-        if self.keys is None or self.values is None or self.offset + length <= self.keys[0].shape[2] or self._quantize_due:
+        if self.keys is None or self.values is None or self.offset + length <= self.keys[0].shape[2]:
+            return False
+        if self._quantize_due:
             return False
         self._grow(self.offset, ((length + self.step - 1) // self.step) * self.step)
         return True

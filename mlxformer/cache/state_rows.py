@@ -112,10 +112,12 @@ class StateRowCache(RowPlace):
         return rows
 
     def conv_window(self, width: int, like: mx.array) -> mx.array:
-        return self.state[0]
+        index = self.index
+        return self._rows.conv[index : index + 1]
 
     def recurrent(self, batch: int, heads: int, key_dim: int, value_dim: int) -> mx.array:
-        return self.state[1]
+        index = self.index
+        return self._rows.states[0][index : index + 1]
 
     def advance(self, inputs: mx.array, states: list[mx.array]) -> None:
         """Record a chunk ``(1, L, C)``: the row's new window and its state after the last token
