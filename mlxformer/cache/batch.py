@@ -43,10 +43,12 @@ def in_window(visible: mx.array, positions: mx.array, query: mx.array, kind: Sto
 Span = tuple[int, int, int]  # (first slot, first token of the chunk, tokens)
 
 
-def ring_spans(used: int, idx: int, capacity: int, keep: int, count: int) -> tuple[list[Span], int, int]:
+def ring_spans(used: int, idx: int, capacity: int | None, keep: int, count: int) -> tuple[list[Span], int, int]:
     """Where ``count`` tokens go in a row with ``used`` slots and ring index ``idx`` (the
-    slots fill, then the ring over ``keep..capacity-1`` turns); the spans in token order (a
-    later span may overwrite an earlier one's slots) and the row's ``used`` and ``idx`` after."""
+    slots fill, then the ring over ``keep..capacity-1`` turns; ``capacity`` None: a growing
+    row, which never turns); the spans in token order (a later span may overwrite an earlier
+    one's slots) and the row's ``used`` and ``idx`` after."""
+    capacity = sys.maxsize if capacity is None else capacity
     spans: list[Span] = []
     token = 0
     if used < capacity and count:
@@ -143,7 +145,7 @@ class BatchLayout:
         self.positions, self._next = self._next, None
         stepping = self.rows if self._stepping is None else [self.rows[i] for i in self._stepping]
         for row in stepping:
-            _, row.used, row.idx = ring_spans(row.used, row.idx, self.kind.capacity or sys.maxsize, self.kind.keep, 1)
+            _, row.used, row.idx = ring_spans(row.used, row.idx, self.kind.capacity, self.kind.keep, 1)
             row.offset, row.freed = row.offset + 1, max(0, row.freed - 1)
 
     def remove(self, index: int, keep: mx.array) -> None:

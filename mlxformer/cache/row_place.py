@@ -5,7 +5,6 @@ share, and ``RowCache``, one layer of a growing row."""
 from __future__ import annotations
 
 import math
-import sys
 from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 import mlx.core as mx
@@ -242,7 +241,7 @@ class RowCache(RowPlace, CodecAttention):
     def _pending(self) -> tuple[list[Span], int, int]:
         """``ring_spans`` of the row's pending tokens (written, not yet recorded)."""
         kind = self._kind
-        return ring_spans(self.row.used, self.row.idx, kind.capacity or sys.maxsize, kind.keep, self.pending)
+        return ring_spans(self.row.used, self.row.idx, kind.capacity, kind.keep, self.pending)
 
     def record(self) -> None:
         """Record the pending tokens in the row (``record_writes``): the slots they went to."""

@@ -38,11 +38,13 @@ class Admission:
         while (room := parts.budget.limit - parts.planner.step_need(scheduler, step)) < 0:
             victim = scheduler.latest_active()
             assert victim is not None
-            if not self.delivery.drain():  # tokens in flight are handed out first (one that ends frees its room)
-                if scheduler.active == 1:  # alone and still too big (submit's check prevents it)
-                    self.departures.fail(victim, KVBudgetExceeded("the request outgrew the KV memory budget"))
-                else:
-                    self.departures.preempt(victim)
+            if self.delivery.drain():  # tokens in flight are handed out first (one that ends frees its room)
+                step = scheduler.plan(skip=parts.sharing.held)
+                continue
+            if scheduler.active == 1:  # alone and still too big (submit's check prevents it)
+                self.departures.fail(victim, KVBudgetExceeded("the request outgrew the KV memory budget"))
+            else:
+                self.departures.preempt(victim)
             step = scheduler.plan(skip=parts.sharing.held)
         parts.prefix_cache.evict_to(room)
         return step
