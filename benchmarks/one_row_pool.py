@@ -2,7 +2,7 @@
 stream is a pool with one row"): whether the tokens and logits agree bit for bit, and the decode
 speed of each, trials interleaved (own, pool, pool, own, ...) on the same model in one process.
 
-The pool is the engine's (``BatchRunner.seat``: a row of ``cache/rows.py``'s ``SpareBatch``,
+The pool is the engine's (``BatchRunner.seat``: a row of ``cache/pool.py``'s ``KVPool``,
 each layer a ``RowCache`` view, which records what a forward wrote once it is built); the own caches
 are ``make_cache``'s, as ``generate`` uses them. Greedy decoding of ``--tokens`` tokens after a
 short prompt; ``--kv-bits`` quantizes both (from the first token); ``--max-kv-size`` makes both

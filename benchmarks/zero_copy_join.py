@@ -1,7 +1,7 @@
 """The decode step at which prefilled rows join the batch (issue 32, "KV in one place"): its
 time and MLX's peak memory over what was held before, beside a steady decode step, for the old
 path (rows prefilled in their own caches, copied into the batch at their first decode step) and
-rows seated at admission (``cache/rows.py``: prefilled in their batch row, nothing copied).
+rows seated at admission (``cache/pool.py``: prefilled in their batch row, nothing copied).
 
     python benchmarks/zero_copy_join.py --rows 4 --tokens 1500 [--staged]
     python benchmarks/zero_copy_join.py --rows 4 --tokens 1500 --max-kv-size 512  # rotating rows
@@ -76,7 +76,7 @@ def measure(model, seat: bool, rows: int, tokens: int, chunk: int, settings, sta
         prompt = [(13 * j + i) % 4000 + 1 for j in range(tokens + i)]
         for start in range(0, len(prompt), chunk):
             if seat and staged:
-                sequence.cache[0].batch.reserve(sequence.cache[0].offset + len(prompt[start : start + chunk]))
+                sequence.cache[0].pool.reserve(sequence.cache[0].offset + len(prompt[start : start + chunk]))
             runner.prefill(prompt[start : start + chunk], sequence.cache, want_logits=False)
     figures = [time.perf_counter() - started]
     for _ in range(2):
@@ -84,7 +84,7 @@ def measure(model, seat: bool, rows: int, tokens: int, chunk: int, settings, sta
         before = mx.get_active_memory()
         mx.reset_peak_memory()
         started = time.perf_counter()
-        mx.eval(runner.decode(sequences), [layer.state for b in runner.batches.values() for layer in b.layers])
+        mx.eval(runner.decode(sequences), [layer.state for b in runner.pools.values() for layer in b.layers])
         figures += [time.perf_counter() - started, mx.get_peak_memory() - before]
     runner.reset()
     return tuple(figures)  # type: ignore[return-value]

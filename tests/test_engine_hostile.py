@@ -145,10 +145,10 @@ def host_bytes_per_step(context: int) -> int:
         for s in sequences:
             s.generated.append(step + 1)
         if step < 2:  # warm: the running counts start from the generated tokens
-            mx.eval(choose(logits, [s.row(0, vocab) for s in sequences]))
+            mx.eval(choose(logits, [s.choice_row(0, vocab) for s in sequences]))
             continue
         tracemalloc.start()
-        choose(logits, [s.row(0, vocab) for s in sequences])
+        choose(logits, [s.choice_row(0, vocab) for s in sequences])
         peak = tracemalloc.get_traced_memory()[1]
         tracemalloc.stop()
     return peak

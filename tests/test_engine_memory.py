@@ -134,7 +134,7 @@ def test_the_step_after_a_freeing_step_empties_the_buffer_cache_too(tiny):
     prompts (SmolLM2 bfloat16 in process: 19.6 MiB beside a 59.7 MiB budget, ~1 MiB now)."""
     model, tokenizer = tiny
     engine = Engine(model, tokenizer, max_kv_memory=parse_kv_memory("64MiB"))
-    same = engine.admission.kv_layout()
+    same = engine.admission.kv_fingerprint()
 
     def cached_after(before: tuple) -> int:  # freed buffers in MLX's cache, then a step's end
         mx.eval(mx.ones((2**18,)))

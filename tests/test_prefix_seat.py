@@ -1,6 +1,6 @@
 """A seat that copies tokens in (issue 32, "KV in one place" under a KV budget): a prefix-cache
 hit, or own caches seated again after a failed step, is written into its new decode-batch row
-one layer at a time (``SpareBatch.seat``: the layer grown, the hit's layer written, the own
+one layer at a time (``KVPool.seat``: the layer grown, the hit's layer written, the own
 layer dropped before the next), so the tokens are held twice one layer at a time, not whole.
 Checked with MLX's peak-memory counter over the seat (before: the row plus the whole hit), and
 under a budget that the old double holding would pass: the hit runs, its reply equals
@@ -15,7 +15,7 @@ import pytest
 from conftest import tiny_byte_llama_of
 from mlxformer import generate
 from mlxformer.cache import CacheSettings, make_cache
-from mlxformer.cache.rows import SpareBatch
+from mlxformer.cache.pool import KVPool
 from mlxformer.engine import Engine, GenerationRequest
 from mlxformer.engine.batch_runner import BatchRunner
 from mlxformer.engine.memory import nbytes
@@ -66,13 +66,13 @@ def seat_rise(runner: BatchRunner, sequence: Stub, held: list | None = None) -> 
     """MLX's peak memory over what was held while ``runner`` seats ``sequence`` (holding
     ``held``, a hit's, which it empties; default: what its caches hold), and what the seat
     left held."""
-    mx.eval([layer.state for batch in runner.batches.values() for layer in batch.layers])
+    mx.eval([layer.state for batch in runner.pools.values() for layer in batch.layers])
     mx.synchronize()
     mx.clear_cache()
     before = mx.get_active_memory()
     mx.reset_peak_memory()
     runner.seat(sequence, held)
-    mx.eval([layer.state for batch in runner.batches.values() for layer in batch.layers])
+    mx.eval([layer.state for batch in runner.pools.values() for layer in batch.layers])
     mx.synchronize()
     return mx.get_peak_memory() - before, mx.get_active_memory() - before
 
@@ -95,10 +95,10 @@ def test_a_prefix_hit_is_seated_one_layer_at_a_time(kind, beside, llama, tmp_pat
     hit, prefix = prefix_hit(model, settings)
     sequence = Stub([], 6)
     hit_layer = max(h.nbytes for h in hit if not h.storage.recurrent)  # its keys/values
-    old_layer = max((layer.nbytes for b in runner.batches.values() for layer in b.layers), default=0)
+    old_layer = max((layer.nbytes for b in runner.pools.values() for layer in b.layers), default=0)
     rise, kept = seat_rise(runner, sequence, hit)
-    (batch,) = runner.batches.values()
-    assert isinstance(batch, SpareBatch) and batch.capacity == 1 + beside
+    (batch,) = runner.pools.values()
+    assert isinstance(batch, KVPool) and batch.capacity == 1 + beside
     assert [int(c.offset) for c in sequence.cache] == [SHARED] * LAYERS
     assert kept > 0  # the new row
     # over what the seat leaves: one layer of the hit (measured 1.00, float, 8-bit, ring, hybrid;
@@ -123,7 +123,7 @@ def test_own_caches_seated_again_drop_each_layer_as_it_is_written(kind, llama, t
     runner = BatchRunner(model)
     runner.staged = True
     rise, kept = seat_rise(runner, sequence)
-    (batch,) = runner.batches.values()
+    (batch,) = runner.pools.values()
     row = sum(layer.nbytes for layer in batch.layers)
     assert rise <= max(kept, 0) + 1.25 * layer, (rise, kept, layer, held)
     assert kept <= row - held + layer  # the own caches' buffers are gone
@@ -154,7 +154,7 @@ def test_a_prefix_hit_under_a_budget_holds_its_tokens_once(llama):
         mx.synchronize()
         mx.reset_peak_memory()
         real_seat(sequence, held)
-        mx.eval([layer.state for batch in engine.runner.batches.values() for layer in batch.layers])
+        mx.eval([layer.state for batch in engine.runner.pools.values() for layer in batch.layers])
         mx.synchronize()
         seats.append((sequence.cached_tokens, mx.get_peak_memory() - start, engine.prefix_cache.nbytes))
 

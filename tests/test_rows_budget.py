@@ -15,7 +15,7 @@ import pytest
 from conftest import tiny_byte_llama_of
 from mlxformer import generate
 from mlxformer.cache import CacheSettings, make_cache
-from mlxformer.cache.rows import RowCache, SpareBatch
+from mlxformer.cache.pool import RowCache, KVPool
 from mlxformer.engine import Engine, GenerationRequest
 from mlxformer.engine.batch_runner import BatchRunner
 from mlxformer.engine.memory import BLOCK, KVBudgetExceeded, KVSizer, nbytes
@@ -70,8 +70,8 @@ def test_a_join_under_a_budget_copies_nothing(llama, settings):
     rows = [Stub(make_cache(model, settings), 5), Stub(make_cache(model, settings), 6)]
     for sequence, length in zip(rows, (300, 310)):
         seated_prefill(runner, sequence, length)
-    (batch,) = runner.batches.values()
-    assert isinstance(batch, SpareBatch) and batch.capacity == 2
+    (batch,) = runner.pools.values()
+    assert isinstance(batch, KVPool) and batch.capacity == 2
     assert sum(layer.nbytes for layer in batch.layers) == kv  # the same buffers, held once
     stand_ins = [list(s.cache) for s in rows]
     rises, kept = decode_rises(runner, rows, 2)  # the join, then a step of rows already decoding
@@ -101,7 +101,7 @@ def test_a_budget_for_n_requests_runs_n_at_once_in_their_rows(llama):
         active = engine.scheduler.prefilling + engine.scheduler.running
         held.append(sum(nbytes(s) for s in active) + engine.prefix_cache.nbytes)
         seated.append(all(isinstance(c, RowCache) for s in active for c in s.cache))  # from admission on
-        capacity.extend(b.capacity if isinstance(b, SpareBatch) else 0 for b in engine.runner.batches.values())
+        capacity.extend(b.capacity if isinstance(b, KVPool) else 0 for b in engine.runner.pools.values())
 
     engine._run = run
     with engine:
@@ -178,7 +178,7 @@ def test_the_budget_counts_a_seated_ring_row_as_its_buffers_hold(family, tmp_pat
         runner.staged, runner.prefill_chunk = True, 32
         sizer = KVSizer(model, settings, row_key=runner.row_key)
         seated_prefill(runner, Stub(make_cache(model, settings), 5), length)
-        (batch,) = runner.batches.values()
+        (batch,) = runner.pools.values()
         held = sum(x.nbytes for layer in batch.layers for x in layer.keys + layer.values)
         assert sizer.bytes_for(length, row=True) == held > sizer.bytes_for(length), (length, held)
 
@@ -227,7 +227,7 @@ def test_a_speculation_round_writes_and_trims_its_row_in_place(llama):
         seated_prefill(runner, sequence, length)
     own = make_cache(model)
     BatchRunner(model).prefill(ids(310, 3), own, want_logits=False)
-    (batch,) = runner.batches.values()
+    (batch,) = runner.pools.values()
     kv = sum(layer.nbytes for layer in batch.layers)
     stand_ins = list(speculating.cache)
     mx.eval([layer.state for layer in batch.layers])

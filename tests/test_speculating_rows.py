@@ -13,7 +13,7 @@ import pytest
 
 from conftest import tiny_byte_llama_of
 from mlxformer.cache import CacheSettings, make_cache
-from mlxformer.cache.rows import RingRowCache, RowCache
+from mlxformer.cache.pool import RingRowCache, RowCache
 from mlxformer.cache.state_rows import StateRowCache, StateRows
 from mlxformer.engine import Engine, GenerationRequest
 from mlxformer.engine.batch_runner import BatchRunner, speculation_round
@@ -142,7 +142,7 @@ def test_a_round_beside_decoding_rows_writes_in_place(llama, hybrid, draft, kind
 
     def propose(running):  # what was held once the proposals are made (a draft's first prefills its cache)
         decode, verifying = real_propose(running)
-        mx.eval([x.state for batch in engine.runner.batches.values() for x in batch.layers], [p for _, p in verifying])
+        mx.eval([x.state for batch in engine.runner.pools.values() for x in batch.layers], [p for _, p in verifying])
         mx.synchronize()
         measured.append((bool(decode and verifying), mx.get_active_memory()))
         mx.reset_peak_memory()
@@ -150,7 +150,7 @@ def test_a_round_beside_decoding_rows_writes_in_place(llama, hybrid, draft, kind
 
     def run(step):
         real_run(step)
-        layers = [x for batch in engine.runner.batches.values() for x in batch.layers]
+        layers = [x for batch in engine.runner.pools.values() for x in batch.layers]
         mx.eval([x.state for x in layers])
         mx.synchronize()
         if measured and measured[-1][0]:

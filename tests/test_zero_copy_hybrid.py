@@ -1,6 +1,6 @@
 """KV in one place for hybrid models (issue 32): a Qwen3.5 / Qwen3-Next sequence's recurrent
 states live in its row of the decode batch's stacked state buffers from admission on
-(``cache/state_rows.py``), beside its attention layers' keys/values (``cache/rows.py``), so
+(``cache/state_rows.py``), beside its attention layers' keys/values (``cache/pool.py``), so
 joining the decode steps copies nothing; with a ``max_kv_size`` window too (its attention rows
 are rings, the recurrent rows follow their layout). Checked with MLX's peak memory (the old
 join measured beside it), by staggered requests' greedy replies against ``stream_generate``
@@ -16,7 +16,7 @@ import pytest
 from conftest import write_byte_tokenizer, write_tiny_checkpoint
 from mlxformer import load, stream_generate
 from mlxformer.cache import CacheSettings, make_cache
-from mlxformer.cache.rows import SpareBatch
+from mlxformer.cache.pool import KVPool
 from mlxformer.cache.state_rows import StateRowCache, StateRows
 from mlxformer.engine import Engine, GenerationRequest
 from mlxformer.engine.batch_runner import BatchRunner
@@ -45,16 +45,16 @@ def hybrid(request, tmp_path_factory):
 
 
 def record_seats(monkeypatch) -> list[int]:
-    """The tokens each ``SpareBatch.seat`` writes into its row (0: an empty row at admission;
+    """The tokens each ``KVPool.seat`` writes into its row (0: an empty row at admission;
     more: a prefix-cache hit)."""
     written: list[int] = []
-    seat = SpareBatch.seat
+    seat = KVPool.seat
 
     def seating(self, caches):
         written.append(int(caches[0].offset))
         return seat(self, caches)
 
-    monkeypatch.setattr(SpareBatch, "seat", seating)
+    monkeypatch.setattr(KVPool, "seat", seating)
     return written
 
 
@@ -95,9 +95,9 @@ def test_the_budget_counts_a_seated_hybrid_row_as_its_buffers_hold(speculates, r
     sequence.speculator = object() if speculates else None
     seated_prefill(runner, sequence, 100)
     if speculates:  # a round of the last token and 3 proposals: the row keeps their states
-        sequence.cache[0].batch.reserve(104)
+        sequence.cache[0].pool.reserve(104)
         mx.eval(runner.verify(5, mx.array([6, 7, 8]), sequence.cache))
-    (batch,) = runner.batches.values()
+    (batch,) = runner.pools.values()
     assert any(isinstance(layer, StateRows) for layer in batch.layers)
     past = [c._past for c in sequence.cache if isinstance(c, StateRowCache)]
     held = sum(layer.nbytes for layer in batch.layers) + sum(p.nbytes for p in past if p is not None)

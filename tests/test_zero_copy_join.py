@@ -1,5 +1,5 @@
 """KV in one place (issue 32): a sequence's keys/values are written into its row of the decode
-batch from its first prompt chunk on (``cache/rows.py``), so joining the decode steps copies
+batch from its first prompt chunk on (``cache/pool.py``), so joining the decode steps copies
 nothing. Checked with MLX's own memory counters (the join of the old path, measured beside it,
 creates a buffer of the batch's size), and by greedy replies of staggered concurrent requests
 (each prompt prefilling in its row while the others decode, rows freed and reused, the batch
@@ -20,9 +20,9 @@ from conftest import tiny_byte_llama_of, write_byte_tokenizer, write_tiny_checkp
 from mlxformer import load, stream_generate
 from mlxformer.cache import CacheSettings, make_cache
 from mlxformer.cache.batch import BatchLayerCache
-from mlxformer.cache.batch_kind import batch_key
+from mlxformer.cache.batch_kind import pool_key
 from mlxformer.cache.rotating_rows import ring_key
-from mlxformer.cache.rows import RowCache, SpareBatch
+from mlxformer.cache.pool import RowCache, KVPool
 from mlxformer.cache.state import StateCache
 from mlxformer.cache.state_rows import StateRowCache, StateRows
 from mlxformer.engine import Engine, GenerationRequest
@@ -75,7 +75,7 @@ def test_a_join_copies_nothing(llama, settings):
 
 
 def assert_join_copies_nothing(model, settings: CacheSettings, chunk: int = 128,
-                               staged: bool = False) -> tuple[int, SpareBatch]:
+                               staged: bool = False) -> tuple[int, KVPool]:
     """``test_a_join_copies_nothing`` for ``model`` and ``settings`` (prompts of 300 and 310
     tokens in chunks of ``chunk``); the own caches' KV bytes and the seated batch. ``staged``:
     as under a KV budget (a row added per seat, the rows widened before each chunk as
@@ -101,9 +101,9 @@ def assert_join_copies_nothing(model, settings: CacheSettings, chunk: int = 128,
                 runner.reserve(sequence, len(tokens))
             runner.prefill(tokens, sequence.cache, want_logits=False)
     assert all(isinstance(c, (RowCache, StateRowCache)) for s in rows for c in s.cache)
-    (batch,) = runner.batches.values()
-    assert isinstance(batch, SpareBatch) and batch.capacity == 2
-    assert ring_key(batch_key([c.held() for c in make_cache(model, settings)], windows), chunk) == batch.key
+    (batch,) = runner.pools.values()
+    assert isinstance(batch, KVPool) and batch.capacity == 2
+    assert ring_key(pool_key([c.held() for c in make_cache(model, settings)], windows), chunk) == batch.key
     attention = [layer for layer in batch.layers if isinstance(layer, BatchLayerCache)]
     held = sum(layer.nbytes for layer in attention)
     layer = held / len(attention)  # one layer of the batch (Gemma 4's: 3 cache layers for 5)
@@ -169,7 +169,7 @@ def riding_rises(model, settings: CacheSettings) -> tuple[float, float]:
     for start in range(0, 600, 128):
         runner.prefill(ids(600, 3)[start : start + 128], decoding.cache, want_logits=False)
     runner.prefill(ids(16, 4), prefilling.cache, want_logits=False)
-    (batch,) = runner.batches.values()
+    (batch,) = runner.pools.values()
     if settings.max_kv_size:  # the decoding row's ring has turned
         (layout,) = batch.layouts.values()
         assert layout.rows[0].used == layout.kind.capacity < 600
@@ -207,13 +207,13 @@ def decode_rises(runner: BatchRunner, rows: list[Stub], steps: int) -> tuple[lis
     rises, kept = [], []
     for _ in range(steps):
         gc.collect()
-        mx.eval([layer.state for batch in runner.batches.values() for layer in batch.layers],
+        mx.eval([layer.state for batch in runner.pools.values() for layer in batch.layers],
                 [s.cache[0].state for s in rows])
         mx.synchronize()
         before = mx.get_active_memory()
         mx.reset_peak_memory()
         logits = runner.decode(rows)
-        mx.eval(logits, [layer.state for batch in runner.batches.values() for layer in batch.layers])
+        mx.eval(logits, [layer.state for batch in runner.pools.values() for layer in batch.layers])
         rises.append(mx.get_peak_memory() - before)
         del logits
         kept.append(mx.get_active_memory() - before)
@@ -415,13 +415,13 @@ def test_staggered_requests_cross_quantized_kv_start_in_their_rows(llama, monkey
     model, tokenizer = llama
     settings = CacheSettings(kv_bits=8, kv_group_size=32, quantized_kv_start=36)
     seated: list[tuple[int | None, int]] = []
-    seat = SpareBatch.seat
+    seat = KVPool.seat
 
     def seating(self, caches):
         seated.append((self.key[0][0].bits, int(caches[0].offset)))
         return seat(self, caches)
 
-    monkeypatch.setattr(SpareBatch, "seat", seating)
+    monkeypatch.setattr(KVPool, "seat", seating)
     got = staggered(model, tokenizer, settings, PROMPTS, TOKENS, max_batch=3)
     assert got == [alone(model, tokenizer, settings, p, n) for p, n in zip(PROMPTS, TOKENS)]
     # five rows seated empty at admission, three re-encoded into the quantized batch where they crossed

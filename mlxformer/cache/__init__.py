@@ -9,9 +9,9 @@
   are stored: float, or quantized with a Hadamard rotation, and attended that way) and
   ``latent.py`` (MLA's latents held in an ordinary cache, and the attention over them).
 - The engine's KV pool, where a sequence lives in a row from admission to retirement:
-  ``rows.py`` (``SpareBatch``: the pool of one storage kind; ``blanks``: the slot shapes it allocates),
+  ``pool.py`` (``KVPool``: the pool of one storage kind; ``blanks``: the slot shapes it allocates),
   ``batch.py`` (``BatchLayout``: which position each slot of each row holds, ``BatchLayerCache``:
-  one layer's buffers and decode step), ``batch_kind.py`` (``StorageKind``/``BatchKey``: what
+  one layer's buffers and decode step), ``batch_kind.py`` (``StorageKind``/``PoolKey``: what
   rows of one pool share, ``BatchRow``: a row's place), ``rotating_rows.py`` (a rotating cache's
   ring in a row), ``state_rows.py`` (recurrent layers' rows), ``row_place.py`` (what a row's
   layer views of every kind share, and ``RowCache``: one layer of one row), ``rewrite.py`` (a

@@ -10,7 +10,7 @@ and attends over all ``C`` slots of all rows in one call, masked by position. Th
 ones the sequence's own cache would use (the growing cache appends; the rotating cache fills,
 then writes its ring after the sinks), so each row sees exactly the keys it sees alone.
 
-The rows belong to a pool (``cache/rows.py``), where a sequence lives from admission to
+The rows belong to a pool (``cache/pool.py``), where a sequence lives from admission to
 retirement; a row's layer views say what it holds as data (``held()``: what the prefix cache
 cuts blocks from).
 """
@@ -79,7 +79,7 @@ class BatchLayout:
         self.key_blocks: mx.array | None = None  # (B, C) each slot's key-center block
         self.query_blocks: mx.array | None = None  # (B, 1) the key-center block of this step's token
         self._next: mx.array | None = None  # (B, C) the positions once this step's token is written
-        # when only some rows step (the others prefill in their rows, or are free: ``cache/rows.py``)
+        # when only some rows step (the others prefill in their rows, or are free: ``cache/pool.py``)
         self.live: mx.array | None = None  # (D,) the stepping rows
         self.spread: mx.array | None = None  # (B,) for each row, the stepping row whose token it takes
         self.rope: mx.array | None = None  # (D,) the stepping rows' positions
@@ -140,7 +140,7 @@ class BatchLayout:
 
     def commit(self) -> None:
         """Record this step's token in every stepping row (call after the forward is built; a
-        recurrent layer's rows follow the first attention layout's, ``SpareBatch.layouts``)."""
+        recurrent layer's rows follow the first attention layout's, ``KVPool.layouts``)."""
         assert self._next is not None, "prepare() first"
         self.positions, self._next = self._next, None
         stepping = self.rows if self._stepping is None else [self.rows[i] for i in self._stepping]
@@ -157,12 +157,15 @@ class BatchLayout:
         self.positions = self.positions[keep][:, : self.width]
 
 
-def _pad(pack: Pack, width: int) -> Pack:
-    """``pack`` with zero slots appended up to ``width``."""
-    short = width - pack[0].shape[2]
-    if short <= 0:
+def pad_pack(pack: Pack, width: int, rows: int = 0) -> Pack:
+    """``pack`` with zero slots appended up to ``width`` and ``rows`` zero rows. One ``mx.pad``
+    per array: its output is new, and written in place by the row that takes it (a
+    concatenation with zeros materializes the zeros, and one with an empty pool is a view the
+    write copies: a layer held twice more, measured)."""
+    short = max(0, width - pack[0].shape[2])
+    if not short and not rows:
         return pack
-    return tuple(mx.concatenate([x, mx.zeros((*x.shape[:2], short, x.shape[3]), x.dtype)], axis=2) for x in pack)
+    return tuple(mx.pad(x, [(0, rows), (0, 0), (0, short), (0, 0)]) for x in pack)
 
 
 def _write(buffer: mx.array, slots: mx.array, new: mx.array) -> mx.array:
@@ -193,7 +196,7 @@ class BatchLayerCache:
         assert slots is not None
         if self.layout.spread is not None:  # the stepping rows' (D, ...) to every row's (B, ...)
             keys, values = keys[self.layout.spread], values[self.layout.spread]
-        self.keys, self.values = _pad(self.keys, width), _pad(self.values, width)
+        self.keys, self.values = pad_pack(self.keys, width), pad_pack(self.values, width)
         if self.codec.key_center is not None:  # a row entering a new block keeps its last center
             self.codec = self.codec.covering(max(r.offset for r in self.layout.rows) // CENTER_BLOCK + 1)
         assert self.layout.query_blocks is not None
@@ -244,7 +247,7 @@ class BatchLayerCache:
         self.keys = tuple(x[rest][:, :, :width] for x in self.keys)
         self.values = tuple(x[rest][:, :, :width] for x in self.values)
         if self.codec.key_center is not None:
-            self.codec = KVCodec(self.codec.bits, self.codec.group_size, self.codec.key_center[rest])
+            self.codec = self.codec.centered(self.codec.key_center[rest])
 
     @property
     def state(self) -> tuple[mx.array, ...]:

@@ -1,4 +1,4 @@
-"""What sequences must share to be rows of one decode batch (``BatchKey``: each layer's storage
+"""What sequences must share to be rows of one decode batch (``PoolKey``: each layer's storage
 kind and attention window), a row's place in it (``BatchRow``), for ``cache/batch.py``, and
 what one layer of a sequence holds, as data (``Held``: what a seat, a prefix-cache cut and a
 row's move to the quantized pool exchange)."""
@@ -10,7 +10,7 @@ from typing import Sequence
 
 import mlx.core as mx
 
-from mlxformer.cache.codec import FLOAT_CODEC, KVCodec, Pack, pack_slice
+from mlxformer.cache.codec import FLOAT_CODEC, KVCodec, Pack, codec_settings, pack_slice, quantized_at
 
 
 @dataclass(frozen=True)
@@ -90,7 +90,8 @@ def row_quantizes_next(row: "BatchRow", fed: int = 0) -> bool:
     meta = next((m for m in row.metas if "bits" in m), None)  # an attention layer's (not a recurrent one's)
     if meta is None:
         return False
-    return bool(meta["bits"]) and meta["quantized"] != "1" and row.offset + fed >= int(meta["start"])
+    bits, _, start, quantized = codec_settings(meta)
+    return not quantized and quantized_at(row.offset + fed + 1, bits, start)
 
 
 @dataclass
@@ -107,9 +108,9 @@ class BatchRow:
 
 
 LayerKind = tuple[StorageKind, "int | None"]  # a layer's storage and attention window
-BatchKey = tuple[LayerKind, ...]  # every layer's: the batch a sequence can join
+PoolKey = tuple[LayerKind, ...]  # every layer's: the batch a sequence can join
 
 
-def batch_key(held: Sequence[Held], windows: Sequence[int | None]) -> BatchKey:
+def pool_key(held: Sequence[Held], windows: Sequence[int | None]) -> PoolKey:
     """The batch a sequence whose layers hold ``held`` (attending with ``windows``) can join."""
     return tuple((h.storage, w) for h, w in zip(held, windows))

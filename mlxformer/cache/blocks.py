@@ -70,7 +70,7 @@ class Block:
     # layer); None: no snapshot (a hybrid model's run cannot end here)
     states: list[tuple[mx.array, ...]] | None = None
 
-    def held(self, layer: int) -> int:
+    def tokens_held(self, layer: int) -> int:
         """How many of the block's last tokens layer ``layer`` holds keys/values for (a window
         layer cut after its window moved past the block's first tokens holds fewer)."""
         pack = self.keys[layer]
@@ -154,7 +154,7 @@ def window_blocks(blocks: Sequence[Block], windows: Sequence[int | None]) -> int
             continue
         first = 0  # where the tokens the layer holds without a gap up to the block's end start
         for i, (block, end) in enumerate(zip(blocks, ends)):
-            held = block.held(layer)
+            held = block.tokens_held(layer)
             first = first if held == len(block.tokens) else end - held
             serves[i] = serves[i] and first <= max(0, end - w)
     return max((i + 1 for i, ok in enumerate(serves) if ok), default=0)

@@ -55,6 +55,20 @@ def pack_nbytes(pack: Pack | None) -> int:
     return sum(x.nbytes for x in pack) if pack is not None else 0
 
 
+def codec_settings(meta: dict[str, str]) -> tuple[int | None, int, int, bool]:
+    """``bits``, ``group_size``, ``start`` and whether the storage is quantized yet, from a growing
+    or rotating cache's ``meta_state`` (or a pool row's layer's)."""
+    bits = int(meta["bits"]) if meta["bits"] else None
+    return bits, int(meta["group_size"]), int(meta["start"]), meta["quantized"] == "1"
+
+
+def quantized_at(tokens: int, bits: int | None, start: int) -> bool:
+    """Whether a cache holding ``tokens`` tokens stores them quantized: with ``bits``, once it
+    holds more than ``quantized_kv_start`` (``start``); the one rule for own caches, pool rows
+    and the KV budget."""
+    return bits is not None and tokens > start
+
+
 def check_kv_quantization(bits: int, group_size: int) -> None:
     """Raise on KV quantization settings the kernels do not support."""
     if bits not in KV_BITS:
@@ -133,6 +147,10 @@ class KVCodec:
     group_size: int = 64
     key_center: mx.array | None = None  # (B, n_kv, n_blocks, D): block b's center
 
+    def centered(self, key_center: mx.array | None) -> "KVCodec":
+        """This storage with ``key_center`` as its centers."""
+        return KVCodec(self.bits, self.group_size, key_center)
+
     def with_key_center(self, keys: mx.array, positions: Sequence[int]) -> "KVCodec":
         """This codec with centers for every block that ``keys`` (B, n_kv, L, D), at absolute
         ``positions`` (L,), reach; existing centers never change (stored keys depend on them)."""
@@ -160,7 +178,7 @@ class KVCodec:
             elif previous is None:  # a block before any key (deferred quantization): the first keys' mean
                 previous = mx.mean(keys, axis=2, keepdims=True)
             centers.append(previous)
-        return KVCodec(self.bits, self.group_size, mx.concatenate(centers, axis=2))
+        return self.centered(mx.concatenate(centers, axis=2))
 
     def store(self, keys: mx.array, values: mx.array, positions: Sequence[int]) -> tuple["KVCodec", Pack, Pack]:
         """Float ``keys``/``values`` ``(B, n_kv, L, D)`` at ``positions`` as this codec stores
@@ -173,7 +191,7 @@ class KVCodec:
         when this codec quantizes) split back into the codec holding those centers and the packs."""
         packs, codec = list(arrays), self
         if self.bits is not None:
-            codec = KVCodec(self.bits, self.group_size, packs.pop())
+            codec = self.centered(packs.pop())
         half = len(packs) // 2
         return codec, tuple(packs[:half]), tuple(packs[half:])
 
@@ -183,7 +201,7 @@ class KVCodec:
         if self.key_center is None or self.key_center.shape[2] >= n_blocks:
             return self
         extra = mx.repeat(self.key_center[:, :, -1:], n_blocks - self.key_center.shape[2], axis=2)
-        return KVCodec(self.bits, self.group_size, mx.concatenate([self.key_center, extra], axis=2))
+        return self.centered(mx.concatenate([self.key_center, extra], axis=2))
 
     def encode(self, x: mx.array) -> Pack:
         """``(B, n_kv, L, D)`` values to a pack."""

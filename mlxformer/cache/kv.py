@@ -9,7 +9,7 @@ import mlx.core as mx
 
 from mlxformer.cache.batch_kind import Held, StorageKind
 from mlxformer.cache.codec import (
-    FLOAT_CODEC, KVCodec, Pack, check_kv_quantization, pack_concat, pack_nbytes, pack_slice,
+    FLOAT_CODEC, KVCodec, Pack, check_kv_quantization, codec_settings, pack_concat, pack_nbytes, pack_slice, quantized_at,
     pack_write, pack_zeros_like,
 )
 from mlxformer.cache.latent import Expand, latent_attention
@@ -46,13 +46,6 @@ class CodecAttention:
         return expand(q_nope, q_rope, keys[0], values[0], mask)  # float: the fetched keys in time order
 
 
-def codec_settings(meta: dict[str, str]) -> tuple[int | None, int, int, bool]:
-    """``bits``, ``group_size``, ``start`` and whether the storage is quantized yet, from a growing
-    or rotating cache's ``meta_state``."""
-    bits = int(meta["bits"]) if meta["bits"] else None
-    return bits, int(meta["group_size"]), int(meta["start"]), meta["quantized"] == "1"
-
-
 class OwnCache(CodecAttention):
     """What a sequence's own growing and rotating caches share: their storage settings, the codec
     their keys/values are stored with (float, or with ``bits`` quantized once they hold ``start``
@@ -77,7 +70,7 @@ class OwnCache(CodecAttention):
     @property
     def _quantize_due(self) -> bool:
         """Whether the next update turns the storage quantized (the cache holds ``start`` tokens)."""
-        return self.bits is not None and not self.quantized and self.offset >= self.start
+        return not self.quantized and quantized_at(self.offset + 1, self.bits, self.start)
 
     def _held(self) -> Sequence[int]:
         """The absolute position of each stored slot, in slot order."""
@@ -103,7 +96,7 @@ class OwnCache(CodecAttention):
 
     def quantize_storage(self) -> None:
         """Re-encode what the cache holds into quantized storage (at ``quantized_kv_start``; a
-        batch row crossing it, ``BatchRunner._cross``, re-encodes its row or window through this)."""
+        pool row crossing it is re-encoded as data instead, ``Held.quantized``)."""
         assert self.bits is not None
         self.codec, float_codec = KVCodec(self.bits, self.group_size), self.codec
         if self.keys is not None and self.values is not None:

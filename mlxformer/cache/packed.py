@@ -5,8 +5,8 @@ the decoder as one ``(1, T)`` row, so every projection, norm and MLP runs once f
 (the weights are read once per step: what a GPU's memory-bound step pays for). Attention is
 the only part that needs to know whose token is whose: ``PackedLayerCache`` is one layer's
 cache for that row; it cuts the packed keys, values and queries back into segments, each
-written to and attended over by its own cache (a decode batch's layer for its rows, a
-sequence's own cache for its chunk), with that cache's own mask. RoPE rotates each token at
+written to and attended over by its own cache (a pool's layer for its decode rows, a row's
+view for its chunk or speculation round), with that cache's own mask. RoPE rotates each token at
 its own position (``offset`` is ``(1, T)``). Each segment therefore computes exactly what it
 computes in a forward of its own: a matmul's rows do not depend on the other rows. MLA's latent
 attention (``models/mla.py``) writes and attends its segments through ``each`` too, in the

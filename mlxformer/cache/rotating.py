@@ -12,8 +12,8 @@ import mlx.core as mx
 from mlxformer.models.mask import Mask, causal_mask_for
 from mlxformer.cache.batch import in_window
 from mlxformer.cache.batch_kind import StorageKind, takes_back
-from mlxformer.cache.codec import CENTER_BLOCK, Pack, pack_concat, pack_slice, pack_write
-from mlxformer.cache.kv import OwnCache, codec_settings
+from mlxformer.cache.codec import CENTER_BLOCK, Pack, codec_settings, pack_concat, pack_slice, pack_write
+from mlxformer.cache.kv import OwnCache
 from mlxformer.errors import MlxformerError
 
 

@@ -1,5 +1,5 @@
 """Rotating rows: a rotating cache's window (a ``max_kv_size`` window, a sliding-window layer)
-living in its row of a ``SpareBatch`` (``cache/rows.py``) from the first prompt chunk on.
+living in its row of a ``KVPool`` (``cache/pool.py``) from admission on.
 
 A row of a rotating kind holds ``extra`` slots more than its cache's ``max_size + slack``
 (``ring_key``: the batch key's capacity is the cache's plus ``extra``). Its slots fill, then
@@ -26,7 +26,7 @@ from typing import Callable
 import mlx.core as mx
 
 from mlxformer.cache.batch import Span, in_window, ring_spans
-from mlxformer.cache.batch_kind import BatchKey, BatchRow, Held, StorageKind, takes_back
+from mlxformer.cache.batch_kind import PoolKey, BatchRow, Held, StorageKind, takes_back
 from mlxformer.cache.codec import CENTER_BLOCK, Pack, pack_slice
 from mlxformer.cache.latent import Expand, latent_attention
 from mlxformer.cache.row_place import RowCache
@@ -39,7 +39,7 @@ def ring_extra(max_size: int, chunk: int) -> int:
     return max(1, min(chunk, max_size) - 1)
 
 
-def ring_key(key: BatchKey, chunk: int) -> BatchKey:
+def ring_key(key: PoolKey, chunk: int) -> PoolKey:
     """``key`` with each rotating layer's capacity grown by its ``ring_extra``."""
     return tuple((_grown(storage, chunk), window) if storage.rotating else (storage, window) for storage, window in key)
 
@@ -156,7 +156,7 @@ class RingRowCache(RowCache):
                 a = first + token
                 self.write(index, slot, pack_slice(keys, a, a + n), pack_slice(values, a, a + n), self.codec, slot + n)
             self.pending += count
-            width = self._pending()[1]  # the row's slots (not the batch's width: its own terms alone)
+            width = self._pending()[1]  # the row's slots (not the pool's width: its own terms alone)
             positions = self._positions(index)[:width]  # (C,)
             query = mx.arange(start, start + count)[:, None]  # (count, 1)
             visible = (positions >= 0) & (positions <= query)

@@ -1,4 +1,4 @@
-"""A sequence's place in a ``SpareBatch`` row, for one layer (``cache/rows.py``): what the row's
+"""A sequence's place in a ``KVPool`` row, for one layer (``cache/pool.py``): what the row's
 caches of every kind (``RowCache``, ``rotating_rows.RingRowCache``, ``state_rows.StateRowCache``)
 share, and ``RowCache``, one layer of a growing row."""
 
@@ -9,21 +9,21 @@ from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 import mlx.core as mx
 
-from mlxformer.cache.batch import BatchLayerCache, Span, _pad, ring_spans
+from mlxformer.cache.batch import BatchLayerCache, Span, pad_pack, ring_spans
 from mlxformer.cache.batch_kind import Held
 from mlxformer.cache.codec import CENTER_BLOCK, FLOAT_CODEC, KVCodec, Pack
 from mlxformer.cache.kv import CodecAttention
 from mlxformer.models.mask import Mask, causal_mask_for
 
 if TYPE_CHECKING:
-    from mlxformer.cache.batch_kind import BatchKey, BatchRow, StorageKind
+    from mlxformer.cache.batch_kind import PoolKey, BatchRow, StorageKind
 
 
 class RowHost(Protocol):
-    """What a row's layer views ask of the pool the row lives in (``rows.SpareBatch``, which
+    """What a row's layer views ask of the pool the row lives in (``pool.KVPool``, which
     imports them)."""
 
-    key: "BatchKey"
+    key: "PoolKey"
 
     @property
     def layers(self) -> Sequence[Any]:
@@ -45,18 +45,18 @@ class RowHost(Protocol):
 
 
 class RowPlace:
-    """Layer ``layer`` of ``row`` in ``batch``; what a forward being built wrote there counts in
-    ``pending`` (``pendings``: the row's layers', shared by their caches) until the forward is built (``rows.record_writes``)."""
+    """Layer ``layer`` of ``row`` in ``pool``; what a forward being built wrote there counts in
+    ``pending`` (``pendings``: the row's layers', shared by their caches) until the forward is built (``pool.record_writes``)."""
 
     segments = None  # the rows of one forward (``Cache.segments``)
 
-    def __init__(self, batch: RowHost, row: "BatchRow", layer: int, pendings: dict[int, int]) -> None:
-        self.batch, self.row, self.layer, self.pendings = batch, row, layer, pendings
+    def __init__(self, pool: RowHost, row: "BatchRow", layer: int, pendings: dict[int, int]) -> None:
+        self.pool, self.row, self.layer, self.pendings = pool, row, layer, pendings
 
     @property
     def index(self) -> int:
-        """Where the row is in the batch's buffers now."""
-        return self.batch.index(self.row)
+        """Where the row is in the pool's buffers now."""
+        return self.pool.index(self.row)
 
     @property
     def pending(self) -> int:
@@ -81,10 +81,10 @@ class RowPlace:
     @property
     def nbytes(self) -> int:
         """The row's share of its layer's buffers."""
-        return self.batch.layers[self.layer].nbytes // max(1, len(self.batch))
+        return self.pool.layers[self.layer].nbytes // max(1, len(self.pool))
 
     def recorded(self) -> None:
-        """The forward's writes are recorded (``rows.record_writes``)."""
+        """The forward's writes are recorded (``pool.record_writes``)."""
         self.pending = 0
 
     def _take_back(self, n: int) -> None:
@@ -103,7 +103,7 @@ class RowPlace:
         its tokens in order (a growing row, a ring not yet turned) frees its later slots; a
         turned ring's index steps back over the slots it frees (``freed``: written first, and
         skipped when it is read in time order)."""
-        layout, index, row = self.batch.layers[self.layer].layout, self.index, self.row
+        layout, index, row = self.pool.layers[self.layer].layout, self.index, self.row
         kind = layout.kind
         layout.positions = layout.padded()
         if kind.capacity is None or row.used < kind.capacity:
@@ -123,20 +123,20 @@ def seated(caches: Sequence[Any]) -> bool:
 
 
 class RowCache(RowPlace, CodecAttention):
-    """One layer of one ``SpareBatch`` row behind the cache protocol: a sequence's own cache
-    while its keys/values live in the batch (its prompt chunks, a rollback's trim, the views the
+    """One layer of one ``KVPool`` row behind the cache protocol: a sequence's own cache
+    while its keys/values live in the pool (its prompt chunks, a rollback's trim, the views the
     prefix cache cuts blocks from). A chunk's write is counted in ``pending`` until the forward
     is built (``record_writes``: the row, shared by every layer, then moves once); a trim back
     into the row too, until every layer has trimmed to the same length (``pendings``: the row's
     layers', shared by their caches)."""
 
-    def __init__(self, batch: RowHost, row: "BatchRow", layer: int, pendings: dict[int, int]) -> None:
-        super().__init__(batch, row, layer, pendings)
+    def __init__(self, pool: RowHost, row: "BatchRow", layer: int, pendings: dict[int, int]) -> None:
+        super().__init__(pool, row, layer, pendings)
         self.codec: KVCodec = FLOAT_CODEC  # the row's own (its key centers), for its attention
 
     @property
     def _layer(self) -> BatchLayerCache:
-        layer = self.batch.layers[self.layer]
+        layer = self.pool.layers[self.layer]
         assert isinstance(layer, BatchLayerCache)
         return layer
 
@@ -147,7 +147,7 @@ class RowCache(RowPlace, CodecAttention):
             return FLOAT_CODEC
         have = math.ceil(tokens / CENTER_BLOCK)
         center = codec.key_center[index : index + 1, :, :have] if codec.key_center is not None and have else None
-        return KVCodec(codec.bits, codec.group_size, center)
+        return codec.centered(center)
 
     def _slots(self, index: int, stop: int) -> tuple[Pack, Pack]:
         """Views of row ``index``'s first ``stop`` slots, in the buffers as written so far."""
@@ -168,16 +168,16 @@ class RowCache(RowPlace, CodecAttention):
         layer = self._layer
         layer.layout.fit(stop)
         width = layer.layout.width
-        layer.keys, layer.values = _pad(layer.keys, width), _pad(layer.values, width)
+        layer.keys, layer.values = pad_pack(layer.keys, width), pad_pack(layer.values, width)
         for target, source in zip(layer.keys + layer.values, keys + values):
             target[index : index + 1, :, start:stop, :] = source  # in place (its own row only)
         if codec.key_center is not None:
             mine = codec.key_center  # (1, n_kv, nb, D)
             center = layer.codec.key_center
             if center is None:
-                center = mx.zeros((self.batch.capacity, *mine.shape[1:]), mine.dtype)
+                center = mx.zeros((self.pool.capacity, *mine.shape[1:]), mine.dtype)
             n_blocks = max(center.shape[2], mine.shape[2])
-            layer.codec = KVCodec(codec.bits, codec.group_size, center).covering(n_blocks)
+            layer.codec = codec.centered(center).covering(n_blocks)
             assert layer.codec.key_center is not None
             layer.codec.key_center[index : index + 1] = codec.covering(n_blocks).key_center
         self.codec = codec
@@ -196,11 +196,7 @@ class RowCache(RowPlace, CodecAttention):
     def _held(self, index: int, slots: list[int], positions: list[int], storage: "StorageKind") -> Held:
         """The row's ``slots`` (holding ``positions``, oldest first) as data: views when they
         are its first slots in order, else copies; the codec holding the row's key centers."""
-        layer = self._layer
-        codec = layer.codec
-        if codec.bits is not None:
-            center = None if codec.key_center is None else codec.key_center[index : index + 1]
-            codec = KVCodec(codec.bits, codec.group_size, center)
+        layer, codec = self._layer, self._row_codec(index, self.row.offset)
         if not slots:
             return Held(storage, self.meta_state, self.row.offset, codec=codec)
         if slots == list(range(len(slots))):
@@ -228,7 +224,7 @@ class RowCache(RowPlace, CodecAttention):
         share the row's slots, so the row moves once every layer has been trimmed to the same
         length (``RowPlace._take_back``). A hybrid model's row gives nothing back unless its
         recurrent layers keep their last states (a speculating row: ``BatchRow.rewinds``)."""
-        if not self.row.rewinds and any(storage.recurrent for storage, _ in self.batch.key):
+        if not self.row.rewinds and any(storage.recurrent for storage, _ in self.pool.key):
             return 0
         n = min(n, self.offset)
         self._take_back(n)

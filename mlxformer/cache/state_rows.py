@@ -1,7 +1,7 @@
-"""Recurrent rows of a ``SpareBatch`` (issue 32, "KV in one place"): a hybrid model's Gated
+"""Recurrent rows of a ``KVPool`` (issue 32, "KV in one place"): a hybrid model's Gated
 DeltaNet layers keep each sequence's conv window and recurrent state in its row of the batch's
 stacked buffers from admission on, as its attention layers keep their keys/values there
-(``cache/rows.py``), so joining the decode steps copies nothing.
+(``cache/pool.py``), so joining the decode steps copies nothing.
 
 ``StateRows`` is one recurrent layer of the batch: conv inputs ``(capacity, kernel - 1, C)`` and
 states ``(capacity, H, Dk, Dv)``. In a decode step it gives the mixer the stepping rows only (the
@@ -16,8 +16,8 @@ speculating sequence's (``BatchRow.rewinds``): its forwards, which run on its ro
 advance a ``StateCache`` of its own (a copy of the row's window and state, then the states of
 its last ``keep`` tokens, as its own cache keeps them), so a rejected round is taken back by
 that cache's ``trim`` and the state before it written back into the row. A row read out of
-the batch (``StateRows.row``: a prefix-cache snapshot, a row leaving, that cache) is a copy (a
-gather): a snapshot must own its bytes, not hold the batch's buffer.
+the batch (``StateRows.row``: that cache; ``StateRowCache.held``: a prefix-cache snapshot) is a
+copy (a gather): a snapshot must own its bytes, not hold the pool's buffer.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def state_blank(args: Any, dtype: mx.Dtype) -> tuple[tuple[mx.array], tuple[mx.a
 
 
 class StateRows(StateCache):
-    """One recurrent layer's rows of a ``SpareBatch``: the stacked ``StateCache`` of its decode
+    """One recurrent layer's rows of a ``KVPool``: the stacked ``StateCache`` of its decode
     steps, whose rows are written in place (module doc)."""
 
     def __init__(self, layout: "BatchLayout", conv: mx.array, state: mx.array) -> None:
@@ -97,17 +97,17 @@ class StateRows(StateCache):
 
 
 class StateRowCache(RowPlace):
-    """One recurrent layer of one ``SpareBatch`` row behind the cache protocol (module doc); a
-    chunk's tokens count in ``pending`` until the forward is built (``rows.record_writes``)."""
+    """One recurrent layer of one ``KVPool`` row behind the cache protocol (module doc); a
+    chunk's tokens count in ``pending`` until the forward is built (``pool.record_writes``)."""
 
-    def __init__(self, batch: RowHost, row: "BatchRow", layer: int, pendings: dict[int, int]) -> None:
-        super().__init__(batch, row, layer, pendings)
+    def __init__(self, pool: RowHost, row: "BatchRow", layer: int, pendings: dict[int, int]) -> None:
+        super().__init__(pool, row, layer, pendings)
         self.keep = max(1, int(row.metas[layer]["keep"]))  # the sequence's own cache's
         self._past: StateCache | None = None  # a speculating row's last states (module doc)
 
     @property
     def _rows(self) -> StateRows:
-        rows = self.batch.layers[self.layer]
+        rows = self.pool.layers[self.layer]
         assert isinstance(rows, StateRows)
         return rows
 
@@ -133,7 +133,7 @@ class StateRowCache(RowPlace):
         """Advance a speculating row's own ``StateCache`` as its own cache would be (module doc):
         copied from the row when it does not hold the row's tokens (the first forward, or the row
         stepped in the batch); the state before a short update is its own, not the row's view
-        (kept, a view would stop the batch's buffer from being written in place)."""
+        (kept, a view would stop the pool's buffer from being written in place)."""
         past = self._past
         if past is None or past.offset != self.offset:
             past = self._past = self._rows.row(self.index, self.offset, self.keep)

@@ -4,7 +4,7 @@
 ``max_batch`` and the KV budget, then a step as a token budget: every decoding row's token,
 then prompt chunks, newcomers and the shortest first, a starved prompt first of all), run
 (``batch_runner.py``: decode rows, prompt chunks and speculation rounds packed into one
-forward over the KV pools, ``cache/rows.py``), hand out (``choices.py``: one sampling graph and
+forward over the KV pools, ``cache/pool.py``), hand out (``choices.py``: one sampling graph and
 one host read per step), each request inside its own error boundary. The engine's named
 collaborators share ``EngineParts`` (``parts.py``): ``Admission`` (``admission.py``) seats an
 admitted sequence in its pool row (with a prompt-cache hit from ``prefix_cache.py`` /

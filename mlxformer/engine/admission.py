@@ -39,31 +39,30 @@ class Admission:
             victim = scheduler.latest_active()
             assert victim is not None
             if self.delivery.drain():  # tokens in flight are handed out first (one that ends frees its room)
-                step = scheduler.plan(skip=parts.sharing.held)
+                step = scheduler.plan(skip=parts.sharing.waiting)
                 continue
-            if scheduler.active == 1:  # alone and still too big (submit's check prevents it)
+            if len(scheduler.active) == 1:  # alone and still too big (submit's check prevents it)
                 self.departures.fail(victim, KVBudgetExceeded("the request outgrew the KV memory budget"))
             else:
                 self.departures.preempt(victim)
-            step = scheduler.plan(skip=parts.sharing.held)
+            step = scheduler.plan(skip=parts.sharing.waiting)
         parts.prefix_cache.evict_to(room)
         return step
 
-    def grow(self, step: Step) -> Step:
+    def widen(self, step: Step) -> None:
         """Under a KV budget, widen the pool rows that ``step``'s prompt chunks and speculation
         rounds will outgrow one layer at a time, each evaluated before the next
-        (``SpareBatch.reserve``), as the decode steps widen a pool (``BatchRunner.staged``): one
+        (``KVPool.reserve``), as the decode steps widen a pool (``BatchRunner.staged``): one
         layer's buffers are held twice at most, not all of them."""
         if self.parts.budget is None:
-            return step
+            return
         fed = step.fed(self.parts.planner.draft_tokens)
         for sequence in [c.sequence for c in step.prefill] + step.decode:
             tokens = fed.pop(id(sequence), 0)
             if tokens and sequence.cache:
                 self.parts.runner.reserve(sequence, tokens)
-        return step
 
-    def kv_layout(self) -> tuple:
+    def kv_fingerprint(self) -> tuple:
         """What changes when KV buffers are freed: the sequences decoding and prefilling, and the
         KV bytes held (nothing without a budget)."""
         parts = self.parts
@@ -74,7 +73,7 @@ class Admission:
 
     def drop_freed(self, before: tuple, prompted: bool = False) -> None:
         """Under a KV budget, empty MLX's buffer cache after a step that freed KV buffers (a
-        growth, a join or leave, a retire, an eviction, a sequence's last prompt chunk) or ran
+        growth, a seat or leave, a retire, an eviction, a sequence's last prompt chunk) or ran
         prompt chunks (``prompted``), and after the step that follows it. Buffers of those sizes
         seldom serve again: a chunk attends over a context one chunk longer than the last one's,
         so its scores never fit the cached ones (kept, they piled up while a second prompt
@@ -83,7 +82,7 @@ class Admission:
         second clear drops the activations of that step, which are freed only once the next
         step has read its tokens (the overlap): kept, they sat in the cache through every decode
         step after the prompts (19.6 MiB beside a 59.7 MiB budget)."""
-        freed = bool(before) and (prompted or self.kv_layout() != before)
+        freed = bool(before) and (prompted or self.kv_fingerprint() != before)
         if freed or self._freed_last_step:
             mx.clear_cache()
         self._freed_last_step = freed

@@ -1,6 +1,6 @@
 """Runs the one decoder over a batch of sequences.
 
-Every sequence lives in its row of a pool (``cache/rows.py``) from admission (``seat``) to
+Every sequence lives in its row of a pool (``cache/pool.py``) from admission (``seat``) to
 retirement (``release``): its prompt chunks, its speculation rounds and its decode steps write
 there. An engine step runs the decoding rows, the prompt chunks and the speculation rounds in
 one forward (``step``, ``cache/packed.py``: every segment writes before any attends, so every
@@ -21,10 +21,10 @@ from mlxformer.adapters.layers import Weights, select
 from mlxformer.cache import Cache
 from mlxformer.cache.packed import PackedLayerCache, StepSegment, positions
 from mlxformer.engine.prompt_scores import PromptScores
-from mlxformer.cache.batch_kind import BatchKey, Held, batch_key, row_quantizes_next
+from mlxformer.cache.batch_kind import PoolKey, Held, pool_key, row_quantizes_next
 from mlxformer.cache.row_place import RowPlace, seated
 from mlxformer.cache.rotating_rows import ring_key
-from mlxformer.cache.rows import SpareBatch, blanks
+from mlxformer.cache.pool import KVPool, blanks
 from mlxformer.models.decoder import Attention, Model
 from mlxformer.models.gated_delta import GatedDeltaNet
 from mlxformer.models.mla import MLAttention
@@ -48,7 +48,7 @@ class StepGroup(NamedTuple):
 
     caches: Sequence[Cache]
     rows: list[Decoding]
-    pool: SpareBatch | None
+    pool: KVPool | None
 
 
 @dataclass(frozen=True)
@@ -104,18 +104,18 @@ class BatchRunner:
         # a layer whose row says when the keys turn quantized (an attention layer, not a recurrent one)
         self.kv_layer = next((i for i, layer in enumerate(model.cache_layers) if not layer.recurrent), 0)
         self.packs = packs(model)
-        self.batches: dict[BatchKey, SpareBatch] = {}
-        # rewrite a batch's buffers (a join, a leave, a wider batch) one layer at a time, each
+        self.pools: dict[PoolKey, KVPool] = {}
+        # rewrite a pool's buffers (a seat, a leave, wider rows) one layer at a time, each
         # evaluated before the next: only one layer is ever held twice (set under a KV budget)
         self.staged = False
-        self.max_rows: int | None = None  # a batch's spare rows grow up to this (the engine's max_batch)
+        self.max_rows: int | None = None  # a pool's spare rows grow up to this (the engine's max_batch)
         # the tokens of a prompt chunk (the engine's prefill_chunk): a rotating row keeps slots
         # for one beyond its window (``cache/rotating_rows.py``; a longer chunk goes in pieces)
         self.prefill_chunk: int | None = None
         self._dtype: mx.Dtype | None = None  # the keys' dtype (the model's), found when first needed
 
     def seat(self, sequence: Decoding, held: list[Held | None] | None = None) -> None:
-        """Give an admitted sequence its row in the pool of its kind (``cache/rows.py``), holding
+        """Give an admitted sequence its row in the pool of its kind (``cache/pool.py``), holding
         ``held`` (a prefix-cache hit's; default: what its caches hold, which it lets go of, so
         that a seat under a KV budget drops each layer once it is in the row): its prompt
         chunks, its speculation rounds and its decode steps all write there, until it leaves
@@ -124,31 +124,31 @@ class BatchRunner:
             held, sequence.cache = [c.held() for c in sequence.cache], []
         sequence.cache = self._seat_in(held, sequence.speculator is not None)
 
-    def row_key(self, held: Sequence[Held]) -> BatchKey:
+    def row_key(self, held: Sequence[Held]) -> PoolKey:
         """The pool a sequence whose layers hold ``held`` takes a row in (a rotating layer's rows
         keep slots beyond the window for a prompt chunk: what the KV budget counts for a row,
         ``memory.KVSizer``)."""
-        return ring_key(batch_key(held, self.windows), self.prefill_chunk or 1)
+        return ring_key(pool_key(held, self.windows), self.prefill_chunk or 1)
 
-    def _batch(self, kind: BatchKey) -> SpareBatch:
+    def _pool(self, kind: PoolKey) -> KVPool:
         """The pool of ``kind``, made when first needed."""
-        if kind not in self.batches:
+        if kind not in self.pools:
             self._dtype = self._dtype or self.model.kv_dtype()
-            self.batches[kind] = SpareBatch(kind, blanks(self.model.args, self._dtype, kind), self.max_rows, self.staged)
-        return self.batches[kind]
+            self.pools[kind] = KVPool(kind, blanks(self.model.args, self._dtype, kind), self.max_rows, self.staged)
+        return self.pools[kind]
 
     def reserve(self, sequence: Decoding, tokens: int) -> None:
         """Widen the pool's rows before ``sequence`` writes ``tokens`` more into its row (a prompt
-        chunk, a speculation round: ``SpareBatch.reserve``, one layer at a time)."""
-        sequence.cache[0].batch.reserve(int(sequence.cache[0].offset) + tokens)
+        chunk, a speculation round: ``KVPool.reserve``, one layer at a time)."""
+        sequence.cache[0].pool.reserve(int(sequence.cache[0].offset) + tokens)
 
     def _seat_in(self, held: list[Held | None], rewinds: bool) -> list[Cache]:
-        """A row holding ``held`` in the pool of its kind (``SpareBatch.seat``); the views of the
+        """A row holding ``held`` in the pool of its kind (``KVPool.seat``); the views of the
         row. A speculating sequence's row keeps its recurrent layers' last states (``rewinds``:
         a rejected round is taken back, ``cache/state_rows.py``)."""
-        batch = self._batch(self.row_key(held))  # type: ignore[arg-type]
-        index, views = batch.seat(held)
-        batch.layout.rows[index].rewinds = rewinds
+        pool = self._pool(self.row_key(held))  # type: ignore[arg-type]
+        index, views = pool.seat(held)
+        pool.layout.rows[index].rewinds = rewinds
         return views  # type: ignore[return-value]
 
     def prefill(
@@ -203,7 +203,7 @@ class BatchRunner:
         ``sequences`` (None without any) and each chunk's last logits ``(1, vocab)`` when it
         wants them, a round's every position's ``(k + 1, vocab)`` (lazy; a chunk that wants
         none is evaluated). A model whose RoPE depends on each sequence's length runs one
-        forward per batch kind and per chunk instead.
+        forward per pool and per chunk instead.
 
         Every sequence is seated (``seat``); one whose storage turns quantized this step moves to
         a row of the quantized pool first (``_cross``), and one that speculates steps on its row
@@ -218,7 +218,7 @@ class BatchRunner:
         order = [place[id(s)] for group in groups for s in group.rows]  # the grouped rows' places in ``sequences``
         assert len(order) == len(sequences), "every decoding sequence is seated"
         tokens = self._tokens(groups, order, inputs)
-        # one batch alone needs no packing; a prompt whose row moves between its chunks cannot share one forward
+        # one pool alone needs no packing; a prompt whose row moves between its chunks cannot share one forward
         if self.packs and len(groups) + len(chunks) > 1 and not self._crosses_within(chunks):
             parts, chunk_logits = self._packed(groups, tokens, chunks)
         else:
@@ -237,16 +237,16 @@ class BatchRunner:
     ) -> tuple[list[mx.array], list[mx.array | None]]:
         """``step`` as one forward per pool, per speculating sequence's row and per chunk (a
         model that does not pack, a step of one part, a prompt's chunks crossing within it). A
-        forward writing a row of a batch that an earlier forward read is built once that one is
+        forward writing a row of a pool that an earlier forward read is built once that one is
         evaluated: the earlier attention would otherwise still read the buffer the write
         replaces, and MLX would copy the buffer instead of writing it in place
         (``cache/packed.py`` orders the writes instead)."""
-        reading: dict[int, list[mx.array]] = {}  # id(batch) -> the outputs not yet evaluated of forwards reading it
+        reading: dict[int, list[mx.array]] = {}  # id(pool) -> the outputs not yet evaluated of forwards reading it
 
-        def before(caches: Sequence[Cache], batch: SpareBatch | None = None) -> set[int]:
-            if batch is None:  # a chunk's: the pool its caches are a row of, if any
-                batch = caches[0].batch if seated(caches) else None  # type: ignore[attr-defined]
-            read = {id(batch)} if batch is not None else set()
+        def before(caches: Sequence[Cache], pool: KVPool | None = None) -> set[int]:
+            if pool is None:  # a chunk's: the pool its caches are a row of, if any
+                pool = caches[0].pool if seated(caches) else None  # type: ignore[attr-defined]
+            read = {id(pool)} if pool is not None else set()
             waiting = [x for i in read for x in reading.pop(i, [])]
             if waiting:
                 mx.eval(waiting)
@@ -276,19 +276,19 @@ class BatchRunner:
             self._cross(sequence.cache)
         alone = [s for s in sequences if s.speculator is not None]
         groups: list[StepGroup] = []
-        for batch in self.batches.values():  # the rows decoding this step (the others prefill in theirs, or are free)
-            where = {id(row): i for i, row in enumerate(batch.layout.rows)}
+        for pool in self.pools.values():  # the rows decoding this step (the others prefill in theirs, or are free)
+            where = {id(row): i for i, row in enumerate(pool.layout.rows)}
             members = sorted((where[id(s.cache[0].row)], s) for s in sequences  # type: ignore[attr-defined]
-                             if s.speculator is None and s.cache[0].batch is batch)  # type: ignore[attr-defined]
+                             if s.speculator is None and s.cache[0].pool is pool)  # type: ignore[attr-defined]
             if members:
                 indices, rows = zip(*members)
-                groups.append(StepGroup(batch.step_caches(list(indices)), list(rows), batch))  # type: ignore[arg-type]
+                groups.append(StepGroup(pool.step_caches(list(indices)), list(rows), pool))  # type: ignore[arg-type]
         groups += [StepGroup(sequence.cache, [sequence], None) for sequence in alone]
         return groups
 
     def _cross(self, cache: list[Cache]) -> None:
         """If ``cache`` is a row whose storage turns quantized at its next token
-        (``quantized_kv_start``), move it to a row of the quantized batch: its float row
+        (``quantized_kv_start``), move it to a row of the quantized pool: its float row
         re-encoded there (``Held.quantized``: a ring row's window; its states, if any, written
         beside), nothing else copied, and the float row freed. The list is updated in place (the
         sequence and a step's chunks hold it)."""
@@ -380,17 +380,17 @@ class BatchRunner:
         """Free ``sequence``'s row, if it has one (it ended, or is preempted: nothing is copied
         out); its ``cache`` becomes ``[]``."""
         place = sequence.cache[0] if seated(sequence.cache) else None
-        if place is not None and place.batch is self.batches.get(place.batch.key):  # (not a pool ``reset`` dropped)
+        if place is not None and place.pool is self.pools.get(place.pool.key):  # (not a pool ``reset`` dropped)
             self._leave(place)
-            sequence.cache = []
+        sequence.cache = []
 
     def _leave(self, place: RowPlace) -> None:
         """Free ``place``'s row of its pool; the pool goes with its last row."""
-        place.batch.leave(place.index)
-        if not len(place.batch):
-            del self.batches[place.batch.key]
+        place.pool.leave(place.index)
+        if not len(place.pool):
+            del self.pools[place.pool.key]
 
     def reset(self) -> None:
-        """Forget every batch (after a failed step: the sequences in them have ended)."""
-        self.batches.clear()
+        """Forget every pool (after a failed step: the sequences in them have ended)."""
+        self.pools.clear()
 

@@ -30,7 +30,8 @@ class Delivery:
             if sequence in self.parts.replays:  # replaying: its next token is known
                 continue
             try:
-                rows.append(sequence.row(int(pending is not None and sequence in (self.pipeline or ())), logits.shape[-1]))
+                in_flight = pending is not None and sequence in (self.pipeline or ())
+                rows.append(sequence.choice_row(int(in_flight), logits.shape[-1]))
                 kept.append(i)
             except Exception as exc:
                 self.departures.fail(sequence, exc)

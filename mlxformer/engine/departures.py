@@ -67,12 +67,12 @@ class Departures:
         keys/values go to the prefix cache (kept while room allows) unless they cannot be trusted."""
         parts = self.parts
         parts.metrics.preemptions.inc()
-        parts.sharing.held[:] = [s for s in parts.sharing.held if s is not sequence]
+        parts.sharing.waiting[:] = [s for s in parts.sharing.waiting if s is not sequence]
         parts.replays.stop(sequence)
         if keep_cache and sequence.cache_offset > sequence.cached_tokens:  # it computed something worth keeping
             self._keep(sequence)
         parts.runner.release(sequence)  # its blocks were taken by ``_keep``
-        sequence.cache, sequence.processed = [], 0
+        sequence.processed = 0
         parts.scheduler.preempt(sequence)
 
     def _keep(self, sequence: RequestState) -> None:

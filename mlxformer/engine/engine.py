@@ -56,8 +56,8 @@ class Engine:
     """Continuous-batching generation over one model: see the module docstring of ``mlxformer.engine``.
 
     ``speculative``: decode every request (unless it sets ``speculate=False`` or has a constraint)
-    speculatively; each one's proposals are verified in its own pass over its caches (its row of
-    the decode batch when seated; its ``DecodingState`` decides the round and ``settle``s them).
+    speculatively; each one's proposals are verified on its pool row, in the step's packed
+    forward or alone (its ``DecodingState`` decides the round and ``settle``s them).
     ``max_kv_memory``: the bytes of KV cache (sequences and prefix cache together) the engine may
     hold, or ``"auto"`` (the device's memory less the weights and a margin); while it runs, MLX's
     memory and cache limits are set from the same figure. ``metrics``: the Prometheus registry
@@ -92,7 +92,7 @@ class Engine:
                                    aligned=any(layer.recurrent or layer.window for layer in model.layers))
         self.runner = BatchRunner(model)
         self.runner.staged = self.budget is not None  # a request's peak is then its own size (memory.py)
-        self.runner.max_rows = max_batch  # a pool's spare rows (cache/rows.py)
+        self.runner.max_rows = max_batch  # a pool's spare rows (cache/pool.py)
         self.runner.prefill_chunk = self.scheduler.prefill_chunk  # a rotating row's slots past its window
         self.sizer = KVSizer(model, self.cache_settings, draft_tokens, self.runner.row_key)
         kv_dtype = self.sizer.dtype  # ``Model.kv_dtype``
@@ -113,7 +113,7 @@ class Engine:
             self.budget.reserve = engine_reserve(model.args, self.budget.limit, self.sizer.bytes_for(BLOCK) / BLOCK,
                                                  self.scheduler.step_tokens, self.scheduler.prefill_chunk, max_batch,
                                                  draft_tokens, kv_dtype.size)
-        self.metrics.watch(lambda: len(self.scheduler.waiting), lambda: self.scheduler.active, lambda: self.held_kv,
+        self.metrics.watch(lambda: len(self.scheduler.waiting), lambda: len(self.scheduler.active), lambda: self.held_kv,
                            self.budget.limit if self.budget is not None else 0)
         self.metrics.step_reserve.set(self.budget.reserve if self.budget is not None else 0)
         self.held_kv = 0  # KV bytes held after the last step (``kv_bytes``), for the metrics thread
@@ -207,7 +207,7 @@ class Engine:
     @property
     def active(self) -> int:
         """Requests holding a batch slot."""
-        return self.scheduler.active
+        return len(self.scheduler.active)
 
     def kv_bytes(self) -> int:
         """KV bytes held now: every active sequence's share of its pool, and the prefix cache."""
@@ -262,7 +262,7 @@ class Engine:
         self.jobs.fail_all(error)
         self.delivery.pipeline = None
         self.runner.reset()
-        self.sharing.held.clear()
+        self.sharing.waiting.clear()
         self.scheduler.clear()
         self.replays.clear()
 
@@ -270,20 +270,21 @@ class Engine:
         """One engine step: drop cancelled, admit, fit the step into the KV budget, run the
         prompt chunks and the decode step, hand out."""
         admission, departures, scheduler = self.admission, self.departures, self.scheduler
-        layout = admission.kv_layout()
-        cancelled = [s for s in scheduler.prefilling + scheduler.running if s.cancelled]
+        before = admission.kv_fingerprint()
+        cancelled = [s for s in scheduler.active if s.cancelled]
         for sequence in scheduler.drop_cancelled_waiting() + cancelled:
             departures.end(sequence, "cancelled")
         for sequence in scheduler.admit(lambda s: self.planner.admissible(scheduler, s)):
-            self.sharing.held.append(sequence)  # until the blocks it shares with a running prefill are cached
+            self.sharing.waiting.append(sequence)  # until the blocks it shares with a running prefill are cached
         for sequence in self.sharing.ready(scheduler.prefilling):
             try:
                 admission.seat(sequence)
             except Exception as exc:  # e.g. a draft model's cache
                 departures.fail(sequence, exc)
-        step = admission.grow(admission.fit(scheduler.plan(skip=self.sharing.held)))
+        step = admission.fit(scheduler.plan(skip=self.sharing.waiting))
+        admission.widen(step)
         self._run(step)
-        admission.drop_freed(layout, prompted=bool(step.prefill))
+        admission.drop_freed(before, prompted=bool(step.prefill))
         self.held_kv = self.kv_bytes()  # what the metrics read (never the caches the engine swaps)
 
     def _run(self, step: Step) -> None:

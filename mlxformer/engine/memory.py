@@ -23,7 +23,8 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from mlxformer.cache import CacheSettings, make_cache
-from mlxformer.cache.batch_kind import BatchKey, Held
+from mlxformer.cache.batch_kind import PoolKey, Held
+from mlxformer.cache.codec import quantized_at
 from mlxformer.cache.state import state_nbytes
 from mlxformer.engine.scheduler import Scheduler, Step
 from mlxformer.engine.request_state import GenerationRequest, RequestState
@@ -108,7 +109,7 @@ class KVSizer:
     extrapolated."""
 
     def __init__(self, model: Model, settings: CacheSettings, extra_tokens: int = 0,
-                 row_key: Callable[[list[Held]], BatchKey] | None = None) -> None:
+                 row_key: Callable[[list[Held]], PoolKey] | None = None) -> None:
         args = model.args
         self.model, self.settings, self.row_key = model, settings, row_key
         self.dtype = model.kv_dtype()
@@ -119,7 +120,7 @@ class KVSizer:
 
     def quantized(self, tokens: int) -> bool:
         """Whether caches holding ``tokens`` tokens store them quantized (past ``quantized_kv_start``)."""
-        return self.settings.kv_bits is not None and tokens > self.settings.quantized_kv_start
+        return quantized_at(tokens, self.settings.kv_bits, self.settings.quantized_kv_start)
 
     def _probe(self, blocks: int, quantized: bool) -> Sizes:
         """Bytes of fresh caches fed ``blocks`` blocks of tokens, float or ``quantized``, and of
@@ -301,9 +302,9 @@ class MemoryPlanner:
         headroom a sequence admitted into the last free bytes is preempted at its next block and
         re-admitted as soon as one frees (measured: 34 preemptions over 16 requests, 0.15x the
         unbudgeted throughput)."""
-        if self.budget is None or not scheduler.active:
+        active = scheduler.active
+        if self.budget is None or not active:
             return True
-        active = scheduler.prefilling + scheduler.running
         current = sum(nbytes(s) for s in active)
         rows = [len(s.tokens) + 1 for s in active] + [len(sequence.tokens)]
         need = self.sizer.after(rows, current)
@@ -315,9 +316,9 @@ class MemoryPlanner:
     def seat_need(self, scheduler: Scheduler, sequence: RequestState, layers: Sequence[Held]) -> int:
         """KV bytes held while ``sequence`` (admitted: its layers holding ``layers``, nothing
         yet or a prefix-cache hit's tokens, which stay in the hit's blocks until copied) takes
-        its row: the pool with one row more (``SpareBatch.seat`` rewrites it one layer at a
+        its row: the pool with one row more (``KVPool.seat`` rewrites it one layer at a
         time). The prefix cache must leave this room before the seat (``Admission.seat``)."""
-        active = [s for s in scheduler.prefilling + scheduler.running if s is not sequence and s.cache]
+        active = [s for s in scheduler.active if s is not sequence and s.cache]
         rows = [s.cache_offset for s in active] + [layers[0].offset]
         return self.sizer.after(rows, sum(nbytes(s) for s in active) + sum(h.nbytes for h in layers))
 
@@ -326,7 +327,7 @@ class MemoryPlanner:
         length after the step (a prompt's chunks, a speculation round, a decode token; a row not
         stepping writes a scratch slot, ``BatchLayout.prepare``)."""
         fed = step.fed(self.draft_tokens)
-        rows = [s for s in scheduler.prefilling + scheduler.running if s.cache]  # (not one waiting for its caches)
+        rows = [s for s in scheduler.active if s.cache]  # (not one waiting for its caches)
         if not rows:
             return 0
         return self.sizer.after([s.cache_offset + max(fed.get(id(s), 0), 1) for s in rows], sum(nbytes(s) for s in rows))

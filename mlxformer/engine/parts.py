@@ -37,7 +37,7 @@ class EngineParts:
     def active(self) -> list[RequestState]:
         """The sequences holding a batch slot (prefilling, then running)."""
         with self.scheduler.lock:
-            return self.scheduler.prefilling + self.scheduler.running
+            return self.scheduler.active
 
     def kv_bytes(self) -> int:
         """KV bytes held now: every active sequence's share of its pool, and the prefix cache."""

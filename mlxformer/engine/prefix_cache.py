@@ -72,6 +72,11 @@ class PrefixCache:
         is the chain's root ("": the base model's)."""
         return block_keys(self.seed + salt, tokens, self.block_size, count)
 
+    def hittable(self, tokens: int) -> int:
+        """Whole blocks a lookup of ``tokens`` tokens can hit: its last token is always computed
+        (its logits choose the next)."""
+        return (tokens - 1) // self.block_size
+
     def insert(self, tokens: Sequence[int], held: Sequence[Held], salt: str = "",
                keys: Sequence[str] | None = None) -> list[Block]:
         """Keep the blocks of what a sequence's layers hold (``held``: exactly ``tokens``) not kept yet: the full
@@ -93,7 +98,9 @@ class PrefixCache:
         fresh = {block.key: block for block in cut_blocks(held, tokens, spans)} if spans else {}
         if self.disk is not None:  # whole blocks (a window's evicted tokens stay out of the disk tier)
             for key in keys:
-                if key in fresh and all(w is None or fresh[key].held(layer) == size for layer, w in enumerate(self.windows)):
+                whole = key in fresh and all(w is None or fresh[key].tokens_held(layer) == size
+                                             for layer, w in enumerate(self.windows))
+                if whole:
                     self.disk.put(fresh[key])
         if tail_id in fresh:
             self._add(fresh[tail_id], parents[-1])  # least recent: a tail goes before its chain
@@ -142,7 +149,7 @@ class PrefixCache:
         (its longest cached prefix, less than the prompt's length; a row seats it), or None."""
         run: list[Block] = []
         from_disk: set[str] = set()
-        keys = self.keys_for(prompt, (len(prompt) - 1) // self.block_size, salt)
+        keys = self.keys_for(prompt, self.hittable(len(prompt)), salt)
         parents = [salt, *keys]  # parents[i]: the key of the block before block i
         for key in keys:
             start = len(run) * self.block_size

@@ -31,7 +31,7 @@ class PrefixSharing:
     def __init__(self, prefix_cache: PrefixCache, enabled: bool = True) -> None:
         self.prefix_cache = prefix_cache
         self.enabled = enabled and prefix_cache.caching
-        self.held: list[RequestState] = []  # newly admitted sequences, until ``ready`` lets them go
+        self.waiting: list[RequestState] = []  # newly admitted sequences, until ``ready`` lets them go
         self._keys: dict[int, list[str]] = {}
 
     def keys(self, sequence: RequestState) -> list[str]:
@@ -43,12 +43,12 @@ class PrefixSharing:
     def ready(self, prefilling: Sequence[RequestState]) -> list[RequestState]:
         """The held sequences that may get their caches now (in admission order); the finished
         (cancelled) ones are dropped."""
-        live = {id(s) for s in self.held} | {id(s) for s in prefilling}
+        live = {id(s) for s in self.waiting} | {id(s) for s in prefilling}
         self._keys = {k: v for k, v in self._keys.items() if k in live}
         going: list[RequestState] = []
-        for sequence in list(self.held):
+        for sequence in list(self.waiting):
             if sequence.status is Status.FINISHED or not self._waits(sequence, prefilling, going):
-                self.held.remove(sequence)
+                self.waiting.remove(sequence)
                 if sequence.status is not Status.FINISHED:
                     going.append(sequence)
         return going
@@ -58,9 +58,9 @@ class PrefixSharing:
         ``sequence``'s prompt that are not cached yet."""
         if not self.enabled:
             return False
-        mine = self.keys(sequence)[: (len(sequence.prompt) - 1) // self.prefix_cache.block_size]
+        mine = self.keys(sequence)[: self.prefix_cache.hittable(len(sequence.prompt))]
         cached = self.prefix_cache.cached_blocks(mine)
-        others = [s for s in prefilling if s.cache and s not in self.held] + list(going)
+        others = [s for s in prefilling if s.cache and s not in self.waiting] + list(going)
         # blocks shared, not cached
         return any(len(os.path.commonprefix([mine, self.keys(other)])) > cached for other in others)
 
@@ -68,7 +68,7 @@ class PrefixSharing:
         """Offer the sequence's finished prompt blocks while others wait for them (a hybrid
         model's always: with the state snapshot where its cache ends)."""
         snapshots = self.prefix_cache.hybrid or any(self.prefix_cache.windows)  # states, windows: cut per chunk
-        wanted = self.held or (snapshots and self.prefix_cache.caching)
+        wanted = self.waiting or (snapshots and self.prefix_cache.caching)
         if wanted and sequence.processed >= self.prefix_cache.block_size:
             full = sequence.processed // self.prefix_cache.block_size
             self.prefix_cache.insert(sequence.prompt[: sequence.processed], [c.held() for c in sequence.cache], sequence.cache_salt,

@@ -24,8 +24,8 @@ from mlxformer.engine.request_state import RequestState
 def resume_tokens(sequence: RequestState, prefix_cache: PrefixCache, prefill_chunk: int) -> list[int]:
     """The tokens a preempted ``sequence`` looks up in ``prefix_cache`` (see the module's doc)."""
     tokens, prompt, start = sequence.tokens, len(sequence.prompt), sequence.cached_tokens
-    size = prefix_cache.block_size
-    hit = prefix_cache.cached_blocks(prefix_cache.keys_for(tokens, (len(tokens) - 1) // size, sequence.cache_salt)) * size
+    keys = prefix_cache.keys_for(tokens, prefix_cache.hittable(len(tokens)), sequence.cache_salt)
+    hit = prefix_cache.cached_blocks(keys) * prefix_cache.block_size
     if hit >= prompt or hit <= start:
         return tokens
     boundary = start + (hit - start) // prefill_chunk * prefill_chunk

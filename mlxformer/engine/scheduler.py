@@ -91,16 +91,16 @@ class Scheduler:
         """Queue a new sequence; raises ``EngineOverloaded`` when the queue is full (the requests
         that will take a free slot at the next step do not count)."""
         with self.lock:
-            free = max(0, self.max_batch - self.active)
+            free = max(0, self.max_batch - len(self.active))
             if len(self.waiting) - free >= self.max_queue:
                 raise EngineOverloaded(f"the engine's queue is full ({self.max_queue} waiting requests)")
             self.waiting.append(sequence)
             self._arrival[id(sequence)] = next(self._counter)
 
     @property
-    def active(self) -> int:
-        """Sequences holding a batch slot."""
-        return len(self.prefilling) + len(self.running)
+    def active(self) -> list[RequestState]:
+        """The sequences holding a batch slot (prefilling, then running)."""
+        return self.prefilling + self.running
 
     def has_work(self) -> bool:
         with self.lock:
@@ -111,7 +111,7 @@ class Scheduler:
         does; returns them (to be given caches)."""
         admitted = []
         with self.lock:
-            while self.waiting and self.active < self.max_batch:
+            while self.waiting and len(self.active) < self.max_batch:
                 if self.waiting[0].cancelled or not fits(self.waiting[0]):
                     break  # a cancelled one is dropped (and told) at the next step
                 sequence = self.waiting.popleft()
@@ -192,7 +192,7 @@ class Scheduler:
 
     def latest_active(self) -> RequestState | None:
         """The active sequence submitted last (the first to preempt)."""
-        active = self.prefilling + self.running
+        active = self.active
         return max(active, key=lambda s: self._arrival[id(s)]) if active else None
 
     def preempt(self, sequence: RequestState) -> None:

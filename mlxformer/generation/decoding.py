@@ -150,7 +150,7 @@ class DecodingState:
         self.key += 1
         return key
 
-    def row(self, pending: int = 0, vocab: int | None = None) -> ChoiceRow:
+    def choice_row(self, pending: int = 0, vocab: int | None = None) -> ChoiceRow:
         """This sequence as a row of a batch choice (a draw taken from its stream unless it is
         greedy; its constraint's mask computed); ``pending``: tokens chosen after its history but
         not yet recorded (``choosing.process``). Host work independent of the context: the
@@ -180,7 +180,7 @@ class DecodingState:
         ``(1, vocab)``, lazily (``choosing.choose`` with a batch of one). ``pending``: a token
         ``(1,)`` already chosen but not yet recorded (a pipelined loop), which the penalties
         count as history."""
-        return choose(logits, [self.row(1 if pending is not None else 0, logits.shape[-1])], pending)
+        return choose(logits, [self.choice_row(1 if pending is not None else 0, logits.shape[-1])], pending)
 
     # --- recording ----------------------------------------------------------------------
 

@@ -19,7 +19,7 @@ from mlxformer.embeddings.head import EmbeddingHead
 from mlxformer.errors import MlxformerError
 from mlxformer.models.mask import Mask, causal_mask_for, kept_rows, padded_mask
 from mlxformer.cache.protocol import Cache
-from mlxformer.cache.rows import record_writes
+from mlxformer.cache.pool import record_writes
 from mlxformer.models.attention_ops import fused_attention, position_query_scale, softcap_scores, softcapped_attention
 from mlxformer.models.config import ModelArgs
 from mlxformer.models.mla import MLAttention
@@ -339,7 +339,7 @@ class Model(nn.Module):
         ``keep``: the positions ``(K,)`` the last layer outputs (``DecoderLayer``). ``valid``: the
         real tokens ``(B, T)`` of padded rows (``hidden_states``). ``before_layer(i, h)``: called
         with each layer's input before it runs (calibration loads that layer's weights there).
-        A cache records what the forward wrote once it is built (``cache.rows.record_writes``: a pool's
+        A cache records what the forward wrote once it is built (``cache.pool.record_writes``: a pool's
         rows, shared by their layers, move once)."""
         if not self.layers:
             return kept_rows(h, keep)

@@ -1,7 +1,7 @@
-"""KV in one place (issue 32): a sequence's keys/values live in its row of a decode batch from
-its first prompt chunk on, so joining the decode steps moves nothing.
+"""KV in one place (issues 32, 40): a sequence's keys/values live in its row of a pool from
+admission on, so its prompt chunks, speculation rounds and decode steps all write there.
 
-A ``SpareBatch`` is the pool of one storage kind (``BatchKey``): every layer's buffers
+A ``KVPool`` is the pool of one storage kind (``PoolKey``): every layer's buffers
 ``(capacity, n_kv, C, ...)`` (growing or rotating, float or quantized) with spare rows, and the
 slot layouts of its rows (``cache/batch.py``). A sequence takes a free row when it is
 admitted (``seat``: an empty row, or a prefix-cache hit's tokens written into it, each layer's
@@ -42,9 +42,9 @@ from typing import Any, Sequence
 
 import mlx.core as mx
 
-from mlxformer.cache.batch import BatchLayerCache, BatchLayout, _pad
-from mlxformer.cache.batch_kind import BatchKey, BatchRow, Held, LayerKind
-from mlxformer.cache.codec import FLOAT_CODEC, KVCodec, Pack, pack_slice
+from mlxformer.cache.batch import BatchLayerCache, BatchLayout, pad_pack
+from mlxformer.cache.batch_kind import PoolKey, BatchRow, Held, LayerKind
+from mlxformer.cache.codec import KVCodec, Pack, pack_slice
 from mlxformer.cache.protocol import Cache
 from mlxformer.cache.row_place import RowCache
 from mlxformer.cache.rotating_rows import RingRowCache, placement
@@ -60,27 +60,27 @@ def _no_rows(pack: Pack) -> Pack:
     return tuple(mx.zeros((0, x.shape[1], 0, x.shape[3]), x.dtype) for x in pack)
 
 
-def blanks(args: Any, dtype: mx.Dtype, kind: BatchKey) -> list[Blank]:
+def blanks(args: Any, dtype: mx.Dtype, kind: PoolKey) -> list[Blank]:
     """Each cache layer of a model of ``args`` (its ``ModelArgs``; keys in ``dtype``) as one
-    slot of ``kind`` stores it: the shapes a ``SpareBatch`` allocates (lazy, never evaluated)."""
+    slot of ``kind`` stores it: the shapes a ``KVPool`` allocates (lazy, never evaluated)."""
     out = []
     for index, (storage, _) in enumerate(kind):
         if storage.recurrent:
             out.append(state_blank(args, dtype))
             continue
         heads, key_dims, value_dims = args.cache_dims(index)
-        codec = FLOAT_CODEC if storage.bits is None else KVCodec(storage.bits, storage.group_size)
+        codec = KVCodec(storage.bits, storage.group_size)
         out.append((codec.encode(mx.zeros((1, heads, 1, key_dims), dtype)),
                     codec.encode(mx.zeros((1, heads, 1, value_dims), dtype))))
     return out
 
 
-class SpareBatch:
-    """Every layer's keys/values (or recurrent states) of the sequences of one ``BatchKey``, one
+class KVPool:
+    """Every layer's keys/values (or recurrent states) of the sequences of one ``PoolKey``, one
     row each, from admission to retirement (module doc): a slot layout per kind of attention
     layer and one ``BatchLayerCache`` (or ``StateRows``) per layer."""
 
-    def __init__(self, key: BatchKey, blanks: Sequence[Blank], max_rows: int | None = None,
+    def __init__(self, key: PoolKey, blanks: Sequence[Blank], max_rows: int | None = None,
                  staged: bool = False) -> None:
         self.key = key
         self.groups: dict[LayerKind, list[int]] = {}  # each kind's layers, in order
@@ -103,7 +103,7 @@ class SpareBatch:
                 self.layers.append(StateRows(self.layout, mx.zeros((0, *conv.shape[1:]), conv.dtype),
                                              mx.zeros((0, *state.shape[1:]), state.dtype)))
                 continue
-            codec = FLOAT_CODEC if storage.bits is None else KVCodec(storage.bits, storage.group_size)
+            codec = KVCodec(storage.bits, storage.group_size)
             self.layers.append(BatchLayerCache(self.layouts[kind], codec, _no_rows(keys), _no_rows(values)))
 
     def __len__(self) -> int:
@@ -130,23 +130,17 @@ class SpareBatch:
 
     def _grow_layer(self, index: int, extra: int) -> None:
         """Layer ``index``'s buffers with ``extra`` zero rows at the end, as wide as its layout
-        (lazy). One ``mx.pad`` per array: its output is new and written in place by the seat's
-        row (a concatenation with zeros materializes the zeros, and one with an empty batch is a
-        view the write copies: a layer held twice more, measured)."""
+        (lazy, ``pad_pack``)."""
         layer = self.layers[index]
         if isinstance(layer, StateRows):
             layer.add_rows(extra)
             return
         width = layer.layout.width
-
-        def grown(x: mx.array) -> mx.array:
-            return mx.pad(x, [(0, extra), (0, 0), (0, max(0, width - x.shape[2])), (0, 0)])
-
-        layer.keys, layer.values = tuple(map(grown, layer.keys)), tuple(map(grown, layer.values))
+        layer.keys, layer.values = pad_pack(layer.keys, width, extra), pad_pack(layer.values, width, extra)
         center = layer.codec.key_center
         if center is not None:
             center = mx.pad(center, [(0, extra)] + [(0, 0)] * (center.ndim - 1))
-            layer.codec = KVCodec(layer.codec.bits, layer.codec.group_size, center)
+            layer.codec = layer.codec.centered(center)
 
     def seat(self, held: list[Held | None]) -> tuple[int, list["RowCache | StateRowCache"]]:
         """A free row for a sequence whose layers hold ``held`` (maybe a prefix-cache hit's tokens
@@ -245,7 +239,7 @@ class SpareBatch:
         before the next (under a KV budget: only one layer is held twice)."""
         for cache in self.layers:
             if isinstance(cache, BatchLayerCache) and cache.keys[0].shape[2] < cache.layout.width:
-                cache.keys, cache.values = _pad(cache.keys, cache.layout.width), _pad(cache.values, cache.layout.width)
+                cache.keys, cache.values = pad_pack(cache.keys, cache.layout.width), pad_pack(cache.values, cache.layout.width)
                 evaluate_rewrite(cache.keys, cache.values)
 
 
