@@ -124,6 +124,21 @@ def test_errors_are_ollama_shaped(server):
     assert status == 400 and set(json.loads(body)) == {"error"}
 
 
+def test_a_model_without_a_chat_template_points_to_each_apis_plain_route(server):
+    """Chat needs a template; the 400 names the route of the same API that takes plain text,
+    and that route answers."""
+    template, server.tokenizer.chat_template = server.tokenizer.chat_template, None
+    try:
+        with pytest.raises(ollama.ResponseError) as error:
+            server.client.chat(model="m", messages=USER, options={"num_predict": 1})
+        assert error.value.status_code == 400 and error.value.error.endswith("use /api/generate")
+        assert server.client.generate(model="m", prompt="Once upon a time", options={"num_predict": 2}).done
+        status, _, body = http(server.url, "POST", "/v1/chat/completions", {"messages": USER, "max_tokens": 1})
+        assert status == 400 and json.loads(body)["error"]["message"].endswith("use /v1/completions")
+    finally:
+        server.tokenizer.chat_template = template
+
+
 def test_ollamas_curl_examples_work_without_a_json_content_type(server):
     """Ollama's README runs ``curl URL/api/generate -d '{...}'``: curl declares the body
     form-encoded (or, with ``-H 'Content-Type:'``, not at all); Ollama reads it as JSON, so do we.

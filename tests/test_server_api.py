@@ -225,6 +225,8 @@ BAD_REQUESTS = [  # (body, expected status, expected param or None)
     ({"messages": "hello"}, 400, "messages"),  # wrong type
     ({"messages": []}, 400, "messages"),  # empty
     ({"messages": [{"role": "robot", "content": "hi"}]}, 400, None),  # unknown role
+    ({"messages": [{"role": "user"}]}, 400, "messages"),  # a user turn without content
+    ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 3}, 400, "top_logprobs"),  # without logprobs
     ({"messages": [{"role": "user", "content": "hi"}], "temperature": -1}, 400, "temperature"),
     ({"messages": [{"role": "user", "content": "hi"}], "top_p": 0}, 400, "top_p"),
     ({"messages": [{"role": "user", "content": "hi"}], "top_k": 2**31}, 400, "top_k"),  # past the graph's int32

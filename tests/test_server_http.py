@@ -253,6 +253,11 @@ def test_openapi_document_behind_the_key_or_off(server, tiny):
         assert status == 401 and error_of(raw)["type"] == "authentication_error"
         status, _, raw = http(url, "GET", "/openapi.json", headers={"Authorization": "Bearer k3y"})
         assert status == 200 and "/v1/chat/completions" in json.loads(raw)["paths"]
+        for method, path, body in (("GET", "/api/tags", None), ("GET", "/metrics", None),
+                                   ("POST", "/tokenize", {"content": "Hi"})):  # every API route, as documented
+            assert http(url, method, path, body)[0] == 401, path
+            assert http(url, method, path, body, headers={"Authorization": "Bearer k3y"})[0] == 200, path
+        assert http(url, "GET", "/health")[0] == 200  # a load balancer's probe needs no key
     with running_server(server.engine, model, tokenizer, openapi=False) as url:
         assert http(url, "GET", "/openapi.json")[0] == 404
 
@@ -391,6 +396,9 @@ def test_malformed_earlier_turns_are_400s_not_500s(server):
              {"role": "user", "content": "Hi"}]
     status, _, raw = http(server.url, "POST", "/v1/responses", {"input": items, "max_output_tokens": 1})
     assert status == 400 and error_of(raw)["param"] == "input", raw
+    for nothing in ([], [{}], [{"type": "message", "role": "user"}]):  # no turn, an item that is nothing, no content
+        status, _, raw = http(server.url, "POST", "/v1/responses", {"input": nothing, "max_output_tokens": 1})
+        assert status == 400 and error_of(raw)["param"] == "input", (nothing, raw)
     calls = [{"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]
     status, _, raw = http(server.url, "POST", "/v1/chat/completions",
                           {"messages": [*messages[:1], {"role": "assistant", "tool_calls": calls}, messages[2]],

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import time
 
+import anthropic
 import ollama
 import pytest
 from server_support import http
@@ -108,6 +109,15 @@ def test_a_model_that_fails_to_load_names_the_reason_and_others_keep_serving(sev
     assert status == 200 and reply["model"] == SMOL
     status, body = chat(several.url, "nobody")
     assert status == 404 and body["error"]["code"] == "model_not_found"
+    # the Messages routes answer in Anthropic's form, as the official client reads it
+    client = anthropic.Anthropic(base_url=several.url, api_key="unused", max_retries=0)
+    messages = [{"role": "user", "content": "Hi"}]
+    for call in (lambda: client.messages.create(model="nobody", max_tokens=4, messages=messages),
+                 lambda: client.messages.count_tokens(model="nobody", messages=messages)):
+        with pytest.raises(anthropic.NotFoundError) as missing:
+            call()
+        assert missing.value.body["type"] == "error" and missing.value.body["error"]["type"] == "not_found_error"
+        assert "'nobody' does not exist" in missing.value.body["error"]["message"]
 
 
 def test_idle_keep_alive_unloads_and_frees_the_model(several):

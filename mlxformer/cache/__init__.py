@@ -33,7 +33,7 @@ from mlxformer.cache.kv import KVCache
 from mlxformer.cache.protocol import Cache, HasLayers
 from mlxformer.cache.rotating import RotatingKVCache
 from mlxformer.cache.state import StateCache
-from mlxformer.errors import MlxformerError
+from mlxformer.errors import OptionError
 
 __all__ = ["Cache", "CacheSettings", "KVCache", "RotatingKVCache", "StateCache", "make_cache", "new_held"]
 
@@ -57,18 +57,21 @@ class CacheSettings:
     keep: int = 4
     rewind: int = 0  # tokens a rotating cache keeps beyond its window, to be trimmed (speculative decoding)
 
+    def __post_init__(self) -> None:
+        """The one check of these settings (an ``OptionError`` naming the field: the command line
+        names its flag)."""
+        if self.kv_bits is not None:
+            check_kv_quantization(self.kv_bits, self.kv_group_size)
+        if self.quantized_kv_start < 0:
+            raise OptionError("quantized_kv_start", "must be >= 0")
+        if self.max_kv_size is not None and self.max_kv_size < 1:
+            raise OptionError("max_kv_size", "must be positive")
+
 
 def make_cache(model: HasLayers, settings: CacheSettings | None = None) -> list[Cache]:
     """One cache per decoder layer with a cache of its own (``cache_layers``), as ``settings``
     asks and each layer's window needs."""
     settings = settings or CacheSettings()
-    bits, group, start = settings.kv_bits, settings.kv_group_size, settings.quantized_kv_start
-    if bits is not None:
-        check_kv_quantization(bits, group)
-    if start < 0:
-        raise MlxformerError("quantized_kv_start must be >= 0")
-    if settings.max_kv_size is not None and settings.max_kv_size < 1:
-        raise MlxformerError("max_kv_size must be positive")
     return [StateCache(settings.rewind) if layer.recurrent else _layer_cache(layer.window, settings)
             for layer in model.cache_layers]
 

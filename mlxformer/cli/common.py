@@ -149,14 +149,13 @@ def verbose(args: argparse.Namespace) -> bool:
 def cache_settings(args: argparse.Namespace) -> CacheSettings:
     """The cache dataclass from parsed flags."""
     from mlxformer.cache import CacheSettings
-    from mlxformer.errors import MlxformerError
+    from mlxformer.errors import OptionError
 
-    if args.max_kv_size is not None and args.max_kv_size < 1:
-        raise MlxformerError("--max-kv-size must be positive")
-    return CacheSettings(
-        kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
-        quantized_kv_start=args.quantized_kv_start, max_kv_size=args.max_kv_size,
-    )
+    try:
+        return CacheSettings(kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
+                             quantized_kv_start=args.quantized_kv_start, max_kv_size=args.max_kv_size)
+    except OptionError as exc:
+        raise flag_error(exc) from None
 
 
 def load_for_cli(args: argparse.Namespace) -> tuple[Model, Tokenizer]:

@@ -90,7 +90,8 @@ def create_app(
 ) -> FastAPI:
     """The API app over a started ``engine``.
 
-    ``api_key`` requires ``Authorization: Bearer`` on /v1 routes and /openapi.json;
+    ``api_key`` requires ``Authorization: Bearer`` (or ``x-api-key``) on every API route: /v1,
+    /api (Ollama's), /tokenize and the template routes, /metrics, /openapi.json (not /health, /);
     ``cors_origins`` (default none) are the origins allowed cross-origin access; ``allowed_hosts``
     are the ``Host`` names served (default: the loopback names; ``None``: any); bodies over
     ``max_body_bytes`` get 413; ``openapi=False`` serves no /openapi.json; ``routers`` make the

@@ -3,12 +3,15 @@ options (``chat_template_kwargs``, ``reasoning_effort``, ``reasoning_budget``)."
 
 from __future__ import annotations
 
+from mlxformer.server.errors import bad_request
 from mlxformer.server.protocol import ChatCompletionRequest
 from mlxformer.server.turn import Turn, effort_budget
 
 
 def chat_turn(body: ChatCompletionRequest) -> Turn:
     """The turn a chat completion request asks for."""
+    if body.top_logprobs is not None and not body.logprobs:  # OpenAI's rule: not silently ignored
+        raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
     kwargs = dict(body.chat_template_kwargs or {})
     thinking = kwargs.pop("enable_thinking", None)
     if body.reasoning_effort == "none":

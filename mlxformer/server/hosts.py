@@ -269,10 +269,12 @@ def body_fields(body: bytes) -> tuple[str | None, Any]:
 
 
 class MultiModelApp:
-    """The ASGI front of a several-model server (see the module docstring)."""
+    """The ASGI front of a several-model server (see the module docstring); ``shape``: an error
+    body in the form the request's API uses (``app.api_shape``: Anthropic's on its routes)."""
 
-    def __init__(self, front: FastAPI, host: MultiHost, front_paths: Callable[[str], bool]) -> None:
-        self.front, self.host, self.front_paths = front, host, front_paths
+    def __init__(self, front: FastAPI, host: MultiHost, front_paths: Callable[[str], bool],
+                 shape: Callable[[str, int, dict[str, Any]], dict[str, Any]]) -> None:
+        self.front, self.host, self.front_paths, self.shape = front, host, front_paths, shape
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http" or self.front_paths(scope["path"]):
@@ -291,7 +293,7 @@ class MultiModelApp:
             keep = keep_alive_seconds(keep_alive)
             entry = await self.host.hosted(name)
         except APIError as exc:
-            await send_json(send, exc.status, exc.body(), exc.headers)
+            await send_json(send, exc.status, self.shape(scope["path"], exc.status, exc.body()), exc.headers)
             return
         replayed = [False]
 

@@ -70,7 +70,7 @@ def several_models_app(
     hosts = None if allowed_hosts is None else frozenset(host_name(h) for h in allowed_hosts)
     front.add_middleware(RequestGuard, allowed_hosts=hosts, max_body_bytes=max_body_bytes, shape=api_shape,
                          json_bodies=is_ollama_path)
-    return MultiModelApp(front, host, is_front_path)
+    return MultiModelApp(front, host, is_front_path, api_shape)
 
 
 def memory_metric_lines(host: MultiHost) -> list[str]:

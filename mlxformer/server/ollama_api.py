@@ -212,7 +212,7 @@ def ollama_router(host: ModelHost) -> APIRouter:
         think, budget = thinking(body.think)
         turn = Turn(messages=chat_messages(body.messages), fields=fields, max_tokens=predict, tools=body.tools or None,
                     response_format=response_format(body.format), thinking=think, reasoning_budget=budget,
-                    max_tokens_param="options.num_predict")
+                    max_tokens_param="options.num_predict", plain_route="/api/generate")
         prepared = await ctx.prepare(lambda: prepare(turn, ctx.served, ctx.traits))
         return await reply(ctx, host, body.model, prepared, body.stream, keep_alive, request, timing, chat_shape)
 

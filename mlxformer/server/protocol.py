@@ -56,6 +56,13 @@ class ChatMessage(Lenient):
     tool_call_id: Optional[str] = None  # a tool turn: which call this result answers
     reasoning_content: Optional[str] = None  # an assistant turn's reasoning (templates keep or drop it)
 
+    @model_validator(mode="after")
+    def content_given(self) -> "ChatMessage":
+        """Only an assistant turn may come without content (OpenAI's rule: its tool calls say it all)."""
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs content")
+        return self
+
     def template_dict(self) -> dict[str, Any]:
         """The message as the chat template sees it (content as one string)."""
         message = {"role": self.role, "content": self.text()}

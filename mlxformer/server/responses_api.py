@@ -32,11 +32,15 @@ def input_messages(items: str | list[InputItem]) -> list[dict[str, Any]]:
     assistant turn's ``reasoning_content``."""
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
+    if not items:
+        raise bad_request("input must not be empty", param="input")
     out: list[dict[str, Any]] = []
     reasoning = ""
-    for item in items:
+    for index, item in enumerate(items):
         kind = item.type or "message"
         if kind == "message":
+            if item.role is None or item.content is None:
+                raise bad_request(f"input[{index}]: a message item needs a role and content", param="input")
             try:
                 message: dict[str, Any] = {"role": item.role or "user", "content": item.text()}
             except ValueError as exc:

@@ -67,6 +67,7 @@ class Turn:
     effort: str | None = None  # the request's reasoning effort by name (Harmony's template renders it)
     prompt_param: str = "messages"
     max_tokens_param: str = "max_tokens"
+    plain_route: str = "/v1/completions"  # where a model without a chat template takes text (Ollama: /api/generate)
     prefill: str = ""  # the start of the reply (Anthropic's assistant prefill): the model continues it
 
 
@@ -112,7 +113,7 @@ def render_prompt(turn: Turn, served: ServedModel, plan: ToolPlan, traits: Trait
     """The conversation rendered by the chat template, generation prompt added."""
     tokenizer = served.tokenizer
     if not tokenizer.chat_template:
-        raise bad_request("this model has no chat template: use /v1/completions", param=turn.prompt_param)
+        raise bad_request(f"this model has no chat template: use {turn.plain_route}", param=turn.prompt_param)
     messages, extra = chat_messages(turn.messages, plan, tokenizer.chat_template)
     kwargs = {**turn.template_kwargs, **extra}
     if traits.call_format.channels:  # Harmony: past reasoning as ``thinking``, the effort as a kwarg
