@@ -64,6 +64,9 @@ def pooled_batches(model: Model, inputs: Sequence[Sequence[int]], pooling: str,
     the inputs' order: the inputs run in padded batches (``batches``), each one forward over no cache."""
     if any(len(ids) == 0 for ids in inputs):
         raise MlxformerError("cannot embed an empty input")
+    limit = model.args.max_position_embeddings
+    if longest := max((len(ids) for ids in inputs if len(ids) > limit), default=0):
+        raise MlxformerError(f"this model's maximum context length is {limit} tokens; an input has {longest}")
     out: list[np.ndarray | None] = [None] * len(inputs)
     for group in batches([len(ids) for ids in inputs], budget):
         width = max(len(inputs[i]) for i in group)

@@ -8,6 +8,7 @@ from typing import Any, Sequence as Seq
 from mlxformer.cache import CacheSettings
 from mlxformer.engine.engine import Engine
 from mlxformer.engine.request_state import GenerationRequest
+from mlxformer.errors import MlxformerError
 from mlxformer.generation.stream import SamplingSettings
 from mlxformer.models.decoder import Model
 from mlxformer.speculative.speculator import SpeculativeSettings
@@ -33,6 +34,8 @@ def batch_generate(
     returns the completions in order. Sampling may be given as ``sampling=`` or as keywords
     (``temp``, ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty``, ``seed``);
     ``speculative`` decodes each sequence speculatively (same greedy output)."""
+    if isinstance(prompts, str):
+        raise MlxformerError("prompts must be a list of prompts (texts or token-id lists), not one string")
     if sampling_kwargs:
         sampling = dataclasses.replace(sampling, **sampling_kwargs)
     engine = Engine(

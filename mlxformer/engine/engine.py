@@ -88,7 +88,7 @@ class Engine:
         warm_up(model, speculative.draft_model if speculative is not None else None, self.cache_settings)
         draft_tokens = speculative.num_draft_tokens if speculative is not None else 0
         self.budget = resolve_budget(model, max_kv_memory)
-        self.scheduler = Scheduler(max_batch, max_queue, prefill_chunk or default_prefill_step(), step_tokens,
+        self.scheduler = Scheduler(max_batch, max_queue, default_prefill_step() if prefill_chunk is None else prefill_chunk, step_tokens,
                                    aligned=any(layer.recurrent or layer.window for layer in model.layers))
         self.runner = BatchRunner(model)
         self.runner.staged = self.budget is not None  # a request's peak is then its own size (memory.py)

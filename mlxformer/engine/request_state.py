@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 
-from mlxformer.generation.decoding import DecodingState
+from mlxformer.generation.decoding import DecodingState, check_prompt_ids
 from mlxformer.engine.prompt_scores import PromptScores
 from mlxformer.errors import MlxformerError
 from mlxformer.sampling.options import SamplingSettings, check_integer
@@ -83,8 +83,7 @@ class Status(enum.Enum):
 def check_request(request: GenerationRequest, vocab_size: int) -> None:
     """Raise ``MlxformerError`` on a request the engine cannot run (its sampling settings were
     checked when made; the prompt and ``max_tokens`` are checked by ``DecodingState``)."""
-    if bad := [t for t in request.prompt_ids if not 0 <= t < vocab_size]:
-        raise MlxformerError(f"token id {bad[0]} is outside the vocabulary (size {vocab_size})")
+    check_prompt_ids(request.prompt_ids, vocab_size)
     request.sampling.check_vocabulary(vocab_size)
     if request.logprobs is not None:
         check_integer("logprobs", request.logprobs, low=0)

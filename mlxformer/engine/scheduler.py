@@ -72,7 +72,8 @@ class Scheduler:
 
     def __init__(self, max_batch: int, max_queue: int, prefill_chunk: int, step_tokens: int | None = None,
                  aligned: bool = False) -> None:
-        step_tokens = step_tokens or (CPU_STEP_TOKENS if on_cpu() else GPU_STEP_TOKENS)  # the default device's
+        if step_tokens is None:  # the default device's
+            step_tokens = CPU_STEP_TOKENS if on_cpu() else GPU_STEP_TOKENS
         if max_batch < 1 or max_queue < 0 or prefill_chunk < 1 or step_tokens < 1:
             raise MlxformerError("need max_batch >= 1, max_queue >= 0, prefill_chunk >= 1 and step_tokens >= 1")
         self.max_batch, self.max_queue, self.prefill_chunk = max_batch, max_queue, prefill_chunk

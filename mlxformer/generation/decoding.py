@@ -17,12 +17,13 @@ batched by its runner). ``open_sequence`` builds a state for one stream.
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import Sequence
 
 import mlx.core as mx
 
 from mlxformer.cache import Cache, CacheSettings, make_cache
-from mlxformer.errors import MlxformerError
+from mlxformer.errors import MlxformerError, OptionError
 from mlxformer.models.decoder import Model
 from mlxformer.sampling.options import SamplingSettings, check_integer
 from mlxformer.sampling.choosing import History, ChoiceRow, choose, draw_key
@@ -72,6 +73,7 @@ class DecodingState:
         if not prompt:
             raise MlxformerError("empty prompt: nothing to generate from")
         check_integer("max_tokens", max_tokens, low=1)
+        stop = [stop] if isinstance(stop, str) else stop  # one stop string, not its characters
         self.prompt = [int(t) for t in prompt]
         self.generated: list[int] = []  # (the engine's replay edits it in place)
         self.max_tokens = max_tokens
@@ -266,6 +268,21 @@ class DecodingState:
             raise MlxformerError("the cache layers disagree after a rewind")
 
 
+def check_prompt_ids(ids: Sequence[int], vocab_size: int) -> list[int]:
+    """``ids`` as ints, each a token of a ``vocab_size`` vocabulary, else an ``OptionError``
+    (an id outside it would index past the embedding table)."""
+    checked = []
+    for token in ids:
+        try:
+            token = operator.index(token)
+        except TypeError:
+            raise OptionError("prompt", f"token ids must be integers, got {token!r}") from None
+        if not 0 <= token < vocab_size:
+            raise OptionError("prompt", f"token id {token} is outside the vocabulary (size {vocab_size})")
+        checked.append(token)
+    return checked
+
+
 def open_sequence(
     model: Model,
     prompt: Sequence[int],
@@ -284,6 +301,7 @@ def open_sequence(
     """A state ready for ``mlxformer.generation.stream.decode``: ``cache`` (holding a prefix of
     ``prompt``) or a new one from ``cache_settings``, with the rewind slack speculation needs."""
     sampling.check_vocabulary(model.args.vocab_size)
+    prompt = check_prompt_ids(prompt, model.args.vocab_size)
     if cache is None:
         cache = make_cache(model, with_rewind(cache_settings, speculative))
     else:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from mlxformer.engine import GenerationRequest
 from mlxformer.adapters.layers import AdapterBank
 from mlxformer.errors import MlxformerError, OptionError
+from mlxformer.generation.decoding import check_prompt_ids
 from mlxformer.sampling.model_defaults import NO_DEFAULTS, SamplingDefaults
 from mlxformer.sampling.options import SamplingSettings
 from mlxformer.models.decoder import Model
@@ -84,10 +85,10 @@ def completion_prompt_ids(request: CompletionRequest, served: ServedModel) -> li
         check_prompt_chars(len(prompt), served, "prompt")
         ids = tokenizer.encode(prompt)
     else:
-        vocab = min(tokenizer.vocab_size, served.vocab_size)
-        if bad := [i for i in prompt if not 0 <= i < vocab]:
-            raise bad_request(f"token id {bad[0]} is outside the vocabulary (size {vocab})", param="prompt")
-        ids = list(prompt)
+        try:
+            ids = check_prompt_ids(prompt, min(tokenizer.vocab_size, served.vocab_size))
+        except OptionError as exc:
+            raise bad_request(exc.message, param="prompt") from None
     if not ids:
         start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_ids[0]
         ids = [start]

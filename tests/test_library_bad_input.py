@@ -1,0 +1,77 @@
+"""The Python API's bad input (a user-level audit's findings): a clear ``MlxformerError`` before
+any forward, never a crash (an id past the embedding table segfaulted ``generate``), a silently
+changed request (a ``stop`` string read as its characters, a string as a list of one-character
+prompts) or a silently replaced setting (``step_tokens=0``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from mlxformer.errors import MlxformerError, OptionError
+
+PROMPT = "Tell me a story about"
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_smol):
+    from mlxformer import load
+
+    return load(str(tiny_smol[0]))
+
+
+@pytest.mark.parametrize("ids,message", [
+    ([10**7], "token id 10000000 is outside the vocabulary"), ([-1, 5], "token id -1 is outside"),
+    ([1.5, 2.0], "token ids must be integers"),
+])
+def test_prompt_ids_outside_the_vocabulary_are_refused_everywhere(tiny, ids, message):
+    from mlxformer.engine import Engine, GenerationRequest
+    from mlxformer.generation.stream import generate
+
+    model, tokenizer = tiny
+    vocab = model.args.vocab_size
+    with pytest.raises(OptionError, match=message):
+        generate(model, tokenizer, ids, max_tokens=2)
+    with pytest.raises(OptionError, match=f"token id {vocab} is outside the vocabulary"):
+        generate(model, tokenizer, [vocab], max_tokens=2)  # the first id past the table
+    with Engine(model, tokenizer, max_batch=1) as engine, pytest.raises(OptionError, match=message):
+        engine.submit(GenerationRequest(ids, 2))
+
+
+def test_one_stop_string_is_one_stop_string(tiny):
+    """``stop="..."`` stops at that string, as a list of it does (not at its first character)."""
+    from mlxformer.engine import Engine, GenerationRequest
+    from mlxformer.generation.stream import generate
+
+    model, tokenizer = tiny
+    whole = generate(model, tokenizer, PROMPT, max_tokens=12)
+    stop = whole[len(whole) // 2 : len(whole) // 2 + 3]
+    assert min(whole.index(c) for c in stop) < whole.index(stop)  # its characters would cut the text sooner
+    expected = generate(model, tokenizer, PROMPT, max_tokens=12, stop=[stop])
+    assert generate(model, tokenizer, PROMPT, max_tokens=12, stop=stop) == expected == whole[: whole.index(stop)]
+    with Engine(model, tokenizer, max_batch=1) as engine:
+        events = list(engine.submit(GenerationRequest(tokenizer.encode(PROMPT), 12, stop=stop)))
+    assert "".join(e.text for e in events) == expected
+
+
+def test_batch_generate_refuses_one_string(tiny):
+    from mlxformer.engine import batch_generate
+
+    with pytest.raises(MlxformerError, match="a list of prompts"):
+        batch_generate(*tiny, "hello", max_tokens=2)
+
+
+@pytest.mark.parametrize("option", [{"step_tokens": 0}, {"prefill_chunk": 0}])
+def test_engine_refuses_zero_step_sizes(tiny, option):
+    from mlxformer.engine import Engine
+
+    with pytest.raises(MlxformerError, match="step_tokens >= 1"):
+        Engine(*tiny, **option)
+
+
+def test_an_input_past_the_context_is_refused_before_it_is_embedded(tiny):
+    from mlxformer.embeddings.encode import embed_tokens
+
+    model, _ = tiny
+    limit = model.args.max_position_embeddings
+    with pytest.raises(MlxformerError, match=f"maximum context length is {limit} tokens; an input has {limit + 1}"):
+        embed_tokens(model, [[1, 2], [1] * (limit + 1)])
