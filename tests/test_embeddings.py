@@ -20,6 +20,7 @@ import embedding_models as em
 from test_gguf_families import CONVERTER
 
 from mlxformer import embed, load, rerank
+from mlxformer.embeddings import encode
 from mlxformer.embeddings.encode import batches, embed_tokens
 from mlxformer.embeddings.head import with_pooling
 from mlxformer.errors import MlxformerError
@@ -71,10 +72,13 @@ def test_embedding_gemma_attends_both_ways(embedding_gemma):
     assert np.abs(embed(causal, tokenizer, em.TEXTS) - embed(model, tokenizer, em.TEXTS)).max() > 1e-2
 
 
+@pytest.mark.parametrize("chunk", [encode.CHUNK_TOKENS, 5])
 @pytest.mark.parametrize("pooling", ["last", "mean", "cls"])
-def test_pooling_setting_on_a_causal_lm(tmp_path_factory, pooling):
+def test_pooling_setting_on_a_causal_lm(tmp_path_factory, monkeypatch, pooling, chunk):
     """``--pooling`` on a plain causal LM (no sentence-transformers files): transformers' final
-    hidden states of each text alone, pooled and normalized."""
+    hidden states of each text alone, pooled and normalized; the same with the texts run in
+    chunks of 5 tokens over a cache (as an input past ``CHUNK_TOKENS`` runs)."""
+    monkeypatch.setattr(encode, "CHUNK_TOKENS", chunk)
     directory, hf = _causal_lm(tmp_path_factory)
     model, tokenizer = load(directory, dtype=mx.float32)
     assert model.embedding_head.pooling == "last" and model.embedding_head.normalize
@@ -86,6 +90,20 @@ def test_pooling_setting_on_a_causal_lm(tmp_path_factory, pooling):
             hidden = hf.model(input_ids=ids).last_hidden_state[0].numpy()
         pooled = {"last": hidden[-1], "mean": hidden.mean(0), "cls": hidden[0]}[pooling]
         assert np.abs(vector - pooled / np.linalg.norm(pooled)).max() < BOUND
+
+
+def test_a_long_input_costs_memory_linear_in_its_length(tmp_path_factory, monkeypatch):
+    """Past ``CHUNK_TOKENS`` an input runs in chunks over a cache: doubling it about doubles the
+    peak memory (one forward: attention scores grow with its square, measured 3.1x)."""
+    monkeypatch.setattr(encode, "CHUNK_TOKENS", 64)
+    directory, _ = _causal_lm(tmp_path_factory)
+    model, _ = load(directory, dtype=mx.float32)
+    peaks = []
+    for length in (512, 1024):
+        mx.reset_peak_memory()
+        embed_tokens(model, [[5] * length])
+        peaks.append(mx.get_peak_memory())
+    assert peaks[1] / peaks[0] < 2.0, peaks
 
 
 _CAUSAL: dict = {}

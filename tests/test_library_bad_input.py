@@ -24,6 +24,7 @@ def tiny(tiny_smol):
     ([1.5, 2.0], "token ids must be integers"),
 ])
 def test_prompt_ids_outside_the_vocabulary_are_refused_everywhere(tiny, ids, message):
+    from mlxformer.embeddings.encode import embed_tokens
     from mlxformer.engine import Engine, GenerationRequest
     from mlxformer.generation.stream import generate
 
@@ -35,10 +36,13 @@ def test_prompt_ids_outside_the_vocabulary_are_refused_everywhere(tiny, ids, mes
         generate(model, tokenizer, [vocab], max_tokens=2)  # the first id past the table
     with Engine(model, tokenizer, max_batch=1) as engine, pytest.raises(OptionError, match=message):
         engine.submit(GenerationRequest(ids, 2))
+    with pytest.raises(OptionError, match=message):
+        embed_tokens(model, [[1, 2], ids])
 
 
 def test_one_stop_string_is_one_stop_string(tiny):
     """``stop="..."`` stops at that string, as a list of it does (not at its first character)."""
+    from mlxformer.embeddings.encode import embed_tokens
     from mlxformer.engine import Engine, GenerationRequest
     from mlxformer.generation.stream import generate
 
@@ -66,6 +70,18 @@ def test_engine_refuses_zero_step_sizes(tiny, option):
 
     with pytest.raises(MlxformerError, match="step_tokens >= 1"):
         Engine(*tiny, **option)
+
+
+def test_numpy_token_ids_are_token_ids(tiny):
+    """ids as NumPy integers (``tokenizer(...)["input_ids"]`` as arrays) embed as ints do; they
+    raised MLX's ValueError."""
+    import numpy as np
+
+    from mlxformer.embeddings.encode import embed_tokens
+
+    model, _ = tiny
+    ids = [1, 2, 3]
+    assert np.array_equal(embed_tokens(model, [np.array(ids)]), embed_tokens(model, [ids]))
 
 
 def test_an_input_past_the_context_is_refused_before_it_is_embedded(tiny):

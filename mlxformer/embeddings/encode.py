@@ -1,6 +1,6 @@
 """Token ids -> embeddings: inputs grouped into padded batches under a token budget, one
-forward each (prefill only: no cache is made, nothing is decoded), then the model's
-``EmbeddingHead`` (pooling, dense projections, L2 norm)."""
+forward each (prefill only: nothing is decoded; a long input of a causal model runs alone, in
+chunks over a cache), then the model's ``EmbeddingHead`` (pooling, dense projections, L2 norm)."""
 
 from __future__ import annotations
 
@@ -9,14 +9,17 @@ from typing import Callable, Sequence
 import mlx.core as mx
 import numpy as np
 
+from mlxformer.cache import make_cache
 from mlxformer.embeddings.head import EmbeddingHead
 from mlxformer.errors import MlxformerError
+from mlxformer.generation.decoding import check_prompt_ids
 from mlxformer.models.decoder import Model
 from mlxformer.text.tokenizer import Tokenizer
 
 __all__ = ["BATCH_TOKENS", "batches", "embed", "embed_tokens", "encode_inputs", "pool", "pooled_batches", "shorten"]
 
 BATCH_TOKENS = 8192  # padded tokens per forward (a longer input runs alone)
+CHUNK_TOKENS = 1024  # a longer input runs alone, this many tokens at a time (causal models)
 
 
 def encode_inputs(tokenizer: Tokenizer, texts: Sequence[str], prefix: str = "") -> list[list[int]]:
@@ -27,11 +30,12 @@ def encode_inputs(tokenizer: Tokenizer, texts: Sequence[str], prefix: str = "") 
 
 def batches(lengths: Sequence[int], budget: int = BATCH_TOKENS) -> list[list[int]]:
     """The inputs' indices in batches of similar lengths whose padded size (rows x longest)
-    stays within ``budget`` tokens (one input longer than that: a batch of its own)."""
+    stays within ``budget`` tokens (an input longer than that or than ``CHUNK_TOKENS``: a batch
+    of its own)."""
     order = sorted(range(len(lengths)), key=lambda i: lengths[i])
     groups: list[list[int]] = []
     for index in order:  # ascending: the newest input is the longest of its batch
-        if groups and (len(groups[-1]) + 1) * lengths[index] <= budget:
+        if groups and lengths[index] <= CHUNK_TOKENS and (len(groups[-1]) + 1) * lengths[index] <= budget:
             groups[-1].append(index)
         else:
             groups.append([index])
@@ -50,6 +54,20 @@ def pool(hidden: mx.array, valid: mx.array, pooling: str) -> mx.array:
     return (hidden * valid[..., None]).sum(axis=1) / counts[:, None]
 
 
+def _chunked(model: Model, ids: Sequence[int], pooling: str) -> mx.array:
+    """``pool`` ``(1, hidden)`` of one input run ``CHUNK_TOKENS`` at a time over a cache, as a
+    prompt is prefilled: attention holds a chunk's scores against the input, not the input's
+    square (a 33k-token input took 18 GB in one forward)."""
+    cache, tokens = make_cache(model), mx.array([list(ids)])
+    first = last = total = mx.array(0.0)
+    for start in range(0, len(ids), CHUNK_TOKENS):
+        hidden = model.hidden_states(tokens[:, start:start + CHUNK_TOKENS], cache, rope_length=len(ids), watch=False)
+        hidden = hidden.astype(mx.float32)
+        first, last, total = first if start else hidden[:, 0], hidden[:, -1], total + hidden.sum(axis=1)
+        mx.eval(first, last, total, [c.state for c in cache])
+    return {"cls": first, "last": last}.get(pooling, total / len(ids))
+
+
 def _head(pooled: mx.array, head: EmbeddingHead) -> mx.array:
     for dense in head.dense:
         pooled = dense(pooled)
@@ -61,14 +79,19 @@ def _head(pooled: mx.array, head: EmbeddingHead) -> mx.array:
 def pooled_batches(model: Model, inputs: Sequence[Sequence[int]], pooling: str,
                    finish: Callable[[mx.array], mx.array], budget: int = BATCH_TOKENS) -> np.ndarray:
     """``finish`` of the ``pooling`` of each input's final hidden states, float32 ``(N, ...)`` in
-    the inputs' order: the inputs run in padded batches (``batches``), each one forward over no cache."""
+    the inputs' order: the inputs run in padded batches (``batches``), each one forward over no
+    cache; a causal model's input longer than ``CHUNK_TOKENS`` runs alone in chunks (``_chunked``)."""
     if any(len(ids) == 0 for ids in inputs):
         raise MlxformerError("cannot embed an empty input")
+    inputs = [check_prompt_ids(ids, model.args.vocab_size) for ids in inputs]
     limit = model.args.max_position_embeddings
     if longest := max((len(ids) for ids in inputs if len(ids) > limit), default=0):
         raise MlxformerError(f"this model's maximum context length is {limit} tokens; an input has {longest}")
     out: list[np.ndarray | None] = [None] * len(inputs)
     for group in batches([len(ids) for ids in inputs], budget):
+        if len(inputs[group[0]]) > CHUNK_TOKENS and not model.args.bidirectional:
+            out[group[0]] = np.array(finish(_chunked(model, inputs[group[0]], pooling)).astype(mx.float32))[0]
+            continue
         width = max(len(inputs[i]) for i in group)
         rows = [list(inputs[i]) + [0] * (width - len(inputs[i])) for i in group]  # padded at the end
         valid = mx.array([[j < len(inputs[i]) for j in range(width)] for i in group])  # (B, T)
