@@ -64,12 +64,42 @@ def test_batch_generate_refuses_one_string(tiny):
         batch_generate(*tiny, "hello", max_tokens=2)
 
 
-@pytest.mark.parametrize("option", [{"step_tokens": 0}, {"prefill_chunk": 0}])
-def test_engine_refuses_zero_step_sizes(tiny, option):
+@pytest.mark.parametrize("name,value", [("step_tokens", 0), ("prefill_chunk", 0), ("max_batch", "4")])
+def test_engine_refuses_bad_sizes(tiny, name, value):
     from mlxformer.engine import Engine
 
-    with pytest.raises(MlxformerError, match="step_tokens >= 1"):
-        Engine(*tiny, **option)
+    with pytest.raises(OptionError, match=f"{name} must be an integer >= 1 \\(got {value!r}\\)"):
+        Engine(*tiny, **{name: value})
+
+
+def test_wrong_python_types_are_one_clear_error(tiny):
+    """A value of the wrong type is an ``OptionError`` naming the option, not Python's own
+    ``TypeError`` or ``AttributeError`` from deep inside (each of these raised one)."""
+    from mlxformer import embed, rerank
+    from mlxformer.engine import Engine, GenerationRequest
+    from mlxformer.generation.stream import generate
+
+    model, tokenizer = tiny
+    wrong = [
+        (lambda: generate(model, tokenizer, PROMPT, max_tokens=2, sampling={"temp": 0.5}),
+         "sampling must be a SamplingSettings \\(got dict\\)"),
+        (lambda: generate(model, tokenizer, PROMPT, max_tokens=2, tempp=0.5), "tempp is not an option"),
+        (lambda: generate(model, tokenizer, PROMPT, max_tokens=2, stop=5), "stop must be a string or a list of strings"),
+        (lambda: generate(model, tokenizer, PROMPT, max_tokens=2, stop=["a", 5]), "stop must be a string or a list"),
+        (lambda: generate(model, tokenizer, 5, max_tokens=2), "prompt must be a string or token ids \\(got int\\)"),
+        (lambda: generate(model, tokenizer, None, max_tokens=2), "prompt must be a string or token ids"),
+        (lambda: embed(model, tokenizer, 5), "texts must be a string or a list of strings"),
+        (lambda: rerank(model, tokenizer, "q", [1, 2]), "documents must be a string or a list of strings"),
+    ]
+    for call, message in wrong:
+        with pytest.raises(OptionError, match=message):
+            list(call())
+    with Engine(model, tokenizer, max_batch=1) as engine:
+        with pytest.raises(OptionError, match="sampling must be a SamplingSettings"):
+            engine.submit(GenerationRequest([1, 2], 2, sampling={"temp": 1.0}))
+        with pytest.raises(OptionError, match="max_tokens must be an integer >= 1 \\(got '2'\\)"):
+            engine.submit(GenerationRequest([1, 2], "2"))
+        assert len(list(engine.submit(GenerationRequest([1, 2], 2)))) > 0  # the engine still serves
 
 
 def test_numpy_token_ids_are_token_ids(tiny):

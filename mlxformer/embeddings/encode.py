@@ -14,6 +14,7 @@ from mlxformer.embeddings.head import EmbeddingHead
 from mlxformer.errors import MlxformerError
 from mlxformer.generation.decoding import check_prompt_ids
 from mlxformer.models.decoder import Model
+from mlxformer.sampling.options import check_strings
 from mlxformer.text.tokenizer import Tokenizer
 
 __all__ = ["BATCH_TOKENS", "batches", "embed", "embed_tokens", "encode_inputs", "pool", "pooled_batches", "shorten"]
@@ -131,6 +132,6 @@ def embed(model: Model, tokenizer: Tokenizer, texts: str | Sequence[str], *, pro
         head: pooling, projections and normalization (default: the checkpoint's, ``Model.embedding_head``).
     """
     head = head or model.embedding_head
-    texts = [texts] if isinstance(texts, str) else list(texts)
+    texts = check_strings("texts", texts)
     vectors = embed_tokens(model, encode_inputs(tokenizer, texts, head.prefix(prompt_name)), head)
     return shorten(vectors, dimensions, head.normalize)

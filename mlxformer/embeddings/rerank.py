@@ -10,6 +10,7 @@ import mlx.core as mx
 
 from mlxformer.embeddings.encode import BATCH_TOKENS, pooled_batches
 from mlxformer.errors import MlxformerError
+from mlxformer.sampling.options import check_strings
 from mlxformer.models.decoder import Model
 from mlxformer.text.tokenizer import Tokenizer
 
@@ -35,6 +36,7 @@ def rerank(model: Model, tokenizer: Tokenizer, query: str, documents: Sequence[s
            instruction: str | None = None, budget: int = BATCH_TOKENS) -> list[float]:
     """The relevance of each document to ``query`` in [0, 1], in the documents' order
     (``rerank_tokens``). ``instruction``: the task ("Given a web search query, ..." by default)."""
+    documents = check_strings("documents", documents)
     return rerank_tokens(model, tokenizer, rerank_inputs(tokenizer, query, documents, instruction), budget)
 
 

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Sequence as Seq
 
 from mlxformer.cache import CacheSettings
 from mlxformer.engine.engine import Engine
 from mlxformer.engine.request_state import GenerationRequest
 from mlxformer.errors import MlxformerError
-from mlxformer.generation.stream import SamplingSettings
+from mlxformer.sampling.options import SamplingSettings, sampling_with
 from mlxformer.models.decoder import Model
 from mlxformer.speculative.speculator import SpeculativeSettings
 from mlxformer.text.tokenizer import Tokenizer
@@ -37,7 +36,7 @@ def batch_generate(
     if isinstance(prompts, str):
         raise MlxformerError("prompts must be a list of prompts (texts or token-id lists), not one string")
     if sampling_kwargs:
-        sampling = dataclasses.replace(sampling, **sampling_kwargs)
+        sampling = sampling_with(sampling, sampling_kwargs)
     engine = Engine(
         model, tokenizer, max_batch=max_batch, max_queue=max(len(prompts), 1), cache_settings=cache_settings,
         prefix_cache_bytes=prefix_cache_bytes, prefill_chunk=prefill_chunk, speculative=speculative,

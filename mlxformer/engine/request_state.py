@@ -11,7 +11,7 @@ from typing import Sequence
 from mlxformer.generation.decoding import DecodingState, check_prompt_ids
 from mlxformer.engine.prompt_scores import PromptScores
 from mlxformer.errors import MlxformerError
-from mlxformer.sampling.options import SamplingSettings, check_integer
+from mlxformer.sampling.options import SamplingSettings, check_integer, checked_sampling
 from mlxformer.sampling.samplers import TokenConstraint
 from mlxformer.speculative.speculator import SpeculativeStats
 from mlxformer.text.tokenizer import StreamingDetokenizer
@@ -84,7 +84,7 @@ def check_request(request: GenerationRequest, vocab_size: int) -> None:
     """Raise ``MlxformerError`` on a request the engine cannot run (its sampling settings were
     checked when made; the prompt and ``max_tokens`` are checked by ``DecodingState``)."""
     check_prompt_ids(request.prompt_ids, vocab_size)
-    request.sampling.check_vocabulary(vocab_size)
+    checked_sampling(request.sampling).check_vocabulary(vocab_size)
     if request.logprobs is not None:
         check_integer("logprobs", request.logprobs, low=0)
     if request.prompt_logprobs is not None:

@@ -16,6 +16,7 @@ from typing import Callable, Container
 from mlxformer.device import on_cpu
 from mlxformer.engine.request_state import RequestState, Status
 from mlxformer.errors import MlxformerError
+from mlxformer.sampling.options import check_integer
 
 # Tokens one engine step runs (decode rows and prompt chunks). A GPU step is memory bound up to
 # a few thousand tokens, so a large budget costs the decoding rows little; on the CPU a step's
@@ -74,8 +75,9 @@ class Scheduler:
                  aligned: bool = False) -> None:
         if step_tokens is None:  # the default device's
             step_tokens = CPU_STEP_TOKENS if on_cpu() else GPU_STEP_TOKENS
-        if max_batch < 1 or max_queue < 0 or prefill_chunk < 1 or step_tokens < 1:
-            raise MlxformerError("need max_batch >= 1, max_queue >= 0, prefill_chunk >= 1 and step_tokens >= 1")
+        for name, value, low in (("max_batch", max_batch, 1), ("max_queue", max_queue, 0),
+                                 ("prefill_chunk", prefill_chunk, 1), ("step_tokens", step_tokens, 1)):
+            check_integer(name, value, low=low)
         self.max_batch, self.max_queue, self.prefill_chunk = max_batch, max_queue, prefill_chunk
         self.step_tokens = step_tokens
         self.aligned = aligned  # chunks end at multiples of prefill_chunk (a hybrid model's snapshots)

@@ -18,14 +18,14 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import mlx.core as mx
 
 from mlxformer.cache import Cache, CacheSettings, make_cache
 from mlxformer.errors import MlxformerError, OptionError
 from mlxformer.models.decoder import Model
-from mlxformer.sampling.options import SamplingSettings, check_integer
+from mlxformer.sampling.options import SamplingSettings, check_integer, check_strings, checked_sampling
 from mlxformer.sampling.choosing import History, ChoiceRow, choose, draw_key
 from mlxformer.sampling.samplers import TokenConstraint, make_distribution
 from mlxformer.speculative.speculator import Proposer, SpeculativeSettings, Speculator, new_proposer, rewind
@@ -73,7 +73,6 @@ class DecodingState:
         if not prompt:
             raise MlxformerError("empty prompt: nothing to generate from")
         check_integer("max_tokens", max_tokens, low=1)
-        stop = [stop] if isinstance(stop, str) else stop  # one stop string, not its characters
         self.prompt = [int(t) for t in prompt]
         self.generated: list[int] = []  # (the engine's replay edits it in place)
         self.max_tokens = max_tokens
@@ -82,7 +81,7 @@ class DecodingState:
         self.key = 0  # the PRNG state: how many draws the sequence made (``choosing.draw_key``)
         self.constraint = constraint
         self.detokenizer = detokenizer
-        self.stops = StopMatcher(stop)
+        self.stops = StopMatcher(check_strings("stop", stop))  # one string: one stop, not its characters
         self.eos = set(eos_ids)
         self.speculator: Speculator | None = None
         self.cache = cache if cache is not None else []
@@ -271,6 +270,8 @@ class DecodingState:
 def check_prompt_ids(ids: Sequence[int], vocab_size: int) -> list[int]:
     """``ids`` as ints, each a token of a ``vocab_size`` vocabulary, else an ``OptionError``
     (an id outside it would index past the embedding table)."""
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
+        raise OptionError("prompt", f"must be a string or token ids (got {type(ids).__name__})")
     checked = []
     for token in ids:
         try:
@@ -300,7 +301,7 @@ def open_sequence(
 ) -> DecodingState:
     """A state ready for ``mlxformer.generation.stream.decode``: ``cache`` (holding a prefix of
     ``prompt``) or a new one from ``cache_settings``, with the rewind slack speculation needs."""
-    sampling.check_vocabulary(model.args.vocab_size)
+    checked_sampling(sampling).check_vocabulary(model.args.vocab_size)
     prompt = check_prompt_ids(prompt, model.args.vocab_size)
     if cache is None:
         cache = make_cache(model, with_rewind(cache_settings, speculative))

@@ -4,7 +4,6 @@ hands out into responses."""
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
@@ -16,7 +15,7 @@ from mlxformer.constrained import make_constraint
 from mlxformer.generation.decoding import DecodingState, open_sequence
 from mlxformer.errors import MlxformerError
 from mlxformer.models.decoder import Model
-from mlxformer.sampling.options import SamplingSettings  # noqa: F401 (re-exported)
+from mlxformer.sampling.options import SamplingSettings, sampling_with  # noqa: F401 (re-exported)
 from mlxformer.sampling.samplers import TokenConstraint
 from mlxformer.speculative.speculator import SpeculativeSettings, check_draft
 from mlxformer.generation.steps import decode_step, default_prefill_step, prefill  # noqa: F401 (re-exported)
@@ -163,7 +162,7 @@ def stream_generate(
     (``mlxformer.constrained.make_constraint``) may be passed instead.
     """
     if sampling_kwargs:
-        sampling = dataclasses.replace(sampling, **sampling_kwargs)
+        sampling = sampling_with(sampling, sampling_kwargs)
     if response_format is not None or regex is not None or grammar is not None:
         if constraint is not None:
             raise MlxformerError("give either constraint or response_format/regex/grammar")
@@ -172,7 +171,7 @@ def stream_generate(
         )
     if speculative is not None:
         check_draft(speculative, tokenizer)
-    ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    ids = tokenizer.encode(prompt) if isinstance(prompt, str) else prompt  # (ids checked by open_sequence)
     state = open_sequence(
         model, ids, eos_ids=tokenizer.eos_token_ids, detokenizer=tokenizer.detokenizer(), sampling=sampling,
         max_tokens=max_tokens, stop=stop, cache=cache, cache_settings=cache_settings, speculative=speculative,

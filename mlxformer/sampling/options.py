@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import math
 import random
+import dataclasses
 from dataclasses import dataclass, replace
-from typing import Mapping
+from typing import Any, Iterable, Mapping
 
 from mlxformer.errors import OptionError
 
@@ -69,6 +70,31 @@ def check_integer(param: str, value: int, *, low: int, high: int | None = None) 
         rule = f"in [{low}, {high}]" if high is not None else f">= {low}"
         raise OptionError(param, f"must be an integer {rule} (got {value!r})")
     return value
+
+
+def check_strings(param: str, value: object) -> list[str]:
+    """``value`` as a list of strings (one string: a list of it, not of its characters), else
+    ``OptionError(param)``."""
+    items = [value] if isinstance(value, str) else list(value) if isinstance(value, Iterable) else None
+    if items is None or not all(isinstance(item, str) for item in items):
+        raise OptionError(param, f"must be a string or a list of strings (got {value!r})")
+    return items
+
+
+def checked_sampling(value: object) -> "SamplingSettings":
+    """``value`` if it is a ``SamplingSettings``, else ``OptionError`` (a dict of its fields is not one)."""
+    if not isinstance(value, SamplingSettings):
+        raise OptionError("sampling", f"must be a SamplingSettings (got {type(value).__name__})")
+    return value
+
+
+def sampling_with(sampling: object, fields: Mapping[str, Any]) -> "SamplingSettings":
+    """``sampling`` (checked: ``checked_sampling``) with ``fields`` replaced, a keyword that is
+    no field an ``OptionError`` (``generate(..., temp=0.7)``)."""
+    known = {f.name for f in dataclasses.fields(SamplingSettings)}
+    if unknown := sorted(set(fields) - known):
+        raise OptionError(unknown[0], f"is not an option (sampling settings: {', '.join(sorted(known))})")
+    return dataclasses.replace(checked_sampling(sampling), **fields)
 
 
 @dataclass(frozen=True)
