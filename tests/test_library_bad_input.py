@@ -86,8 +86,8 @@ def test_wrong_python_types_are_one_clear_error(tiny):
         (lambda: generate(model, tokenizer, PROMPT, max_tokens=2, tempp=0.5), "tempp is not an option"),
         (lambda: generate(model, tokenizer, PROMPT, max_tokens=2, stop=5), "stop must be a string or a list of strings"),
         (lambda: generate(model, tokenizer, PROMPT, max_tokens=2, stop=["a", 5]), "stop must be a string or a list"),
-        (lambda: generate(model, tokenizer, 5, max_tokens=2), "prompt must be a string or token ids \\(got int\\)"),
-        (lambda: generate(model, tokenizer, None, max_tokens=2), "prompt must be a string or token ids"),
+        (lambda: generate(model, tokenizer, 5, max_tokens=2), "prompt must be token ids \\(got int\\)"),
+        (lambda: generate(model, tokenizer, None, max_tokens=2), "prompt must be token ids"),
         (lambda: embed(model, tokenizer, 5), "texts must be a string or a list of strings"),
         (lambda: rerank(model, tokenizer, "q", [1, 2]), "documents must be a string or a list of strings"),
     ]
@@ -97,6 +97,8 @@ def test_wrong_python_types_are_one_clear_error(tiny):
     with Engine(model, tokenizer, max_batch=1) as engine:
         with pytest.raises(OptionError, match="sampling must be a SamplingSettings"):
             engine.submit(GenerationRequest([1, 2], 2, sampling={"temp": 1.0}))
+        with pytest.raises(OptionError, match="prompt must be token ids \\(got str\\)"):
+            engine.submit(GenerationRequest("hello", 2))
         with pytest.raises(OptionError, match="max_tokens must be an integer >= 1 \\(got '2'\\)"):
             engine.submit(GenerationRequest([1, 2], "2"))
         assert len(list(engine.submit(GenerationRequest([1, 2], 2)))) > 0  # the engine still serves

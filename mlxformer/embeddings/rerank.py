@@ -10,8 +10,8 @@ import mlx.core as mx
 
 from mlxformer.embeddings.encode import BATCH_TOKENS, pooled_batches
 from mlxformer.errors import MlxformerError
-from mlxformer.sampling.options import check_strings
 from mlxformer.models.decoder import Model
+from mlxformer.sampling.options import check_strings
 from mlxformer.text.tokenizer import Tokenizer
 
 __all__ = ["DEFAULT_INSTRUCTION", "rerank", "rerank_inputs", "rerank_tokens", "scorer"]

@@ -271,7 +271,7 @@ def check_prompt_ids(ids: Sequence[int], vocab_size: int) -> list[int]:
     """``ids`` as ints, each a token of a ``vocab_size`` vocabulary, else an ``OptionError``
     (an id outside it would index past the embedding table)."""
     if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
-        raise OptionError("prompt", f"must be a string or token ids (got {type(ids).__name__})")
+        raise OptionError("prompt", f"must be token ids (got {type(ids).__name__})")
     checked = []
     for token in ids:
         try:
