@@ -560,6 +560,13 @@ def test_cli_cache_prompt_then_generate(
     # the statistics count the whole prompt, cached prefix included, both times
     prompt_tokens = [int(s.split()[1]) for s in (cached.err, fresh.err)]
     assert prompt_tokens[0] == prompt_tokens[1] > 6
+    # the cached user turn is left open, so a longer prompt that starts with it continues it (as
+    # mlx-lm's cache_prompt): the cache holds the prompt's text but not its end of turn
+    longer = [*model, "--max-tokens", "6", "--prompt", prompt + " Then name a secondary one."]
+    assert main(["generate", *longer, "--prompt-cache-file", str(out)]) == 0
+    cached = capsys.readouterr()
+    assert main(["generate", *longer]) == 0
+    assert cached.out == capsys.readouterr().out and cached.out.strip()
 
 
 @pytest.fixture(scope="module")

@@ -122,6 +122,30 @@ def test_chat_template_matches_transformers(ours, ref, messages):
     assert ours.apply_chat_template(messages, add_generation_prompt=False) == expected
 
 
+# llama.cpp's copies of the families' chat templates (models/templates/ of llama-cpp-python's sdist)
+CONTINUED_TEMPLATES = ["meta-llama-Llama-3.1-8B-Instruct", "Qwen3.5-4B", "openai-gpt-oss-120b", "google-gemma-4-31B-it",
+                       "mistralai-Ministral-3-14B-Reasoning-2512", "GLM-4.7-Flash", "deepseek-ai-DeepSeek-V3.1"]
+
+
+@pytest.mark.parametrize("content", ["Name three primary colors.", "  Spaced out, with a tab\t "])
+@pytest.mark.parametrize("name", [None, *CONTINUED_TEMPLATES])
+def test_continue_final_message_as_transformers(ours, ref, name, content):
+    """The last message's turn left open (what ``cache-prompt`` caches), cut where transformers
+    cuts it, for SmolLM2's template (None) and the families' templates."""
+    from agent_support import template
+
+    source = template(name) if name else ours.chat_template
+    mine = copy.copy(ours)
+    mine.chat_template = source
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": content}]
+    expected = ref.apply_chat_template(messages, tokenize=False, add_generation_prompt=False,
+                                       continue_final_message=True, chat_template=source)
+    assert mine.apply_chat_template(messages, add_generation_prompt=False, continue_final_message=True) == expected
+    assert expected.rstrip().endswith(content.strip())
+    with pytest.raises(MlxformerError, match="exclude each other"):
+        mine.apply_chat_template(messages, continue_final_message=True)
+
+
 def test_saved_dir_roundtrip(ours, tmp_path):
     from transformers import AutoTokenizer
 

@@ -36,9 +36,9 @@ def run(args: argparse.Namespace) -> int:
     prompt = read_prompt(args.prompt)
     settings = cache_settings(args)
     model, tokenizer = load_for_cli(args)
-    # The user turn without the assistant header, so that `generate` with the same prompt
-    # (which adds the header) finds these ids as its prefix.
-    ids = prompt_ids_for_cli(tokenizer, prompt, args, add_generation_prompt=False)
+    # The user turn left open (no end-of-turn, no assistant header), so that `generate` with this
+    # prompt, or a longer one that starts with it, finds these ids as its prefix.
+    ids = prompt_ids_for_cli(tokenizer, prompt, args, continue_final_message=True)
     cache = cache_prompt(out, model, tokenizer, ids, settings, overwrite=args.force)
     megabytes = sum(c.nbytes for c in cache) / 1e6
     print(f"cached {len(ids)} tokens ({megabytes:.2f} MB) to {out}", file=sys.stderr)

@@ -215,13 +215,16 @@ def read_prompt(value: str) -> str:
 
 
 def prompt_ids_for_cli(
-    tokenizer: Tokenizer, prompt: str, args: argparse.Namespace, add_generation_prompt: bool = True
+    tokenizer: Tokenizer, prompt: str, args: argparse.Namespace, continue_final_message: bool = False
 ) -> list[int]:
-    """Token ids of ``prompt`` with ``--system`` and ``--ignore-chat-template`` applied."""
+    """Token ids of ``prompt`` with ``--system`` and ``--ignore-chat-template`` applied; with
+    ``continue_final_message``, the user turn left open instead of followed by the assistant's."""
     use_template = not args.ignore_chat_template
     if args.system and not (use_template and tokenizer.chat_template):
         print("mlxformer: note: --system is ignored without a chat template", file=sys.stderr)
-    return tokenizer.encode_prompt(prompt, args.system, use_template, add_generation_prompt)
+    return tokenizer.encode_prompt(
+        prompt, args.system, use_template, not continue_final_message, continue_final_message
+    )
 
 
 def add_speculative_args(parser: argparse.ArgumentParser) -> None:

@@ -6,6 +6,7 @@ the chat template and streaming detokenization. Files in a model directory are o
 never executed (no remote code).
 """
 
+import copy
 import json
 import pathlib
 from datetime import datetime
@@ -85,28 +86,42 @@ class Tokenizer:
         """A fresh streaming detokenizer consistent with `decode`."""
         return StreamingDetokenizer(lambda ids: self.decode(ids, skip_special_tokens), self.backend.holds)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str:
-        """Render `messages` with the chat template in a jinja2 sandbox, as transformers does."""
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, continue_final_message: bool = False,
+        **kwargs: Any,
+    ) -> str:
+        """Render `messages` with the chat template in a jinja2 sandbox, as transformers does. With
+        ``continue_final_message`` the text ends where the last message's text ends (its turn left
+        open, so more text can follow it), cut where transformers cuts it."""
         if self.chat_template is None:
             raise MlxformerError("this tokenizer has no chat template")
+        if continue_final_message and add_generation_prompt:
+            raise MlxformerError("continue_final_message and add_generation_prompt exclude each other")
         variables = {**self.special_tokens, **kwargs}
         variables.setdefault("tools", None)
         variables.setdefault("documents", None)
+        if continue_final_message:
+            messages, final_text = _tag_final_message(messages)
         try:
-            return _compile_template(self.chat_template).render(
+            text = _compile_template(self.chat_template).render(
                 messages=messages, add_generation_prompt=add_generation_prompt, **variables
             )
         except jinja2.TemplateError as exc:  # includes SecurityError and raise_exception()
             raise MlxformerError(f"chat template error: {exc}") from exc
+        return _cut_at_tag(text, final_text) if continue_final_message else text
 
     def encode_prompt(
-        self, prompt: str, system: str | None = None, use_template: bool = True, add_generation_prompt: bool = True
+        self, prompt: str, system: str | None = None, use_template: bool = True, add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> list[int]:
         """Token ids for a user prompt: through the chat template when there is one and
-        ``use_template``; otherwise the raw text (``system`` is then ignored)."""
+        ``use_template``; otherwise the raw text (``system`` is then ignored). With
+        ``continue_final_message`` the user turn stays open (no end-of-turn, no assistant header)."""
         if use_template and self.chat_template:
             messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-            text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+            text = self.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message
+            )
             return self.encode(text, add_special_tokens=False)
         return self.encode(prompt)
 
@@ -277,3 +292,32 @@ def load_tokenizer_from_gguf(metadata: dict[str, Any], source: str | pathlib.Pat
                         vocab.special_tokens.get("bos_token"), vocab.special_tokens.get("eos_token"))
     return Tokenizer(backend, vocab.bos_token_id, vocab.eos_token_ids, vocab.chat_template, vocab.special_tokens,
                      SamplingDefaults.from_gguf(metadata))
+
+
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "  # transformers' marker, so the two cut alike
+
+
+def _tag_final_message(messages: list[dict]) -> tuple[list[dict], str]:
+    """A copy of ``messages`` whose last text (its content, or its last text part) ends in
+    `_CONTINUE_TAG`, and that text."""
+    if not messages:
+        raise MlxformerError("continue_final_message needs a message to continue")
+    final = copy.deepcopy(messages[-1])
+    content = final.get("content")
+    if isinstance(content, str):
+        text, final["content"] = content, content + _CONTINUE_TAG
+    else:
+        part = next((p for p in reversed(content or []) if isinstance(p, dict) and "text" in p), None)
+        if part is None:
+            raise MlxformerError("continue_final_message: the final message has no text to continue")
+        text, part["text"] = part["text"], part["text"] + _CONTINUE_TAG
+    return [*messages[:-1], final], text
+
+
+def _cut_at_tag(rendered: str, text: str) -> str:
+    """``rendered`` up to the tag: where the template kept the tag's space it kept the text's
+    trailing spaces too; where it trimmed them, they are trimmed."""
+    if text.strip() not in rendered or _CONTINUE_TAG.strip() not in rendered:
+        raise MlxformerError("the chat template does not keep the final message's text, so it cannot be continued")
+    at = rendered.rindex(_CONTINUE_TAG.strip())
+    return rendered[:at] if rendered[at: at + len(_CONTINUE_TAG)] == _CONTINUE_TAG else rendered[:at].rstrip()
