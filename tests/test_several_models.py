@@ -156,3 +156,51 @@ def test_serve_flags_name_the_models(tmp_path):
                                    "folder": str(tmp_path / "folder")}
     args = build_parser().parse_args(["serve", "-m", "x.gguf", "-m", "y"])
     assert list(model_sources(args)) == ["x.gguf", "y"]
+
+
+def test_no_model_loads_for_a_request_the_guards_refuse():
+    """A missing API key (401), a foreign ``Host`` (403) and a body past ``--max-body-bytes``,
+    declared or streamed in chunks (413), are answered before any model loads; with the key the
+    model loads and answers. The errors keep each API's shape."""
+    from http.client import HTTPConnection
+    from types import SimpleNamespace
+    from urllib.parse import urlsplit
+
+    from fastapi import FastAPI
+
+    from mlxformer.server.hosts import MultiHost
+    from mlxformer.server.multi_app import several_models_app
+
+    loads: list[str] = []
+
+    def make_app(name, source):  # a stand-in for a model's app: only whether it loads matters here
+        loads.append(name)
+        app = FastAPI()
+        app.state.context = SimpleNamespace(inflight=SimpleNamespace(count=0))
+        app.post("/v1/chat/completions")(lambda: {"served": name})
+        return app, lambda: None
+
+    host = MultiHost({"a": "unused", "b": "unused"}, make_app, max_loaded=2)
+    request = {"model": "a", "messages": [{"role": "user", "content": "Hi"}]}
+    key = {"Authorization": "Bearer sekret"}
+    with ServerThread(several_models_app(host, api_key="sekret", max_body_bytes=2000)) as server:
+        status, _, body = http(server.url, "POST", "/v1/chat/completions", request)
+        assert status == 401 and json.loads(body)["error"]["code"] == "invalid_api_key"
+        status, _, body = http(server.url, "POST", "/v1/messages", {**request, "max_tokens": 4})
+        assert status == 401 and json.loads(body)["error"]["type"] == "authentication_error"
+        status, _, _ = http(server.url, "POST", "/v1/chat/completions", {**request, "model": "b"},
+                            {**key, "Host": "evil.example"})
+        assert status == 403
+        big = {**request, "user": "x" * 5000}
+        assert http(server.url, "POST", "/v1/chat/completions", big, key)[0] == 413
+        parts = urlsplit(server.url)
+        connection = HTTPConnection(parts.hostname, parts.port, timeout=60)
+        chunks = iter([json.dumps(big).encode()[i:i + 500] for i in range(0, 5200, 500)])
+        connection.request("POST", "/v1/chat/completions", body=chunks, encode_chunked=True,
+                           headers={**key, "Content-Type": "application/json"})
+        assert connection.getresponse().status == 413
+        connection.close()
+        assert loads == []
+        status, _, body = http(server.url, "POST", "/v1/chat/completions", request, {"x-api-key": "sekret"})
+        assert (status, json.loads(body), loads) == (200, {"served": "a"}, ["a"])
+    host.close()

@@ -13,7 +13,6 @@ input is a 4xx, a full queue a 429. A client that goes away cancels its request.
 
 from __future__ import annotations
 
-import hmac
 import logging
 from importlib import resources
 from typing import Any, Callable, Iterable, Sequence
@@ -31,7 +30,9 @@ from mlxformer.server.anthropic_protocol import anthropic_error
 from mlxformer.server.context import ServerContext
 from mlxformer.server.embeddings_api import embeddings_router
 from mlxformer.server.errors import APIError, error_body, validation_message
-from mlxformer.server.guards import DEFAULT_MAX_BODY_BYTES, LOOPBACK_NAMES, BodyTooLarge, RequestGuard, host_name
+from mlxformer.server.guards import (
+    DEFAULT_MAX_BODY_BYTES, LOOPBACK_NAMES, BodyTooLarge, RequestGuard, host_name, key_valid,
+)
 from mlxformer.server.meta_api import models_router, template_router
 from mlxformer.server.ollama_api import is_ollama_path, ollama_router
 from mlxformer.server.openai_routes import openai_router
@@ -164,9 +165,8 @@ def key_dependency(api_key: str | None) -> Any:
         return Depends(open_access)
 
     async def check(request: Request,
-              credentials: HTTPAuthorizationCredentials | None = Depends(HTTPBearer(auto_error=False))) -> None:
-        given = credentials.credentials.strip() if credentials is not None else request.headers.get("x-api-key", "")
-        if not hmac.compare_digest(given.strip().encode(), api_key.encode()):
+              _: HTTPAuthorizationCredentials | None = Depends(HTTPBearer(auto_error=False))) -> None:
+        if not key_valid(request.headers, api_key):
             raise APIError("invalid or missing API key (Authorization: Bearer ... or x-api-key)", 401,
                            "authentication_error", None, "invalid_api_key")
 

@@ -8,6 +8,7 @@ API that reads every body as JSON (Ollama's: its curl examples send ``-d`` witho
 
 from __future__ import annotations
 
+import hmac
 import json
 from typing import Any, Awaitable, Callable, Iterable
 
@@ -20,6 +21,7 @@ DEFAULT_MAX_BODY_BYTES = 4 * 2**20
 # A refused body is read and thrown away up to this many bytes before the 413 goes out, so that a
 # client still writing it sees the status rather than a connection reset; past it we just close.
 DRAIN_BYTES = 64 * 2**20
+OPEN_PATHS = frozenset({"/", "/favicon.ico", "/health"})  # the chat page and the health check need no API key
 
 
 class BodyTooLarge(Exception):
@@ -34,6 +36,14 @@ def host_name(header: str) -> str:
     if header.count(":") == 1:
         return header.rsplit(":", 1)[0]
     return header
+
+
+def key_valid(headers: Any, api_key: str) -> bool:
+    """Whether ``headers`` carry ``api_key``: ``Authorization: Bearer <key>`` or (Anthropic's
+    clients) ``x-api-key: <key>``, compared in constant time."""
+    scheme, _, token = headers.get("authorization", "").strip().partition(" ")
+    given = token if scheme.lower() == "bearer" and token.strip() else headers.get("x-api-key", "")
+    return hmac.compare_digest(given.strip().encode(), api_key.encode())
 
 
 def loopback_hosts(bound: str, extra: Iterable[str] = ()) -> frozenset[str]:

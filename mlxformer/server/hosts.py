@@ -24,6 +24,7 @@ from fastapi import FastAPI
 
 from mlxformer.server.context import ServerContext
 from mlxformer.server.errors import APIError
+from mlxformer.server.guards import OPEN_PATHS, BodyTooLarge, key_valid, send_error
 from mlxformer.server.hosting import not_found
 from mlxformer.server.model_facts import ModelFacts, kv_budget_of, mib, model_facts
 from mlxformer.server.registry import ModelRecord, loaded_record
@@ -270,28 +271,33 @@ def body_fields(body: bytes) -> tuple[str | None, Any]:
 
 class MultiModelApp:
     """The ASGI front of a several-model server (see the module docstring); ``shape``: an error
-    body in the form the request's API uses (``app.api_shape``: Anthropic's on its routes)."""
+    body in the form the request's API uses (``app.api_shape``: Anthropic's on its routes). It
+    runs behind the request guard, and checks ``api_key`` itself, so that neither a foreign
+    ``Host``, an oversized body nor a missing key loads a model."""
 
     def __init__(self, front: FastAPI, host: MultiHost, front_paths: Callable[[str], bool],
-                 shape: Callable[[str, int, dict[str, Any]], dict[str, Any]]) -> None:
+                 shape: Callable[[str, int, dict[str, Any]], dict[str, Any]], api_key: str | None = None) -> None:
         self.front, self.host, self.front_paths, self.shape = front, host, front_paths, shape
+        self.api_key = api_key
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http" or self.front_paths(scope["path"]):
             await self.front(scope, receive, send)
             return
-        chunks, more = [], True
-        while more:
-            message = await receive()
-            chunks.append(message.get("body", b""))
-            more = message.get("more_body", False)
-        body = b"".join(chunks)
-        name, keep_alive = body_fields(body) if scope["method"] == "POST" else (None, None)
-        try:
-            from mlxformer.server.ollama_protocol import keep_alive_seconds
+        from mlxformer.server.ollama_protocol import keep_alive_seconds
 
+        try:
+            headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+            if self.api_key is not None and scope["path"] not in OPEN_PATHS and not key_valid(headers, self.api_key):
+                raise APIError("invalid or missing API key (Authorization: Bearer ... or x-api-key)", 401,
+                               "authentication_error", None, "invalid_api_key")
+            body = await read_body(receive)
+            name, keep_alive = body_fields(body) if scope["method"] == "POST" else (None, None)
             keep = keep_alive_seconds(keep_alive)
             entry = await self.host.hosted(name)
+        except BodyTooLarge as exc:
+            await send_error(send, 413, str(exc), "request_too_large", scope["path"], self.shape)
+            return
         except APIError as exc:
             await send_json(send, exc.status, self.shape(scope["path"], exc.status, exc.body()), exc.headers)
             return
@@ -308,6 +314,16 @@ class MultiModelApp:
             await entry.app(dict(scope), replay, send)  # a copy: the model's app puts itself in its scope
         finally:
             self.host.finished(entry.name, keep)
+
+
+async def read_body(receive: Any) -> bytes:
+    """A request's whole body (the guard's ``receive`` raises ``BodyTooLarge`` past the limit)."""
+    chunks, more = [], True
+    while more:
+        message = await receive()
+        chunks.append(message.get("body", b""))
+        more = message.get("more_body", False)
+    return b"".join(chunks)
 
 
 async def send_json(send: Any, status: int, body: dict[str, Any], headers: dict[str, str] | None = None) -> None:

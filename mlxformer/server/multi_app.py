@@ -30,7 +30,7 @@ def is_front_path(path: str) -> bool:
 def several_models_app(
     host: MultiHost, *, api_key: str | None = None, allowed_hosts: Iterable[str] | None = LOOPBACK_NAMES,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-) -> MultiModelApp:
+) -> RequestGuard:
     """The ASGI app of a several-models server (the models' own apps take the same guard and key)."""
     front = FastAPI(title="mlxformer", docs_url=None, redoc_url=None, openapi_url=None)
     install_error_handlers(front)
@@ -68,9 +68,8 @@ def several_models_app(
                                                         for r in host.records()}})
 
     hosts = None if allowed_hosts is None else frozenset(host_name(h) for h in allowed_hosts)
-    front.add_middleware(RequestGuard, allowed_hosts=hosts, max_body_bytes=max_body_bytes, shape=api_shape,
-                         json_bodies=is_ollama_path)
-    return MultiModelApp(front, host, is_front_path, api_shape)
+    return RequestGuard(MultiModelApp(front, host, is_front_path, api_shape, api_key), allowed_hosts=hosts,
+                        max_body_bytes=max_body_bytes, shape=api_shape, json_bodies=is_ollama_path)
 
 
 def memory_metric_lines(host: MultiHost) -> list[str]:
