@@ -73,3 +73,21 @@ def test_repetition_penalty_returns_a_new_array():
     out = repetition_penalty_processor(2.0)(mx.array([0, 1]), logits)
     assert np.array_equal(np.array(logits), before)
     assert np.allclose(np.array(out), [[1.0, -4.0, 1.0, 0.5]])
+
+
+def test_a_temperature_or_top_p_too_small_for_float32_picks_the_most_likely_token():
+    """Sampling's limit as temperature or top_p goes to 0 is the most likely token. Below about
+    1e-37 a log-probability over the temperature overflowed float32 (1e-40 drew end-of-text
+    tokens in the server); a top_p that float32 rounds to 0 (1e-46) kept no token."""
+    from mlxformer.sampling.choosing import ChoiceRow, choose, draw_key
+
+    logits = 0.1 * mx.random.normal((4, 49152), key=mx.random.key(3))  # flat: the top log-prob near -10
+    best = np.array(mx.argmax(logits, axis=-1))
+    cases = [dict(temp=t) for t in (1e-46, 1e-40, 1e-38, 1e-31, 1e-29)]
+    cases += [dict(temp=1.0, top_p=p) for p in (1e-46, 1e-40)] + [dict(temp=1e-40, top_k=5, min_p=0.1)]
+    for case in cases:
+        settings = SamplingSettings(**case)
+        rows = [ChoiceRow(settings, [1, 2], 2, draw_key(seed, 0)) for seed in range(4)]
+        assert (np.array(choose(logits, rows)[0]) == best).all(), case
+        sampler = make_sampler(**case)
+        assert (np.array(sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))) == best).all(), case

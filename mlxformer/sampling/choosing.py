@@ -186,7 +186,7 @@ def choose(logits: mx.array, rows: Sequence[ChoiceRow], pending: mx.array | None
     if not any(sampled):
         return best, logprobs
     settings = [r.sampling for r in rows]
-    temp = _vector([s.temp if s.temp > 0 else 1.0 for s in settings])  # (B,)
+    temp = _vector([1.0 if s.greedy else s.temp for s in settings])  # (B,)
     top_k = mx.array([min(s.top_k, logits.shape[-1]) for s in settings], mx.int32)
     top_p, min_p = _vector([s.top_p for s in settings]), _vector([s.min_p for s in settings])
     keys = mx.array([r.key if r.key is not None else (0, 0) for r in rows], mx.uint32)  # (B, 2)

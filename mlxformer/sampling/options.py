@@ -10,7 +10,7 @@ API's name for the field (``temp`` is OpenAI's ``temperature``).
 
 Fields and their rules (every float must be finite: NaN and infinities are refused):
 
-- ``temp >= 0`` (0: greedy); ``0 < top_p <= 1`` (1: off; the most likely token always stays);
+- ``temp >= 0`` (0, or below ``GREEDY_BELOW``: greedy); ``0 < top_p <= 1`` (1: off; the most likely token always stays);
   ``0 <= top_k < 2**31`` (0: off; a k past the vocabulary keeps it whole); ``0 <= min_p < 1`` (0: off).
 - ``repetition_penalty``: ``None`` (off) or ``> 0``, CTRL-style over the last 64 tokens.
 - ``presence_penalty``, ``frequency_penalty`` in ``[-2, 2]`` (OpenAI's, over generated tokens).
@@ -34,6 +34,8 @@ from mlxformer.errors import OptionError
 
 MAX_SEED = 2**64 - 1  # mx.random.key takes an unsigned 64-bit seed
 RANDOM_SEED = -1
+# temperatures below this are greedy: a log-probability (>= -log(vocab)) over it stays finite in float32
+GREEDY_BELOW = 1e-30
 MAX_PENALTY = 2.0  # OpenAI's range for presence/frequency penalties
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values
 MAX_INT32 = 2**31 - 1  # counts the sampling graph holds as int32 (top_k; a larger one is off anyway)
@@ -132,8 +134,10 @@ class SamplingSettings:
 
     @property
     def greedy(self) -> bool:
-        """Whether the next token is always the most likely one."""
-        return self.temp == 0
+        """Whether the next token is always the most likely one: at 0, and below ``GREEDY_BELOW``,
+        where sampling's limit is the most likely token and float32 log-probabilities over the
+        temperature would overflow (1e-40 drew end-of-text tokens)."""
+        return self.temp < GREEDY_BELOW
 
     def check_vocabulary(self, vocab_size: int) -> None:
         """Refuse ``logit_bias`` ids outside a vocabulary of ``vocab_size`` tokens."""

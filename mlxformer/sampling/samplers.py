@@ -98,7 +98,8 @@ def _keep(logprobs: mx.array, top_k: mx.array, top_p: mx.array, min_p: mx.array)
     weights = mx.where(keep, mx.exp(ranked - mx.max(ranked, axis=-1, keepdims=True)), 0.0)
     mass_from = mx.cumsum(weights, axis=-1, reverse=True)  # unnormalised mass at and below each rank
     total = mx.max(mass_from, axis=-1, keepdims=True)  # the first rank's: everything top-k kept
-    keep = keep & ((total - mass_from < top_p * total) | (top_p >= 1.0))
+    # The first rank always stays: a top_p that float32 rounds to 0 (1e-46) kept nothing.
+    keep = keep & ((total - mass_from < top_p * total) | (top_p >= 1.0) | (rank == 1))
     keep = keep & (ranked >= mx.max(ranked, axis=-1, keepdims=True) + mx.log(min_p))
     return mx.put_along_axis(mx.zeros_like(keep), order, keep, axis=-1)
 
@@ -164,10 +165,9 @@ def sampling_logits(logprobs: mx.array, temp: float, top_p: float = 1.0, top_k: 
 
 
 def make_sampler(temp: float = 0.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0) -> Sampler:
-    """Greedy at ``temp == 0``; otherwise top-k, top-p and min-p filtering, then temperature sampling
-    (bad values raise ``OptionError``)."""
-    SamplingSettings(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p)
-    if temp == 0:
+    """Greedy at ``temp == 0`` (or below ``GREEDY_BELOW``); otherwise top-k, top-p and min-p
+    filtering, then temperature sampling (bad values raise ``OptionError``)."""
+    if SamplingSettings(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p).greedy:
         return greedy
 
     def sample(logprobs: mx.array, key: mx.array | None = None) -> mx.array:
