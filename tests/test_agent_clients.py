@@ -46,6 +46,7 @@ def test_responses_create_and_stream(server, client):
     assert reply.output_text == expected and reply.status == "incomplete"
     assert reply.incomplete_details.reason == "max_output_tokens" and reply.usage.output_tokens == 8
     assert reply.usage.input_tokens == len(ids) and reply.output[0].type == "message"
+    assert float(reply.created_at).is_integer()  # whole seconds, as OpenAI sends them
     events = list(client.responses.create(model="gpt-4.1", instructions="Be brief.", input=[
         {"role": "user", "content": [{"type": "input_text", "text": QUESTION}]}], max_output_tokens=8, temperature=0,
         stream=True))

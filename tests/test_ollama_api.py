@@ -50,6 +50,9 @@ def test_chat_whole_and_streamed_equal_generate(server):
     reply = server.client.chat(model="anything:latest", messages=USER, options={**GREEDY, "num_predict": 8})
     assert reply.message.role == "assistant" and reply.message.content == expected
     assert (reply.done, reply.done_reason, reply.eval_count, reply.prompt_eval_count) == (True, "length", 8, len(ids))
+    # the durations split at the first token, whole or streamed (a whole reply's prompt time was 0)
+    assert reply.prompt_eval_duration > 0 and reply.eval_duration > 0
+    assert reply.load_duration + reply.prompt_eval_duration + reply.eval_duration <= reply.total_duration
     parts = list(server.client.chat(model="anything", messages=USER, options={**GREEDY, "num_predict": 8}, stream=True))
     assert "".join(p.message.content for p in parts) == expected
     assert [p.done for p in parts] == [False] * (len(parts) - 1) + [True]
@@ -122,6 +125,16 @@ def test_errors_are_ollama_shaped(server):
         "error": "keep_alive must be seconds or a duration like \"5m\" (got 'soon')"}
     status, _, body = http(server.url, "POST", "/api/pull", {"model": "not a repo"})
     assert status == 400 and set(json.loads(body)) == {"error"}
+    # wrong types are 400s, as Ollama's Go decoder answers them (no "no" or 0 for false)
+    for wrong in ({"stream": "no"}, {"stream": 0}, {"keep_alive": True}, {"raw": "yes"}):
+        status, _, body = http(server.url, "POST", "/api/generate", {"model": "m", "prompt": "Hi", **wrong})
+        assert status == 400 and set(json.loads(body)) == {"error"}, wrong
+    # SmolLM2 does not reason: thinking is Ollama's 400 ("think": false is fine)
+    with pytest.raises(ollama.ResponseError) as error:
+        server.client.chat(model="smol", messages=USER, think=True)
+    assert error.value.status_code == 400 and error.value.error == '"smol" does not support thinking'
+    reply = server.client.generate(model="m", prompt="Hi", think=False, options={**GREEDY, "num_predict": 2})
+    assert reply.done
 
 
 def test_a_model_without_a_chat_template_points_to_each_apis_plain_route(server):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import codecs
 import json
 import math
+import time
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
@@ -179,6 +180,7 @@ class Collected:
     last: TokenEvent | None = None
     events: list[TokenEvent] = field(default_factory=list)
     max_tokens: int | None = None  # the reply's max tokens when fewer than asked (``Lease.cut``)
+    first_ns: int | None = None  # ``time.monotonic_ns()`` when the first event arrived (the prompt's end)
 
     def scored(self, text: TokenStrings) -> list[Scored]:
         """The tokens to report logprobs for: every generated one."""
@@ -192,6 +194,7 @@ async def collect(events: AsyncIterator[TokenEvent]) -> Collected:
     pieces: list[str] = []
     async with aclosing(events):
         async for event in events:
+            result.first_ns = result.first_ns or time.monotonic_ns()
             pieces.append(event.text)
             result.events.append(event)
             result.last = event

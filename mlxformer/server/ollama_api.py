@@ -133,7 +133,7 @@ async def reply(
         result = await collect_unless_gone(lease, request)
     finally:
         host.finished(name, keep_alive)
-    timing.first = timing.start
+    timing.first = result.first_ns
     whole = whole_reply(parser, result.events)
     return JSONResponse({**final(result.last), **shape(whole.content, whole.reasoning, calls_of(parser))},
                         headers=lease.headers)
@@ -150,6 +150,20 @@ def chat_shape(content: str, reasoning: str, calls: list[dict[str, Any]]) -> dic
 
 def generate_shape(content: str, reasoning: str, calls: list[dict[str, Any]]) -> dict[str, Any]:
     return {"response": content, **({"thinking": reasoning} if reasoning else {})}
+
+
+def reasons(ctx: ServerContext) -> bool:
+    """Whether the served model reasons (Ollama's "thinking" capability)."""
+    return bool(ctx.traits and ctx.traits.reasons)
+
+
+def turn_thinking(ctx: ServerContext, model: str, think: bool | str | None) -> tuple[bool | None, int | None]:
+    """``think`` as the turn's reasoning switch and budget; asking a model that does not reason
+    to think is Ollama's 400."""
+    switch, budget = thinking(think)
+    if switch and not reasons(ctx):
+        raise bad_request(f"{json.dumps(model)} does not support thinking", param="think")
+    return switch, budget
 
 
 async def loaded(host: ModelHost, name: str) -> tuple[ServerContext, Timing]:
@@ -189,7 +203,7 @@ def ollama_router(host: ModelHost) -> APIRouter:
         args = ctx.engine.model.args
         capabilities = (["completion"] if args.head == "lm" else ["embedding"]) + (
             ["tools"] if ctx.served.tokenizer.chat_template else []) + (
-            ["thinking"] if ctx.traits and ctx.traits.reasons else [])
+            ["thinking"] if reasons(ctx) else [])
         info = {"general.architecture": args.model_type, f"{args.model_type}.context_length": ctx.served.context_length,
                 f"{args.model_type}.block_count": args.num_hidden_layers,
                 f"{args.model_type}.embedding_length": args.hidden_size}
@@ -209,7 +223,7 @@ def ollama_router(host: ModelHost) -> APIRouter:
             host.finished(body.model, keep_alive)
             return JSONResponse({"model": body.model, "created_at": now(), **chat_shape("", "", []), "done": True,
                                  "done_reason": "unload" if keep_alive == 0 else "load"})
-        think, budget = thinking(body.think)
+        think, budget = turn_thinking(ctx, body.model, body.think)
         turn = Turn(messages=chat_messages(body.messages), fields=fields, max_tokens=predict, tools=body.tools or None,
                     response_format=response_format(body.format), thinking=think, reasoning_budget=budget,
                     max_tokens_param="options.num_predict", plain_route="/api/generate")
@@ -229,7 +243,7 @@ def ollama_router(host: ModelHost) -> APIRouter:
             host.finished(body.model, keep_alive)
             return JSONResponse({"model": body.model, "created_at": now(), "response": "", "done": True,
                                  "done_reason": "unload" if keep_alive == 0 else "load"})
-        think, budget = thinking(body.think)
+        think, budget = turn_thinking(ctx, body.model, body.think)
         prompt, served = body.prompt, ctx.served
         if body.raw or not served.tokenizer.chat_template:
             def raw() -> Prepared:

@@ -25,7 +25,10 @@ _UNIT_SECONDS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m":
 
 
 class OllamaBody(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    """A request body: unknown fields are ignored, types are strict (Ollama answers 400 to
+    ``"stream": "no"`` or ``"keep_alive": true``)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class OllamaMessage(OllamaBody):

@@ -204,7 +204,7 @@ def responses_router(ctx: ServerContext) -> APIRouter:
         prepared = await ctx.prepare(lambda: prepare(responses_turn(body, history, tools), served, ctx.traits))
         lease = ctx.submit(prepared.request, "responses")
         parser, segmenter = prepared.parser(), Segmenter()
-        response_id, created = new_id("resp").replace("-", "_"), time.time()
+        response_id, created = new_id("resp").replace("-", "_"), int(time.time())
         items = Items(response_id, segmenter, tools.namespaces, "reasoning.encrypted_content" in (body.include or []))
         reasoning_tokens = [0]
 
