@@ -1,5 +1,5 @@
 """The models in the Hugging Face cache, as ``list`` and ``rm`` (and the server's model list)
-see them: huggingface_hub's own ``scan_cache_dir`` and ``delete_revisions``, and the one
+see them: huggingface_hub's own ``scan_cache_dir`` and ``DeleteCacheStrategy``, and the one
 checkpoint reader for whether mlxformer can load each (headers only; no network).
 
 A repo's main revision (else its newest) holds at most one safetensors model (named by the repo
@@ -113,16 +113,21 @@ def find_cached(ref: str, check: bool = False) -> list[CachedModel]:
 
 
 def remove(models: list[CachedModel]) -> int:
-    """Delete ``models`` from the cache; returns the bytes freed. A whole repo goes through the
-    hub's ``delete_revisions``; one GGUF of a repo that keeps others loses its snapshot links
+    """Delete ``models`` from the cache; returns the bytes freed. A whole repo's folder goes
+    through the hub's ``DeleteCacheStrategy``; one GGUF of a repo that keeps others loses its snapshot links
     and the blobs no other link uses."""
+    from huggingface_hub.utils import DeleteCacheStrategy
+
     cache = _scan()
     if cache is None or not models:
         return 0
     repo_id = models[0].repo
     repo = next(r for r in cache.repos if r.repo_id == repo_id and r.repo_type == "model")
     if {m.name for m in models} >= {m.name for m in cached_models(check=False) if m.repo == repo_id}:
-        strategy = cache.delete_revisions(*(r.commit_hash for r in repo.revisions))
+        # The hub's deletion of this repo's folder. Not ``delete_revisions``: it finds commit hashes
+        # across the whole cache, so a repo sharing one (a git copy of another) would go instead.
+        strategy = DeleteCacheStrategy(int(repo.size_on_disk), frozenset(), frozenset(), frozenset({repo.repo_path}),
+                                       frozenset(), cache_dir=cache.cache_dir)
         strategy.execute()
         return int(strategy.expected_freed_size)
     doomed = {f for m in models for f in m.files}
