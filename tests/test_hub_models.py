@@ -202,16 +202,29 @@ def test_list_shows_format_quant_size_and_whether_it_loads(sources, cache):
     assert table[0].split() == ["NAME", "FORMAT", "QUANT", "SIZE", "LOADS"] and len(table) == 6
 
 
-def test_rm_asks_and_deletes_one_quant_or_the_whole_repo(cache, sources, tmp_path):
-    """Also a git copy of a repo (the same commit) in the cache: ``rm`` of one removes that one
-    (the hub's ``delete_revisions`` finds commits cache-wide and removed the other)."""
+def test_rm_asks_and_deletes_one_quant_or_the_whole_repo(cache, sources, tmp_path, monkeypatch):
+    """Also git copies of a repo (the same commit) in the cache: ``rm`` of one removes that one
+    (the hub's ``delete_revisions`` finds commits cache-wide and removed whichever copy its scan
+    met first, in hash order: the scan's order is set below, first the copies)."""
+    import dataclasses
+
     from huggingface_hub import scan_cache_dir
 
     from hub_support import commit_of
+    from mlxformer.formats import hub_cache
 
     mine = tmp_path / "cache"
     shutil.copytree(cache, mine, symlinks=True)
-    add_to_cache(mine, "copyorg/tiny-llama", sources[0][ST_REPO], commit=commit_of(ST_REPO))
+    copies = {f"copyorg{i}/tiny-llama" for i in range(3)}
+    for name in copies:
+        add_to_cache(mine, name, sources[0][ST_REPO], commit=commit_of(ST_REPO))
+    target = max(copies)
+    monkeypatch.setenv("HF_HUB_CACHE", str(mine))
+    monkeypatch.setattr(hub_cache, "_scan", lambda: dataclasses.replace(scan_cache_dir(mine), repos=sorted(
+        scan_cache_dir(mine).repos, key=lambda r: r.repo_id == target)))
+    hub_cache.remove(hub_cache.find_cached(target))
+    copies.remove(target)
+    assert {r.repo_id for r in scan_cache_dir(mine).repos} == {ST_REPO, *copies, GGUF_REPO, BERT_REPO}
     f16_blob = (repo_folder(mine, GGUF_REPO) / "snapshots").glob("*/tiny-F16.gguf").__next__().resolve()
     done = cli(mine, "rm", f"{GGUF_REPO}:f16", stdin="n\n")
     assert done.returncode == 1 and done.stderr.endswith("mlxformer: error: nothing deleted\n")
@@ -219,10 +232,10 @@ def test_rm_asks_and_deletes_one_quant_or_the_whole_repo(cache, sources, tmp_pat
     done = cli(mine, "rm", f"{GGUF_REPO}:f16", "--yes")
     assert done.returncode == 0, done.stderr
     assert f16_blob.exists()  # the mmproj file is the same bytes: its blob stays
-    assert set(listing(mine)) == {ST_REPO, "copyorg/tiny-llama", f"{GGUF_REPO}:Q8_0", f"{GGUF_REPO}:Q4_0", BERT_REPO}
+    assert set(listing(mine)) == {ST_REPO, *copies, f"{GGUF_REPO}:Q8_0", f"{GGUF_REPO}:Q4_0", BERT_REPO}
     done = cli(mine, "rm", ST_REPO, stdin="y\n")
     assert done.returncode == 0 and done.stdout.startswith(f"deleted {ST_REPO} (")
-    assert {r.repo_id for r in scan_cache_dir(mine).repos} == {"copyorg/tiny-llama", GGUF_REPO, BERT_REPO}
+    assert {r.repo_id for r in scan_cache_dir(mine).repos} == {*copies, GGUF_REPO, BERT_REPO}
     missing = cli(mine, "rm", ST_REPO, "--yes")
     assert missing.returncode == 1 and missing.stderr == (f"mlxformer: error: {ST_REPO} is not in the Hugging Face "
                                                           "cache (see 'mlxformer list')\n")
