@@ -219,3 +219,26 @@ def test_repl_in_a_terminal_ctrl_c_stops_the_reply_and_ctrl_d_leaves(smollm_gguf
     finally:
         child.close(force=True)
     assert child.exitstatus == 0
+
+
+def test_repl_save_keeps_an_existing_file_and_load_refuses_a_cache_prompt_file(
+    model, tokenizer, tmp_path: Path, monkeypatch
+) -> None:
+    """``/save F`` over an existing file is refused unless ``--force``; ``/load`` of a file that
+    ``cache-prompt`` wrote (a prompt, no conversation) is refused: it dropped the prompt before."""
+    from mlxformer.generation.prompt_cache_files import cache_prompt
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "notes").write_text("keep me")
+    out = io.StringIO()
+    run_repl(ChatSession(model, tokenizer, max_tokens=3), io.StringIO("Hi\n/save notes\n"), out)
+    assert "notes already exists (use --force to overwrite)" in out.getvalue()
+    assert (tmp_path / "notes").read_text() == "keep me"
+    run_repl(ChatSession(model, tokenizer, max_tokens=3), io.StringIO("Hi\n/save notes --force\n/load notes\n"), out)
+    assert "[saved " in out.getvalue() and "messages from notes]" in out.getvalue()
+    ids = tokenizer.encode_prompt("Here is a document.", continue_final_message=True)
+    cache_prompt(tmp_path / "doc", model, tokenizer, ids)
+    out = io.StringIO()
+    run_repl(ChatSession(model, tokenizer, max_tokens=3), io.StringIO("/load doc\n"), out)
+    assert out.getvalue() == ("[error: doc holds a prompt saved by cache-prompt, not a conversation: use it with "
+                              "'mlxformer generate --prompt-cache-file']\n")

@@ -14,7 +14,7 @@ from mlxformer.cli.common import (
 if TYPE_CHECKING:
     from mlxformer.generation.chat import ChatSession
 
-HELP = "commands: /reset, /save FILE, /load FILE, /stats, /help, /exit"
+HELP = "commands: /reset, /save FILE [--force], /load FILE, /stats, /help, /exit"
 
 
 def _command(session: ChatSession, line: str, out: TextIO) -> bool:
@@ -29,8 +29,10 @@ def _command(session: ChatSession, line: str, out: TextIO) -> bool:
     elif name in ("/save", "/load") and not arg:
         out.write(f"usage: {name} FILE\n")
     elif name == "/save":
+        force = arg.endswith(" --force")
+        arg = arg.removesuffix(" --force").strip() if force else arg
         check_output_path(arg)
-        session.save(arg)
+        session.save(arg, overwrite=force)
         out.write(f"[saved {len(session.cached_ids)} tokens to {arg}]\n")
     elif name == "/load":
         session.load(arg)

@@ -222,9 +222,7 @@ def prompt_ids_for_cli(
     use_template = not args.ignore_chat_template
     if args.system and not (use_template and tokenizer.chat_template):
         print("mlxformer: note: --system is ignored without a chat template", file=sys.stderr)
-    return tokenizer.encode_prompt(
-        prompt, args.system, use_template, not continue_final_message, continue_final_message
-    )
+    return tokenizer.encode_prompt(prompt, args.system, use_template, continue_final_message=continue_final_message)
 
 
 def add_speculative_args(parser: argparse.ArgumentParser) -> None:

@@ -106,14 +106,18 @@ class ChatSession:
             if interrupted:
                 self._forget_cache()
 
-    def save(self, path: str) -> None:
-        """Save the cache, its token ids and the conversation."""
-        save_prompt_cache(path, self.cache, self.cached_ids, self.model, self.tokenizer, messages=self.messages)
+    def save(self, path: str, overwrite: bool = True) -> None:
+        """Save the cache, its token ids and the conversation (an existing ``path`` only with ``overwrite``)."""
+        save_prompt_cache(path, self.cache, self.cached_ids, self.model, self.tokenizer, messages=self.messages,
+                          overwrite=overwrite)
 
     def load(self, path: str) -> None:
         """Restore a cache, its token ids and the conversation saved by ``save`` (with this
         model and tokenizer; the session's explicit cache settings must be the file's)."""
         loaded = load_prompt_cache_file(path, self.model, self.tokenizer, self.settings)
+        if loaded.token_ids and not loaded.messages:  # its prompt is an open user turn, not a conversation
+            raise MlxformerError(f"{path} holds a prompt saved by cache-prompt, not a conversation: "
+                                 "use it with 'mlxformer generate --prompt-cache-file'")
         self.cache, self.cached_ids = loaded.cache, loaded.token_ids
         self.messages = loaded.messages
 

@@ -120,7 +120,8 @@ class Tokenizer:
         if use_template and self.chat_template:
             messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
             text = self.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message
+                messages, add_generation_prompt=add_generation_prompt and not continue_final_message,
+                continue_final_message=continue_final_message,
             )
             return self.encode(text, add_special_tokens=False)
         return self.encode(prompt)
