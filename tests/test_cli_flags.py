@@ -249,6 +249,7 @@ def test_generate_seed_minus_one_is_random_and_shown_with_verbose(tiny, capsys):
     (("--prompt-lookup", "--num-draft-tokens", "0"), "--num-draft-tokens"),
     (("--parallel", "tensor", "--timeout", "nan"), "--timeout"),
     (("--quantized-kv-start", "-3"), "--quantized-kv-start"), (("--max-kv-size", "0"), "--max-kv-size"),
+    (("--max-kv-size", "4"), "--max-kv-size"),  # no room past the 4 sink tokens it keeps (it generated junk)
 ])
 def test_bad_values_are_one_line_errors_naming_the_flag(tiny, capsys, flags, flag):
     assert main(["generate", "--model", str(tiny[0]), "--prompt", PROMPT, "--max-tokens", "2", *flags]) == 1

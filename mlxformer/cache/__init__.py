@@ -64,8 +64,9 @@ class CacheSettings:
             check_kv_quantization(self.kv_bits, self.kv_group_size)
         if self.quantized_kv_start < 0:
             raise OptionError("quantized_kv_start", "must be >= 0")
-        if self.max_kv_size is not None and self.max_kv_size < 1:
-            raise OptionError("max_kv_size", "must be positive")
+        if self.max_kv_size is not None and self.max_kv_size <= self.keep:
+            raise OptionError("max_kv_size", f"must be larger than the {self.keep} first tokens the window always "
+                                             f"keeps (got {self.max_kv_size})")
 
 
 def make_cache(model: HasLayers, settings: CacheSettings | None = None) -> list[Cache]:
@@ -90,7 +91,6 @@ def _layer_cache(window: int | None, settings: CacheSettings) -> Cache:
         # (no sinks), so memory stays bounded and the logits are those of the full cache.
         return RotatingKVCache(window, 0, bits, group, start, settings.rewind)
     if settings.max_kv_size is not None:
-        keep = min(settings.keep, settings.max_kv_size - 1)
-        return RotatingKVCache(settings.max_kv_size, keep, bits, group, start, settings.rewind)
+        return RotatingKVCache(settings.max_kv_size, settings.keep, bits, group, start, settings.rewind)
     return KVCache(bits, group, start)
 
