@@ -23,6 +23,7 @@ from mlxformer.formats.weight_map import decoder_quantization, decoder_weights
 from mlxformer.models.dtype_policy import apply_dtype_policy, cast_except_quantized_linears, is_quantized
 from mlxformer.models.device_plan import DevicePlan, wire_memory
 from mlxformer.models.row_sharding import apply_thread_policy
+from mlxformer.sampling.options import check_integer, checked
 from mlxformer.text.tokenizer import Tokenizer, load_tokenizer_from_dir, load_tokenizer_from_gguf
 
 __all__ = ["apply_dtype_policy", "build_model", "cast_except_quantized_linears", "checked_model", "is_quantized", "load",
@@ -148,6 +149,8 @@ def load(
         plan: the device plan whose policies apply (default: the default device's); the GPU
             plan may be forced on the CPU (``DevicePlan("gpu")``: its dtype, no CPU streams).
     """
+    checked("path_or_repo", path_or_repo, (str, Path))
+    threads = None if threads is None else check_integer("threads", threads, low=1)
     dtype = float_dtype(dtype)
     checkpoint = open_checkpoint(path_or_repo)
     model = loaded_model(checkpoint.args, checkpoint.weights, checkpoint.quantization)

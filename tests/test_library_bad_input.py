@@ -75,8 +75,9 @@ def test_engine_refuses_bad_sizes(tiny, name, value):
 def test_wrong_python_types_are_one_clear_error(tiny):
     """A value of the wrong type is an ``OptionError`` naming the option, not Python's own
     ``TypeError`` or ``AttributeError`` from deep inside (each of these raised one)."""
-    from mlxformer import embed, rerank
+    from mlxformer import embed, load, rerank
     from mlxformer.engine import Engine, GenerationRequest
+    from mlxformer.generation.chat import ChatSession
     from mlxformer.generation.stream import generate
 
     model, tokenizer = tiny
@@ -90,6 +91,15 @@ def test_wrong_python_types_are_one_clear_error(tiny):
         (lambda: generate(model, tokenizer, None, max_tokens=2), "prompt must be token ids"),
         (lambda: embed(model, tokenizer, 5), "texts must be a string or a list of strings"),
         (lambda: rerank(model, tokenizer, "q", [1, 2]), "documents must be a string or a list of strings"),
+        (lambda: generate(model, tokenizer, PROMPT, max_tokens=2, cache_settings={"kv_bits": 8}),
+         "cache_settings must be a CacheSettings \\(got dict\\)"),
+        (lambda: generate(model, tokenizer, PROMPT, max_tokens=2, speculative={"prompt_lookup": True}),
+         "speculative must be a SpeculativeSettings \\(got dict\\)"),
+        (lambda: generate(model, tokenizer, PROMPT, max_tokens=2, cache="x"), "cache must be a list or tuple"),
+        (lambda: ChatSession(model, tokenizer, sampling={"temp": 1}), "sampling must be a SamplingSettings"),
+        (lambda: load(123), "path_or_repo must be a str or Path \\(got int\\)"),
+        (lambda: load("unused", threads="2"), "threads must be an integer >= 1 \\(got '2'\\)"),
+        (lambda: load("unused", threads=2.5), "threads must be an integer >= 1 \\(got 2.5\\)"),
     ]
     for call, message in wrong:
         with pytest.raises(OptionError, match=message):

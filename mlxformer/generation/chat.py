@@ -18,7 +18,7 @@ from mlxformer.generation.decoding import open_sequence, with_rewind
 from mlxformer.errors import MlxformerError
 from mlxformer.generation.stream import GenerationResponse, decode, responses
 from mlxformer.models.decoder import Model
-from mlxformer.sampling.options import SamplingSettings
+from mlxformer.sampling.options import SamplingSettings, checked, checked_sampling
 from mlxformer.speculative.speculator import SpeculativeSettings, check_draft, new_proposer, trim_to_common_prefix
 from mlxformer.text.tokenizer import Tokenizer
 
@@ -43,7 +43,8 @@ class ChatSession:
         self.model, self.tokenizer = model, tokenizer
         if speculative is not None:
             check_draft(speculative, tokenizer)
-        self.system, self.sampling, self.settings = system, sampling, cache_settings
+        self.system, self.sampling = system, checked_sampling(sampling)
+        self.settings = checked("cache_settings", cache_settings, CacheSettings)
         self.max_tokens, self.stop, self.speculative = max_tokens, tuple(stop), speculative
         self.reset()
 

@@ -25,7 +25,7 @@ import mlx.core as mx
 from mlxformer.cache import Cache, CacheSettings, make_cache
 from mlxformer.errors import MlxformerError, OptionError
 from mlxformer.models.decoder import Model
-from mlxformer.sampling.options import SamplingSettings, check_integer, check_strings, checked_sampling
+from mlxformer.sampling.options import SamplingSettings, check_integer, check_strings, checked, checked_sampling
 from mlxformer.sampling.choosing import History, ChoiceRow, choose, draw_key
 from mlxformer.sampling.samplers import TokenConstraint, make_distribution
 from mlxformer.speculative.speculator import Proposer, SpeculativeSettings, Speculator, new_proposer, rewind
@@ -303,6 +303,8 @@ def open_sequence(
     ``prompt``) or a new one from ``cache_settings``, with the rewind slack speculation needs."""
     checked_sampling(sampling).check_vocabulary(model.args.vocab_size)
     prompt = check_prompt_ids(prompt, model.args.vocab_size)
+    checked("cache_settings", cache_settings, CacheSettings)
+    checked("cache", cache, (list, tuple))
     if cache is None:
         cache = make_cache(model, with_rewind(cache_settings, speculative))
     else:

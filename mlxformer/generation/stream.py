@@ -15,7 +15,7 @@ from mlxformer.constrained import make_constraint
 from mlxformer.generation.decoding import DecodingState, open_sequence
 from mlxformer.errors import MlxformerError
 from mlxformer.models.decoder import Model
-from mlxformer.sampling.options import SamplingSettings, sampling_with  # noqa: F401 (re-exported)
+from mlxformer.sampling.options import SamplingSettings, checked, sampling_with  # noqa: F401 (re-exported)
 from mlxformer.sampling.samplers import TokenConstraint
 from mlxformer.speculative.speculator import SpeculativeSettings, check_draft
 from mlxformer.generation.steps import decode_step, default_prefill_step, prefill  # noqa: F401 (re-exported)
@@ -169,7 +169,7 @@ def stream_generate(
         constraint = make_constraint(
             tokenizer, model.args.vocab_size, response_format=response_format, regex=regex, grammar=grammar
         )
-    if speculative is not None:
+    if checked("speculative", speculative, SpeculativeSettings) is not None:
         check_draft(speculative, tokenizer)
     ids = tokenizer.encode(prompt) if isinstance(prompt, str) else prompt  # (ids checked by open_sequence)
     state = open_sequence(

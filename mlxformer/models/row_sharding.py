@@ -26,6 +26,7 @@ from mlxformer.models.mlp import GATES, MLP
 from mlxformer.adapters.layers import Adapted
 from mlxformer.models.expert_counts import ExpertBounds, counting_pays, expert_bounds
 from mlxformer.models.moe import QuantizedSwitchLinear, SwitchGLU, SwitchLinear
+from mlxformer.sampling.options import check_integer
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "gate_proj", "up_proj", "gate_up_proj", "down_proj",
                "in_proj_qkv", "in_proj_z", "in_proj_qkvz", "out_proj")  # the last four: Gated DeltaNet's
@@ -348,8 +349,7 @@ def apply_thread_policy(model: Model, threads: int | None) -> None:
     part of the model tree (their classes show in ``named_modules()``) and slice whatever
     arrays they hold when called: weights may be cast, reloaded or quantized afterwards."""
     threads = default_threads() if threads is None else threads
-    if threads < 1:
-        raise MlxformerError(f"threads must be at least 1, got {threads}")
+    check_integer("threads", threads, low=1)
     if threads == 1:
         return
     if not on_cpu():

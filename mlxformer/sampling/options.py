@@ -83,11 +83,20 @@ def check_strings(param: str, value: object) -> list[str]:
     return items
 
 
-def checked_sampling(value: object) -> "SamplingSettings":
-    """``value`` if it is a ``SamplingSettings``, else ``OptionError`` (a dict of its fields is not one)."""
-    if not isinstance(value, SamplingSettings):
-        raise OptionError("sampling", f"must be a SamplingSettings (got {type(value).__name__})")
+def checked(param: str, value: Any, kind: type | tuple[type, ...]) -> Any:
+    """``value`` if it is a ``kind`` (or None), else ``OptionError(param)`` (a dict of a
+    settings class's fields is not one)."""
+    if value is not None and not isinstance(value, kind):
+        names = " or ".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))
+        raise OptionError(param, f"must be a {names} (got {type(value).__name__})")
     return value
+
+
+def checked_sampling(value: object) -> "SamplingSettings":
+    """``value`` if it is a ``SamplingSettings``, else ``OptionError``."""
+    if value is None:
+        raise OptionError("sampling", "must be a SamplingSettings (got NoneType)")
+    return checked("sampling", value, SamplingSettings)
 
 
 def sampling_with(sampling: object, fields: Mapping[str, Any]) -> "SamplingSettings":
