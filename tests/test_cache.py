@@ -551,7 +551,7 @@ def test_cli_cache_prompt_then_generate(
     assert main(["cache-prompt", *model, "--prompt", prompt, "--prompt-cache-file", str(out)]) == 1
     assert "exists" in capsys.readouterr().err
     assert main(["cache-prompt", *model, "--prompt", prompt, "--prompt-cache-file", str(out), "--force"]) == 0
-    capsys.readouterr()
+    assert capsys.readouterr().err.endswith(f"to {out} ({out.stat().st_size / 1e6:.2f} MB)\n")  # the file's size
     assert main(["generate", *base, "--prompt-cache-file", str(out)]) == 0
     cached = capsys.readouterr()
     assert main(["generate", *base]) == 0

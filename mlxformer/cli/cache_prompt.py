@@ -39,7 +39,6 @@ def run(args: argparse.Namespace) -> int:
     # The user turn left open (no end-of-turn, no assistant header), so that `generate` with this
     # prompt, or a longer one that starts with it, finds these ids as its prefix.
     ids = prompt_ids_for_cli(tokenizer, prompt, args, continue_final_message=True)
-    cache = cache_prompt(out, model, tokenizer, ids, settings, overwrite=args.force)
-    megabytes = sum(c.nbytes for c in cache) / 1e6
-    print(f"cached {len(ids)} tokens ({megabytes:.2f} MB) to {out}", file=sys.stderr)
+    cache_prompt(out, model, tokenizer, ids, settings, overwrite=args.force)
+    print(f"cached {len(ids)} tokens to {out} ({out.stat().st_size / 1e6:.2f} MB)", file=sys.stderr)
     return 0
