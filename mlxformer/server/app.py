@@ -31,7 +31,7 @@ from mlxformer.server.context import ServerContext
 from mlxformer.server.embeddings_api import embeddings_router
 from mlxformer.server.errors import APIError, error_body, validation_message
 from mlxformer.server.guards import (
-    DEFAULT_MAX_BODY_BYTES, LOOPBACK_NAMES, BodyTooLarge, RequestGuard, host_name, key_valid,
+    DEFAULT_MAX_BODY_BYTES, LOOPBACK_NAMES, BodyTooLarge, RequestGuard, host_name, require_key,
 )
 from mlxformer.server.meta_api import models_router, template_router
 from mlxformer.server.ollama_api import is_ollama_path, ollama_router
@@ -166,9 +166,7 @@ def key_dependency(api_key: str | None) -> Any:
 
     async def check(request: Request,
               _: HTTPAuthorizationCredentials | None = Depends(HTTPBearer(auto_error=False))) -> None:
-        if not key_valid(request.headers, api_key):
-            raise APIError("invalid or missing API key (Authorization: Bearer ... or x-api-key)", 401,
-                           "authentication_error", None, "invalid_api_key")
+        require_key(request.headers, api_key)
 
     return Depends(check)
 

@@ -12,7 +12,7 @@ import hmac
 import json
 from typing import Any, Awaitable, Callable, Iterable
 
-from mlxformer.server.errors import error_body
+from mlxformer.server.errors import APIError, error_body
 
 Shape = Callable[[str, int, dict[str, Any]], dict[str, Any]]  # (path, status, OpenAI body) -> the body to send
 ASGIApp = Callable[[dict[str, Any], Callable[[], Awaitable[dict]], Callable[[dict], Awaitable[None]]], Awaitable[None]]
@@ -38,12 +38,19 @@ def host_name(header: str) -> str:
     return header
 
 
-def key_valid(headers: Any, api_key: str) -> bool:
-    """Whether ``headers`` carry ``api_key``: ``Authorization: Bearer <key>`` or (Anthropic's
-    clients) ``x-api-key: <key>``, compared in constant time."""
+def scope_headers(scope: dict[str, Any]) -> dict[str, str]:
+    """An ASGI request's headers, names lower-cased."""
+    return {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+
+
+def require_key(headers: Any, api_key: str) -> None:
+    """A 401 unless ``headers`` carry ``api_key``: ``Authorization: Bearer <key>`` or
+    (Anthropic's clients) ``x-api-key: <key>``, compared in constant time."""
     scheme, _, token = headers.get("authorization", "").strip().partition(" ")
     given = token if scheme.lower() == "bearer" and token.strip() else headers.get("x-api-key", "")
-    return hmac.compare_digest(given.strip().encode(), api_key.encode())
+    if not hmac.compare_digest(given.strip().encode(), api_key.encode()):
+        raise APIError("invalid or missing API key (Authorization: Bearer ... or x-api-key)", 401,
+                       "authentication_error", None, "invalid_api_key")
 
 
 def loopback_hosts(bound: str, extra: Iterable[str] = ()) -> frozenset[str]:
@@ -94,7 +101,7 @@ class RequestGuard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        headers = scope_headers(scope)
         if self.allowed_hosts is not None and host_name(headers.get("host", "")) not in self.allowed_hosts:
             await send_error(send, 403, "this server does not answer to that Host name (see --allowed-host)",
                              "host_not_allowed", scope.get("path", ""), self.shape)

@@ -24,7 +24,7 @@ from fastapi import FastAPI
 
 from mlxformer.server.context import ServerContext
 from mlxformer.server.errors import APIError
-from mlxformer.server.guards import OPEN_PATHS, BodyTooLarge, key_valid, send_error
+from mlxformer.server.guards import OPEN_PATHS, BodyTooLarge, require_key, scope_headers, send_error
 from mlxformer.server.hosting import not_found
 from mlxformer.server.model_facts import ModelFacts, kv_budget_of, mib, model_facts
 from mlxformer.server.registry import ModelRecord, loaded_record
@@ -287,10 +287,8 @@ class MultiModelApp:
         from mlxformer.server.ollama_protocol import keep_alive_seconds
 
         try:
-            headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
-            if self.api_key is not None and scope["path"] not in OPEN_PATHS and not key_valid(headers, self.api_key):
-                raise APIError("invalid or missing API key (Authorization: Bearer ... or x-api-key)", 401,
-                               "authentication_error", None, "invalid_api_key")
+            if self.api_key is not None and scope["path"] not in OPEN_PATHS:
+                require_key(scope_headers(scope), self.api_key)
             body = await read_body(receive)
             name, keep_alive = body_fields(body) if scope["method"] == "POST" else (None, None)
             keep = keep_alive_seconds(keep_alive)
