@@ -126,6 +126,32 @@ def test_a_tight_budget_runs_what_fits_without_thrashing(tiny):
     assert max(rows) == 4  # all that fit: the headroom is one growth, not more
 
 
+def test_rows_crossing_quantized_kv_start_are_admitted_without_thrashing(tiny):
+    """8-bit keys from ``quantized_kv_start`` 40 on, ten prompts of 43-118 tokens in 32-token
+    chunks, a budget of twice the longest request's peak. A row stays float until it has passed
+    ``start`` (a float row costs twice a quantized one), and one whose float chunk passed it is
+    float until its next step: admission counts both. Counted as quantized, a newcomer was
+    admitted into room it did not have and preempted before its first chunk, step after step
+    (23 preemptions, none after a prompt chunk). Each reply equals the request alone."""
+    model, tokenizer = tiny
+    settings = CacheSettings(kv_bits=8, kv_group_size=32, quantized_kv_start=40)
+    lengths = [43, 57, 61, 70, 77, 86, 92, 100, 109, 118]
+    requests = [GenerationRequest([(7 * i + 3 * j) % 250 + 1 for j in range(n)], 12, logprobs=0)
+                for i, n in enumerate(lengths)]
+    options = dict(cache_settings=settings, prefill_chunk=32, step_tokens=64, prefix_cache_bytes=0)
+    alone = []
+    with Engine(model, tokenizer, max_batch=1, **options) as engine:
+        for request in requests:
+            alone.append([(e.token, e.logprob) for e in engine.submit(request) if e.token is not None])
+    peak = Engine(model, tokenizer, cache_settings=settings).sizer.peak(max(lengths) + 12)
+    with Engine(model, tokenizer, max_batch=6, max_kv_memory=2 * peak, **options) as engine:
+        handles = [engine.submit(request) for request in requests]
+        replies = [[(e.token, e.logprob) for e in h if e.token is not None] for h in handles]
+        preemptions = engine.metrics.registry.get_sample_value("mlxformer_preemptions_total")
+    assert replies == alone
+    assert preemptions == 0
+
+
 def test_the_step_after_a_freeing_step_empties_the_buffer_cache_too(tiny):
     """Under a budget, MLX's buffer cache is emptied after a step that changed the KV held (a
     sequence's last prompt chunk, a growth, a retire) and after the step that follows it: with

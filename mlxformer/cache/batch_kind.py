@@ -84,10 +84,21 @@ class Held:
         return sum(x.nbytes for x in (*self.keys, *self.values, *self.state))
 
 
+def _kv_meta(row: "BatchRow") -> dict[str, str] | None:
+    """An attention layer's settings in the row (not a recurrent one's), if it has one."""
+    return next((m for m in row.metas if "bits" in m), None)
+
+
+def row_quantized(row: "BatchRow") -> bool:
+    """Whether a row stores its keys/values quantized."""
+    meta = _kv_meta(row)
+    return meta is not None and codec_settings(meta)[3]
+
+
 def row_quantizes_next(row: "BatchRow", fed: int = 0) -> bool:
     """Whether a row's float storage turns quantized at its next token (``quantized_kv_start``;
     once ``fed`` more tokens are in: a prompt's later chunk in the same step)."""
-    meta = next((m for m in row.metas if "bits" in m), None)  # an attention layer's (not a recurrent one's)
+    meta = _kv_meta(row)
     if meta is None:
         return False
     bits, _, start, quantized = codec_settings(meta)

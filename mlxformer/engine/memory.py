@@ -13,6 +13,7 @@ evicting prefix entries, then preempting.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import os
 import re
@@ -23,7 +24,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from mlxformer.cache import CacheSettings, make_cache
-from mlxformer.cache.batch_kind import PoolKey, Held
+from mlxformer.cache.batch_kind import PoolKey, Held, row_quantized
 from mlxformer.cache.codec import quantized_at
 from mlxformer.cache.state import state_nbytes
 from mlxformer.engine.scheduler import Scheduler, Step
@@ -161,10 +162,11 @@ class KVSizer:
         sizes = self._probe(min(math.ceil(max(tokens, 1) / BLOCK), self.max_blocks), self.quantized(tokens))
         return sizes.row_layer / sizes.row if sizes.row else 0.0
 
-    def bytes_for(self, tokens: int, row: bool = False) -> int:
+    def bytes_for(self, tokens: int, row: bool = False, quantized: bool | None = None) -> int:
         """Bytes of caches holding ``tokens`` tokens (their buffers, rounded up to whole blocks);
-        ``row``: of a pool row holding them."""
-        quantized = self.quantized(tokens)
+        ``row``: of a pool row holding them; ``quantized``: in that storage (default: the one
+        ``tokens`` tokens are stored in)."""
+        quantized = self.quantized(tokens) if quantized is None else quantized
 
         def total(blocks: int) -> int:
             return self._probe(blocks, quantized).row if row else self._probe(blocks, quantized).own
@@ -175,29 +177,35 @@ class KVSizer:
         last, before = total(self.max_blocks), total(self.max_blocks - 1)
         return last + (blocks - self.max_blocks) * (last - before)
 
-    def after(self, rows: Sequence[int], current: int = 0) -> int:
+    def after(self, rows: Sequence[int], current: int = 0, stored: Sequence[bool | None] = ()) -> int:
         """KV bytes held while the pools are brought to rows of ``rows`` tokens each, from the
         ``current`` bytes they hold (the one estimate behind the check, admission, seating and
         each step): each pool's rows as wide as its widest (one pool of float rows below
-        ``quantized_kv_start``, one of quantized rows from it), never less than what is held;
-        and, when that rewrites buffers (a row added, the rows widened, a row turning
-        quantized), what is held now held twice one layer at a time (``share``; all layers at
-        once when rows turn quantized)."""
+        ``quantized_kv_start``, one of quantized rows from it; ``stored``: each row's storage
+        where it is known, a row that passed ``start`` in a float chunk is float until its next
+        step), never less than what is held; and, when that rewrites buffers (a row added, the
+        rows widened, a row turning quantized), what is held now held twice one layer at a time
+        (``share``; all layers at once when rows turn quantized)."""
         pools: dict[bool, list[int]] = {}
-        for tokens in rows:
-            pools.setdefault(self.quantized(tokens), []).append(tokens)
-        total = sum(len(pool) * self.bytes_for(max(pool), row=True) for pool in pools.values())
+        for tokens, quantized in itertools.zip_longest(rows, stored):
+            pools.setdefault(self.quantized(tokens) if quantized is None else quantized, []).append(tokens)
+        total = sum(len(pool) * self.bytes_for(max(pool), True, quantized) for quantized, pool in pools.items())
         if total <= current:
             return current
         return total + math.ceil(current * self.share(max(rows)))
+
+    def ends(self, tokens: int) -> list[int]:
+        """The lengths at which a row on its way to ``tokens`` tokens is largest in each storage:
+        past ``quantized_kv_start``, its float row at its longest (``start`` tokens) and its end."""
+        start = self.settings.quantized_kv_start
+        return [start, tokens] if self.quantizes and tokens > start else [tokens]
 
     def peak(self, tokens: int) -> int:
         """The most a lone request needs on its way to ``tokens`` tokens: its row at its end with
         one layer of it held twice (rewritten at a growth, or written at a seat from a prefix
         hit's blocks), and, past ``quantized_kv_start``, ``after`` as it turns quantized (its
         float row beside its quantized one) and its float row at its largest."""
-        start = self.settings.quantized_kv_start
-        ends = [start, tokens] if self.quantizes and tokens > start else [tokens]
+        start, ends = self.settings.quantized_kv_start, self.ends(tokens)
         need = max(self.bytes_for(n, row=True) + math.ceil(self.bytes_for(n, row=True) * self.share(n))
                    for n in ends)
         if len(ends) > 1:
@@ -265,6 +273,11 @@ def nbytes(sequence: RequestState) -> int:
     return sum(c.nbytes for c in sequence.cache)
 
 
+def stored_quantized(sequence: RequestState) -> bool | None:
+    """Whether the sequence's row stores its keys quantized now (None: it has no row yet)."""
+    return row_quantized(sequence.cache[0].row) if sequence.cache else None  # type: ignore[attr-defined]
+
+
 class MemoryPlanner:
     """What the scheduler's sequences need of the budget: at admission and for each step."""
 
@@ -297,17 +310,23 @@ class MemoryPlanner:
 
     def admissible(self, scheduler: Scheduler, sequence: RequestState) -> bool:
         """Whether ``sequence`` fits beside the active ones (the prefix cache can be evicted) with
-        headroom: its row added to the pool and brought to its prompt's length, and the pool's
-        next growth (every row one buffer block wider) when some row will reach it. Without that
-        headroom a sequence admitted into the last free bytes is preempted at its next block and
-        re-admitted as soon as one frees (measured: 34 preemptions over 16 requests, 0.15x the
-        unbudgeted throughput)."""
+        headroom: its row added to the pool and brought to its prompt's length (and the rows not
+        quantized yet at their longest as float rows, ``KVSizer.ends``), and the pool's next growth (every row one buffer block wider) when some row will reach it.
+        Without that headroom a sequence admitted into the last free bytes is preempted at its
+        next block and re-admitted as soon as one frees (measured: 34 preemptions over 16
+        requests, 0.15x the unbudgeted throughput; counted as quantized, a prompt crossing
+        ``quantized_kv_start`` was preempted before its first chunk at every step)."""
         active = scheduler.active
         if self.budget is None or not active:
             return True
         current = sum(nbytes(s) for s in active)
         rows = [len(s.tokens) + 1 for s in active] + [len(sequence.tokens)]
-        need = self.sizer.after(rows, current)
+        # the rows not quantized yet at their longest float length (``ends``), beside the others
+        floats = [n if stored_quantized(s) else max(s.cache_offset, self.sizer.ends(n)[0])
+                  for s, n in zip([*active, sequence], rows)]
+        stored = [stored_quantized(s) for s in active] + [False]
+        seated = self.sizer.after([s.cache_offset for s in active] + [0], current, stored)  # once it has its row
+        need = max(self.sizer.after(rows, seated), self.sizer.after(floats, seated, stored))
         grown = math.ceil(max(rows) / BLOCK) * BLOCK + 1  # tokens at which every row's buffer gains a block
         if any(len(s.tokens) + s.room >= grown for s in [*active, sequence]):
             need = max(need, self.sizer.after([grown] * len(rows), self.sizer.after(rows)))
@@ -320,7 +339,8 @@ class MemoryPlanner:
         time). The prefix cache must leave this room before the seat (``Admission.seat``)."""
         active = [s for s in scheduler.active if s is not sequence and s.cache]
         rows = [s.cache_offset for s in active] + [layers[0].offset]
-        return self.sizer.after(rows, sum(nbytes(s) for s in active) + sum(h.nbytes for h in layers))
+        stored = [stored_quantized(s) for s in active] + [None]
+        return self.sizer.after(rows, sum(nbytes(s) for s in active) + sum(h.nbytes for h in layers), stored)
 
     def step_need(self, scheduler: Scheduler, step: Step) -> int:
         """KV bytes the active sequences hold while ``step`` runs: every row brought to its
