@@ -229,6 +229,22 @@ def test_pickled_and_malformed_adapters_are_refused(adapters: Path, tmp_path: Pa
     (trained_bias / "adapter_config.json").write_text(json.dumps({**config, "bias": "all"}))
     with pytest.raises(MlxformerError, match="bias is not supported"):
         read_adapter(trained_bias)
+    # r must be the tensors' rank (the scale is lora_alpha / r; PEFT refuses it as a size mismatch)
+    wrong_rank = tmp_path / "rank"
+    wrong_rank.mkdir()
+    (wrong_rank / "adapter_model.safetensors").write_bytes((adapters / "lora" / "adapter_model.safetensors").read_bytes())
+    (wrong_rank / "adapter_config.json").write_text(json.dumps({**config, "r": 2 * config["r"]}))
+    with pytest.raises(MlxformerError, match="the tensors' rank is 4"):
+        read_adapter(wrong_rank)
+    not_finite = tmp_path / "nan"
+    not_finite.mkdir()
+    tensors = dict(mx.load(str(adapters / "lora" / "adapter_model.safetensors")))
+    first = sorted(tensors)[0]
+    tensors[first] = mx.full(tensors[first].shape, float("nan"), tensors[first].dtype)
+    mx.save_safetensors(str(not_finite / "adapter_model.safetensors"), tensors)
+    (not_finite / "adapter_config.json").write_text(json.dumps(config))
+    with pytest.raises(MlxformerError, match="NaN or infinite"):
+        read_adapter(not_finite)
     model, tokenizer = load(adapters / "base", dtype=mx.float32)
     bank = attach_adapters(model, [read_adapter(adapters / "dora")], ["dora"])
     with pytest.raises(MlxformerError, match="DoRA"):

@@ -75,6 +75,21 @@ def test_openai_client_embeddings(embedding_server):
     assert np.abs(np.array([d.embedding for d in query.data]) - expected_query).max() < BOUND
 
 
+def test_served_embedding_gemma_with_dense_modules(tmp_path):
+    """EmbeddingGemma's two Dense projections, served: the engine's thread runs them (their
+    weights, read lazily on the loading thread, failed there: a 500 on every request)."""
+    from openai import OpenAI
+    from sentence_transformers import SentenceTransformer
+
+    directory = em.write_embedding_gemma(tmp_path)
+    expected = SentenceTransformer(str(directory), device="cpu").encode(em.TEXTS, normalize_embeddings=True)
+    model, tokenizer = load(directory, dtype=mx.float32)
+    with served(model, tokenizer, max_batch=2) as server:
+        client = OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        reply = client.embeddings.create(model=MODEL_NAME, input=em.TEXTS)
+    assert np.abs(np.array([d.embedding for d in reply.data]) - expected).max() < BOUND
+
+
 def test_ollama_client_embed(embedding_server):
     import ollama
 

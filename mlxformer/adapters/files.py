@@ -23,7 +23,7 @@ import mlx.core as mx
 
 from mlxformer.errors import MlxformerError
 from mlxformer.formats.jsonio import read_json_object
-from mlxformer.formats.safetensors import read_safetensors_header
+from mlxformer.formats.safetensors import load_tensors
 
 MLX_LM_WEIGHTS, PEFT_WEIGHTS, CONFIG = "adapters.safetensors", "adapter_model.safetensors", "adapter_config.json"
 _PEFT_PREFIX = "base_model.model."
@@ -76,11 +76,6 @@ def _config(path: Path) -> dict[str, Any]:
     return read_json_object(path / CONFIG)
 
 
-def _tensors(file: Path) -> dict[str, mx.array]:
-    read_safetensors_header(file)  # checked before mx.load trusts it
-    return dict(mx.load(str(file)))  # type: ignore[arg-type]
-
-
 def _number(path: Path, name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise MlxformerError(f"adapter {path}: {name} must be a number, got {value!r}")
@@ -96,7 +91,7 @@ def _read_mlx_lm(path: Path) -> Adapter:
     if not isinstance(params, dict) or "scale" not in params:
         raise MlxformerError(f"adapter {path}: {CONFIG} needs lora_parameters.scale")
     scale = _number(path, "lora_parameters.scale", params["scale"])
-    tensors = _tensors(path / MLX_LM_WEIGHTS)
+    tensors = load_tensors(path / MLX_LM_WEIGHTS)
     modules: dict[str, LowRank] = {}
     for name in sorted(tensors):
         module, _, leaf = name.rpartition(".")
@@ -125,7 +120,7 @@ def _read_peft(path: Path) -> Adapter:
     ranks, alphas = config.get("rank_pattern") or {}, config.get("alpha_pattern") or {}
     rs = bool(config.get("use_rslora", False))
     tensors = {}
-    for name, array in _tensors(path / PEFT_WEIGHTS).items():
+    for name, array in load_tensors(path / PEFT_WEIGHTS).items():
         if not name.startswith(_PEFT_PREFIX):
             raise MlxformerError(f"adapter {path}: unexpected tensor {name!r} (PEFT's begin {_PEFT_PREFIX!r})")
         tensors[name.removeprefix(_PEFT_PREFIX)] = array
@@ -142,6 +137,9 @@ def _read_peft(path: Path) -> Adapter:
         if b is None:
             raise MlxformerError(f"adapter {path}: {name} has no {module}.lora_B.weight")
         rank = _number(path, "rank_pattern", _pattern(ranks, module, r))
+        if rank != tensors[name].shape[0]:  # the scale is alpha / r: a config's r must be the tensors'
+            raise MlxformerError(f"adapter {path}: {module}: r is {rank:g} in {CONFIG}, the tensors' rank is "
+                                 f"{tensors[name].shape[0]}")
         a_alpha = _number(path, "alpha_pattern", _pattern(alphas, module, alpha))
         scale = a_alpha / math.sqrt(rank) if rs else a_alpha / rank
         m = tensors.get(f"{module}.lora_magnitude_vector")
@@ -168,6 +166,8 @@ def _checked(path: Path, module: str, a: mx.array, b: mx.array, scale: float, m:
     for array in (a, b) + (() if m is None else (m,)):
         if not mx.issubdtype(array.dtype, mx.floating):
             raise MlxformerError(f"adapter {path}: {module}: tensors must be float, got {array.dtype}")
+        if not mx.all(mx.isfinite(array)).item():
+            raise MlxformerError(f"adapter {path}: {module}: tensors hold NaN or infinite values")
     return LowRank(a, b, scale, m)
 
 

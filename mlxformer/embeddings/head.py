@@ -14,6 +14,7 @@ from typing import Any, Mapping
 import mlx.core as mx
 
 from mlxformer.errors import MlxformerError
+from mlxformer.formats.safetensors import load_tensors
 
 __all__ = ["POOLINGS", "Dense", "EmbeddingHead", "read_embedding_head", "with_pooling"]
 
@@ -117,7 +118,7 @@ def _dense_of(path: Path) -> Dense:
     weights_file = path / "model.safetensors"
     if not weights_file.is_file():
         raise MlxformerError(f"{path}: no model.safetensors (only safetensors weights are read)")
-    weights = mx.load(str(weights_file))
+    weights = load_tensors(weights_file)
     if "linear.weight" not in weights:
         raise MlxformerError(f"{weights_file}: no 'linear.weight'")
     return Dense(weights["linear.weight"].astype(mx.float32),

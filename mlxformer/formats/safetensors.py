@@ -141,6 +141,19 @@ def read_config(directory: Path) -> dict[str, Any]:
     return read_json_object(config_path)
 
 
+def load_tensors(file: Path) -> dict[str, mx.array]:
+    """Every tensor of a small safetensors file (an adapter's, a sentence-transformers module's),
+    its header checked first and the tensors read now: lazy arrays are bound to the loading
+    thread's stream, and the engine's thread evaluates them."""
+    read_safetensors_header(file)  # checked before mx.load trusts it
+    try:
+        tensors = dict(mx.load(str(file)))
+        mx.eval(tensors)
+    except (RuntimeError, ValueError) as exc:
+        raise MlxformerError(f"{file}: cannot read safetensors ({exc})") from None
+    return tensors  # type: ignore[return-value]
+
+
 class ShardReader:
     """Tensors of safetensors files one at a time, as lazy arrays (read when evaluated).
 
