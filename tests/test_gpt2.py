@@ -31,13 +31,13 @@ POSITIONS = 512  # n_positions: the engine test's prompts (up to 300 tokens) and
 CHUNK = 64
 
 
-def tiny_gpt2(directory, vocab_size: int = 256, seed: int = 0):
+def tiny_gpt2(directory, vocab_size: int = 256, seed: int = 0, **config_fields):
     """A 2-layer GPT-2 saved by transformers (``n_ctx`` added, as the hub's GPT-2 configs
     carry it and llama.cpp's converter reads it); returns transformers' float32 eager model."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     config = GPT2Config(vocab_size=vocab_size, n_embd=64, n_layer=2, n_head=4, n_positions=POSITIONS,
-                        bos_token_id=1, eos_token_id=2)
+                        bos_token_id=1, eos_token_id=2, **config_fields)
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = GPT2LMHeadModel(config).eval()
@@ -161,8 +161,9 @@ def test_requests_end_at_the_learned_positions(gpt2):
 
 @pytest.fixture(scope="module")
 def hub_style(gpt2, tmp_path_factory):
-    """The checkpoint as the hub's ``gpt2`` stores it: names without ``transformer.`` and each
-    layer's causal-mask buffer ``h.N.attn.bias`` (what mlx-lm's ``gpt2`` reads)."""
+    """The checkpoint as the hub's ``gpt2`` stores it: names without ``transformer.``, each
+    layer's causal-mask buffer ``h.N.attn.bias`` (what mlx-lm's ``gpt2`` reads) and a config
+    without ``tie_word_embeddings`` (transformers' default: tied)."""
     from safetensors.numpy import load_file, save_file
 
     directory = gpt2[0]
@@ -170,7 +171,9 @@ def hub_style(gpt2, tmp_path_factory):
     weights = {k.removeprefix("transformer."): v for k, v in load_file(directory / "model.safetensors").items()}
     weights.update({f"h.{i}.attn.bias": np.tril(np.ones((1, 1, 8, 8), dtype=np.float32)) for i in range(2)})
     save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
-    (out / "config.json").write_text((directory / "config.json").read_text())
+    config = json.loads((directory / "config.json").read_text())
+    config.pop("tie_word_embeddings", None)
+    (out / "config.json").write_text(json.dumps(config))
     write_byte_tokenizer(out)
     return out
 
@@ -178,6 +181,17 @@ def hub_style(gpt2, tmp_path_factory):
 def test_hub_names_and_mask_buffers_load(gpt2, hub_style):
     model, _ = load(hub_style, dtype=mx.float32)
     assert max_diff(np.array(model(mx.array(tokens(SEQ_LEN)[None]))[0]), gpt2[-1]) <= BOUND
+
+
+def test_untied_output_layer(tmp_path):
+    """``tie_word_embeddings: false``: the checkpoint's own ``lm_head`` (read as a base model's
+    hidden states before: ``GPT2LMHeadModel`` ends with ``Model``)."""
+    hf_model = tiny_gpt2(tmp_path, seed=4, tie_word_embeddings=False)
+    write_byte_tokenizer(tmp_path)
+    model, _ = load(tmp_path, dtype=mx.float32)
+    assert not model.args.tie_word_embeddings
+    got = np.array(model(mx.array(tokens(SEQ_LEN)[None]))[0])
+    assert max_diff(got, hf_logits(hf_model, tokens(SEQ_LEN))) <= BOUND
 
 
 def _mlx_lm_logits(directory) -> np.ndarray:

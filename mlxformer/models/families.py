@@ -289,12 +289,14 @@ def text_config_of(config: dict[str, Any]) -> dict[str, Any]:
 def head_fields(config: dict[str, Any]) -> Fields:
     """What the model outputs, from its architecture: vocabulary logits (``*ForCausalLM``),
     a classifier's (``*ForSequenceClassification``: a cross-encoder's ``score``) or, for a
-    base model (``*Model``) without tied embeddings, hidden states only."""
+    base model (``*Model``, not GPT-2's ``GPT2LMHeadModel``) without tied embeddings, hidden
+    states only."""
     architecture = str((config.get("architectures") or [""])[0])
     if architecture.endswith("ForSequenceClassification"):
         labels = config.get("id2label")
         return {"head": "score", "num_labels": int(config.get("num_labels") or (len(labels) if labels else 2))}
-    if architecture.endswith("Model") and not config.get("tie_word_embeddings", False):
+    base = architecture.endswith("Model") and not architecture.endswith("LMHeadModel")
+    if base and not config.get("tie_word_embeddings", False):
         return {"head": "none"}
     return {}
 
