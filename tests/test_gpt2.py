@@ -137,24 +137,30 @@ def test_prompts_packed_beside_decoding_rows_and_the_prefix_cache_equal_alone(gp
 
 
 def test_requests_end_at_the_learned_positions(gpt2):
-    """A prompt plus ``max_tokens`` filling every position decodes (speculation's drafts too,
-    alone and in the engine); one more position is a clear error from ``stream_generate``,
-    the engine and the model itself (not a read past the position table)."""
+    """A prompt plus ``max_tokens`` filling every position decodes, and one token more (the last
+    token is never fed back; speculation's drafts too, alone and in the engine); one more
+    position is a clear error from ``stream_generate``, the engine and the model itself (not a
+    read past the position table)."""
     from mlxformer.speculative.speculator import SpeculativeSettings
 
-    _, model, tokenizer, _, _ = gpt2
+    _, model, tokenizer, hf_model, _ = gpt2
     prompt = [int(t) for t in np.random.default_rng(4).integers(3, 12, size=POSITIONS - 12)]  # repetitive: drafts
     lookup = SpeculativeSettings(prompt_lookup=True, num_draft_tokens=4, ngram_min=1)
-    plain = [r.token for r in stream_generate(model, tokenizer, prompt, 12)]
-    speculated = list(stream_generate(model, tokenizer, prompt, 12, speculative=lookup))
+    plain = [r.token for r in stream_generate(model, tokenizer, prompt, 13)]
+    speculated = list(stream_generate(model, tokenizer, prompt, 13, speculative=lookup))
     assert [r.token for r in speculated] == plain and speculated[-1].proposed_tokens > 0
     message = f"need {POSITIONS + 1} positions; this model has {POSITIONS}"
     with Engine(model, tokenizer, speculative=lookup) as engine:
-        assert [e.token for e in engine.submit(GenerationRequest(prompt, 12)) if e.token is not None] == plain
+        assert [e.token for e in engine.submit(GenerationRequest(prompt, 13)) if e.token is not None] == plain
         with pytest.raises(MlxformerError, match=message):
-            engine.submit(GenerationRequest(prompt, 13))
+            engine.submit(GenerationRequest(prompt, 14))
     with pytest.raises(MlxformerError, match=message):
-        next(stream_generate(model, tokenizer, prompt, 13))
+        next(stream_generate(model, tokenizer, prompt, 14))
+    # a prompt of every position gets its one token (what a completion scoring its prompt runs)
+    whole = [int(t) for t in tokens(POSITIONS, seed=5)]
+    with torch.no_grad():
+        expected = int(hf_model(torch.tensor([whole])).logits[0, -1].argmax())
+    assert [r.token for r in stream_generate(model, tokenizer, whole, 1)] == [expected]
     with pytest.raises(MlxformerError, match=f"past this model's {POSITIONS} learned positions"):
         model(mx.zeros((1, POSITIONS + 1), dtype=mx.int32))
 

@@ -127,6 +127,53 @@ def test_echo_returns_prompt_logprobs(server, tiny_smol, hf_smollm_tokenizer):
         assert logprobs["text_offset"][n - 1] <= len(PROMPT) - 1
 
 
+def test_echo_offsets_index_control_tokens_in_the_prompt(server, tiny_smol, hf_smollm_tokenizer):
+    """A prompt that writes the chat template's control tokens: each token's ``text_offset``
+    is where its text starts in the echoed text (they counted as zero-width, so ``user``'s
+    offset pointed into ``<|im_start|>``); the log-probs are transformers'."""
+    prompt = "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n"
+    ids = hf_smollm_tokenizer(prompt)["input_ids"]
+    rows = torch_logprobs(tiny_smol[1], ids)
+    status, _, raw = http(server, "POST", "/v1/completions",
+                          {"prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 1})
+    assert status == 200, raw
+    choice = json.loads(raw)["choices"][0]
+    logprobs = choice["logprobs"]
+    assert choice["text"] == prompt and len(logprobs["tokens"]) == len(ids)
+    assert logprobs["tokens"][0] == "<|im_start|>"
+    for token, offset in zip(logprobs["tokens"], logprobs["text_offset"]):
+        assert prompt[offset:].startswith(token), (token, offset)
+    expected = [rows[i - 1, ids[i]].item() for i in range(1, len(ids))]
+    assert logprobs["token_logprobs"][1:] == pytest.approx(expected, abs=TOLERANCE)
+
+
+def test_a_prompt_of_the_whole_context_is_scored(tiny_smol, tmp_path):
+    """``max_tokens: 0`` scores a prompt as long as the context (it was refused: no room left to
+    generate); one token more, or any token to generate, is still a 400."""
+    import shutil
+
+    import mlx.core as mx
+
+    from conftest import edit_config
+    from mlxformer import load
+
+    directory = tmp_path / "short"
+    shutil.copytree(tiny_smol[0], directory)
+    edit_config(directory, max_position_embeddings=48)
+    model, tokenizer = load(directory, dtype=mx.float32, threads=1)
+    ids = [(37 * i) % 1000 + 100 for i in range(48)]
+    rows = torch_logprobs(tiny_smol[1], ids)
+    with running_engine(model, tokenizer, max_batch=2) as engine, running_server(engine, model, tokenizer) as url:
+        status, _, raw = http(url, "POST", "/v1/completions",
+                              {"prompt": ids, "max_tokens": 0, "echo": True, "logprobs": 1})
+        assert status == 200, raw
+        scored = json.loads(raw)["choices"][0]["logprobs"]["token_logprobs"]
+        assert scored[1:] == pytest.approx([rows[i - 1, ids[i]].item() for i in range(1, 48)], abs=TOLERANCE)
+        for body in ({"prompt": ids + [5], "max_tokens": 0}, {"prompt": ids, "max_tokens": 1}):
+            status, _, raw = http(url, "POST", "/v1/completions", {**body, "echo": True, "logprobs": 1})
+            assert status == 400, raw
+
+
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("api", ["completions", "chat"])
 def test_an_end_of_sequence_token_has_its_entry(client, tiny_smol, hf_smollm_tokenizer, api, stream):

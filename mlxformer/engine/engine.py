@@ -179,7 +179,7 @@ class Engine:
         request = self.planner.fitted(request)
         self.planner.check(request)
         sequence = RequestState(request, self.tokenizer.detokenizer(), self.tokenizer.eos_token_ids)
-        self.model.args.check_positions(len(request.prompt_ids) + request.max_tokens)  # (max_tokens checked)
+        self.model.args.check_positions(len(request.prompt_ids), request.max_tokens)  # (max_tokens checked)
         sequence.cache_salt = cache_salt(self.model, request.adapters)
         handle = RequestHandle(sequence, self._notify)
         with self._wake:

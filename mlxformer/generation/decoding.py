@@ -313,7 +313,7 @@ def open_sequence(
         prompt, sampling=sampling, max_tokens=max_tokens, stop=stop, eos_ids=eos_ids, detokenizer=detokenizer,
         constraint=constraint, cache=cache,
     )
-    model.args.check_positions(len(prompt) + max_tokens)  # (max_tokens checked by the state)
+    model.args.check_positions(len(prompt), max_tokens)  # (max_tokens checked by the state)
     if state.cache_offset >= len(prompt):
         raise MlxformerError("the cache already holds the whole prompt: nothing is left to prefill")
     if speculative is not None:

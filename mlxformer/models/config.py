@@ -142,9 +142,11 @@ class ModelArgs:
             return self.sliding_window
         return None
 
-    def check_positions(self, tokens: int) -> None:
-        """Raise when a sequence of ``tokens`` (its prompt plus ``max_tokens``) passes the
-        learned positions (GPT-2's ``n_positions``); rotary positions have no end."""
+    def check_positions(self, prompt: int, max_tokens: int) -> None:
+        """Raise when a prompt of ``prompt`` tokens and ``max_tokens`` generated ones pass the
+        learned positions (GPT-2's ``n_positions``; the last generated token is never fed back,
+        so they take one position fewer); rotary positions have no end."""
+        tokens = prompt + max_tokens - 1
         if self.position_type == "learned" and tokens > self.max_position_embeddings:
             raise MlxformerError(f"the prompt and max_tokens need {tokens} positions; this model has "
                                  f"{self.max_position_embeddings} (learned positions)")

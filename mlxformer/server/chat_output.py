@@ -145,15 +145,21 @@ def chat_token_logprob(event: TokenEvent, text: TokenStrings) -> TokenLogprob:
 
 
 def echo_logprobs(
-    ids: list[int], entries: list[tuple[float, list[tuple[int, float]]]], text: TokenStrings
+    ids: list[int], entries: list[tuple[float, list[tuple[int, float]]]], text: TokenStrings, echo: str
 ) -> CompletionLogprobs:
     """A text completion's ``logprobs`` for its echoed prompt ``ids``: the first token has none
-    (``null``, as OpenAI reports it), each later one its log-probability given those before it."""
+    (``null``, as OpenAI reports it), each later one its log-probability given those before it.
+    ``text_offset`` indexes ``echo``, the echoed text: a control token written in it (``<|im_start|>``)
+    spans its name there, one the tokenizer added (a BOS) nothing."""
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     offsets, chars = [], 0
     for token in ids:
         offsets.append(chars)
-        chars += len(decoder.decode(text.text_bytes(token)))
+        if text.vocab.is_special_token(token):
+            name = text(token)
+            chars += len(name) if echo.startswith(name, chars) else 0
+        else:
+            chars += len(decoder.decode(text.text_bytes(token)))
     top = [{text(i): lp for i, lp in alternatives if math.isfinite(lp)} for _, alternatives in entries]
     return CompletionLogprobs(
         tokens=[text(i) for i in ids], token_logprobs=[None, *(finite(lp) for lp, _ in entries)],

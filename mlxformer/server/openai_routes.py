@@ -84,7 +84,7 @@ def openai_router(ctx: ServerContext) -> APIRouter:
         scores = lease.handle.sequence.prompt_scores
 
         def echoed() -> CompletionLogprobs | None:  # once the first event came: the prompt is scored
-            return echo_logprobs(prepared.prompt_ids, scores.entries(), text) if scores is not None else None
+            return echo_logprobs(prepared.prompt_ids, scores.entries(), text, echo) if scores is not None else None
 
         if body.stream:
             make = completion_chunk_maker(request_id, served.name, text, logprobs, echo, echoed)

@@ -36,7 +36,7 @@ def prepare_completion(body: CompletionRequest, served: ServedModel) -> Prepared
     ids = completion_prompt_ids(body, served)
     score_only = body.max_tokens == 0  # the engine makes at least one token: it is dropped
     constraint = constraint_for(body.response_format, served.tokenizer, served.vocab_size)
-    request = engine_request(body, ids, served, max_tokens=1 if score_only else body.max_tokens,
+    request = engine_request(body, ids, served, max_tokens=body.max_tokens,
                              logprobs=body.logprobs, constraint=constraint, prompt_param="prompt")
     if body.echo and body.logprobs is not None:
         request.prompt_logprobs = body.logprobs  # the engine scores the prompt while prefilling it

@@ -99,11 +99,11 @@ def completion_budget(prompt_tokens: int, requested: int | None, served: ServedM
                       max_tokens_param: str = "max_tokens") -> int:
     """The max tokens to generate: ``requested``, or by default the rest of the context (OpenAI's
     default); 400 when the prompt (``param``) or the prompt plus ``requested`` (``max_tokens_param``)
-    exceeds the context."""
+    exceeds the context (a prompt of the whole context is scored when ``requested`` is 0)."""
     context = served.context_length
     if prompt_tokens == 0:
         raise bad_request("the prompt is empty", param=param)
-    if prompt_tokens >= context:
+    if prompt_tokens > context or (prompt_tokens == context and requested != 0):
         raise context_exceeded(served, f"{prompt_tokens} tokens for the prompt alone", param)
     if requested is not None and prompt_tokens + requested > context:
         raise context_exceeded(
@@ -169,7 +169,7 @@ def engine_request(
     budget = completion_budget(len(prompt_ids), max_tokens, served, prompt_param, max_tokens_param)
     return GenerationRequest(
         prompt_ids=prompt_ids,
-        max_tokens=budget,
+        max_tokens=max(budget, 1),  # 0 (a completion scoring its prompt): the engine's one token is dropped
         sampling=sampling_of(fields, served.vocab_size, served.tokenizer.sampling_defaults),
         stop=tuple(stops),
         logprobs=logprobs,
