@@ -285,6 +285,13 @@ def test_server_requests_choose_their_adapters(adapters: Path):
             assert completion(url, lora=[{"id": 0, "scale": 1.0}]) == expected["lora"]
             assert completion(url, lora=[{"id": "dora"}]) == expected["dora"]
             assert completion(url, model=f"{MODEL_NAME}:dora") == expected["dora"]
+            for stream in (False, True):  # the reply names the model as the request chose it
+                status, _, raw = http(url, "POST", "/v1/completions",
+                                      {"prompt": prompt, "model": f"{MODEL_NAME}:dora", "max_tokens": 2, "stream": stream})
+                assert status == 200, raw
+                names = {json.loads(line[6:]).get("model") for line in raw.decode().splitlines()
+                         if line.startswith("data: {")} if stream else {json.loads(raw)["model"]}
+                assert names == {f"{MODEL_NAME}:dora"}, raw
             assert completion(url, lora=[{"id": 0, "scale": 0.0}]) == expected[None]
             for bad, needle in (({"lora": [{"id": 5}]}, "not an adapter"), ({"lora": [{"id": 1, "scale": 0.5}]}, "DoRA"),
                                 ({"model": f"{MODEL_NAME}:nothing"}, "does not exist")):

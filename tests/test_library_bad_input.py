@@ -90,6 +90,7 @@ def test_wrong_python_types_are_one_clear_error(tiny):
         (lambda: generate(model, tokenizer, 5, max_tokens=2), "prompt must be token ids \\(got int\\)"),
         (lambda: generate(model, tokenizer, None, max_tokens=2), "prompt must be token ids"),
         (lambda: embed(model, tokenizer, 5), "texts must be a string or a list of strings"),
+        (lambda: embed(model, tokenizer, []), "texts must hold at least one string"),
         (lambda: rerank(model, tokenizer, "q", [1, 2]), "documents must be a string or a list of strings"),
         (lambda: generate(model, tokenizer, PROMPT, max_tokens=2, cache_settings={"kv_bits": 8}),
          "cache_settings must be a CacheSettings \\(got dict\\)"),

@@ -132,6 +132,6 @@ def embed(model: Model, tokenizer: Tokenizer, texts: str | Sequence[str], *, pro
         head: pooling, projections and normalization (default: the checkpoint's, ``Model.embedding_head``).
     """
     head = head or model.embedding_head
-    texts = check_strings("texts", texts)
+    texts = check_strings("texts", texts, empty=False)
     vectors = embed_tokens(model, encode_inputs(tokenizer, texts, head.prefix(prompt_name)), head)
     return shorten(vectors, dimensions, head.normalize)

@@ -74,12 +74,14 @@ def check_integer(param: str, value: int, *, low: int, high: int | None = None) 
     return value
 
 
-def check_strings(param: str, value: object) -> list[str]:
+def check_strings(param: str, value: object, empty: bool = True) -> list[str]:
     """``value`` as a list of strings (one string: a list of it, not of its characters), else
-    ``OptionError(param)``."""
+    ``OptionError(param)``; ``empty=False``: at least one."""
     items = [value] if isinstance(value, str) else list(value) if isinstance(value, Iterable) else None
     if items is None or not all(isinstance(item, str) for item in items):
         raise OptionError(param, f"must be a string or a list of strings (got {value!r})")
+    if not items and not empty:
+        raise OptionError(param, "must hold at least one string")
     return items
 
 

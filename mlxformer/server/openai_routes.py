@@ -46,18 +46,19 @@ def openai_router(ctx: ServerContext) -> APIRouter:
                  responses={**streamed_ok(ChatCompletionResponse, ChatCompletionChunk), **error_responses(GENERATION)})
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         check_model(ctx, body.model)
+        name = served.reply_name(body.model)
         prepared = await ctx.prepare(lambda: prepare_chat(body, served, ctx.traits))
         lease = ctx.submit(prepared.request)
         request_id = new_id("chatcmpl")
         if body.stream:
-            make = chat_chunk_maker(request_id, served.name, text, body.logprobs, prepared.parser())
+            make = chat_chunk_maker(request_id, name, text, body.logprobs, prepared.parser())
             first = ChatCompletionChunk.model_validate({
-                "id": request_id, "model": served.name,
+                "id": request_id, "model": name,
                 "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}],
             })
 
             def usage_chunk(last: TokenEvent | None) -> BaseModel:
-                return ChatCompletionChunk(id=request_id, model=served.name, choices=[], usage=usage_of(last, lease.cut))
+                return ChatCompletionChunk(id=request_id, model=name, choices=[], usage=usage_of(last, lease.cut))
 
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
@@ -68,13 +69,14 @@ def openai_router(ctx: ServerContext) -> APIRouter:
             return ctx.event_stream(chunks, lease, progress_chunk if body.return_progress else None)
         result = await collect_unless_gone(lease, request)
         reply = whole_reply(prepared.parser(), result.events)
-        return JSONResponse(chat_response(request_id, served.name, result, reply, text, body.logprobs).model_dump(),
+        return JSONResponse(chat_response(request_id, name, result, reply, text, body.logprobs).model_dump(),
                             headers=lease.headers)
 
     @router.post("/completions", response_model=CompletionResponse,
                  responses={**streamed_ok(CompletionResponse, CompletionResponse), **error_responses(GENERATION)})
     async def completions(body: CompletionRequest, request: Request) -> Response:
         check_model(ctx, body.model)
+        name = served.reply_name(body.model)
         prepared = await ctx.prepare(lambda: prepare_completion(body, served))
         lease = ctx.submit(prepared.request, "completions")
         lease.score_only = prepared.score_only
@@ -87,21 +89,21 @@ def openai_router(ctx: ServerContext) -> APIRouter:
             return echo_logprobs(prepared.prompt_ids, scores.entries(), text, echo) if scores is not None else None
 
         if body.stream:
-            make = completion_chunk_maker(request_id, served.name, text, logprobs, echo, echoed)
+            make = completion_chunk_maker(request_id, name, text, logprobs, echo, echoed)
 
             def usage_chunk(last: TokenEvent | None) -> BaseModel:
-                return CompletionResponse(id=request_id, model=served.name, choices=[], usage=usage_of(last, lease.cut))
+                return CompletionResponse(id=request_id, model=name, choices=[], usage=usage_of(last, lease.cut))
 
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
             def progress_chunk(progress: dict[str, int]) -> str:
-                return sse({"id": request_id, "object": "text_completion", "model": served.name, "choices": [],
+                return sse({"id": request_id, "object": "text_completion", "model": name, "choices": [],
                             "prompt_progress": progress})
 
             chunks = stream(lease, make, None, usage_chunk if include_usage else None)
             return ctx.event_stream(chunks, lease, progress_chunk if body.return_progress else None)
         result = await collect_unless_gone(lease, request)
-        response = completion_response(request_id, served.name, result, text, logprobs, echo, echoed())
+        response = completion_response(request_id, name, result, text, logprobs, echo, echoed())
         return JSONResponse(response.model_dump(), headers=lease.headers)
 
     return router

@@ -52,6 +52,10 @@ class ServedModel:
         base, _, adapter = (requested or "").rpartition(":")
         return adapter if self.adapters is not None and base and adapter in self.adapters.names else None
 
+    def reply_name(self, requested: str | None) -> str:
+        """The model a reply names: ``BASE:NAME`` when the request picked an adapter by it, else this model."""
+        return f"{self.name}:{adapter}" if (adapter := self.adapter_named(requested)) else self.name
+
     def base_name(self, requested: str | None) -> str | None:
         """``requested`` without the adapter it picks (``adapter_named``)."""
         return requested.rpartition(":")[0] if requested and self.adapter_named(requested) else requested
