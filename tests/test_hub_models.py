@@ -202,6 +202,22 @@ def test_list_shows_format_quant_size_and_whether_it_loads(sources, cache):
     assert table[0].split() == ["NAME", "FORMAT", "QUANT", "SIZE", "LOADS"] and len(table) == 6
 
 
+def test_a_repo_whose_config_does_not_read_hides_no_other(sources, tmp_path):
+    """A cached repo with a config.json that is not JSON: ``list`` shows it, not loading and why,
+    beside the others (the whole listing failed, and ``rm`` of any repo with it), and ``rm`` deletes it."""
+    mine = tmp_path / "hub"
+    add_to_cache(mine, ST_REPO, sources[0][ST_REPO])
+    broken = tmp_path / "broken.json"
+    broken.write_text("{not json")
+    add_to_cache(mine, "acme/broken", {**sources[0][ST_REPO], "config.json": broken})
+    rows = listing(mine)
+    assert rows[ST_REPO]["loadable"] and not rows["acme/broken"]["loadable"]
+    assert "cannot read JSON" in rows["acme/broken"]["problem"]
+    done = cli(mine, "rm", "acme/broken", "--yes")
+    assert done.returncode == 0, done.stderr
+    assert set(listing(mine)) == {ST_REPO}
+
+
 def test_rm_asks_and_deletes_one_quant_or_the_whole_repo(cache, sources, tmp_path, monkeypatch):
     """Also git copies of a repo (the same commit) in the cache: ``rm`` of one removes that one
     (the hub's ``delete_revisions`` finds commits cache-wide and removed whichever copy its scan

@@ -64,7 +64,12 @@ def load_problem(path: Path) -> str | None:
 
 
 def safetensors_quant(snapshot: Path) -> str:
-    config = read_json_object(snapshot / "config.json") if (snapshot / "config.json").is_file() else {}
+    """The quantization or dtype a checkpoint's config names ("?": none, or a config that does not
+    read: ``load_problem`` says why, and one such repo never hides the others)."""
+    try:
+        config = read_json_object(snapshot / "config.json") if (snapshot / "config.json").is_file() else {}
+    except MlxformerError:
+        return "?"
     quantization = config.get("quantization") or config.get("quantization_config")
     if isinstance(quantization, dict) and "bits" in quantization:
         return f"{quantization['bits']}-bit"
