@@ -39,6 +39,17 @@ HOSTILE = [
     (dict(BASE, num_experts_per_tok=True), "num_experts_per_tok"),
     (dict(BASE, rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * HUGE, "long_factor": [1.0]}),
      "short_factor"),
+    # numbers that made NaN logits or a Python error naming nothing
+    (dict(BASE, rope_theta=0), "rope_theta"),
+    (dict(BASE, rope_theta=float("nan")), "rope_theta"),
+    (dict(BASE, rope_theta=[1]), "rope_theta"),
+    (dict(BASE, rms_norm_eps=float("nan")), "rms_norm_eps"),
+    (dict(BASE, rms_norm_eps=-1e-6), "rms_norm_eps"),
+    (dict(BASE, rope_scaling={"rope_type": "linear", "factor": 0}), "rope factor"),
+    (dict(BASE, rope_parameters={"rope_type": "default", "rope_theta": -5.0}), "rope rope_theta"),
+    # an activation the decoder does not have (it was read as SiLU, and convert wrote silu)
+    (dict(BASE, hidden_act="relu"), "unsupported activation 'relu'"),
+    (dict(BASE, model_type="qwen3", hidden_act="gelu"), "unsupported activation 'gelu'"),
 ]
 
 

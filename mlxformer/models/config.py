@@ -14,6 +14,7 @@ import mlx.core as mx
 
 from mlxformer.errors import MlxformerError
 from mlxformer.models.config_bounds import check_config_sizes
+from mlxformer.models.family_keys import activation
 from mlxformer.models.families import FAMILIES, family_fields, head_config, head_fields, hybrid_config, text_config_of
 from mlxformer.models.gemma4_family import gemma4_config
 from mlxformer.models.rope_config import SUPPORTED_ROPE_TYPES, RopeConfig, rope_config_from_dict, rope_scaling_dict
@@ -227,6 +228,8 @@ class ModelArgs:
                 **head_fields(config),
             )
             fields.update(family_fields(config, fields))
+            if "hidden_act" not in fields:  # a family that reads no activation of its own: its config's gate
+                fields["hidden_act"] = activation(config, "silu", "hidden_act")
             return cls(**fields)
         except KeyError as exc:
             raise MlxformerError(f"config.json is missing required key {exc.args[0]!r}") from None

@@ -8,6 +8,7 @@ model (largest seen: ~130 layers, 262k vocabulary, 512 experts, 512-wide heads, 
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from mlxformer.errors import MlxformerError
@@ -51,6 +52,9 @@ SIZE_BOUNDS: dict[str, int] = {
     "no_rope_layer_interval": 4096,
     "sliding_window_pattern": 4096,
 }
+# config.json keys (and rope_scaling / rope_parameters keys) that must be positive, finite numbers.
+POSITIVE_KEYS = ("rms_norm_eps", "layer_norm_epsilon", "layer_norm_eps", "rope_theta")
+ROPE_POSITIVE_KEYS = ("rope_theta", "factor")
 # config.json keys holding one entry per layer.
 PER_LAYER_KEYS = ("layer_types", "no_rope_layers")
 # Lists of per-frequency factors: at most one per rotary pair of the widest head.
@@ -83,8 +87,12 @@ def check_config_sizes(config: dict[str, Any]) -> None:
     if dense is not None and (not isinstance(dense, list) or len(dense) > SIZE_BOUNDS["num_hidden_layers"]
                               or not all(_is_int(i) for i in dense)):
         raise MlxformerError("config.json mlp_only_layers must be a list of layer indices")
+    for key in POSITIVE_KEYS:
+        _check_positive(key, config.get(key))
     for scaling in (config.get("rope_scaling"), config.get("rope_parameters")):
         for params in _rope_dicts(scaling):
+            for key in ROPE_POSITIVE_KEYS:
+                _check_positive(f"rope {key}", params.get(key))
             for key in FACTOR_KEYS:
                 factors = params.get(key)
                 if factors is not None and (not isinstance(factors, list) or len(factors) > SIZE_BOUNDS["head_dim"]):
@@ -98,3 +106,12 @@ def _rope_dicts(scaling: Any) -> list[dict[str, Any]]:
         return []
     nested = [v for v in scaling.values() if isinstance(v, dict)]
     return [scaling, *nested]
+
+
+def _check_positive(key: str, value: Any) -> None:
+    """A positive, finite number (None: not given), else one line naming ``key`` (a zero or NaN
+    ``rope_theta`` or norm epsilon made NaN logits)."""
+    if value is None:
+        return
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
+        raise MlxformerError(f"config.json {key} must be a positive number, not {str(value)[:40]}")
