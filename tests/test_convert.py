@@ -349,7 +349,7 @@ def _write_unsupported_gguf(path: Path) -> None:
     writer.close()
 
 
-@pytest.mark.parametrize("case", ["exists", "pickle", "gguf_q6k", "bits7", "group48", "requantize"])
+@pytest.mark.parametrize("case", ["exists", "pickle", "gguf_q6k", "bits7", "group48", "requantize", "tokenizer"])
 def test_refusals_are_one_line_and_write_nothing(case, tiny_hf, tmp_path, capsys):
     src, dst = str(tiny_hf), tmp_path / "dst"
     extra: list[str] = []
@@ -372,12 +372,17 @@ def test_refusals_are_one_line_and_write_nothing(case, tiny_hf, tmp_path, capsys
     elif case == "requantize":
         src = str(convert(tiny_hf, tmp_path / "already_q", quantize=True, progress=False))
         extra = ["-q"]
+    elif case == "tokenizer":  # checked before any weight is written (it was copied, and the output did not load)
+        src_dir = tmp_path / "bad_tokenizer"
+        shutil.copytree(tiny_hf, src_dir)
+        (src_dir / "tokenizer.json").write_text("{not json")
+        src = str(src_dir)
     before = sorted(p.name for p in tmp_path.iterdir())
     code = cli_main(["convert", "--hf-path", src, "--mlx-path", str(dst), *extra])
     err = capsys.readouterr().err.strip().splitlines()
     assert code != 0 and len(err) == 1 and err[0].startswith("mlxformer: error: "), err
     expected = {"exists": "already exists", "pickle": "pickle", "gguf_q6k": "IQ2_XXS", "bits7": "--q-bits 7",
-                "group48": "--q-group-size 48", "requantize": "already quantized"}[case]
+                "group48": "--q-group-size 48", "requantize": "already quantized", "tokenizer": "tokenizer.json"}[case]
     assert expected in err[0]
     assert sorted(p.name for p in tmp_path.iterdir()) == before  # no output, no temp dir
     if case == "exists":

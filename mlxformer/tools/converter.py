@@ -129,6 +129,11 @@ class _Job:
 
     def __init__(self, source: Checkpoint, settings: ConvertSettings, adapter: Adapter | None = None):
         self.source, self.settings = source, settings
+        # the tokenizer checked before any tensor is written (a GGUF's: its metadata; a dir's files,
+        # when it has any: a weights-only dir converts its weights)
+        tokenizer_files = source.tokenizer_dir is None or any(
+            (source.tokenizer_dir / n).is_file() for n in ("tokenizer.json", "tokenizer.model", "vocab.json"))
+        self.tokenizer = load_tokenizer(source) if tokenizer_files else None
         self.adapted = {} if adapter is None else adapter.modules  # matrix path -> the update fused into it
         self.args = source.args
         self.source_quant = source.quantization
@@ -208,7 +213,7 @@ class _Job:
     def _calibrate(self) -> dict[str, mx.array]:
         """Activation importance of the float model on the calibration text, computed one
         decoder layer at a time (see ``activation_importance``)."""
-        tokenizer = load_tokenizer(self.source)
+        tokenizer = self.tokenizer if self.tokenizer is not None else load_tokenizer(self.source)
         importance = activation_importance(self.args, self._float32_params, tokenizer.encode(CALIBRATION_TEXT))
         mx.clear_cache()
         return importance
@@ -324,7 +329,8 @@ class _Job:
             config["quantization_config"] = dict(quantization)
         (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
         if self.source.tokenizer_dir is None:
-            load_tokenizer(self.source).save(directory, generation_config=True)
+            assert self.tokenizer is not None
+            self.tokenizer.save(directory, generation_config=True)
         else:
             for name in TOKENIZER_FILES:
                 if (self.source.tokenizer_dir / name).is_file():
