@@ -27,7 +27,8 @@ def loaded_parameter_count(model: nn.Module) -> int:
     return total
 
 
-@pytest.mark.parametrize("model_type, extra", [("llama", {"head_dim": 64}), ("qwen3", {"head_dim": 64, "tie_word_embeddings": False})])
+@pytest.mark.parametrize("model_type, extra", [("llama", {"head_dim": 64}), ("qwen3", {"head_dim": 64, "tie_word_embeddings": False}),
+                                               ("gemma3_text", {"head_dim": 64, "sliding_window": 16})])
 def test_counts_and_kv_bytes_match_loaded_model(tmp_path, cpu_device, model_type, extra):
     from mlxformer.cache import CacheSettings, make_cache
     from mlxformer.generation.stream import prefill

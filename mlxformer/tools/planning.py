@@ -103,27 +103,35 @@ class Footprint:
         return self.plan.compute.size
 
     def kv_bytes(self, tokens: int, bits: int | None = None, group_size: int = KV_GROUP_SIZE) -> int:
-        """Bytes of a filled ``KVCache`` holding ``tokens`` (buffers grow ``KV_STEP`` at a time):
-        float, or ``bits``-quantized in groups of ``group_size`` with scales and biases."""
+        """Bytes of filled caches holding ``tokens`` (a growing layer's buffers grow ``KV_STEP`` at
+        a time, a sliding-window layer's hold its window): float, or ``bits``-quantized in groups
+        of ``group_size`` with scales and biases."""
         capacity = -(-tokens // KV_STEP) * KV_STEP
         a = self.args
         recurrent = sum(a.layer_is_linear(i) for i in range(a.num_hidden_layers))  # fixed-size states
         states = recurrent * state_nbytes(a, 1, self.plan.compute) if tokens else 0
-        return self.kv_bytes_per_token(bits, group_size) * capacity + states
+        return states + sum(self._layer_bytes(i, bits, group_size) * min(capacity, a.layer_window(i) or capacity)
+                            for i in self._attention_layers())
 
     def kv_bytes_per_token(self, bits: int | None = None, group_size: int = KV_GROUP_SIZE) -> int:
         """KV-cache bytes per token over the attention layers (keys and values), in the activation dtype."""
+        return sum(self._layer_bytes(i, bits, group_size) for i in self._attention_layers())
+
+    def _attention_layers(self) -> list[int]:
+        """The layers with keys and values of their own (Gemma 4's last layers read others')."""
+        cached = self.args.num_hidden_layers - self.args.num_kv_shared_layers
+        return [i for i in range(cached) if not self.args.layer_is_linear(i)]
+
+    def _layer_bytes(self, index: int, bits: int | None, group_size: int) -> int:
+        """One token's keys and values in layer ``index``: float, or packed codes plus one scale
+        and one bias per group."""
         element_bytes = self.activation_bytes
 
-        def row_bytes(dims: int) -> int:  # float, or packed codes plus one scale and one bias per group
+        def row_bytes(dims: int) -> int:
             return dims * element_bytes if bits is None else dims * bits // 8 + 2 * (dims // group_size) * element_bytes
 
-        def layer_bytes(index: int) -> int:
-            heads, key_dims, value_dims = self.args.cache_dims(index)  # MLA: one rope key and one latent
-            return heads * (row_bytes(key_dims) + row_bytes(value_dims))
-
-        cached = self.args.num_hidden_layers - self.args.num_kv_shared_layers  # Gemma 4's last layers: none
-        return sum(layer_bytes(i) for i in range(cached) if not self.args.layer_is_linear(i))
+        heads, key_dims, value_dims = self.args.cache_dims(index)  # MLA: one rope key and one latent
+        return heads * (row_bytes(key_dims) + row_bytes(value_dims))
 
 
 def footprint(path_or_repo: str | Path | Checkpoint, device: mx.DeviceType | None = None) -> Footprint:
