@@ -55,3 +55,33 @@ def test_cli_answers_a_plain_prompt(gemma3_path):
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "capital of the country of France" in done.stdout
+
+
+def test_converted_file_keeps_its_scales_and_mlx_lm_answers_as_transformers(gemma3_path, tmp_path):
+    """``convert`` of the file keeps every scale and bias exactly (its float16 ones as float32:
+    Gemma's activations overflow float16; cast to bfloat16 they moved a log-probability by 0.27),
+    so our logits are the file's bit for bit, and mlx-lm on the output continues as transformers."""
+    import mlx_lm
+    from safetensors import safe_open
+
+    from mlxformer import convert, load
+
+    out = convert(gemma3_path, tmp_path / "gemma3", progress=False)
+    with cpu_default_device():
+        source, tokenizer = load(gemma3_path, dtype=mx.float32)
+        converted, _ = load(out, dtype=mx.float32)
+        ids = mx.array([REFERENCE["ids"]])
+        assert mx.array_equal(source(ids), converted(ids))
+        model, _ = mlx_lm.load(str(out))
+        tokens, last = [], mx.array([REFERENCE["ids"]])
+        cache = mlx_lm.models.cache.make_prompt_cache(model)
+        for _ in range(len(REFERENCE["greedy"])):
+            token = int(mx.argmax(model(last, cache=cache)[0, -1]).item())
+            tokens.append(token)
+            last = mx.array([[token]])
+    assert tokens == REFERENCE["greedy"]
+    dtypes = set()
+    for shard in out.glob("*.safetensors"):
+        with safe_open(str(shard), "np") as tensors:
+            dtypes |= {tensors.get_slice(k).get_dtype() for k in tensors.keys() if k.endswith((".scales", ".biases"))}
+    assert dtypes == {"F32"}

@@ -118,7 +118,7 @@ def default_float_dtype(quantize: bool, model_type: str, stored: set[mx.Dtype]) 
     """The output's float dtype by default (None: each tensor keeps the source's): float16 for
     quantized outputs (more precise than bfloat16 for scales), but bfloat16 wherever the output
     would hold float16 for a family whose activations overflow float16 (mlx-lm computes in the
-    weights' dtype: NaN logits)."""
+    weights' dtype: NaN logits); without quantizing, only the float16 tensors (``_Job._out_dtype``)."""
     if float16_safe(model_type):
         return mx.float16 if quantize else None
     return mx.bfloat16 if quantize or mx.float16 in stored else None
@@ -129,11 +129,12 @@ class _Job:
 
     def __init__(self, source: Checkpoint, settings: ConvertSettings, adapter: Adapter | None = None):
         self.source, self.settings = source, settings
-        # the tokenizer checked before any tensor is written (a GGUF's: its metadata; a dir's files,
-        # when it has any: a weights-only dir converts its weights)
-        tokenizer_files = source.tokenizer_dir is None or any(
-            (source.tokenizer_dir / n).is_file() for n in ("tokenizer.json", "tokenizer.model", "vocab.json"))
-        self.tokenizer = load_tokenizer(source) if tokenizer_files else None
+        # the tokenizer checked before any tensor is written, then let go (held, a GGUF's vocabulary
+        # sat beside the shards): a GGUF's from its metadata; a dir's files when it has any (a
+        # weights-only dir converts its weights)
+        if source.tokenizer_dir is None or any(
+                (source.tokenizer_dir / n).is_file() for n in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+            load_tokenizer(source)
         self.adapted = {} if adapter is None else adapter.modules  # matrix path -> the update fused into it
         self.args = source.args
         self.source_quant = source.quantization
@@ -154,7 +155,11 @@ class _Job:
             if self._is_source_quantized(path) and not settings.dequantize:
                 raise MlxformerError("fusing an adapter into a quantized source needs --dequantize (then -q to requantize)")
         stored = {e.dtype for e in self.entries.values()}
-        self.float_dtype = settings.dtype or default_float_dtype(settings.quantize, self.args.model_type, stored)
+        default = default_float_dtype(settings.quantize, self.args.model_type, stored)
+        self.float_dtype = settings.dtype or default
+        # by default, a family that overflows float16 has only its float16 tensors turned bfloat16
+        # (a packed matrix's float16 scales float32): float32 ones stay, every scale stays exact
+        self.float16_only = settings.dtype is None and not settings.quantize and default is not None
         self.specs = self._plan() if settings.quantize else {}
         self.importance: dict[str, mx.array] = {}
         if settings.quantize and settings.recipe is not None and settings.recipe.calibrate:
@@ -213,7 +218,7 @@ class _Job:
     def _calibrate(self) -> dict[str, mx.array]:
         """Activation importance of the float model on the calibration text, computed one
         decoder layer at a time (see ``activation_importance``)."""
-        tokenizer = self.tokenizer if self.tokenizer is not None else load_tokenizer(self.source)
+        tokenizer = load_tokenizer(self.source)
         importance = activation_importance(self.args, self._float32_params, tokenizer.encode(CALIBRATION_TEXT))
         mx.clear_cache()
         return importance
@@ -243,16 +248,16 @@ class _Job:
         """Size of a unit's output tensors, known without evaluating them."""
         e = self.entries
         if unit not in self.modules:
-            return e[unit].size * (self.float_dtype or e[unit].dtype).size
+            return e[unit].size * self._out_dtype(e[unit].dtype).size
         rows, cols = self._matrix_shape(unit)
         spec = self._output_spec(unit)
         if spec is None:
-            dtype = self.float_dtype or (e[f"{unit}.scales"] if self._is_source_quantized(unit)
-                                         else e[f"{unit}.weight"]).dtype
+            dtype = self._out_dtype((e[f"{unit}.scales"] if self._is_source_quantized(unit)
+                                     else e[f"{unit}.weight"]).dtype)
             return rows * cols * dtype.size
         if spec.mode != "affine":  # one uint8 scale per group
             return rows * cols * spec.bits // 8 + rows * (cols // spec.group_size)
-        scale_dtype = self.float_dtype or e.get(f"{unit}.scales", e[f"{unit}.weight"]).dtype
+        scale_dtype = self._scale_dtype(e.get(f"{unit}.scales", e[f"{unit}.weight"]).dtype)
         return rows * cols * spec.bits // 8 + 2 * rows * (cols // spec.group_size) * scale_dtype.size
 
     def produce(self, units: list[str]) -> dict[str, mx.array]:
@@ -266,8 +271,24 @@ class _Job:
         names = mlx_lm_names(self.args, out)  # GPT-2: mlx-lm's names
         return {names.get(name, name): array for name, array in out.items()}
 
+    def _out_dtype(self, stored: mx.Dtype) -> mx.Dtype:
+        """The dtype a float tensor stored in ``stored`` is written in."""
+        if self.float_dtype is None or (self.float16_only and stored != mx.float16):
+            return stored
+        return self.float_dtype
+
+    def _scale_dtype(self, stored: mx.Dtype) -> mx.Dtype:
+        """The dtype a packed matrix's scales and biases stored in ``stored`` are written in:
+        float16 ones of a family that overflows float16 become float32, which holds them exactly."""
+        return mx.float32 if self.float16_only and stored == mx.float16 else self._out_dtype(stored)
+
+    @staticmethod
+    def _as(array: mx.array, dtype: mx.Dtype) -> mx.array:
+        """``array`` in ``dtype`` (itself when it is: a cast to its own dtype copies a lazily read tensor)."""
+        return array if array.dtype == dtype else array.astype(dtype)
+
     def _cast(self, array: mx.array) -> mx.array:
-        return array.astype(self.float_dtype) if self.float_dtype is not None else array
+        return self._as(array, self._out_dtype(array.dtype))
 
     def _matrix_outputs(self, path: str) -> dict[str, mx.array]:
         w = self.weights
@@ -283,10 +304,12 @@ class _Job:
         if spec is not None and spec.mode != "affine":  # packed codes and uint8 scales kept as they are
             return {keys[0]: w[keys[0]], keys[1]: w[keys[1]]}
         if spec is not None:  # packed source kept exactly as it is
-            return {keys[0]: w[keys[0]], keys[1]: self._cast(w[keys[1]]), keys[2]: self._cast(w[keys[2]])}
+            scales, biases = w[keys[1]], w[keys[2]]  # each read once (a lazy source gives a tensor once)
+            return {keys[0]: w[keys[0]], keys[1]: self._as(scales, self._scale_dtype(scales.dtype)),
+                    keys[2]: self._as(biases, self._scale_dtype(biases.dtype))}
         if self._is_source_quantized(path) or path in self.adapted:
             stored = w[keys[1] if self._is_source_quantized(path) else keys[0]].dtype
-            return {keys[0]: self._float_matrix(path).astype(self.float_dtype or stored)}
+            return {keys[0]: self._float_matrix(path).astype(self._out_dtype(stored))}
         return {keys[0]: self._cast(w[keys[0]])}
 
     # ---- config, tokenizer, model card
@@ -329,8 +352,7 @@ class _Job:
             config["quantization_config"] = dict(quantization)
         (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
         if self.source.tokenizer_dir is None:
-            assert self.tokenizer is not None
-            self.tokenizer.save(directory, generation_config=True)
+            load_tokenizer(self.source).save(directory, generation_config=True)
         else:
             for name in TOKENIZER_FILES:
                 if (self.source.tokenizer_dir / name).is_file():
