@@ -276,6 +276,24 @@ def test_pull_fetches_only_the_named_quant_from_a_mirror(sources, tmp_path):
     assert set(rows) == {ST_REPO, f"{GGUF_REPO}:Q4_0"} and all(r["loadable"] for r in rows.values())
 
 
+def test_a_pulled_repo_that_does_not_load_says_so_and_can_be_removed(sources, tmp_path):
+    """A repo with pickled weights only: ``pull`` fetches what it may (never the pickle) and fails
+    saying why (it exited 0), ``list`` shows it, and ``rm`` removes it (neither could see it)."""
+    pickled = tmp_path / "pytorch_model.bin"
+    pickled.write_bytes(b"\x80\x04not read")
+    files = {"config.json": sources[0][ST_REPO]["config.json"], "pytorch_model.bin": pickled}
+    mirror = Mirror({"acme/pickle-only": files})
+    cache = tmp_path / "cache"
+    with serve_mirror(mirror) as endpoint:
+        done = cli(cache, "pull", "acme/pickle-only", HF_ENDPOINT=endpoint, HF_HUB_OFFLINE="0")
+    assert done.returncode == 1 and done.stderr.count("\n") == 1, done.stderr
+    assert "acme/pickle-only does not load" in done.stderr and "pickle" in done.stderr
+    row = listing(cache)["acme/pickle-only"]
+    assert not row["loadable"] and row["format"] == "?"
+    assert cli(cache, "rm", "acme/pickle-only", "--yes").returncode == 0
+    assert listing(cache) == {}
+
+
 def test_ollama_client_pulls_and_deletes_through_the_server(sources, tmp_path):
     """The official ``ollama`` client's ``pull`` (streamed progress) and ``delete`` against
     ``mlxformer serve`` (a subprocess whose hub endpoint is the local mirror)."""

@@ -26,7 +26,12 @@ def run(args: argparse.Namespace) -> int:
     from mlxformer.errors import MlxformerError
     from mlxformer.formats.hub import fetch, is_repo_ref
 
+    from mlxformer.formats.hub_cache import load_problem
+
     if not is_repo_ref(args.model):
         raise MlxformerError(f"{args.model!r} is not a hub repo id (OWNER/NAME[:QUANT])")
-    print(fetch(args.model))
+    path = fetch(args.model)
+    if (problem := load_problem(path)) is not None:  # e.g. pickled weights only: fetched, never loadable
+        raise MlxformerError(f"{args.model} does not load: {problem} ('mlxformer rm {args.model}' removes it)")
+    print(path)
     return 0

@@ -86,15 +86,18 @@ def cached_models(check: bool = True) -> list[CachedModel]:
             continue
         snapshot = Path(revision.snapshot_path)
         files = {str(Path(f.file_path).relative_to(snapshot)): f.size_on_disk for f in revision.files}
-        for model in gguf_models(files):
+        ggufs = gguf_models(files)
+        for model in ggufs:
             path = snapshot / model.name
             out.append(CachedModel(_gguf_name(repo.repo_id, model), repo.repo_id, "gguf", model.quant or "?",
                                    model.size, path, tuple(snapshot / f for f in model.files),
                                    load_problem(path) if check else None))
-        if any(fnmatch.fnmatch(name.rsplit("/", 1)[-1], WEIGHT_GLOB) for name in files):
+        weights = any(fnmatch.fnmatch(name.rsplit("/", 1)[-1], WEIGHT_GLOB) for name in files)
+        if weights or not ggufs:  # a repo without weights it can load is listed too (why not, and rm finds it)
             size = sum(s for name, s in files.items() if not name.lower().endswith(".gguf"))
-            out.append(CachedModel(repo.repo_id, repo.repo_id, "safetensors", safetensors_quant(snapshot), size,
-                                   snapshot, (), load_problem(snapshot) if check else None))
+            out.append(CachedModel(repo.repo_id, repo.repo_id, "safetensors" if weights else "?",
+                                   safetensors_quant(snapshot), size, snapshot, (),
+                                   load_problem(snapshot) if check else None))
     return sorted(out, key=lambda m: m.name)
 
 
