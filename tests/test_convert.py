@@ -399,3 +399,36 @@ def test_failure_mid_conversion_leaves_nothing(tiny_hf, tmp_path, monkeypatch):
     with pytest.raises(OSError):
         convert(tiny_hf, tmp_path / "dst", progress=False)
     assert list(tmp_path.iterdir()) == []
+
+
+TERMINATED_SCRIPT = textwrap.dedent("""
+    import sys, time
+    from pathlib import Path
+    import mlxformer.tools.converter as converter
+    from mlxformer.cli import main
+
+    def stalled(staging, *args, **kwargs):  # a long write: the staging dir holds a shard
+        (Path(staging) / "model-00001-of-00002.safetensors").write_bytes(b"partial")
+        print("writing", flush=True)
+        time.sleep(60)
+
+    converter.write_shards = stalled
+    sys.exit(main(["convert", "--hf-path", sys.argv[1], "--mlx-path", sys.argv[2]]))
+""")
+
+
+def test_sigterm_mid_conversion_leaves_nothing(tiny_hf, tmp_path):
+    """``kill`` (SIGTERM) while the shards are written removes the staging dir, as Ctrl-C does
+    (it was left behind, holding the finished shards)."""
+    import signal
+
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-c", TERMINATED_SCRIPT, str(tiny_hf), str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "writing"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 130
+    finally:
+        proc.kill()
+    assert list(tmp_path.iterdir()) == []

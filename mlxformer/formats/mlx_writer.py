@@ -12,9 +12,11 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import tempfile
+import threading
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import mlx.core as mx
 from tqdm import tqdm
@@ -133,12 +135,32 @@ def staged_output(destination: Path, source: Path, force: bool) -> Iterator[Path
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(staging, 0o777 & ~umask)  # mkdtemp makes it private; the result should not be
+    with _terminated_as_interrupt():
+        try:
+            yield staging
+            _swap_into_place(staging, destination)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+
+
+@contextlib.contextmanager
+def _terminated_as_interrupt() -> Iterator[None]:
+    """SIGTERM (``kill``, a service manager) raises ``KeyboardInterrupt`` meanwhile, as Ctrl-C
+    does, so the staging dir is removed (by default SIGTERM ends the process where it is); in
+    the main thread only, where Python runs signal handlers."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
     try:
-        yield staging
-        _swap_into_place(staging, destination)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _swap_into_place(staging: Path, destination: Path) -> None:
