@@ -25,7 +25,6 @@ def run(args: argparse.Namespace) -> int:
     """Handler of ``mlxformer pull``."""
     from mlxformer.errors import MlxformerError
     from mlxformer.formats.hub import fetch, is_repo_ref
-
     from mlxformer.formats.hub_cache import load_problem
 
     if not is_repo_ref(args.model):

@@ -311,8 +311,8 @@ class MemoryPlanner:
     def admissible(self, scheduler: Scheduler, sequence: RequestState) -> bool:
         """Whether ``sequence`` fits beside the active ones (the prefix cache can be evicted) with
         headroom: its row added to the pool and brought to its prompt's length (and the rows not
-        quantized yet at their longest as float rows, ``KVSizer.ends``), and the pool's next growth (every row one buffer block wider) when some row will reach it.
-        Without that headroom a sequence admitted into the last free bytes is preempted at its
+        quantized yet at their longest as float rows, ``KVSizer.ends``), and the pool's next
+        growth (every row one buffer block wider) when some row will reach it. Without that headroom a sequence admitted into the last free bytes is preempted at its
         next block and re-admitted as soon as one frees (measured: 34 preemptions over 16
         requests, 0.15x the unbudgeted throughput; counted as quantized, a prompt crossing
         ``quantized_kv_start`` was preempted before its first chunk at every step)."""
