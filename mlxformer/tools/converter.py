@@ -284,7 +284,7 @@ class _Job:
 
     @staticmethod
     def _as(array: mx.array, dtype: mx.Dtype) -> mx.array:
-        """``array`` in ``dtype`` (itself when it is: a cast to its own dtype copies a lazily read tensor)."""
+        """``array`` in ``dtype`` (itself, uncast, when it is in it already)."""
         return array if array.dtype == dtype else array.astype(dtype)
 
     def _cast(self, array: mx.array) -> mx.array:
