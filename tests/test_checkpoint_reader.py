@@ -163,7 +163,7 @@ def test_rope_freqs_of_the_wrong_length_are_refused(tmp_path, monkeypatch, lengt
 
 
 @pytest.mark.parametrize("changes, complaint", [
-    ({"rms_norm_eps": "tiny"}, "wrong type"),
+    ({"rms_norm_eps": "tiny"}, "rms_norm_eps must be a positive number"),
     ({"hidden_size": "64"}, "hidden_size is not a positive integer"),
     ({"quantization": {"group_size": 64, "bits": "4"}}, "group_size/bits are not positive integers"),
     ({"quantization": {"group_size": 64, "bits": 4, "model.layers.0.mlp.up_proj": 4}}, "'model.layers.0.mlp.up_proj'"),
