@@ -132,7 +132,7 @@ def test_rows_crossing_quantized_kv_start_are_admitted_without_thrashing(tiny):
     ``start`` (a float row costs twice a quantized one), and one whose float chunk passed it is
     float until its next step: admission counts both. Counted as quantized, a newcomer was
     admitted into room it did not have and preempted before its first chunk, step after step
-    (23 preemptions, none after a prompt chunk). Each reply equals the request alone."""
+    (12 preemptions here). Each reply equals the request alone."""
     model, tokenizer = tiny
     settings = CacheSettings(kv_bits=8, kv_group_size=32, quantized_kv_start=40)
     lengths = [43, 57, 61, 70, 77, 86, 92, 100, 109, 118]

@@ -321,10 +321,10 @@ class MemoryPlanner:
             return True
         current = sum(nbytes(s) for s in active)
         rows = [len(s.tokens) + 1 for s in active] + [len(sequence.tokens)]
-        # the rows not quantized yet at their longest float length (``ends``), beside the others
-        floats = [n if stored_quantized(s) else max(s.cache_offset, self.sizer.ends(n)[0])
-                  for s, n in zip([*active, sequence], rows)]
         stored = [stored_quantized(s) for s in active] + [False]
+        # the rows not quantized yet at their longest float length (``ends``), beside the others
+        floats = [n if quantized else max(s.cache_offset, self.sizer.ends(n)[0])
+                  for s, n, quantized in zip([*active, sequence], rows, stored)]
         seated = self.sizer.after([s.cache_offset for s in active] + [0], current, stored)  # once it has its row
         need = max(self.sizer.after(rows, seated), self.sizer.after(floats, seated, stored))
         grown = math.ceil(max(rows) / BLOCK) * BLOCK + 1  # tokens at which every row's buffer gains a block
